@@ -1,0 +1,1 @@
+//! Placeholder crate; filled by later work.

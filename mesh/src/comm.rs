@@ -1,0 +1,450 @@
+//! The [`Communicator`] trait: one process group and its collectives.
+
+use std::fmt;
+use std::sync::mpsc;
+
+use crate::stats::CommStats;
+use crate::{Buf, BufMut, Buffer, DType, Element, Error, Result};
+
+/// How a reduction combines values from every rank.
+///
+/// PyTorch: `torch.distributed.ReduceOp`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum ReduceOp {
+    /// Sum.
+    Sum,
+    /// Arithmetic mean (sum divided by the number of ranks). Floats only.
+    Avg,
+    /// Element-wise maximum.
+    Max,
+    /// Element-wise minimum.
+    Min,
+    /// Product.
+    Product,
+}
+
+impl ReduceOp {
+    /// Every reduction, for tests.
+    pub const ALL: [ReduceOp; 5] = [
+        ReduceOp::Sum,
+        ReduceOp::Avg,
+        ReduceOp::Max,
+        ReduceOp::Min,
+        ReduceOp::Product,
+    ];
+
+    /// Checks that the reduction is defined for `dtype` (`op` names the caller in errors).
+    pub fn check(self, op: &'static str, dtype: DType) -> Result<()> {
+        let hint = match (self, dtype) {
+            (_, DType::U8) => "; raw bytes can be gathered or exchanged but not reduced",
+            (ReduceOp::Avg, DType::I64) => "; reduce with Sum and divide explicitly",
+            _ => return Ok(()),
+        };
+        Err(Error::UnsupportedReduction {
+            op,
+            reduce: self,
+            dtype,
+            hint,
+        })
+    }
+}
+
+impl fmt::Display for ReduceOp {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            ReduceOp::Sum => "sum",
+            ReduceOp::Avg => "avg",
+            ReduceOp::Max => "max",
+            ReduceOp::Min => "min",
+            ReduceOp::Product => "product",
+        })
+    }
+}
+
+/// A handle on an asynchronous collective; [`wait`](Work::wait) returns its output.
+///
+/// Asynchronous collectives run in issue order per communicator. A blocking
+/// collective issued after them waits for them first.
+#[must_use = "an asynchronous collective must be waited on"]
+pub struct Work {
+    state: WorkState,
+}
+
+enum WorkState {
+    Ready(Result<Buffer>),
+    Pending {
+        rank: usize,
+        rx: mpsc::Receiver<Result<Buffer>>,
+    },
+}
+
+impl Work {
+    /// A handle whose result is already known (what a blocking backend returns).
+    pub fn ready(result: Result<Buffer>) -> Work {
+        Work {
+            state: WorkState::Ready(result),
+        }
+    }
+
+    /// A handle on a result that `rank`'s communication thread will send.
+    pub fn pending(rank: usize, rx: mpsc::Receiver<Result<Buffer>>) -> Work {
+        Work {
+            state: WorkState::Pending { rank, rx },
+        }
+    }
+
+    /// Whether the collective has finished (`wait` will not block).
+    pub fn is_done(&mut self) -> bool {
+        match &mut self.state {
+            WorkState::Ready(_) => true,
+            WorkState::Pending { rank, rx } => match rx.try_recv() {
+                Ok(r) => {
+                    self.state = WorkState::Ready(r);
+                    true
+                }
+                Err(mpsc::TryRecvError::Empty) => false,
+                Err(mpsc::TryRecvError::Disconnected) => {
+                    self.state = WorkState::Ready(Err(disconnected(*rank)));
+                    true
+                }
+            },
+        }
+    }
+
+    /// Blocks until the collective finishes and returns its output buffer.
+    ///
+    /// # Errors
+    /// Whatever the collective failed with (a peer failure, a timeout, a mismatch).
+    pub fn wait(self) -> Result<Buffer> {
+        match self.state {
+            WorkState::Ready(r) => r,
+            WorkState::Pending { rank, rx } => rx.recv().unwrap_or_else(|_| Err(disconnected(rank))),
+        }
+    }
+
+    /// Like [`wait`](Work::wait), then unwraps the output as a typed vector.
+    ///
+    /// # Errors
+    /// As `wait`, or [`Error::Backend`] if the output has another dtype.
+    pub fn wait_vec<T: Element>(self) -> Result<Vec<T>> {
+        self.wait()?.into_vec::<T>().map_err(|b| Error::Backend {
+            rank: usize::MAX,
+            reason: format!("asynchronous output is {}, not {}", b.dtype(), T::DTYPE),
+        })
+    }
+}
+
+fn disconnected(rank: usize) -> Error {
+    Error::Backend {
+        rank,
+        reason: "the communication thread exited before finishing the collective".into(),
+    }
+}
+
+impl fmt::Debug for Work {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let state = match &self.state {
+            WorkState::Ready(Ok(_)) => "done",
+            WorkState::Ready(Err(_)) => "failed",
+            WorkState::Pending { .. } => "pending",
+        };
+        f.debug_struct("Work").field("state", &state).finish()
+    }
+}
+
+/// One process group: this rank's view of a set of ranks and their collectives.
+///
+/// Only seven methods are required ([`rank`](Self::rank), [`size`](Self::size),
+/// [`all_gather`](Self::all_gather), [`reduce_scatter`](Self::reduce_scatter),
+/// [`broadcast`](Self::broadcast), [`barrier`](Self::barrier), [`split`](Self::split))
+/// plus [`stats`](Self::stats) for accounting; everything else has a provided
+/// default written in terms of them, which a backend overrides when it has a
+/// faster native call. The trait is object safe: meshes hold `Box<dyn Communicator>`.
+///
+/// Buffer conventions (all collectives, as in MPI and NCCL): with `n` ranks,
+/// `all_gather` sends `c` elements and receives `n·c` (rank `i`'s block at `i·c`);
+/// `reduce_scatter` sends `n·c` and receives the reduction of block `rank`;
+/// `all_to_all` sends and receives `n·c`, block `j` of the input going to rank `j`.
+/// Every rank must call the same collectives in the same order with matching
+/// lengths and dtypes; backends report a mismatch as [`Error::Mismatch`] rather
+/// than hang where they can detect it.
+///
+/// Communicators are `Send` but not `Sync`: one thread drives a communicator.
+///
+/// PyTorch: `torch.distributed.ProcessGroup`.
+pub trait Communicator: Send {
+    /// This rank's index in the group, `0..size`.
+    fn rank(&self) -> usize;
+
+    /// Number of ranks in the group.
+    fn size(&self) -> usize;
+
+    /// Gathers every rank's `send` into `recv`, in rank order.
+    ///
+    /// # Errors
+    /// Length or dtype mismatches, peer failures, timeouts.
+    fn all_gather(&self, send: Buf<'_>, recv: BufMut<'_>) -> Result<()>;
+
+    /// Reduces `send` element-wise across ranks and gives this rank block `rank`.
+    ///
+    /// # Errors
+    /// Length or dtype mismatches, a reduction not defined for the dtype, peer failures.
+    fn reduce_scatter(&self, send: Buf<'_>, recv: BufMut<'_>, op: ReduceOp) -> Result<()>;
+
+    /// Copies `root`'s `buf` into every other rank's `buf`.
+    ///
+    /// # Errors
+    /// Length mismatches, an out-of-range root, peer failures.
+    fn broadcast(&self, buf: BufMut<'_>, root: usize) -> Result<()>;
+
+    /// Returns once every rank has entered the barrier.
+    ///
+    /// # Errors
+    /// Peer failures, timeouts.
+    fn barrier(&self) -> Result<()>;
+
+    /// Splits the group: ranks passing the same `color` form a new group,
+    /// ordered by `(key, rank)`. Every rank must call it.
+    ///
+    /// PyTorch: `torch.distributed.split_group`; MPI: `MPI_Comm_split`.
+    ///
+    /// # Errors
+    /// Peer failures, timeouts.
+    fn split(&self, color: u32, key: u32) -> Result<Box<dyn Communicator>>;
+
+    /// Counters of the collectives this rank has issued (shared by every
+    /// communicator of the rank, sub-groups included).
+    fn stats(&self) -> &CommStats;
+
+    /// A short name of the backend (`"threads"`, `"mpi"`, ...).
+    fn backend(&self) -> &'static str {
+        "unknown"
+    }
+
+    /// Reduces `buf` element-wise across ranks, in place.
+    ///
+    /// Default: a padded `reduce_scatter` followed by an `all_gather`.
+    ///
+    /// # Errors
+    /// Length mismatches, a reduction not defined for the dtype, peer failures.
+    fn all_reduce(&self, mut buf: BufMut<'_>, op: ReduceOp) -> Result<()> {
+        op.check("all_reduce", buf.dtype())?;
+        let n = self.size();
+        let len = buf.len();
+        let chunk = len.div_ceil(n);
+        let mut padded = Buffer::zeros(buf.dtype(), chunk * n);
+        copy_prefix(buf.as_buf(), padded.as_buf_mut());
+        let mut mine = Buffer::zeros(buf.dtype(), chunk);
+        self.reduce_scatter(padded.as_buf(), mine.as_buf_mut(), op)?;
+        self.all_gather(mine.as_buf(), padded.as_buf_mut())?;
+        copy_prefix(padded.as_buf(), buf.reborrow());
+        Ok(())
+    }
+
+    /// Sends block `j` of `send` to rank `j` and receives block `i` of rank `i`'s
+    /// `send` into block `i` of `recv`.
+    ///
+    /// Default: an `all_gather` of everything (moves `n` times more than needed;
+    /// backends override it).
+    ///
+    /// # Errors
+    /// Length or dtype mismatches (the length must be a multiple of `size`), peer failures.
+    fn all_to_all(&self, send: Buf<'_>, mut recv: BufMut<'_>) -> Result<()> {
+        let n = self.size();
+        check_all_to_all(self.rank(), n, &send, &recv)?;
+        let block = send.len() / n;
+        let mut all = Buffer::zeros(send.dtype(), send.len() * n);
+        self.all_gather(send, all.as_buf_mut())?;
+        let me = self.rank();
+        crate::dispatch_buf!(Buffer, &all, src, T => {
+            let dst: &mut [T] = typed_mut(&mut recv)?;
+            for j in 0..n {
+                let from = j * n * block + me * block;
+                dst[j * block..(j + 1) * block].copy_from_slice(&src[from..from + block]);
+            }
+        });
+        Ok(())
+    }
+
+    /// Asynchronous [`all_gather`](Self::all_gather): returns the gathered buffer.
+    ///
+    /// Default: runs the blocking form and returns a finished handle.
+    fn all_gather_async(&self, send: Buffer) -> Work {
+        let mut recv = Buffer::zeros(send.dtype(), send.len() * self.size());
+        Work::ready(self.all_gather(send.as_buf(), recv.as_buf_mut()).map(|_| recv))
+    }
+
+    /// Asynchronous [`reduce_scatter`](Self::reduce_scatter): returns this rank's block.
+    ///
+    /// Default: runs the blocking form and returns a finished handle.
+    fn reduce_scatter_async(&self, send: Buffer, op: ReduceOp) -> Work {
+        let mut recv = Buffer::zeros(send.dtype(), send.len() / self.size().max(1));
+        Work::ready(
+            self.reduce_scatter(send.as_buf(), recv.as_buf_mut(), op)
+                .map(|_| recv),
+        )
+    }
+
+    /// Asynchronous in-place [`all_reduce`](Self::all_reduce): returns the reduced buffer.
+    ///
+    /// Default: runs the blocking form and returns a finished handle.
+    fn all_reduce_async(&self, mut buf: Buffer, op: ReduceOp) -> Work {
+        Work::ready(self.all_reduce(buf.as_buf_mut(), op).map(|_| buf))
+    }
+
+    /// Asynchronous [`all_to_all`](Self::all_to_all).
+    ///
+    /// Default: runs the blocking form and returns a finished handle.
+    fn all_to_all_async(&self, send: Buffer) -> Work {
+        let mut recv = Buffer::zeros(send.dtype(), send.len());
+        Work::ready(self.all_to_all(send.as_buf(), recv.as_buf_mut()).map(|_| recv))
+    }
+
+    /// Asynchronous [`broadcast`](Self::broadcast): returns root's buffer.
+    ///
+    /// Default: runs the blocking form and returns a finished handle.
+    fn broadcast_async(&self, mut buf: Buffer, root: usize) -> Work {
+        Work::ready(self.broadcast(buf.as_buf_mut(), root).map(|_| buf))
+    }
+}
+
+/// Typed conveniences over any [`Communicator`] (blanket-implemented).
+pub trait CommunicatorExt: Communicator {
+    /// `all_gather` of typed slices.
+    ///
+    /// # Errors
+    /// As [`Communicator::all_gather`].
+    fn all_gather_slice<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
+        self.all_gather(T::buf(send), T::buf_mut(recv))
+    }
+
+    /// `all_gather` returning a new vector of `size · send.len()` elements.
+    ///
+    /// # Errors
+    /// As [`Communicator::all_gather`].
+    fn all_gather_vec<T: Element>(&self, send: &[T]) -> Result<Vec<T>> {
+        let mut recv = vec![T::default(); send.len() * self.size()];
+        self.all_gather(T::buf(send), T::buf_mut(&mut recv))?;
+        Ok(recv)
+    }
+
+    /// `reduce_scatter` of typed slices.
+    ///
+    /// # Errors
+    /// As [`Communicator::reduce_scatter`].
+    fn reduce_scatter_slice<T: Element>(&self, send: &[T], recv: &mut [T], op: ReduceOp) -> Result<()> {
+        self.reduce_scatter(T::buf(send), T::buf_mut(recv), op)
+    }
+
+    /// In-place `all_reduce` of a typed slice.
+    ///
+    /// # Errors
+    /// As [`Communicator::all_reduce`].
+    fn all_reduce_slice<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
+        self.all_reduce(T::buf_mut(buf), op)
+    }
+
+    /// `broadcast` of a typed slice.
+    ///
+    /// # Errors
+    /// As [`Communicator::broadcast`].
+    fn broadcast_slice<T: Element>(&self, buf: &mut [T], root: usize) -> Result<()> {
+        self.broadcast(T::buf_mut(buf), root)
+    }
+
+    /// `all_to_all` of typed slices.
+    ///
+    /// # Errors
+    /// As [`Communicator::all_to_all`].
+    fn all_to_all_slice<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
+        self.all_to_all(T::buf(send), T::buf_mut(recv))
+    }
+}
+
+impl<C: Communicator + ?Sized> CommunicatorExt for C {}
+
+/// Copies `min(src.len(), dst.len())` leading elements; dtypes must match.
+fn copy_prefix(src: Buf<'_>, mut dst: BufMut<'_>) {
+    crate::dispatch_buf!(Buf, src, s, T => {
+        if let Ok(d) = typed_mut::<T>(&mut dst) {
+            let k = s.len().min(d.len());
+            d[..k].copy_from_slice(&s[..k]);
+        }
+    })
+}
+
+/// Views an output buffer as `&mut [T]`, or fails if its dtype is not `T`.
+pub(crate) fn typed_mut<'a, T: Element>(b: &'a mut BufMut<'_>) -> Result<&'a mut [T]> {
+    let dtype = b.dtype();
+    let bytes: &mut [u8] = crate::dispatch_buf!(BufMut, b, s, _T => bytemuck::cast_slice_mut(&mut s[..]));
+    if dtype != T::DTYPE {
+        return Err(Error::DTypeMismatch {
+            op: "buffer",
+            send: T::DTYPE,
+            recv: dtype,
+        });
+    }
+    Ok(bytemuck::cast_slice_mut(bytes))
+}
+
+/// Views an input buffer as `&[T]`, or fails if its dtype is not `T`.
+pub(crate) fn typed<'a, T: Element>(b: &Buf<'a>) -> Result<&'a [T]> {
+    let dtype = b.dtype();
+    let bytes: &'a [u8] = crate::dispatch_buf!(Buf, *b, s, _T => bytemuck::cast_slice(s));
+    if dtype != T::DTYPE {
+        return Err(Error::DTypeMismatch {
+            op: "buffer",
+            send: dtype,
+            recv: T::DTYPE,
+        });
+    }
+    Ok(bytemuck::cast_slice(bytes))
+}
+
+/// Local argument checks shared by backends' `all_to_all`.
+pub(crate) fn check_all_to_all(rank: usize, n: usize, send: &Buf<'_>, recv: &BufMut<'_>) -> Result<()> {
+    if send.dtype() != recv.dtype() {
+        return Err(Error::DTypeMismatch {
+            op: "all_to_all",
+            send: send.dtype(),
+            recv: recv.dtype(),
+        });
+    }
+    if send.len() % n != 0 {
+        return Err(Error::BadLength {
+            op: "all_to_all",
+            rank,
+            what: "send buffer",
+            expected: send.len().div_ceil(n) * n,
+            got: send.len(),
+        });
+    }
+    if recv.len() != send.len() {
+        return Err(Error::BadLength {
+            op: "all_to_all",
+            rank,
+            what: "receive buffer",
+            expected: send.len(),
+            got: recv.len(),
+        });
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn _object_safe(_: &dyn Communicator) {}
+
+    #[test]
+    fn reduce_op_checks() {
+        assert!(ReduceOp::Avg.check("x", DType::I64).is_err());
+        assert!(ReduceOp::Sum.check("x", DType::I64).is_ok());
+        assert!(ReduceOp::Sum.check("x", DType::U8).is_err());
+        assert!(ReduceOp::Avg.check("x", DType::BF16).is_ok());
+        let msg = ReduceOp::Avg.check("all_reduce", DType::I64).unwrap_err().to_string();
+        assert!(msg.contains("avg") && msg.contains("i64") && msg.contains("Sum"), "{msg}");
+    }
+}

@@ -1,0 +1,123 @@
+//! The error type of `tessera-mesh`.
+
+use std::time::Duration;
+
+use crate::DType;
+
+/// Errors from communicators, launchers and meshes.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// Another rank failed (returned an error, panicked, timed out or exited early),
+    /// and the group is poisoned: every later collective fails the same way.
+    #[error("rank {rank} failed: {reason}")]
+    PeerFailed {
+        /// World rank that failed first.
+        rank: usize,
+        /// What happened to it.
+        reason: String,
+    },
+
+    /// Ranks entered different collectives, or the same one with incompatible
+    /// arguments. The message describes both sides.
+    #[error("collective mismatch: {detail}")]
+    Mismatch {
+        /// Both sides of the disagreement.
+        detail: String,
+    },
+
+    /// A buffer has the wrong number of elements for the collective.
+    #[error("{op} on rank {rank}: {what} holds {got} elements, expected {expected}")]
+    BadLength {
+        /// The collective.
+        op: &'static str,
+        /// This rank (in the communicator).
+        rank: usize,
+        /// Which buffer.
+        what: &'static str,
+        /// Elements expected.
+        expected: usize,
+        /// Elements given.
+        got: usize,
+    },
+
+    /// Input and output buffers of one call have different dtypes.
+    #[error("{op}: send buffer is {send} but receive buffer is {recv}; both must have the same dtype")]
+    DTypeMismatch {
+        /// The collective.
+        op: &'static str,
+        /// Dtype of the send buffer.
+        send: DType,
+        /// Dtype of the receive buffer.
+        recv: DType,
+    },
+
+    /// The reduction is not defined for the dtype.
+    #[error("{op}: reduction {reduce} is not defined for {dtype}{hint}")]
+    UnsupportedReduction {
+        /// The collective.
+        op: &'static str,
+        /// The reduction asked for.
+        reduce: crate::ReduceOp,
+        /// The buffer's dtype.
+        dtype: DType,
+        /// What to do instead.
+        hint: &'static str,
+    },
+
+    /// A root or peer rank outside the communicator.
+    #[error("{op}: rank {rank} is out of range for a communicator of size {size}")]
+    InvalidRank {
+        /// The operation.
+        op: &'static str,
+        /// The offending rank.
+        rank: usize,
+        /// Communicator size.
+        size: usize,
+    },
+
+    /// A rank's closure failed (returned an error or panicked); reported by `launch`.
+    #[error("rank {rank} failed: {source}")]
+    RankFailed {
+        /// World rank that failed first.
+        rank: usize,
+        /// Its error.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+
+    /// This rank waited too long for peers that never arrived.
+    #[error(
+        "timed out after {after:?} in {op} (collective #{seq} of this group): rank(s) {missing:?} never arrived; raise the timeout (TESSERA_TIMEOUT_S) if they are only slow"
+    )]
+    Timeout {
+        /// The collective.
+        op: &'static str,
+        /// Sequence number of the collective in its group.
+        seq: u64,
+        /// World ranks that had not arrived.
+        missing: Vec<usize>,
+        /// How long this rank waited.
+        after: Duration,
+    },
+
+    /// A mesh that cannot be built or sliced as asked.
+    #[error("invalid mesh: {0}")]
+    Mesh(String),
+
+    /// Bad launch arguments or a backend that could not start.
+    #[error("launch: {0}")]
+    Launch(String),
+
+    /// The backend's communication thread went away.
+    #[error("communication thread of rank {rank} stopped: {reason}")]
+    Backend {
+        /// Rank in the communicator.
+        rank: usize,
+        /// What happened.
+        reason: String,
+    },
+}
+
+/// `Result` with [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;
