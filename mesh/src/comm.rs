@@ -388,20 +388,6 @@ pub(crate) fn typed_mut<'a, T: Element>(b: &'a mut BufMut<'_>) -> Result<&'a mut
     Ok(bytemuck::cast_slice_mut(bytes))
 }
 
-/// Views an input buffer as `&[T]`, or fails if its dtype is not `T`.
-pub(crate) fn typed<'a, T: Element>(b: &Buf<'a>) -> Result<&'a [T]> {
-    let dtype = b.dtype();
-    let bytes: &'a [u8] = crate::dispatch_buf!(Buf, *b, s, _T => bytemuck::cast_slice(s));
-    if dtype != T::DTYPE {
-        return Err(Error::DTypeMismatch {
-            op: "buffer",
-            send: dtype,
-            recv: T::DTYPE,
-        });
-    }
-    Ok(bytemuck::cast_slice(bytes))
-}
-
 /// Local argument checks shared by backends' `all_to_all`.
 pub(crate) fn check_all_to_all(rank: usize, n: usize, send: &Buf<'_>, recv: &BufMut<'_>) -> Result<()> {
     if send.dtype() != recv.dtype() {

@@ -35,6 +35,24 @@ pub fn current_rank() -> Option<RankId> {
     CURRENT.with(|c| c.get())
 }
 
+/// Runs `f` with the current thread tagged as working for `id`, then restores the
+/// previous tag (also when `f` panics).
+///
+/// Launchers tag their rank threads themselves; this is for tests and for helper
+/// threads that work on behalf of a rank (so that, for example, the tensors they
+/// allocate are charged to that rank by the memory tracker).
+///
+/// ```
+/// use tessera_mesh::context::{RankId, current_rank, scoped};
+///
+/// let id = RankId { job: 7, rank: 1 };
+/// assert_eq!(scoped(id, current_rank), Some(id));
+/// ```
+pub fn scoped<R>(id: RankId, f: impl FnOnce() -> R) -> R {
+    let _guard = enter(id);
+    f()
+}
+
 /// Tags the current thread as working for `id` until the guard drops.
 pub(crate) fn enter(id: RankId) -> RankGuard {
     let prev = CURRENT.with(|c| c.replace(Some(id)));

@@ -26,15 +26,15 @@
 
 mod comm;
 pub mod context;
-// mod device_mesh;
+mod device_mesh;
 mod dtype;
 mod error;
 pub mod stats;
-// pub mod threads;
+pub mod threads;
 
 pub use comm::{Communicator, CommunicatorExt, ReduceOp, Work};
-// pub use device_mesh::DeviceMesh;
+pub use device_mesh::{DeviceMesh, DimRef};
 pub use dtype::{Buf, BufMut, Buffer, DType, Element};
 pub use error::{Error, Result};
 pub use stats::{CommCounts, CommStats, OpKind};
-// pub use threads::{LaunchOptions, RankCtx, launch, launch_with};
+pub use threads::{BoxError, LaunchOptions, RankCtx, launch, launch_with};

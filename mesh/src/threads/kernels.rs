@@ -1,0 +1,273 @@
+//! The collectives of the threads backend, over shared memory.
+//!
+//! Protocol: every rank publishes a descriptor naming its buffers ([`Group::enter`],
+//! which also checks that the calls agree), then reads its peers' published inputs
+//! and writes only its own output, then waits at a barrier point before returning,
+//! so no peer still reads a buffer its owner is about to release.
+//!
+//! Each rank's own output is written through a raw pointer taken once from its
+//! `&mut` buffer, and peers only ever read through raw pointers they were given
+//! (regions nobody writes during that phase), so no two accesses race.
+
+use half::{bf16, f16};
+
+use super::group::{Desc, Group};
+use crate::{Buf, BufMut, Element, OpKind, ReduceOp, Result};
+
+/// Elements reduced per block: a block of every peer's input and the accumulator
+/// stay in L1/L2 while they are combined.
+const BLOCK: usize = 2048;
+
+/// How an element type is reduced: accumulate in `Acc` (f32 for 16-bit floats,
+/// so a sum over ranks rounds once), then convert back.
+pub(crate) trait Reduce: Element {
+    type Acc: Copy + Default;
+    fn to_acc(self) -> Self::Acc;
+    fn from_acc(a: Self::Acc) -> Self;
+    /// `acc[i] = op(acc[i], x[i])`.
+    fn combine(op: ReduceOp, acc: &mut [Self::Acc], x: &[Self]);
+    /// `acc[i] /= n` (Avg; only called for floats).
+    fn divide(acc: &mut [Self::Acc], n: usize);
+}
+
+macro_rules! reduce_float {
+    ($t:ty, $acc:ty, $to:expr, $from:expr) => {
+        impl Reduce for $t {
+            type Acc = $acc;
+            #[inline]
+            fn to_acc(self) -> $acc {
+                $to(self)
+            }
+            #[inline]
+            fn from_acc(a: $acc) -> $t {
+                $from(a)
+            }
+            fn combine(op: ReduceOp, acc: &mut [$acc], x: &[$t]) {
+                let it = acc.iter_mut().zip(x.iter().map(|&v| $to(v)));
+                match op {
+                    ReduceOp::Sum | ReduceOp::Avg => it.for_each(|(a, v)| *a += v),
+                    ReduceOp::Max => it.for_each(|(a, v)| *a = if v > *a || v.is_nan() { v } else { *a }),
+                    ReduceOp::Min => it.for_each(|(a, v)| *a = if v < *a || v.is_nan() { v } else { *a }),
+                    ReduceOp::Product => it.for_each(|(a, v)| *a *= v),
+                }
+            }
+            fn divide(acc: &mut [$acc], n: usize) {
+                let n = n as $acc;
+                acc.iter_mut().for_each(|a| *a /= n);
+            }
+        }
+    };
+}
+reduce_float!(f32, f32, |v| v, |a| a);
+reduce_float!(f64, f64, |v| v, |a| a);
+reduce_float!(bf16, f32, bf16::to_f32, bf16::from_f32);
+reduce_float!(f16, f32, f16::to_f32, f16::from_f32);
+
+macro_rules! reduce_int {
+    ($t:ty) => {
+        impl Reduce for $t {
+            type Acc = $t;
+            #[inline]
+            fn to_acc(self) -> $t {
+                self
+            }
+            #[inline]
+            fn from_acc(a: $t) -> $t {
+                a
+            }
+            fn combine(op: ReduceOp, acc: &mut [$t], x: &[$t]) {
+                let it = acc.iter_mut().zip(x.iter().copied());
+                match op {
+                    ReduceOp::Sum | ReduceOp::Avg => it.for_each(|(a, v)| *a = a.wrapping_add(v)),
+                    ReduceOp::Max => it.for_each(|(a, v)| *a = (*a).max(v)),
+                    ReduceOp::Min => it.for_each(|(a, v)| *a = (*a).min(v)),
+                    ReduceOp::Product => it.for_each(|(a, v)| *a = a.wrapping_mul(v)),
+                }
+            }
+            fn divide(acc: &mut [$t], n: usize) {
+                acc.iter_mut().for_each(|a| *a /= n as $t);
+            }
+        }
+    };
+}
+reduce_int!(i64);
+// Bytes are never reduced (validation rejects it); this impl only lets one generic
+// dispatch cover every dtype.
+reduce_int!(u8);
+
+/// Peer `q`'s buffer at `ptr` as a slice.
+///
+/// # Safety
+/// `ptr`/`len` must come from a descriptor published in the current collective,
+/// whose owner stays inside the collective (and does not write this region) until
+/// the next barrier point.
+unsafe fn peer<'a, T>(ptr: usize, len: usize) -> &'a [T] {
+    if len == 0 {
+        return &[];
+    }
+    // SAFETY: the caller guarantees the region is live, initialised, aligned for T
+    // (it came from a `&[T]`) and not written concurrently.
+    unsafe { std::slice::from_raw_parts(ptr as *const T, len) }
+}
+
+/// Writes `src` into this rank's own output at element offset `at`.
+///
+/// # Safety
+/// `out` is this rank's output pointer (from its `&mut [T]`), `at + src.len()` is
+/// within it, and no peer reads that region during this phase.
+unsafe fn write<T: Copy>(out: *mut T, at: usize, src: &[T]) {
+    // SAFETY: per the caller's contract the destination is in bounds and exclusively ours;
+    // the source belongs to another buffer, so they do not overlap.
+    unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), out.add(at), src.len()) }
+}
+
+fn send_desc(kind: OpKind, send: &Buf<'_>) -> Desc {
+    let mut d = Desc::new(kind);
+    d.dtype = send.dtype();
+    d.recv_dtype = send.dtype();
+    d.send_len = send.len();
+    d.send_ptr = send.as_bytes().as_ptr() as usize;
+    d
+}
+
+fn recv_parts(recv: &mut BufMut<'_>) -> (usize, usize) {
+    crate::dispatch_buf!(BufMut, recv, s, _T => (s.as_mut_ptr() as usize, s.len()))
+}
+
+pub(crate) fn all_gather(g: &Group, r: usize, send: Buf<'_>, mut recv: BufMut<'_>) -> Result<()> {
+    let mut d = send_desc(OpKind::AllGather, &send);
+    (d.recv_ptr, d.recv_len) = recv_parts(&mut recv);
+    d.recv_dtype = recv.dtype();
+    let descs = g.enter(r, d)?;
+    let c = d.send_len;
+    crate::dispatch_buf!(Buf, send, _s, T => {
+        let out = d.recv_ptr as *mut T;
+        for (q, dq) in descs.iter().enumerate() {
+            // SAFETY: every descriptor was published in this collective and validated
+            // (same length and dtype); peers hold their send buffers until the barrier
+            // below, and block q of our output is ours alone.
+            unsafe { write(out, q * c, peer::<T>(dq.send_ptr, c)) };
+        }
+    });
+    g.sync(r, d.kind, d.seq)
+}
+
+pub(crate) fn reduce_scatter(g: &Group, r: usize, send: Buf<'_>, mut recv: BufMut<'_>, op: ReduceOp) -> Result<()> {
+    let mut d = send_desc(OpKind::ReduceScatter, &send);
+    (d.recv_ptr, d.recv_len) = recv_parts(&mut recv);
+    d.recv_dtype = recv.dtype();
+    d.reduce = Some(op);
+    let descs = g.enter(r, d)?;
+    let c = d.recv_len;
+    crate::dispatch_buf!(Buf, send, _s, T => {
+        // SAFETY: as in `all_gather`; we read block r of every peer's input and write
+        // only our own output.
+        unsafe { reduce_blocks::<T>(&descs, |dq| dq.send_ptr, r * c, c, op, d.recv_ptr as *mut T, 0) };
+    });
+    g.sync(r, d.kind, d.seq)
+}
+
+pub(crate) fn all_reduce(g: &Group, r: usize, mut buf: BufMut<'_>, op: ReduceOp) -> Result<()> {
+    let mut d = send_desc(OpKind::AllReduce, &buf.as_buf());
+    (d.recv_ptr, d.recv_len) = recv_parts(&mut buf);
+    d.send_ptr = d.recv_ptr;
+    d.reduce = Some(op);
+    let descs = g.enter(r, d)?;
+    let n = descs.len();
+    let len = d.send_len;
+    let lo = |q: usize| q * len / n;
+    crate::dispatch_buf!(BufMut, buf, _s, T => {
+        let out = d.recv_ptr as *mut T;
+        // Phase 1: reduce our block [lo(r), lo(r+1)) from every rank's buffer into ours.
+        // Peers read only their own block of our buffer, so the regions are disjoint.
+        // SAFETY: see the module docs; block r of every buffer is read only by us in
+        // this phase and written only by us in our own buffer.
+        unsafe { reduce_blocks::<T>(&descs, |dq| dq.recv_ptr, lo(r), lo(r + 1) - lo(r), op, out, lo(r)) };
+        g.sync(r, d.kind, d.seq)?;
+        // Phase 2: copy every other rank's finished block.
+        for (q, dq) in descs.iter().enumerate().filter(|&(q, _)| q != r) {
+            // SAFETY: block q of peer q's buffer is final after the barrier and nobody
+            // writes it in this phase; block q of our buffer is written only by us.
+            unsafe { write(out, lo(q), peer::<T>(dq.recv_ptr + lo(q) * size_of::<T>(), lo(q + 1) - lo(q))) };
+        }
+    });
+    g.sync(r, d.kind, d.seq)
+}
+
+pub(crate) fn all_to_all(g: &Group, r: usize, send: Buf<'_>, mut recv: BufMut<'_>) -> Result<()> {
+    let mut d = send_desc(OpKind::AllToAll, &send);
+    (d.recv_ptr, d.recv_len) = recv_parts(&mut recv);
+    d.recv_dtype = recv.dtype();
+    let descs = g.enter(r, d)?;
+    let c = d.send_len / descs.len();
+    crate::dispatch_buf!(Buf, send, _s, T => {
+        let out = d.recv_ptr as *mut T;
+        for (q, dq) in descs.iter().enumerate() {
+            // SAFETY: as in `all_gather`; block r of peer q's input goes to our block q.
+            unsafe { write(out, q * c, peer::<T>(dq.send_ptr + r * c * size_of::<T>(), c)) };
+        }
+    });
+    g.sync(r, d.kind, d.seq)
+}
+
+pub(crate) fn broadcast(g: &Group, r: usize, mut buf: BufMut<'_>, root: usize) -> Result<()> {
+    let mut d = send_desc(OpKind::Broadcast, &buf.as_buf());
+    (d.recv_ptr, d.recv_len) = recv_parts(&mut buf);
+    d.send_ptr = d.recv_ptr;
+    d.root = root;
+    let descs = g.enter(r, d)?;
+    if r != root {
+        crate::dispatch_buf!(BufMut, buf, _s, T => {
+            // SAFETY: the root only reads its buffer during a broadcast; ours is ours.
+            unsafe { write(d.recv_ptr as *mut T, 0, peer::<T>(descs[root].send_ptr, d.send_len)) };
+        });
+    }
+    g.sync(r, d.kind, d.seq)
+}
+
+pub(crate) fn barrier(g: &Group, r: usize) -> Result<()> {
+    g.enter(r, Desc::new(OpKind::Barrier)).map(|_| ())
+}
+
+/// Reduces `len` elements starting at element `from` of every rank's buffer
+/// (`ptr_of` picks which published pointer) with `op`, writing to `out[at..]`,
+/// one cache-sized block at a time, ranks combined in rank order.
+///
+/// # Safety
+/// The regions read are live and not written during this phase; `out[at..at+len]`
+/// is this rank's own and read by nobody else during this phase.
+unsafe fn reduce_blocks<T: Reduce>(
+    descs: &[Desc],
+    ptr_of: impl Fn(&Desc) -> usize,
+    from: usize,
+    len: usize,
+    op: ReduceOp,
+    out: *mut T,
+    at: usize,
+) {
+    let mut acc = [T::Acc::default(); BLOCK];
+    let mut res = [T::default(); BLOCK];
+    let mut start = 0;
+    while start < len {
+        let b = BLOCK.min(len - start);
+        let src = |dq: &Desc| {
+            // SAFETY: per this function's contract.
+            unsafe { peer::<T>(ptr_of(dq) + (from + start) * size_of::<T>(), b) }
+        };
+        for (a, &x) in acc[..b].iter_mut().zip(src(&descs[0])) {
+            *a = x.to_acc();
+        }
+        for dq in &descs[1..] {
+            T::combine(op, &mut acc[..b], src(dq));
+        }
+        if op == ReduceOp::Avg {
+            T::divide(&mut acc[..b], descs.len());
+        }
+        for (o, &a) in res[..b].iter_mut().zip(&acc[..b]) {
+            *o = T::from_acc(a);
+        }
+        // SAFETY: per this function's contract.
+        unsafe { write(out, at + start, &res[..b]) };
+        start += b;
+    }
+}
