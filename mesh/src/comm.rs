@@ -280,10 +280,7 @@ pub trait Communicator: Send {
     /// Default: runs the blocking form and returns a finished handle.
     fn reduce_scatter_async(&self, send: Buffer, op: ReduceOp) -> Work {
         let mut recv = Buffer::zeros(send.dtype(), send.len() / self.size().max(1));
-        Work::ready(
-            self.reduce_scatter(send.as_buf(), recv.as_buf_mut(), op)
-                .map(|_| recv),
-        )
+        Work::ready(self.reduce_scatter(send.as_buf(), recv.as_buf_mut(), op).map(|_| recv))
     }
 
     /// Asynchronous in-place [`all_reduce`](Self::all_reduce): returns the reduced buffer.
@@ -397,7 +394,7 @@ pub(crate) fn check_all_to_all(rank: usize, n: usize, send: &Buf<'_>, recv: &Buf
             recv: recv.dtype(),
         });
     }
-    if send.len() % n != 0 {
+    if !send.len().is_multiple_of(n) {
         return Err(Error::BadLength {
             op: "all_to_all",
             rank,
@@ -431,6 +428,9 @@ mod tests {
         assert!(ReduceOp::Sum.check("x", DType::U8).is_err());
         assert!(ReduceOp::Avg.check("x", DType::BF16).is_ok());
         let msg = ReduceOp::Avg.check("all_reduce", DType::I64).unwrap_err().to_string();
-        assert!(msg.contains("avg") && msg.contains("i64") && msg.contains("Sum"), "{msg}");
+        assert!(
+            msg.contains("avg") && msg.contains("i64") && msg.contains("Sum"),
+            "{msg}"
+        );
     }
 }

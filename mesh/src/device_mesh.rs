@@ -18,7 +18,9 @@ impl DimRef for usize {
         if *self < ndim {
             Ok(*self)
         } else {
-            Err(Error::Mesh(format!("mesh dim {self} is out of range for a {ndim}-D mesh")))
+            Err(Error::Mesh(format!(
+                "mesh dim {self} is out of range for a {ndim}-D mesh"
+            )))
         }
     }
 }
@@ -27,7 +29,9 @@ impl DimRef for &str {
     fn resolve(&self, names: &[String], _ndim: usize) -> Result<usize> {
         names.iter().position(|n| n == self).ok_or_else(|| {
             if names.is_empty() {
-                Error::Mesh(format!("no mesh dim named {self:?}: this mesh has no dim names; build it with DeviceMesh::with_names"))
+                Error::Mesh(format!(
+                    "no mesh dim named {self:?}: this mesh has no dim names; build it with DeviceMesh::with_names"
+                ))
             } else {
                 Error::Mesh(format!("no mesh dim named {self:?}; the mesh has dims {names:?}"))
             }
@@ -107,7 +111,9 @@ impl DeviceMesh {
         }
         for (i, n) in names.iter().enumerate() {
             if names[..i].contains(n) {
-                return Err(Error::Mesh(format!("dim name {n:?} is used twice in {names:?}; names must be unique")));
+                return Err(Error::Mesh(format!(
+                    "dim name {n:?} is used twice in {names:?}; names must be unique"
+                )));
             }
         }
         DeviceMesh::build(Rc::from(comm), shape, names.iter().map(|s| s.to_string()).collect())
@@ -115,7 +121,9 @@ impl DeviceMesh {
 
     fn build(comm: Rc<dyn Communicator>, shape: &[usize], names: Vec<String>) -> Result<DeviceMesh> {
         if shape.is_empty() || shape.contains(&0) {
-            return Err(Error::Mesh(format!("mesh shape {shape:?} must have at least one dim, each of size ≥ 1")));
+            return Err(Error::Mesh(format!(
+                "mesh shape {shape:?} must have at least one dim, each of size ≥ 1"
+            )));
         }
         let n: usize = shape.iter().product();
         if n != comm.size() {
@@ -260,8 +268,15 @@ impl DeviceMesh {
         }
         let (lo, hi) = (idx[0], idx[idx.len() - 1]);
         let inner = &self.inner;
-        if inner.names.iter().enumerate().any(|(i, n)| n == name && (i < lo || i > hi)) {
-            return Err(Error::Mesh(format!("cannot name the flattened dim {name:?}: another dim has that name")));
+        if inner
+            .names
+            .iter()
+            .enumerate()
+            .any(|(i, n)| n == name && (i < lo || i > hi))
+        {
+            return Err(Error::Mesh(format!(
+                "cannot name the flattened dim {name:?}: another dim has that name"
+            )));
         }
         let merged: usize = inner.shape[lo..=hi].iter().product();
         let merged_coord = row_major_index(&inner.coord[lo..=hi], &inner.shape[lo..=hi]);
@@ -270,7 +285,12 @@ impl DeviceMesh {
         let color = row_major_index(&base, &inner.shape) as u32;
         let comm = Rc::from(inner.comm.split(color, merged_coord as u32)?);
         let splice = |v: &[usize], x: usize| -> SmallVec<[usize; 4]> {
-            v[..lo].iter().copied().chain([x]).chain(v[hi + 1..].iter().copied()).collect()
+            v[..lo]
+                .iter()
+                .copied()
+                .chain([x])
+                .chain(v[hi + 1..].iter().copied())
+                .collect()
         };
         let mut dim_comms: Vec<Rc<dyn Communicator>> = inner.dim_comms[..lo].to_vec();
         dim_comms.push(comm);

@@ -48,14 +48,7 @@ impl DType {
     }
 
     /// Every dtype, in declaration order (handy for tests).
-    pub const ALL: [DType; 6] = [
-        DType::F32,
-        DType::F64,
-        DType::BF16,
-        DType::F16,
-        DType::I64,
-        DType::U8,
-    ];
+    pub const ALL: [DType; 6] = [DType::F32, DType::F64, DType::BF16, DType::F16, DType::I64, DType::U8];
 }
 
 impl fmt::Display for DType {

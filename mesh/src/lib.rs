@@ -21,7 +21,8 @@
 //! - [`DeviceMesh`]: an N-D array of ranks with named dims and one sub-communicator per dim.
 //! - [`CommStats`]: per-rank counts of collectives and bytes, for tests and benchmarks.
 //!
-//! Features: none yet; `mpi` and `cuda` (NCCL) backends come behind features.
+//! Features: `testing` (the communicator contract checks of [`testing`], for
+//! backends' test suites). The `mpi` and `cuda` (NCCL) backends come behind features.
 #![deny(missing_docs)]
 
 mod comm;
@@ -30,6 +31,8 @@ mod device_mesh;
 mod dtype;
 mod error;
 pub mod stats;
+#[cfg(feature = "testing")]
+pub mod testing;
 pub mod threads;
 
 pub use comm::{Communicator, CommunicatorExt, ReduceOp, Work};

@@ -25,6 +25,10 @@ pub(crate) struct Poison {
     pub(crate) reason: String,
 }
 
+/// A group made by `split`: (parent group, parent seq, color), the group, and how
+/// many members have not picked it up yet.
+pub(crate) type PendingSplit = ((u64, u64, u32), Arc<Group>, usize);
+
 /// State shared by every rank and every group of one `launch`.
 pub(crate) struct World {
     pub(crate) job: u64,
@@ -36,7 +40,7 @@ pub(crate) struct World {
     next_group: AtomicU64,
     /// Groups being created by `split`, keyed by (parent group, parent seq, color),
     /// with the number of members that have not picked theirs up yet.
-    pub(crate) splits: Mutex<Vec<((u64, u64, u32), Arc<Group>, usize)>>,
+    pub(crate) splits: Mutex<Vec<PendingSplit>>,
 }
 
 /// Locks a mutex, recovering the data if a panicking thread poisoned it: every
@@ -205,11 +209,7 @@ impl Group {
         desc.seq = seq;
         *lock(&self.slots[r][(seq % 2) as usize]) = desc;
         self.sync(r, desc.kind, seq)?;
-        let descs: Descs = self
-            .slots
-            .iter()
-            .map(|s| *lock(&s[(seq % 2) as usize]))
-            .collect();
+        let descs: Descs = self.slots.iter().map(|s| *lock(&s[(seq % 2) as usize])).collect();
         if let Err(e) = super::validate::validate(&descs, &self.members) {
             self.world.poison(self.members[r], e.to_string());
             return Err(e);
@@ -235,7 +235,7 @@ impl Group {
             }
             self.world.check()?;
             let waited = start.elapsed();
-            if i % 64 == 0 {
+            if i.is_multiple_of(64) {
                 let missing: Vec<usize> = (0..n).filter(|&q| !arrived(q)).map(|q| self.members[q]).collect();
                 if let Some(&gone) = missing.iter().find(|&&w| self.world.has_exited(w)) {
                     let p = self.world.poison(

@@ -139,14 +139,20 @@ where
         }
         handles
             .into_iter()
-            .map(|h| h.join().unwrap_or_else(|_| Err("rank thread panicked outside its closure".into())))
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err("rank thread panicked outside its closure".into()))
+            })
             .collect()
     });
     match world.first_failure() {
-        None => results.into_iter().collect::<Result<Vec<T>, BoxError>>().map_err(|source| {
-            // Unreachable in practice: every failing rank poisons the world first.
-            Error::RankFailed { rank: 0, source }
-        }),
+        None => results
+            .into_iter()
+            .collect::<Result<Vec<T>, BoxError>>()
+            .map_err(|source| {
+                // Unreachable in practice: every failing rank poisons the world first.
+                Error::RankFailed { rank: 0, source }
+            }),
         Some(p) => {
             let source = match results.into_iter().nth(p.rank) {
                 Some(Err(e)) => e,

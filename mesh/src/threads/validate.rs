@@ -44,8 +44,12 @@ pub(crate) fn validate(d: &[Desc], members: &[usize]) -> Result<()> {
             OpKind::AllGather if dq.recv_len != n * dq.send_len => {
                 return Err(bad("receive buffer", n * dq.send_len, dq.recv_len));
             }
-            OpKind::ReduceScatter | OpKind::AllToAll if dq.send_len % n != 0 => {
-                return Err(bad("send buffer (must be a multiple of the group size)", dq.send_len.div_ceil(n) * n, dq.send_len));
+            OpKind::ReduceScatter | OpKind::AllToAll if !dq.send_len.is_multiple_of(n) => {
+                return Err(bad(
+                    "send buffer (must be a multiple of the group size)",
+                    dq.send_len.div_ceil(n) * n,
+                    dq.send_len,
+                ));
             }
             OpKind::ReduceScatter if dq.recv_len * n != dq.send_len => {
                 return Err(bad("receive buffer", dq.send_len / n, dq.recv_len));

@@ -1,0 +1,235 @@
+//! The communicator contract: checks any [`Communicator`] must pass, written once
+//! and run against every backend (threads under `cargo test`, MPI under `mpirun`).
+//!
+//! Every check is collective: all ranks of `comm` call it together. Each rank
+//! builds inputs that are a known function of (rank, index), runs the collective
+//! and compares with the result computed locally from that function (the oracle).
+//! A failed check panics with a message naming the collective, dtype, length and rank.
+
+use half::{bf16, f16};
+
+use crate::{Communicator, CommunicatorExt, DType, Element, OpKind, ReduceOp};
+
+/// Buffer lengths (per rank block) every check covers: empty, tiny, odd, and
+/// longer than one reduction block.
+pub const LENS: [usize; 6] = [0, 1, 2, 7, 13, 2500];
+
+/// An element type with exact conversions from small integers, for oracles.
+pub trait TestElement: Element {
+    /// Converts from f64 (rounding as the type does).
+    fn from_f64(v: f64) -> Self;
+    /// Converts to f64.
+    fn to_f64(self) -> f64;
+}
+
+macro_rules! test_elem {
+    ($t:ty, $from:expr, $to:expr) => {
+        impl TestElement for $t {
+            fn from_f64(v: f64) -> Self {
+                $from(v)
+            }
+            fn to_f64(self) -> f64 {
+                $to(self)
+            }
+        }
+    };
+}
+test_elem!(f32, |v| v as f32, |x: f32| x as f64);
+test_elem!(f64, |v| v, |x| x);
+test_elem!(bf16, bf16::from_f64, bf16::to_f64);
+test_elem!(f16, f16::from_f64, f16::to_f64);
+test_elem!(i64, |v| v as i64, |x| x as f64);
+test_elem!(u8, |v| v as u8, |x| x as f64);
+
+/// The value rank `r` holds at index `i` (small integers, exact in every dtype).
+pub fn value(r: usize, i: usize) -> f64 {
+    ((r * 7 + i * 3) % 11) as f64
+}
+
+/// A positive value (for products: 1 or 2, so a product over 8 ranks stays exact).
+fn pvalue(r: usize, i: usize) -> f64 {
+    1.0 + ((r + i) % 2) as f64
+}
+
+fn input<T: TestElement>(r: usize, len: usize, f: fn(usize, usize) -> f64) -> Vec<T> {
+    (0..len).map(|i| T::from_f64(f(r, i))).collect()
+}
+
+fn reduce_oracle(op: ReduceOp, n: usize, i: usize) -> f64 {
+    let f = if op == ReduceOp::Product { pvalue } else { value };
+    let vals = (0..n).map(|r| f(r, i));
+    match op {
+        ReduceOp::Sum => vals.sum(),
+        ReduceOp::Avg => vals.sum::<f64>() / n as f64,
+        ReduceOp::Max => vals.fold(f64::MIN, f64::max),
+        ReduceOp::Min => vals.fold(f64::MAX, f64::min),
+        ReduceOp::Product => vals.product(),
+    }
+}
+
+fn assert_close<T: TestElement>(what: &str, got: &[T], want: impl Fn(usize) -> f64) {
+    let tol = match T::DTYPE {
+        DType::BF16 => 1e-2,
+        DType::F16 => 1e-3,
+        _ => 1e-12,
+    };
+    for (i, g) in got.iter().enumerate() {
+        let (g, w) = (g.to_f64(), T::from_f64(want(i)).to_f64());
+        assert!(
+            (g - w).abs() <= tol * w.abs().max(1.0),
+            "{what}: element {i}: got {g}, want {w}"
+        );
+    }
+}
+
+fn reductions_for(dtype: DType) -> Vec<ReduceOp> {
+    ReduceOp::ALL
+        .into_iter()
+        .filter(|op| op.check("t", dtype).is_ok())
+        .collect()
+}
+
+/// all_gather, reduce_scatter, all_reduce, all_to_all and broadcast of `T`, blocking forms.
+pub fn check_blocking<T: TestElement>(comm: &dyn Communicator) {
+    let (r, n) = (comm.rank(), comm.size());
+    for len in LENS {
+        let ctx = |op: &str| format!("{op} {} len {len} rank {r}/{n}", T::DTYPE);
+        let send = input::<T>(r, len, value);
+        let got = comm
+            .all_gather_vec(&send)
+            .unwrap_or_else(|e| panic!("{}: {e}", ctx("all_gather")));
+        assert_close(&ctx("all_gather"), &got, |i| value(i / len.max(1), i % len.max(1)));
+
+        let all: Vec<T> = input(r, len * n, value);
+        let mut a2a = vec![T::default(); len * n];
+        comm.all_to_all_slice(&all, &mut a2a)
+            .unwrap_or_else(|e| panic!("{}: {e}", ctx("all_to_all")));
+        // Block q comes from rank q's block r.
+        assert_close(&ctx("all_to_all"), &a2a, |i| {
+            value(i / len.max(1), r * len + i % len.max(1))
+        });
+
+        for root in [0, n - 1] {
+            let mut b: Vec<T> = input(r, len, value);
+            comm.broadcast_slice(&mut b, root)
+                .unwrap_or_else(|e| panic!("{}: {e}", ctx("broadcast")));
+            assert_close(&ctx("broadcast"), &b, |i| value(root, i));
+        }
+
+        for op in reductions_for(T::DTYPE) {
+            let f = if op == ReduceOp::Product { pvalue } else { value };
+            let what = ctx(&format!("all_reduce({op})"));
+            let mut buf: Vec<T> = input(r, len, f);
+            comm.all_reduce_slice(&mut buf, op)
+                .unwrap_or_else(|e| panic!("{what}: {e}"));
+            assert_close(&what, &buf, |i| reduce_oracle(op, n, i));
+
+            let what = ctx(&format!("reduce_scatter({op})"));
+            let send: Vec<T> = input(r, len * n, f);
+            let mut recv = vec![T::default(); len];
+            comm.reduce_scatter_slice(&send, &mut recv, op)
+                .unwrap_or_else(|e| panic!("{what}: {e}"));
+            assert_close(&what, &recv, |i| reduce_oracle(op, n, r * len + i));
+        }
+    }
+}
+
+/// The asynchronous forms of `T`: several in flight at once, waited in any order,
+/// interleaved with a blocking collective (which must run after them).
+pub fn check_async<T: TestElement>(comm: &dyn Communicator) {
+    let (r, n) = (comm.rank(), comm.size());
+    let len = 13;
+    let w_gather = comm.all_gather_async(T::into_buffer(input(r, len, value)));
+    let w_a2a = comm.all_to_all_async(T::into_buffer(input(r, len * n, value)));
+    let w_bcast = comm.broadcast_async(T::into_buffer(input(r, len, value)), n - 1);
+    let reduce = reductions_for(T::DTYPE).first().copied();
+    let w_reduce = reduce.map(|op| {
+        (
+            comm.all_reduce_async(T::into_buffer(input(r, len, value)), op),
+            comm.reduce_scatter_async(T::into_buffer(input(r, len * n, value)), op),
+        )
+    });
+    // A blocking collective issued now runs after every queued one.
+    let mut x = vec![T::from_f64(r as f64); 3];
+    comm.broadcast_slice(&mut x, 0)
+        .expect("blocking broadcast after async ones");
+    assert_close("broadcast after async", &x, |_| 0.0);
+
+    let what = format!("async {} rank {r}/{n}", T::DTYPE);
+    if let Some((w_ar, w_rs)) = w_reduce {
+        let op = reduce.unwrap_or(ReduceOp::Sum);
+        let rs = w_rs
+            .wait_vec::<T>()
+            .unwrap_or_else(|e| panic!("{what} reduce_scatter: {e}"));
+        assert_close(&what, &rs, |i| reduce_oracle(op, n, r * len + i));
+        let ar = w_ar
+            .wait_vec::<T>()
+            .unwrap_or_else(|e| panic!("{what} all_reduce: {e}"));
+        assert_close(&what, &ar, |i| reduce_oracle(op, n, i));
+    }
+    let b = w_bcast
+        .wait_vec::<T>()
+        .unwrap_or_else(|e| panic!("{what} broadcast: {e}"));
+    assert_close(&what, &b, |i| value(n - 1, i));
+    let a = w_a2a
+        .wait_vec::<T>()
+        .unwrap_or_else(|e| panic!("{what} all_to_all: {e}"));
+    assert_close(&what, &a, |i| value(i / len, r * len + i % len));
+    let g = w_gather
+        .wait_vec::<T>()
+        .unwrap_or_else(|e| panic!("{what} all_gather: {e}"));
+    assert_close(&what, &g, |i| value(i / len, i % len));
+}
+
+/// Runs `$f::<T>(comm)` for every element type.
+macro_rules! for_all_types {
+    ($f:ident, $comm:expr) => {{
+        $f::<f32>($comm);
+        $f::<f64>($comm);
+        $f::<bf16>($comm);
+        $f::<f16>($comm);
+        $f::<i64>($comm);
+        $f::<u8>($comm);
+    }};
+}
+
+/// Splits `comm` into even and odd ranks (reverse order by key) and checks the sub-groups.
+pub fn check_split(comm: &dyn Communicator) {
+    let (r, n) = (comm.rank(), comm.size());
+    let sub = comm.split((r % 2) as u32, (n - r) as u32).expect("split");
+    let members: Vec<usize> = (0..n).filter(|q| q % 2 == r % 2).rev().collect();
+    assert_eq!(sub.size(), members.len(), "split size on rank {r}");
+    assert_eq!(members[sub.rank()], r, "split rank order on rank {r}");
+    let got = sub.all_gather_vec(&[r as i64]).expect("all_gather on split");
+    assert_eq!(
+        got,
+        members.iter().map(|&q| q as i64).collect::<Vec<_>>(),
+        "split all_gather on rank {r}"
+    );
+    for_all_types!(check_blocking, &*sub);
+}
+
+/// Checks that the per-rank counters count each collective and its bytes.
+pub fn check_stats(comm: &dyn Communicator) {
+    let n = comm.size();
+    let before = comm.stats().snapshot();
+    let _ = comm.all_gather_vec(&[1.0f32; 8]).expect("all_gather");
+    let mut x = [1.0f64; 8];
+    comm.all_reduce_slice(&mut x, ReduceOp::Sum).expect("all_reduce");
+    comm.barrier().expect("barrier");
+    let d = comm.stats().snapshot() - before;
+    assert_eq!(d.calls(OpKind::AllGather), 1);
+    assert_eq!(d.calls(OpKind::AllReduce), 1);
+    assert_eq!(d.calls(OpKind::Barrier), 1);
+    assert_eq!(d.bytes(OpKind::AllGather), OpKind::AllGather.bytes_sent(n, 32 * n));
+    assert_eq!(d.bytes(OpKind::AllReduce), OpKind::AllReduce.bytes_sent(n, 64));
+}
+
+/// Every check above, for every element type.
+pub fn check_all(comm: &dyn Communicator) {
+    for_all_types!(check_blocking, comm);
+    for_all_types!(check_async, comm);
+    check_split(comm);
+    check_stats(comm);
+    comm.barrier().expect("final barrier");
+}

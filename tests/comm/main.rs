@@ -1,0 +1,5 @@
+//! Communicator and mesh tests on the threads backend.
+
+mod collectives;
+mod failures;
+mod mesh;
