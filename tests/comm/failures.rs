@@ -93,8 +93,7 @@ fn rank_that_never_arrives_times_out() {
     });
     assert!(matches!(err, Error::RankFailed { rank: 3, .. }), "{err}");
     assert!(err.to_string().contains("did not enter all_gather"), "{err}");
-    for r in 0..3 {
-        let s = &seen[r];
+    for (r, s) in seen.iter().enumerate().take(3) {
         assert!(
             (s.contains("timed out") && s.contains("[3]")) || s.contains("rank 3 failed"),
             "rank {r}: {s}"
@@ -114,8 +113,8 @@ fn rank_that_returns_early_is_reported_without_waiting_for_timeout() {
     });
     assert!(matches!(err, Error::RankFailed { rank: 0, .. }), "{err}");
     assert!(err.to_string().contains("without entering all_gather"), "{err}");
-    for r in 1..4 {
-        assert!(seen[r].contains("rank 0 failed"), "rank {r}: {}", seen[r]);
+    for (r, s) in seen.iter().enumerate().skip(1) {
+        assert!(s.contains("rank 0 failed"), "rank {r}: {s}");
     }
     assert!(start.elapsed() < Duration::from_secs(30));
 }
