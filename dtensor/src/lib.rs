@@ -2,6 +2,13 @@
 #![deny(missing_docs)]
 
 mod error;
+mod placement;
+pub mod memory;
+pub mod rng;
+pub mod sharding;
+mod tensor;
 
 pub use error::{Error, Result};
+pub use placement::{MeshDims, Placement, ShardOrder, validate_placements};
+pub use tensor::Tensor;
 pub use tessera_mesh::{DType, ReduceOp};

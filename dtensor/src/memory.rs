@@ -1,0 +1,343 @@
+//! Per-rank accounting of tensor storage: current and peak bytes.
+//!
+//! Every tensor storage charges its byte size to the rank the allocating thread
+//! works for ([`current_rank`]), and gives the bytes back to the *same* rank
+//! when it is dropped, on whatever thread that happens. Counters are kept per
+//! `(job, rank)`, so ranks that are threads of one process (the threads backend),
+//! and concurrent jobs (tests running in parallel), never mix. Threads that work
+//! for no rank (outside a launch, or in an MPI process where the process is the
+//! rank) share one process-wide "no rank" counter set.
+//!
+//! Views (`narrow`, `chunk`, `transpose`, `reshape` of contiguous data) share
+//! their storage and allocate nothing; `contiguous` of a strided view, `cat`,
+//! `cast` and every constructor allocate. Only the logical size of a storage is
+//! counted (elements × dtype size), not allocator slack.
+//!
+//! PyTorch: `torch.cuda.memory_allocated` / `max_memory_allocated` /
+//! `reset_peak_memory_stats`, but per rank and for host tensors too.
+//!
+//! ```
+//! use tessera_dtensor::{memory, DType, Tensor};
+//! use tessera_mesh::context::{scoped, RankId};
+//!
+//! // Pretend this thread is rank 0 of some job (a launcher does this for real).
+//! let id = RankId { job: 1 << 40, rank: 0 };
+//! scoped(id, || -> tessera_dtensor::Result<()> {
+//!     let a = Tensor::zeros(&[256, 4], DType::F32)?; // 4 KiB
+//!     let halves = a.chunk(2, 0)?; // views: nothing allocated
+//!     assert_eq!(memory::stats().current_bytes, 4096);
+//!     let b = halves[1].cast(DType::F64)?; // 128 × 4 × 8 bytes
+//!     assert_eq!(memory::stats().current_bytes, 4096 + 4096);
+//!     drop((a, halves));
+//!     assert_eq!(memory::stats().current_bytes, 4096); // `b` is left
+//!     assert_eq!(memory::stats().peak_bytes, 8192);
+//!     memory::reset_peak();
+//!     assert_eq!(memory::stats().peak_bytes, 4096);
+//!     drop(b);
+//!     Ok(())
+//! })?;
+//! assert_eq!(memory::stats_of(id).current_bytes, 0);
+//! # Ok::<(), tessera_dtensor::Error>(())
+//! ```
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, LazyLock, Mutex, PoisonError};
+
+use tessera_mesh::context::{RankId, current_rank};
+
+/// Current and peak bytes of tensor storage owned by one rank.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct MemoryStats {
+    /// Bytes of storage alive now.
+    pub current_bytes: usize,
+    /// The most bytes alive at once since the rank started or since [`reset_peak`].
+    pub peak_bytes: usize,
+}
+
+/// The counters of one rank (or of "no rank").
+#[derive(Debug, Default)]
+struct Counters {
+    current: AtomicUsize,
+    peak: AtomicUsize,
+}
+
+impl Counters {
+    fn add(&self, bytes: usize) {
+        let now = self.current.fetch_add(bytes, Ordering::Relaxed) + bytes;
+        self.peak.fetch_max(now, Ordering::Relaxed);
+    }
+
+    fn sub(&self, bytes: usize) {
+        self.current.fetch_sub(bytes, Ordering::Relaxed);
+    }
+
+    fn stats(&self) -> MemoryStats {
+        MemoryStats {
+            current_bytes: self.current.load(Ordering::Relaxed),
+            peak_bytes: self.peak.load(Ordering::Relaxed),
+        }
+    }
+
+    fn reset_peak(&self) {
+        self.peak.store(self.current.load(Ordering::Relaxed), Ordering::Relaxed);
+    }
+}
+
+/// Counters of every rank seen so far. Entries stay after their job ends (a few
+/// dozen bytes each) so that a job's peaks can be read after it returns.
+static RANKS: LazyLock<Mutex<HashMap<RankId, Arc<Counters>>>> = LazyLock::new(Default::default);
+
+/// Counters for threads that work for no rank.
+static NO_RANK: LazyLock<Arc<Counters>> = LazyLock::new(Default::default);
+
+thread_local! {
+    /// The counters of the rank this thread last allocated for, to skip the lock.
+    static CACHED: RefCell<Option<(RankId, Arc<Counters>)>> = const { RefCell::new(None) };
+}
+
+fn counters_of(id: RankId) -> Arc<Counters> {
+    // A panic while holding this lock cannot leave the map inconsistent (inserts
+    // are single calls), so a poisoned lock is still good to use.
+    let mut map = RANKS.lock().unwrap_or_else(PoisonError::into_inner);
+    Arc::clone(map.entry(id).or_default())
+}
+
+/// The counters of the rank the current thread works for.
+fn current_counters() -> Arc<Counters> {
+    let Some(id) = current_rank() else {
+        return Arc::clone(&NO_RANK);
+    };
+    CACHED.with(|cache| {
+        let mut cache = cache.borrow_mut();
+        match &*cache {
+            Some((cached, counters)) if *cached == id => Arc::clone(counters),
+            _ => {
+                let counters = counters_of(id);
+                *cache = Some((id, Arc::clone(&counters)));
+                counters
+            }
+        }
+    })
+}
+
+/// Memory statistics of the rank the current thread works for (the "no rank"
+/// counters outside a launch).
+pub fn stats() -> MemoryStats {
+    current_counters().stats()
+}
+
+/// Memory statistics of rank `id` (all zero for a rank that never allocated).
+pub fn stats_of(id: RankId) -> MemoryStats {
+    let map = RANKS.lock().unwrap_or_else(PoisonError::into_inner);
+    map.get(&id).map(|c| c.stats()).unwrap_or_default()
+}
+
+/// Sets the current thread's rank's peak to its current bytes, to measure the
+/// peak of one phase (PyTorch: `torch.cuda.reset_peak_memory_stats`).
+pub fn reset_peak() {
+    current_counters().reset_peak();
+}
+
+/// Bytes charged to one rank, given back to that rank when dropped.
+///
+/// Every tensor storage holds one. Code that keeps large buffers outside
+/// tensors (a flat communication bucket, say) can hold one too, so that the
+/// per-rank peaks stay honest.
+#[derive(Debug)]
+pub struct Allocation {
+    counters: Arc<Counters>,
+    bytes: usize,
+}
+
+impl Allocation {
+    /// Charges `bytes` to the rank the current thread works for.
+    pub fn charge(bytes: usize) -> Allocation {
+        let counters = current_counters();
+        counters.add(bytes);
+        Allocation { counters, bytes }
+    }
+
+    /// The bytes this allocation holds.
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+}
+
+impl Drop for Allocation {
+    fn drop(&mut self) {
+        self.counters.sub(self.bytes);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::AtomicU64;
+    use std::thread;
+
+    use tessera_mesh::context::scoped;
+
+    use super::*;
+    use crate::{DType, Tensor};
+
+    /// A job number no launcher and no other test uses.
+    fn fresh_job() -> u64 {
+        static NEXT: AtomicU64 = AtomicU64::new(1 << 50);
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    }
+
+    fn rank(rank: usize) -> RankId {
+        RankId { job: fresh_job(), rank }
+    }
+
+    fn mb(current: usize, peak: usize) -> MemoryStats {
+        MemoryStats {
+            current_bytes: current,
+            peak_bytes: peak,
+        }
+    }
+
+    #[test]
+    fn allocation_and_drop_are_counted() {
+        let id = rank(0);
+        scoped(id, || {
+            assert_eq!(stats(), mb(0, 0));
+            let a = Tensor::zeros(&[10, 10], DType::F32).unwrap();
+            assert_eq!(stats(), mb(400, 400));
+            let b = Tensor::ones(&[3], DType::BF16).unwrap();
+            assert_eq!(stats(), mb(406, 406));
+            let a2 = a.clone();
+            assert_eq!(stats(), mb(406, 406), "clones share storage");
+            drop(a);
+            assert_eq!(stats(), mb(406, 406), "a clone keeps the storage alive");
+            drop(a2);
+            assert_eq!(stats(), mb(6, 406));
+            drop(b);
+            assert_eq!(stats(), mb(0, 406));
+        });
+        assert_eq!(stats_of(id), mb(0, 406));
+    }
+
+    #[test]
+    fn every_allocating_op_is_counted_and_views_are_not() {
+        let id = rank(0);
+        scoped(id, || {
+            macro_rules! case {
+                ($name:literal, $make:expr, $bytes:expr) => {{
+                    let base = stats().current_bytes;
+                    let made = $make;
+                    assert_eq!(stats().current_bytes - base, $bytes, "{}", $name);
+                    drop(made);
+                    assert_eq!(stats().current_bytes, base, "{} dropped", $name);
+                }};
+            }
+            let t = Tensor::arange(24, DType::F32).unwrap().reshape(&[4, 6]).unwrap();
+            assert_eq!(stats().current_bytes, 96);
+            case!("narrow", t.narrow(1, 1, 3).unwrap(), 0);
+            case!("chunk", t.chunk(3, 0).unwrap(), 0);
+            case!("transpose", t.transpose(0, 1).unwrap(), 0);
+            case!("reshape", t.reshape(&[24]).unwrap(), 0);
+            case!("contiguous of contiguous", t.contiguous(), 0);
+            case!("same-dtype cast", t.cast(DType::F32).unwrap(), 0);
+            case!("contiguous of strided", t.narrow(1, 0, 2).unwrap().contiguous(), 32);
+            case!(
+                "reshape of strided",
+                t.transpose(0, 1).unwrap().reshape(&[24]).unwrap(),
+                96
+            );
+            case!("cast", t.cast(DType::F64).unwrap(), 192);
+            case!("cat", Tensor::cat(&[t.clone(), t.clone()], 0).unwrap(), 192);
+            case!("from_vec", Tensor::from_vec(vec![1i64; 5], &[5]).unwrap(), 40);
+            case!("randn", Tensor::randn(&[8], DType::F16, 1).unwrap(), 16);
+            case!("u8", Tensor::zeros(&[7], DType::U8).unwrap(), 7);
+        });
+    }
+
+    #[test]
+    fn peak_and_reset() {
+        scoped(rank(3), || {
+            let a = Tensor::zeros(&[100], DType::F64).unwrap();
+            let b = Tensor::zeros(&[100], DType::F64).unwrap();
+            drop(a);
+            assert_eq!(stats(), mb(800, 1600));
+            reset_peak();
+            assert_eq!(stats(), mb(800, 800));
+            let c = Tensor::zeros(&[50], DType::F64).unwrap();
+            drop(c);
+            assert_eq!(stats(), mb(800, 1200));
+            drop(b);
+            reset_peak();
+            assert_eq!(stats(), mb(0, 0));
+        });
+    }
+
+    #[test]
+    fn two_ranks_on_two_threads_are_separate() {
+        let job = fresh_job();
+        let ids = [RankId { job, rank: 0 }, RankId { job, rank: 1 }];
+        let handles: Vec<_> = ids
+            .iter()
+            .enumerate()
+            .map(|(i, &id)| {
+                thread::spawn(move || {
+                    scoped(id, || {
+                        let t = Tensor::zeros(&[1000 * (i + 1)], DType::F32).unwrap();
+                        let s = stats();
+                        drop(t);
+                        s
+                    })
+                })
+            })
+            .collect();
+        let seen: Vec<MemoryStats> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+        assert_eq!(seen, vec![mb(4000, 4000), mb(8000, 8000)]);
+        assert_eq!(stats_of(ids[0]), mb(0, 4000));
+        assert_eq!(stats_of(ids[1]), mb(0, 8000));
+        assert_eq!(stats_of(RankId { job, rank: 2 }), mb(0, 0));
+    }
+
+    #[test]
+    fn drop_on_another_thread_gives_back_to_the_allocating_rank() {
+        let (owner, other) = (rank(0), rank(1));
+        let t = scoped(owner, || Tensor::zeros(&[64], DType::I64).unwrap());
+        assert_eq!(stats_of(owner), mb(512, 512));
+        thread::spawn(move || {
+            scoped(other, || {
+                let view = t.narrow(0, 0, 8).unwrap();
+                drop(t);
+                assert_eq!(stats_of(owner).current_bytes, 512, "the view keeps it");
+                drop(view);
+            })
+        })
+        .join()
+        .unwrap();
+        assert_eq!(stats_of(owner), mb(0, 512));
+        assert_eq!(stats_of(other), mb(0, 0));
+    }
+
+    #[test]
+    fn switching_rank_on_one_thread_charges_each() {
+        let (a, b) = (rank(0), rank(1));
+        let ta = scoped(a, || Tensor::zeros(&[2], DType::F32).unwrap());
+        let tb = scoped(b, || Tensor::zeros(&[3], DType::F32).unwrap());
+        let ta2 = scoped(a, || Tensor::zeros(&[4], DType::F32).unwrap());
+        assert_eq!(stats_of(a), mb(24, 24));
+        assert_eq!(stats_of(b), mb(12, 12));
+        drop((ta, tb, ta2));
+        assert_eq!(stats_of(a).current_bytes, 0);
+        assert_eq!(stats_of(b).current_bytes, 0);
+    }
+
+    #[test]
+    fn explicit_allocations_are_counted() {
+        let id = rank(0);
+        scoped(id, || {
+            let a = Allocation::charge(1234);
+            assert_eq!(a.bytes(), 1234);
+            assert_eq!(stats(), mb(1234, 1234));
+            drop(a);
+            assert_eq!(stats(), mb(0, 1234));
+        });
+    }
+}

@@ -1,0 +1,330 @@
+//! Getting data out: casts, typed vectors and slices, buffers, ndarray views, comparison.
+
+use ndarray::{ArrayD, ArrayViewD, IxDyn, ShapeBuilder};
+use tessera_mesh::{Buf, Buffer, DType, Element};
+
+use super::Tensor;
+use super::storage::{Scalar, convert, typed, with_buffer};
+use crate::{Error, Result};
+
+impl Tensor {
+    /// The elements as `&[T]` when `T` is the dtype, before any contiguity check.
+    fn elements<T: Element>(&self, op: &'static str) -> Result<&[T]> {
+        typed::<T>(self.data().as_buf()).ok_or(Error::DTypeMismatch {
+            op,
+            expected: T::DTYPE,
+            got: self.dtype(),
+        })
+    }
+
+    fn require_contiguous(&self, op: &'static str) -> Result<()> {
+        if self.is_contiguous() {
+            Ok(())
+        } else {
+            Err(Error::InvalidArgument {
+                op,
+                detail: format!(
+                    "tensor of shape {:?} with strides {:?} is not contiguous; \
+                     call .contiguous() first",
+                    self.shape(),
+                    self.strides()
+                ),
+            })
+        }
+    }
+
+    /// The storage range this (contiguous) tensor covers.
+    fn span(&self) -> std::ops::Range<usize> {
+        let start = self.storage_offset();
+        start..start + self.numel()
+    }
+
+    /// The elements converted to `dtype` in new storage; this tensor itself
+    /// (no copy) when it already has `dtype`. PyTorch: `Tensor.to(dtype)`.
+    ///
+    /// - float → float rounds to nearest even; `bf16` and `f16` are converted
+    ///   through `f32` (as PyTorch does), values beyond their range become ±inf;
+    /// - float → integer truncates toward zero (`-2.7` → -2); NaN gives 0 and
+    ///   values out of range saturate (PyTorch leaves these undefined);
+    /// - integer → integer wraps (`-1i64` → `255u8`), as PyTorch does;
+    /// - integer → float rounds to nearest (exact for |x| ≤ 2^53 into f64).
+    ///
+    /// # Errors
+    /// None today; `Result` leaves room for device tensors.
+    pub fn cast(&self, dtype: DType) -> Result<Tensor> {
+        if dtype == self.dtype() {
+            return Ok(self.clone());
+        }
+        let mut out = Buffer::zeros(dtype, self.numel());
+        let layout = self.layout();
+        let span = self.is_contiguous().then(|| self.span());
+        with_buffer!(self.data(), src, S => {
+            with_buffer!(&mut out, dst, D => match &span {
+                // The common case (mixed precision) in a loop the compiler can vectorize.
+                Some(span) => {
+                    for (d, &x) in dst.iter_mut().zip(&src[span.clone()]) {
+                        *d = convert::<S, D>(x);
+                    }
+                }
+                None => {
+                    for (d, i) in dst.iter_mut().zip(layout.offsets()) {
+                        *d = convert::<S, D>(src[i]);
+                    }
+                }
+            })
+        });
+        Ok(Tensor::from_storage_data(out, self.shape()))
+    }
+
+    /// The elements in row-major logical order (copied from any layout).
+    ///
+    /// # Errors
+    /// [`Error::DTypeMismatch`] when `T` is not the tensor's dtype (use
+    /// [`cast`](Self::cast) or [`to_f64_vec`](Self::to_f64_vec)).
+    pub fn to_vec<T: Element>(&self) -> Result<Vec<T>> {
+        Ok(self.layout().gather(self.elements::<T>("to_vec")?))
+    }
+
+    /// The elements as `f64` in row-major order, from any dtype (for tests and
+    /// printing; see [`cast`](Self::cast) for the conversion).
+    pub fn to_f64_vec(&self) -> Vec<f64> {
+        let layout = self.layout();
+        with_buffer!(self.data(), v, T => layout.offsets().map(|i| v[i].to_f64()).collect())
+    }
+
+    /// The elements of a contiguous tensor, without copying.
+    ///
+    /// # Errors
+    /// [`Error::DTypeMismatch`] when `T` is not the dtype; [`Error::InvalidArgument`]
+    /// when the tensor is not contiguous (call [`contiguous`](Self::contiguous)).
+    pub fn as_slice<T: Element>(&self) -> Result<&[T]> {
+        let all = self.elements::<T>("as_slice")?;
+        self.require_contiguous("as_slice")?;
+        Ok(&all[self.span()])
+    }
+
+    /// The elements of a contiguous tensor as a type-erased buffer, without
+    /// copying (to hand to a communicator).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when the tensor is not contiguous.
+    pub fn as_buf(&self) -> Result<Buf<'_>> {
+        self.require_contiguous("as_buf")?;
+        let span = self.span();
+        Ok(with_buffer!(self.data(), v, _T => Buf::from(&v[span])))
+    }
+
+    /// The elements (row-major, copied from any layout) as an owned type-erased
+    /// buffer, for the asynchronous collectives.
+    pub fn to_buffer(&self) -> Buffer {
+        let layout = self.layout();
+        with_buffer!(self.data(), v, _T => Buffer::from(layout.gather(v)))
+    }
+
+    /// An ndarray view of the elements, with this tensor's strides, without copying.
+    ///
+    /// # Errors
+    /// [`Error::DTypeMismatch`] when `T` is not the tensor's dtype.
+    pub fn view<T: Element>(&self) -> Result<ArrayViewD<'_, T>> {
+        let all = self.elements::<T>("view")?;
+        let shape = IxDyn(self.shape()).strides(IxDyn(self.strides()));
+        // The layout's invariant keeps every element inside the storage, so
+        // ndarray accepts it; an error here would be a bug in a view op.
+        ArrayViewD::from_shape(shape, &all[self.storage_offset()..]).map_err(|e| Error::InvalidArgument {
+            op: "view",
+            detail: format!(
+                "internal error: layout {:?}/{:?}+{} does not fit storage of {}: {e}",
+                self.shape(),
+                self.strides(),
+                self.storage_offset(),
+                all.len()
+            ),
+        })
+    }
+
+    /// The elements as an owned ndarray array (row-major copy).
+    ///
+    /// # Errors
+    /// [`Error::DTypeMismatch`] when `T` is not the tensor's dtype.
+    pub fn to_ndarray<T: Element>(&self) -> Result<ArrayD<T>> {
+        let v = self.layout().gather(self.elements::<T>("to_ndarray")?);
+        ArrayD::from_shape_vec(IxDyn(self.shape()), v).map_err(|e| Error::InvalidArgument {
+            op: "to_ndarray",
+            detail: format!("internal error: {e}"),
+        })
+    }
+
+    /// Whether both tensors have the same shape and dtype and every pair of
+    /// elements satisfies `|a - b| <= atol + rtol * |b|` (compared as `f64`;
+    /// NaN is never close, equal infinities are). PyTorch: `torch.allclose`
+    /// (which raises on a dtype mismatch where this returns `false`).
+    pub fn allclose(&self, other: &Tensor, rtol: f64, atol: f64) -> bool {
+        if self.shape() != other.shape() || self.dtype() != other.dtype() {
+            return false;
+        }
+        let (a, b) = (self.to_f64_vec(), other.to_f64_vec());
+        a.iter()
+            .zip(&b)
+            .all(|(&x, &y)| x == y || (x.is_finite() && y.is_finite() && (x - y).abs() <= atol + rtol * y.abs()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use half::{bf16, f16};
+    use ndarray::array;
+
+    use super::*;
+
+    #[test]
+    fn cast_table() {
+        fn check<S: Element, D: Element>(from: &[S], to: DType, want: &[D]) {
+            let src = Tensor::from_slice(from, &[from.len()]).unwrap();
+            let out = src.cast(to).unwrap();
+            assert_eq!(out.dtype(), to);
+            assert_eq!(out.to_vec::<D>().unwrap(), want, "{src:?} -> {to}");
+            assert_eq!(out.shares_storage(&src), S::DTYPE == to);
+        }
+        macro_rules! case {
+            ($from:expr, $to:expr, $want:expr) => {
+                check(&$from, $to, &$want)
+            };
+        }
+        // float -> i64 truncates toward zero; NaN -> 0; saturates.
+        case!([2.7f32, -2.7, 0.5, -0.5], DType::I64, [2i64, -2, 0, 0]);
+        case!([f64::NAN, 1e300, -1e300], DType::I64, [0i64, i64::MAX, i64::MIN]);
+        // bf16 keeps 8 mantissa bits, ties to even.
+        case!(
+            [1.0f32, 1.0 + 2f32.powi(-8), 1.0 + 3.0 * 2f32.powi(-8), 3.3, f32::MAX],
+            DType::BF16,
+            [1.0f32, 1.0, 1.015625, 3.296875, f32::INFINITY].map(bf16::from_f32)
+        );
+        // f64 -> bf16 goes through f32 (double rounding, as PyTorch).
+        case!(
+            [1.0f64 + 2f64.powi(-8) + 2f64.powi(-30)],
+            DType::BF16,
+            [bf16::from_f32(1.0)]
+        );
+        case!(
+            [65504.0f32, 70000.0, 0.1],
+            DType::F16,
+            [65504.0, f32::INFINITY, 0.1].map(f16::from_f32)
+        );
+        case!([bf16::from_f32(2.5)], DType::F16, [f16::from_f32(2.5)]);
+        case!([f16::from_f32(-0.75)], DType::F64, [-0.75f64]);
+        case!([0.1f64], DType::F32, [0.1f32]);
+        case!([300i64, -1, 7], DType::U8, [44u8, 255, 7]);
+        case!([200u8, 0], DType::I64, [200i64, 0]);
+        case!([255u8, 3], DType::BF16, [255.0f32, 3.0].map(bf16::from_f32));
+        case!([257.9f32, -1.0], DType::U8, [255u8, 0]);
+        case!([(1i64 << 53) + 1], DType::F64, [(1u64 << 53) as f64]);
+        case!([1.5f32, 2.0], DType::F32, [1.5f32, 2.0]);
+    }
+
+    #[test]
+    fn cast_of_a_strided_view_is_row_major() {
+        let t = Tensor::arange(6, DType::I64).unwrap().reshape(&[2, 3]).unwrap();
+        let c = t.transpose(0, 1).unwrap().cast(DType::F32).unwrap();
+        assert_eq!(c.shape(), &[3, 2]);
+        assert!(c.is_contiguous());
+        assert_eq!(c.to_vec::<f32>().unwrap(), vec![0.0, 3.0, 1.0, 4.0, 2.0, 5.0]);
+        let row = t.narrow(0, 1, 1).unwrap().cast(DType::U8).unwrap();
+        assert_eq!((row.shape(), row.to_vec::<u8>().unwrap()), (&[1, 3][..], vec![3, 4, 5]));
+    }
+
+    #[test]
+    fn typed_access_checks_dtype() {
+        let t = Tensor::ones(&[2], DType::F64).unwrap();
+        macro_rules! case {
+            ($res:expr, $msg:expr) => {
+                assert_eq!($res.unwrap_err().to_string(), $msg);
+            };
+        }
+        case!(t.to_vec::<f32>(), "to_vec: expected dtype f32, got f64");
+        case!(t.to_vec::<i64>(), "to_vec: expected dtype i64, got f64");
+        case!(t.to_vec::<bf16>(), "to_vec: expected dtype bf16, got f64");
+        case!(t.as_slice::<u8>(), "as_slice: expected dtype u8, got f64");
+        case!(t.view::<f16>(), "view: expected dtype f16, got f64");
+        case!(t.to_ndarray::<f32>(), "to_ndarray: expected dtype f32, got f64");
+        assert_eq!(t.to_vec::<f64>().unwrap(), vec![1.0, 1.0]);
+    }
+
+    #[test]
+    fn slices_and_buffers_of_contiguous_tensors() {
+        let t = Tensor::arange(12, DType::F32).unwrap().reshape(&[3, 4]).unwrap();
+        let rows = t.narrow(0, 1, 2).unwrap();
+        assert_eq!(
+            rows.as_slice::<f32>().unwrap(),
+            &[4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0]
+        );
+        let buf = rows.as_buf().unwrap();
+        assert_eq!((buf.dtype(), buf.len()), (DType::F32, 8));
+        assert_eq!(
+            buf.as_bytes(),
+            bytemuck::cast_slice::<f32, u8>(rows.as_slice().unwrap())
+        );
+        let empty = t.narrow(0, 3, 0).unwrap();
+        assert_eq!(empty.as_slice::<f32>().unwrap(), &[] as &[f32]);
+        let cols = t.narrow(1, 1, 2).unwrap();
+        let msg = "tensor of shape [3, 2] with strides [4, 1] is not contiguous; call .contiguous() first";
+        assert_eq!(
+            cols.as_slice::<f32>().unwrap_err().to_string(),
+            format!("as_slice: {msg}")
+        );
+        assert_eq!(cols.as_buf().unwrap_err().to_string(), format!("as_buf: {msg}"));
+        assert_eq!(cols.to_buffer(), Buffer::F32(vec![1.0, 2.0, 5.0, 6.0, 9.0, 10.0]));
+        let c = cols.contiguous();
+        assert_eq!(c.as_slice::<f32>().unwrap(), &[1.0, 2.0, 5.0, 6.0, 9.0, 10.0]);
+    }
+
+    #[test]
+    fn ndarray_interop() {
+        let t = Tensor::arange(6, DType::F64).unwrap().reshape(&[2, 3]).unwrap();
+        let tt = t.transpose(0, 1).unwrap();
+        let v = tt.view::<f64>().unwrap();
+        assert_eq!(v, array![[0.0, 3.0], [1.0, 4.0], [2.0, 5.0]].into_dyn());
+        let cols = t.narrow(1, 1, 2).unwrap();
+        assert_eq!(cols.view::<f64>().unwrap(), array![[1.0, 2.0], [4.0, 5.0]].into_dyn());
+        let e = t.narrow(0, 2, 0).unwrap().narrow(1, 3, 0).unwrap();
+        assert_eq!(e.view::<f64>().unwrap().shape(), &[0, 0]);
+        let a = tt.to_ndarray::<f64>().unwrap();
+        assert_eq!(a, array![[0.0, 3.0], [1.0, 4.0], [2.0, 5.0]].into_dyn());
+        assert_eq!(Tensor::from_ndarray(a), tt);
+        let s = Tensor::scalar(5.0, DType::F64).unwrap();
+        assert_eq!(s.view::<f64>().unwrap(), ndarray::arr0(5.0).into_dyn());
+    }
+
+    #[test]
+    fn allclose_table() {
+        let f = |v: &[f64]| Tensor::from_slice(v, &[v.len()]).unwrap();
+        macro_rules! case {
+            ($a:expr, $b:expr, $rtol:expr, $atol:expr, $want:expr) => {
+                assert_eq!(
+                    $a.allclose(&$b, $rtol, $atol),
+                    $want,
+                    "{:?} vs {:?}",
+                    $a,
+                    $b
+                );
+            };
+        }
+        case!(f(&[1.0, 2.0]), f(&[1.0, 2.0]), 0.0, 0.0, true);
+        case!(f(&[1.0, 2.0]), f(&[1.0, 2.001]), 1e-3, 0.0, true);
+        case!(f(&[1.0, 2.0]), f(&[1.0, 2.01]), 1e-3, 0.0, false);
+        case!(f(&[0.0]), f(&[1e-9]), 0.0, 1e-8, true);
+        case!(f(&[0.0]), f(&[1e-7]), 0.0, 1e-8, false);
+        case!(f(&[f64::INFINITY]), f(&[f64::INFINITY]), 0.0, 0.0, true);
+        case!(f(&[f64::INFINITY]), f(&[f64::NEG_INFINITY]), 1.0, 1.0, false);
+        case!(f(&[f64::NAN]), f(&[f64::NAN]), 1.0, 1.0, false);
+        case!(f(&[1.0, 2.0]), f(&[1.0]), 1.0, 1.0, false);
+        case!(f(&[1.0]), f(&[1.0]).cast(DType::F32).unwrap(), 1.0, 1.0, false);
+        let t = Tensor::arange(6, DType::BF16).unwrap().reshape(&[2, 3]).unwrap();
+        case!(
+            t.transpose(0, 1).unwrap(),
+            t.transpose(0, 1).unwrap().contiguous(),
+            0.0,
+            0.0,
+            true
+        );
+    }
+}

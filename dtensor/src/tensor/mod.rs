@@ -1,0 +1,253 @@
+//! The local (per-rank) tensor: a runtime-typed, strided view of shared CPU storage.
+//!
+//! ```
+//! use tessera_dtensor::{DType, Tensor};
+//!
+//! let t = Tensor::arange(12, DType::F32)?.reshape(&[3, 4])?;
+//! let parts = t.chunk(2, 1)?; // two [3, 2] views of `t`'s storage, no copy
+//! assert_eq!(parts[1].to_vec::<f32>()?, vec![2.0, 3.0, 6.0, 7.0, 10.0, 11.0]);
+//! assert!(parts[1].shares_storage(&t) && !parts[1].is_contiguous());
+//! let back = Tensor::cat(&parts, 1)?;
+//! assert_eq!(back, t);
+//! assert_eq!(t.cast(DType::I64)?.to_vec::<i64>()?, (0..12).collect::<Vec<_>>());
+//! # Ok::<(), tessera_dtensor::Error>(())
+//! ```
+
+mod construct;
+mod convert;
+mod layout;
+mod shape_ops;
+mod storage;
+
+use std::fmt;
+use std::sync::Arc;
+
+use tessera_mesh::{Buffer, DType};
+
+use layout::Layout;
+use storage::{Storage, with_buffer};
+
+/// A tensor on one rank: shape, strides and a runtime [`DType`] over shared storage.
+///
+/// Cheap to clone (an `Arc`). Tensors are immutable; views (`narrow`, `chunk`,
+/// `transpose`, `reshape` of contiguous data) share storage with the tensor
+/// they come from, and every op that computes new values allocates new storage,
+/// which the per-rank [memory tracker](crate::memory) counts.
+///
+/// Every dtype of [`DType`] is supported; `U8` is raw bytes (flat communication
+/// buckets). Kernels are written once over [`Element`](tessera_mesh::Element).
+///
+/// PyTorch: `torch.Tensor` on the CPU, without autograd.
+#[derive(Clone)]
+pub struct Tensor(Arc<Inner>);
+
+struct Inner {
+    storage: Arc<Storage>,
+    layout: Layout,
+}
+
+impl Tensor {
+    /// A tensor over fresh storage holding `data` in row-major order.
+    fn from_storage_data(data: Buffer, shape: &[usize]) -> Tensor {
+        Tensor::from_parts(Arc::new(Storage::new(data)), Layout::contiguous(shape))
+    }
+
+    fn from_parts(storage: Arc<Storage>, layout: Layout) -> Tensor {
+        Tensor(Arc::new(Inner { storage, layout }))
+    }
+
+    /// A view of this tensor's storage with another layout.
+    fn with_layout(&self, layout: Layout) -> Tensor {
+        Tensor::from_parts(Arc::clone(&self.0.storage), layout)
+    }
+
+    fn layout(&self) -> &Layout {
+        &self.0.layout
+    }
+
+    fn data(&self) -> &Buffer {
+        self.0.storage.data()
+    }
+
+    /// The size of every dim.
+    pub fn shape(&self) -> &[usize] {
+        &self.0.layout.shape
+    }
+
+    /// The size of every dim (same as [`shape`](Self::shape); candle's name).
+    pub fn dims(&self) -> &[usize] {
+        self.shape()
+    }
+
+    /// The number of dims (0 for a scalar). PyTorch: `Tensor.dim()`.
+    pub fn rank(&self) -> usize {
+        self.shape().len()
+    }
+
+    /// The size of dim `dim`.
+    ///
+    /// # Errors
+    /// [`Error::DimOutOfRange`](crate::Error::DimOutOfRange) when `dim >= rank`.
+    pub fn dim(&self, dim: usize) -> crate::Result<usize> {
+        self.layout().check_dim("dim", dim)?;
+        Ok(self.shape()[dim])
+    }
+
+    /// The number of elements (1 for a scalar).
+    pub fn numel(&self) -> usize {
+        self.layout().numel()
+    }
+
+    /// The element type.
+    pub fn dtype(&self) -> DType {
+        self.0.storage.dtype()
+    }
+
+    /// Strides in elements, one per dim. PyTorch: `Tensor.stride()`.
+    pub fn strides(&self) -> &[usize] {
+        &self.0.layout.strides
+    }
+
+    /// Offset of the first element in the storage, in elements.
+    /// PyTorch: `Tensor.storage_offset()`.
+    pub fn storage_offset(&self) -> usize {
+        self.0.layout.offset
+    }
+
+    /// Whether the elements lie row-major and dense in storage (so that
+    /// [`as_slice`](Self::as_slice) and [`as_buf`](Self::as_buf) work).
+    pub fn is_contiguous(&self) -> bool {
+        self.layout().is_contiguous()
+    }
+
+    /// Logical size in bytes: `numel × dtype size` (a view counts its own
+    /// elements, not its storage).
+    pub fn size_in_bytes(&self) -> usize {
+        self.numel() * self.dtype().size_in_bytes()
+    }
+
+    /// Whether `self` and `other` view the same storage (views of one another).
+    pub fn shares_storage(&self, other: &Tensor) -> bool {
+        Arc::ptr_eq(&self.0.storage, &other.0.storage)
+    }
+}
+
+/// Same shape, same dtype and equal values (so a NaN makes a tensor unequal to
+/// itself, as with floats). Strides and storage do not matter.
+impl PartialEq for Tensor {
+    fn eq(&self, other: &Tensor) -> bool {
+        if self.shape() != other.shape() || self.dtype() != other.dtype() {
+            return false;
+        }
+        let (a, b) = (self.layout(), other.layout());
+        with_buffer!(self.data(), x, T => {
+            let Some(y) = storage::typed::<T>(other.data().as_buf()) else {
+                return false;
+            };
+            a.offsets().zip(b.offsets()).all(|(i, j)| x[i] == y[j])
+        })
+    }
+}
+
+/// How many values `Debug` prints.
+const DEBUG_VALUES: usize = 8;
+
+impl fmt::Debug for Tensor {
+    /// `Tensor[2, 3] f32 [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]`, with at most eight values.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Tensor{:?} {} [", self.shape(), self.dtype())?;
+        with_buffer!(self.data(), x, _T => {
+            for (k, i) in self.layout().offsets().take(DEBUG_VALUES).enumerate() {
+                if k > 0 {
+                    f.write_str(", ")?;
+                }
+                write!(f, "{:?}", x[i])?;
+            }
+        });
+        if self.numel() > DEBUG_VALUES {
+            write!(f, ", ... ({} values)", self.numel())?;
+        }
+        f.write_str("]")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn accessors() {
+        let t = Tensor::zeros(&[2, 3, 4], DType::BF16).unwrap();
+        assert_eq!(t.shape(), &[2, 3, 4]);
+        assert_eq!(t.dims(), &[2, 3, 4]);
+        assert_eq!(t.rank(), 3);
+        assert_eq!(t.dim(1).unwrap(), 3);
+        assert!(matches!(
+            t.dim(3),
+            Err(crate::Error::DimOutOfRange { dim: 3, rank: 3, .. })
+        ));
+        assert_eq!(t.numel(), 24);
+        assert_eq!(t.dtype(), DType::BF16);
+        assert_eq!(t.strides(), &[12, 4, 1]);
+        assert_eq!(t.storage_offset(), 0);
+        assert!(t.is_contiguous());
+        assert_eq!(t.size_in_bytes(), 48);
+        let v = t.narrow(2, 1, 2).unwrap();
+        assert_eq!(v.size_in_bytes(), 24);
+        assert_eq!(v.storage_offset(), 1);
+        assert!(!v.is_contiguous() && v.shares_storage(&t));
+        let s = Tensor::scalar(2.0, DType::F64).unwrap();
+        assert_eq!((s.rank(), s.numel(), s.shape()), (0, 1, &[][..]));
+    }
+
+    #[test]
+    fn equality() {
+        let t = Tensor::arange(6, DType::F32).unwrap().reshape(&[2, 3]).unwrap();
+        let same = Tensor::from_vec(vec![0.0f32, 1.0, 2.0, 3.0, 4.0, 5.0], &[2, 3]).unwrap();
+        let tt = t.transpose(0, 1).unwrap();
+        macro_rules! case {
+            ($a:expr, $b:expr, $want:expr) => {
+                assert_eq!($a == $b, $want, "{:?} == {:?}", $a, $b);
+            };
+        }
+        case!(t, same, true);
+        case!(tt, tt.contiguous(), true); // strides do not matter
+        case!(t, t.cast(DType::F64).unwrap(), false); // dtype does
+        case!(t, t.reshape(&[3, 2]).unwrap(), false); // shape does
+        case!(t, tt, false);
+        case!(
+            t,
+            Tensor::from_vec(vec![0.0f32, 1.0, 2.0, 3.0, 4.0, 5.5], &[2, 3]).unwrap(),
+            false
+        );
+        let nan = Tensor::full(&[1], f64::NAN, DType::F32).unwrap();
+        case!(nan, nan, false);
+    }
+
+    #[test]
+    fn debug_is_compact() {
+        macro_rules! case {
+            ($t:expr, $want:expr) => {
+                assert_eq!(format!("{:?}", $t), $want);
+            };
+        }
+        case!(
+            Tensor::arange(6, DType::F32).unwrap().reshape(&[2, 3]).unwrap(),
+            "Tensor[2, 3] f32 [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]"
+        );
+        case!(
+            Tensor::arange(10, DType::I64).unwrap(),
+            "Tensor[10] i64 [0, 1, 2, 3, 4, 5, 6, 7, ... (10 values)]"
+        );
+        case!(
+            Tensor::arange(4, DType::U8)
+                .unwrap()
+                .reshape(&[2, 2])
+                .unwrap()
+                .transpose(0, 1)
+                .unwrap(),
+            "Tensor[2, 2] u8 [0, 2, 1, 3]"
+        );
+        case!(Tensor::zeros(&[0, 2], DType::BF16).unwrap(), "Tensor[0, 2] bf16 []");
+    }
+}

@@ -1,0 +1,377 @@
+//! Shape ops: views (narrow, chunk, transpose, reshape) and copies (contiguous, cat).
+
+use tessera_mesh::{Buffer, Element};
+
+use super::Tensor;
+use super::layout::{Layout, checked_numel};
+use super::storage::{typed, with_buffer};
+use crate::{Error, Result};
+
+/// Sizes of the `n` chunks of a dim of `size`, as `torch.chunk` and `Shard`
+/// split it: every chunk has `ceil(size / n)` entries except that trailing
+/// chunks may be short or empty (13 over 4 is 4, 4, 4, 1; 6 over 4 is
+/// 2, 2, 2, 0). `n` must be positive.
+fn chunk_bounds(size: usize, n: usize) -> impl Iterator<Item = (usize, usize)> {
+    let step = size.div_ceil(n);
+    (0..n).map(move |i| {
+        let start = (i * step).min(size);
+        (start, step.min(size - start))
+    })
+}
+
+impl Tensor {
+    /// The view of `len` entries of dim `dim` starting at `start`, sharing storage.
+    /// PyTorch: `Tensor.narrow`.
+    ///
+    /// # Errors
+    /// [`Error::DimOutOfRange`], or [`Error::InvalidArgument`] when
+    /// `start + len` exceeds the dim's size.
+    pub fn narrow(&self, dim: usize, start: usize, len: usize) -> Result<Tensor> {
+        Ok(self.with_layout(self.layout().narrow(dim, start, len)?))
+    }
+
+    /// Exactly `n` views along `dim`, each of `ceil(size / n)` entries except
+    /// that trailing ones may be short or empty: 13 over 4 gives 4, 4, 4, 1;
+    /// 5 over 4 gives 2, 2, 1, 0; 6 over 4 gives 2, 2, 2, 0. This is how
+    /// `Shard(dim)` splits a tensor.
+    ///
+    /// PyTorch: `torch.chunk` (which may return fewer than `n` chunks; DTensor
+    /// pads the list with empty ones, as this does).
+    ///
+    /// # Errors
+    /// [`Error::DimOutOfRange`], or [`Error::InvalidArgument`] when `n` is 0.
+    pub fn chunk(&self, n: usize, dim: usize) -> Result<Vec<Tensor>> {
+        self.layout().check_dim("chunk", dim)?;
+        if n == 0 {
+            return Err(Error::InvalidArgument {
+                op: "chunk",
+                detail: format!("cannot split dim {dim} into 0 chunks; ask for at least 1"),
+            });
+        }
+        chunk_bounds(self.shape()[dim], n)
+            .map(|(start, len)| self.narrow(dim, start, len))
+            .collect()
+    }
+
+    /// The view with dims `d0` and `d1` swapped (usually not contiguous).
+    /// PyTorch: `Tensor.transpose`.
+    ///
+    /// # Errors
+    /// [`Error::DimOutOfRange`] for either dim.
+    pub fn transpose(&self, d0: usize, d1: usize) -> Result<Tensor> {
+        Ok(self.with_layout(self.layout().transpose(d0, d1)?))
+    }
+
+    /// This tensor if it is contiguous, otherwise a row-major copy.
+    /// PyTorch: `Tensor.contiguous`.
+    pub fn contiguous(&self) -> Tensor {
+        if self.is_contiguous() {
+            return self.clone();
+        }
+        let layout = self.layout();
+        let data = with_buffer!(self.data(), v, _T => Buffer::from(layout.gather(v)));
+        Tensor::from_storage_data(data, self.shape())
+    }
+
+    /// The same elements (row-major order) in another shape: a view when this
+    /// tensor is contiguous, a copy otherwise. PyTorch: `Tensor.reshape`.
+    ///
+    /// # Errors
+    /// [`Error::ShapeMismatch`] when `shape` holds another number of elements.
+    pub fn reshape(&self, shape: &[usize]) -> Result<Tensor> {
+        let n = checked_numel("reshape", shape)?;
+        if n != self.numel() {
+            return Err(Error::ShapeMismatch {
+                op: "reshape",
+                detail: format!(
+                    "cannot reshape {:?} ({} elements) into {shape:?} ({n} elements)",
+                    self.shape(),
+                    self.numel()
+                ),
+            });
+        }
+        let base = self.contiguous();
+        let mut layout = Layout::contiguous(shape);
+        layout.offset = if n == 0 { 0 } else { base.storage_offset() };
+        Ok(base.with_layout(layout))
+    }
+
+    /// Concatenates `tensors` along `dim` into new contiguous storage. Shapes
+    /// must agree except on `dim`; empty pieces are fine. PyTorch: `torch.cat`.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for an empty list; [`Error::DimOutOfRange`];
+    /// [`Error::ShapeMismatch`] naming the first piece whose rank or other dims
+    /// differ from piece 0's; [`Error::DTypeMismatch`] for a piece of another dtype.
+    pub fn cat(tensors: &[Tensor], dim: usize) -> Result<Tensor> {
+        let Some(first) = tensors.first() else {
+            return Err(Error::InvalidArgument {
+                op: "cat",
+                detail: "no tensors to concatenate; pass at least one".into(),
+            });
+        };
+        first.layout().check_dim("cat", dim)?;
+        let mut shape = first.shape().to_vec();
+        shape[dim] = 0;
+        for (i, t) in tensors.iter().enumerate() {
+            if t.dtype() != first.dtype() {
+                return Err(Error::DTypeMismatch {
+                    op: "cat",
+                    expected: first.dtype(),
+                    got: t.dtype(),
+                });
+            }
+            let agrees =
+                t.rank() == first.rank() && (0..t.rank()).all(|d| d == dim || t.shape()[d] == first.shape()[d]);
+            if !agrees {
+                return Err(Error::ShapeMismatch {
+                    op: "cat",
+                    detail: format!(
+                        "tensor {i} has shape {:?} but tensor 0 has {:?}; all dims but \
+                         dim {dim} must agree",
+                        t.shape(),
+                        first.shape()
+                    ),
+                });
+            }
+            shape[dim] += t.shape()[dim];
+        }
+        let data = with_buffer!(first.data(), _v, T => Buffer::from(cat_rows::<T>(tensors, dim)));
+        Ok(Tensor::from_storage_data(data, &shape))
+    }
+}
+
+/// The elements of `tensors` (all of dtype `T`, shapes checked) concatenated
+/// along `dim`, row-major.
+fn cat_rows<T: Element>(tensors: &[Tensor], dim: usize) -> Vec<T> {
+    let outer: usize = tensors[0].shape()[..dim].iter().product();
+    let parts: Vec<(Vec<T>, usize)> = tensors
+        .iter()
+        .map(|t| {
+            // `cat` checked that every piece has dtype `T`, so `typed` is `Some`.
+            let v = typed::<T>(t.data().as_buf()).map_or_else(Vec::new, |v| t.layout().gather(v));
+            // Elements per outer index: this piece's slab of `dim` and later dims.
+            let block = t.shape()[dim..].iter().product();
+            (v, block)
+        })
+        .collect();
+    let total = parts.iter().map(|(v, _)| v.len()).sum();
+    let mut out = Vec::with_capacity(total);
+    for o in 0..outer {
+        for (v, block) in &parts {
+            out.extend_from_slice(&v[o * block..(o + 1) * block]);
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use tessera_mesh::DType;
+
+    use super::*;
+
+    fn iota(shape: &[usize]) -> Tensor {
+        let n = shape.iter().product();
+        Tensor::arange(n, DType::I64).unwrap().reshape(shape).unwrap()
+    }
+
+    fn vals(t: &Tensor) -> Vec<i64> {
+        t.to_vec::<i64>().unwrap()
+    }
+
+    #[test]
+    fn chunk_table() {
+        macro_rules! case {
+            ($shape:expr, $n:expr, $dim:expr, $sizes:expr) => {
+                let t = iota(&$shape);
+                let parts = t.chunk($n, $dim).unwrap();
+                let sizes: Vec<usize> = parts.iter().map(|p| p.shape()[$dim]).collect();
+                assert_eq!(sizes, $sizes, "{:?} over {} on dim {}", $shape, $n, $dim);
+                assert!(parts.iter().all(|p| p.shares_storage(&t)), "chunks are views");
+                assert_eq!(Tensor::cat(&parts, $dim).unwrap(), t, "chunks cover it");
+            };
+        }
+        case!([13], 4, 0, vec![4, 4, 4, 1]);
+        case!([6], 4, 0, vec![2, 2, 2, 0]);
+        case!([5], 4, 0, vec![2, 2, 1, 0]);
+        case!([0], 3, 0, vec![0, 0, 0]);
+        case!([8], 4, 0, vec![2, 2, 2, 2]);
+        case!([3], 1, 0, vec![3]);
+        case!([2], 5, 0, vec![1, 1, 0, 0, 0]);
+        case!([3, 7], 3, 1, vec![3, 3, 1]);
+        case!([3, 7], 2, 0, vec![2, 1]);
+        case!([2, 3, 4], 4, 2, vec![1, 1, 1, 1]);
+    }
+
+    #[test]
+    fn chunk_values_on_dim_1() {
+        let parts = iota(&[2, 5]).chunk(2, 1).unwrap();
+        assert_eq!(parts[0].shape(), &[2, 3]);
+        assert_eq!(vals(&parts[0]), vec![0, 1, 2, 5, 6, 7]);
+        assert_eq!(vals(&parts[1]), vec![3, 4, 8, 9]);
+    }
+
+    #[test]
+    fn narrow_views() {
+        macro_rules! case {
+            ($shape:expr, $dim:expr, $start:expr, $len:expr, $want_shape:expr, $want:expr) => {
+                let t = iota(&$shape);
+                let v = t.narrow($dim, $start, $len).unwrap();
+                assert!(v.shares_storage(&t));
+                assert_eq!(v.shape(), &$want_shape[..]);
+                assert_eq!(vals(&v), $want);
+            };
+        }
+        case!([6], 0, 2, 3, [3], vec![2, 3, 4]);
+        case!([3, 4], 0, 1, 2, [2, 4], vec![4, 5, 6, 7, 8, 9, 10, 11]);
+        case!([3, 4], 1, 1, 2, [3, 2], vec![1, 2, 5, 6, 9, 10]);
+        case!([3, 4], 1, 4, 0, [3, 0], vec![]);
+        case!([2, 2, 3], 2, 2, 1, [2, 2, 1], vec![2, 5, 8, 11]);
+        // A narrow of a narrow of a transpose.
+        let t = iota(&[3, 4]).transpose(0, 1).unwrap().narrow(0, 1, 2).unwrap();
+        assert_eq!(vals(&t.narrow(1, 1, 2).unwrap()), vec![5, 9, 6, 10]);
+    }
+
+    #[test]
+    fn shape_op_errors() {
+        macro_rules! case {
+            ($res:expr, $msg:expr) => {
+                assert_eq!($res.unwrap_err().to_string(), $msg);
+            };
+        }
+        let t = iota(&[3, 4]);
+        case!(
+            t.narrow(1, 3, 2),
+            "narrow: start 3 + len 2 exceeds size 4 of dim 1 (shape [3, 4]); need start + len <= 4"
+        );
+        case!(
+            t.narrow(0, usize::MAX, 2),
+            format!(
+                "narrow: start {} + len 2 exceeds size 3 of dim 0 (shape [3, 4]); need start + len <= 3",
+                usize::MAX
+            )
+        );
+        case!(
+            t.narrow(2, 0, 1),
+            "narrow: dim 2 is out of range for a tensor of rank 2"
+        );
+        case!(t.chunk(2, 5), "chunk: dim 5 is out of range for a tensor of rank 2");
+        case!(
+            t.chunk(0, 0),
+            "chunk: cannot split dim 0 into 0 chunks; ask for at least 1"
+        );
+        case!(
+            t.transpose(0, 2),
+            "transpose: dim 2 is out of range for a tensor of rank 2"
+        );
+        case!(
+            t.reshape(&[5, 2]),
+            "reshape: shape mismatch: cannot reshape [3, 4] (12 elements) into [5, 2] (10 elements)"
+        );
+        case!(Tensor::cat(&[], 0), "cat: no tensors to concatenate; pass at least one");
+        case!(
+            Tensor::cat(std::slice::from_ref(&t), 2),
+            "cat: dim 2 is out of range for a tensor of rank 2"
+        );
+        case!(
+            Tensor::cat(&[t.clone(), iota(&[3, 4]).cast(DType::F32).unwrap()], 0),
+            "cat: expected dtype i64, got f32"
+        );
+        case!(
+            Tensor::cat(&[t.clone(), iota(&[3, 4]), iota(&[2, 4])], 1),
+            "cat: shape mismatch: tensor 2 has shape [2, 4] but tensor 0 has [3, 4]; all dims but dim 1 must agree"
+        );
+        case!(
+            Tensor::cat(&[t.clone(), iota(&[12])], 0),
+            "cat: shape mismatch: tensor 1 has shape [12] but tensor 0 has [3, 4]; all dims but dim 0 must agree"
+        );
+    }
+
+    #[test]
+    fn cat_table() {
+        macro_rules! case {
+            ($parts:expr, $dim:expr, $shape:expr, $want:expr) => {
+                let c = Tensor::cat(&$parts, $dim).unwrap();
+                assert_eq!(c.shape(), &$shape[..]);
+                assert!(c.is_contiguous());
+                assert_eq!(vals(&c), $want);
+            };
+        }
+        let t = iota(&[2, 3]);
+        case!([iota(&[2, 3])], 0, [2, 3], vec![0, 1, 2, 3, 4, 5]);
+        case!(
+            [t.clone(), t.clone()],
+            0,
+            [4, 3],
+            vec![0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5]
+        );
+        case!(
+            [t.clone(), t.clone()],
+            1,
+            [2, 6],
+            vec![0, 1, 2, 0, 1, 2, 3, 4, 5, 3, 4, 5]
+        );
+        case!(
+            [iota(&[2, 0]), t.clone(), iota(&[2, 0])],
+            1,
+            [2, 3],
+            vec![0, 1, 2, 3, 4, 5]
+        );
+        case!([iota(&[0, 3]), iota(&[0, 3])], 0, [0, 3], vec![]);
+        case!(
+            [t.transpose(0, 1).unwrap(), iota(&[3, 1])],
+            1,
+            [3, 3],
+            vec![0, 3, 0, 1, 4, 1, 2, 5, 2]
+        );
+        case!([iota(&[0]), iota(&[2])], 0, [2], vec![0, 1]);
+    }
+
+    #[test]
+    fn contiguous_copies_only_strided_views() {
+        let t = iota(&[3, 4]);
+        assert!(t.contiguous().shares_storage(&t));
+        let rows = t.narrow(0, 1, 2).unwrap();
+        assert!(rows.is_contiguous() && rows.contiguous().shares_storage(&t));
+        macro_rules! case {
+            ($view:expr, $want:expr) => {
+                let v = $view;
+                assert!(!v.is_contiguous());
+                let c = v.contiguous();
+                assert!(c.is_contiguous() && !c.shares_storage(&t));
+                assert_eq!(c.storage_offset(), 0);
+                assert_eq!(
+                    c.strides(),
+                    &super::super::layout::contiguous_strides(c.shape())[..]
+                );
+                assert_eq!(vals(&c), $want);
+                assert_eq!(c, v);
+            };
+        }
+        case!(t.transpose(0, 1).unwrap(), vec![0, 4, 8, 1, 5, 9, 2, 6, 10, 3, 7, 11]);
+        case!(t.narrow(1, 1, 2).unwrap(), vec![1, 2, 5, 6, 9, 10]);
+        case!(t.chunk(2, 1).unwrap()[1].clone(), vec![2, 3, 6, 7, 10, 11]);
+    }
+
+    #[test]
+    fn reshape_table() {
+        macro_rules! case {
+            ($t:expr, $shape:expr, $view:expr, $want:expr) => {
+                let t = $t;
+                let r = t.reshape(&$shape).unwrap();
+                assert_eq!(r.shape(), &$shape[..]);
+                assert_eq!(r.shares_storage(&t), $view, "view or copy");
+                assert_eq!(vals(&r), $want);
+            };
+        }
+        let t = iota(&[2, 3]);
+        case!(t.clone(), [3, 2], true, vec![0, 1, 2, 3, 4, 5]);
+        case!(t.clone(), [6], true, vec![0, 1, 2, 3, 4, 5]);
+        case!(t.clone(), [1, 6, 1], true, vec![0, 1, 2, 3, 4, 5]);
+        case!(t.narrow(0, 1, 1).unwrap(), [3], true, vec![3, 4, 5]);
+        case!(t.transpose(0, 1).unwrap(), [6], false, vec![0, 3, 1, 4, 2, 5]);
+        case!(iota(&[0, 3]), [3, 0], true, vec![]);
+        case!(iota(&[1]), [0usize; 0], true, vec![0]);
+    }
+}

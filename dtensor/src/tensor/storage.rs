@@ -1,0 +1,211 @@
+//! CPU storage of tensors and the scalar conversions that kernels share.
+
+use half::{bf16, f16};
+use tessera_mesh::{Buf, Buffer, DType, Element};
+
+use crate::memory::Allocation;
+use crate::{Error, Result};
+
+/// One flat, immutable buffer that tensors view through a layout.
+///
+/// Charged to the allocating rank by the memory tracker while it lives.
+#[derive(Debug)]
+pub(crate) struct Storage {
+    data: Buffer,
+    _charge: Allocation,
+}
+
+impl Storage {
+    /// Wraps `data`, charging its bytes to the current thread's rank.
+    pub(crate) fn new(data: Buffer) -> Storage {
+        let bytes = data.len() * data.dtype().size_in_bytes();
+        Storage {
+            data,
+            _charge: Allocation::charge(bytes),
+        }
+    }
+
+    pub(crate) fn data(&self) -> &Buffer {
+        &self.data
+    }
+
+    pub(crate) fn dtype(&self) -> DType {
+        self.data.dtype()
+    }
+}
+
+/// The elements of `buf` as `&[T]`, or `None` when `T` is not its dtype.
+pub(crate) fn typed<T: Element>(buf: Buf<'_>) -> Option<&[T]> {
+    if buf.dtype() != T::DTYPE {
+        return None;
+    }
+    // Same dtype, so the inner slice is a `[T]`: the cast never fails.
+    tessera_mesh::dispatch_buf!(Buf, buf, s, _S => bytemuck::try_cast_slice(s).ok())
+}
+
+/// Conversions between element types, shared by every kernel.
+///
+/// Semantics (documented on [`Tensor::cast`](crate::Tensor::cast)): float to
+/// float rounds to nearest (half types through `f32`, as PyTorch does); float to
+/// integer truncates toward zero and saturates, NaN gives 0; integer to integer
+/// wraps (two's complement, as PyTorch does).
+pub(crate) trait Scalar: Element {
+    /// Mantissa bits including the implicit one (0 for integers).
+    const MANTISSA_BITS: u32;
+    /// The smallest and largest values, for range checks of integer fills.
+    const RANGE: (f64, f64);
+    fn to_f64(self) -> f64;
+    fn from_f64(v: f64) -> Self;
+    fn to_i64(self) -> i64;
+    fn from_i64(v: i64) -> Self;
+}
+
+macro_rules! scalar_float {
+    ($t:ty, $bits:expr, $to:expr, $from:expr) => {
+        impl Scalar for $t {
+            const MANTISSA_BITS: u32 = $bits;
+            const RANGE: (f64, f64) = (f64::NEG_INFINITY, f64::INFINITY);
+            fn to_f64(self) -> f64 {
+                $to(self)
+            }
+            fn from_f64(v: f64) -> Self {
+                $from(v)
+            }
+            fn to_i64(self) -> i64 {
+                self.to_f64() as i64
+            }
+            fn from_i64(v: i64) -> Self {
+                Self::from_f64(v as f64)
+            }
+        }
+    };
+}
+scalar_float!(f32, 24, |x: f32| x as f64, |v: f64| v as f32);
+scalar_float!(f64, 53, |x: f64| x, |v: f64| v);
+scalar_float!(bf16, 8, bf16::to_f64, |v: f64| bf16::from_f32(v as f32));
+scalar_float!(f16, 11, f16::to_f64, |v: f64| f16::from_f32(v as f32));
+
+macro_rules! scalar_int {
+    ($t:ty) => {
+        impl Scalar for $t {
+            const MANTISSA_BITS: u32 = 0;
+            const RANGE: (f64, f64) = (<$t>::MIN as f64, <$t>::MAX as f64);
+            fn to_f64(self) -> f64 {
+                self as f64
+            }
+            fn from_f64(v: f64) -> Self {
+                v as $t
+            }
+            fn to_i64(self) -> i64 {
+                self as i64
+            }
+            fn from_i64(v: i64) -> Self {
+                v as $t
+            }
+        }
+    };
+}
+scalar_int!(i64);
+scalar_int!(u8);
+
+/// Converts one element from `S` to `D` with the semantics of [`Scalar`].
+pub(crate) fn convert<S: Scalar, D: Scalar>(s: S) -> D {
+    if S::DTYPE.is_float() || D::DTYPE.is_float() {
+        D::from_f64(s.to_f64())
+    } else {
+        D::from_i64(s.to_i64())
+    }
+}
+
+/// Converts a fill value for a constructor: floats take any value; integers
+/// take finite values in range and truncate toward zero.
+pub(crate) fn fill_value<T: Scalar>(op: &'static str, v: f64) -> Result<T> {
+    if !T::DTYPE.is_float() {
+        let (lo, hi) = T::RANGE;
+        // Compare the truncated value, so that 255.5 fills a u8 with 255. The upper
+        // bound is exclusive: `hi + 1.0` is 256 for u8 and 2^63 for i64 (where
+        // `hi` itself already rounds to 2^63, which does not fit).
+        let t = v.trunc();
+        let fits = v.is_finite() && t >= lo && t < hi + 1.0;
+        if !fits {
+            return Err(Error::InvalidArgument {
+                op,
+                detail: format!(
+                    "value {v} does not fit dtype {} (range {lo}..={hi}); \
+                     use a float dtype or a value in range",
+                    T::DTYPE
+                ),
+            });
+        }
+    }
+    Ok(T::from_f64(v))
+}
+
+/// Dispatches on an owned or borrowed [`Buffer`], binding the inner vector to
+/// `$x` and its element type to `$T` (which implements [`Scalar`]).
+macro_rules! with_buffer {
+    ($val:expr, $x:ident, $T:ident => $body:expr) => {
+        tessera_mesh::dispatch_buf!(Buffer, $val, $x, $T => $body)
+    };
+}
+pub(crate) use with_buffer;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn conversions() {
+        macro_rules! case {
+            ($s:ty, $v:expr, $d:ty, $want:expr) => {
+                assert_eq!(
+                    convert::<$s, $d>($v),
+                    $want,
+                    "{:?} as {}",
+                    $v,
+                    stringify!($d)
+                );
+            };
+        }
+        case!(f32, 2.7f32, i64, 2);
+        case!(f32, -2.7f32, i64, -2);
+        case!(f64, f64::NAN, i64, 0);
+        case!(f64, 1e30, i64, i64::MAX);
+        case!(f32, 300.0f32, u8, 255);
+        case!(f32, -3.0f32, u8, 0);
+        case!(i64, 257i64, u8, 1);
+        case!(i64, -1i64, u8, 255);
+        case!(u8, 200u8, i64, 200);
+        case!(f32, 1.0 + 2f32.powi(-8), bf16, bf16::from_f32(1.0));
+        case!(f64, 65520.0f64, f16, f16::INFINITY);
+        case!(bf16, bf16::from_f32(3.5), f16, f16::from_f32(3.5));
+        case!(i64, 1i64 << 40, f64, (1u64 << 40) as f64);
+    }
+
+    #[test]
+    fn fill_values() {
+        macro_rules! case {
+            ($t:ty, $v:expr, ok $want:expr) => {
+                assert_eq!(fill_value::<$t>("t", $v).unwrap(), $want, "{}", $v);
+            };
+            ($t:ty, $v:expr, err) => {
+                let e = fill_value::<$t>("t", $v).unwrap_err().to_string();
+                assert!(e.contains("does not fit dtype"), "{}: {e}", $v);
+            };
+        }
+        case!(u8, 255.0, ok 255);
+        case!(u8, 255.5, ok 255);
+        case!(u8, -0.5, ok 0);
+        case!(u8, 3.9, ok 3);
+        case!(u8, 256.0, err);
+        case!(u8, -1.0, err);
+        case!(u8, f64::NAN, err);
+        case!(i64, -7.9, ok - 7);
+        case!(i64, f64::INFINITY, err);
+        case!(i64, 9.3e18, err);
+        case!(i64, -(2f64.powi(63)), ok i64::MIN);
+        case!(i64, 2f64.powi(63), err);
+        case!(f32, f64::INFINITY, ok f32::INFINITY);
+        case!(bf16, 1.0, ok bf16::ONE);
+    }
+}
