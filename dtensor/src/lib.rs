@@ -2,8 +2,8 @@
 #![deny(missing_docs)]
 
 mod error;
-mod placement;
 pub mod memory;
+mod placement;
 pub mod rng;
 pub mod sharding;
 mod tensor;
