@@ -1,14 +1,42 @@
 //! Local tensors, placements, distributed tensors and redistribution.
+//!
+//! ```
+//! use tessera_dtensor::{distribute_tensor, DType, Placement::*, Tensor};
+//! use tessera_mesh::{launch, DeviceMesh};
+//!
+//! launch(2, |ctx| {
+//!     let mesh = DeviceMesh::new(ctx.into_comm(), &[2])?;
+//!     let full = Tensor::arange(8, DType::F32)?.reshape(&[4, 2])?;
+//!     let x = distribute_tensor(&full, &mesh, &[Shard(0)])?;
+//!     // Shard(0) -> Shard(1) is one all_to_all.
+//!     let plan = x.redistribute_plan(&[Shard(1)])?;
+//!     assert_eq!(plan.collectives(), 1);
+//!     assert_eq!(x.run_plan(&plan)?.full_tensor()?, full);
+//!     Ok(())
+//! })
+//! .unwrap();
+//! ```
+//!
+//! - [`Tensor`]: the local CPU tensor (six dtypes, cheap views), with a per-rank
+//!   [`memory`] tracker.
+//! - [`Placement`], [`ShardOrder`] and the pure [`sharding`] math (torch.chunk splits).
+//! - [`DTensor`], [`distribute_tensor`], and redistribution as a pure planner
+//!   ([`redistribute::plan`]) plus an executor.
 #![deny(missing_docs)]
 
+mod dtensor;
 mod error;
 pub mod memory;
 mod placement;
+pub mod redistribute;
 pub mod rng;
 pub mod sharding;
+mod spec;
 mod tensor;
 
+pub use dtensor::{DTensor, distribute_tensor, distribute_tensor_with_order};
 pub use error::{Error, Result};
 pub use placement::{MeshDims, Placement, ShardOrder, validate_placements};
+pub use spec::{DTensorSpec, Layout, Placements, PlacementsDisplay};
 pub use tensor::Tensor;
 pub use tessera_mesh::{DType, ReduceOp};

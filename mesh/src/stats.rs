@@ -10,6 +10,12 @@
 //! | all_reduce | `2 (n−1)/n · b` |
 //! | all_to_all | `(n−1)/n · b` of the local data |
 //! | broadcast | `(n−1)/n · b` |
+//! | all_gather_v (as all_gather) | `(n−1)/n · b` of the whole output (the sum of the counts) |
+//! | reduce_scatter_v (as reduce_scatter) | `(n−1)/n · b` of the input (the sum of the counts) |
+//! | all_to_all_v (as all_to_all) | exactly the bytes sent to other ranks (`send_counts` without this rank's own segment), via [`CommStats::record_exact`] |
+//!
+//! The provided (padded) variable-count forms of [`Communicator`](crate::Communicator)
+//! record the fixed-size collectives they run, padding included.
 //!
 //! Tests use these counters to check collectives per step and bytes moved.
 
@@ -101,6 +107,13 @@ impl CommStats {
     pub fn record(&self, kind: OpKind, n: usize, bytes: usize) {
         self.calls[kind.index()].fetch_add(1, Ordering::Relaxed);
         self.bytes[kind.index()].fetch_add(kind.bytes_sent(n, bytes), Ordering::Relaxed);
+    }
+
+    /// Records one collective of `kind` that sent exactly `bytes_sent` bytes from
+    /// this rank (used where the data per peer is uneven, as in `all_to_all_v`).
+    pub fn record_exact(&self, kind: OpKind, bytes_sent: u64) {
+        self.calls[kind.index()].fetch_add(1, Ordering::Relaxed);
+        self.bytes[kind.index()].fetch_add(bytes_sent, Ordering::Relaxed);
     }
 
     /// A copy of the counters now.
@@ -206,5 +219,9 @@ mod tests {
         assert_eq!(d.bytes(OpKind::AllGather), 50);
         assert_eq!(d.total_calls(), 1);
         assert_eq!(d.to_string(), "all_gather×1 (50 B), barrier×1 (0 B)");
+        s.record_exact(OpKind::AllToAll, 37);
+        let d = s.snapshot() - a;
+        assert_eq!(d.calls(OpKind::AllToAll), 1);
+        assert_eq!(d.bytes(OpKind::AllToAll), 37);
     }
 }

@@ -181,6 +181,96 @@ pub fn check_async<T: TestElement>(comm: &dyn Communicator) {
     assert_close(&what, &g, |i| value(i / len, i % len));
 }
 
+/// Total sizes split by the variable-count checks: empty, smaller than the group,
+/// uneven, and (4500) segments longer than one reduction block.
+pub const V_SIZES: [usize; 6] = [0, 1, 5, 6, 13, 4500];
+
+/// How `torch.chunk` splits `size` elements over `n` ranks: chunks of
+/// `ceil(size / n)`, the last ones short or empty (5 over 4 → 2, 2, 1, 0).
+pub fn chunk_counts(size: usize, n: usize) -> Vec<usize> {
+    let c = size.div_ceil(n.max(1));
+    (0..n).map(|q| c.min(size.saturating_sub(q * c))).collect()
+}
+
+/// Uneven counts with zeros anywhere (not only at the end), seeded by `k`.
+fn ragged_counts(k: usize, n: usize) -> Vec<usize> {
+    (0..n).map(|q| (q * 5 + k) % 4).collect()
+}
+
+fn prefix(counts: &[usize], q: usize) -> usize {
+    counts[..q].iter().sum()
+}
+
+/// all_gather_v, reduce_scatter_v (every reduction the dtype allows) and
+/// all_to_all_v of `T` with uneven counts, zeros included.
+pub fn check_variable<T: TestElement>(comm: &dyn Communicator) {
+    let (r, n) = (comm.rank(), comm.size());
+    let mut cases: Vec<(String, Vec<usize>)> = V_SIZES
+        .iter()
+        .map(|&s| (format!("chunk({s})"), chunk_counts(s, n)))
+        .collect();
+    cases.extend((0..3).map(|k| (format!("ragged({k})"), ragged_counts(k, n))));
+    for (name, counts) in &cases {
+        let total: usize = counts.iter().sum();
+        let ctx = |op: &str| format!("{op} {} counts {name} = {counts:?} rank {r}/{n}", T::DTYPE);
+
+        let send = input::<T>(r, counts[r], value);
+        let mut got = vec![T::default(); total];
+        comm.all_gather_v(T::buf(&send), T::buf_mut(&mut got), counts)
+            .unwrap_or_else(|e| panic!("{}: {e}", ctx("all_gather_v")));
+        // Segment q holds rank q's input.
+        let owner = |i: usize| (0..n).rfind(|&q| prefix(counts, q) <= i && counts[q] > 0).unwrap_or(0);
+        assert_close(&ctx("all_gather_v"), &got, |i| {
+            let q = owner(i);
+            value(q, i - prefix(counts, q))
+        });
+
+        for op in reductions_for(T::DTYPE) {
+            let f = if op == ReduceOp::Product { pvalue } else { value };
+            let what = ctx(&format!("reduce_scatter_v({op})"));
+            let send: Vec<T> = input(r, total, f);
+            let mut recv = vec![T::default(); counts[r]];
+            comm.reduce_scatter_v(T::buf(&send), T::buf_mut(&mut recv), counts, op)
+                .unwrap_or_else(|e| panic!("{what}: {e}"));
+            assert_close(&what, &recv, |i| reduce_oracle(op, n, prefix(counts, r) + i));
+        }
+    }
+
+    // all_to_all_v: rank i sends m[i][j] elements to rank j. Shard(0) → Shard(1)
+    // of an a × b matrix (torch.chunk splits of both dims) and ragged matrices.
+    let mut matrices: Vec<(String, Vec<Vec<usize>>)> = Vec::new();
+    for (a, b) in [(5, 6), (0, 3), (1, 13), (13, 1), (4, 4)] {
+        let (ra, cb) = (chunk_counts(a, n), chunk_counts(b, n));
+        let m = (0..n).map(|i| (0..n).map(|j| ra[i] * cb[j]).collect()).collect();
+        matrices.push((format!("shard {a}x{b}"), m));
+    }
+    for k in 0..3 {
+        let m = (0..n)
+            .map(|i| (0..n).map(|j| (i * 3 + j * 5 + k) % 4).collect())
+            .collect();
+        matrices.push((format!("ragged({k})"), m));
+    }
+    for (name, m) in &matrices {
+        let send_counts = &m[r];
+        let recv_counts: Vec<usize> = (0..n).map(|i| m[i][r]).collect();
+        let what = format!("all_to_all_v {} {name} = {m:?} rank {r}/{n}", T::DTYPE);
+        let send = input::<T>(r, send_counts.iter().sum(), value);
+        let mut got = vec![T::default(); recv_counts.iter().sum()];
+        comm.all_to_all_v(T::buf(&send), send_counts, T::buf_mut(&mut got), &recv_counts)
+            .unwrap_or_else(|e| panic!("{what}: {e}"));
+        // Segment i comes from rank i: its segment r, which starts at prefix(m[i], r).
+        let from = |k: usize| {
+            (0..n)
+                .rfind(|&i| prefix(&recv_counts, i) <= k && recv_counts[i] > 0)
+                .unwrap_or(0)
+        };
+        assert_close(&what, &got, |k| {
+            let i = from(k);
+            value(i, prefix(&m[i], r) + k - prefix(&recv_counts, i))
+        });
+    }
+}
+
 /// Runs `$f::<T>(comm)` for every element type.
 macro_rules! for_all_types {
     ($f:ident, $comm:expr) => {{
@@ -207,6 +297,12 @@ pub fn check_split(comm: &dyn Communicator) {
         "split all_gather on rank {r}"
     );
     for_all_types!(check_blocking, &*sub);
+    check_variable_all(&*sub);
+}
+
+/// [`check_variable`] for every element type.
+pub fn check_variable_all(comm: &dyn Communicator) {
+    for_all_types!(check_variable, comm);
 }
 
 /// Checks that the per-rank counters count each collective and its bytes.
@@ -229,6 +325,7 @@ pub fn check_stats(comm: &dyn Communicator) {
 pub fn check_all(comm: &dyn Communicator) {
     for_all_types!(check_blocking, comm);
     for_all_types!(check_async, comm);
+    check_variable_all(comm);
     check_split(comm);
     check_stats(comm);
     comm.barrier().expect("final barrier");

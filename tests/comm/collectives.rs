@@ -1,11 +1,44 @@
 //! Every collective against its oracle, for world sizes 1, 2, 3, 4, 8 and every
-//! dtype, on the world communicator and on sub-communicators of meshes.
+//! dtype, on the world communicator and on sub-communicators of meshes; the
+//! provided (padded) variable-count forms through a wrapper that overrides nothing.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use tessera::mesh::testing;
-use tessera::{CommunicatorExt, DeviceMesh, LaunchOptions, launch, launch_with};
+use tessera::mesh::{Buf, BufMut, CommStats, OpKind, Result, testing};
+use tessera::{Communicator, CommunicatorExt, DeviceMesh, LaunchOptions, ReduceOp, launch, launch_with};
+
+/// Delegates only the required methods of [`Communicator`] to a real communicator,
+/// so every provided method (the padded variable-count forms included) runs its
+/// default. Its splits are wrapped too.
+pub(crate) struct Defaults(pub(crate) Box<dyn Communicator>);
+
+impl Communicator for Defaults {
+    fn rank(&self) -> usize {
+        self.0.rank()
+    }
+    fn size(&self) -> usize {
+        self.0.size()
+    }
+    fn all_gather(&self, send: Buf<'_>, recv: BufMut<'_>) -> Result<()> {
+        self.0.all_gather(send, recv)
+    }
+    fn reduce_scatter(&self, send: Buf<'_>, recv: BufMut<'_>, op: ReduceOp) -> Result<()> {
+        self.0.reduce_scatter(send, recv, op)
+    }
+    fn broadcast(&self, buf: BufMut<'_>, root: usize) -> Result<()> {
+        self.0.broadcast(buf, root)
+    }
+    fn barrier(&self) -> Result<()> {
+        self.0.barrier()
+    }
+    fn split(&self, color: u32, key: u32) -> Result<Box<dyn Communicator>> {
+        Ok(Box::new(Defaults(self.0.split(color, key)?)))
+    }
+    fn stats(&self) -> &CommStats {
+        self.0.stats()
+    }
+}
 
 #[test]
 fn contract_on_world_sizes() {
@@ -36,6 +69,8 @@ fn check_dim_comms(shape: &[usize]) {
             testing::check_blocking::<f32>(comm);
             testing::check_blocking::<half::bf16>(comm);
             testing::check_async::<i64>(comm);
+            testing::check_variable::<f32>(comm);
+            testing::check_variable::<i64>(comm);
         }
         Ok(())
     })
@@ -106,6 +141,111 @@ fn async_issue_order() {
             let v = w.wait_vec::<i64>()?;
             assert_eq!(v, vec![(k * 30 + 3) as i64; 4]);
         }
+        Ok(())
+    })
+    .unwrap();
+}
+
+/// The provided forms, padded to the largest count, pass the same contract
+/// (on the world and on split sub-groups, whose communicators are wrapped too).
+#[test]
+fn padded_variable_count_defaults_are_correct() {
+    for n in [1, 2, 3, 4, 8] {
+        launch(n, |ctx| {
+            let comm = Defaults(ctx.into_comm());
+            testing::check_variable_all(&comm);
+            testing::check_split(&comm);
+            Ok(())
+        })
+        .unwrap_or_else(|e| panic!("world size {n}: {e}"));
+    }
+}
+
+/// `m[i][j]`: elements rank `i` sends to rank `j` (every diagonal entry nonzero, so
+/// counting the own segment, or the even-split formula, gives other numbers).
+fn a2a_counts(n: usize) -> Vec<Vec<usize>> {
+    (0..n).map(|i| (0..n).map(|j| i + 2 * j + 1).collect()).collect()
+}
+
+/// Runs all_to_all_v of f32 with [`a2a_counts`] and returns what the stats saw.
+fn a2a_v_stats(comm: &dyn Communicator) -> Result<tessera::mesh::CommCounts> {
+    let (r, n) = (comm.rank(), comm.size());
+    let m = a2a_counts(n);
+    let recv_counts: Vec<usize> = (0..n).map(|i| m[i][r]).collect();
+    let send = vec![r as f32; m[r].iter().sum()];
+    let mut recv = vec![0.0f32; recv_counts.iter().sum()];
+    let before = comm.stats().snapshot();
+    comm.all_to_all_v((&send[..]).into(), &m[r], (&mut recv[..]).into(), &recv_counts)?;
+    let d = comm.stats().snapshot() - before;
+    let want: Vec<f32> = (0..n).flat_map(|i| vec![i as f32; m[i][r]]).collect();
+    assert_eq!(recv, want, "all_to_all_v on rank {r}");
+    Ok(d)
+}
+
+/// The threads backend moves exactly the logical data: all_gather_v and
+/// reduce_scatter_v count their logical totals, all_to_all_v exactly the bytes
+/// that leave the rank, and nothing else runs (no exchange of counts, no padding).
+#[test]
+fn variable_count_stats_count_logical_bytes() {
+    let n = 4;
+    launch(n, |ctx| {
+        let comm = ctx.comm();
+        let r = comm.rank();
+        let counts = testing::chunk_counts(5, n);
+        assert_eq!(counts, [2, 2, 1, 0]);
+
+        let before = comm.stats().snapshot();
+        let mut out = [0.0f32; 5];
+        comm.all_gather_v((&vec![1.0f32; counts[r]][..]).into(), (&mut out[..]).into(), &counts)?;
+        let mut mine = vec![0.0f64; counts[r]];
+        comm.reduce_scatter_v(
+            (&[1.0f64; 5][..]).into(),
+            (&mut mine[..]).into(),
+            &counts,
+            ReduceOp::Sum,
+        )?;
+        let d = comm.stats().snapshot() - before;
+        assert_eq!(d.calls(OpKind::AllGather), 1);
+        assert_eq!(d.bytes(OpKind::AllGather), OpKind::AllGather.bytes_sent(n, 5 * 4));
+        assert_eq!(d.calls(OpKind::ReduceScatter), 1);
+        assert_eq!(
+            d.bytes(OpKind::ReduceScatter),
+            OpKind::ReduceScatter.bytes_sent(n, 5 * 8)
+        );
+        assert_eq!(d.total_calls(), 2, "rank {r}: {d}");
+
+        let d = a2a_v_stats(comm)?;
+        let m = a2a_counts(n);
+        let off_rank: usize = m[r].iter().sum::<usize>() - m[r][r];
+        assert_eq!(d.calls(OpKind::AllToAll), 1);
+        assert_eq!(d.bytes(OpKind::AllToAll), (off_rank * 4) as u64, "rank {r}: {d}");
+        assert_eq!(d.total_calls(), 1, "rank {r}: {d}");
+        Ok(())
+    })
+    .unwrap();
+}
+
+/// The padded defaults record the collectives they really run: one all_gather
+/// of every rank's counts, then an all_to_all of blocks padded to the largest
+/// count, which in this wrapper is itself the provided all_to_all (an all_gather
+/// of every rank's whole padded input).
+#[test]
+fn padded_defaults_record_what_they_move() {
+    let n = 4;
+    launch(n, |ctx| {
+        let comm = Defaults(ctx.into_comm());
+        let d = a2a_v_stats(&comm)?;
+        let block = a2a_counts(n).iter().flatten().copied().max().unwrap_or(0);
+        assert_eq!(block, 3 * n - 2);
+        let counts_row = (2 + 2 * n) * 8;
+        let padded_input = n * block * 4;
+        assert_eq!(d.calls(OpKind::AllGather), 2, "{d}");
+        assert_eq!(
+            d.bytes(OpKind::AllGather),
+            OpKind::AllGather.bytes_sent(n, counts_row * n) + OpKind::AllGather.bytes_sent(n, padded_input * n),
+            "{d}"
+        );
+        assert_eq!(d.total_calls(), 2, "{d}");
         Ok(())
     })
     .unwrap();

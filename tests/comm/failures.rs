@@ -1,6 +1,8 @@
 //! A rank that fails, panics, never arrives or leaves early ends the job with
 //! errors naming it on every rank, never a hang; ranks that disagree on a
 //! collective all get an error describing both sides.
+//! Variable-count collectives whose counts or lengths disagree fail on every
+//! rank with an error naming the offending rank, natively and in the padded defaults.
 
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -207,6 +209,152 @@ fn unsupported_reductions_are_errors() {
     });
     for s in &seen {
         assert!(s.contains("avg is not defined for i64"), "{s}");
+    }
+}
+
+/// One rank's arguments to a variable-count collective: send length, receive
+/// length, counts (send counts for all_to_all_v), receive counts.
+type VArgs = (usize, usize, Vec<usize>, Vec<usize>);
+
+fn call_v(comm: &dyn tessera::Communicator, op: &str, (send, recv, counts, recv_counts): VArgs) -> Result<(), String> {
+    let send = vec![1.0f32; send];
+    let mut recv = vec![0.0f32; recv];
+    let (s, r) = ((&send[..]).into(), (&mut recv[..]).into());
+    match op {
+        "all_gather_v" => comm.all_gather_v(s, r, &counts),
+        "reduce_scatter_v" => comm.reduce_scatter_v(s, r, &counts, ReduceOp::Sum),
+        "all_to_all_v" => comm.all_to_all_v(s, &counts, r, &recv_counts),
+        _ => unreachable!("unknown collective {op}"),
+    }
+    .map_err(|e| e.to_string())
+}
+
+/// Runs `op` on 4 ranks with `args(rank)`, on the threads backend and through the
+/// padded defaults, and checks that every rank's error contains `needle`.
+fn v_fails_everywhere(op: &str, args: impl Fn(usize) -> VArgs + Sync, needle: &str) {
+    for padded in [false, true] {
+        let seen = Mutex::new(vec![String::new(); 4]);
+        launch_with(&long(), 4, |ctx| {
+            let r = ctx.rank();
+            let comm: Box<dyn tessera::Communicator> = if padded {
+                Box::new(super::collectives::Defaults(ctx.into_comm()))
+            } else {
+                ctx.into_comm()
+            };
+            let out = call_v(&*comm, op, args(r));
+            if let Err(e) = &out {
+                seen.lock().unwrap()[r] = e.clone();
+            }
+            out.map_err(Into::into)
+        })
+        .expect_err("the job must fail");
+        for (r, s) in seen.into_inner().unwrap().iter().enumerate() {
+            assert!(
+                s.contains(needle),
+                "{op} (padded: {padded}) rank {r}: {s}\nwant: {needle}"
+            );
+        }
+    }
+}
+
+/// torch.chunk of 5 over 4 ranks.
+fn c5() -> Vec<usize> {
+    vec![2, 2, 1, 0]
+}
+
+#[test]
+fn variable_count_mismatches_fail_on_every_rank() {
+    macro_rules! case {
+        ($op:expr, |$r:ident| $args:expr, $needle:expr) => {
+            v_fails_everywhere($op, |$r| $args, $needle)
+        };
+    }
+    let ones = || vec![1; 4];
+    // A rank passing different counts.
+    case!(
+        "all_gather_v",
+        |r| {
+            let c = if r == 2 { vec![2, 2, 0, 1] } else { c5() };
+            (c[r], 5, c, vec![])
+        },
+        "all_gather_v: rank 2 passed counts [2, 2, 0, 1] but rank 0 passed [2, 2, 1, 0] (counts[2]: 0 vs 1)"
+    );
+    case!(
+        "reduce_scatter_v",
+        |r| {
+            let c = if r == 3 { vec![1, 2, 2, 0] } else { c5() };
+            (5, c[r], c, vec![])
+        },
+        "reduce_scatter_v: rank 3 passed counts [1, 2, 2, 0] but rank 0 passed [2, 2, 1, 0] (counts[0]: 1 vs 2)"
+    );
+    // Counts that are not one per rank.
+    case!(
+        "all_gather_v",
+        |r| {
+            let c = if r == 1 { vec![2, 2, 1] } else { c5() };
+            (c[r], 5, c, vec![])
+        },
+        "all_gather_v on rank 1: counts (one per rank) holds 3 elements, expected 4"
+    );
+    case!(
+        "all_to_all_v",
+        |r| (4, 4, ones(), if r == 0 { vec![1; 5] } else { ones() }),
+        "all_to_all_v on rank 0: recv_counts (one per rank) holds 5 elements, expected 4"
+    );
+    // Buffers that do not match the counts.
+    case!(
+        "all_gather_v",
+        |r| (if r == 3 { 1 } else { c5()[r] }, 5, c5(), vec![]),
+        "all_gather_v on rank 3: send buffer (counts[rank]) holds 1 elements, expected 0"
+    );
+    case!(
+        "all_gather_v",
+        |r| (c5()[r], if r == 0 { 4 } else { 5 }, c5(), vec![]),
+        "all_gather_v on rank 0: receive buffer (sum of counts) holds 4 elements, expected 5"
+    );
+    case!(
+        "reduce_scatter_v",
+        |r| (if r == 1 { 4 } else { 5 }, c5()[r], c5(), vec![]),
+        "reduce_scatter_v on rank 1: send buffer (sum of counts) holds 4 elements, expected 5"
+    );
+    case!(
+        "reduce_scatter_v",
+        |r| (5, if r == 2 { 2 } else { c5()[r] }, c5(), vec![]),
+        "reduce_scatter_v on rank 2: receive buffer (counts[rank]) holds 2 elements, expected 1"
+    );
+    case!(
+        "all_to_all_v",
+        |r| (if r == 2 { 5 } else { 4 }, 4, ones(), ones()),
+        "all_to_all_v on rank 2: send buffer (sum of send_counts) holds 5 elements, expected 4"
+    );
+    // A sender and a receiver that disagree (rank 1 expects 3 elements from rank 2, which sends 1).
+    case!(
+        "all_to_all_v",
+        |r| {
+            let rc = if r == 1 { vec![1, 1, 3, 1] } else { ones() };
+            (4, rc.iter().sum(), ones(), rc)
+        },
+        "all_to_all_v: rank 2 sends 1 elements to rank 1 (its send_counts[1]) but rank 1 expects 3 from rank 2 (its recv_counts[2])"
+    );
+}
+
+#[test]
+fn fixed_and_variable_forms_are_a_mismatch() {
+    let (_, seen) = run(&long(), |r, comm| {
+        let x = [1.0f32; 4];
+        let mut out = [0.0f32; 16];
+        if r == 1 {
+            comm.all_gather_v((&x[..]).into(), (&mut out[..]).into(), &[4; 4])
+        } else {
+            comm.all_gather_slice(&x, &mut out)
+        }
+        .map_err(|e| e.to_string())
+    });
+    for (r, s) in seen.iter().enumerate() {
+        assert!(
+            s.contains("rank 0 called all_gather(send 4 × f32, recv 16 × f32) but rank 1 called all_gather_v(send 4 × f32, recv 16 × f32)"),
+            "rank {r}: {s}"
+        );
     }
 }
 

@@ -181,6 +181,35 @@ impl Communicator for ThreadComm {
         kernels::all_to_all(&self.group, self.rank, send, recv)
     }
 
+    fn all_gather_v(&self, send: Buf<'_>, recv: BufMut<'_>, counts: &[usize]) -> Result<()> {
+        self.fence();
+        let total = counts.iter().fold(0usize, |a, &c| a.saturating_add(c));
+        self.record(OpKind::AllGather, total.saturating_mul(send.dtype().size_in_bytes()));
+        kernels::all_gather_v(&self.group, self.rank, send, recv, counts)
+    }
+
+    fn reduce_scatter_v(&self, send: Buf<'_>, recv: BufMut<'_>, counts: &[usize], op: ReduceOp) -> Result<()> {
+        self.fence();
+        self.record(OpKind::ReduceScatter, bytes(&send));
+        kernels::reduce_scatter_v(&self.group, self.rank, send, recv, counts, op)
+    }
+
+    fn all_to_all_v(
+        &self,
+        send: Buf<'_>,
+        send_counts: &[usize],
+        recv: BufMut<'_>,
+        recv_counts: &[usize],
+    ) -> Result<()> {
+        self.fence();
+        // Exactly what leaves this rank: every segment but our own.
+        let own = send_counts.get(self.rank).copied().unwrap_or(0);
+        let off_rank = send_counts.iter().fold(0u64, |a, &c| a.saturating_add(c as u64)) - own as u64;
+        let elem = send.dtype().size_in_bytes() as u64;
+        self.stats.record_exact(OpKind::AllToAll, off_rank.saturating_mul(elem));
+        kernels::all_to_all_v(&self.group, self.rank, send, send_counts, recv, recv_counts)
+    }
+
     fn broadcast(&self, buf: BufMut<'_>, root: usize) -> Result<()> {
         self.fence();
         self.record(OpKind::Broadcast, bytes(&buf.as_buf()));

@@ -1,5 +1,5 @@
 //! Shared state of one in-process job (`World`) and of one process group (`Group`):
-//! published call descriptors, per-rank phase counters used as a barrier, and the
+//! published call descriptors, an arrive/withdraw barrier, and the
 //! poison flag that turns any failure into an error on every rank.
 
 use std::fmt;
@@ -117,6 +117,9 @@ pub(crate) struct Desc {
     pub(crate) reduce: Option<ReduceOp>,
     pub(crate) color: u32,
     pub(crate) key: u32,
+    /// The variable-count form of `kind` (`all_gather_v`, ...): its counts are
+    /// published beside the descriptor ([`Group::enter_v`]).
+    pub(crate) v: bool,
 }
 
 impl Desc {
@@ -134,6 +137,16 @@ impl Desc {
             reduce: None,
             color: 0,
             key: 0,
+            v: false,
+        }
+    }
+
+    /// The collective's name (`"all_gather_v"` for the variable-count forms).
+    pub(crate) fn name(&self) -> &'static str {
+        if self.v {
+            crate::comm::v_name(self.kind)
+        } else {
+            self.kind.name()
         }
     }
 }
@@ -149,11 +162,12 @@ impl fmt::Display for Desc {
         let (s, r, d) = (self.send_len, self.recv_len, self.dtype);
         match self.kind {
             OpKind::AllGather | OpKind::AllToAll => {
-                write!(f, "{}(send {s} × {d}, recv {r} × {})", self.kind, self.recv_dtype)
+                write!(f, "{}(send {s} × {d}, recv {r} × {})", self.name(), self.recv_dtype)
             }
             OpKind::ReduceScatter => write!(
                 f,
-                "reduce_scatter({}, send {s} × {d}, recv {r} × {})",
+                "{}({}, send {s} × {d}, recv {r} × {})",
+                self.name(),
                 self.reduce.unwrap_or(ReduceOp::Sum),
                 self.recv_dtype
             ),
@@ -174,7 +188,14 @@ pub(crate) struct Group {
     /// Descriptor slots, double-buffered by sequence parity: a rank may publish
     /// collective k+1 while a slower peer still reads collective k.
     slots: Vec<[Mutex<Desc>; 2]>,
-    /// Barrier points each rank has passed.
+    /// Copies of the count arrays of variable-count collectives, double-buffered
+    /// like `slots`. Copies (not pointers into the caller's arrays) so that
+    /// validation never reads memory a rank that has already failed may release.
+    counts: Vec<[Mutex<Counts>; 2]>,
+    /// The barrier: generation (high 32 bits) and ranks arrived in it (low 32 bits),
+    /// changed only by compare-and-swap, so arriving and withdrawing are totally ordered.
+    arrivals: Padded<AtomicU64>,
+    /// Barrier points each rank has reached (for naming the ranks a barrier waits for).
     phase: Vec<Padded<AtomicU64>>,
     /// Collectives each rank has entered.
     seqs: Vec<Padded<AtomicU64>>,
@@ -182,6 +203,14 @@ pub(crate) struct Group {
 
 /// The descriptors of every rank for the collective being run.
 pub(crate) type Descs = SmallVec<[Desc; 8]>;
+
+/// The count arrays one rank passed to a variable-count collective (`recv` is
+/// empty except for `all_to_all_v`).
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Counts {
+    pub(crate) send: Vec<usize>,
+    pub(crate) recv: Vec<usize>,
+}
 
 impl Group {
     pub(crate) fn new(world: Arc<World>, members: Vec<usize>) -> Arc<Group> {
@@ -191,6 +220,8 @@ impl Group {
             world,
             members,
             slots: (0..n).map(|_| Default::default()).collect(),
+            counts: (0..n).map(|_| Default::default()).collect(),
+            arrivals: Padded::default(),
             phase: (0..n).map(|_| Padded::default()).collect(),
             seqs: (0..n).map(|_| Padded::default()).collect(),
         })
@@ -203,29 +234,86 @@ impl Group {
     /// Publishes `desc` for group rank `r`, waits for every rank to publish, and
     /// checks that the calls agree (identically on every rank). On disagreement
     /// the job is poisoned and every rank returns the same error.
-    pub(crate) fn enter(&self, r: usize, mut desc: Desc) -> Result<Descs> {
+    pub(crate) fn enter(&self, r: usize, desc: Desc) -> Result<Descs> {
+        self.enter_inner(r, desc, None).map(|(d, _)| d)
+    }
+
+    /// [`enter`](Self::enter) for a variable-count collective (`desc.v`): also
+    /// publishes this rank's counts and returns every rank's counts, checked.
+    pub(crate) fn enter_v(&self, r: usize, desc: Desc, send: &[usize], recv: &[usize]) -> Result<(Descs, Vec<Counts>)> {
+        self.enter_inner(r, desc, Some((send, recv)))
+    }
+
+    fn enter_inner(
+        &self,
+        r: usize,
+        mut desc: Desc,
+        counts: Option<(&[usize], &[usize])>,
+    ) -> Result<(Descs, Vec<Counts>)> {
         self.world.check()?;
         let seq = self.seqs[r].0.fetch_add(1, Ordering::Relaxed);
+        let slot = (seq % 2) as usize;
         desc.seq = seq;
-        *lock(&self.slots[r][(seq % 2) as usize]) = desc;
-        self.sync(r, desc.kind, seq)?;
-        let descs: Descs = self.slots.iter().map(|s| *lock(&s[(seq % 2) as usize])).collect();
-        if let Err(e) = super::validate::validate(&descs, &self.members) {
+        if let Some((send, recv)) = counts {
+            let mut c = lock(&self.counts[r][slot]);
+            c.send.clear();
+            c.send.extend_from_slice(send);
+            c.recv.clear();
+            c.recv.extend_from_slice(recv);
+        }
+        *lock(&self.slots[r][slot]) = desc;
+        self.barrier(r, desc.name(), seq, true)?;
+        let descs: Descs = self.slots.iter().map(|s| *lock(&s[slot])).collect();
+        // Every rank's counts are current only if every rank called a variable-count
+        // form; validation compares the descriptors first and looks at counts only then.
+        let all: Vec<Counts> = if descs.iter().all(|d| d.v) {
+            self.counts.iter().map(|c| lock(&c[slot]).clone()).collect()
+        } else {
+            Vec::new()
+        };
+        if let Err(e) = super::validate::validate(&descs, &all, &self.members) {
             self.world.poison(self.members[r], e.to_string());
             return Err(e);
         }
-        Ok(descs)
+        Ok((descs, all))
     }
 
-    /// A barrier point: returns once every rank of the group has reached it.
-    pub(crate) fn sync(&self, r: usize, kind: OpKind, seq: u64) -> Result<()> {
-        let target = self.phase[r].0.fetch_add(1, Ordering::AcqRel) + 1;
-        let n = self.size();
-        let arrived = |q: usize| self.phase[q].0.load(Ordering::Acquire) >= target;
+    /// The barrier after a collective's data phase: returns once every rank of the
+    /// group has reached it. Every rank that passed the entry barrier is committed
+    /// (peers may be reading its buffers), so a poisoned job does not release this
+    /// wait; only a peer that has left its closure (it cannot be reading any more)
+    /// or the timeout does. `op` names the collective in errors.
+    pub(crate) fn sync(&self, r: usize, op: &'static str, seq: u64) -> Result<()> {
+        self.barrier(r, op, seq, false)
+    }
+
+    /// Arrives at the barrier and waits. With `entry`, a failure elsewhere (poison, a
+    /// peer that left, the timeout) withdraws this rank's arrival atomically and
+    /// returns the error, unless the barrier completed first, in which case the rank
+    /// is committed and carries on: no peer ever reads the buffers of a rank that
+    /// has left.
+    fn barrier(&self, r: usize, op: &'static str, seq: u64, entry: bool) -> Result<()> {
+        let n = self.size() as u64;
+        let my_phase = self.phase[r].0.fetch_add(1, Ordering::Relaxed) + 1;
+        let mut s = self.arrivals.0.load(Ordering::Acquire);
+        let generation = loop {
+            let (g, c) = (s >> 32, s & 0xffff_ffff);
+            let next = if c + 1 == n { (g + 1) << 32 } else { s + 1 };
+            match self
+                .arrivals
+                .0
+                .compare_exchange_weak(s, next, Ordering::AcqRel, Ordering::Acquire)
+            {
+                Ok(_) if c + 1 == n => return Ok(()),
+                Ok(_) => break g,
+                Err(actual) => s = actual,
+            }
+        };
+        let passed = || self.arrivals.0.load(Ordering::Acquire) >> 32 != generation;
         let start = Instant::now();
         let mut i: u32 = 0;
         loop {
-            if (0..n).all(arrived) {
+            if passed() {
                 return Ok(());
             }
             i = i.saturating_add(1);
@@ -233,41 +321,80 @@ impl Group {
                 std::hint::spin_loop();
                 continue;
             }
-            self.world.check()?;
-            let waited = start.elapsed();
-            if i.is_multiple_of(64) {
-                let missing: Vec<usize> = (0..n).filter(|&q| !arrived(q)).map(|q| self.members[q]).collect();
-                if let Some(&gone) = missing.iter().find(|&&w| self.world.has_exited(w)) {
-                    let p = self.world.poison(
-                        gone,
-                        format!("returned from its closure without entering {kind} (collective #{seq} of its group)"),
-                    );
-                    return Err(Error::PeerFailed {
-                        rank: p.rank,
-                        reason: p.reason,
-                    });
+            if i.is_multiple_of(16)
+                && let Some(failure) = self.failure(my_phase, op, seq, entry, start.elapsed())
+            {
+                if !entry {
+                    return Err(failure);
                 }
-                if waited >= self.world.timeout && !missing.is_empty() {
-                    self.world.poison(
-                        missing[0],
-                        format!(
-                            "did not enter {kind} (collective #{seq} of its group) within {:?}",
-                            self.world.timeout
-                        ),
-                    );
-                    return Err(Error::Timeout {
-                        op: kind.name(),
-                        seq,
-                        missing,
-                        after: waited,
-                    });
+                if self.withdraw(generation) {
+                    self.phase[r].0.fetch_sub(1, Ordering::Relaxed);
+                    return Err(failure);
                 }
+                return Ok(());
             }
-            if waited < Duration::from_millis(2) {
+            if start.elapsed() < Duration::from_millis(2) {
                 std::thread::yield_now();
             } else {
                 std::thread::sleep(Duration::from_micros(50));
             }
         }
+    }
+
+    /// Takes back this rank's arrival unless the barrier of `generation` has completed.
+    fn withdraw(&self, generation: u64) -> bool {
+        let mut s = self.arrivals.0.load(Ordering::Acquire);
+        loop {
+            if s >> 32 != generation {
+                return false;
+            }
+            match self
+                .arrivals
+                .0
+                .compare_exchange_weak(s, s - 1, Ordering::AcqRel, Ordering::Acquire)
+            {
+                Ok(_) => return true,
+                Err(actual) => s = actual,
+            }
+        }
+    }
+
+    /// Why a rank waiting at a barrier should stop waiting, if it should: the job is
+    /// poisoned (only at entry), a missing peer has left its closure, or the timeout
+    /// passed. Poisons the job for the last two.
+    fn failure(&self, my_phase: u64, op: &'static str, seq: u64, entry: bool, waited: Duration) -> Option<Error> {
+        if entry && let Err(e) = self.world.check() {
+            return Some(e);
+        }
+        let missing: Vec<usize> = (0..self.size())
+            .filter(|&q| self.phase[q].0.load(Ordering::Relaxed) < my_phase)
+            .map(|q| self.members[q])
+            .collect();
+        if let Some(&gone) = missing.iter().find(|&&w| self.world.has_exited(w)) {
+            let p = self.world.poison(
+                gone,
+                format!("returned from its closure without entering {op} (collective #{seq} of its group)"),
+            );
+            return Some(Error::PeerFailed {
+                rank: p.rank,
+                reason: p.reason,
+            });
+        }
+        if waited >= self.world.timeout && !missing.is_empty() {
+            self.world.poison(
+                missing[0],
+                format!(
+                    "did not enter {op} (collective #{seq} of its group) within {:?}",
+                    self.world.timeout
+                ),
+            );
+            return Some(Error::Timeout {
+                op,
+                seq,
+                missing,
+                after: waited,
+            });
+        }
+        None
     }
 }

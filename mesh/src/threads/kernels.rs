@@ -149,7 +149,7 @@ pub(crate) fn all_gather(g: &Group, r: usize, send: Buf<'_>, mut recv: BufMut<'_
             unsafe { write(out, q * c, peer::<T>(dq.send_ptr, c)) };
         }
     });
-    g.sync(r, d.kind, d.seq)
+    g.sync(r, d.name(), d.seq)
 }
 
 pub(crate) fn reduce_scatter(g: &Group, r: usize, send: Buf<'_>, mut recv: BufMut<'_>, op: ReduceOp) -> Result<()> {
@@ -164,7 +164,7 @@ pub(crate) fn reduce_scatter(g: &Group, r: usize, send: Buf<'_>, mut recv: BufMu
         // only our own output.
         unsafe { reduce_blocks::<T>(&descs, |dq| dq.send_ptr, r * c, c, op, d.recv_ptr as *mut T, 0) };
     });
-    g.sync(r, d.kind, d.seq)
+    g.sync(r, d.name(), d.seq)
 }
 
 pub(crate) fn all_reduce(g: &Group, r: usize, mut buf: BufMut<'_>, op: ReduceOp) -> Result<()> {
@@ -183,7 +183,7 @@ pub(crate) fn all_reduce(g: &Group, r: usize, mut buf: BufMut<'_>, op: ReduceOp)
         // SAFETY: see the module docs; block r of every buffer is read only by us in
         // this phase and written only by us in our own buffer.
         unsafe { reduce_blocks::<T>(&descs, |dq| dq.recv_ptr, lo(r), lo(r + 1) - lo(r), op, out, lo(r)) };
-        g.sync(r, d.kind, d.seq)?;
+        g.sync(r, d.name(), d.seq)?;
         // Phase 2: copy every other rank's finished block.
         for (q, dq) in descs.iter().enumerate().filter(|&(q, _)| q != r) {
             // SAFETY: block q of peer q's buffer is final after the barrier and nobody
@@ -191,7 +191,7 @@ pub(crate) fn all_reduce(g: &Group, r: usize, mut buf: BufMut<'_>, op: ReduceOp)
             unsafe { write(out, lo(q), peer::<T>(dq.recv_ptr + lo(q) * size_of::<T>(), lo(q + 1) - lo(q))) };
         }
     });
-    g.sync(r, d.kind, d.seq)
+    g.sync(r, d.name(), d.seq)
 }
 
 pub(crate) fn all_to_all(g: &Group, r: usize, send: Buf<'_>, mut recv: BufMut<'_>) -> Result<()> {
@@ -207,7 +207,82 @@ pub(crate) fn all_to_all(g: &Group, r: usize, send: Buf<'_>, mut recv: BufMut<'_
             unsafe { write(out, q * c, peer::<T>(dq.send_ptr + r * c * size_of::<T>(), c)) };
         }
     });
-    g.sync(r, d.kind, d.seq)
+    g.sync(r, d.name(), d.seq)
+}
+
+pub(crate) fn all_gather_v(g: &Group, r: usize, send: Buf<'_>, mut recv: BufMut<'_>, counts: &[usize]) -> Result<()> {
+    let mut d = send_desc(OpKind::AllGather, &send);
+    (d.recv_ptr, d.recv_len) = recv_parts(&mut recv);
+    d.recv_dtype = recv.dtype();
+    d.v = true;
+    let (descs, _) = g.enter_v(r, d, counts, &[])?;
+    crate::dispatch_buf!(Buf, send, _s, T => {
+        let out = d.recv_ptr as *mut T;
+        let mut at = 0;
+        for dq in &descs {
+            // SAFETY: as in `all_gather`; validation checked that every rank passed the
+            // same counts, that rank q sends counts[q] elements and that our output
+            // holds their sum, so segment q of our output is in bounds and ours alone.
+            unsafe { write(out, at, peer::<T>(dq.send_ptr, dq.send_len)) };
+            at += dq.send_len;
+        }
+    });
+    g.sync(r, d.name(), d.seq)
+}
+
+pub(crate) fn reduce_scatter_v(
+    g: &Group,
+    r: usize,
+    send: Buf<'_>,
+    mut recv: BufMut<'_>,
+    counts: &[usize],
+    op: ReduceOp,
+) -> Result<()> {
+    let mut d = send_desc(OpKind::ReduceScatter, &send);
+    (d.recv_ptr, d.recv_len) = recv_parts(&mut recv);
+    d.recv_dtype = recv.dtype();
+    d.reduce = Some(op);
+    d.v = true;
+    let descs = g.enter_v(r, d, counts, &[])?.0;
+    let from: usize = counts[..r].iter().sum();
+    crate::dispatch_buf!(Buf, send, _s, T => {
+        // SAFETY: validation checked that every rank passed the same counts and sends
+        // their sum, so segment r ([from, from + counts[r])) is within every rank's
+        // input; our output holds counts[r] elements and is ours alone.
+        unsafe { reduce_blocks::<T>(&descs, |dq| dq.send_ptr, from, counts[r], op, d.recv_ptr as *mut T, 0) };
+    });
+    g.sync(r, d.name(), d.seq)
+}
+
+pub(crate) fn all_to_all_v(
+    g: &Group,
+    r: usize,
+    send: Buf<'_>,
+    send_counts: &[usize],
+    mut recv: BufMut<'_>,
+    recv_counts: &[usize],
+) -> Result<()> {
+    let mut d = send_desc(OpKind::AllToAll, &send);
+    (d.recv_ptr, d.recv_len) = recv_parts(&mut recv);
+    d.recv_dtype = recv.dtype();
+    d.v = true;
+    let (descs, counts) = g.enter_v(r, d, send_counts, recv_counts)?;
+    crate::dispatch_buf!(Buf, send, _s, T => {
+        let out = d.recv_ptr as *mut T;
+        let mut at = 0;
+        for (dq, cq) in descs.iter().zip(&counts) {
+            // Our segment of peer q's input starts after its segments for ranks < r.
+            let from: usize = cq.send[..r].iter().sum();
+            let len = cq.send[r];
+            // SAFETY: as in `all_gather`; validation checked that peer q's input holds
+            // the sum of its send_counts and that cq.send[r] equals our recv_counts[q],
+            // so the read is within its input and segment q of our output (whose
+            // length is the sum of our recv_counts) is in bounds and ours alone.
+            unsafe { write(out, at, peer::<T>(dq.send_ptr + from * size_of::<T>(), len)) };
+            at += len;
+        }
+    });
+    g.sync(r, d.name(), d.seq)
 }
 
 pub(crate) fn broadcast(g: &Group, r: usize, mut buf: BufMut<'_>, root: usize) -> Result<()> {
@@ -222,7 +297,7 @@ pub(crate) fn broadcast(g: &Group, r: usize, mut buf: BufMut<'_>, root: usize) -
             unsafe { write(d.recv_ptr as *mut T, 0, peer::<T>(descs[root].send_ptr, d.send_len)) };
         });
     }
-    g.sync(r, d.kind, d.seq)
+    g.sync(r, d.name(), d.seq)
 }
 
 pub(crate) fn barrier(g: &Group, r: usize) -> Result<()> {

@@ -1,17 +1,23 @@
 //! Checks that every rank called the same collective with compatible arguments.
 //! Runs on every rank over the same descriptors, so all ranks report the same error.
 
-use super::group::Desc;
+use super::group::{Counts, Desc};
+use crate::comm::{VArgs, check_v};
 use crate::{Error, OpKind, Result};
 
 /// `members[q]` is the world rank of group rank `q` (errors name world ranks).
-pub(crate) fn validate(d: &[Desc], members: &[usize]) -> Result<()> {
+/// `counts[q]` are rank `q`'s count arrays when every rank called a
+/// variable-count collective (empty otherwise).
+pub(crate) fn validate(d: &[Desc], counts: &[Counts], members: &[usize]) -> Result<()> {
     let n = d.len();
     let first = &d[0];
     for (q, dq) in d.iter().enumerate().skip(1) {
+        // Variable-count forms send different lengths from each rank; their
+        // lengths are checked against the counts below.
         let same_call = dq.kind == first.kind
+            && dq.v == first.v
             && dq.dtype == first.dtype
-            && dq.send_len == first.send_len
+            && (first.v || dq.send_len == first.send_len)
             && dq.reduce == first.reduce
             && dq.root == first.root;
         if !same_call {
@@ -23,7 +29,7 @@ pub(crate) fn validate(d: &[Desc], members: &[usize]) -> Result<()> {
             });
         }
     }
-    let op = first.kind.name();
+    let op = first.name();
     for (q, dq) in d.iter().enumerate() {
         let has_recv = matches!(dq.kind, OpKind::AllGather | OpKind::ReduceScatter | OpKind::AllToAll);
         if has_recv && dq.recv_dtype != dq.dtype {
@@ -41,6 +47,7 @@ pub(crate) fn validate(d: &[Desc], members: &[usize]) -> Result<()> {
             got,
         };
         match dq.kind {
+            _ if dq.v => {}
             OpKind::AllGather if dq.recv_len != n * dq.send_len => {
                 return Err(bad("receive buffer", n * dq.send_len, dq.recv_len));
             }
@@ -66,6 +73,19 @@ pub(crate) fn validate(d: &[Desc], members: &[usize]) -> Result<()> {
             }
             _ => {}
         }
+    }
+    if first.v {
+        let args: Vec<VArgs<'_>> = d
+            .iter()
+            .zip(counts)
+            .map(|(dq, c)| VArgs {
+                send_len: dq.send_len,
+                recv_len: dq.recv_len,
+                counts: &c.send,
+                recv_counts: &c.recv,
+            })
+            .collect();
+        check_v(first.kind, &args, |q| members[q])?;
     }
     if let Some(reduce) = first.reduce {
         reduce.check(op, first.dtype)?;

@@ -3,8 +3,12 @@
 use std::fmt;
 use std::sync::mpsc;
 
-use crate::stats::CommStats;
+use crate::stats::{CommStats, OpKind};
 use crate::{Buf, BufMut, Buffer, DType, Element, Error, Result};
+
+mod variable;
+
+pub(crate) use variable::*;
 
 /// How a reduction combines values from every rank.
 ///
@@ -265,6 +269,87 @@ pub trait Communicator: Send {
             }
         });
         Ok(())
+    }
+
+    /// Gathers a variable number of elements per rank: rank `q` contributes
+    /// `counts[q]` elements (`send.len() == counts[rank]`) and `recv` receives the
+    /// concatenation in rank order (`recv.len() == counts.iter().sum()`). Every rank
+    /// passes the same `counts`, one per rank; zeros are allowed.
+    ///
+    /// Default: one `all_gather` of every rank's lengths and counts (so ranks that
+    /// disagree all get the same error instead of garbage), then an `all_gather`
+    /// with every block padded to the largest count (moves the padding; backends
+    /// override it to move only the logical data).
+    ///
+    /// MPI: `MPI_Allgatherv`.
+    ///
+    /// # Errors
+    /// [`Error::BadLength`] for counts that are not one per rank or buffers whose
+    /// lengths do not match the counts, [`Error::Mismatch`] for ranks passing
+    /// different counts, dtype mismatches, peer failures.
+    fn all_gather_v(&self, send: Buf<'_>, recv: BufMut<'_>, counts: &[usize]) -> Result<()> {
+        let dtype = check_v_local(self, OpKind::AllGather, &send, &recv, counts, &[])?;
+        let block = exchange_v(self, OpKind::AllGather, send.len(), recv.len(), counts, &[])?;
+        let mut mine = Buffer::zeros(dtype, block);
+        copy_prefix(send, mine.as_buf_mut());
+        let mut all = Buffer::zeros(dtype, block * self.size());
+        self.all_gather(mine.as_buf(), all.as_buf_mut())?;
+        unpad(&all, counts, block, recv)
+    }
+
+    /// Reduces `send` element-wise across ranks and gives this rank its segment of
+    /// the result: segment `r` has `counts[r]` elements starting at
+    /// `counts[..r].iter().sum()`. `send.len() == counts.iter().sum()` and
+    /// `recv.len() == counts[rank]`; every rank passes the same `counts`.
+    ///
+    /// Default: one `all_gather` of every rank's lengths and counts, then a
+    /// `reduce_scatter` with every segment padded to the largest count.
+    ///
+    /// MPI: `MPI_Reduce_scatter`.
+    ///
+    /// # Errors
+    /// As [`all_gather_v`](Self::all_gather_v), or a reduction not defined for the dtype.
+    fn reduce_scatter_v(&self, send: Buf<'_>, mut recv: BufMut<'_>, counts: &[usize], op: ReduceOp) -> Result<()> {
+        let dtype = check_v_local(self, OpKind::ReduceScatter, &send, &recv, counts, &[])?;
+        op.check("reduce_scatter_v", dtype)?;
+        let block = exchange_v(self, OpKind::ReduceScatter, send.len(), recv.len(), counts, &[])?;
+        let mut padded = Buffer::zeros(dtype, block * self.size());
+        pad(send, counts, block, &mut padded)?;
+        let mut mine = Buffer::zeros(dtype, block);
+        self.reduce_scatter(padded.as_buf(), mine.as_buf_mut(), op)?;
+        copy_prefix(mine.as_buf(), recv.reborrow());
+        Ok(())
+    }
+
+    /// Sends segment `j` of `send` (`send_counts[j]` elements, segments in rank
+    /// order) to rank `j`, and receives rank `i`'s segment for this rank
+    /// (`recv_counts[i]` elements) into segment `i` of `recv`. The counts must be
+    /// consistent: rank `i`'s `send_counts[j]` equals rank `j`'s `recv_counts[i]`.
+    ///
+    /// Default: one `all_gather` of every rank's lengths and counts, then an
+    /// `all_to_all` with every segment padded to the largest count of any rank.
+    ///
+    /// MPI: `MPI_Alltoallv`.
+    ///
+    /// # Errors
+    /// [`Error::BadLength`] for counts that are not one per rank or buffers whose
+    /// lengths do not match their sums, [`Error::Mismatch`] naming both ranks when
+    /// a sender's and a receiver's counts disagree, dtype mismatches, peer failures.
+    fn all_to_all_v(
+        &self,
+        send: Buf<'_>,
+        send_counts: &[usize],
+        recv: BufMut<'_>,
+        recv_counts: &[usize],
+    ) -> Result<()> {
+        let dtype = check_v_local(self, OpKind::AllToAll, &send, &recv, send_counts, recv_counts)?;
+        let block = exchange_v(self, OpKind::AllToAll, send.len(), recv.len(), send_counts, recv_counts)?;
+        let n = self.size();
+        let mut padded = Buffer::zeros(dtype, block * n);
+        pad(send, send_counts, block, &mut padded)?;
+        let mut got = Buffer::zeros(dtype, block * n);
+        self.all_to_all(padded.as_buf(), got.as_buf_mut())?;
+        unpad(&got, recv_counts, block, recv)
     }
 
     /// Asynchronous [`all_gather`](Self::all_gather): returns the gathered buffer.

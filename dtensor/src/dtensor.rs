@@ -1,0 +1,249 @@
+//! [`DTensor`]: one global tensor stored as a local tensor on every rank plus a spec.
+
+use std::fmt;
+
+use tessera_mesh::{DeviceMesh, ReduceOp};
+
+use crate::redistribute::{self, Plan};
+use crate::spec::{DTensorSpec, Layout, PlacementsDisplay};
+use crate::{Error, Placement, Result, ShardOrder, Tensor};
+
+/// A distributed tensor: single-device semantics over a [`DeviceMesh`], stored as
+/// this rank's local tensor and a [`DTensorSpec`] (placements, shard order, global
+/// shape, dtype).
+///
+/// ```
+/// use tessera_dtensor::{distribute_tensor, DType, Placement::*, Tensor};
+/// use tessera_mesh::{launch, DeviceMesh};
+///
+/// launch(4, |ctx| {
+///     let mesh = DeviceMesh::new(ctx.into_comm(), &[2, 2])?;
+///     let full = Tensor::arange(30, DType::F32)?.reshape(&[5, 6])?;
+///     let x = distribute_tensor(&full, &mesh, &[Shard(0), Shard(1)])?;
+///     // Rows split 3 + 2, columns 3 + 3.
+///     assert_eq!(x.to_local().shape(), if mesh.coordinate()[0] == 0 { &[3, 3] } else { &[2, 3] });
+///     let y = x.redistribute(&[Replicate, Shard(0)])?;
+///     assert_eq!(y.full_tensor()?, full);
+///     Ok(())
+/// })
+/// .unwrap();
+/// ```
+///
+/// PyTorch: `torch.distributed.tensor.DTensor`.
+#[derive(Clone)]
+pub struct DTensor {
+    local: Tensor,
+    spec: DTensorSpec,
+}
+
+/// Splits `full` (the same global tensor on every rank) over `mesh` by `placements`,
+/// default shard order. Each rank keeps its piece; no communication. A `Partial`
+/// placement leaves the full value on coordinate 0 of that mesh dim and the
+/// reduction's identity elsewhere (sum, product), or the value everywhere (avg, max, min).
+///
+/// PyTorch: `torch.distributed.tensor.distribute_tensor` (with `src_data_rank=None`).
+///
+/// # Errors
+/// Placements that do not fit the mesh or tensor (see [`Layout::with_order`]).
+pub fn distribute_tensor(full: &Tensor, mesh: &DeviceMesh, placements: &[Placement]) -> Result<DTensor> {
+    distribute_tensor_with_order(full, mesh, placements, ShardOrder::default_for(placements))
+}
+
+/// [`distribute_tensor`] with an explicit shard order.
+///
+/// # Errors
+/// As [`distribute_tensor`], plus an order that does not describe the placements.
+pub fn distribute_tensor_with_order(
+    full: &Tensor,
+    mesh: &DeviceMesh,
+    placements: &[Placement],
+    order: ShardOrder,
+) -> Result<DTensor> {
+    let dst = Layout::with_order(mesh.shape(), placements, order, full.shape(), full.dtype())?;
+    let replicated = vec![Placement::Replicate; mesh.ndim()];
+    let src = Layout::new(mesh.shape(), &replicated, full.shape(), full.dtype())?;
+    let plan = redistribute::plan(&src, &dst, mesh.coordinate())?;
+    debug_assert_eq!(
+        plan.collectives(),
+        0,
+        "distributing a replicated tensor needs no communication"
+    );
+    let local = redistribute::execute(full, mesh, &plan)?;
+    Ok(DTensor {
+        local,
+        spec: DTensorSpec::new(mesh, dst)?,
+    })
+}
+
+impl DTensor {
+    /// Wraps this rank's `local` piece of a global tensor of `global_shape`, default
+    /// shard order. Not collective; checks that `local` has the shape the spec gives
+    /// this rank.
+    ///
+    /// PyTorch: `DTensor.from_local(..., shape=global_shape)`.
+    ///
+    /// # Errors
+    /// Placements that do not fit, or a local shape that differs from this rank's
+    /// piece of `global_shape` (the message names both and the rank's coordinate).
+    pub fn from_local(
+        local: Tensor,
+        mesh: &DeviceMesh,
+        placements: &[Placement],
+        global_shape: &[usize],
+    ) -> Result<DTensor> {
+        let layout = Layout::new(mesh.shape(), placements, global_shape, local.dtype())?;
+        DTensor::from_local_with_layout(local, mesh, layout)
+    }
+
+    /// [`from_local`](Self::from_local) with a full layout (which fixes the shard order and dtype).
+    ///
+    /// # Errors
+    /// As `from_local`, plus a local dtype that is not the layout's.
+    pub fn from_local_with_layout(local: Tensor, mesh: &DeviceMesh, layout: Layout) -> Result<DTensor> {
+        if local.dtype() != layout.dtype {
+            return Err(Error::DTypeMismatch {
+                op: "DTensor::from_local",
+                expected: layout.dtype,
+                got: local.dtype(),
+            });
+        }
+        let spec = DTensorSpec::new(mesh, layout)?;
+        let want = spec.local_shape();
+        if local.shape() != &want[..] {
+            return Err(Error::ShapeMismatch {
+                op: "DTensor::from_local",
+                detail: format!(
+                    "rank at mesh coordinate {:?} holds a local tensor of shape {:?}, but {} gives it {:?}; \
+                     pass the global shape the pieces form",
+                    mesh.coordinate(),
+                    local.shape(),
+                    spec,
+                    want
+                ),
+            });
+        }
+        Ok(DTensor { local, spec })
+    }
+
+    /// This rank's local tensor.
+    pub fn to_local(&self) -> &Tensor {
+        &self.local
+    }
+
+    /// The spec.
+    pub fn spec(&self) -> &DTensorSpec {
+        &self.spec
+    }
+
+    /// The layout (pure data of the spec).
+    pub fn layout(&self) -> &Layout {
+        self.spec.layout()
+    }
+
+    /// The placements.
+    pub fn placements(&self) -> &[Placement] {
+        self.spec.placements()
+    }
+
+    /// The global shape.
+    pub fn shape(&self) -> &[usize] {
+        self.spec.shape()
+    }
+
+    /// The element type.
+    pub fn dtype(&self) -> tessera_mesh::DType {
+        self.spec.dtype()
+    }
+
+    /// The mesh.
+    pub fn mesh(&self) -> &DeviceMesh {
+        self.spec.mesh()
+    }
+
+    /// The plan that [`redistribute`](Self::redistribute) to `placements` (default
+    /// order) would run: steps, collectives and bytes this rank sends. Pure.
+    ///
+    /// # Errors
+    /// As [`redistribute`](Self::redistribute).
+    pub fn redistribute_plan(&self, placements: &[Placement]) -> Result<Plan> {
+        self.redistribute_plan_with_order(placements, ShardOrder::default_for(placements))
+    }
+
+    /// [`redistribute_plan`](Self::redistribute_plan) with an explicit target shard order.
+    ///
+    /// # Errors
+    /// As [`redistribute`](Self::redistribute).
+    pub fn redistribute_plan_with_order(&self, placements: &[Placement], order: ShardOrder) -> Result<Plan> {
+        let l = self.layout();
+        let dst = Layout::with_order(&l.mesh_shape, placements, order, &l.shape, l.dtype)?;
+        redistribute::plan(l, &dst, self.mesh().coordinate())
+    }
+
+    /// The same global tensor with new placements (default shard order). Collective
+    /// along the mesh dims that change.
+    ///
+    /// PyTorch: `DTensor.redistribute`.
+    ///
+    /// # Errors
+    /// Placements that do not fit, `Shard → Partial`, `Partial(a) → Partial(b)`, or a
+    /// communication failure.
+    pub fn redistribute(&self, placements: &[Placement]) -> Result<DTensor> {
+        self.redistribute_with_order(placements, ShardOrder::default_for(placements))
+    }
+
+    /// [`redistribute`](Self::redistribute) to an explicit shard order.
+    ///
+    /// # Errors
+    /// As [`redistribute`](Self::redistribute).
+    pub fn redistribute_with_order(&self, placements: &[Placement], order: ShardOrder) -> Result<DTensor> {
+        let plan = self.redistribute_plan_with_order(placements, order)?;
+        self.run_plan(&plan)
+    }
+
+    /// Runs a plan made for this tensor's layout.
+    ///
+    /// # Errors
+    /// A plan made for another layout, or a communication failure.
+    pub fn run_plan(&self, plan: &Plan) -> Result<DTensor> {
+        if &plan.src != self.layout() {
+            return Err(Error::Placement {
+                op: "DTensor::run_plan",
+                detail: format!("the plan starts from {} but the tensor is {}", plan.src, self.layout()),
+            });
+        }
+        let local = redistribute::execute(&self.local, self.mesh(), plan)?;
+        Ok(DTensor {
+            local,
+            spec: DTensorSpec::new(self.mesh(), plan.dst().clone())?,
+        })
+    }
+
+    /// The global tensor, on every rank (all_gathers and all_reduces as needed).
+    ///
+    /// PyTorch: `DTensor.full_tensor`.
+    ///
+    /// # Errors
+    /// A communication failure.
+    pub fn full_tensor(&self) -> Result<Tensor> {
+        let replicated = vec![Placement::Replicate; self.mesh().ndim()];
+        Ok(self.redistribute(&replicated)?.local)
+    }
+
+    /// The pending reductions (mesh dim, op).
+    pub fn partial_ops(&self) -> Vec<(usize, ReduceOp)> {
+        self.layout().partial_ops().collect()
+    }
+}
+
+impl fmt::Debug for DTensor {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "DTensor({} {:?} {}, local {:?})",
+            PlacementsDisplay(self.placements()),
+            self.shape(),
+            self.dtype(),
+            self.local.shape()
+        )
+    }
+}

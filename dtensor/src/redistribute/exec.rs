@@ -1,0 +1,299 @@
+//! Runs a [`Plan`] on this rank's local tensor.
+//!
+//! Every step that moves shards is an exchange of regions of the global tensor:
+//! for each peer, the part of this rank's current region that the peer's next
+//! region needs is packed into the send buffer; what arrives is placed into this
+//! rank's next region. When those parts are consecutive row-major runs (gathering
+//! or scattering along the outermost dim), the local buffer is sent as is and the
+//! received buffer becomes the result, with no packing copies.
+
+use std::borrow::Cow;
+
+use tessera_mesh::{Communicator, DType, DeviceMesh, Element, ReduceOp};
+
+use super::plan::{Plan, StepKind};
+use super::{group_coords, group_index};
+use crate::spec::{Layout, Region};
+use crate::{Result, Tensor};
+
+/// Runs `plan` on `local` (this rank's tensor of `plan.src`), returning the local
+/// tensor of `plan.dst()`.
+pub(crate) fn execute(local: &Tensor, mesh: &DeviceMesh, plan: &Plan) -> Result<Tensor> {
+    let coord = mesh.coordinate();
+    let mut t = local.clone();
+    for (before, step) in plan.transitions() {
+        let comm = match step.mesh_dim {
+            Some(m) => mesh.dim_comm(m)?,
+            None => mesh.comm(),
+        };
+        let ex = Exchange {
+            comm,
+            before,
+            after: &step.after,
+            coord,
+            mesh_dim: step.mesh_dim,
+        };
+        t = dispatch(t.dtype(), &ex, &t, step.kind)?;
+    }
+    Ok(t)
+}
+
+/// One step's context.
+struct Exchange<'a> {
+    comm: &'a dyn Communicator,
+    before: &'a Layout,
+    after: &'a Layout,
+    coord: &'a [usize],
+    mesh_dim: Option<usize>,
+}
+
+fn dispatch(dtype: DType, ex: &Exchange<'_>, t: &Tensor, kind: StepKind) -> Result<Tensor> {
+    match dtype {
+        DType::F32 => ex.run::<f32>(t, kind),
+        DType::F64 => ex.run::<f64>(t, kind),
+        DType::BF16 => ex.run::<half::bf16>(t, kind),
+        DType::F16 => ex.run::<half::f16>(t, kind),
+        DType::I64 => ex.run::<i64>(t, kind),
+        DType::U8 => ex.run::<u8>(t, kind),
+        other => Err(crate::Error::InvalidArgument {
+            op: "redistribute",
+            detail: format!("dtype {other} is not supported"),
+        }),
+    }
+}
+
+impl Exchange<'_> {
+    fn regions(&self, layout: &Layout) -> Result<Vec<Region>> {
+        group_coords(&layout.mesh_shape, self.coord, self.mesh_dim)
+            .iter()
+            .map(|c| layout.region(c))
+            .collect()
+    }
+
+    fn run<T: Element>(&self, t: &Tensor, kind: StepKind) -> Result<Tensor> {
+        let mine_before = self.before.region(self.coord)?;
+        let mine_after = self.after.region(self.coord)?;
+        let t = t.contiguous();
+        let src: &[T] = t.as_slice()?;
+        let me = group_index(&self.before.mesh_shape, self.coord, self.mesh_dim);
+        let out: Vec<T> = match kind {
+            StepKind::Slice { .. } => pack(src, &mine_before, std::slice::from_ref(&mine_after)).into_owned(),
+            StepKind::Partition { op } => {
+                // INVARIANT: partitions are planned along one mesh dim.
+                let m = self.mesh_dim.expect("partition along a mesh dim");
+                if self.coord[m] == 0 {
+                    return Ok(t);
+                }
+                return match op {
+                    ReduceOp::Sum => Tensor::zeros(t.shape(), t.dtype()),
+                    ReduceOp::Product => Tensor::ones(t.shape(), t.dtype()),
+                    _ => Ok(t),
+                };
+            }
+            StepKind::AllReduce { op } => {
+                let mut buf = src.to_vec();
+                self.comm.all_reduce(T::buf_mut(&mut buf), op)?;
+                buf
+            }
+            StepKind::AllGather { .. } => {
+                let pieces = self.regions(self.before)?;
+                let counts: Vec<usize> = pieces.iter().map(Region::numel).collect();
+                let mut recv = vec![T::default(); counts.iter().sum()];
+                self.comm.all_gather_v(T::buf(src), T::buf_mut(&mut recv), &counts)?;
+                place_all(recv, &mine_after, &pieces)
+            }
+            StepKind::ReduceScatter { op, .. } => {
+                let pieces = self.regions(self.after)?;
+                let counts: Vec<usize> = pieces.iter().map(Region::numel).collect();
+                let send = pack(src, &mine_before, &pieces);
+                let mut recv = vec![T::default(); counts[me]];
+                self.comm
+                    .reduce_scatter_v(T::buf(&send), T::buf_mut(&mut recv), &counts, op)?;
+                recv
+            }
+            StepKind::AllToAll { .. } | StepKind::AllToAllMesh => {
+                let outgoing: Vec<Region> = self
+                    .regions(self.after)?
+                    .iter()
+                    .map(|r| mine_before.intersect(r))
+                    .collect();
+                let incoming: Vec<Region> = self
+                    .regions(self.before)?
+                    .iter()
+                    .map(|r| r.intersect(&mine_after))
+                    .collect();
+                let send_counts: Vec<usize> = outgoing.iter().map(Region::numel).collect();
+                let recv_counts: Vec<usize> = incoming.iter().map(Region::numel).collect();
+                let send = pack(src, &mine_before, &outgoing);
+                let mut recv = vec![T::default(); recv_counts.iter().sum()];
+                self.comm
+                    .all_to_all_v(T::buf(&send), &send_counts, T::buf_mut(&mut recv), &recv_counts)?;
+                place_all(recv, &mine_after, &incoming)
+            }
+        };
+        Tensor::from_vec(out, &mine_after.shape)
+    }
+}
+
+/// Row-major strides of `shape`.
+fn strides(shape: &[usize]) -> Vec<usize> {
+    let mut s = vec![1; shape.len()];
+    for d in (0..shape.len().saturating_sub(1)).rev() {
+        s[d] = s[d + 1] * shape[d + 1];
+    }
+    s
+}
+
+/// If `part` (inside `outer`) is one contiguous run of `outer`'s row-major buffer,
+/// its start.
+fn run_start(outer: &Region, part: &Region) -> Option<usize> {
+    let rel = part.relative_to(outer);
+    let st = strides(&outer.shape);
+    let start = rel.iter().zip(&st).map(|(o, s)| o * s).sum();
+    if part.numel() == 0 {
+        return Some(start);
+    }
+    let Some(k) = (0..outer.shape.len()).rev().find(|&d| part.shape[d] != outer.shape[d]) else {
+        return Some(start);
+    };
+    part.shape[..k].iter().all(|&s| s == 1).then_some(start)
+}
+
+/// Whether `parts`, in order, are consecutive runs tiling `outer`'s buffer.
+fn tiles_in_order(outer: &Region, parts: &[Region]) -> bool {
+    let mut at = 0;
+    for p in parts.iter().filter(|p| p.numel() > 0) {
+        if run_start(outer, p) != Some(at) {
+            return false;
+        }
+        at += p.numel();
+    }
+    at == outer.numel()
+}
+
+/// Calls `f(src_offset, dst_offset, len)` for each contiguous row of `part`,
+/// where `src` is laid out as `a` and `dst` as `b` (both contain `part`).
+fn for_each_row(a: &Region, b: &Region, part: &Region, mut f: impl FnMut(usize, usize, usize)) {
+    if part.numel() == 0 {
+        return;
+    }
+    let nd = part.shape.len();
+    if nd == 0 {
+        f(0, 0, 1);
+        return;
+    }
+    let (sa, sb) = (strides(&a.shape), strides(&b.shape));
+    let (ra, rb) = (part.relative_to(a), part.relative_to(b));
+    let row = part.shape[nd - 1];
+    let mut idx = vec![0usize; nd - 1];
+    loop {
+        let oa: usize = (0..nd)
+            .map(|d| (ra[d] + idx.get(d).copied().unwrap_or(0)) * sa[d])
+            .sum();
+        let ob: usize = (0..nd)
+            .map(|d| (rb[d] + idx.get(d).copied().unwrap_or(0)) * sb[d])
+            .sum();
+        f(oa, ob, row);
+        let mut d = nd - 1;
+        loop {
+            if d == 0 {
+                return;
+            }
+            d -= 1;
+            idx[d] += 1;
+            if idx[d] < part.shape[d] {
+                break;
+            }
+            idx[d] = 0;
+        }
+    }
+}
+
+/// The parts of `src` (laid out as `outer`) concatenated in order; borrowed when they
+/// already are `src`'s buffer in order.
+fn pack<'a, T: Copy>(src: &'a [T], outer: &Region, parts: &[Region]) -> Cow<'a, [T]> {
+    if tiles_in_order(outer, parts) {
+        return Cow::Borrowed(src);
+    }
+    let mut out = Vec::with_capacity(parts.iter().map(Region::numel).sum());
+    for p in parts {
+        for_each_row(outer, p, p, |o, _, len| out.extend_from_slice(&src[o..o + len]));
+    }
+    Cow::Owned(out)
+}
+
+/// Places the concatenated `parts` of `data` into a buffer laid out as `outer`; the
+/// data itself when the parts tile `outer` in order.
+fn place_all<T: Copy + Default>(data: Vec<T>, outer: &Region, parts: &[Region]) -> Vec<T> {
+    if tiles_in_order(outer, parts) {
+        return data;
+    }
+    let mut out = vec![T::default(); outer.numel()];
+    let mut at = 0;
+    for p in parts {
+        for_each_row(p, outer, p, |o, dst, len| {
+            out[dst..dst + len].copy_from_slice(&data[at + o..at + o + len]);
+        });
+        at += p.numel();
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn region(offset: &[usize], shape: &[usize]) -> Region {
+        Region {
+            offset: offset.to_vec(),
+            shape: shape.to_vec(),
+        }
+    }
+
+    #[test]
+    fn runs() {
+        let outer = region(&[0, 0], &[4, 6]);
+        macro_rules! case {
+            ($off:expr, $shape:expr, $want:expr) => {
+                assert_eq!(
+                    run_start(&outer, &region(&$off, &$shape)),
+                    $want,
+                    "{:?} {:?}",
+                    $off,
+                    $shape
+                );
+            };
+        }
+        case!([0, 0], [4, 6], Some(0));
+        case!([2, 0], [2, 6], Some(12));
+        case!([1, 2], [1, 3], Some(8));
+        case!([0, 3], [4, 3], None);
+        case!([1, 0], [2, 3], None);
+        case!([3, 6], [0, 0], Some(24));
+    }
+
+    #[test]
+    fn pack_and_place_round_trip() {
+        // A 4×6 buffer split into column blocks 0..2, 2..4, 4..6 (not row-major runs).
+        let outer = region(&[10, 0], &[4, 6]);
+        let src: Vec<i64> = (0..24).collect();
+        let parts: Vec<Region> = (0..3).map(|k| region(&[10, 2 * k], &[4, 2])).collect();
+        let packed = pack(&src, &outer, &parts);
+        assert!(matches!(packed, Cow::Owned(_)));
+        assert_eq!(&packed[..8], &[0, 1, 6, 7, 12, 13, 18, 19]);
+        let back = place_all(packed.into_owned(), &outer, &parts);
+        assert_eq!(back, src);
+        // Row blocks are runs: no copy.
+        let rows: Vec<Region> = (0..2).map(|k| region(&[10 + 2 * k, 0], &[2, 6])).collect();
+        assert!(matches!(pack(&src, &outer, &rows), Cow::Borrowed(_)));
+    }
+
+    #[test]
+    fn scalars_and_empty_parts() {
+        let outer = region(&[], &[]);
+        assert_eq!(pack(&[7.0f32], &outer, std::slice::from_ref(&outer)).into_owned(), vec![7.0]);
+        let outer = region(&[0], &[3]);
+        let parts = [region(&[0], &[3]), region(&[3], &[0])];
+        assert!(tiles_in_order(&outer, &parts));
+    }
+}
