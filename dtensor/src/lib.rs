@@ -32,7 +32,10 @@ pub mod redistribute;
 pub mod rng;
 pub mod sharding;
 mod spec;
+pub mod strategy;
 mod tensor;
+#[cfg(feature = "testing")]
+pub mod testing;
 
 pub use dtensor::{DTensor, distribute_tensor, distribute_tensor_with_order};
 pub use error::{Error, Result};

@@ -1,0 +1,201 @@
+//! Sharding strategies: for an op and its inputs' layouts, the candidate
+//! (input placements → output placements) pairs, and the choice among them.
+//!
+//! Rules are data. Contractions and batched products come from an einsum-style
+//! spec ([`einsum`]): on each mesh dim a letter that survives to the output may be
+//! sharded wherever it appears, a contracted letter sharded everywhere gives
+//! `Partial(sum)`, and a partial operand times replicated ones stays partial.
+//! Element-wise ops come from [`pointwise`], with the linearity rules for
+//! `Partial`. Candidates on an N-D mesh are the product of per-mesh-dim options.
+//!
+//! [`choose`] picks the candidate whose input redistributions send the fewest
+//! bytes. The cost is counted at mesh coordinate zero so that every rank, uneven
+//! shards or not, makes the same choice.
+
+mod rules;
+
+use smallvec::SmallVec;
+
+use crate::redistribute::{Plan, plan};
+use crate::spec::{Layout, Placements, PlacementsDisplay};
+use crate::{Placement, Result, ShardOrder};
+
+pub use rules::{Linearity, einsum, keep_shards_except, pointwise, reduction};
+
+/// One way to run an op: the placements each input must have and the placements of the output.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Candidate {
+    /// Placements per input, in input order.
+    pub inputs: SmallVec<[Placements; 3]>,
+    /// Placements of the output.
+    pub output: Placements,
+}
+
+impl std::fmt::Display for Candidate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        for (i, p) in self.inputs.iter().enumerate() {
+            if i > 0 {
+                f.write_str(", ")?;
+            }
+            write!(f, "{}", PlacementsDisplay(p))?;
+        }
+        write!(f, " -> {}", PlacementsDisplay(&self.output))
+    }
+}
+
+/// Per-mesh-dim options combined over every mesh dim: the cartesian product of
+/// `per_dim[m]` (each an option of (input placements, output placement) on mesh dim m).
+pub(crate) fn product(per_dim: &[Vec<(SmallVec<[Placement; 3]>, Placement)>], n_inputs: usize) -> Vec<Candidate> {
+    let mut out = vec![Candidate {
+        inputs: (0..n_inputs).map(|_| Placements::new()).collect(),
+        output: Placements::new(),
+    }];
+    for options in per_dim {
+        let mut next = Vec::with_capacity(out.len() * options.len());
+        for c in &out {
+            for (ins, o) in options {
+                let mut c = c.clone();
+                for (i, p) in ins.iter().enumerate() {
+                    c.inputs[i].push(*p);
+                }
+                c.output.push(*o);
+                next.push(c);
+            }
+        }
+        out = next;
+    }
+    out
+}
+
+/// The chosen candidate and the plans that bring each input to it.
+#[derive(Clone, Debug)]
+pub struct Choice {
+    /// Index of the chosen candidate.
+    pub index: usize,
+    /// The candidate.
+    pub candidate: Candidate,
+    /// One plan per input (empty when the input already fits).
+    pub plans: Vec<Plan>,
+    /// Bytes the plans send from the rank at coordinate zero (the cost compared).
+    pub cost: u64,
+}
+
+/// Picks the candidate whose input redistributions cost the fewest bytes (ties: the
+/// earliest). Candidates whose placements do not fit an input (a shard dim past its
+/// rank, a reduction its dtype lacks, a partial placement the input does not
+/// already have) are skipped. `op` names the op in errors.
+///
+/// # Errors
+/// No candidate fits the inputs.
+pub fn choose(op: &'static str, inputs: &[&Layout], candidates: &[Candidate]) -> Result<Choice> {
+    let zero: SmallVec<[usize; 4]> = inputs
+        .first()
+        .map_or_else(SmallVec::new, |l| SmallVec::from_elem(0, l.mesh_shape.len()));
+    let mut best: Option<Choice> = None;
+    'next: for (index, c) in candidates.iter().enumerate() {
+        let mut plans = Vec::with_capacity(inputs.len());
+        let mut cost = 0;
+        for (l, target) in inputs.iter().zip(&c.inputs) {
+            // Making a value partial is for internal use (it never saves work here).
+            if l.placements
+                .iter()
+                .zip(target)
+                .any(|(a, b)| !a.is_partial() && b.is_partial())
+            {
+                continue 'next;
+            }
+            let Ok(dst) = Layout::with_order(
+                &l.mesh_shape,
+                target,
+                ShardOrder::default_for(target),
+                &l.shape,
+                l.dtype,
+            ) else {
+                continue 'next;
+            };
+            let Ok(p) = plan(l, &dst, &zero) else {
+                continue 'next;
+            };
+            cost += p.bytes();
+            plans.push(p);
+        }
+        if best.as_ref().is_none_or(|b| cost < b.cost) {
+            best = Some(Choice {
+                index,
+                candidate: c.clone(),
+                plans,
+                cost,
+            });
+        }
+    }
+    best.ok_or_else(|| crate::Error::Placement {
+        op,
+        detail: format!(
+            "no sharding strategy fits inputs {}",
+            inputs.iter().map(|l| l.to_string()).collect::<Vec<_>>().join(", ")
+        ),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::DType;
+    use crate::Placement::{Partial, Replicate as R, Shard as S};
+    use crate::ReduceOp::Sum;
+
+    fn layout(p: &[Placement], shape: &[usize]) -> Layout {
+        Layout::new(&[4], p, shape, DType::F32).unwrap()
+    }
+
+    #[test]
+    fn choose_least_bytes() {
+        let cands = einsum("mk,kn->mn", 1).unwrap();
+        macro_rules! case {
+            ($a:expr, $b:expr => $ins:expr, $out:expr, $cost:expr) => {
+                let (a, b) = (layout(&$a, &[8, 16]), layout(&$b, &[16, 4]));
+                let c = choose("matmul", &[&a, &b], &cands).unwrap();
+                assert_eq!(
+                    (
+                        c.candidate.inputs.iter().map(|p| p.to_vec()).collect::<Vec<_>>(),
+                        c.candidate.output.to_vec(),
+                        c.cost
+                    ),
+                    (
+                        $ins.iter()
+                            .map(|p: &[Placement; 1]| p.to_vec())
+                            .collect::<Vec<_>>(),
+                        $out.to_vec(),
+                        $cost
+                    ),
+                    "{:?} x {:?}",
+                    $a,
+                    $b
+                );
+            };
+        }
+        // Already fitting: no communication.
+        case!([S(0)], [R] => [[S(0)], [R]], [S(0)], 0);
+        case!([S(1)], [S(0)] => [[S(1)], [S(0)]], [Partial(Sum)], 0);
+        case!([R], [R] => [[R], [R]], [R], 0);
+        case!([Partial(Sum)], [R] => [[Partial(Sum)], [R]], [Partial(Sum)], 0);
+        // x arrives column-sharded: slicing the replicated weight's rows is free,
+        // so the contraction runs locally into a partial sum.
+        case!([S(1)], [R] => [[S(1)], [S(0)]], [Partial(Sum)], 0);
+    }
+
+    #[test]
+    fn never_makes_values_partial() {
+        let cands = einsum("mk,kn->mn", 1).unwrap();
+        let (a, b) = (layout(&[R], &[8, 16]), layout(&[R], &[16, 4]));
+        let c = choose("matmul", &[&a, &b], &cands).unwrap();
+        assert!(c.candidate.inputs.iter().all(|p| !p[0].is_partial()));
+    }
+
+    #[test]
+    fn no_fitting_candidate_is_an_error() {
+        let a = layout(&[R], &[8, 16]);
+        let e = choose("op", &[&a], &[]).unwrap_err().to_string();
+        assert!(e.contains("no sharding strategy fits inputs [R] of [8, 16]"), "{e}");
+    }
+}
