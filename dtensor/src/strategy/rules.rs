@@ -3,10 +3,10 @@
 
 use smallvec::{SmallVec, smallvec};
 
-use super::{Candidate, product};
+use super::{Candidate, DimOption, product};
 use crate::{Error, Placement, ReduceOp, Result};
 
-type Options = Vec<(SmallVec<[Placement; 3]>, Placement)>;
+type Options = Vec<DimOption>;
 
 /// How an element-wise op treats pending reductions (`Partial` inputs).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -24,7 +24,7 @@ pub enum Linearity {
 
 const LINEAR_OPS: [ReduceOp; 2] = [ReduceOp::Sum, ReduceOp::Avg];
 
-fn replicate_all(n: usize) -> (SmallVec<[Placement; 3]>, Placement) {
+fn replicate_all(n: usize) -> DimOption {
     (smallvec![Placement::Replicate; n], Placement::Replicate)
 }
 
