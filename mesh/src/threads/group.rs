@@ -294,7 +294,7 @@ impl Group {
     /// has left.
     fn barrier(&self, r: usize, op: &'static str, seq: u64, entry: bool) -> Result<()> {
         let n = self.size() as u64;
-        let my_phase = self.phase[r].0.fetch_add(1, Ordering::Relaxed) + 1;
+        let my_phase = self.phase[r].0.fetch_add(1, Ordering::Release) + 1;
         let mut s = self.arrivals.0.load(Ordering::Acquire);
         let generation = loop {
             let (g, c) = (s >> 32, s & 0xffff_ffff);
@@ -322,16 +322,29 @@ impl Group {
                 continue;
             }
             if i.is_multiple_of(16)
-                && let Some(failure) = self.failure(my_phase, op, seq, entry, start.elapsed())
+                && let Some((failure, blame)) = self.failure(my_phase, op, seq, entry, start.elapsed())
             {
-                if !entry {
-                    return Err(failure);
+                // A barrier that completed meanwhile commits this rank: carry on.
+                if entry && !self.withdraw(generation) {
+                    return Ok(());
                 }
-                if self.withdraw(generation) {
+                if entry {
                     self.phase[r].0.fetch_sub(1, Ordering::Relaxed);
-                    return Err(failure);
                 }
-                return Ok(());
+                let failure = match blame {
+                    Some((rank, reason)) => {
+                        let first = self.world.poison(rank, reason);
+                        match failure {
+                            Error::Timeout { .. } => failure,
+                            _ => Error::PeerFailed {
+                                rank: first.rank,
+                                reason: first.reason,
+                            },
+                        }
+                    }
+                    None => failure,
+                };
+                return Err(failure);
             }
             if start.elapsed() < Duration::from_millis(2) {
                 std::thread::yield_now();
@@ -361,39 +374,52 @@ impl Group {
 
     /// Why a rank waiting at a barrier should stop waiting, if it should: the job is
     /// poisoned (only at entry), a missing peer has left its closure, or the timeout
-    /// passed. Poisons the job for the last two.
-    fn failure(&self, my_phase: u64, op: &'static str, seq: u64, entry: bool, waited: Duration) -> Option<Error> {
+    /// passed. For the last two it also returns the failure to record (who, why),
+    /// which the caller records only if it really leaves.
+    fn failure(
+        &self,
+        my_phase: u64,
+        op: &'static str,
+        seq: u64,
+        entry: bool,
+        waited: Duration,
+    ) -> Option<(Error, Option<(usize, String)>)> {
         if entry && let Err(e) = self.world.check() {
-            return Some(e);
+            return Some((e, None));
         }
+        // Read `exited` before `phase`: a peer's arrival is ordered before its exit
+        // (release/acquire on the flag), so a peer seen as exited and not arrived
+        // really left without arriving.
+        let exited: Vec<bool> = self.members.iter().map(|&w| self.world.has_exited(w)).collect();
         let missing: Vec<usize> = (0..self.size())
-            .filter(|&q| self.phase[q].0.load(Ordering::Relaxed) < my_phase)
-            .map(|q| self.members[q])
+            .filter(|&q| self.phase[q].0.load(Ordering::Acquire) < my_phase)
             .collect();
-        if let Some(&gone) = missing.iter().find(|&&w| self.world.has_exited(w)) {
-            let p = self.world.poison(
-                gone,
-                format!("returned from its closure without entering {op} (collective #{seq} of its group)"),
-            );
-            return Some(Error::PeerFailed {
-                rank: p.rank,
-                reason: p.reason,
-            });
+        if let Some(&q) = missing.iter().find(|&&q| exited[q]) {
+            let gone = self.members[q];
+            let reason = format!("returned from its closure without entering {op} (collective #{seq} of its group)");
+            return Some((
+                Error::PeerFailed {
+                    rank: gone,
+                    reason: reason.clone(),
+                },
+                Some((gone, reason)),
+            ));
         }
         if waited >= self.world.timeout && !missing.is_empty() {
-            self.world.poison(
-                missing[0],
-                format!(
-                    "did not enter {op} (collective #{seq} of its group) within {:?}",
-                    self.world.timeout
-                ),
+            let missing: Vec<usize> = missing.iter().map(|&q| self.members[q]).collect();
+            let reason = format!(
+                "did not enter {op} (collective #{seq} of its group) within {:?}",
+                self.world.timeout
             );
-            return Some(Error::Timeout {
-                op,
-                seq,
-                missing,
-                after: waited,
-            });
+            return Some((
+                Error::Timeout {
+                    op,
+                    seq,
+                    missing: missing.clone(),
+                    after: waited,
+                },
+                Some((missing[0], reason)),
+            ));
         }
         None
     }
