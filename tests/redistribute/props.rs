@@ -1,0 +1,170 @@
+//! Property tests: every generated case runs on a fresh launch of up to 8 thread
+//! ranks and is compared with the oracle on the full tensor.
+
+use proptest::prelude::*;
+use tessera::dtensor::redistribute::{Plan, StepKind, plan};
+use tessera::dtensor::testing::{all_coords, collective_bound, expected_local, shard_swap, transition};
+use tessera::dtensor::{Layout, Tensor};
+use tessera::mesh::{CommCounts, OpKind};
+
+use crate::harness::{close, config, full_of, on_mesh, source};
+
+/// What one rank saw in the byte-count property.
+struct Counted {
+    coord: Vec<usize>,
+    plan: Plan,
+    /// Counters around the whole `redistribute` call.
+    whole: CommCounts,
+    /// Counters around each step run alone.
+    steps: Vec<CommCounts>,
+    /// Whether running the steps one by one gave the same local tensor.
+    stepwise_same: bool,
+}
+
+/// The ranks a step talks to: its mesh dim's size, or the whole mesh.
+fn group_size(layout: &Layout, mesh_dim: Option<usize>) -> usize {
+    mesh_dim.map_or(layout.mesh_shape.iter().product(), |m| layout.mesh_shape[m])
+}
+
+proptest! {
+    #![proptest_config(config())]
+
+    /// (a) distribute (or partial `from_local`) → redistribute → `full_tensor` is the
+    /// original on every rank, and the result has the target layout.
+    #[test]
+    fn full_tensor_survives_redistribute(t in transition(true, true)) {
+        let want = full_of(&t);
+        let outs = on_mesh(&t.src.mesh_shape, |mesh| {
+            let x = source(&t, mesh)?;
+            let before = x.full_tensor()?;
+            let y = x.redistribute_with_order(&t.dst.placements, t.dst.order.clone())?;
+            Ok((before, y.layout().clone(), y.full_tensor()?))
+        })?;
+        for (r, (before, layout, full)) in outs.iter().enumerate() {
+            prop_assert!(close(before, &want, t.has_avg()), "rank {}: source full {:?}, want {:?}", r, before, want);
+            prop_assert_eq!(layout, &t.dst, "rank {}", r);
+            prop_assert!(close(full, &want, t.has_avg()), "rank {}: full {:?}, want {:?}", r, full, want);
+        }
+    }
+
+    /// (b) after redistributing to a layout without Partial, every rank holds exactly
+    /// the slice of the original that `local_shape_and_offset` names for it.
+    #[test]
+    fn local_shards_are_the_named_slices(t in transition(true, false)) {
+        let full = full_of(&t);
+        let outs = on_mesh(&t.src.mesh_shape, |mesh| {
+            let y = source(&t, mesh)?.redistribute_with_order(&t.dst.placements, t.dst.order.clone())?;
+            Ok((mesh.coordinate().to_vec(), y.to_local().clone()))
+        })?;
+        for (coord, local) in &outs {
+            let want = expected_local(&full, &t.dst, coord).map_err(|e| TestCaseError::fail(e.to_string()))?;
+            prop_assert!(close(local, &want, t.has_avg()), "coord {:?}: local {:?}, want {:?}", coord, local, want);
+        }
+    }
+
+    /// (c) bytes each rank sends, counted by the communicators, equal the plan's (for
+    /// the whole call and for each step run alone); each step issues exactly its one
+    /// collective and stays within that collective's bound; ranks agree on the steps.
+    #[test]
+    fn bytes_match_plan_and_bounds(t in transition(true, true)) {
+        let outs = on_mesh(&t.src.mesh_shape, |mesh| {
+            let x = source(&t, mesh)?;
+            let plan = x.redistribute_plan_with_order(&t.dst.placements, t.dst.order.clone())?;
+            let s0 = mesh.stats();
+            let y = x.redistribute_with_order(&t.dst.placements, t.dst.order.clone())?;
+            let whole = mesh.stats() - s0;
+            let mut steps = Vec::new();
+            let mut cur = x;
+            for step in &plan.steps {
+                let one = Plan { src: cur.layout().clone(), steps: vec![step.clone()] };
+                let s = mesh.stats();
+                cur = cur.run_plan(&one)?;
+                steps.push(mesh.stats() - s);
+            }
+            let stepwise_same = cur.to_local() == y.to_local();
+            Ok(Counted { coord: mesh.coordinate().to_vec(), plan, whole, steps, stepwise_same })
+        })?;
+        let shape_of = |p: &Plan| -> Vec<_> { p.steps.iter().map(|s| (s.mesh_dim, s.kind, s.after.clone())).collect() };
+        let first = shape_of(&outs[0].plan);
+        for c in &outs {
+            let (plan, coord) = (&c.plan, &c.coord);
+            prop_assert_eq!(shape_of(plan), first.clone(), "ranks disagree on the steps; coord {:?}", coord);
+            prop_assert_eq!(plan.dst(), &t.dst);
+            prop_assert!(c.stepwise_same, "coord {:?}: steps run one by one differ from the whole plan", coord);
+            prop_assert_eq!(c.whole.total_bytes(), plan.bytes(), "coord {:?}: measured {} vs plan\n{}", coord, c.whole, plan);
+            prop_assert_eq!(c.whole.total_calls(), plan.collectives() as u64, "coord {:?}: measured {}", coord, c.whole);
+            for kind in OpKind::ALL {
+                let planned = plan.steps.iter().filter(|s| s.kind.collective() == Some(kind));
+                let (calls, bytes) = planned.fold((0, 0), |(n, b), s| (n + 1, b + s.bytes));
+                prop_assert_eq!(c.whole.calls(kind), calls, "coord {:?}: {} calls", coord, kind);
+                prop_assert_eq!(c.whole.bytes(kind), bytes, "coord {:?}: {} bytes", coord, kind);
+            }
+            for ((before, step), measured) in plan.transitions().zip(&c.steps) {
+                let what = format!("coord {coord:?}, step {:?} on {:?} of\n{plan}", step.kind, step.mesh_dim);
+                prop_assert_eq!(measured.total_bytes(), step.bytes, "measured {}: {}", measured, what);
+                match step.kind.collective() {
+                    Some(kind) => {
+                        prop_assert_eq!(measured.calls(kind), 1, "{}", what);
+                        prop_assert_eq!(measured.total_calls(), 1, "measured {}: {}", measured, what);
+                        let n = group_size(before, step.mesh_dim);
+                        let bound = collective_bound(before, &step.after, kind, n, coord)
+                            .map_err(|e| TestCaseError::fail(e.to_string()))?;
+                        prop_assert!(step.bytes <= bound, "{} bytes over the bound {}: {}", step.bytes, bound, what);
+                    }
+                    None => {
+                        prop_assert_eq!(measured.total_calls(), 0, "measured {}: {}", measured, what);
+                        prop_assert_eq!(step.bytes, 0, "{}", what);
+                    }
+                }
+            }
+        }
+    }
+
+    /// (c) `S(i) → S(j)` on one mesh dim, everything else equal, is exactly one
+    /// all_to_all on that mesh dim on every rank (no all_gather), and it lands every
+    /// rank on its slice.
+    #[test]
+    fn shard_to_shard_is_one_all_to_all((t, (m, i, j)) in shard_swap()) {
+        for coord in all_coords(&t.src.mesh_shape) {
+            let p = plan(&t.src, &t.dst, &coord).map_err(|e| TestCaseError::fail(e.to_string()))?;
+            prop_assert_eq!(p.steps.len(), 1, "coord {:?}:\n{}", coord, p);
+            prop_assert_eq!(p.steps[0].mesh_dim, Some(m), "coord {:?}:\n{}", coord, p);
+            prop_assert_eq!(p.steps[0].kind, StepKind::AllToAll { from: i, to: j }, "coord {:?}:\n{}", coord, p);
+            prop_assert_eq!(p.collectives(), 1);
+        }
+        let full = full_of(&t);
+        let outs = on_mesh(&t.src.mesh_shape, |mesh| {
+            let x = source(&t, mesh)?;
+            let s0 = mesh.stats();
+            let y = x.redistribute_with_order(&t.dst.placements, t.dst.order.clone())?;
+            Ok((mesh.coordinate().to_vec(), y.to_local().clone(), mesh.stats() - s0))
+        })?;
+        for (coord, local, counts) in &outs {
+            prop_assert_eq!(counts.calls(OpKind::AllToAll), 1, "coord {:?}: {}", coord, counts);
+            prop_assert_eq!(counts.calls(OpKind::AllGather), 0, "coord {:?}: {}", coord, counts);
+            prop_assert_eq!(counts.total_calls(), 1, "coord {:?}: {}", coord, counts);
+            let want = expected_local(&full, &t.dst, coord).map_err(|e| TestCaseError::fail(e.to_string()))?;
+            prop_assert_eq!(local, &want, "coord {:?}", coord);
+        }
+    }
+
+    /// (d) there and back (no Partial, random orders both ways) restores every local
+    /// shard exactly, and the way there lands on the target's slices.
+    #[test]
+    fn there_and_back_restores_locals(t in transition(false, false)) {
+        let full = full_of(&t);
+        let outs = on_mesh(&t.src.mesh_shape, |mesh| {
+            let x = source(&t, mesh)?;
+            let y = x.redistribute_with_order(&t.dst.placements, t.dst.order.clone())?;
+            let z = y.redistribute_with_order(&t.src.placements, t.src.order.clone())?;
+            let locals: [Tensor; 3] = [x.to_local().clone(), y.to_local().clone(), z.to_local().clone()];
+            Ok((mesh.coordinate().to_vec(), locals, z.layout().clone()))
+        })?;
+        for (coord, [x, y, z], layout) in &outs {
+            prop_assert_eq!(layout, &t.src);
+            prop_assert_eq!(z, x, "coord {:?}: back differs from the source", coord);
+            let want = expected_local(&full, &t.dst, coord).map_err(|e| TestCaseError::fail(e.to_string()))?;
+            prop_assert_eq!(y, &want, "coord {:?}: there", coord);
+        }
+    }
+}
