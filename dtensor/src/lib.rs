@@ -27,6 +27,7 @@
 mod dtensor;
 mod error;
 pub mod memory;
+pub mod ops;
 mod placement;
 pub mod redistribute;
 pub mod rng;

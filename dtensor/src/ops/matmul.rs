@@ -1,0 +1,426 @@
+//! Matrix multiplication: 2-D, batched with broadcast batch dims, strided operands.
+
+use tessera_mesh::DType;
+
+use super::elementwise::broadcast_shapes;
+use super::{Float, not_float, output, same_dtype};
+use crate::{Error, Result, Tensor};
+
+/// The single-threaded GEMM that runs [`Tensor::matmul`].
+///
+/// Both take arbitrary strides, so transposed and narrowed views multiply
+/// without a copy. Measured by `examples/bench_gemm` on the project's machine
+/// (Xeon with AVX-512, one thread, f32, square 512 to 2048): `gemm` with its
+/// AVX-512 kernels reaches about 165 GFLOP/s against `matrixmultiply`'s 130;
+/// with AVX2/FMA only, `gemm` reaches 95, so [`auto`](Self::auto) picks
+/// `matrixmultiply` on CPUs without AVX-512.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum GemmKernel {
+    /// The `gemm` crate (pure Rust; runtime-detected AVX-512 or AVX2/FMA
+    /// kernels), with `Parallelism::None`.
+    Gemm,
+    /// The `matrixmultiply` crate (pure Rust; AVX2/FMA kernels), which
+    /// ndarray's `dot` uses.
+    MatrixMultiply,
+}
+
+impl GemmKernel {
+    /// The faster kernel on this CPU: [`Gemm`](Self::Gemm) where AVX-512 is
+    /// available, [`MatrixMultiply`](Self::MatrixMultiply) otherwise.
+    pub fn auto() -> GemmKernel {
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            return GemmKernel::Gemm;
+        }
+        GemmKernel::MatrixMultiply
+    }
+}
+
+/// One strided matrix operand: base pointer and (row, column) strides.
+#[derive(Clone, Copy)]
+struct Mat<T> {
+    ptr: *const T,
+    rs: isize,
+    cs: isize,
+}
+
+/// Element types with a native GEMM: `c = a · b` (c overwritten, never read).
+trait Gemm: Float {
+    /// # Safety
+    /// With `[m, k, n] = mkn` (all > 0): `a` (m×k) and `b` (k×n) must be
+    /// readable at every index their strides reach; `c` must be writable for
+    /// `m` rows of stride `rsc` and `n` columns of stride 1, and not overlap
+    /// `a` or `b`.
+    unsafe fn gemm(kernel: GemmKernel, mkn: [usize; 3], a: Mat<Self>, b: Mat<Self>, c: *mut Self, rsc: isize);
+}
+
+macro_rules! impl_gemm {
+    ($t:ty, $mm:path) => {
+        impl Gemm for $t {
+            unsafe fn gemm(kernel: GemmKernel, [m, k, n]: [usize; 3], a: Mat<$t>, b: Mat<$t>, c: *mut $t, rsc: isize) {
+                // SAFETY: the caller guarantees the bounds and disjointness that both
+                // kernels require; `c` is written without being read (beta = 0 for
+                // matrixmultiply, read_dst = false for gemm).
+                unsafe {
+                    match kernel {
+                        GemmKernel::MatrixMultiply => {
+                            $mm(m, k, n, 1.0, a.ptr, a.rs, a.cs, b.ptr, b.rs, b.cs, 0.0, c, rsc, 1)
+                        }
+                        GemmKernel::Gemm => gemm::gemm(
+                            m,
+                            n,
+                            k,
+                            c,
+                            1,
+                            rsc,
+                            false,
+                            a.ptr,
+                            a.cs,
+                            a.rs,
+                            b.ptr,
+                            b.cs,
+                            b.rs,
+                            0.0,
+                            1.0,
+                            false,
+                            false,
+                            false,
+                            gemm::Parallelism::None,
+                        ),
+                    }
+                }
+            }
+        }
+    };
+}
+impl_gemm!(f32, matrixmultiply::sgemm);
+impl_gemm!(f64, matrixmultiply::dgemm);
+
+/// The error for shapes that cannot be multiplied.
+fn mismatch(a: &Tensor, b: &Tensor, why: String) -> Error {
+    Error::ShapeMismatch {
+        op: "matmul",
+        detail: format!("cannot multiply {:?} by {:?}: {why}", a.shape(), b.shape()),
+    }
+}
+
+/// Whether dims `0..=last` of `t` are laid out as one dim of stride
+/// `t.strides()[last]` (so a batch of row blocks is one tall matrix).
+fn rows_fold(t: &Tensor, last: usize) -> bool {
+    let (shape, strides) = (t.shape(), t.strides());
+    let mut step = strides[last] as u128 * shape[last] as u128;
+    for d in (0..last).rev() {
+        if shape[d] != 1 && strides[d] as u128 != step {
+            return false;
+        }
+        step *= shape[d] as u128;
+    }
+    true
+}
+
+/// `a · b` for rank >= 2 operands of a GEMM type, shapes already checked.
+fn matmul_typed<T: Gemm>(a: &Tensor, b: &Tensor, batch: &[usize], kernel: GemmKernel) -> Result<Tensor> {
+    let (ra, rb) = (a.rank(), b.rank());
+    let (m, k, n) = (a.shape()[ra - 2], a.shape()[ra - 1], b.shape()[rb - 1]);
+    let count: usize = batch.iter().product();
+    let mut shape = batch.to_vec();
+    shape.extend([m, n]);
+    let mut out = vec![T::default(); count * m * n];
+    if out.is_empty() || k == 0 {
+        return output(out, &shape);
+    }
+    let (av, bv) = (a.view::<T>()?, b.view::<T>()?);
+    let mat = |ptr: *const T, t: &Tensor, r: usize| Mat {
+        ptr,
+        rs: t.strides()[r - 2] as isize,
+        cs: t.strides()[r - 1] as isize,
+    };
+    let (mut am, bm) = (mat(av.as_ptr(), a, ra), mat(bv.as_ptr(), b, rb));
+    let c = out.as_mut_ptr();
+    // One tall GEMM when `b` is one matrix and `a`'s batch folds into its rows
+    // (a linear layer on [batch, seq, features]).
+    let b_single = b.shape()[..rb - 2].iter().all(|&d| d == 1);
+    if b_single && rows_fold(a, ra - 2) {
+        // SAFETY: `a` folds to a (count·m)×k matrix of row stride `am.rs` inside
+        // its storage (checked by `rows_fold`; views keep the storage borrowed);
+        // `b` is one k×n matrix; `out` holds count·m rows of n elements.
+        unsafe { T::gemm(kernel, [count * m, k, n], am, bm, c, n as isize) };
+        return output(out, &shape);
+    }
+    // Offsets of each batch entry, with size-1 (broadcast) dims fixed at 0.
+    let offset = |t: &Tensor, r: usize, index: &[usize]| -> isize {
+        let lead = batch.len() - (r - 2);
+        (0..r - 2)
+            .map(|d| {
+                if t.shape()[d] == 1 {
+                    0
+                } else {
+                    index[lead + d] * t.strides()[d]
+                }
+            })
+            .sum::<usize>() as isize
+    };
+    let mut index = vec![0usize; batch.len()];
+    for i in 0..count {
+        let mut bi = bm;
+        am.ptr = av.as_ptr().wrapping_offset(offset(a, ra, &index));
+        bi.ptr = bv.as_ptr().wrapping_offset(offset(b, rb, &index));
+        // SAFETY: `index` is inside `batch`, so every element each operand's
+        // strides reach from its batch offset is an element of that tensor,
+        // inside its borrowed storage; the output block `i` is m×n inside `out`,
+        // disjoint from the operands (fresh allocation).
+        unsafe { T::gemm(kernel, [m, k, n], am, bi, c.add(i * m * n), n as isize) };
+        for d in (0..batch.len()).rev() {
+            index[d] += 1;
+            if index[d] < batch[d] {
+                break;
+            }
+            index[d] = 0;
+        }
+    }
+    output(out, &shape)
+}
+
+impl Tensor {
+    /// The matrix product with PyTorch's `torch.matmul` rules: `[m, k] × [k, n]
+    /// → [m, n]`; batched `[..., m, k] × [..., k, n]` with the batch dims
+    /// broadcast (`[2, 1, m, k] × [3, k, n] → [2, 3, m, n]`); a 1-D operand is
+    /// a vector (its dim is removed from the result). Transposed and narrowed
+    /// views are read in place through their strides. Runs the
+    /// [`GemmKernel::auto`] kernel on the calling thread.
+    ///
+    /// `f32` and `f64` use the GEMM directly; `bf16` and `f16` are converted to
+    /// `f32`, multiplied, and rounded once per output element.
+    ///
+    /// # Errors
+    /// [`Error::ShapeMismatch`] naming both shapes when the inner dims differ
+    /// or the batch dims do not broadcast; [`Error::DTypeMismatch`] for
+    /// different dtypes; [`Error::InvalidArgument`] for rank-0 or integer tensors.
+    pub fn matmul(&self, rhs: &Tensor) -> Result<Tensor> {
+        self.matmul_with(rhs, GemmKernel::auto())
+    }
+
+    /// [`matmul`](Self::matmul) with a chosen GEMM kernel (for benchmarks and
+    /// for comparing kernels).
+    ///
+    /// # Errors
+    /// As [`matmul`](Self::matmul).
+    pub fn matmul_with(&self, rhs: &Tensor, kernel: GemmKernel) -> Result<Tensor> {
+        same_dtype("matmul", self, rhs)?;
+        if self.rank() == 0 || rhs.rank() == 0 {
+            return Err(Error::InvalidArgument {
+                op: "matmul",
+                detail: format!(
+                    "cannot multiply {:?} by {:?}: both operands need at least one dim; use mul for scalars",
+                    self.shape(),
+                    rhs.shape()
+                ),
+            });
+        }
+        // Vectors become matrices: [k] is [1, k] on the left and [k, 1] on the right.
+        let a = if self.rank() == 1 {
+            self.reshape(&[1, self.numel()])?
+        } else {
+            self.clone()
+        };
+        let b = if rhs.rank() == 1 {
+            rhs.reshape(&[rhs.numel(), 1])?
+        } else {
+            rhs.clone()
+        };
+        let (ra, rb) = (a.rank(), b.rank());
+        let (ka, kb) = (a.shape()[ra - 1], b.shape()[rb - 2]);
+        if ka != kb {
+            return Err(mismatch(self, rhs, format!("inner dims {ka} and {kb} differ")));
+        }
+        let batch = broadcast_shapes("matmul", &a.shape()[..ra - 2], &b.shape()[..rb - 2]).map_err(|_| {
+            let why = format!(
+                "batch dims {:?} and {:?} do not broadcast",
+                &a.shape()[..ra - 2],
+                &b.shape()[..rb - 2]
+            );
+            mismatch(self, rhs, why)
+        })?;
+        let out = match self.dtype() {
+            DType::F32 => matmul_typed::<f32>(&a, &b, &batch, kernel)?,
+            DType::F64 => matmul_typed::<f64>(&a, &b, &batch, kernel)?,
+            DType::BF16 | DType::F16 => {
+                let (a32, b32) = (a.cast(DType::F32)?, b.cast(DType::F32)?);
+                matmul_typed::<f32>(&a32, &b32, &batch, kernel)?.cast(self.dtype())?
+            }
+            other => return Err(not_float("matmul", other)),
+        };
+        // Drop the dims that the vectors' promotion added.
+        let mut shape = out.shape().to_vec();
+        if rhs.rank() == 1 {
+            shape.pop();
+        }
+        if self.rank() == 1 {
+            shape.remove(shape.len() - if rhs.rank() == 1 { 1 } else { 2 });
+        }
+        if shape.len() == out.rank() {
+            Ok(out)
+        } else {
+            out.reshape(&shape)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use tessera_mesh::DType;
+
+    use super::*;
+    use crate::ops::testutil::{assert_close, sample, tol};
+
+    /// The naive product in f64 with torch.matmul's shape rules.
+    fn reference(a: &Tensor, b: &Tensor) -> (Vec<usize>, Vec<f64>) {
+        let promote = |t: &Tensor, left: bool| match (t.rank(), left) {
+            (1, true) => vec![1, t.numel()],
+            (1, false) => vec![t.numel(), 1],
+            _ => t.shape().to_vec(),
+        };
+        let (sa, sb) = (promote(a, true), promote(b, false));
+        let (ra, rb) = (sa.len(), sb.len());
+        let (m, k, n) = (sa[ra - 2], sa[ra - 1], sb[rb - 1]);
+        let batch = broadcast_shapes("t", &sa[..ra - 2], &sb[..rb - 2]).unwrap();
+        let (x, y) = (a.to_f64_vec(), b.to_f64_vec());
+        let count: usize = batch.iter().product();
+        let mut out = Vec::new();
+        let base = |s: &[usize], bi: usize| {
+            // Offset of batch entry `bi` of `batch` in a tensor with batch dims `s`.
+            let (mut rest, mut off, mut stride) = (bi, 0, 1);
+            for d in (0..batch.len()).rev() {
+                let i = rest % batch[d];
+                rest /= batch[d];
+                let lead = batch.len() - s.len();
+                if d >= lead {
+                    let size = s[d - lead];
+                    off += if size == 1 { 0 } else { i * stride };
+                    stride *= size;
+                }
+            }
+            off
+        };
+        for bi in 0..count {
+            let (oa, ob) = (base(&sa[..ra - 2], bi) * m * k, base(&sb[..rb - 2], bi) * k * n);
+            for i in 0..m {
+                for j in 0..n {
+                    out.push((0..k).map(|l| x[oa + i * k + l] * y[ob + l * n + j]).sum());
+                }
+            }
+        }
+        let mut shape = batch;
+        if a.rank() > 1 {
+            shape.push(m);
+        }
+        if b.rank() > 1 {
+            shape.push(n);
+        }
+        (shape, out)
+    }
+
+    #[test]
+    fn matmul_table() {
+        macro_rules! case {
+            ($a:expr, $b:expr, $shape:expr) => {
+                for dtype in [DType::F32, DType::F64, DType::BF16, DType::F16] {
+                    let (a, b): (Tensor, Tensor) = ($a(dtype), $b(dtype));
+                    let (shape, want) = reference(&a, &b);
+                    assert_eq!(shape, $shape);
+                    for kernel in [GemmKernel::Gemm, GemmKernel::MatrixMultiply] {
+                        let got = a.matmul_with(&b, kernel).unwrap();
+                        let what = format!("{:?} x {:?} {dtype} {kernel:?}", a.shape(), b.shape());
+                        assert_eq!(got.shape(), &shape[..], "{what}");
+                        assert_eq!(got.dtype(), dtype);
+                        // Sums of k products: allow a few roundings per term.
+                        let k = a.shape()[a.rank() - 1].max(1) as f64;
+                        assert_close(&got, &want, 4.0 * k * tol(dtype), &what);
+                    }
+                    assert_eq!(a.matmul(&b).unwrap().shape(), &shape[..]);
+                }
+            };
+        }
+        let s = |shape: &'static [usize], seed| move |d| sample(shape, d, seed);
+        let t = |shape: &'static [usize], seed| move |d| sample(shape, d, seed).transpose(0, 1).unwrap();
+        case!(s(&[2, 3], 1), s(&[3, 4], 2), vec![2, 4]);
+        case!(s(&[1, 1], 1), s(&[1, 1], 2), vec![1, 1]);
+        case!(s(&[17, 33], 1), s(&[33, 9], 2), vec![17, 9]);
+        case!(t(&[3, 2], 1), s(&[3, 4], 2), vec![2, 4]);
+        case!(s(&[2, 3], 1), t(&[4, 3], 2), vec![2, 4]);
+        case!(t(&[3, 2], 1), t(&[4, 3], 2), vec![2, 4]);
+        case!(s(&[2, 3, 4], 1), s(&[2, 4, 5], 2), vec![2, 3, 5]);
+        case!(s(&[2, 1, 3, 4], 1), s(&[3, 4, 5], 2), vec![2, 3, 3, 5]);
+        case!(s(&[5, 3, 4], 1), s(&[4, 2], 2), vec![5, 3, 2]);
+        case!(s(&[2, 5, 3, 4], 1), t(&[2, 4], 2), vec![2, 5, 3, 2]);
+        case!(s(&[3, 4], 1), s(&[2, 4, 5], 2), vec![2, 3, 5]);
+        case!(s(&[4], 1), s(&[4, 3], 2), vec![3]);
+        case!(s(&[3, 4], 1), s(&[4], 2), vec![3]);
+        case!(s(&[4], 1), s(&[4], 2), Vec::<usize>::new());
+        case!(s(&[4], 1), s(&[2, 4, 3], 2), vec![2, 3]);
+        case!(s(&[2, 3, 4], 1), s(&[4], 2), vec![2, 3]);
+        // Batched transposes (attention's q·kᵀ) and narrowed views.
+        let kt = |d| sample(&[2, 5, 4], d, 3).transpose(1, 2).unwrap();
+        case!(s(&[2, 3, 4], 1), kt, vec![2, 3, 5]);
+        let qn = |d| sample(&[2, 3, 8], d, 4).narrow(2, 2, 4).unwrap();
+        case!(qn, kt, vec![2, 3, 5]);
+        let rows = |d| sample(&[4, 6, 4], d, 5).narrow(1, 1, 3).unwrap();
+        case!(rows, s(&[4, 2], 2), vec![4, 3, 2]);
+        let perm = |d| sample(&[3, 2, 4], d, 6).permute(&[1, 0, 2]).unwrap();
+        case!(perm, s(&[4, 5], 2), vec![2, 3, 5]);
+        // Empty dims.
+        case!(s(&[2, 0], 1), s(&[0, 3], 2), vec![2, 3]);
+        case!(s(&[0, 3], 1), s(&[3, 2], 2), vec![0, 2]);
+        case!(s(&[2, 3], 1), s(&[3, 0], 2), vec![2, 0]);
+        case!(s(&[0, 2, 3], 1), s(&[3, 2], 2), vec![0, 2, 2]);
+    }
+
+    #[test]
+    fn matmul_known_product() {
+        let a = Tensor::from_vec(vec![1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0], &[2, 3]).unwrap();
+        let b = Tensor::from_vec(vec![7.0f32, 8.0, 9.0, 10.0, 11.0, 12.0], &[3, 2]).unwrap();
+        for kernel in [GemmKernel::Gemm, GemmKernel::MatrixMultiply] {
+            let c = a.matmul_with(&b, kernel).unwrap();
+            assert_eq!(c.to_vec::<f32>().unwrap(), vec![58.0, 64.0, 139.0, 154.0]);
+        }
+        let zero = Tensor::zeros(&[2, 0], DType::F64)
+            .unwrap()
+            .matmul(&Tensor::zeros(&[0, 2], DType::F64).unwrap());
+        assert_eq!(zero.unwrap().to_vec::<f64>().unwrap(), vec![0.0; 4]);
+    }
+
+    #[test]
+    fn matmul_errors() {
+        macro_rules! case {
+            ($res:expr, $msg:expr) => {
+                assert_eq!($res.unwrap_err().to_string(), $msg);
+            };
+        }
+        let f = |shape: &[usize]| sample(shape, DType::F32, 1);
+        case!(
+            f(&[2, 3]).matmul(&f(&[4, 5])),
+            "matmul: shape mismatch: cannot multiply [2, 3] by [4, 5]: inner dims 3 and 4 differ"
+        );
+        case!(
+            f(&[2, 2, 3]).matmul(&f(&[3, 3, 4])),
+            "matmul: shape mismatch: cannot multiply [2, 2, 3] by [3, 3, 4]: batch dims [2] and [3] do not broadcast"
+        );
+        case!(
+            f(&[3]).matmul(&f(&[4])),
+            "matmul: shape mismatch: cannot multiply [3] by [4]: inner dims 3 and 4 differ"
+        );
+        case!(
+            f(&[]).matmul(&f(&[2])),
+            "matmul: cannot multiply [] by [2]: both operands need at least one dim; use mul for scalars"
+        );
+        case!(
+            f(&[2, 2]).matmul(&sample(&[2, 2], DType::F64, 1)),
+            "matmul: expected dtype f32, got f64"
+        );
+        let i = Tensor::zeros(&[2, 2], DType::I64).unwrap();
+        case!(
+            i.matmul(&i),
+            "matmul: dtype i64 is not a floating-point type; cast the tensor to a float dtype first"
+        );
+    }
+}
