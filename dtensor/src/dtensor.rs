@@ -76,6 +76,11 @@ pub fn distribute_tensor_with_order(
 }
 
 impl DTensor {
+    /// Assembles a DTensor from a local tensor already known to fit `spec`.
+    pub(crate) fn from_parts(local: Tensor, spec: DTensorSpec) -> DTensor {
+        DTensor { local, spec }
+    }
+
     /// Wraps this rank's `local` piece of a global tensor of `global_shape`, default
     /// shard order. Not collective; checks that `local` has the shape the spec gives
     /// this rank.

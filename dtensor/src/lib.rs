@@ -24,6 +24,7 @@
 //!   ([`redistribute::plan`]) plus an executor.
 #![deny(missing_docs)]
 
+pub mod dist;
 mod dtensor;
 mod error;
 pub mod memory;

@@ -1,0 +1,151 @@
+//! Element-wise ops on DTensors: binary ops with broadcasting, scalar ops and unary
+//! ops, with the linearity rules for `Partial`.
+
+use super::dispatch;
+use crate::strategy::{Linearity, pointwise};
+use crate::{DTensor, Error, Result, Tensor};
+
+/// NumPy broadcasting of two shapes.
+pub(crate) fn broadcast_shape(op: &'static str, a: &[usize], b: &[usize]) -> Result<Vec<usize>> {
+    let n = a.len().max(b.len());
+    let dim = |s: &[usize], i: usize| if i + s.len() < n { 1 } else { s[i + s.len() - n] };
+    (0..n)
+        .map(|i| match (dim(a, i), dim(b, i)) {
+            (x, y) if x == y || y == 1 => Ok(x),
+            (1, y) => Ok(y),
+            _ => Err(Error::ShapeMismatch {
+                op,
+                detail: format!("shapes {a:?} and {b:?} do not broadcast (dim {i})"),
+            }),
+        })
+        .collect()
+}
+
+macro_rules! binary {
+    ($($name:ident => $lin:expr, $doc:literal;)*) => {
+        impl DTensor {
+            $(
+                #[doc = $doc]
+                ///
+                /// # Errors
+                /// Shapes that do not broadcast, dtypes that differ, different meshes, communication failures.
+                pub fn $name(&self, rhs: &DTensor) -> Result<DTensor> {
+                    self.binary(stringify!($name), rhs, $lin, |a, b| a.$name(b))
+                }
+            )*
+        }
+    };
+}
+
+binary! {
+    add => Linearity::Additive, "Element-wise `self + rhs` with broadcasting; two partial sums add without communication.";
+    sub => Linearity::Additive, "Element-wise `self - rhs` with broadcasting; two partial sums subtract without communication.";
+    mul => Linearity::Multiplicative, "Element-wise `self · rhs` with broadcasting; a partial times a replicated value stays partial.";
+    div => Linearity::FirstOnly, "Element-wise `self / rhs` with broadcasting; a partial numerator over a replicated divisor stays partial.";
+    maximum => Linearity::None, "Element-wise maximum with broadcasting (partial inputs are reduced first).";
+}
+
+macro_rules! unary {
+    ($($name:ident => $lin:expr, $doc:literal;)*) => {
+        impl DTensor {
+            $(
+                #[doc = $doc]
+                ///
+                /// # Errors
+                /// Integer inputs, communication failures.
+                pub fn $name(&self) -> Result<DTensor> {
+                    self.unary(stringify!($name), $lin, |t| t.$name())
+                }
+            )*
+        }
+    };
+}
+
+unary! {
+    neg => Linearity::Additive, "`-x`, linear: shards and partial sums are kept.";
+    exp => Linearity::None, "`eˣ`.";
+    log => Linearity::None, "Natural logarithm.";
+    sqrt => Linearity::None, "Square root.";
+    rsqrt => Linearity::None, "`1/√x`.";
+    tanh => Linearity::None, "Hyperbolic tangent.";
+    gelu => Linearity::None, "Exact GELU, `0.5·x·(1 + erf(x/√2))`.";
+    relu => Linearity::None, "`max(x, 0)`.";
+    silu => Linearity::None, "`x·sigmoid(x)`.";
+    sigmoid => Linearity::None, "`1/(1 + e⁻ˣ)`.";
+    abs => Linearity::None, "`|x|`.";
+    square => Linearity::None, "`x²`.";
+}
+
+impl DTensor {
+    pub(crate) fn binary(
+        &self,
+        op: &'static str,
+        rhs: &DTensor,
+        linearity: Linearity,
+        kernel: impl FnOnce(&Tensor, &Tensor) -> Result<Tensor>,
+    ) -> Result<DTensor> {
+        if self.dtype() != rhs.dtype() {
+            return Err(Error::DTypeMismatch {
+                op,
+                expected: self.dtype(),
+                got: rhs.dtype(),
+            });
+        }
+        let out = broadcast_shape(op, self.shape(), rhs.shape())?;
+        let cands = pointwise(&[self.shape(), rhs.shape()], &out, self.mesh().ndim(), linearity);
+        dispatch(op, &[self, rhs], &cands, &out, self.dtype(), |l, _| {
+            kernel(&l[0], &l[1])
+        })
+    }
+
+    pub(crate) fn unary(
+        &self,
+        op: &'static str,
+        linearity: Linearity,
+        kernel: impl FnOnce(&Tensor) -> Result<Tensor>,
+    ) -> Result<DTensor> {
+        let cands = pointwise(&[self.shape()], self.shape(), self.mesh().ndim(), linearity);
+        dispatch(op, &[self], &cands, self.shape(), self.dtype(), |l, _| kernel(&l[0]))
+    }
+
+    /// `x · s`: linear, so shards and partial values are kept.
+    ///
+    /// # Errors
+    /// Integer inputs.
+    pub fn mul_scalar(&self, s: f64) -> Result<DTensor> {
+        self.unary("mul_scalar", Linearity::Additive, |t| t.mul_scalar(s))
+    }
+
+    /// `x / s`: linear, so shards and partial values are kept.
+    ///
+    /// # Errors
+    /// Integer inputs.
+    pub fn div_scalar(&self, s: f64) -> Result<DTensor> {
+        self.unary("div_scalar", Linearity::Additive, |t| t.div_scalar(s))
+    }
+
+    /// `x + s`. Adding a constant to a partial sum would add it once per rank, so a
+    /// partial input is reduced first.
+    ///
+    /// # Errors
+    /// Integer inputs, communication failures.
+    pub fn add_scalar(&self, s: f64) -> Result<DTensor> {
+        self.unary("add_scalar", Linearity::None, |t| t.add_scalar(s))
+    }
+
+    /// `x - s` (a partial input is reduced first, as for [`add_scalar`](Self::add_scalar)).
+    ///
+    /// # Errors
+    /// Integer inputs, communication failures.
+    pub fn sub_scalar(&self, s: f64) -> Result<DTensor> {
+        self.unary("sub_scalar", Linearity::None, |t| t.sub_scalar(s))
+    }
+
+    /// `xᵉ`.
+    ///
+    /// # Errors
+    /// Integer inputs, communication failures.
+    pub fn pow(&self, e: f64) -> Result<DTensor> {
+        self.unary("pow", Linearity::None, |t| t.pow(e))
+    }
+}
