@@ -7,6 +7,8 @@
 
 mod nn;
 mod pointwise;
+
+pub use pointwise::broadcast_shape;
 mod shape;
 
 use smallvec::SmallVec;

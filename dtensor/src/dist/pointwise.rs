@@ -6,7 +6,10 @@ use crate::strategy::{Linearity, pointwise};
 use crate::{DTensor, Error, Result, Tensor};
 
 /// NumPy broadcasting of two shapes.
-pub(crate) fn broadcast_shape(op: &'static str, a: &[usize], b: &[usize]) -> Result<Vec<usize>> {
+///
+/// # Errors
+/// Shapes that do not broadcast.
+pub fn broadcast_shape(op: &'static str, a: &[usize], b: &[usize]) -> Result<Vec<usize>> {
     let n = a.len().max(b.len());
     let dim = |s: &[usize], i: usize| if i + s.len() < n { 1 } else { s[i + s.len() - n] };
     (0..n)
@@ -77,7 +80,12 @@ unary! {
 }
 
 impl DTensor {
-    pub(crate) fn binary(
+    /// A custom element-wise binary op: broadcasting strategies with `linearity`'s
+    /// `Partial` rules, running `kernel` on the local pieces.
+    ///
+    /// # Errors
+    /// Shapes that do not broadcast, different dtypes or meshes, the kernel's error.
+    pub fn binary(
         &self,
         op: &'static str,
         rhs: &DTensor,
@@ -98,7 +106,12 @@ impl DTensor {
         })
     }
 
-    pub(crate) fn unary(
+    /// A custom element-wise unary op: shards kept, `Partial` kept only if
+    /// `linearity` allows, running `kernel` on the local piece.
+    ///
+    /// # Errors
+    /// The kernel's error, communication failures.
+    pub fn unary(
         &self,
         op: &'static str,
         linearity: Linearity,
@@ -106,6 +119,44 @@ impl DTensor {
     ) -> Result<DTensor> {
         let cands = pointwise(&[self.shape()], self.shape(), self.mesh().ndim(), linearity);
         dispatch(op, &[self], &cands, self.shape(), self.dtype(), |l, _| kernel(&l[0]))
+    }
+
+    /// Zeros with this tensor's layout (no communication; a partial layout holds
+    /// zeros everywhere, which is a partial zero).
+    ///
+    /// # Errors
+    /// Never for a valid tensor.
+    pub fn zeros_like(&self) -> Result<DTensor> {
+        let local = Tensor::zeros(self.to_local().shape(), self.dtype())?;
+        DTensor::from_local_with_layout(local, self.mesh(), self.layout().clone())
+    }
+
+    /// A tensor of `value` with this tensor's shape and placements, except that
+    /// partial placements become replicated (no communication).
+    ///
+    /// # Errors
+    /// Never for a valid tensor.
+    pub fn full_like_replicated(&self, value: f64) -> Result<DTensor> {
+        let l = self.layout();
+        let placements: Vec<crate::Placement> = l
+            .placements
+            .iter()
+            .map(|p| {
+                if p.is_partial() {
+                    crate::Placement::Replicate
+                } else {
+                    *p
+                }
+            })
+            .collect();
+        let order = if l.has_partial() {
+            crate::ShardOrder::default_for(&placements)
+        } else {
+            l.order.clone()
+        };
+        let layout = crate::Layout::with_order(&l.mesh_shape, &placements, order, &l.shape, l.dtype)?;
+        let shape = layout.local_shape(self.mesh().coordinate())?;
+        DTensor::from_local_with_layout(Tensor::full(&shape, value, self.dtype())?, self.mesh(), layout)
     }
 
     /// `x · s`: linear, so shards and partial values are kept.

@@ -44,11 +44,11 @@ impl std::fmt::Display for Candidate {
 }
 
 /// One option on one mesh dim: the input placements and the output placement.
-pub(crate) type DimOption = (SmallVec<[Placement; 3]>, Placement);
+pub type DimOption = (SmallVec<[Placement; 3]>, Placement);
 
 /// Per-mesh-dim options combined over every mesh dim: the cartesian product of
 /// `per_dim[m]` (the options on mesh dim m).
-pub(crate) fn product(per_dim: &[Vec<DimOption>], n_inputs: usize) -> Vec<Candidate> {
+pub fn product(per_dim: &[Vec<DimOption>], n_inputs: usize) -> Vec<Candidate> {
     let mut out = vec![Candidate {
         inputs: (0..n_inputs).map(|_| Placements::new()).collect(),
         output: Placements::new(),

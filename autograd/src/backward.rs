@@ -1,0 +1,128 @@
+//! The reverse walk.
+
+use std::collections::HashMap;
+
+use tessera_dtensor::DTensor;
+
+use crate::tape::{self, Frame};
+use crate::{Error, Result, Var};
+
+/// Computes gradients of the scalar `loss` and accumulates them into every
+/// parameter it depends on, consuming the current frame of the tape.
+///
+/// The seed gradient is one, replicated: the gradient of a partial value is
+/// replicated (PyTorch's rule), so a loss that is a pending sum over ranks seeds
+/// every rank with one.
+///
+/// PyTorch: `loss.backward()`.
+///
+/// # Errors
+/// A non-scalar loss, a loss that does not require a gradient, or a failing backward rule.
+pub fn backward(loss: &Var) -> Result<()> {
+    if !loss.value().shape().is_empty() {
+        return Err(Error::Backward(format!(
+            "the loss must be a scalar, got shape {:?}; reduce it (sum or mean) first",
+            loss.value().shape()
+        )));
+    }
+    if !loss.requires_grad() {
+        return Err(Error::Backward(
+            "the loss does not depend on any parameter that requires a gradient (computed under no_grad?)".into(),
+        ));
+    }
+    let seed = loss.value().full_like_replicated(1.0)?;
+    let frame = tape::take_frame();
+    walk(frame, loss.id(), seed, &[])?;
+    Ok(())
+}
+
+/// Walks `frame` backwards from `output` with gradient `seed`, accumulating into the
+/// frame's parameters, and returns the gradients reaching the ids in `wanted`.
+pub(crate) fn walk(frame: Frame, output: u64, seed: DTensor, wanted: &[u64]) -> Result<Vec<Option<DTensor>>> {
+    let Frame { nodes, params } = frame;
+    let mut grads: HashMap<u64, DTensor> = HashMap::new();
+    grads.insert(output, seed);
+    let _no_record = NoRecord::new();
+    for node in nodes.into_iter().rev() {
+        let Some(g) = grads.remove(&node.output) else {
+            continue;
+        };
+        let gins = (node.backward)(&g).map_err(|e| match e {
+            Error::Backward(m) => Error::Backward(format!("{}: {m}", node.name)),
+            other => other,
+        })?;
+        for (&(id, needs), gi) in node.inputs.iter().zip(gins) {
+            if let (true, Some(gi)) = (needs, gi) {
+                let total = match grads.remove(&id) {
+                    Some(prev) => prev.add(&gi)?,
+                    None => gi,
+                };
+                grads.insert(id, total);
+            }
+        }
+    }
+    let mut ids: Vec<u64> = params.keys().copied().collect();
+    ids.sort_unstable();
+    for id in ids {
+        if let (Some(p), Some(g)) = (params.get(&id), grads.get(&id)) {
+            p.accumulate(g.clone())?;
+        }
+    }
+    Ok(wanted.iter().map(|id| grads.remove(id)).collect())
+}
+
+/// Backward rules run without recording (their ops are not differentiated again).
+struct NoRecord(bool);
+
+impl NoRecord {
+    fn new() -> NoRecord {
+        let prev = tape::is_grad_enabled();
+        tape::set_grad_enabled(false);
+        NoRecord(prev)
+    }
+}
+
+impl Drop for NoRecord {
+    fn drop(&mut self) {
+        tape::set_grad_enabled(self.0);
+    }
+}
+
+/// Runs `f` on its inputs without keeping its intermediate values, and recomputes
+/// them during backward (trading compute for activation memory).
+///
+/// PyTorch: `torch.utils.checkpoint.checkpoint(f, *inputs, use_reentrant=False)`.
+///
+/// # Errors
+/// Whatever `f` returns.
+pub fn checkpoint(inputs: &[Var], f: impl Fn(&[Var]) -> Result<Var> + 'static) -> Result<Var> {
+    if !tape::is_grad_enabled() {
+        return f(inputs);
+    }
+    // Run forward recording into a throwaway frame: it tells whether the output
+    // needs a gradient (through the inputs or parameters used inside), and its saved
+    // activations are dropped right away.
+    let (out, frame) = tape::in_frame(|| f(inputs));
+    let out = out?;
+    drop(frame);
+    let saved: Vec<Var> = inputs.to_vec();
+    let refs: Vec<&Var> = inputs.iter().collect();
+    let requires_grad = out.requires_grad();
+    Ok(Var::record_op(
+        "checkpoint",
+        out.value().clone(),
+        &refs,
+        requires_grad,
+        move |g| {
+            let fresh: Vec<Var> = saved.iter().map(Var::fresh_leaf).collect();
+            let (out, frame) = tape::in_frame(|| tape::with_grad_mode(true, || f(&fresh)));
+            let out = out?;
+            let wanted: Vec<u64> = fresh.iter().map(Var::id).collect();
+            if !out.requires_grad() {
+                return Ok(wanted.iter().map(|_| None).collect());
+            }
+            let grads = walk(frame, out.id(), g.clone(), &wanted)?;
+            Ok(grads.into_iter().collect())
+        },
+    ))
+}

@@ -1,0 +1,34 @@
+//! The error type of `tessera-autograd`.
+
+/// Errors from the tape, modules and optimizers.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A tensor operation failed.
+    #[error(transparent)]
+    Tensor(#[from] tessera_dtensor::Error),
+
+    /// A communicator failed.
+    #[error(transparent)]
+    Comm(#[from] tessera_mesh::Error),
+
+    /// `backward` called on something it cannot differentiate.
+    #[error("backward: {0}")]
+    Backward(String),
+
+    /// A state dict that does not fit the module.
+    #[error("state dict: {0}")]
+    StateDict(String),
+
+    /// Bad optimizer or module configuration.
+    #[error("{op}: {detail}")]
+    Config {
+        /// What was configured.
+        op: &'static str,
+        /// What was wrong.
+        detail: String,
+    },
+}
+
+/// `Result` with [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;

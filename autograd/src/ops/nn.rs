@@ -1,0 +1,225 @@
+//! Matmul and the neural-network ops, with their gradients.
+
+use smallvec::{SmallVec, smallvec};
+use tessera_dtensor::dist::dispatch;
+use tessera_dtensor::ops::Reduction;
+use tessera_dtensor::strategy::{DimOption, product};
+use tessera_dtensor::{DTensor, Placement, ReduceOp, Tensor};
+
+use crate::{Result, Var};
+
+impl Var {
+    /// Matrix product (see [`DTensor::matmul`]).
+    ///
+    /// # Errors
+    /// As [`DTensor::matmul`].
+    pub fn matmul(&self, rhs: &Var) -> Result<Var> {
+        let (a, b) = (self.value().clone(), rhs.value().clone());
+        let value = a.matmul(&b)?;
+        let (need_a, need_b) = (self.requires_grad(), rhs.requires_grad());
+        Ok(Var::from_op("matmul", value, &[self, rhs], move |g| {
+            let (ra, rb) = (a.shape().len(), b.shape().len());
+            let ga = if need_a {
+                Some(g.matmul(&b.transpose(rb - 2, rb - 1)?)?)
+            } else {
+                None
+            };
+            let gb = if need_b {
+                let prod = a.transpose(ra - 2, ra - 1)?.matmul(g)?;
+                Some(if rb == 2 && ra > 2 {
+                    let batch: Vec<usize> = (0..ra - 2).collect();
+                    prod.sum(&batch, false)?
+                } else {
+                    prod
+                })
+            } else {
+                None
+            };
+            Ok(smallvec![ga, gb])
+        }))
+    }
+
+    /// `x · Wᵀ (+ b)` with `W` stored `[out, in]`, as `nn.Linear` computes it.
+    ///
+    /// # Errors
+    /// Shapes that do not fit.
+    pub fn linear(&self, weight: &Var, bias: Option<&Var>) -> Result<Var> {
+        let y = self.matmul(&weight.transpose(0, 1)?)?;
+        match bias {
+            Some(b) => y.add(b),
+            None => Ok(y),
+        }
+    }
+
+    /// Softmax along `dim`.
+    ///
+    /// # Errors
+    /// `dim` out of range.
+    pub fn softmax(&self, dim: usize) -> Result<Var> {
+        let y = self.value().softmax(dim)?;
+        let out = y.clone();
+        Ok(self.unary_op("softmax", y, move |g| {
+            let dot = g.mul(&out)?.sum(&[dim], true)?;
+            out.mul(&g.sub(&dot)?)
+        }))
+    }
+
+    /// Log-softmax along `dim`.
+    ///
+    /// # Errors
+    /// `dim` out of range.
+    pub fn log_softmax(&self, dim: usize) -> Result<Var> {
+        let y = self.value().log_softmax(dim)?;
+        let out = y.clone();
+        Ok(self.unary_op("log_softmax", y, move |g| {
+            let total = g.sum(&[dim], true)?;
+            g.sub(&out.exp()?.mul(&total)?)
+        }))
+    }
+
+    /// Causal masking of `[..., T, S]` scores with `fill` (−∞ for attention).
+    ///
+    /// # Errors
+    /// Rank < 2.
+    pub fn causal_mask(&self, fill: f64) -> Result<Var> {
+        Ok(self.unary_op("causal_mask", self.value().causal_mask(fill)?, |g| g.causal_mask(0.0)))
+    }
+
+    /// Layer norm over the last dim with optional `[D]` weight and bias.
+    ///
+    /// # Errors
+    /// Shapes that do not fit.
+    pub fn layer_norm(&self, weight: Option<&Var>, bias: Option<&Var>, eps: f64) -> Result<Var> {
+        let x = self.value().clone();
+        let w = weight.map(|w| w.value().clone());
+        let value = x.layer_norm(w.as_ref(), bias.map(|b| b.value()), eps)?;
+        let mut inputs: SmallVec<[&Var; 3]> = smallvec![self];
+        inputs.extend(weight);
+        inputs.extend(bias);
+        let has_bias = bias.is_some();
+        Ok(Var::from_op("layer_norm", value, &inputs, move |g| {
+            let last = x.shape().len() - 1;
+            let batch: Vec<usize> = (0..last).collect();
+            // Recompute the normalised input x̂ = (x − mean)·rstd.
+            let mean = x.mean(&[last], true)?;
+            let centered = x.sub(&mean)?;
+            let var = centered.square()?.mean(&[last], true)?;
+            let rstd = var.add_scalar(eps)?.rsqrt()?;
+            let xhat = centered.mul(&rstd)?;
+            let gw = match &w {
+                Some(w) => g.mul(w)?,
+                None => g.clone(),
+            };
+            // dx = rstd · (ĝ − mean(ĝ) − x̂ · mean(ĝ · x̂)) with ĝ = g · w.
+            let m1 = gw.mean(&[last], true)?;
+            let m2 = gw.mul(&xhat)?.mean(&[last], true)?;
+            let gx = gw.sub(&m1)?.sub(&xhat.mul(&m2)?)?.mul(&rstd)?;
+            let mut out: SmallVec<[Option<DTensor>; 3]> = smallvec![Some(gx)];
+            if w.is_some() {
+                out.push(Some(g.mul(&xhat)?.sum(&batch, false)?));
+            }
+            if has_bias {
+                out.push(Some(g.sum(&batch, false)?));
+            }
+            Ok(out)
+        }))
+    }
+
+    /// Rows of this `[V, D]` table picked by `indices` (`i64`).
+    ///
+    /// # Errors
+    /// As [`DTensor::embedding`].
+    pub fn embedding(&self, indices: &Var) -> Result<Var> {
+        let (table, idx) = (self.value().clone(), indices.value().clone());
+        let value = table.embedding(&idx)?;
+        Ok(Var::from_op("embedding", value, &[self, indices], move |g| {
+            Ok(smallvec![Some(embedding_backward(&idx, g, table.shape()[0])?), None])
+        }))
+    }
+
+    /// Cross entropy of logits `[..., C]` against `i64` targets `[...]`, mean or sum.
+    ///
+    /// # Errors
+    /// As [`DTensor::cross_entropy`].
+    pub fn cross_entropy(&self, targets: &Var, reduction: Reduction) -> Result<Var> {
+        let (logits, t) = (self.value().clone(), targets.value().clone());
+        let value = logits.cross_entropy(&t, reduction)?;
+        let n: usize = t.shape().iter().product();
+        let scale = if reduction == Reduction::Mean {
+            1.0 / n.max(1) as f64
+        } else {
+            1.0
+        };
+        Ok(Var::from_op("cross_entropy", value, &[self, targets], move |g| {
+            Ok(smallvec![Some(cross_entropy_backward(&logits, &t, g, scale)?), None])
+        }))
+    }
+}
+
+/// The gradient of an embedding table: rows of `g` added at `indices`. Batch-sharded
+/// indices give a partial sum (each rank scatters its rows).
+fn embedding_backward(indices: &DTensor, g: &DTensor, vocab: usize) -> tessera_dtensor::Result<DTensor> {
+    let d = *g.shape().last().unwrap_or(&0);
+    let ir = indices.shape().len();
+    let (r, s) = (Placement::Replicate, Placement::Shard);
+    let mut options: Vec<DimOption> = vec![(smallvec![r, r], r)];
+    options.extend((0..ir).map(|k| (smallvec![s(k), s(k)], Placement::Partial(ReduceOp::Sum))));
+    let cands = product(&vec![options; g.mesh().ndim()], 2);
+    dispatch(
+        "embedding_backward",
+        &[indices, g],
+        &cands,
+        &[vocab, d],
+        g.dtype(),
+        |l, _| {
+            let idx = l[0].contiguous().to_vec::<i64>()?;
+            let rows = l[1].to_f64_vec();
+            let mut out = vec![0.0f64; vocab * d];
+            for (k, &i) in idx.iter().enumerate() {
+                let i = i as usize;
+                for j in 0..d {
+                    out[i * d + j] += rows[k * d + j];
+                }
+            }
+            Tensor::from_vec(out, &[vocab, d])?.cast(l[1].dtype())
+        },
+    )
+}
+
+/// `(softmax(logits) − onehot(targets)) · scale · g`, sharded like the logits' batch.
+fn cross_entropy_backward(
+    logits: &DTensor,
+    targets: &DTensor,
+    g: &DTensor,
+    scale: f64,
+) -> tessera_dtensor::Result<DTensor> {
+    let tr = targets.shape().len();
+    let (r, s) = (Placement::Replicate, Placement::Shard);
+    let mut options: Vec<DimOption> = vec![(smallvec![r, r, r], r)];
+    options.extend((0..tr).map(|k| (smallvec![s(k), s(k), r], s(k))));
+    let cands = product(&vec![options; g.mesh().ndim()], 3);
+    let c = *logits.shape().last().unwrap_or(&0);
+    dispatch(
+        "cross_entropy_backward",
+        &[logits, targets, g],
+        &cands,
+        logits.shape(),
+        logits.dtype(),
+        |l, _| {
+            let n = l[1].numel();
+            if n == 0 {
+                return Tensor::zeros(l[0].shape(), l[0].dtype());
+            }
+            let flat = l[0].reshape(&[n, c])?;
+            let t = l[1].contiguous().reshape(&[n])?;
+            let (_, probs) = flat.cross_entropy_with_grad(&t, Reduction::Sum)?;
+            let gs = l[2].to_f64_vec()[0] * scale;
+            let mut p = probs.to_f64_vec();
+            for (row, &k) in t.to_vec::<i64>()?.iter().enumerate() {
+                p[row * c + k as usize] -= 1.0;
+            }
+            p.iter_mut().for_each(|v| *v *= gs);
+            Tensor::from_vec(p, l[0].shape())?.cast(l[0].dtype())
+        },
+    )
+}

@@ -1,0 +1,251 @@
+//! Element-wise ops and their gradients.
+
+use smallvec::smallvec;
+use tessera_dtensor::strategy::Linearity;
+
+use super::{map_f64, unbroadcast};
+use crate::{Result, Var};
+
+impl Var {
+    /// `self + rhs` with broadcasting.
+    ///
+    /// # Errors
+    /// As [`DTensor::add`](tessera_dtensor::DTensor::add).
+    pub fn add(&self, rhs: &Var) -> Result<Var> {
+        let (sa, sb) = (self.value().shape().to_vec(), rhs.value().shape().to_vec());
+        let value = self.value().add(rhs.value())?;
+        Ok(Var::from_op("add", value, &[self, rhs], move |g| {
+            Ok(smallvec![Some(unbroadcast(g, &sa)?), Some(unbroadcast(g, &sb)?)])
+        }))
+    }
+
+    /// `self - rhs` with broadcasting.
+    ///
+    /// # Errors
+    /// As [`DTensor::sub`](tessera_dtensor::DTensor::sub).
+    pub fn sub(&self, rhs: &Var) -> Result<Var> {
+        let (sa, sb) = (self.value().shape().to_vec(), rhs.value().shape().to_vec());
+        let value = self.value().sub(rhs.value())?;
+        Ok(Var::from_op("sub", value, &[self, rhs], move |g| {
+            Ok(smallvec![
+                Some(unbroadcast(g, &sa)?),
+                Some(unbroadcast(&g.neg()?, &sb)?)
+            ])
+        }))
+    }
+
+    /// `self · rhs` with broadcasting.
+    ///
+    /// # Errors
+    /// As [`DTensor::mul`](tessera_dtensor::DTensor::mul).
+    pub fn mul(&self, rhs: &Var) -> Result<Var> {
+        let (a, b) = (self.value().clone(), rhs.value().clone());
+        let value = a.mul(&b)?;
+        let (need_a, need_b) = (self.requires_grad(), rhs.requires_grad());
+        Ok(Var::from_op("mul", value, &[self, rhs], move |g| {
+            let ga = if need_a {
+                Some(unbroadcast(&g.mul(&b)?, a.shape())?)
+            } else {
+                None
+            };
+            let gb = if need_b {
+                Some(unbroadcast(&g.mul(&a)?, b.shape())?)
+            } else {
+                None
+            };
+            Ok(smallvec![ga, gb])
+        }))
+    }
+
+    /// `self / rhs` with broadcasting.
+    ///
+    /// # Errors
+    /// As [`DTensor::div`](tessera_dtensor::DTensor::div).
+    pub fn div(&self, rhs: &Var) -> Result<Var> {
+        let (a, b) = (self.value().clone(), rhs.value().clone());
+        let value = a.div(&b)?;
+        let out = value.clone();
+        let (need_a, need_b) = (self.requires_grad(), rhs.requires_grad());
+        Ok(Var::from_op("div", value, &[self, rhs], move |g| {
+            let ga = if need_a {
+                Some(unbroadcast(&g.div(&b)?, a.shape())?)
+            } else {
+                None
+            };
+            let gb = if need_b {
+                Some(unbroadcast(&g.mul(&out)?.div(&b)?.neg()?, b.shape())?)
+            } else {
+                None
+            };
+            Ok(smallvec![ga, gb])
+        }))
+    }
+
+    /// `-x`.
+    ///
+    /// # Errors
+    /// Integer inputs.
+    pub fn neg(&self) -> Result<Var> {
+        Ok(self.unary_op("neg", self.value().neg()?, |g| g.neg()))
+    }
+
+    /// `eˣ`.
+    ///
+    /// # Errors
+    /// Integer inputs.
+    pub fn exp(&self) -> Result<Var> {
+        let y = self.value().exp()?;
+        let out = y.clone();
+        Ok(self.unary_op("exp", y, move |g| g.mul(&out)))
+    }
+
+    /// Natural logarithm.
+    ///
+    /// # Errors
+    /// Integer inputs.
+    pub fn log(&self) -> Result<Var> {
+        let x = self.value().clone();
+        Ok(self.unary_op("log", x.log()?, move |g| g.div(&x)))
+    }
+
+    /// Square root.
+    ///
+    /// # Errors
+    /// Integer inputs.
+    pub fn sqrt(&self) -> Result<Var> {
+        let y = self.value().sqrt()?;
+        let out = y.clone();
+        Ok(self.unary_op("sqrt", y, move |g| g.div(&out)?.mul_scalar(0.5)))
+    }
+
+    /// `1/√x`.
+    ///
+    /// # Errors
+    /// Integer inputs.
+    pub fn rsqrt(&self) -> Result<Var> {
+        let y = self.value().rsqrt()?;
+        let out = y.clone();
+        Ok(self.unary_op("rsqrt", y, move |g| g.mul(&out.pow(3.0)?)?.mul_scalar(-0.5)))
+    }
+
+    /// Hyperbolic tangent.
+    ///
+    /// # Errors
+    /// Integer inputs.
+    pub fn tanh(&self) -> Result<Var> {
+        let y = self.value().tanh()?;
+        let out = y.clone();
+        Ok(self.unary_op("tanh", y, move |g| g.sub(&g.mul(&out.square()?)?)))
+    }
+
+    /// Exact GELU.
+    ///
+    /// # Errors
+    /// Integer inputs.
+    pub fn gelu(&self) -> Result<Var> {
+        let x = self.value().clone();
+        Ok(self.unary_op("gelu", x.gelu()?, move |g| {
+            g.binary("gelu_backward", &x, Linearity::FirstOnly, |g, x| g.gelu_backward(x))
+        }))
+    }
+
+    /// `max(x, 0)`.
+    ///
+    /// # Errors
+    /// Integer inputs.
+    pub fn relu(&self) -> Result<Var> {
+        let x = self.value().clone();
+        Ok(self.unary_op("relu", x.relu()?, move |g| {
+            g.binary("relu_backward", &x, Linearity::FirstOnly, |g, x| {
+                g.mul(&map_f64(x, |v| if v > 0.0 { 1.0 } else { 0.0 })?)
+            })
+        }))
+    }
+
+    /// `1/(1 + e⁻ˣ)`.
+    ///
+    /// # Errors
+    /// Integer inputs.
+    pub fn sigmoid(&self) -> Result<Var> {
+        let y = self.value().sigmoid()?;
+        let s = y.clone();
+        Ok(self.unary_op("sigmoid", y, move |g| g.mul(&s)?.sub(&g.mul(&s.square()?)?)))
+    }
+
+    /// `x · sigmoid(x)`.
+    ///
+    /// # Errors
+    /// Integer inputs.
+    pub fn silu(&self) -> Result<Var> {
+        let x = self.value().clone();
+        Ok(self.unary_op("silu", x.silu()?, move |g| {
+            // d/dx x·s(x) = s + x·s·(1 − s)
+            let s = x.sigmoid()?;
+            let ds = s.add(&x.mul(&s)?.sub(&x.mul(&s.square()?)?)?)?;
+            g.mul(&ds)
+        }))
+    }
+
+    /// `|x|`.
+    ///
+    /// # Errors
+    /// Integer inputs.
+    pub fn abs(&self) -> Result<Var> {
+        let x = self.value().clone();
+        Ok(self.unary_op("abs", x.abs()?, move |g| {
+            g.binary("abs_backward", &x, Linearity::FirstOnly, |g, x| {
+                g.mul(&map_f64(x, f64::signum)?)
+            })
+        }))
+    }
+
+    /// `x²`.
+    ///
+    /// # Errors
+    /// Integer inputs.
+    pub fn square(&self) -> Result<Var> {
+        let x = self.value().clone();
+        Ok(self.unary_op("square", x.square()?, move |g| g.mul(&x)?.mul_scalar(2.0)))
+    }
+
+    /// `xᵉ`.
+    ///
+    /// # Errors
+    /// Integer inputs.
+    pub fn pow(&self, e: f64) -> Result<Var> {
+        let x = self.value().clone();
+        Ok(self.unary_op("pow", x.pow(e)?, move |g| g.mul(&x.pow(e - 1.0)?)?.mul_scalar(e)))
+    }
+
+    /// `x · s`.
+    ///
+    /// # Errors
+    /// Integer inputs.
+    pub fn mul_scalar(&self, s: f64) -> Result<Var> {
+        Ok(self.unary_op("mul_scalar", self.value().mul_scalar(s)?, move |g| g.mul_scalar(s)))
+    }
+
+    /// `x / s`.
+    ///
+    /// # Errors
+    /// Integer inputs.
+    pub fn div_scalar(&self, s: f64) -> Result<Var> {
+        Ok(self.unary_op("div_scalar", self.value().div_scalar(s)?, move |g| g.div_scalar(s)))
+    }
+
+    /// `x + s`.
+    ///
+    /// # Errors
+    /// Integer inputs.
+    pub fn add_scalar(&self, s: f64) -> Result<Var> {
+        Ok(self.unary_op("add_scalar", self.value().add_scalar(s)?, |g| Ok(g.clone())))
+    }
+
+    /// `x - s`.
+    ///
+    /// # Errors
+    /// Integer inputs.
+    pub fn sub_scalar(&self, s: f64) -> Result<Var> {
+        Ok(self.unary_op("sub_scalar", self.value().sub_scalar(s)?, |g| Ok(g.clone())))
+    }
+}

@@ -1,0 +1,159 @@
+//! View-like ops, reductions and redistribution, with their gradients.
+
+use smallvec::smallvec;
+use tessera_dtensor::{DTensor, Placement, ShardOrder};
+
+use super::expand_like;
+use crate::{Result, Var};
+
+impl Var {
+    /// Swaps two dims.
+    ///
+    /// # Errors
+    /// Dims out of range.
+    pub fn transpose(&self, d0: usize, d1: usize) -> Result<Var> {
+        Ok(self.unary_op("transpose", self.value().transpose(d0, d1)?, move |g| {
+            g.transpose(d0, d1)
+        }))
+    }
+
+    /// Reorders dims.
+    ///
+    /// # Errors
+    /// Not a permutation.
+    pub fn permute(&self, dims: &[usize]) -> Result<Var> {
+        let mut inverse = vec![0; dims.len()];
+        for (i, &d) in dims.iter().enumerate() {
+            if d < inverse.len() {
+                inverse[d] = i;
+            }
+        }
+        Ok(self.unary_op("permute", self.value().permute(dims)?, move |g| g.permute(&inverse)))
+    }
+
+    /// A new shape with the same elements.
+    ///
+    /// # Errors
+    /// Another element count.
+    pub fn reshape(&self, shape: &[usize]) -> Result<Var> {
+        let orig = self.value().shape().to_vec();
+        Ok(self.unary_op("reshape", self.value().reshape(shape)?, move |g| g.reshape(&orig)))
+    }
+
+    /// `len` elements of `dim` from `start`.
+    ///
+    /// # Errors
+    /// A range outside the dim.
+    pub fn narrow(&self, dim: usize, start: usize, len: usize) -> Result<Var> {
+        let x = self.value().clone();
+        Ok(self.unary_op("narrow", x.narrow(dim, start, len)?, move |g| {
+            let zeros = x.full_like_replicated(0.0)?;
+            let size = x.shape()[dim];
+            let before = zeros.narrow(dim, 0, start)?;
+            let after = zeros.narrow(dim, start + len, size - start - len)?;
+            DTensor::cat(&[&before, g, &after], dim)
+        }))
+    }
+
+    /// Concatenation along `dim`.
+    ///
+    /// # Errors
+    /// As [`DTensor::cat`].
+    pub fn cat(xs: &[&Var], dim: usize) -> Result<Var> {
+        let values: Vec<&DTensor> = xs.iter().map(|v| v.value()).collect();
+        let value = DTensor::cat(&values, dim)?;
+        let sizes: Vec<usize> = values.iter().map(|v| v.shape()[dim]).collect();
+        Ok(Var::from_op("cat", value, xs, move |g| {
+            let mut at = 0;
+            let mut out = smallvec![];
+            for &n in &sizes {
+                out.push(Some(g.narrow(dim, at, n)?));
+                at += n;
+            }
+            Ok(out)
+        }))
+    }
+
+    /// Sum over `dims`.
+    ///
+    /// # Errors
+    /// Dims out of range.
+    pub fn sum(&self, dims: &[usize], keepdim: bool) -> Result<Var> {
+        let x = self.value().clone();
+        let value = x.sum(dims, keepdim)?;
+        let dims = dims.to_vec();
+        Ok(self.unary_op("sum", value, move |g| expand_like(&keep(g, &x, &dims, keepdim)?, &x)))
+    }
+
+    /// Mean over `dims`.
+    ///
+    /// # Errors
+    /// Dims out of range.
+    pub fn mean(&self, dims: &[usize], keepdim: bool) -> Result<Var> {
+        let x = self.value().clone();
+        let value = x.mean(dims, keepdim)?;
+        let count: usize = dims.iter().map(|&d| x.shape()[d]).product();
+        let dims = dims.to_vec();
+        Ok(self.unary_op("mean", value, move |g| {
+            expand_like(&keep(g, &x, &dims, keepdim)?.div_scalar(count.max(1) as f64)?, &x)
+        }))
+    }
+
+    /// Maximum over `dims`; the gradient is shared evenly among tied maxima.
+    ///
+    /// # Errors
+    /// Dims out of range or empty.
+    pub fn max(&self, dims: &[usize], keepdim: bool) -> Result<Var> {
+        let x = self.value().clone();
+        let value = x.max(dims, keepdim)?;
+        let m = value.clone();
+        let dims = dims.to_vec();
+        Ok(self.unary_op("max", value, move |g| {
+            let m = keep(&m, &x, &dims, keepdim)?;
+            let hits = x.binary("max_hits", &m, tessera_dtensor::strategy::Linearity::None, |x, m| {
+                let eq = x.sub(m)?;
+                super::map_f64(&eq, |d| if d == 0.0 { 1.0 } else { 0.0 })
+            })?;
+            let ties = hits.sum(&dims, true)?;
+            expand_like(&keep(g, &x, &dims, keepdim)?, &x)?.mul(&hits)?.div(&ties)
+        }))
+    }
+
+    /// The same value with new placements (default shard order). In backward the
+    /// gradient goes back to the input's placements, except that a partial input
+    /// gets a replicated gradient; so an all-gather in forward becomes a
+    /// reduce-scatter when the gradient arrives partial.
+    ///
+    /// PyTorch: `DTensor.redistribute` (its autograd function).
+    ///
+    /// # Errors
+    /// As [`DTensor::redistribute`].
+    pub fn redistribute(&self, placements: &[Placement]) -> Result<Var> {
+        let src = self.value().layout().clone();
+        let value = self.value().redistribute(placements)?;
+        Ok(self.unary_op("redistribute", value, move |g| {
+            let target: Vec<Placement> = src
+                .placements
+                .iter()
+                .map(|p| if p.is_partial() { Placement::Replicate } else { *p })
+                .collect();
+            let order = if src.has_partial() {
+                ShardOrder::default_for(&target)
+            } else {
+                src.order.clone()
+            };
+            g.redistribute_with_order(&target, order)
+        }))
+    }
+}
+
+/// `g` (reduced over `dims`) with the reduced dims kept as size 1.
+fn keep(g: &DTensor, x: &DTensor, dims: &[usize], keepdim: bool) -> tessera_dtensor::Result<DTensor> {
+    if keepdim {
+        return Ok(g.clone());
+    }
+    let shape: Vec<usize> = (0..x.shape().len())
+        .map(|d| if dims.contains(&d) { 1 } else { x.shape()[d] })
+        .collect();
+    g.reshape(&shape)
+}

@@ -1,0 +1,246 @@
+//! [`Var`] (a value on the tape) and [`Param`] (a named leaf that holds its gradient).
+
+use std::cell::{Cell, RefCell};
+use std::fmt;
+use std::rc::Rc;
+
+use smallvec::SmallVec;
+use tessera_dtensor::{DTensor, Placement, ShardOrder};
+
+use crate::tape::{self, Node, next_id};
+use crate::{Error, Result};
+
+/// A DTensor flowing through differentiable ops. Cheap to clone.
+#[derive(Clone)]
+pub struct Var {
+    value: DTensor,
+    id: u64,
+    requires_grad: bool,
+}
+
+impl Var {
+    /// A value that needs no gradient (inputs, targets, constants).
+    pub fn constant(value: DTensor) -> Var {
+        Var {
+            value,
+            id: next_id(),
+            requires_grad: false,
+        }
+    }
+
+    /// The value.
+    pub fn value(&self) -> &DTensor {
+        &self.value
+    }
+
+    /// Whether gradients flow to this value.
+    pub fn requires_grad(&self) -> bool {
+        self.requires_grad
+    }
+
+    /// The same value, cut from the tape.
+    ///
+    /// PyTorch: `Tensor.detach`.
+    pub fn detach(&self) -> Var {
+        Var::constant(self.value.clone())
+    }
+
+    pub(crate) fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// A fresh leaf with this value that requires a gradient (for recomputation).
+    pub(crate) fn fresh_leaf(&self) -> Var {
+        Var {
+            value: self.value.clone(),
+            id: next_id(),
+            requires_grad: self.requires_grad,
+        }
+    }
+
+    /// Records an op: `value` computed from `inputs`, with `backward` mapping the
+    /// output's gradient to the inputs' (in order; `None` where an input needs none).
+    /// Without grad mode, or when no input needs a gradient, nothing is recorded.
+    pub fn from_op(
+        name: &'static str,
+        value: DTensor,
+        inputs: &[&Var],
+        backward: impl FnOnce(&DTensor) -> Result<SmallVec<[Option<DTensor>; 3]>> + 'static,
+    ) -> Var {
+        let requires_grad = inputs.iter().any(|v| v.requires_grad);
+        Var::record_op(name, value, inputs, requires_grad, backward)
+    }
+
+    /// [`from_op`](Self::from_op) with an explicit "needs a gradient" flag (for ops
+    /// whose gradient reaches parameters that are not among `inputs`).
+    pub(crate) fn record_op(
+        name: &'static str,
+        value: DTensor,
+        inputs: &[&Var],
+        requires_grad: bool,
+        backward: impl FnOnce(&DTensor) -> Result<SmallVec<[Option<DTensor>; 3]>> + 'static,
+    ) -> Var {
+        let requires_grad = requires_grad && tape::is_grad_enabled();
+        let out = Var {
+            value,
+            id: next_id(),
+            requires_grad,
+        };
+        if requires_grad {
+            tape::record(Node {
+                name,
+                output: out.id,
+                inputs: inputs.iter().map(|v| (v.id, v.requires_grad)).collect(),
+                backward: Box::new(backward),
+            });
+        }
+        out
+    }
+
+    /// Runs backward from this scalar: accumulates into every parameter it depends
+    /// on (see [`backward`](crate::backward)).
+    ///
+    /// # Errors
+    /// As [`backward`](crate::backward).
+    pub fn backward(&self) -> Result<()> {
+        crate::backward(self)
+    }
+}
+
+impl fmt::Debug for Var {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "Var(#{} {:?}, requires_grad {})",
+            self.id, self.value, self.requires_grad
+        )
+    }
+}
+
+struct ParamInner {
+    name: String,
+    id: u64,
+    value: RefCell<DTensor>,
+    grad: RefCell<Option<DTensor>>,
+    requires_grad: Cell<bool>,
+}
+
+/// A named trainable tensor: a leaf of the tape that accumulates its gradient,
+/// always in its own placements (a partial gradient of a replicated parameter is
+/// all-reduced, that of a sharded one reduce-scattered).
+///
+/// Cheap to clone (a shared handle); lives on its rank's thread.
+///
+/// PyTorch: `torch.nn.Parameter`.
+#[derive(Clone)]
+pub struct Param {
+    inner: Rc<ParamInner>,
+}
+
+impl Param {
+    /// A trainable parameter.
+    pub fn new(name: impl Into<String>, value: DTensor) -> Param {
+        Param {
+            inner: Rc::new(ParamInner {
+                name: name.into(),
+                id: next_id(),
+                value: RefCell::new(value),
+                grad: RefCell::new(None),
+                requires_grad: Cell::new(true),
+            }),
+        }
+    }
+
+    /// The parameter's name (its state-dict key).
+    pub fn name(&self) -> &str {
+        &self.inner.name
+    }
+
+    pub(crate) fn id(&self) -> u64 {
+        self.inner.id
+    }
+
+    /// The current value.
+    pub fn value(&self) -> DTensor {
+        self.inner.value.borrow().clone()
+    }
+
+    /// Replaces the value (optimizers, loading). The placements may change (FSDP
+    /// does that); the gradient keeps whatever placements it had.
+    pub fn set_value(&self, value: DTensor) {
+        *self.inner.value.borrow_mut() = value;
+    }
+
+    /// The accumulated gradient, in the parameter's placements.
+    pub fn grad(&self) -> Option<DTensor> {
+        self.inner.grad.borrow().clone()
+    }
+
+    /// Replaces the gradient.
+    pub fn set_grad(&self, grad: Option<DTensor>) {
+        *self.inner.grad.borrow_mut() = grad;
+    }
+
+    /// Clears the gradient.
+    ///
+    /// PyTorch: `optimizer.zero_grad(set_to_none=True)`.
+    pub fn zero_grad(&self) {
+        self.set_grad(None);
+    }
+
+    /// Whether the parameter is trained (frozen parameters get no gradient).
+    pub fn requires_grad(&self) -> bool {
+        self.inner.requires_grad.get()
+    }
+
+    /// Freezes or unfreezes the parameter.
+    pub fn set_requires_grad(&self, on: bool) {
+        self.inner.requires_grad.set(on);
+    }
+
+    /// The parameter as a tape leaf: ops on it record, and backward accumulates
+    /// into [`grad`](Self::grad).
+    pub fn var(&self) -> Var {
+        let requires_grad = self.requires_grad() && tape::is_grad_enabled();
+        if requires_grad {
+            tape::register_param(self);
+        }
+        Var {
+            value: self.value(),
+            id: self.inner.id,
+            requires_grad,
+        }
+    }
+
+    /// Adds `g` (any placements) to the gradient, converted to the parameter's placements.
+    pub(crate) fn accumulate(&self, g: DTensor) -> Result<()> {
+        let value = self.value();
+        let target: Vec<Placement> = value.placements().to_vec();
+        let g = if g.placements() == &target[..] && g.layout().order == value.layout().order {
+            g
+        } else {
+            g.redistribute_with_order(&target, value.layout().order.clone())
+                .or_else(|_| g.redistribute_with_order(&target, ShardOrder::default_for(&target)))?
+        };
+        if g.shape() != value.shape() {
+            return Err(Error::Backward(format!(
+                "gradient of {} has shape {:?}, the parameter {:?}",
+                self.name(),
+                g.shape(),
+                value.shape()
+            )));
+        }
+        let sum = match self.grad() {
+            Some(prev) => prev.add(&g)?,
+            None => g,
+        };
+        self.set_grad(Some(sum));
+        Ok(())
+    }
+}
+
+impl fmt::Debug for Param {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Param({} {:?})", self.name(), self.value())
+    }
+}
