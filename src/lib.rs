@@ -21,7 +21,10 @@
 //! - [`dtensor`] (`tessera-dtensor`): local tensors, placements, `DTensor`, redistribute.
 //! - [`autograd`] (`tessera-autograd`): the tape, modules, optimizers.
 //! - [`fsdp`] (`tessera-fsdp`): `fully_shard`, HSDP, mixed precision.
+//! - [`models`]: the reference Transformer.
 #![deny(missing_docs)]
+
+pub mod models;
 
 pub use tessera_autograd as autograd;
 pub use tessera_dtensor as dtensor;

@@ -30,6 +30,7 @@
 
 mod backward;
 mod error;
+pub mod nn;
 mod ops;
 mod tape;
 mod var;

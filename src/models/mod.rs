@@ -1,0 +1,5 @@
+//! Reference models.
+
+mod transformer;
+
+pub use transformer::{Block, Transformer, TransformerConfig};

@@ -1,0 +1,218 @@
+//! The reference Transformer: pre-norm GPT-style blocks with learned positions,
+//! exactly the architecture of the parity reference (parameter names equal the
+//! reference state-dict keys).
+
+use tessera_autograd::nn::{Embedding, LayerNorm, Linear, Module, join};
+use tessera_autograd::{Param, Result, Var};
+use tessera_dtensor::DType;
+use tessera_dtensor::ops::Reduction;
+use tessera_mesh::DeviceMesh;
+
+/// Sizes of a [`Transformer`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TransformerConfig {
+    /// Vocabulary size.
+    pub vocab: usize,
+    /// Model width.
+    pub dim: usize,
+    /// Number of blocks.
+    pub n_layers: usize,
+    /// Attention heads (must divide `dim`).
+    pub n_heads: usize,
+    /// Maximum sequence length (rows of the position table).
+    pub seq: usize,
+}
+
+impl TransformerConfig {
+    /// The tiny reference model: dim 64, 2 layers, 4 heads, vocab 256, seq 32.
+    pub const TINY: TransformerConfig = TransformerConfig {
+        vocab: 256,
+        dim: 64,
+        n_layers: 2,
+        n_heads: 4,
+        seq: 32,
+    };
+
+    /// Number of parameters (elements).
+    pub fn num_params(&self) -> usize {
+        let (d, v, s) = (self.dim, self.vocab, self.seq);
+        let block = 2 * 2 * d + 4 * d * d + (4 * d * d + 4 * d) + (4 * d * d + d);
+        v * d + s * d + self.n_layers * block + 2 * d + v * d
+    }
+}
+
+/// One block: `h = x + wo(attn(ln1(x)))`, `out = h + w2(gelu(w1(ln2(h))))`.
+pub struct Block {
+    /// `layers.i.attention_norm`.
+    pub attention_norm: LayerNorm,
+    /// `layers.i.attention.wq` (no bias).
+    pub wq: Linear,
+    /// `layers.i.attention.wk` (no bias).
+    pub wk: Linear,
+    /// `layers.i.attention.wv` (no bias).
+    pub wv: Linear,
+    /// `layers.i.attention.wo` (no bias).
+    pub wo: Linear,
+    /// `layers.i.ffn_norm`.
+    pub ffn_norm: LayerNorm,
+    /// `layers.i.feed_forward.w1` (`[4·dim, dim]`, with bias).
+    pub w1: Linear,
+    /// `layers.i.feed_forward.w2` (`[dim, 4·dim]`, with bias).
+    pub w2: Linear,
+    n_heads: usize,
+}
+
+impl Block {
+    fn new(prefix: &str, cfg: &TransformerConfig, mesh: &DeviceMesh, dtype: DType, seed: u64) -> Result<Block> {
+        let d = cfg.dim;
+        let lin = |name: &str, i, o, bias, s| Linear::new(&join(prefix, name), i, o, bias, mesh, dtype, seed + s);
+        Ok(Block {
+            attention_norm: LayerNorm::new(&join(prefix, "attention_norm"), d, 1e-5, mesh, dtype)?,
+            wq: lin("attention.wq", d, d, false, 0)?,
+            wk: lin("attention.wk", d, d, false, 2)?,
+            wv: lin("attention.wv", d, d, false, 4)?,
+            wo: lin("attention.wo", d, d, false, 6)?,
+            ffn_norm: LayerNorm::new(&join(prefix, "ffn_norm"), d, 1e-5, mesh, dtype)?,
+            w1: lin("feed_forward.w1", d, 4 * d, true, 8)?,
+            w2: lin("feed_forward.w2", 4 * d, d, true, 10)?,
+            n_heads: cfg.n_heads,
+        })
+    }
+
+    /// Causal multi-head self-attention of `x` `[B, T, D]`: head `h` owns feature
+    /// columns `[h·hd, (h+1)·hd)`.
+    fn attention(&self, x: &Var) -> Result<Var> {
+        let s = x.value().shape().to_vec();
+        let (b, t, d) = (s[0], s[1], s[2]);
+        let (h, hd) = (self.n_heads, d / self.n_heads);
+        let heads = |lin: &Linear| -> Result<Var> { lin.forward(x)?.reshape(&[b, t, h, hd])?.permute(&[0, 2, 1, 3]) };
+        let (q, k, v) = (heads(&self.wq)?, heads(&self.wk)?, heads(&self.wv)?);
+        let scores = q.matmul(&k.transpose(2, 3)?)?.mul_scalar(1.0 / (hd as f64).sqrt())?;
+        let probs = scores.causal_mask(f64::NEG_INFINITY)?.softmax(3)?;
+        let out = probs.matmul(&v)?.permute(&[0, 2, 1, 3])?.reshape(&[b, t, d])?;
+        self.wo.forward(&out)
+    }
+}
+
+impl Module for Block {
+    fn parameters(&self) -> Vec<Param> {
+        [
+            self.attention_norm.parameters(),
+            self.wq.parameters(),
+            self.wk.parameters(),
+            self.wv.parameters(),
+            self.wo.parameters(),
+            self.ffn_norm.parameters(),
+            self.w1.parameters(),
+            self.w2.parameters(),
+        ]
+        .concat()
+    }
+
+    fn forward(&self, x: &Var) -> Result<Var> {
+        let h = x.add(&self.attention(&self.attention_norm.forward(x)?)?)?;
+        let f = self
+            .w2
+            .forward(&self.w1.forward(&self.ffn_norm.forward(&h)?)?.gelu()?)?;
+        h.add(&f)
+    }
+}
+
+/// The reference Transformer: `h0 = tok[tokens] + pos[0..T]`, blocks, final norm,
+/// untied output projection. Forward maps `i64` tokens `[B, T]` to logits `[B, T, V]`.
+pub struct Transformer {
+    /// `tok_embeddings`.
+    pub tok_embeddings: Embedding,
+    /// `pos_embeddings`.
+    pub pos_embeddings: Embedding,
+    /// `layers.i`.
+    pub layers: Vec<Block>,
+    /// `norm`.
+    pub norm: LayerNorm,
+    /// `output` (no bias).
+    pub output: Linear,
+    cfg: TransformerConfig,
+}
+
+impl Transformer {
+    /// A replicated model on `mesh`, initialised from `seed` (load a state dict to
+    /// start from given weights).
+    ///
+    /// # Errors
+    /// `n_heads` not dividing `dim`, tensor construction failures.
+    pub fn new(cfg: TransformerConfig, mesh: &DeviceMesh, dtype: DType, seed: u64) -> Result<Transformer> {
+        if cfg.n_heads == 0 || cfg.dim % cfg.n_heads != 0 {
+            return Err(tessera_autograd::Error::Config {
+                op: "Transformer",
+                detail: format!("n_heads {} must divide dim {}", cfg.n_heads, cfg.dim),
+            });
+        }
+        let layers = (0..cfg.n_layers)
+            .map(|i| Block::new(&format!("layers.{i}"), &cfg, mesh, dtype, seed + 100 * (i as u64 + 1)))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Transformer {
+            tok_embeddings: Embedding::new("tok_embeddings", cfg.vocab, cfg.dim, mesh, dtype, seed)?,
+            pos_embeddings: Embedding::new("pos_embeddings", cfg.seq, cfg.dim, mesh, dtype, seed + 1)?,
+            layers,
+            norm: LayerNorm::new("norm", cfg.dim, 1e-5, mesh, dtype)?,
+            output: Linear::new("output", cfg.dim, cfg.vocab, false, mesh, dtype, seed + 2)?,
+            cfg,
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &TransformerConfig {
+        &self.cfg
+    }
+
+    /// The embeddings of `tokens` `[B, T]` (token plus position).
+    ///
+    /// # Errors
+    /// `T` longer than the position table, indices out of range.
+    pub fn embed(&self, tokens: &Var) -> Result<Var> {
+        let t = tokens.value().shape()[1];
+        let pos = self.pos_embeddings.weight.var().narrow(0, 0, t)?;
+        self.tok_embeddings.forward(tokens)?.add(&pos)
+    }
+
+    /// Logits from the last hidden state.
+    ///
+    /// # Errors
+    /// Shapes that do not fit.
+    pub fn head(&self, h: &Var) -> Result<Var> {
+        self.output.forward(&self.norm.forward(h)?)
+    }
+
+    /// The mean next-token cross entropy of rows `[B, T+1]` (inputs `row[..T]`,
+    /// targets `row[1..]`).
+    ///
+    /// # Errors
+    /// Rows shorter than 2 tokens, shapes that do not fit.
+    pub fn loss(&self, rows: &Var) -> Result<Var> {
+        let t = rows.value().shape()[1].saturating_sub(1);
+        let inputs = rows.narrow(1, 0, t)?;
+        let targets = rows.narrow(1, 1, t)?;
+        self.forward(&inputs)?.cross_entropy(&targets, Reduction::Mean)
+    }
+}
+
+impl Module for Transformer {
+    fn parameters(&self) -> Vec<Param> {
+        let mut out = self.tok_embeddings.parameters();
+        out.extend(self.pos_embeddings.parameters());
+        for l in &self.layers {
+            out.extend(l.parameters());
+        }
+        out.extend(self.norm.parameters());
+        out.extend(self.output.parameters());
+        out
+    }
+
+    fn forward(&self, tokens: &Var) -> Result<Var> {
+        let mut h = self.embed(tokens)?;
+        for l in &self.layers {
+            h = l.forward(&h)?;
+        }
+        self.head(&h)
+    }
+}
