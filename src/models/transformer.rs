@@ -141,7 +141,7 @@ impl Transformer {
     /// # Errors
     /// `n_heads` not dividing `dim`, tensor construction failures.
     pub fn new(cfg: TransformerConfig, mesh: &DeviceMesh, dtype: DType, seed: u64) -> Result<Transformer> {
-        if cfg.n_heads == 0 || cfg.dim % cfg.n_heads != 0 {
+        if cfg.n_heads == 0 || !cfg.dim.is_multiple_of(cfg.n_heads) {
             return Err(tessera_autograd::Error::Config {
                 op: "Transformer",
                 detail: format!("n_heads {} must divide dim {}", cfg.n_heads, cfg.dim),
