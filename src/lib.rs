@@ -21,9 +21,10 @@
 //! - [`dtensor`] (`tessera-dtensor`): local tensors, placements, `DTensor`, redistribute.
 //! - [`autograd`] (`tessera-autograd`): the tape, modules, optimizers.
 //! - [`fsdp`] (`tessera-fsdp`): `fully_shard`, HSDP, mixed precision.
-//! - [`models`]: the reference Transformer.
+//! - [`models`]: the reference Transformer; [`data`]: the reference token generator.
 #![deny(missing_docs)]
 
+pub mod data;
 pub mod models;
 
 pub use tessera_autograd as autograd;
