@@ -31,7 +31,7 @@ pub fn backward(loss: &Var) -> Result<()> {
         ));
     }
     let seed = loss.value().full_like_replicated(1.0)?;
-    let frame = tape::take_frame();
+    let frame = tape::take_reachable(loss.id())?;
     walk(frame, loss.id(), seed, &[])?;
     Ok(())
 }
@@ -39,7 +39,7 @@ pub fn backward(loss: &Var) -> Result<()> {
 /// Walks `frame` backwards from `output` with gradient `seed`, accumulating into the
 /// frame's parameters, and returns the gradients reaching the ids in `wanted`.
 pub(crate) fn walk(frame: Frame, output: u64, seed: DTensor, wanted: &[u64]) -> Result<Vec<Option<DTensor>>> {
-    let Frame { nodes, params } = frame;
+    let Frame { nodes, params, .. } = frame;
     let mut grads: HashMap<u64, DTensor> = HashMap::new();
     grads.insert(output, seed);
     let _no_record = NoRecord::new();
@@ -104,20 +104,32 @@ pub fn checkpoint(inputs: &[Var], f: impl Fn(&[Var]) -> Result<Var> + 'static) -
     // activations are dropped right away.
     let (out, frame) = tape::in_frame(|| f(inputs));
     let out = out?;
+    // Values from outside that `f` captured and that need a gradient become extra
+    // inputs of the checkpoint, so their gradients flow on in the outer walk.
+    let input_ids: Vec<u64> = inputs.iter().map(Var::id).collect();
+    let produced: std::collections::HashSet<u64> = frame.nodes.iter().map(|n| n.output).collect();
+    let mut captured: Vec<u64> = Vec::new();
+    for &(id, needs) in frame.nodes.iter().flat_map(|n| n.inputs.iter()) {
+        let outside = !produced.contains(&id) && !frame.params.contains_key(&id) && !input_ids.contains(&id);
+        if needs && outside && !captured.contains(&id) {
+            captured.push(id);
+        }
+    }
     drop(frame);
     let saved: Vec<Var> = inputs.to_vec();
-    let refs: Vec<&Var> = inputs.iter().collect();
+    let mut ids: smallvec::SmallVec<[(u64, bool); 3]> = inputs.iter().map(|v| (v.id(), v.requires_grad())).collect();
+    ids.extend(captured.iter().map(|&id| (id, true)));
     let requires_grad = out.requires_grad();
-    Ok(Var::record_op(
+    Ok(Var::record_op_ids(
         "checkpoint",
         out.value().clone(),
-        &refs,
+        ids,
         requires_grad,
         move |g| {
             let fresh: Vec<Var> = saved.iter().map(Var::fresh_leaf).collect();
             let (out, frame) = tape::in_frame(|| tape::with_grad_mode(true, || f(&fresh)));
             let out = out?;
-            let wanted: Vec<u64> = fresh.iter().map(Var::id).collect();
+            let wanted: Vec<u64> = fresh.iter().map(Var::id).chain(captured.iter().copied()).collect();
             if !out.requires_grad() {
                 return Ok(wanted.iter().map(|_| None).collect());
             }

@@ -32,11 +32,14 @@ mod backward;
 mod error;
 pub mod nn;
 mod ops;
+pub mod optim;
+pub mod state_dict;
 mod tape;
 mod var;
 
 pub use backward::{backward, checkpoint};
 pub use error::{Error, Result};
 pub use ops::unbroadcast;
+pub use state_dict::{load_state_dict, read_safetensors, save_state_dict_full, write_safetensors};
 pub use tape::{clear_tape, is_grad_enabled, no_grad, recorded_ops};
 pub use var::{Param, Var};

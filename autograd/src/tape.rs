@@ -6,13 +6,13 @@
 //! used in it, so the walk knows where leaf gradients go.
 
 use std::cell::{Cell, RefCell};
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use smallvec::SmallVec;
 use tessera_dtensor::DTensor;
 
-use crate::{Param, Result};
+use crate::{Error, Param, Result};
 
 /// A backward rule: from the gradient of the output, the gradients of the inputs
 /// (`None` for an input that needs none).
@@ -31,6 +31,9 @@ pub(crate) struct Node {
 pub(crate) struct Frame {
     pub(crate) nodes: Vec<Node>,
     pub(crate) params: HashMap<u64, Param>,
+    /// Values whose producing ops an earlier backward consumed (cleared once the
+    /// frame is empty again).
+    pub(crate) consumed: HashSet<u64>,
 }
 
 thread_local! {
@@ -91,6 +94,60 @@ pub(crate) fn register_param(p: &Param) {
 /// Takes the current frame's records, leaving it empty.
 pub(crate) fn take_frame() -> Frame {
     TAPE.with(|t| t.borrow_mut().last_mut().map(std::mem::take).unwrap_or_default())
+}
+
+/// Takes from the current frame the ops that `output` depends on (in recording
+/// order), leaving the others for later backwards, together with the frame's
+/// parameters.
+///
+/// # Errors
+/// `output` was already backpropagated, its ops are not on the tape, or part of its
+/// graph was consumed by an earlier backward.
+pub(crate) fn take_reachable(output: u64) -> Result<Frame> {
+    TAPE.with(|t| {
+        let mut t = t.borrow_mut();
+        let frame = t.last_mut().ok_or_else(|| Error::Backward("no tape".into()))?;
+        if frame.consumed.contains(&output) {
+            return Err(Error::Backward(
+                "this loss was already backpropagated (its ops are consumed); compute it again".into(),
+            ));
+        }
+        let mut needed: HashSet<u64> = HashSet::from([output]);
+        let mut reachable = Vec::new();
+        let mut kept = Vec::new();
+        for node in std::mem::take(&mut frame.nodes).into_iter().rev() {
+            if needed.contains(&node.output) {
+                needed.extend(node.inputs.iter().filter(|(_, needs)| *needs).map(|(id, _)| *id));
+                reachable.push(node);
+            } else {
+                kept.push(node);
+            }
+        }
+        reachable.reverse();
+        kept.reverse();
+        frame.nodes = kept;
+        if reachable.is_empty() && !frame.params.contains_key(&output) {
+            return Err(Error::Backward(
+                "the ops that produced the loss are not on the tape (consumed by an earlier backward or cleared)"
+                    .into(),
+            ));
+        }
+        if let Some(id) = needed.iter().find(|id| frame.consumed.contains(id)) {
+            return Err(Error::Backward(format!(
+                "part of this loss's graph (value #{id}) was consumed by an earlier backward; \
+                 recompute the shared part for each loss"
+            )));
+        }
+        frame.consumed.extend(reachable.iter().map(|n| n.output));
+        if frame.nodes.is_empty() {
+            frame.consumed.clear();
+        }
+        Ok(Frame {
+            nodes: reachable,
+            params: frame.params.clone(),
+            consumed: HashSet::new(),
+        })
+    })
 }
 
 /// Runs `f` in a fresh frame and returns its result with the frame's records.

@@ -80,6 +80,18 @@ impl Var {
         requires_grad: bool,
         backward: impl FnOnce(&DTensor) -> Result<SmallVec<[Option<DTensor>; 3]>> + 'static,
     ) -> Var {
+        let ids = inputs.iter().map(|v| (v.id, v.requires_grad)).collect();
+        Var::record_op_ids(name, value, ids, requires_grad, backward)
+    }
+
+    /// [`record_op`](Self::record_op) with inputs given as `(id, needs a gradient)`.
+    pub(crate) fn record_op_ids(
+        name: &'static str,
+        value: DTensor,
+        inputs: SmallVec<[(u64, bool); 3]>,
+        requires_grad: bool,
+        backward: impl FnOnce(&DTensor) -> Result<SmallVec<[Option<DTensor>; 3]>> + 'static,
+    ) -> Var {
         let requires_grad = requires_grad && tape::is_grad_enabled();
         let out = Var {
             value,
@@ -90,7 +102,7 @@ impl Var {
             tape::record(Node {
                 name,
                 output: out.id,
-                inputs: inputs.iter().map(|v| (v.id, v.requires_grad)).collect(),
+                inputs,
                 backward: Box::new(backward),
             });
         }
@@ -171,7 +183,8 @@ impl Param {
         *self.inner.value.borrow_mut() = value;
     }
 
-    /// The accumulated gradient, in the parameter's placements.
+    /// The accumulated gradient, in the placements the parameter had when the
+    /// gradient was accumulated (its own placements, unless they changed since).
     pub fn grad(&self) -> Option<DTensor> {
         self.inner.grad.borrow().clone()
     }

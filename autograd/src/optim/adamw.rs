@@ -1,0 +1,502 @@
+//! [`AdamW`]: Adam with decoupled weight decay.
+
+use tessera_dtensor::Layout;
+use tessera_mesh::DType;
+
+use super::{Optimizer, Ready, Real, StateVec, check_range, check_state_layout, check_unique, local_cow, with_local};
+use crate::{Error, Param, Result};
+
+const OP: &str = "AdamW";
+
+/// The hyperparameters of [`AdamW`]; the defaults are PyTorch's.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AdamWConfig {
+    /// Learning rate (default 1e-3).
+    pub lr: f64,
+    /// Decay rates of the first and second moments (default (0.9, 0.999)).
+    pub betas: (f64, f64),
+    /// Added to the denominator (default 1e-8).
+    pub eps: f64,
+    /// Decoupled weight decay: each step first multiplies the parameter by
+    /// `1 − lr · weight_decay` (default 1e-2).
+    pub weight_decay: f64,
+}
+
+impl Default for AdamWConfig {
+    fn default() -> AdamWConfig {
+        AdamWConfig {
+            lr: 1e-3,
+            betas: (0.9, 0.999),
+            eps: 1e-8,
+            weight_decay: 1e-2,
+        }
+    }
+}
+
+impl AdamWConfig {
+    fn validate(&self) -> Result<()> {
+        let (b1, b2) = self.betas;
+        check_range(OP, "lr", self.lr, self.lr >= 0.0, "≥ 0")?;
+        check_range(OP, "betas.0", b1, (0.0..1.0).contains(&b1), "in [0, 1)")?;
+        check_range(OP, "betas.1", b2, (0.0..1.0).contains(&b2), "in [0, 1)")?;
+        check_range(OP, "eps", self.eps, self.eps >= 0.0, "≥ 0")?;
+        check_range(OP, "weight_decay", self.weight_decay, self.weight_decay >= 0.0, "≥ 0")
+    }
+}
+
+/// Adam with decoupled weight decay, step `t` counted per parameter from 1:
+///
+/// ```text
+/// p ← p · (1 − lr·wd)
+/// m ← β₁·m + (1 − β₁)·g                 (as lerp(m, g, 1 − β₁))
+/// v ← β₂·v + (1 − β₂)·g²
+/// p ← p − lr / (1 − β₁ᵗ) · m / (√v / √(1 − β₂ᵗ) + eps)
+/// ```
+///
+/// Each rank updates its local shard in one loop, in the order of operations and
+/// the precision of PyTorch's single-tensor CPU implementation (`foreach=False`,
+/// `fused=False`): the scalars (`1 − lr·wd`, `lr / (1 − β₁ᵗ)`, `(1 − β₂ᵗ)^½`, …) are
+/// computed in `f64` as Python does and rounded once to the parameter's dtype;
+/// the element-wise math runs in that dtype (`f32` for `bf16`/`f16` parameters,
+/// whose moments are kept in `f32`). The moment update uses a fused multiply-add,
+/// as PyTorch's vectorized `lerp` does.
+///
+/// PyTorch: `torch.optim.AdamW(params, lr, betas, eps, weight_decay, foreach=False)`
+/// (no `amsgrad`, `maximize` or parameter groups).
+pub struct AdamW {
+    config: AdamWConfig,
+    params: Vec<Param>,
+    state: Vec<Option<Slot>>,
+}
+
+/// The state of one parameter: its step count and moments over its local shard.
+struct Slot {
+    layout: Layout,
+    dtype: DType,
+    step: u64,
+    exp_avg: StateVec,
+    exp_avg_sq: StateVec,
+}
+
+/// The per-step scalars, rounded to the compute dtype as PyTorch's kernels round
+/// their Python-float arguments.
+struct Scalars<F> {
+    decay: F,
+    /// `1 − β₁`, and whether it is below ½ (PyTorch's lerp switches formula there).
+    lerp_weight: F,
+    lerp_small: bool,
+    beta2: F,
+    one_minus_beta2: F,
+    bias_correction2_sqrt: F,
+    eps: F,
+    neg_step_size: F,
+}
+
+impl<F: Real> Scalars<F> {
+    fn new(c: &AdamWConfig, step: u64) -> Scalars<F> {
+        let (beta1, beta2) = c.betas;
+        let t = step as f64;
+        // As `_single_tensor_adam`: Python floats, `**` is C `pow`.
+        let bias_correction1 = 1.0 - beta1.powf(t);
+        let bias_correction2 = 1.0 - beta2.powf(t);
+        let step_size = c.lr / bias_correction1;
+        let bias_correction2_sqrt = bias_correction2.powf(0.5);
+        let lerp_weight = 1.0 - beta1;
+        Scalars {
+            decay: F::from_f64(1.0 - c.lr * c.weight_decay),
+            lerp_weight: F::from_f64(lerp_weight),
+            lerp_small: lerp_weight.abs() < 0.5,
+            beta2: F::from_f64(beta2),
+            one_minus_beta2: F::from_f64(1.0 - beta2),
+            bias_correction2_sqrt: F::from_f64(bias_correction2_sqrt),
+            eps: F::from_f64(c.eps),
+            neg_step_size: F::from_f64(-step_size),
+        }
+    }
+}
+
+/// One AdamW step over local slices of equal length.
+fn kernel<F: Real>(s: &Scalars<F>, p: &mut [F], g: &[F], m: &mut [F], v: &mut [F]) {
+    let n = p.len();
+    let (g, m, v) = (&g[..n], &mut m[..n], &mut v[..n]);
+    let one = F::from_f64(1.0);
+    let (w, w_minus_one) = (s.lerp_weight, s.lerp_weight - one);
+    for i in 0..n {
+        // param.mul_(1 - lr * weight_decay); a no-op multiply by 1 when wd = 0.
+        let pi = p[i] * s.decay;
+        let gi = g[i];
+        // exp_avg.lerp_(grad, 1 - beta1): fmadd(w, g - m, m), or fmadd(w - 1, g - m, g).
+        let mi = if s.lerp_small {
+            w.mul_add(gi - m[i], m[i])
+        } else {
+            w_minus_one.mul_add(gi - m[i], gi)
+        };
+        // exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        let vi = v[i] * s.beta2 + s.one_minus_beta2 * gi * gi;
+        // denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+        let denom = vi.sqrt() / s.bias_correction2_sqrt + s.eps;
+        // param.addcdiv_(exp_avg, denom, value=-step_size)
+        p[i] = pi + s.neg_step_size * mi / denom;
+        m[i] = mi;
+        v[i] = vi;
+    }
+}
+
+impl AdamW {
+    /// An optimizer over `params`.
+    ///
+    /// # Errors
+    /// A hyperparameter out of range (negative `lr`, `eps` or `weight_decay`, a beta
+    /// outside `[0, 1)`), or a parameter listed twice.
+    pub fn new(params: Vec<Param>, config: AdamWConfig) -> Result<AdamW> {
+        config.validate()?;
+        check_unique(OP, &params)?;
+        let state = params.iter().map(|_| None).collect();
+        Ok(AdamW { config, params, state })
+    }
+
+    /// The hyperparameters.
+    pub fn config(&self) -> &AdamWConfig {
+        &self.config
+    }
+
+    /// The number of steps taken by the parameter at `index` (0 before its first
+    /// gradient).
+    pub fn steps(&self, index: usize) -> u64 {
+        self.state.get(index).and_then(|s| s.as_ref()).map_or(0, |s| s.step)
+    }
+
+    /// Checks `r` against its state (creating it on the first step).
+    fn prepare(&mut self, r: &Ready) -> Result<()> {
+        let name = self.params[r.index].name();
+        match &self.state[r.index] {
+            Some(slot) => {
+                check_state_layout(OP, name, &slot.layout, r.value.layout())?;
+                if slot.dtype != r.dtype {
+                    return Err(Error::Config {
+                        op: OP,
+                        detail: format!(
+                            "parameter {name} now computes in {} but its state is {}; keep parameter dtypes",
+                            r.dtype, slot.dtype
+                        ),
+                    });
+                }
+            }
+            None => {
+                let n = r.value.to_local().numel();
+                self.state[r.index] = Some(Slot {
+                    layout: r.value.layout().clone(),
+                    dtype: r.dtype,
+                    step: 0,
+                    exp_avg: StateVec::zeros(r.dtype, n),
+                    exp_avg_sq: StateVec::zeros(r.dtype, n),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    fn update<F: Real>(&mut self, r: &Ready) -> Result<()> {
+        let p = &self.params[r.index];
+        // INVARIANT: `prepare` created the slot for every ready parameter.
+        let slot = self.state[r.index].as_mut().expect("state prepared");
+        let mut data = local_cow::<F>(r.value.to_local())?.into_owned();
+        let grad = local_cow::<F>(r.grad.to_local())?;
+        let scalars = Scalars::<F>::new(&self.config, slot.step + 1);
+        let m = slot.exp_avg.get::<F>(OP, p.name())?;
+        let v = slot.exp_avg_sq.get::<F>(OP, p.name())?;
+        if grad.len() != data.len() || m.len() != data.len() || v.len() != data.len() {
+            return Err(Error::Config {
+                op: OP,
+                detail: format!(
+                    "parameter {}: local sizes differ (value {}, gradient {}, state {})",
+                    p.name(),
+                    data.len(),
+                    grad.len(),
+                    m.len()
+                ),
+            });
+        }
+        kernel(&scalars, &mut data, &grad, m, v);
+        slot.step += 1;
+        p.set_value(with_local(&r.value, data)?);
+        Ok(())
+    }
+}
+
+impl Optimizer for AdamW {
+    fn step(&mut self) -> Result<()> {
+        let mut ready = Vec::new();
+        for (i, p) in self.params.iter().enumerate() {
+            if let Some(r) = super::ready(OP, i, p)? {
+                ready.push(r);
+            }
+        }
+        for r in &ready {
+            self.prepare(r)?;
+        }
+        for r in &ready {
+            match r.dtype {
+                DType::F64 => self.update::<f64>(r)?,
+                _ => self.update::<f32>(r)?,
+            }
+        }
+        Ok(())
+    }
+
+    fn params(&self) -> &[Param] {
+        &self.params
+    }
+
+    fn lr(&self) -> f64 {
+        self.config.lr
+    }
+
+    fn set_lr(&mut self, lr: f64) -> Result<()> {
+        check_range(OP, "lr", lr, lr >= 0.0, "≥ 0")?;
+        self.config.lr = lr;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use tessera_dtensor::{DTensor, Placement::*, Tensor, distribute_tensor};
+    use tessera_mesh::{DeviceMesh, launch};
+
+    use super::*;
+    use crate::optim::on_one_rank;
+
+    /// The reference README's formula, in f64, one element.
+    fn reference(c: &AdamWConfig, p0: f64, grads: &[f64]) -> Vec<f64> {
+        let (b1, b2) = c.betas;
+        let (mut p, mut m, mut v) = (p0, 0.0, 0.0);
+        let mut out = Vec::new();
+        for (t, &g) in grads.iter().enumerate() {
+            let t = (t + 1) as i32;
+            p *= 1.0 - c.lr * c.weight_decay;
+            m = b1 * m + (1.0 - b1) * g;
+            v = b2 * v + (1.0 - b2) * g * g;
+            p -= c.lr / (1.0 - b1.powi(t)) * m / (v.sqrt() / (1.0 - b2.powi(t)).sqrt() + c.eps);
+            out.push(p);
+        }
+        out
+    }
+
+    fn replicated(mesh: &DeviceMesh, t: Tensor) -> DTensor {
+        distribute_tensor(&t, mesh, &[Replicate]).unwrap()
+    }
+
+    /// A config from (lr, β₁, β₂, eps, weight decay).
+    fn c(lr: f64, b1: f64, b2: f64, eps: f64, weight_decay: f64) -> AdamWConfig {
+        AdamWConfig {
+            lr,
+            betas: (b1, b2),
+            eps,
+            weight_decay,
+        }
+    }
+
+    const TINY: AdamWConfig = AdamWConfig {
+        lr: 1e-3,
+        betas: (0.9, 0.95),
+        eps: 1e-8,
+        weight_decay: 0.1,
+    };
+
+    #[test]
+    fn three_steps_match_the_formula() {
+        // config, initial value, gradients at steps 1..=3
+        let cases: &[(AdamWConfig, f64, [f64; 3])] = &[
+            (TINY, 0.5, [0.1, -0.2, 0.3]),
+            (TINY, -1.25, [1e-3, 1e-3, 1e-3]),
+            (TINY, 2.0, [0.0, 0.0, 0.0]),
+            (TINY, 0.1, [5.0, -7.0, 0.5]),
+            (AdamWConfig::default(), 0.5, [0.1, -0.2, 0.3]),
+            (c(0.1, 0.9, 0.999, 1e-8, 0.0), 3.0, [1.0, 2.0, -4.0]),
+            (c(1e-3, 0.3, 0.6, 1e-8, 0.1), 0.7, [-0.5, 0.25, 0.125]),
+            (c(1e-3, 0.0, 0.0, 1e-8, 0.1), 0.7, [-0.5, 0.25, 0.125]),
+            // 1 − β₁ ≥ ½ takes PyTorch's other lerp formula.
+            (c(1e-3, 0.25, 0.6, 1e-8, 0.1), 0.7, [-0.5, 0.25, 0.125]),
+        ];
+        // Three of them worked in f64 independently of `reference` (case index, p after each step).
+        let by_hand = [
+            (0, [0.4989500001, 0.49926347902766033, 0.49887514542262024]),
+            (1, [-1.2508749900001002, -1.2517498925012003, -1.2526247075120502]),
+            (5, [2.900000001, 2.8034817990281664, 2.8228612444556136]),
+        ];
+        for (i, h) in by_hand {
+            let (c, p0, grads) = &cases[i];
+            let want = reference(c, *p0, grads);
+            assert!(
+                want.iter().zip(h).all(|(w, h)| (w - h).abs() <= 1e-15 * h.abs()),
+                "{want:?} vs {h:?}"
+            );
+        }
+        on_one_rank(|mesh| {
+            for (c, p0, grads) in cases {
+                let want = reference(c, *p0, grads);
+                for dtype in [DType::F64, DType::F32] {
+                    let p = Param::new("w", replicated(mesh, Tensor::full(&[3], *p0, dtype)?));
+                    let mut opt = AdamW::new(vec![p.clone()], *c)?;
+                    for (t, g) in grads.iter().enumerate() {
+                        p.set_grad(Some(replicated(mesh, Tensor::full(&[3], *g, dtype)?)));
+                        opt.step()?;
+                        let tol = if dtype == DType::F64 { 1e-15 } else { 1e-6 };
+                        for x in p.value().to_local().to_f64_vec() {
+                            assert!(
+                                (x - want[t]).abs() <= tol * want[t].abs().max(1.0),
+                                "{c:?} p0 {p0} {dtype} step {}: got {x}, want {}",
+                                t + 1,
+                                want[t]
+                            );
+                        }
+                    }
+                    assert_eq!(opt.steps(0), 3);
+                }
+            }
+            Ok(())
+        });
+    }
+
+    #[test]
+    fn f32_rounds_as_pytorch() {
+        // Two steps in f32, spelled out as PyTorch's CPU kernels round each op.
+        let c = TINY;
+        let (p0, g) = (0.5f32, [0.1f32, -0.3]);
+        let (mut p, mut m, mut v) = (p0, 0.0f32, 0.0f32);
+        for (t, &g) in g.iter().enumerate() {
+            let t = (t + 1) as f64;
+            p *= (1.0 - c.lr * c.weight_decay) as f32;
+            m = ((1.0 - 0.9f64) as f32).mul_add(g - m, m);
+            v = v * 0.95f32 + (1.0 - 0.95f64) as f32 * g * g;
+            let denom = v.sqrt() / ((1.0 - 0.95f64.powf(t)).powf(0.5) as f32) + 1e-8f32;
+            p += (-(1e-3 / (1.0 - 0.9f64.powf(t)))) as f32 * m / denom;
+        }
+        let got = on_one_rank(|mesh| {
+            let param = Param::new("w", replicated(mesh, Tensor::from_vec(vec![p0], &[1])?));
+            let mut opt = AdamW::new(vec![param.clone()], c)?;
+            for &g in &g {
+                param.set_grad(Some(replicated(mesh, Tensor::from_vec(vec![g], &[1])?)));
+                opt.step()?;
+            }
+            Ok(param.value().to_local().to_vec::<f32>()?)
+        });
+        assert_eq!(got, vec![p]);
+    }
+
+    #[test]
+    fn bf16_params_keep_f32_moments() {
+        on_one_rank(|mesh| {
+            let p = Param::new("w", replicated(mesh, Tensor::full(&[4], 1.0, DType::BF16)?));
+            let mut opt = AdamW::new(vec![p.clone()], c(0.25, 0.9, 0.95, 1e-8, 0.0))?;
+            p.set_grad(Some(replicated(mesh, Tensor::full(&[4], 1.0, DType::BF16)?)));
+            opt.step()?;
+            assert_eq!(p.value().dtype(), DType::BF16);
+            assert_eq!(p.value().to_local().to_f64_vec(), vec![0.75; 4]);
+            assert_eq!(opt.state[0].as_ref().unwrap().dtype, DType::F32);
+            Ok(())
+        });
+    }
+
+    #[test]
+    fn skips_params_without_grad_and_rejects_bad_input() {
+        on_one_rank(|mesh| {
+            let p = Param::new("w", replicated(mesh, Tensor::full(&[2, 2], 1.0, DType::F32)?));
+            let q = Param::new("q", replicated(mesh, Tensor::ones(&[2], DType::F32)?));
+            let mut opt = AdamW::new(vec![p.clone(), q.clone()], TINY)?;
+            opt.step()?;
+            assert_eq!(opt.steps(0), 0);
+            // A gradient of another shape is an error naming the parameter, and nothing changes.
+            q.set_grad(Some(replicated(mesh, Tensor::ones(&[2], DType::F32)?)));
+            p.set_grad(Some(replicated(mesh, Tensor::ones(&[4], DType::F32)?)));
+            let err = opt.step().unwrap_err().to_string();
+            assert!(err.contains("gradient of w") && err.contains("[4]"), "{err}");
+            assert_eq!(q.value().to_local().to_f64_vec(), vec![1.0; 2]);
+            assert_eq!(opt.steps(1), 0);
+
+            for (c, what) in [
+                (c(-1.0, 0.9, 0.95, 1e-8, 0.1), "lr is -1"),
+                (c(f64::NAN, 0.9, 0.95, 1e-8, 0.1), "lr is NaN"),
+                (c(1e-3, 1.0, 0.9, 1e-8, 0.1), "betas.0 is 1"),
+                (c(1e-3, 0.9, -0.1, 1e-8, 0.1), "betas.1 is -0.1"),
+                (c(1e-3, 0.9, 0.95, -1e-8, 0.1), "eps is -0.00000001"),
+                (c(1e-3, 0.9, 0.95, 1e-8, -0.1), "weight_decay is -0.1"),
+            ] {
+                let err = AdamW::new(vec![p.clone()], c).err().unwrap().to_string();
+                assert!(err.contains(what), "{err}");
+            }
+            let err = AdamW::new(vec![p.clone(), p.clone()], TINY).err().unwrap().to_string();
+            assert!(err.contains("listed twice"), "{err}");
+            let ids = Param::new("ids", replicated(mesh, Tensor::zeros(&[2], DType::I64)?));
+            ids.set_grad(Some(ids.value()));
+            let err = AdamW::new(vec![ids], TINY)?.step().unwrap_err().to_string();
+            assert!(err.contains("ids has dtype i64"), "{err}");
+            Ok(())
+        });
+    }
+
+    /// The full tensor after `steps` steps on a mesh of 2, parameter and gradients
+    /// placed by `placement`; also checks that the steps issue no collective.
+    fn run_on_two(placement: tessera_dtensor::Placement, steps: usize) -> Vec<Vec<f32>> {
+        launch(2, move |ctx| {
+            let mesh = DeviceMesh::new(ctx.into_comm(), &[2])?;
+            let full = Tensor::randn(&[5, 3], DType::F32, 7)?;
+            let p = Param::new("w", distribute_tensor(&full, &mesh, &[placement])?);
+            let mut opt = AdamW::new(vec![p.clone()], TINY)?;
+            for s in 0..steps {
+                let g = Tensor::randn(&[5, 3], DType::F32, 100 + s as u64)?;
+                p.set_grad(Some(distribute_tensor(&g, &mesh, &[placement])?));
+                let before = mesh.stats().total_calls();
+                opt.step()?;
+                assert_eq!(mesh.stats().total_calls(), before, "a step communicates");
+            }
+            Ok(p.value().full_tensor()?.to_vec::<f32>()?)
+        })
+        .unwrap()
+    }
+
+    #[test]
+    fn sharded_update_equals_replicated() {
+        let sharded = run_on_two(Shard(0), 4);
+        let replicated = run_on_two(Replicate, 4);
+        assert_eq!(sharded, replicated);
+        assert_eq!(sharded[0], sharded[1]);
+        launch(2, |ctx| {
+            let mesh = DeviceMesh::new(ctx.into_comm(), &[2])?;
+            let p = Param::new(
+                "w",
+                distribute_tensor(&Tensor::ones(&[5], DType::F32)?, &mesh, &[Shard(0)])?,
+            );
+            p.set_grad(Some(p.value()));
+            let mut opt = AdamW::new(vec![p.clone()], TINY)?;
+            opt.step()?;
+            // Moments have the local shard's size: 3 + 2 elements.
+            let slot = opt.state[0].as_mut().unwrap();
+            assert_eq!(slot.exp_avg.get::<f32>(OP, "w")?.len(), [3, 2][mesh.coordinate()[0]]);
+            Ok(())
+        })
+        .unwrap();
+    }
+
+    #[test]
+    fn layout_change_after_first_step_is_an_error() {
+        launch(2, |ctx| {
+            let mesh = DeviceMesh::new(ctx.into_comm(), &[2])?;
+            let p = Param::new(
+                "w",
+                distribute_tensor(&Tensor::ones(&[4], DType::F32)?, &mesh, &[Shard(0)])?,
+            );
+            p.set_grad(Some(p.value()));
+            let mut opt = AdamW::new(vec![p.clone()], TINY)?;
+            opt.step()?;
+            let r = p.value().redistribute(&[Replicate])?;
+            p.set_value(r.clone());
+            p.set_grad(Some(r));
+            let err = opt.step().unwrap_err().to_string();
+            assert!(err.contains("optimizer state was built for [S(0)]"), "{err}");
+            Ok(())
+        })
+        .unwrap();
+    }
+}

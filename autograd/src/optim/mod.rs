@@ -1,0 +1,335 @@
+//! Optimizers that update each rank's local shard without communication, and
+//! gradient clipping by the global norm (one all_reduce).
+//!
+//! ```
+//! use tessera_autograd::optim::{AdamW, AdamWConfig, Optimizer};
+//! use tessera_autograd::Param;
+//! use tessera_dtensor::{distribute_tensor, DType, Placement::*, Tensor};
+//! use tessera_mesh::{launch, DeviceMesh};
+//!
+//! let full = launch(2, |ctx| {
+//!     let mesh = DeviceMesh::new(ctx.into_comm(), &[2])?;
+//!     let w = Param::new("w", distribute_tensor(&Tensor::ones(&[4], DType::F32)?, &mesh, &[Shard(0)])?);
+//!     w.set_grad(Some(distribute_tensor(&Tensor::ones(&[4], DType::F32)?, &mesh, &[Shard(0)])?));
+//!     let mut opt = AdamW::new(vec![w.clone()], AdamWConfig { weight_decay: 0.0, ..AdamWConfig::default() })?;
+//!     opt.step()?; // each rank updates its two elements, no communication
+//!     Ok(w.value().full_tensor()?.to_vec::<f32>()?)
+//! })
+//! .unwrap();
+//! // The first Adam step moves every element by lr (1e-3) against the gradient's sign.
+//! assert!(full[0].iter().all(|&x| (x - 0.999).abs() < 1e-6));
+//! ```
+//!
+//! - [`Optimizer`]: `step` and `zero_grad` over a list of [`Param`]s.
+//! - [`Sgd`] (momentum, dampening, weight decay, Nesterov) and [`AdamW`] (decoupled
+//!   weight decay), each written as one loop over the local elements, in the order
+//!   of operations of PyTorch's single-tensor CPU implementations.
+//! - [`clip_grad_norm`]: the global 2-norm of all gradients, one all_reduce per mesh.
+//!
+//! The update is element-wise, so a sharded parameter and its sharded gradient (same
+//! placements) are updated shard by shard; replicas of a replicated parameter make
+//! the same update. Optimizer state (momentum, moments) has the shape of the local
+//! shard and lives on its rank; its bytes are charged to the rank's
+//! [memory tracker](tessera_dtensor::memory). `f32` and `f64` parameters keep state
+//! and compute in their own dtype; `bf16` and `f16` parameters compute in `f32`
+//! with `f32` state, and only the updated parameter is rounded back.
+
+mod adamw;
+mod clip;
+mod sgd;
+
+use std::borrow::Cow;
+use std::ops::{Add, Div, Mul, Neg, Sub};
+
+use tessera_dtensor::memory::Allocation;
+use tessera_dtensor::{DTensor, Layout, PlacementsDisplay, Tensor};
+use tessera_mesh::{Buffer, DType, Element};
+
+use crate::{Error, Param, Result};
+
+pub use adamw::{AdamW, AdamWConfig};
+pub use clip::clip_grad_norm;
+pub use sgd::{Sgd, SgdConfig};
+
+/// An optimizer over a fixed list of parameters.
+///
+/// PyTorch: `torch.optim.Optimizer` (one parameter group).
+pub trait Optimizer {
+    /// Updates every parameter that has a gradient, in place on each rank's local
+    /// shard. Parameters without a gradient are skipped (their state is untouched).
+    /// Not collective.
+    ///
+    /// PyTorch: `Optimizer.step`.
+    ///
+    /// # Errors
+    /// A gradient laid out differently from its parameter (other placements, shard
+    /// order, global shape or mesh), a parameter whose layout changed since the
+    /// optimizer state was created, or a non-float parameter. Every parameter is
+    /// checked before any is updated, so on error nothing has changed.
+    fn step(&mut self) -> Result<()>;
+
+    /// Clears every parameter's gradient.
+    ///
+    /// PyTorch: `Optimizer.zero_grad(set_to_none=True)`.
+    fn zero_grad(&self) {
+        for p in self.params() {
+            p.zero_grad();
+        }
+    }
+
+    /// The parameters, in the order given at construction.
+    fn params(&self) -> &[Param];
+
+    /// The learning rate.
+    fn lr(&self) -> f64;
+
+    /// Sets the learning rate (for schedules).
+    ///
+    /// # Errors
+    /// A negative or NaN learning rate.
+    fn set_lr(&mut self, lr: f64) -> Result<()>;
+}
+
+/// The floating-point types optimizers compute in: `f32` (for `f32`, `bf16`, `f16`
+/// parameters) and `f64`.
+pub(crate) trait Real:
+    Element
+    + PartialOrd
+    + Add<Output = Self>
+    + Sub<Output = Self>
+    + Mul<Output = Self>
+    + Div<Output = Self>
+    + Neg<Output = Self>
+{
+    /// Rounds to nearest (as PyTorch turns a Python float into a kernel scalar).
+    fn from_f64(x: f64) -> Self;
+    fn to_f64(self) -> f64;
+    fn sqrt(self) -> Self;
+    /// `self · a + b` with one rounding (the `fmadd` of PyTorch's vectorized kernels).
+    fn mul_add(self, a: Self, b: Self) -> Self;
+    /// The elements of a state buffer of this type.
+    fn slice_mut(b: &mut Buffer) -> Option<&mut [Self]>;
+}
+
+impl Real for f32 {
+    fn from_f64(x: f64) -> f32 {
+        x as f32
+    }
+    fn to_f64(self) -> f64 {
+        self as f64
+    }
+    fn sqrt(self) -> f32 {
+        f32::sqrt(self)
+    }
+    fn mul_add(self, a: f32, b: f32) -> f32 {
+        f32::mul_add(self, a, b)
+    }
+    fn slice_mut(b: &mut Buffer) -> Option<&mut [f32]> {
+        match b {
+            Buffer::F32(v) => Some(v),
+            _ => None,
+        }
+    }
+}
+
+impl Real for f64 {
+    fn from_f64(x: f64) -> f64 {
+        x
+    }
+    fn to_f64(self) -> f64 {
+        self
+    }
+    fn sqrt(self) -> f64 {
+        f64::sqrt(self)
+    }
+    fn mul_add(self, a: f64, b: f64) -> f64 {
+        f64::mul_add(self, a, b)
+    }
+    fn slice_mut(b: &mut Buffer) -> Option<&mut [f64]> {
+        match b {
+            Buffer::F64(v) => Some(v),
+            _ => None,
+        }
+    }
+}
+
+/// The dtype an optimizer computes in for a parameter of `dtype`.
+pub(crate) fn compute_dtype(op: &'static str, name: &str, dtype: DType) -> Result<DType> {
+    match dtype {
+        DType::F64 => Ok(DType::F64),
+        DType::F32 | DType::BF16 | DType::F16 => Ok(DType::F32),
+        _ => Err(Error::Config {
+            op,
+            detail: format!("parameter {name} has dtype {dtype}; only float parameters can be optimized (freeze it)"),
+        }),
+    }
+}
+
+/// Whether two layouts place the same global shape the same way (dtype aside).
+pub(crate) fn same_placement(a: &Layout, b: &Layout) -> bool {
+    a.mesh_shape == b.mesh_shape && a.placements == b.placements && a.order == b.order && a.shape == b.shape
+}
+
+/// A parameter ready for an update: its value and its gradient, checked.
+pub(crate) struct Ready {
+    pub(crate) index: usize,
+    pub(crate) value: DTensor,
+    pub(crate) grad: DTensor,
+    pub(crate) dtype: DType,
+}
+
+/// The parameter's value and gradient when it has one, after the checks every
+/// optimizer makes: a float, non-partial parameter, and a gradient in exactly its
+/// layout on the same mesh.
+pub(crate) fn ready(op: &'static str, index: usize, p: &Param) -> Result<Option<Ready>> {
+    let Some(grad) = p.grad() else {
+        return Ok(None);
+    };
+    let value = p.value();
+    let dtype = compute_dtype(op, p.name(), value.dtype())?;
+    if value.placements().iter().any(|pl| pl.is_partial()) {
+        return Err(Error::Config {
+            op,
+            detail: format!(
+                "parameter {} is {} (a pending reduction); reduce it to Replicate or Shard before optimizing",
+                p.name(),
+                PlacementsDisplay(value.placements())
+            ),
+        });
+    }
+    if !same_placement(grad.layout(), value.layout()) || !grad.mesh().same_as(value.mesh()) {
+        return Err(Error::Config {
+            op,
+            detail: format!(
+                "the gradient of {} is {} on {}, the parameter {} on {}; gradients must have their \
+                 parameter's layout (redistribute the gradient first)",
+                p.name(),
+                grad.layout(),
+                grad.mesh(),
+                value.layout(),
+                value.mesh()
+            ),
+        });
+    }
+    if !grad.dtype().is_float() {
+        return Err(Error::Config {
+            op,
+            detail: format!(
+                "the gradient of {} has dtype {}; gradients must be floats",
+                p.name(),
+                grad.dtype()
+            ),
+        });
+    }
+    Ok(Some(Ready {
+        index,
+        value,
+        grad,
+        dtype,
+    }))
+}
+
+/// The elements of a local tensor as `F`: borrowed when it already is a contiguous
+/// `F` tensor, else converted (row-major).
+pub(crate) fn local_cow<F: Real>(t: &Tensor) -> Result<Cow<'_, [F]>> {
+    if t.dtype() == F::DTYPE && t.is_contiguous() {
+        Ok(Cow::Borrowed(t.as_slice::<F>()?))
+    } else {
+        Ok(Cow::Owned(t.cast(F::DTYPE)?.to_vec::<F>()?))
+    }
+}
+
+/// `value` with its local tensor replaced by `data` (row-major, in `F`), rounded
+/// to the value's dtype; same layout and mesh.
+pub(crate) fn with_local<F: Real>(value: &DTensor, data: Vec<F>) -> Result<DTensor> {
+    let local = Tensor::from_vec(data, value.to_local().shape())?.cast(value.dtype())?;
+    Ok(DTensor::from_local_with_layout(
+        local,
+        value.mesh(),
+        value.layout().clone(),
+    )?)
+}
+
+/// One per-parameter state vector (a momentum buffer, a moment) in the compute
+/// dtype, charged to the rank's memory tracker.
+pub(crate) struct StateVec {
+    data: Buffer,
+    _charge: Allocation,
+}
+
+impl StateVec {
+    pub(crate) fn zeros(dtype: DType, len: usize) -> StateVec {
+        StateVec {
+            data: Buffer::zeros(dtype, len),
+            _charge: Allocation::charge(len * dtype.size_in_bytes()),
+        }
+    }
+
+    /// The elements as `F`.
+    ///
+    /// # Errors
+    /// `F` is not the dtype the state was created with (the parameter changed dtype).
+    pub(crate) fn get<F: Real>(&mut self, op: &'static str, name: &str) -> Result<&mut [F]> {
+        let dtype = self.data.dtype();
+        F::slice_mut(&mut self.data).ok_or_else(|| Error::Config {
+            op,
+            detail: format!(
+                "the state of {name} is {dtype} but the parameter now computes in {}; \
+                 parameters must keep their dtype across steps (build a new optimizer)",
+                F::DTYPE
+            ),
+        })
+    }
+}
+
+/// Checks that the layout a parameter's state was built for is still its layout.
+pub(crate) fn check_state_layout(op: &'static str, name: &str, state: &Layout, now: &Layout) -> Result<()> {
+    if same_placement(state, now) {
+        Ok(())
+    } else {
+        Err(Error::Config {
+            op,
+            detail: format!(
+                "parameter {name} is now {now} but its optimizer state was built for {state}; \
+                 the state is per local shard, so keep the parameter's placements between steps \
+                 (or build the optimizer after sharding)"
+            ),
+        })
+    }
+}
+
+/// Rejects the same parameter listed twice (its update would run twice).
+pub(crate) fn check_unique(op: &'static str, params: &[Param]) -> Result<()> {
+    for (i, p) in params.iter().enumerate() {
+        if params[..i].iter().any(|q| q.id() == p.id()) {
+            return Err(Error::Config {
+                op,
+                detail: format!("parameter {} is listed twice; list each parameter once", p.name()),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Checks a hyperparameter against a range (`what` names it in the error).
+pub(crate) fn check_range(op: &'static str, what: &str, x: f64, ok: bool, want: &str) -> Result<()> {
+    if ok {
+        Ok(())
+    } else {
+        Err(Error::Config {
+            op,
+            detail: format!("{what} is {x}, it must be {want}"),
+        })
+    }
+}
+
+/// Runs `f` on a one-rank mesh (the threads backend) and returns its result.
+#[cfg(test)]
+pub(crate) fn on_one_rank<T: Send>(f: impl Fn(&tessera_mesh::DeviceMesh) -> Result<T> + Sync) -> T {
+    let mut out = tessera_mesh::launch(1, |ctx| {
+        let mesh = tessera_mesh::DeviceMesh::new(ctx.into_comm(), &[1])?;
+        Ok(f(&mesh)?)
+    })
+    .unwrap();
+    out.remove(0)
+}
