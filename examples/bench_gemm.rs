@@ -1,0 +1,218 @@
+//! GEMM benchmark: `Tensor::matmul` on one thread with each pure-Rust kernel.
+//!
+//! ```text
+//! cargo run --release --example bench_gemm -- [--json PATH] [--iters N]
+//! ```
+//!
+//! For each case the operands are built once; a sample is as many `matmul_with`
+//! calls as fill about 50 ms, samples of the two kernels alternate, and the
+//! table shows the median of `N` samples per kernel (default 7, after one
+//! warm-up call each). GFLOP/s counts `2·m·n·k` per product.
+//!
+//! The baseline is `matrixmultiply` (what ndarray's `dot` runs); `ratio` is the
+//! `gemm` crate's GFLOP/s over the baseline's (above 1 = `gemm` faster).
+//! `GemmKernel::auto()` picks `gemm` on CPUs with AVX-512 and `matrixmultiply`
+//! elsewhere. The times include allocating the output tensor, as every
+//! `matmul` call does. OpenBLAS is not a dependency (the default build needs no
+//! system library), so it is not measured here.
+
+#[path = "common/mod.rs"]
+mod common;
+
+use std::hint::black_box;
+use std::process::ExitCode;
+use std::time::Instant;
+
+use common::{Json, median};
+use tessera::BoxError;
+use tessera::dtensor::ops::GemmKernel;
+use tessera::dtensor::{DType, Tensor};
+
+const DEFAULT_ITERS: usize = 7;
+/// Wall time one sample aims for.
+const SAMPLE_S: f64 = 0.05;
+
+const USAGE: &str = "usage: bench_gemm [--json PATH] [--iters N]
+  --json PATH  also write the results as a JSON array of records (atomically)
+  --iters N    timed samples per case and kernel (default 7; one warm-up call comes first)";
+
+/// One product: `a [batch.., m, k] × b [batch.., k, n]`, with `b` optionally a
+/// transposed view (as `x · Wᵀ` and `q · kᵀ` read it).
+struct Case {
+    name: &'static str,
+    dtype: DType,
+    batch: usize,
+    m: usize,
+    k: usize,
+    n: usize,
+    b_transposed: bool,
+}
+
+fn cases() -> Vec<Case> {
+    let sq = |name, n| Case {
+        name,
+        dtype: DType::F32,
+        batch: 1,
+        m: n,
+        k: n,
+        n,
+        b_transposed: false,
+    };
+    vec![
+        sq("sgemm 512", 512),
+        sq("sgemm 1024", 1024),
+        sq("sgemm 2048", 2048),
+        Case {
+            name: "dgemm 1024",
+            dtype: DType::F64,
+            ..sq("", 1024)
+        },
+        Case {
+            name: "bf16 1024 (via f32)",
+            dtype: DType::BF16,
+            ..sq("", 1024)
+        },
+        Case {
+            name: "sgemm 1024 x Bᵀ (view)",
+            b_transposed: true,
+            ..sq("", 1024)
+        },
+        // The tiny reference model: a linear layer on 8×32 tokens, and per-head attention scores.
+        Case {
+            name: "linear [256,64]·Wᵀ[64,256]",
+            dtype: DType::F32,
+            batch: 1,
+            m: 256,
+            k: 64,
+            n: 256,
+            b_transposed: true,
+        },
+        Case {
+            name: "q·kᵀ 32 × [32,16]·[16,32]",
+            dtype: DType::F32,
+            batch: 32,
+            m: 32,
+            k: 16,
+            n: 32,
+            b_transposed: true,
+        },
+    ]
+}
+
+impl Case {
+    fn operands(&self) -> Result<(Tensor, Tensor), BoxError> {
+        let a = Tensor::randn(&[self.batch, self.m, self.k], self.dtype, 1)?;
+        let b = if self.b_transposed {
+            Tensor::randn(&[self.batch, self.n, self.k], self.dtype, 2)?.transpose(1, 2)?
+        } else {
+            Tensor::randn(&[self.batch, self.k, self.n], self.dtype, 2)?
+        };
+        Ok((a, b))
+    }
+
+    fn flops(&self) -> f64 {
+        2.0 * (self.batch * self.m * self.n * self.k) as f64
+    }
+}
+
+/// Seconds per `matmul_with` call of each kernel, over `reps` calls.
+fn sample(a: &Tensor, b: &Tensor, kernel: GemmKernel, reps: usize) -> Result<f64, BoxError> {
+    let t = Instant::now();
+    for _ in 0..reps {
+        black_box(a.matmul_with(b, kernel)?);
+    }
+    Ok(t.elapsed().as_secs_f64() / reps as f64)
+}
+
+/// The median seconds of one call with each kernel, `[matrixmultiply, gemm]`,
+/// over `iters` samples taken alternately (so that load from other processes
+/// falls on both alike).
+fn time(a: &Tensor, b: &Tensor, iters: usize) -> Result<[f64; 2], BoxError> {
+    const KERNELS: [GemmKernel; 2] = [GemmKernel::MatrixMultiply, GemmKernel::Gemm];
+    let once = KERNELS.map(|k| sample(a, b, k, 1));
+    let mut reps = [1; 2];
+    for (r, t) in reps.iter_mut().zip(once) {
+        *r = ((SAMPLE_S / t?.max(1e-7)) as usize).clamp(1, 100_000);
+    }
+    let mut samples = [Vec::with_capacity(iters), Vec::with_capacity(iters)];
+    for _ in 0..iters {
+        for i in 0..2 {
+            samples[i].push(sample(a, b, KERNELS[i], reps[i])?);
+        }
+    }
+    Ok(samples.map(|s| median(&s)))
+}
+
+fn main() -> ExitCode {
+    let args = match common::parse_args(std::env::args().skip(1), DEFAULT_ITERS) {
+        Ok(a) => a,
+        Err(msg) if msg == common::HELP => {
+            println!("{USAGE}");
+            return ExitCode::SUCCESS;
+        }
+        Err(msg) => {
+            eprintln!("bench_gemm: {msg}\n{USAGE}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match run(&args) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("bench_gemm: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(args: &common::BenchArgs) -> Result<(), BoxError> {
+    let auto = GemmKernel::auto();
+    println!(
+        "one thread; GemmKernel::auto() = {auto:?}; median of {} samples",
+        args.iters
+    );
+    println!(
+        "{:<30} {:>16} {:>14} {:>8} {:>12}",
+        "case", "matrixmultiply", "gemm", "ratio", "max |diff|"
+    );
+    println!("{:<30} {:>16} {:>14}", "", "GFLOP/s", "GFLOP/s");
+    let mut records = Vec::new();
+    for case in cases() {
+        let (a, b) = case.operands()?;
+        let [base, fast] = time(&a, &b, args.iters)?;
+        // Both kernels must agree (up to summation order).
+        let (x, y) = (
+            a.matmul_with(&b, GemmKernel::MatrixMultiply)?.to_f64_vec(),
+            a.matmul_with(&b, GemmKernel::Gemm)?.to_f64_vec(),
+        );
+        let diff = x.iter().zip(&y).map(|(p, q)| (p - q).abs()).fold(0.0, f64::max);
+        let (g_base, g_fast) = (case.flops() / base / 1e9, case.flops() / fast / 1e9);
+        let ratio = g_fast / g_base;
+        println!(
+            "{:<30} {g_base:>16.1} {g_fast:>14.1} {ratio:>8.2} {diff:>12.1e}",
+            case.name
+        );
+        records.push(Json::Obj(vec![
+            ("case".into(), Json::Str(case.name.into())),
+            ("dtype".into(), Json::Str(case.dtype.to_string())),
+            ("batch".into(), Json::Int(case.batch as u64)),
+            ("m".into(), Json::Int(case.m as u64)),
+            ("k".into(), Json::Int(case.k as u64)),
+            ("n".into(), Json::Int(case.n as u64)),
+            ("b_transposed_view".into(), Json::Str(case.b_transposed.to_string())),
+            ("matrixmultiply_median_s".into(), Json::Num(base)),
+            ("gemm_median_s".into(), Json::Num(fast)),
+            ("matrixmultiply_gflops".into(), Json::Num(g_base)),
+            ("gemm_gflops".into(), Json::Num(g_fast)),
+            ("ratio".into(), Json::Num(ratio)),
+            ("max_abs_diff".into(), Json::Num(diff)),
+            ("auto".into(), Json::Str(format!("{auto:?}"))),
+            ("iters".into(), Json::Int(args.iters as u64)),
+        ]));
+    }
+    println!("\nratio = gemm GFLOP/s / matrixmultiply GFLOP/s (matrixmultiply is ndarray's dot).");
+    if let Some(path) = &args.json {
+        common::write_atomic(path, &(Json::Arr(records).render() + "\n"))?;
+        println!("wrote {}", path.display());
+    }
+    Ok(())
+}

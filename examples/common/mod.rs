@@ -1,0 +1,241 @@
+//! Small helpers shared by the `bench_*` examples (included with `#[path]`):
+//! command-line flags, medians, and JSON written atomically.
+//!
+//! No dependencies beyond std, so a benchmark adds nothing to the build.
+#![allow(dead_code)]
+
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+
+/// The flags every benchmark takes: `--json PATH` and `--iters N`.
+#[derive(Clone, Debug)]
+pub struct BenchArgs {
+    /// Where to write the JSON records, if anywhere.
+    pub json: Option<PathBuf>,
+    /// Timed iterations per case.
+    pub iters: usize,
+}
+
+/// What `parse_args` returns when the user asked for `--help`.
+pub const HELP: &str = "help";
+
+/// Parses `--json PATH`, `--iters N` (also `--flag=value`) and `--help`.
+///
+/// # Errors
+/// A message for the user (unknown flag, missing or bad value, a `--json` folder
+/// that does not exist): print it with the usage and exit nonzero. `--help` gives
+/// the message [`HELP`]: print the usage and exit zero.
+pub fn parse_args(args: impl IntoIterator<Item = String>, default_iters: usize) -> Result<BenchArgs, String> {
+    let mut out = BenchArgs {
+        json: None,
+        iters: default_iters,
+    };
+    let mut args = args.into_iter();
+    while let Some(arg) = args.next() {
+        let (flag, inline) = match arg.split_once('=') {
+            Some((f, v)) if f.starts_with("--") => (f.to_string(), Some(v.to_string())),
+            _ => (arg.clone(), None),
+        };
+        let mut value = |what: &str| -> Result<String, String> {
+            match inline.clone().or_else(|| args.next()) {
+                Some(v) if !v.is_empty() => Ok(v),
+                _ => Err(format!("{flag} needs a value ({what})")),
+            }
+        };
+        match flag.as_str() {
+            "--json" => {
+                let path = PathBuf::from(value("a file path")?);
+                check_writable_dir(&path)?;
+                out.json = Some(path);
+            }
+            "--iters" => {
+                let v = value("a positive integer")?;
+                out.iters = match v.parse::<usize>() {
+                    Ok(n) if n > 0 => n,
+                    _ => return Err(format!("--iters takes a positive integer, got {v:?}")),
+                };
+            }
+            "-h" | "--help" => return Err(HELP.to_string()),
+            other => return Err(format!("unknown argument {other:?}")),
+        }
+    }
+    Ok(out)
+}
+
+/// Fails early (before minutes of benchmarking) when `path`'s folder does not exist.
+fn check_writable_dir(path: &Path) -> Result<(), String> {
+    if path.file_name().is_none() || path.is_dir() {
+        return Err(format!("--json {}: give a file path, not a folder", path.display()));
+    }
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    if !dir.is_dir() {
+        return Err(format!(
+            "--json {}: folder {} does not exist; create it first",
+            path.display(),
+            dir.display()
+        ));
+    }
+    Ok(())
+}
+
+/// The median of `xs` (the mean of the middle two for an even count); NaN when empty.
+pub fn median(xs: &[f64]) -> f64 {
+    if xs.is_empty() {
+        return f64::NAN;
+    }
+    let mut v = xs.to_vec();
+    v.sort_by(f64::total_cmp);
+    let m = v.len() / 2;
+    if v.len() % 2 == 1 {
+        v[m]
+    } else {
+        (v[m - 1] + v[m]) / 2.0
+    }
+}
+
+/// Per iteration, the slowest rank: `per_rank[r][i]` is rank `r`'s time of iteration `i`.
+pub fn max_over_ranks(per_rank: &[Vec<f64>]) -> Vec<f64> {
+    let iters = per_rank.iter().map(Vec::len).min().unwrap_or(0);
+    (0..iters)
+        .map(|i| per_rank.iter().map(|t| t[i]).fold(f64::NEG_INFINITY, f64::max))
+        .collect()
+}
+
+/// A JSON value, just enough for benchmark records.
+#[derive(Clone, Debug)]
+pub enum Json {
+    /// `null`.
+    Null,
+    /// A number (non-finite numbers are written as `null`).
+    Num(f64),
+    /// An integer.
+    Int(u64),
+    /// A string.
+    Str(String),
+    /// An object, fields in order.
+    Obj(Vec<(String, Json)>),
+    /// An array.
+    Arr(Vec<Json>),
+}
+
+impl Json {
+    /// `Some(x)` as a number, `None` as `null`.
+    pub fn opt(x: Option<f64>) -> Json {
+        x.map_or(Json::Null, Json::Num)
+    }
+
+    /// The compact JSON text.
+    pub fn render(&self) -> String {
+        let mut s = String::new();
+        self.write(&mut s, 0);
+        s
+    }
+
+    fn write(&self, s: &mut String, indent: usize) {
+        match self {
+            Json::Null => s.push_str("null"),
+            Json::Num(x) if x.is_finite() => {
+                // `{:?}` keeps full precision and always has a digit after the point or an exponent.
+                let _ = write!(s, "{x:?}");
+            }
+            Json::Num(_) => s.push_str("null"),
+            Json::Int(n) => {
+                let _ = write!(s, "{n}");
+            }
+            Json::Str(t) => write_str(s, t),
+            Json::Obj(fields) => {
+                s.push('{');
+                for (i, (k, v)) in fields.iter().enumerate() {
+                    if i > 0 {
+                        s.push_str(", ");
+                    }
+                    write_str(s, k);
+                    s.push_str(": ");
+                    v.write(s, indent);
+                }
+                s.push('}');
+            }
+            Json::Arr(items) => {
+                s.push('[');
+                for (i, v) in items.iter().enumerate() {
+                    s.push_str(if i > 0 { ",\n" } else { "\n" });
+                    s.push_str(&" ".repeat(indent + 2));
+                    v.write(s, indent + 2);
+                }
+                if !items.is_empty() {
+                    s.push('\n');
+                    s.push_str(&" ".repeat(indent));
+                }
+                s.push(']');
+            }
+        }
+    }
+}
+
+fn write_str(s: &mut String, t: &str) {
+    s.push('"');
+    for c in t.chars() {
+        match c {
+            '"' => s.push_str("\\\""),
+            '\\' => s.push_str("\\\\"),
+            '\n' => s.push_str("\\n"),
+            '\r' => s.push_str("\\r"),
+            '\t' => s.push_str("\\t"),
+            c if (c as u32) < 0x20 => {
+                let _ = write!(s, "\\u{:04x}", c as u32);
+            }
+            c => s.push(c),
+        }
+    }
+    s.push('"');
+}
+
+/// Writes `contents` to `path` atomically: a temporary file in the same folder,
+/// flushed to disk, then renamed over `path`. Readers see the old file or the new
+/// one, never half of it.
+///
+/// # Errors
+/// Any I/O error, with the path in the message; the temporary file is removed.
+pub fn write_atomic(path: &Path, contents: &str) -> Result<(), String> {
+    use std::io::Write as _;
+    let name = path
+        .file_name()
+        .ok_or_else(|| format!("{}: not a file path", path.display()))?
+        .to_string_lossy();
+    let tmp = path.with_file_name(format!(".{name}.tmp.{}", std::process::id()));
+    let result = (|| {
+        let mut f = std::fs::File::create(&tmp)?;
+        f.write_all(contents.as_bytes())?;
+        f.sync_all()?;
+        std::fs::rename(&tmp, path)
+    })();
+    result.map_err(|e| {
+        let _ = std::fs::remove_file(&tmp);
+        format!("writing {}: {e}", path.display())
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn json_escapes_and_numbers() {
+        let j = Json::Arr(vec![Json::Obj(vec![
+            ("a\"b".into(), Json::Num(0.5)),
+            ("n".into(), Json::Num(f64::NAN)),
+            ("i".into(), Json::Int(3)),
+        ])]);
+        assert_eq!(j.render(), "[\n  {\"a\\\"b\": 0.5, \"n\": null, \"i\": 3}\n]");
+    }
+
+    #[test]
+    fn medians() {
+        assert_eq!(median(&[3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(&[4.0, 1.0, 2.0, 3.0]), 2.5);
+        assert_eq!(max_over_ranks(&[vec![1.0, 5.0], vec![2.0, 3.0]]), vec![2.0, 5.0]);
+    }
+}
