@@ -78,7 +78,7 @@ impl DTensor {
         let count: usize = dims.iter().map(|&d| self.shape()[d]).product();
         let cands = reduction(self.shape().len(), dims, keepdim, ReduceOp::Sum, self.mesh().ndim());
         dispatch("mean", &[self], &cands, &out, self.dtype(), |l, _| {
-            l[0].sum(dims, keepdim)?.mul_scalar(1.0 / count.max(1) as f64)
+            l[0].sum(dims, keepdim)?.mul_scalar(1.0 / count as f64)
         })
     }
 
@@ -241,7 +241,7 @@ impl DTensor {
             });
         }
         let scale = match reduction {
-            Reduction::Mean => 1.0 / ts.iter().product::<usize>().max(1) as f64,
+            Reduction::Mean => 1.0 / ts.iter().product::<usize>() as f64,
             Reduction::Sum => 1.0,
             _ => {
                 return Err(Error::InvalidArgument {
@@ -258,7 +258,8 @@ impl DTensor {
         dispatch("cross_entropy", &[self, targets], &cands, &[], self.dtype(), |l, _| {
             let n = l[1].numel();
             if n == 0 {
-                return Tensor::zeros(&[], l[0].dtype());
+                // No rows here: a zero partial sum (NaN for a mean over no rows at all).
+                return Tensor::zeros(&[], l[0].dtype())?.mul_scalar(scale);
             }
             let logits = l[0].reshape(&[n, c])?;
             let t = l[1].reshape(&[n])?;

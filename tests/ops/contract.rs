@@ -1,0 +1,78 @@
+//! Contractions and reductions: matmul (2-D, batched, batched with a 2-D right
+//! operand) and sum, mean, max over one and two dims.
+
+use proptest::prelude::*;
+use tessera::dtensor::{DTensor, Tensor};
+
+use crate::harness::{Arg, Op, check, config, float, plain, singles};
+use crate::op;
+
+type Shapes = &'static [(&'static [usize], &'static [usize])];
+
+const MATMUL_2D: Shapes = &[
+    (&[3, 5], &[5, 7]),
+    (&[4, 6], &[6, 2]),
+    (&[7, 3], &[3, 5]),
+    (&[4, 4], &[4, 4]),
+];
+const MATMUL_BATCHED: Shapes = &[
+    (&[2, 3, 5], &[2, 5, 4]),
+    (&[3, 5, 7], &[3, 7, 2]),
+    (&[4, 2, 6], &[4, 6, 4]),
+];
+const MATMUL_2D_RHS: Shapes = &[(&[2, 3, 5], &[5, 4]), (&[3, 5, 7], &[7, 3]), (&[4, 2, 6], &[6, 4])];
+
+fn pairs(shapes: &[(&[usize], &[usize])]) -> Vec<Vec<Arg>> {
+    shapes.iter().map(|(a, b)| vec![float(a), float(b)]).collect()
+}
+
+/// Every set of one or two dims of a rank-`rank` input (a pair also in descending order).
+fn dim_sets(rank: usize) -> Vec<Vec<usize>> {
+    let mut out: Vec<Vec<usize>> = (0..rank).map(|d| vec![d]).collect();
+    for a in 0..rank {
+        for b in a + 1..rank {
+            out.push(vec![a, b]);
+        }
+    }
+    if rank > 2 {
+        out.push(vec![rank - 1, 0]);
+    }
+    out
+}
+
+proptest! {
+    #![proptest_config(config())]
+
+    /// `[m, k] × [k, n]`.
+    #[test]
+    fn matmul_2d(c in plain(pairs(MATMUL_2D))) {
+        check(&c, &[op!("matmul", |x| x[0].matmul(&x[1]))])?;
+    }
+
+    /// `[b, m, k] × [b, k, n]`.
+    #[test]
+    fn matmul_batched(c in plain(pairs(MATMUL_BATCHED))) {
+        check(&c, &[op!("matmul", |x| x[0].matmul(&x[1]))])?;
+    }
+
+    /// `[b, m, k] × [k, n]`.
+    #[test]
+    fn matmul_batched_2d_rhs(c in plain(pairs(MATMUL_2D_RHS))) {
+        check(&c, &[op!("matmul", |x| x[0].matmul(&x[1]))])?;
+    }
+
+    /// sum, mean and max over every one or two dims, with and without keepdim.
+    #[test]
+    fn reductions(c in plain(singles(&[&[7], &[3, 5], &[4, 6], &[2, 3, 5], &[3, 5, 7]]))) {
+        let sets = dim_sets(c.args[0].shape.len());
+        let mut ops: Vec<Op<'_>> = Vec::new();
+        for dims in &sets {
+            for keep in [false, true] {
+                ops.push(op!(format!("sum({dims:?}, {keep})"), |x| x[0].sum(dims, keep)));
+                ops.push(op!(format!("mean({dims:?}, {keep})"), |x| x[0].mean(dims, keep)));
+                ops.push(op!(format!("max({dims:?}, {keep})"), |x| x[0].max(dims, keep)));
+            }
+        }
+        check(&c, &ops)?;
+    }
+}

@@ -1,0 +1,84 @@
+//! The neural-network ops: softmax, log_softmax, layer_norm, embedding,
+//! cross_entropy, causal_mask.
+
+use proptest::prelude::*;
+use tessera::dtensor::ops::Reduction;
+use tessera::dtensor::{DTensor, Tensor};
+
+use crate::harness::{Op, check, config, float, index, plain, singles};
+use crate::op;
+
+/// Cross entropy of `[..., C]` logits on one device: rows flattened to `[N, C]`.
+fn cross_entropy_oracle(x: &[Tensor], reduction: Reduction) -> tessera::dtensor::Result<Tensor> {
+    let s = x[0].shape();
+    let c = s[s.len() - 1];
+    let n = x[1].numel();
+    x[0].reshape(&[n, c])?.cross_entropy(&x[1].reshape(&[n])?, reduction)
+}
+
+proptest! {
+    #![proptest_config(config())]
+
+    /// softmax and log_softmax along every dim.
+    #[test]
+    fn softmax(c in plain(singles(&[&[7], &[3, 5], &[4, 6], &[2, 3, 5], &[3, 5, 7]]))) {
+        let mut ops: Vec<Op<'_>> = Vec::new();
+        for d in 0..c.args[0].shape.len() {
+            ops.push(op!(format!("softmax({d})"), |x| x[0].softmax(d)));
+            ops.push(op!(format!("log_softmax({d})"), |x| x[0].log_softmax(d)));
+        }
+        check(&c, &ops)?;
+    }
+
+    /// layer_norm over the last dim with weight and bias (and with only one of them).
+    #[test]
+    fn layer_norm(c in plain([&[3, 5][..], &[4, 6], &[2, 3, 5], &[3, 5, 7]].iter().map(|s| {
+        let d = s[s.len() - 1];
+        vec![float(s), float(&[d]), float(&[d])]
+    }).collect())) {
+        check(&c, &[
+            op!("layer_norm(w, b)", |x| x[0].layer_norm(Some(&x[1]), Some(&x[2]), 1e-5)),
+            op!("layer_norm(w, -)", |x| x[0].layer_norm(Some(&x[1]), None, 1e-5)),
+            op!("layer_norm(-, b)", |x| x[0].layer_norm(None, Some(&x[2]), 1e-5)),
+            op!("layer_norm(-, -)", |x| x[0].layer_norm(None, None, 1e-5)),
+        ])?;
+    }
+
+    /// Embedding of a `[7, 4]` table (and a `[5, 3]` one).
+    #[test]
+    fn embedding(c in plain(vec![
+        vec![float(&[7, 4]), index(&[2, 3], 7)],
+        vec![float(&[7, 4]), index(&[5], 7)],
+        vec![float(&[5, 3]), index(&[3, 4], 5)],
+    ])) {
+        check(&c, &[op!("embedding", |x| x[0].embedding(&x[1])).exact()])?;
+    }
+
+    /// Cross entropy, mean and sum, of `[N, C]` and `[B, T, C]` logits.
+    #[test]
+    fn cross_entropy(c in plain(vec![
+        vec![float(&[5, 3]), index(&[5], 3)],
+        vec![float(&[4, 6]), index(&[4], 6)],
+        vec![float(&[7, 5]), index(&[7], 5)],
+        vec![float(&[2, 3, 5]), index(&[2, 3], 5)],
+        vec![float(&[3, 5, 4]), index(&[3, 5], 4)],
+    ])) {
+        check(&c, &[
+            Op::new("cross_entropy(mean)", |x| x[0].cross_entropy(&x[1], Reduction::Mean), |x| {
+                cross_entropy_oracle(x, Reduction::Mean)
+            }),
+            Op::new("cross_entropy(sum)", |x| x[0].cross_entropy(&x[1], Reduction::Sum), |x| {
+                cross_entropy_oracle(x, Reduction::Sum)
+            }),
+        ])?;
+    }
+
+    /// Causal masking of `[..., T, S]` scores, with −∞ and a finite fill.
+    #[test]
+    fn causal_mask(c in plain(singles(&[&[3, 5], &[5, 3], &[4, 4], &[2, 3, 5], &[2, 5, 5]]))) {
+        check(&c, &[
+            op!("causal_mask(-inf)", |x| x[0].causal_mask(f64::NEG_INFINITY)).exact(),
+            op!("causal_mask(-1e4)", |x| x[0].causal_mask(-1e4)).exact(),
+        ])?;
+    }
+}
