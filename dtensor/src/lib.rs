@@ -25,6 +25,7 @@
 #![deny(missing_docs)]
 
 pub mod dist;
+mod alloc;
 mod dtensor;
 mod error;
 pub mod memory;

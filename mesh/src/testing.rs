@@ -124,6 +124,14 @@ pub fn check_blocking<T: TestElement>(comm: &dyn Communicator) {
                 .unwrap_or_else(|e| panic!("{what}: {e}"));
             assert_close(&what, &buf, |i| reduce_oracle(op, n, i));
 
+            let what = ctx(&format!("all_reduce_into({op})"));
+            let send: Vec<T> = input(r, len, f);
+            let mut out = vec![T::default(); len];
+            comm.all_reduce_into(T::buf(&send), T::buf_mut(&mut out), op)
+                .unwrap_or_else(|e| panic!("{what}: {e}"));
+            assert_close(&what, &out, |i| reduce_oracle(op, n, i));
+            assert_close(&format!("{what} leaves its input"), &send, |i| f(r, i));
+
             let what = ctx(&format!("reduce_scatter({op})"));
             let send: Vec<T> = input(r, len * n, f);
             let mut recv = vec![T::default(); len];

@@ -13,7 +13,8 @@ use tessera::mesh::OpKind;
 use crate::harness::on_mesh;
 
 use StepKind::{
-    AllGather as Ag, AllReduce as Ar, AllToAll as A2a, AllToAllMesh, Partition, ReduceScatter as Rs, Slice,
+    AllGather as Ag, AllReduce as Ar, AllReduceMesh as ArMesh, AllToAll as A2a, AllToAllMesh, Partition,
+    ReduceScatter as Rs, Slice,
 };
 
 const SUM: Placement = Partial(ReduceOp::Sum);
@@ -73,10 +74,14 @@ plans! {
     one_mesh_of_3: [3], [7, 2]: [S(0)], default -> [R], default @ [2] => [(Some(0), Ag { dim: 0 }, 74)];
 
     // 2-D mesh 2×2, [4, 6] f64 = 192 bytes.
-    // Different tensor dims: no split is inside another; the planner gathers mesh dim 0
-    // first (the same bytes as the other order on this even shape: 48 + 96).
+    // Different tensor dims: no split is inside another; the planner gathers the
+    // innermost tensor dim first, while the data is small (the same bytes as the
+    // other order on this even shape: 48 + 96), so the last gather needs no copy.
     two_s0s1_to_rr: [2, 2], [4, 6]: [S(0), S(1)], default -> [R, R], default @ [0, 0]
-        => [(Some(0), Ag { dim: 0 }, 48), (Some(1), Ag { dim: 1 }, 96)];
+        => [(Some(1), Ag { dim: 1 }, 48), (Some(0), Ag { dim: 0 }, 96)];
+    // Partial on both mesh dims: one all_reduce over the whole mesh, 2·(3/4)·192.
+    two_pp_to_rr: [2, 2], [4, 6]: [SUM, SUM], default -> [R, R], default @ [1, 0]
+        => [(None, ArMesh { op: SUM_OP }, 288)];
     // One tensor dim split twice: the innermost split (mesh dim 1) goes first.
     two_s0s0_to_rr: [2, 2], [4, 6]: [S(0), S(0)], default -> [R, R], default @ [0, 1]
         => [(Some(1), Ag { dim: 0 }, 48), (Some(0), Ag { dim: 0 }, 96)];

@@ -13,6 +13,7 @@ use tessera_mesh::{Communicator, DType, DeviceMesh, Element, ReduceOp};
 
 use super::plan::{Plan, StepKind};
 use super::{group_coords, group_index};
+use crate::alloc::{with_capacity, zeroed};
 use crate::spec::{Layout, Region};
 use crate::{Result, Tensor};
 
@@ -90,15 +91,15 @@ impl Exchange<'_> {
                     _ => Ok(t),
                 };
             }
-            StepKind::AllReduce { op } => {
-                let mut buf = src.to_vec();
-                self.comm.all_reduce(T::buf_mut(&mut buf), op)?;
-                buf
+            StepKind::AllReduce { op } | StepKind::AllReduceMesh { op } => {
+                let mut out = zeroed::<T>(src.len());
+                self.comm.all_reduce_into(T::buf(src), T::buf_mut(&mut out), op)?;
+                out
             }
             StepKind::AllGather { .. } => {
                 let pieces = self.regions(self.before)?;
                 let counts: Vec<usize> = pieces.iter().map(Region::numel).collect();
-                let mut recv = vec![T::default(); counts.iter().sum()];
+                let mut recv = zeroed::<T>(counts.iter().sum());
                 self.comm.all_gather_v(T::buf(src), T::buf_mut(&mut recv), &counts)?;
                 place_all(recv, &mine_after, &pieces)
             }
@@ -106,7 +107,7 @@ impl Exchange<'_> {
                 let pieces = self.regions(self.after)?;
                 let counts: Vec<usize> = pieces.iter().map(Region::numel).collect();
                 let send = pack(src, &mine_before, &pieces);
-                let mut recv = vec![T::default(); counts[me]];
+                let mut recv = zeroed::<T>(counts[me]);
                 self.comm
                     .reduce_scatter_v(T::buf(&send), T::buf_mut(&mut recv), &counts, op)?;
                 recv
@@ -125,7 +126,7 @@ impl Exchange<'_> {
                 let send_counts: Vec<usize> = outgoing.iter().map(Region::numel).collect();
                 let recv_counts: Vec<usize> = incoming.iter().map(Region::numel).collect();
                 let send = pack(src, &mine_before, &outgoing);
-                let mut recv = vec![T::default(); recv_counts.iter().sum()];
+                let mut recv = zeroed::<T>(recv_counts.iter().sum());
                 self.comm
                     .all_to_all_v(T::buf(&send), &send_counts, T::buf_mut(&mut recv), &recv_counts)?;
                 place_all(recv, &mine_after, &incoming)
@@ -211,11 +212,11 @@ fn for_each_row(a: &Region, b: &Region, part: &Region, mut f: impl FnMut(usize, 
 
 /// The parts of `src` (laid out as `outer`) concatenated in order; borrowed when they
 /// already are `src`'s buffer in order.
-fn pack<'a, T: Copy>(src: &'a [T], outer: &Region, parts: &[Region]) -> Cow<'a, [T]> {
+fn pack<'a, T: Element>(src: &'a [T], outer: &Region, parts: &[Region]) -> Cow<'a, [T]> {
     if tiles_in_order(outer, parts) {
         return Cow::Borrowed(src);
     }
-    let mut out = Vec::with_capacity(parts.iter().map(Region::numel).sum());
+    let mut out = with_capacity::<T>(parts.iter().map(Region::numel).sum());
     for p in parts {
         for_each_row(outer, p, p, |o, _, len| out.extend_from_slice(&src[o..o + len]));
     }
@@ -224,11 +225,11 @@ fn pack<'a, T: Copy>(src: &'a [T], outer: &Region, parts: &[Region]) -> Cow<'a, 
 
 /// Places the concatenated `parts` of `data` into a buffer laid out as `outer`; the
 /// data itself when the parts tile `outer` in order.
-fn place_all<T: Copy + Default>(data: Vec<T>, outer: &Region, parts: &[Region]) -> Vec<T> {
+fn place_all<T: Element>(data: Vec<T>, outer: &Region, parts: &[Region]) -> Vec<T> {
     if tiles_in_order(outer, parts) {
         return data;
     }
-    let mut out = vec![T::default(); outer.numel()];
+    let mut out = zeroed::<T>(outer.numel());
     let mut at = 0;
     for p in parts {
         for_each_row(p, outer, p, |o, dst, len| {
@@ -291,7 +292,10 @@ mod tests {
     #[test]
     fn scalars_and_empty_parts() {
         let outer = region(&[], &[]);
-        assert_eq!(pack(&[7.0f32], &outer, std::slice::from_ref(&outer)).into_owned(), vec![7.0]);
+        assert_eq!(
+            pack(&[7.0f32], &outer, std::slice::from_ref(&outer)).into_owned(),
+            vec![7.0]
+        );
         let outer = region(&[0], &[3]);
         let parts = [region(&[0], &[3]), region(&[3], &[0])];
         assert!(tiles_in_order(&outer, &parts));

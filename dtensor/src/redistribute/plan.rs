@@ -20,9 +20,15 @@
 //!
 //! Each round makes progress (a removal can always gather; once nothing needs
 //! removing, the next mesh dim to add is Replicate or Partial), so planning ends.
-//! When both layouts shard on every mesh dim and the rounds above would take more
-//! than one step, one all_to_all over the whole mesh replaces them: every element
-//! then moves at most once, straight to its owner.
+//! Among gathers, those whose target is Replicate go first, and of them the one
+//! along the innermost tensor dim (its strided copy into place then runs on the
+//! smaller data; a gather along the outermost dim needs no copy at all).
+//!
+//! Two whole-mesh steps replace several per-dim ones: when both layouts shard on
+//! every mesh dim and the rounds would take more than one step, one all_to_all over
+//! the whole mesh (every element moves at most once, straight to its owner); and
+//! when every mesh dim reduces the same pending op to Replicate in a row, one
+//! all_reduce over the whole mesh (`2(N−1)/N` of the data instead of `Σ 2(nᵢ−1)/nᵢ`).
 
 use std::fmt;
 
@@ -62,6 +68,12 @@ pub enum StepKind {
     },
     /// An all_to_all over the whole mesh between two all-shard layouts.
     AllToAllMesh,
+    /// `Partial(op) → Replicate` on every mesh dim at once: one all_reduce over the
+    /// whole mesh (moves `2(N−1)/N` instead of the sum of `2(nᵢ−1)/nᵢ`).
+    AllReduceMesh {
+        /// The pending reduction (the same on every mesh dim).
+        op: ReduceOp,
+    },
     /// `Replicate → Shard(dim)`: keep this rank's slice, no communication.
     Slice {
         /// The tensor dim sliced.
@@ -81,7 +93,7 @@ impl StepKind {
         match self {
             StepKind::AllGather { .. } => Some(OpKind::AllGather),
             StepKind::ReduceScatter { .. } => Some(OpKind::ReduceScatter),
-            StepKind::AllReduce { .. } => Some(OpKind::AllReduce),
+            StepKind::AllReduce { .. } | StepKind::AllReduceMesh { .. } => Some(OpKind::AllReduce),
             StepKind::AllToAll { .. } | StepKind::AllToAllMesh => Some(OpKind::AllToAll),
             StepKind::Slice { .. } | StepKind::Partition { .. } => None,
         }
@@ -149,7 +161,7 @@ impl fmt::Display for Plan {
             let what = match s.kind {
                 StepKind::AllGather { .. } => "all_gather",
                 StepKind::ReduceScatter { .. } => "reduce_scatter",
-                StepKind::AllReduce { .. } => "all_reduce",
+                StepKind::AllReduce { .. } | StepKind::AllReduceMesh { .. } => "all_reduce",
                 StepKind::AllToAll { .. } | StepKind::AllToAllMesh => "all_to_all",
                 StepKind::Slice { .. } => "local slice",
                 StepKind::Partition { .. } => "local partition",
@@ -278,10 +290,48 @@ pub fn plan(src: &Layout, dst: &Layout, coord: &[usize]) -> Result<Plan> {
             bytes,
         }];
     }
+    merge_all_reduces(src, &mut steps, coord)?;
     Ok(Plan {
         src: src.clone(),
         steps,
     })
+}
+
+/// Replaces a run of all_reduces with one op, covering every mesh dim, by one
+/// all_reduce over the whole mesh.
+fn merge_all_reduces(src: &Layout, steps: &mut Vec<Step>, coord: &[usize]) -> Result<()> {
+    let ndim = src.mesh_shape.len();
+    if ndim < 2 {
+        return Ok(());
+    }
+    for start in 0..steps.len() {
+        let StepKind::AllReduce { op } = steps[start].kind else {
+            continue;
+        };
+        let run = steps[start..]
+            .iter()
+            .take_while(|s| s.kind == StepKind::AllReduce { op })
+            .count();
+        if run == ndim {
+            let before = if start == 0 {
+                src.clone()
+            } else {
+                steps[start - 1].after.clone()
+            };
+            let after = steps[start + run - 1].after.clone();
+            let kind = StepKind::AllReduceMesh { op };
+            let bytes = step_bytes(&before, &after, None, kind, coord)?;
+            let merged = Step {
+                mesh_dim: None,
+                kind,
+                after,
+                bytes,
+            };
+            steps.splice(start..start + run, [merged]);
+            return Ok(());
+        }
+    }
+    Ok(())
 }
 
 /// Where each tensor dim's current and target stacks first differ.
@@ -302,7 +352,7 @@ fn next_move(cur: &State, tgt: &State) -> (usize, StepKind) {
     let find = |f: &dyn Fn(usize, Placement, Placement) -> Option<StepKind>| {
         (0..nm).find_map(|m| f(m, cur.placements[m], tgt.placements[m]).map(|k| (m, k)))
     };
-    let rules: [&dyn Fn(usize, Placement, Placement) -> Option<StepKind>; 6] = [
+    let rules: [&dyn Fn(usize, Placement, Placement) -> Option<StepKind>; 4] = [
         &|m, a, b| match (a, b) {
             (Placement::Replicate, Placement::Shard(d)) if can_enter(m, d) => Some(StepKind::Slice { dim: d }),
             _ => None,
@@ -323,19 +373,28 @@ fn next_move(cur: &State, tgt: &State) -> (usize, StepKind) {
             (Placement::Partial(op), Placement::Replicate) => Some(StepKind::AllReduce { op }),
             _ => None,
         },
-        &|m, a, b| match (a, b) {
-            (Placement::Shard(d), Placement::Replicate) if must_leave_top(m, d) => Some(StepKind::AllGather { dim: d }),
-            _ => None,
-        },
-        &|m, a, _| match a {
-            Placement::Shard(d) if must_leave_top(m, d) => Some(StepKind::AllGather { dim: d }),
-            _ => None,
-        },
     ];
     for rule in rules {
         if let Some(mv) = find(rule) {
             return mv;
         }
+    }
+    // Gathers grow the data: first those whose target is Replicate, and among them
+    // the one along the innermost tensor dim (its copy into place is the strided
+    // one, cheapest while the data is small; a later gather along an outer dim
+    // needs no copy at all).
+    let gather = |to_replicate: bool| {
+        (0..nm)
+            .filter_map(|m| match (cur.placements[m], tgt.placements[m]) {
+                (Placement::Shard(d), b) if must_leave_top(m, d) && (b == Placement::Replicate) == to_replicate => {
+                    Some((m, d))
+                }
+                _ => None,
+            })
+            .max_by_key(|&(m, d)| (d, std::cmp::Reverse(m)))
+    };
+    if let Some((m, d)) = gather(true).or_else(|| gather(false)) {
+        return (m, StepKind::AllGather { dim: d });
     }
     // Only partitions are left (see the module docs for why).
     match find(&|_, a, b| match (a, b) {
@@ -365,7 +424,7 @@ fn apply(s: &mut State, m: usize, kind: StepKind) {
             Placement::Shard(to)
         }
         StepKind::Partition { op } => Placement::Partial(op),
-        StepKind::AllToAllMesh => return,
+        StepKind::AllToAllMesh | StepKind::AllReduceMesh { .. } => return,
     };
     s.placements[m] = to;
 }
@@ -383,7 +442,9 @@ pub(crate) fn step_bytes(
     let bytes = match kind {
         StepKind::AllGather { .. } => OpKind::AllGather.bytes_sent(n, after.region(coord)?.numel() * esize),
         StepKind::ReduceScatter { .. } => OpKind::ReduceScatter.bytes_sent(n, before.region(coord)?.numel() * esize),
-        StepKind::AllReduce { .. } => OpKind::AllReduce.bytes_sent(n, before.region(coord)?.numel() * esize),
+        StepKind::AllReduce { .. } | StepKind::AllReduceMesh { .. } => {
+            OpKind::AllReduce.bytes_sent(n, before.region(coord)?.numel() * esize)
+        }
         StepKind::AllToAll { .. } | StepKind::AllToAllMesh => {
             let mine = before.region(coord)?;
             let mut off_rank = 0;

@@ -246,6 +246,34 @@ pub trait Communicator: Send {
         Ok(())
     }
 
+    /// Reduces `send` element-wise across ranks into `recv` (out of place: `send` is
+    /// left as it is). Same length and dtype.
+    ///
+    /// Default: copies `send` into `recv` and reduces in place.
+    ///
+    /// # Errors
+    /// As [`all_reduce`](Self::all_reduce), plus a `recv` of another length or dtype.
+    fn all_reduce_into(&self, send: Buf<'_>, mut recv: BufMut<'_>, op: ReduceOp) -> Result<()> {
+        if send.dtype() != recv.dtype() {
+            return Err(Error::DTypeMismatch {
+                op: "all_reduce",
+                send: send.dtype(),
+                recv: recv.dtype(),
+            });
+        }
+        if send.len() != recv.len() {
+            return Err(Error::BadLength {
+                op: "all_reduce",
+                rank: self.rank(),
+                what: "receive buffer",
+                expected: send.len(),
+                got: recv.len(),
+            });
+        }
+        copy_prefix(send, recv.reborrow());
+        self.all_reduce(recv, op)
+    }
+
     /// Sends block `j` of `send` to rank `j` and receives block `i` of rank `i`'s
     /// `send` into block `i` of `recv`.
     ///

@@ -172,7 +172,13 @@ impl Communicator for ThreadComm {
     fn all_reduce(&self, buf: BufMut<'_>, op: ReduceOp) -> Result<()> {
         self.fence();
         self.record(OpKind::AllReduce, bytes(&buf.as_buf()));
-        kernels::all_reduce(&self.group, self.rank, buf, op)
+        kernels::all_reduce(&self.group, self.rank, None, buf, op)
+    }
+
+    fn all_reduce_into(&self, send: Buf<'_>, recv: BufMut<'_>, op: ReduceOp) -> Result<()> {
+        self.fence();
+        self.record(OpKind::AllReduce, bytes(&send));
+        kernels::all_reduce(&self.group, self.rank, Some(send), recv, op)
     }
 
     fn all_to_all(&self, send: Buf<'_>, recv: BufMut<'_>) -> Result<()> {
@@ -249,7 +255,7 @@ impl Communicator for ThreadComm {
 
     fn all_reduce_async(&self, mut buf: Buffer, op: ReduceOp) -> Work {
         self.record(OpKind::AllReduce, bytes(&buf.as_buf()));
-        self.submit(move |g, r| kernels::all_reduce(g, r, buf.as_buf_mut(), op).map(|_| buf))
+        self.submit(move |g, r| kernels::all_reduce(g, r, None, buf.as_buf_mut(), op).map(|_| buf))
     }
 
     fn all_to_all_async(&self, send: Buffer) -> Work {

@@ -167,10 +167,14 @@ pub(crate) fn reduce_scatter(g: &Group, r: usize, send: Buf<'_>, mut recv: BufMu
     g.sync(r, d.name(), d.seq)
 }
 
-pub(crate) fn all_reduce(g: &Group, r: usize, mut buf: BufMut<'_>, op: ReduceOp) -> Result<()> {
-    let mut d = send_desc(OpKind::AllReduce, &buf.as_buf());
+/// All-reduce of `send` (in place when `send` is `None`) into `buf`.
+pub(crate) fn all_reduce(g: &Group, r: usize, send: Option<Buf<'_>>, mut buf: BufMut<'_>, op: ReduceOp) -> Result<()> {
+    let mut d = send_desc(OpKind::AllReduce, &send.unwrap_or(buf.as_buf()));
     (d.recv_ptr, d.recv_len) = recv_parts(&mut buf);
-    d.send_ptr = d.recv_ptr;
+    d.recv_dtype = buf.dtype();
+    if send.is_none() {
+        d.send_ptr = d.recv_ptr;
+    }
     d.reduce = Some(op);
     let descs = g.enter(r, d)?;
     let n = descs.len();
@@ -178,16 +182,17 @@ pub(crate) fn all_reduce(g: &Group, r: usize, mut buf: BufMut<'_>, op: ReduceOp)
     let lo = |q: usize| q * len / n;
     crate::dispatch_buf!(BufMut, buf, _s, T => {
         let out = d.recv_ptr as *mut T;
-        // Phase 1: reduce our block [lo(r), lo(r+1)) from every rank's buffer into ours.
-        // Peers read only their own block of our buffer, so the regions are disjoint.
-        // SAFETY: see the module docs; block r of every buffer is read only by us in
-        // this phase and written only by us in our own buffer.
-        unsafe { reduce_blocks::<T>(&descs, |dq| dq.recv_ptr, lo(r), lo(r + 1) - lo(r), op, out, lo(r)) };
+        // Phase 1: reduce block [lo(r), lo(r+1)) of every rank's input into our output.
+        // Peers read only their own block of our input (never written when out of
+        // place; when in place, block r is read only by us), so the regions are disjoint.
+        // SAFETY: see the module docs; block r of every input is read only by us in
+        // this phase and block r of our output is written only by us.
+        unsafe { reduce_blocks::<T>(&descs, |dq| dq.send_ptr, lo(r), lo(r + 1) - lo(r), op, out, lo(r)) };
         g.sync(r, d.name(), d.seq)?;
-        // Phase 2: copy every other rank's finished block.
+        // Phase 2: copy every other rank's finished block from its output.
         for (q, dq) in descs.iter().enumerate().filter(|&(q, _)| q != r) {
-            // SAFETY: block q of peer q's buffer is final after the barrier and nobody
-            // writes it in this phase; block q of our buffer is written only by us.
+            // SAFETY: block q of peer q's output is final after the barrier and nobody
+            // writes it in this phase; block q of our output is written only by us.
             unsafe { write(out, lo(q), peer::<T>(dq.recv_ptr + lo(q) * size_of::<T>(), lo(q + 1) - lo(q))) };
         }
     });

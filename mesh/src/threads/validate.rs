@@ -31,7 +31,10 @@ pub(crate) fn validate(d: &[Desc], counts: &[Counts], members: &[usize]) -> Resu
     }
     let op = first.name();
     for (q, dq) in d.iter().enumerate() {
-        let has_recv = matches!(dq.kind, OpKind::AllGather | OpKind::ReduceScatter | OpKind::AllToAll);
+        let has_recv = matches!(
+            dq.kind,
+            OpKind::AllGather | OpKind::ReduceScatter | OpKind::AllToAll | OpKind::AllReduce
+        );
         if has_recv && dq.recv_dtype != dq.dtype {
             return Err(Error::DTypeMismatch {
                 op,
@@ -61,7 +64,7 @@ pub(crate) fn validate(d: &[Desc], counts: &[Counts], members: &[usize]) -> Resu
             OpKind::ReduceScatter if dq.recv_len * n != dq.send_len => {
                 return Err(bad("receive buffer", dq.send_len / n, dq.recv_len));
             }
-            OpKind::AllToAll if dq.recv_len != dq.send_len => {
+            OpKind::AllToAll | OpKind::AllReduce if dq.recv_len != dq.send_len => {
                 return Err(bad("receive buffer", dq.send_len, dq.recv_len));
             }
             OpKind::Broadcast if dq.root >= n => {
