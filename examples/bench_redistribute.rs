@@ -292,7 +292,7 @@ fn baseline_ops(plan: &Plan, mesh: &DeviceMesh) -> Result<Vec<BaseOp>, BoxError>
         let (coll, send, recv, even) = match step.kind {
             StepKind::AllGather { .. } => (Coll::AllGather, n_in, n_out, n_out == n_in * group),
             StepKind::ReduceScatter { .. } => (Coll::ReduceScatter, n_in, n_out, n_in == n_out * group),
-            StepKind::AllReduce { .. } => (Coll::AllReduce, 0, n_in, true),
+            StepKind::AllReduce { .. } | StepKind::AllReduceMesh { .. } => (Coll::AllReduce, 0, n_in, true),
             StepKind::AllToAll { .. } | StepKind::AllToAllMesh => {
                 (Coll::AllToAll, n_in, n_out, n_in == n_out && n_in.is_multiple_of(group))
             }

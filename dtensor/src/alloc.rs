@@ -1,11 +1,62 @@
 //! Large host buffers for exchanges and kernel outputs.
 //!
-//! A fresh multi-megabyte buffer costs a page fault per 4 KiB page on first touch,
-//! which for the outputs of collectives can cost more than the copy itself. On
-//! Linux, buffers of 2 MiB or more are advised to use transparent huge pages
-//! before they are touched (512 times fewer faults where the system allows it).
+//! A fresh multi-megabyte buffer costs a page fault per 4 KiB page on first touch
+//! (and the kernel zeroes every page), which for the outputs of collectives can
+//! cost more than the copy itself. Two remedies:
+//!
+//! - on Linux, buffers of 2 MiB or more are advised to use transparent huge pages
+//!   before they are touched (512 times fewer faults where the system allows it);
+//! - when a tensor's large storage is dropped on its rank's thread, the buffer goes
+//!   to a small per-thread cache, and exchange buffers that are overwritten in full
+//!   ([`reused`]) come from there first: no faults, no zeroing. The cache holds at
+//!   most [`CACHE_BUFFERS`] buffers and [`CACHE_BYTES`] bytes per thread and dies
+//!   with the thread; cached buffers are not tensor storage, so the memory tracker
+//!   does not count them.
 
-use tessera_mesh::Element;
+use std::cell::RefCell;
+
+use tessera_mesh::{Buffer, Element};
+
+/// Buffers kept per thread.
+pub(crate) const CACHE_BUFFERS: usize = 4;
+/// Bytes kept per thread.
+pub(crate) const CACHE_BYTES: usize = 512 << 20;
+
+thread_local! {
+    static CACHE: RefCell<Vec<Buffer>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Offers a dropped storage buffer to this thread's cache.
+pub(crate) fn recycle(buf: Buffer) {
+    let bytes = buf.len() * buf.dtype().size_in_bytes();
+    if bytes < HUGE || bytes > CACHE_BYTES {
+        return;
+    }
+    // The cache may be gone during thread exit; then the buffer is simply freed.
+    let _ = CACHE.try_with(|c| {
+        let mut c = c.borrow_mut();
+        c.push(buf);
+        let total = |c: &Vec<Buffer>| c.iter().map(|b| b.len() * b.dtype().size_in_bytes()).sum::<usize>();
+        while c.len() > CACHE_BUFFERS || total(&c) > CACHE_BYTES {
+            c.remove(0);
+        }
+    });
+}
+
+/// A vector of `n` elements whose contents are unspecified (but valid values): a
+/// cached buffer of that exact size when there is one, else a fresh zeroed one.
+/// For outputs that the caller overwrites in full.
+pub(crate) fn reused<T: Element>(n: usize) -> Vec<T> {
+    let hit = CACHE
+        .try_with(|c| {
+            let mut c = c.borrow_mut();
+            let i = c.iter().position(|b| b.dtype() == T::DTYPE && b.len() == n)?;
+            T::from_buffer(c.remove(i)).ok()
+        })
+        .ok()
+        .flatten();
+    hit.unwrap_or_else(|| zeroed(n))
+}
 
 /// Below this size the advice is not worth a system call.
 const HUGE: usize = 2 << 20;
@@ -14,14 +65,6 @@ const HUGE: usize = 2 << 20;
 pub(crate) fn zeroed<T: Element>(n: usize) -> Vec<T> {
     let v = vec![T::default(); n];
     advise_huge(&v);
-    v
-}
-
-/// An empty vector with room for `n` elements.
-pub(crate) fn with_capacity<T: Element>(n: usize) -> Vec<T> {
-    let v: Vec<T> = Vec::with_capacity(n);
-    // The advice covers the allocation behind the (still empty) vector.
-    advise_raw(v.as_ptr() as usize, v.capacity() * size_of::<T>());
     v
 }
 
@@ -56,13 +99,36 @@ mod tests {
     use super::*;
 
     #[test]
+    fn dropped_large_buffers_are_reused() {
+        let n = 1 << 20; // 4 MiB of f32
+        let v: Vec<f32> = vec![7.0; n];
+        let ptr = v.as_ptr();
+        recycle(Buffer::F32(v));
+        let again: Vec<f32> = reused(n);
+        assert_eq!(again.as_ptr(), ptr, "the cached buffer comes back");
+        assert_eq!(again.len(), n);
+        let other: Vec<f32> = reused(n);
+        assert_ne!(other.as_ptr(), ptr, "a buffer is handed out once");
+        assert!(other.iter().all(|&x| x == 0.0), "a fresh buffer is zeroed");
+        // Small buffers are not cached.
+        let small = vec![1.0f32; 16];
+        recycle(Buffer::F32(small));
+        CACHE.with(|c| assert!(c.borrow().iter().all(|b| b.len() != 16)));
+    }
+
+    #[test]
+    fn cache_is_bounded() {
+        for _ in 0..10 {
+            recycle(Buffer::F64(vec![0.0; 1 << 20]));
+        }
+        CACHE.with(|c| assert!(c.borrow().len() <= CACHE_BUFFERS));
+    }
+
+    #[test]
     fn buffers_are_usable() {
         let v: Vec<f32> = zeroed(3 << 20);
         assert_eq!(v.len(), 3 << 20);
         assert!(v.iter().all(|&x| x == 0.0));
-        let mut w: Vec<f64> = with_capacity(1 << 20);
-        w.extend((0..1 << 20).map(|i| i as f64));
-        assert_eq!(w[12345], 12345.0);
         let small: Vec<i64> = zeroed(7);
         assert_eq!(small, vec![0; 7]);
     }

@@ -13,7 +13,7 @@ use tessera_mesh::{Communicator, DType, DeviceMesh, Element, ReduceOp};
 
 use super::plan::{Plan, StepKind};
 use super::{group_coords, group_index};
-use crate::alloc::{with_capacity, zeroed};
+use crate::alloc::reused;
 use crate::spec::{Layout, Region};
 use crate::{Result, Tensor};
 
@@ -92,14 +92,14 @@ impl Exchange<'_> {
                 };
             }
             StepKind::AllReduce { op } | StepKind::AllReduceMesh { op } => {
-                let mut out = zeroed::<T>(src.len());
+                let mut out = reused::<T>(src.len());
                 self.comm.all_reduce_into(T::buf(src), T::buf_mut(&mut out), op)?;
                 out
             }
             StepKind::AllGather { .. } => {
                 let pieces = self.regions(self.before)?;
                 let counts: Vec<usize> = pieces.iter().map(Region::numel).collect();
-                let mut recv = zeroed::<T>(counts.iter().sum());
+                let mut recv = reused::<T>(counts.iter().sum());
                 self.comm.all_gather_v(T::buf(src), T::buf_mut(&mut recv), &counts)?;
                 place_all(recv, &mine_after, &pieces)
             }
@@ -107,7 +107,7 @@ impl Exchange<'_> {
                 let pieces = self.regions(self.after)?;
                 let counts: Vec<usize> = pieces.iter().map(Region::numel).collect();
                 let send = pack(src, &mine_before, &pieces);
-                let mut recv = zeroed::<T>(counts[me]);
+                let mut recv = reused::<T>(counts[me]);
                 self.comm
                     .reduce_scatter_v(T::buf(&send), T::buf_mut(&mut recv), &counts, op)?;
                 recv
@@ -126,7 +126,7 @@ impl Exchange<'_> {
                 let send_counts: Vec<usize> = outgoing.iter().map(Region::numel).collect();
                 let recv_counts: Vec<usize> = incoming.iter().map(Region::numel).collect();
                 let send = pack(src, &mine_before, &outgoing);
-                let mut recv = zeroed::<T>(recv_counts.iter().sum());
+                let mut recv = reused::<T>(recv_counts.iter().sum());
                 self.comm
                     .all_to_all_v(T::buf(&send), &send_counts, T::buf_mut(&mut recv), &recv_counts)?;
                 place_all(recv, &mine_after, &incoming)
@@ -216,7 +216,8 @@ fn pack<'a, T: Element>(src: &'a [T], outer: &Region, parts: &[Region]) -> Cow<'
     if tiles_in_order(outer, parts) {
         return Cow::Borrowed(src);
     }
-    let mut out = with_capacity::<T>(parts.iter().map(Region::numel).sum());
+    let mut out = reused::<T>(parts.iter().map(Region::numel).sum());
+    out.clear();
     for p in parts {
         for_each_row(outer, p, p, |o, _, len| out.extend_from_slice(&src[o..o + len]));
     }
@@ -229,7 +230,7 @@ fn place_all<T: Element>(data: Vec<T>, outer: &Region, parts: &[Region]) -> Vec<
     if tiles_in_order(outer, parts) {
         return data;
     }
-    let mut out = zeroed::<T>(outer.numel());
+    let mut out = reused::<T>(outer.numel());
     let mut at = 0;
     for p in parts {
         for_each_row(p, outer, p, |o, dst, len| {

@@ -28,7 +28,16 @@ impl Storage {
     pub(crate) fn data(&self) -> &Buffer {
         &self.data
     }
+}
 
+impl Drop for Storage {
+    fn drop(&mut self) {
+        // Large buffers go back to this thread's cache for the next exchange.
+        crate::alloc::recycle(std::mem::replace(&mut self.data, Buffer::U8(Vec::new())));
+    }
+}
+
+impl Storage {
     pub(crate) fn dtype(&self) -> DType {
         self.data.dtype()
     }
