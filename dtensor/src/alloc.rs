@@ -29,7 +29,7 @@ thread_local! {
 /// Offers a dropped storage buffer to this thread's cache.
 pub(crate) fn recycle(buf: Buffer) {
     let bytes = buf.len() * buf.dtype().size_in_bytes();
-    if bytes < HUGE || bytes > CACHE_BYTES {
+    if !(HUGE..=CACHE_BYTES).contains(&bytes) {
         return;
     }
     // The cache may be gone during thread exit; then the buffer is simply freed.
