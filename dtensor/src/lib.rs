@@ -24,8 +24,8 @@
 //!   ([`redistribute::plan`]) plus an executor.
 #![deny(missing_docs)]
 
-pub mod dist;
 mod alloc;
+pub mod dist;
 mod dtensor;
 mod error;
 pub mod memory;
