@@ -165,6 +165,14 @@ impl AdamW {
     pub fn steps(&self, index: usize) -> u64 {
         self.state.get(index).and_then(|s| s.as_ref()).map_or(0, |s| s.step)
     }
+}
+
+impl super::PerParam for AdamW {
+    const OP: &'static str = OP;
+
+    fn param_list(&self) -> &[Param] {
+        &self.params
+    }
 
     /// Checks `r` against its state (creating it on the first step).
     fn prepare(&mut self, r: &Ready) -> Result<()> {
@@ -226,22 +234,7 @@ impl AdamW {
 
 impl Optimizer for AdamW {
     fn step(&mut self) -> Result<()> {
-        let mut ready = Vec::new();
-        for (i, p) in self.params.iter().enumerate() {
-            if let Some(r) = super::ready(OP, i, p)? {
-                ready.push(r);
-            }
-        }
-        for r in &ready {
-            self.prepare(r)?;
-        }
-        for r in &ready {
-            match r.dtype {
-                DType::F64 => self.update::<f64>(r)?,
-                _ => self.update::<f32>(r)?,
-            }
-        }
-        Ok(())
+        super::step_all(self)
     }
 
     fn params(&self) -> &[Param] {

@@ -171,6 +171,40 @@ pub(crate) fn same_placement(a: &Layout, b: &Layout) -> bool {
 }
 
 /// A parameter ready for an update: its value and its gradient, checked.
+/// What an element-wise optimizer implements; [`step_all`] runs the shared steps.
+pub(crate) trait PerParam {
+    /// The optimizer's name, for errors.
+    const OP: &'static str;
+    /// The parameters, in order.
+    fn param_list(&self) -> &[Param];
+    /// Checks (and creates) a parameter's state; runs for every parameter before
+    /// any is updated, so a failing step changes nothing.
+    fn prepare(&mut self, r: &Ready) -> Result<()>;
+    /// Updates one parameter's local shard.
+    fn update<F: Real>(&mut self, r: &Ready) -> Result<()>;
+}
+
+/// One optimizer step: check every parameter that has a gradient, then update
+/// each, computing in f64 for f64 parameters and in f32 otherwise.
+pub(crate) fn step_all<O: PerParam>(opt: &mut O) -> Result<()> {
+    let mut ready = Vec::new();
+    for (i, p) in opt.param_list().iter().enumerate() {
+        if let Some(r) = ready_param(O::OP, i, p)? {
+            ready.push(r);
+        }
+    }
+    for r in &ready {
+        opt.prepare(r)?;
+    }
+    for r in &ready {
+        match r.dtype {
+            DType::F64 => opt.update::<f64>(r)?,
+            _ => opt.update::<f32>(r)?,
+        }
+    }
+    Ok(())
+}
+
 pub(crate) struct Ready {
     pub(crate) index: usize,
     pub(crate) value: DTensor,
@@ -181,7 +215,7 @@ pub(crate) struct Ready {
 /// The parameter's value and gradient when it has one, after the checks every
 /// optimizer makes: a float, non-partial parameter, and a gradient in exactly its
 /// layout on the same mesh.
-pub(crate) fn ready(op: &'static str, index: usize, p: &Param) -> Result<Option<Ready>> {
+pub(crate) fn ready_param(op: &'static str, index: usize, p: &Param) -> Result<Option<Ready>> {
     let Some(grad) = p.grad() else {
         return Ok(None);
     };

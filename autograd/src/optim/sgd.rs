@@ -144,6 +144,14 @@ impl Sgd {
     pub fn config(&self) -> &SgdConfig {
         &self.config
     }
+}
+
+impl super::PerParam for Sgd {
+    const OP: &'static str = OP;
+
+    fn param_list(&self) -> &[Param] {
+        &self.params
+    }
 
     fn prepare(&mut self, r: &Ready) -> Result<()> {
         let name = self.params[r.index].name();
@@ -211,22 +219,7 @@ impl Sgd {
 
 impl Optimizer for Sgd {
     fn step(&mut self) -> Result<()> {
-        let mut ready = Vec::new();
-        for (i, p) in self.params.iter().enumerate() {
-            if let Some(r) = super::ready(OP, i, p)? {
-                ready.push(r);
-            }
-        }
-        for r in &ready {
-            self.prepare(r)?;
-        }
-        for r in &ready {
-            match r.dtype {
-                DType::F64 => self.update::<f64>(r)?,
-                _ => self.update::<f32>(r)?,
-            }
-        }
-        Ok(())
+        super::step_all(self)
     }
 
     fn params(&self) -> &[Param] {
