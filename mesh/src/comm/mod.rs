@@ -1,161 +1,16 @@
 //! The [`Communicator`] trait: one process group and its collectives.
 
-use std::fmt;
-use std::sync::mpsc;
-
 use crate::stats::{CommStats, OpKind};
-use crate::{Buf, BufMut, Buffer, DType, Element, Error, Result};
+use crate::{Buf, BufMut, Buffer, Element, Error, Result};
 
+mod reduce_op;
 mod variable;
+mod work;
+
+pub use reduce_op::ReduceOp;
+pub use work::Work;
 
 pub(crate) use variable::*;
-
-/// How a reduction combines values from every rank.
-///
-/// PyTorch: `torch.distributed.ReduceOp`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-pub enum ReduceOp {
-    /// Sum.
-    Sum,
-    /// Arithmetic mean (sum divided by the number of ranks). Floats only.
-    Avg,
-    /// Element-wise maximum.
-    Max,
-    /// Element-wise minimum.
-    Min,
-    /// Product.
-    Product,
-}
-
-impl ReduceOp {
-    /// Every reduction, for tests.
-    pub const ALL: [ReduceOp; 5] = [
-        ReduceOp::Sum,
-        ReduceOp::Avg,
-        ReduceOp::Max,
-        ReduceOp::Min,
-        ReduceOp::Product,
-    ];
-
-    /// Checks that the reduction is defined for `dtype` (`op` names the caller in errors).
-    pub fn check(self, op: &'static str, dtype: DType) -> Result<()> {
-        let hint = match (self, dtype) {
-            (_, DType::U8) => "; raw bytes can be gathered or exchanged but not reduced",
-            (ReduceOp::Avg, DType::I64) => "; reduce with Sum and divide explicitly",
-            _ => return Ok(()),
-        };
-        Err(Error::UnsupportedReduction {
-            op,
-            reduce: self,
-            dtype,
-            hint,
-        })
-    }
-}
-
-impl fmt::Display for ReduceOp {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            ReduceOp::Sum => "sum",
-            ReduceOp::Avg => "avg",
-            ReduceOp::Max => "max",
-            ReduceOp::Min => "min",
-            ReduceOp::Product => "product",
-        })
-    }
-}
-
-/// A handle on an asynchronous collective; [`wait`](Work::wait) returns its output.
-///
-/// Asynchronous collectives run in issue order per communicator. A blocking
-/// collective issued after them waits for them first.
-#[must_use = "an asynchronous collective must be waited on"]
-pub struct Work {
-    state: WorkState,
-}
-
-enum WorkState {
-    Ready(Result<Buffer>),
-    Pending {
-        rank: usize,
-        rx: mpsc::Receiver<Result<Buffer>>,
-    },
-}
-
-impl Work {
-    /// A handle whose result is already known (what a blocking backend returns).
-    pub fn ready(result: Result<Buffer>) -> Work {
-        Work {
-            state: WorkState::Ready(result),
-        }
-    }
-
-    /// A handle on a result that `rank`'s communication thread will send.
-    pub fn pending(rank: usize, rx: mpsc::Receiver<Result<Buffer>>) -> Work {
-        Work {
-            state: WorkState::Pending { rank, rx },
-        }
-    }
-
-    /// Whether the collective has finished (`wait` will not block).
-    pub fn is_done(&mut self) -> bool {
-        match &mut self.state {
-            WorkState::Ready(_) => true,
-            WorkState::Pending { rank, rx } => match rx.try_recv() {
-                Ok(r) => {
-                    self.state = WorkState::Ready(r);
-                    true
-                }
-                Err(mpsc::TryRecvError::Empty) => false,
-                Err(mpsc::TryRecvError::Disconnected) => {
-                    self.state = WorkState::Ready(Err(disconnected(*rank)));
-                    true
-                }
-            },
-        }
-    }
-
-    /// Blocks until the collective finishes and returns its output buffer.
-    ///
-    /// # Errors
-    /// Whatever the collective failed with (a peer failure, a timeout, a mismatch).
-    pub fn wait(self) -> Result<Buffer> {
-        match self.state {
-            WorkState::Ready(r) => r,
-            WorkState::Pending { rank, rx } => rx.recv().unwrap_or_else(|_| Err(disconnected(rank))),
-        }
-    }
-
-    /// Like [`wait`](Work::wait), then unwraps the output as a typed vector.
-    ///
-    /// # Errors
-    /// As `wait`, or [`Error::Backend`] if the output has another dtype.
-    pub fn wait_vec<T: Element>(self) -> Result<Vec<T>> {
-        self.wait()?.into_vec::<T>().map_err(|b| Error::Backend {
-            rank: usize::MAX,
-            reason: format!("asynchronous output is {}, not {}", b.dtype(), T::DTYPE),
-        })
-    }
-}
-
-fn disconnected(rank: usize) -> Error {
-    Error::Backend {
-        rank,
-        reason: "the communication thread exited before finishing the collective".into(),
-    }
-}
-
-impl fmt::Debug for Work {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let state = match &self.state {
-            WorkState::Ready(Ok(_)) => "done",
-            WorkState::Ready(Err(_)) => "failed",
-            WorkState::Pending { .. } => "pending",
-        };
-        f.debug_struct("Work").field("state", &state).finish()
-    }
-}
 
 /// One process group: this rank's view of a set of ranks and their collectives.
 ///
@@ -531,6 +386,7 @@ pub(crate) fn check_all_to_all(rank: usize, n: usize, send: &Buf<'_>, recv: &Buf
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::DType;
 
     fn _object_safe(_: &dyn Communicator) {}
 
