@@ -1,0 +1,260 @@
+//! The main job: trains the reference Transformer on in-process ranks on the
+//! reference data generator, printing progress and a summary.
+//!
+//! ```text
+//! cargo run --release --example train -- [--world-size 4] [--steps 50] [--batch 2]
+//!     [--dim 64 --n-layers 2 --n-heads 4 --vocab 256 --seq 32] [--lr 1e-3]
+//!     [--init PATH] [--tokens PATH] [--data-seed 1234] [--losses-out PATH]
+//! ```
+//!
+//! Today the ranks run data parallel through DTensor semantics: the batch is split
+//! (`Shard(0)`), parameters are replicated, and the gradient placement rules make
+//! every step exactly the single-device step on the global batch. FSDP (sharded
+//! parameters, gradients and optimizer states) replaces the replication next.
+
+use std::io::Write as _;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use tessera::autograd::nn::Module;
+use tessera::autograd::optim::{AdamW, AdamWConfig, Optimizer};
+use tessera::autograd::{Var, backward, load_state_dict, read_safetensors};
+use tessera::data::{DATA_SEED, batch};
+use tessera::dtensor::{Placement, Tensor, distribute_tensor, memory};
+use tessera::models::{Transformer, TransformerConfig};
+use tessera::{BoxError, DType, DeviceMesh, launch};
+
+const USAGE: &str = "usage: train [--world-size N] [--steps N] [--batch ROWS_PER_RANK] [--dim N] [--n-layers N] \
+[--n-heads N] [--vocab N] [--seq N] [--lr F] [--init PATH] [--tokens PATH] [--data-seed N] [--losses-out PATH]";
+
+#[derive(Clone, Debug)]
+struct Args {
+    world: usize,
+    steps: usize,
+    batch: usize,
+    model: TransformerConfig,
+    lr: f64,
+    init: Option<PathBuf>,
+    tokens: Option<PathBuf>,
+    data_seed: u64,
+    losses_out: Option<PathBuf>,
+}
+
+fn parse() -> Result<Args, String> {
+    let mut a = Args {
+        world: 4,
+        steps: 50,
+        batch: 2,
+        model: TransformerConfig::TINY,
+        lr: 1e-3,
+        init: None,
+        tokens: None,
+        data_seed: DATA_SEED,
+        losses_out: None,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        if flag == "--help" || flag == "-h" {
+            println!("{USAGE}");
+            std::process::exit(0);
+        }
+        let value = it.next().ok_or_else(|| format!("{flag} needs a value"))?;
+        let num = |v: &str| {
+            v.parse::<usize>()
+                .map_err(|_| format!("{flag}: {v:?} is not a whole number"))
+        };
+        match flag.as_str() {
+            "--world-size" => a.world = num(&value)?,
+            "--steps" => a.steps = num(&value)?,
+            "--batch" => a.batch = num(&value)?,
+            "--dim" => a.model.dim = num(&value)?,
+            "--n-layers" => a.model.n_layers = num(&value)?,
+            "--n-heads" => a.model.n_heads = num(&value)?,
+            "--vocab" => a.model.vocab = num(&value)?,
+            "--seq" => a.model.seq = num(&value)?,
+            "--lr" => a.lr = value.parse().map_err(|_| format!("--lr: {value:?} is not a number"))?,
+            "--init" => a.init = Some(value.into()),
+            "--tokens" => a.tokens = Some(value.into()),
+            "--data-seed" => a.data_seed = value.parse().map_err(|_| format!("--data-seed: {value:?}"))?,
+            "--losses-out" => a.losses_out = Some(value.into()),
+            other => return Err(format!("unknown flag {other}")),
+        }
+    }
+    if a.world == 0 || a.batch == 0 || a.steps == 0 {
+        return Err("--world-size, --batch and --steps must be at least 1".into());
+    }
+    Ok(a)
+}
+
+/// Token rows `[world·batch, seq+1]` of `step`: from the file if given, else generated.
+fn rows(args: &Args, file: Option<&Tensor>, step: usize) -> Result<Tensor, BoxError> {
+    let g = args.world * args.batch;
+    let len = args.model.seq + 1;
+    match file {
+        Some(t) => {
+            let s = t.shape();
+            if s.len() != 3 || s[2] != len || s[1] < g || step >= s[0] {
+                return Err(format!(
+                    "--tokens holds {s:?}; this run needs [≥{} steps, ≥{g} rows, {len}]",
+                    args.steps
+                )
+                .into());
+            }
+            Ok(t.narrow(0, step, 1)?.narrow(1, 0, g)?.contiguous().reshape(&[g, len])?)
+        }
+        None => {
+            let v = batch(args.data_seed, step as u64, 0..g as u64, len, args.model.vocab as u64);
+            Ok(Tensor::from_vec(v, &[g, len])?)
+        }
+    }
+}
+
+struct RankReport {
+    losses: Vec<f64>,
+    step_time_s: Vec<f64>,
+    peak_bytes: usize,
+}
+
+fn main() {
+    let args = match parse() {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("train: {e}\n{USAGE}");
+            std::process::exit(2);
+        }
+    };
+    if let Err(e) = run(&args) {
+        eprintln!("train: {e}");
+        std::process::exit(1);
+    }
+}
+
+fn run(args: &Args) -> Result<(), BoxError> {
+    let tokens = match &args.tokens {
+        Some(p) => Some(
+            read_safetensors(p)?
+                .into_iter()
+                .find(|(n, _)| n == "tokens")
+                .ok_or_else(|| format!("{}: no tensor named \"tokens\"", p.display()))?
+                .1,
+        ),
+        None => None,
+    };
+    let cfg = args.model;
+    let g = args.world * args.batch;
+    println!(
+        "training a {}-layer Transformer (dim {}, {} heads, vocab {}, seq {}; {} parameters) on {} ranks, \
+         global batch {g}, data parallel",
+        cfg.n_layers,
+        cfg.dim,
+        cfg.n_heads,
+        cfg.vocab,
+        cfg.seq,
+        cfg.num_params(),
+        args.world
+    );
+    let reports = launch(args.world, |ctx| {
+        let rank = ctx.rank();
+        let mesh = DeviceMesh::new(ctx.into_comm(), &[args.world])?;
+        let model = Transformer::new(cfg, &mesh, DType::F32, 0)?;
+        let params = model.parameters();
+        if let Some(p) = &args.init {
+            load_state_dict(&params, p)?;
+        }
+        let adamw = AdamWConfig {
+            lr: args.lr,
+            betas: (0.9, 0.95),
+            eps: 1e-8,
+            weight_decay: 0.1,
+        };
+        let mut opt = AdamW::new(params, adamw)?;
+        memory::reset_peak();
+        let mut report = RankReport {
+            losses: Vec::new(),
+            step_time_s: Vec::new(),
+            peak_bytes: 0,
+        };
+        let start = Instant::now();
+        for step in 0..args.steps {
+            let t = Instant::now();
+            let x = distribute_tensor(&rows(args, tokens.as_ref(), step)?, &mesh, &[Placement::Shard(0)])?;
+            let loss = model.loss(&Var::constant(x))?;
+            let value = loss.value().full_tensor()?.to_f64_vec()[0];
+            backward(&loss)?;
+            opt.step()?;
+            opt.zero_grad();
+            report.losses.push(value);
+            report.step_time_s.push(t.elapsed().as_secs_f64());
+            if rank == 0 {
+                let tok_s = (step + 1) as f64 * (g * cfg.seq) as f64 / start.elapsed().as_secs_f64();
+                progress(step + 1, args.steps, value, tok_s);
+            }
+        }
+        report.peak_bytes = memory::stats().peak_bytes;
+        Ok(report)
+    })?;
+    println!();
+    let r0 = &reports[0];
+    let total: f64 = r0.step_time_s.iter().sum();
+    let tokens_seen = (args.steps * g * cfg.seq) as f64;
+    let peak = reports.iter().map(|r| r.peak_bytes).max().unwrap_or(0);
+    println!(
+        "done: loss {:.4} -> {:.4}; {:.0} tokens/s; peak tensor memory per rank {} (one unsharded rank holds the \
+         same: parameters are replicated until FSDP)",
+        r0.losses[0],
+        r0.losses[r0.losses.len() - 1],
+        tokens_seen / total,
+        human(peak)
+    );
+    if let Some(path) = &args.losses_out {
+        let json = serde_json::json!({
+            "loss": r0.losses,
+            "step_time_s": r0.step_time_s,
+            "peak_bytes_per_rank": reports.iter().map(|r| r.peak_bytes).collect::<Vec<_>>(),
+        });
+        write_atomic(path, &serde_json::to_vec_pretty(&json)?)?;
+        println!("wrote {}", path.display());
+    }
+    Ok(())
+}
+
+fn progress(step: usize, steps: usize, loss: f64, tok_s: f64) {
+    const WIDTH: usize = 30;
+    let filled = step * WIDTH / steps;
+    print!(
+        "\r[{}{}] step {step}/{steps}  loss {loss:.4}  {tok_s:.0} tok/s",
+        "#".repeat(filled),
+        " ".repeat(WIDTH - filled)
+    );
+    let _ = std::io::stdout().flush();
+}
+
+fn human(bytes: usize) -> String {
+    const UNITS: [&str; 4] = ["B", "KiB", "MiB", "GiB"];
+    let mut v = bytes as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u + 1 < UNITS.len() {
+        v /= 1024.0;
+        u += 1;
+    }
+    format!("{v:.1} {}", UNITS[u])
+}
+
+/// Writes `bytes` to `path` through a temporary file in the same directory and a
+/// rename, so the file is never half-written.
+fn write_atomic(path: &std::path::Path, bytes: &[u8]) -> Result<(), BoxError> {
+    let dir = path
+        .parent()
+        .filter(|d| !d.as_os_str().is_empty())
+        .unwrap_or(std::path::Path::new("."));
+    let tmp = dir.join(format!(
+        ".{}.tmp{}",
+        path.file_name().and_then(|n| n.to_str()).unwrap_or("out"),
+        std::process::id()
+    ));
+    let mut f = std::fs::File::create(&tmp).map_err(|e| format!("{}: {e}", tmp.display()))?;
+    f.write_all(bytes)?;
+    f.sync_all()?;
+    std::fs::rename(&tmp, path).map_err(|e| format!("{}: {e}", path.display()))?;
+    Ok(())
+}
