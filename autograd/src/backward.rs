@@ -32,8 +32,10 @@ pub fn backward(loss: &Var) -> Result<()> {
     }
     let seed = loss.value().full_like_replicated(1.0)?;
     let frame = tape::take_reachable(loss.id())?;
-    walk(frame, loss.id(), seed, &[])?;
-    Ok(())
+    let walked = walk(frame, loss.id(), seed, &[]);
+    let finished = tape::run_callbacks();
+    walked?;
+    finished
 }
 
 /// Walks `frame` backwards from `output` with gradient `seed`, accumulating into the

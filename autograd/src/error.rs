@@ -16,6 +16,10 @@ pub enum Error {
     #[error("backward: {0}")]
     Backward(String),
 
+    /// A parameter's unsharded value was used after it was freed (resharded).
+    #[error("parameter {0} is resharded (its unsharded value was freed after forward); unshard it before using it")]
+    Freed(String),
+
     /// A state dict that does not fit the module.
     #[error("state dict: {0}")]
     StateDict(String),

@@ -36,7 +36,11 @@ pub(crate) struct Frame {
     pub(crate) consumed: HashSet<u64>,
 }
 
+/// Work to run once the current backward has walked the whole tape.
+type Callback = Box<dyn FnOnce() -> Result<()>>;
+
 thread_local! {
+    static CALLBACKS: RefCell<Vec<Callback>> = const { RefCell::new(Vec::new()) };
     static TAPE: RefCell<Vec<Frame>> = RefCell::new(vec![Frame::default()]);
     static GRAD_ENABLED: Cell<bool> = const { Cell::new(true) };
 }
@@ -169,6 +173,32 @@ pub(crate) fn in_frame<R>(f: impl FnOnce() -> R) -> (R, Frame) {
     let frame = take_frame();
     drop(pop);
     (r, frame)
+}
+
+/// Queues `f` to run when the backward in progress has walked the whole tape
+/// (in queueing order). For backward rules that defer work to the end, as FSDP does
+/// to finish reduce-scatters. Outside a backward it runs at the end of the next one.
+///
+/// PyTorch: `Variable._execution_engine.queue_callback`.
+pub fn queue_callback(f: impl FnOnce() -> Result<()> + 'static) {
+    CALLBACKS.with(|c| c.borrow_mut().push(Box::new(f)));
+}
+
+/// Runs (and clears) the queued callbacks; the first error is returned after all ran.
+pub(crate) fn run_callbacks() -> Result<()> {
+    let mut first = Ok(());
+    loop {
+        let batch: Vec<Callback> = CALLBACKS.with(|c| std::mem::take(&mut *c.borrow_mut()));
+        if batch.is_empty() {
+            return first;
+        }
+        for f in batch {
+            let r = f();
+            if first.is_ok() {
+                first = r;
+            }
+        }
+    }
 }
 
 /// Number of ops recorded in the current frame (for tests and memory accounting).

@@ -7,6 +7,7 @@ use std::rc::Rc;
 use smallvec::SmallVec;
 use tessera_dtensor::{DTensor, Placement, ShardOrder};
 
+use crate::saved::{Saved, Slot};
 use crate::tape::{self, Node, next_id};
 use crate::{Error, Result};
 
@@ -16,6 +17,8 @@ pub struct Var {
     value: DTensor,
     id: u64,
     requires_grad: bool,
+    /// Where backward rules read this value from, when its owner may free it.
+    slot: Option<Rc<Slot>>,
 }
 
 impl Var {
@@ -25,7 +28,23 @@ impl Var {
             value,
             id: next_id(),
             requires_grad: false,
+            slot: None,
         }
+    }
+
+    /// What a backward rule should keep of this value: the slot when the value
+    /// lives in one (so it can be freed after forward), else the value.
+    pub fn saved(&self) -> Saved {
+        match &self.slot {
+            Some(s) => Saved::Slot(s.clone()),
+            None => Saved::Value(Box::new(self.value.clone())),
+        }
+    }
+
+    /// The same var, read by backward rules from `slot` (which must hold its value now).
+    pub fn with_slot(mut self, slot: Rc<Slot>) -> Var {
+        self.slot = Some(slot);
+        self
     }
 
     /// The value.
@@ -55,6 +74,7 @@ impl Var {
             value: self.value.clone(),
             id: next_id(),
             requires_grad: self.requires_grad,
+            slot: self.slot.clone(),
         }
     }
 
@@ -97,6 +117,7 @@ impl Var {
             value,
             id: next_id(),
             requires_grad,
+            slot: None,
         };
         if requires_grad {
             tape::record(Node {
@@ -135,6 +156,8 @@ struct ParamInner {
     value: RefCell<DTensor>,
     grad: RefCell<Option<DTensor>>,
     requires_grad: Cell<bool>,
+    /// What [`Param::var`] returns while set (FSDP's unsharded parameter).
+    stand_in: RefCell<Option<Var>>,
 }
 
 /// A named trainable tensor: a leaf of the tape that accumulates its gradient,
@@ -159,6 +182,7 @@ impl Param {
                 value: RefCell::new(value),
                 grad: RefCell::new(None),
                 requires_grad: Cell::new(true),
+                stand_in: RefCell::new(None),
             }),
         }
     }
@@ -214,6 +238,9 @@ impl Param {
     /// The parameter as a tape leaf: ops on it record, and backward accumulates
     /// into [`grad`](Self::grad).
     pub fn var(&self) -> Var {
+        if let Some(v) = self.inner.stand_in.borrow().as_ref() {
+            return v.clone();
+        }
         let requires_grad = self.requires_grad() && tape::is_grad_enabled();
         if requires_grad {
             tape::register_param(self);
@@ -222,7 +249,15 @@ impl Param {
             value: self.value(),
             id: self.inner.id,
             requires_grad,
+            slot: None,
         }
+    }
+
+    /// Makes [`var`](Self::var) return `v` until cleared (`None`). FSDP sets the
+    /// unsharded parameter here for its unit's forward; its gradient then reaches
+    /// this parameter through `v`'s own backward rule.
+    pub fn set_stand_in(&self, v: Option<Var>) {
+        *self.inner.stand_in.borrow_mut() = v;
     }
 
     /// Adds `g` (any placements) to the gradient, converted to the parameter's placements.

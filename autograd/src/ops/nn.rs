@@ -14,10 +14,11 @@ impl Var {
     /// # Errors
     /// As [`DTensor::matmul`].
     pub fn matmul(&self, rhs: &Var) -> Result<Var> {
-        let (a, b) = (self.value().clone(), rhs.value().clone());
-        let value = a.matmul(&b)?;
+        let value = self.value().matmul(rhs.value())?;
+        let (sa, sb) = (self.saved(), rhs.saved());
         let (need_a, need_b) = (self.requires_grad(), rhs.requires_grad());
         Ok(Var::from_op("matmul", value, &[self, rhs], move |g| {
+            let (a, b) = (sa.get()?, sb.get()?);
             let (ra, rb) = (a.shape().len(), b.shape().len());
             let ga = if need_a {
                 Some(g.matmul(&b.transpose(rb - 2, rb - 1)?)?)
@@ -39,16 +40,43 @@ impl Var {
         }))
     }
 
-    /// `x · Wᵀ (+ b)` with `W` stored `[out, in]`, as `nn.Linear` computes it.
+    /// `x · Wᵀ (+ b)` with `W` stored `[out, in]`, as `nn.Linear` computes it. One op:
+    /// backward keeps `x` and (through [`Var::saved`]) `W`, never a transposed copy.
     ///
     /// # Errors
     /// Shapes that do not fit.
     pub fn linear(&self, weight: &Var, bias: Option<&Var>) -> Result<Var> {
-        let y = self.matmul(&weight.transpose(0, 1)?)?;
-        match bias {
-            Some(b) => y.add(b),
-            None => Ok(y),
+        let mut value = self.value().matmul(&weight.value().transpose(0, 1)?)?;
+        if let Some(b) = bias {
+            value = value.add(b.value())?;
         }
+        let (sx, sw) = (self.saved(), weight.saved());
+        let (need_x, need_w) = (self.requires_grad(), weight.requires_grad());
+        let need_b = bias.is_some_and(Var::requires_grad);
+        let mut inputs: SmallVec<[&Var; 3]> = smallvec![self, weight];
+        inputs.extend(bias);
+        Ok(Var::from_op("linear", value, &inputs, move |g| {
+            let r = g.shape().len();
+            let batch: Vec<usize> = (0..r - 1).collect();
+            let gx = if need_x { Some(g.matmul(&sw.get()?)?) } else { None };
+            let gw = if need_w {
+                // Σ over batch dims of gᵀ·x: [.., out, T] × [.., T, in], then sum the rest.
+                let x = sx.get()?;
+                Some(if r == 2 {
+                    g.transpose(0, 1)?.matmul(&x)?
+                } else {
+                    let lead: Vec<usize> = (0..r - 2).collect();
+                    g.transpose(r - 2, r - 1)?.matmul(&x)?.sum(&lead, false)?
+                })
+            } else {
+                None
+            };
+            let mut out: SmallVec<[Option<DTensor>; 3]> = smallvec![gx, gw];
+            if need_b {
+                out.push(Some(g.sum(&batch, false)?));
+            }
+            Ok(out)
+        }))
     }
 
     /// Softmax along `dim`.
@@ -91,8 +119,8 @@ impl Var {
     /// Shapes that do not fit.
     pub fn layer_norm(&self, weight: Option<&Var>, bias: Option<&Var>, eps: f64) -> Result<Var> {
         let x = self.value().clone();
-        let w = weight.map(|w| w.value().clone());
-        let value = x.layer_norm(w.as_ref(), bias.map(|b| b.value()), eps)?;
+        let value = x.layer_norm(weight.map(Var::value), bias.map(|b| b.value()), eps)?;
+        let w = weight.map(Var::saved);
         let mut inputs: SmallVec<[&Var; 3]> = smallvec![self];
         inputs.extend(weight);
         inputs.extend(bias);
@@ -107,7 +135,7 @@ impl Var {
             let rstd = var.add_scalar(eps)?.rsqrt()?;
             let xhat = centered.mul(&rstd)?;
             let gw = match &w {
-                Some(w) => g.mul(w)?,
+                Some(w) => g.mul(&w.get()?)?,
                 None => g.clone(),
             };
             // dx = rstd · (ĝ − mean(ĝ) − x̂ · mean(ĝ · x̂)) with ĝ = g · w.
@@ -130,10 +158,11 @@ impl Var {
     /// # Errors
     /// As [`DTensor::embedding`].
     pub fn embedding(&self, indices: &Var) -> Result<Var> {
-        let (table, idx) = (self.value().clone(), indices.value().clone());
-        let value = table.embedding(&idx)?;
+        let idx = indices.value().clone();
+        let value = self.value().embedding(&idx)?;
+        let vocab = self.value().shape()[0];
         Ok(Var::from_op("embedding", value, &[self, indices], move |g| {
-            Ok(smallvec![Some(embedding_backward(&idx, g, table.shape()[0])?), None])
+            Ok(smallvec![Some(embedding_backward(&idx, g, vocab)?), None])
         }))
     }
 

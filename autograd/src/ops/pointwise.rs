@@ -39,10 +39,11 @@ impl Var {
     /// # Errors
     /// As [`DTensor::mul`](tessera_dtensor::DTensor::mul).
     pub fn mul(&self, rhs: &Var) -> Result<Var> {
-        let (a, b) = (self.value().clone(), rhs.value().clone());
-        let value = a.mul(&b)?;
+        let value = self.value().mul(rhs.value())?;
+        let (sa, sb) = (self.saved(), rhs.saved());
         let (need_a, need_b) = (self.requires_grad(), rhs.requires_grad());
         Ok(Var::from_op("mul", value, &[self, rhs], move |g| {
+            let (a, b) = (sa.get()?, sb.get()?);
             let ga = if need_a {
                 Some(unbroadcast(&g.mul(&b)?, a.shape())?)
             } else {
@@ -62,11 +63,12 @@ impl Var {
     /// # Errors
     /// As [`DTensor::div`](tessera_dtensor::DTensor::div).
     pub fn div(&self, rhs: &Var) -> Result<Var> {
-        let (a, b) = (self.value().clone(), rhs.value().clone());
-        let value = a.div(&b)?;
+        let value = self.value().div(rhs.value())?;
         let out = value.clone();
+        let (sa, sb) = (self.saved(), rhs.saved());
         let (need_a, need_b) = (self.requires_grad(), rhs.requires_grad());
         Ok(Var::from_op("div", value, &[self, rhs], move |g| {
+            let (a, b) = (sa.get()?, sb.get()?);
             let ga = if need_a {
                 Some(unbroadcast(&g.div(&b)?, a.shape())?)
             } else {

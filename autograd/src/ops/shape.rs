@@ -45,10 +45,12 @@ impl Var {
     /// # Errors
     /// A range outside the dim.
     pub fn narrow(&self, dim: usize, start: usize, len: usize) -> Result<Var> {
-        let x = self.value().clone();
-        Ok(self.unary_op("narrow", x.narrow(dim, start, len)?, move |g| {
-            let zeros = x.full_like_replicated(0.0)?;
-            let size = x.shape()[dim];
+        let value = self.value().narrow(dim, start, len)?;
+        // Keep only a zero tensor's recipe, not the input (it may be a parameter).
+        let (mesh, layout) = (self.value().mesh().clone(), self.value().layout().clone());
+        let size = layout.shape[dim];
+        Ok(self.unary_op("narrow", value, move |g| {
+            let zeros = DTensor::zeros_with_layout(&mesh, &layout)?.full_like_replicated(0.0)?;
             let before = zeros.narrow(dim, 0, start)?;
             let after = zeros.narrow(dim, start + len, size - start - len)?;
             DTensor::cat(&[&before, g, &after], dim)

@@ -131,6 +131,15 @@ impl DTensor {
         DTensor::from_local_with_layout(local, self.mesh(), self.layout().clone())
     }
 
+    /// Zeros laid out as `layout` on `mesh` (no communication).
+    ///
+    /// # Errors
+    /// A layout that does not fit the mesh.
+    pub fn zeros_with_layout(mesh: &tessera_mesh::DeviceMesh, layout: &crate::Layout) -> Result<DTensor> {
+        let local = Tensor::zeros(&layout.local_shape(mesh.coordinate())?, layout.dtype)?;
+        DTensor::from_local_with_layout(local, mesh, layout.clone())
+    }
+
     /// A tensor of `value` with this tensor's shape and placements, except that
     /// partial placements become replicated (no communication).
     ///
