@@ -7,18 +7,6 @@ use super::layout::{Layout, checked_numel};
 use super::storage::{typed, with_buffer};
 use crate::{Error, Result};
 
-/// Sizes of the `n` chunks of a dim of `size`, as `torch.chunk` and `Shard`
-/// split it: every chunk has `ceil(size / n)` entries except that trailing
-/// chunks may be short or empty (13 over 4 is 4, 4, 4, 1; 6 over 4 is
-/// 2, 2, 2, 0). `n` must be positive.
-fn chunk_bounds(size: usize, n: usize) -> impl Iterator<Item = (usize, usize)> {
-    let step = size.div_ceil(n);
-    (0..n).map(move |i| {
-        let start = (i * step).min(size);
-        (start, step.min(size - start))
-    })
-}
-
 impl Tensor {
     /// The view of `len` entries of dim `dim` starting at `start`, sharing storage.
     /// PyTorch: `Tensor.narrow`.
@@ -48,8 +36,13 @@ impl Tensor {
                 detail: format!("cannot split dim {dim} into 0 chunks; ask for at least 1"),
             });
         }
-        chunk_bounds(self.shape()[dim], n)
-            .map(|(start, len)| self.narrow(dim, start, len))
+        let size = self.shape()[dim];
+        (0..n)
+            .map(|i| {
+                // The same split DTensor shards use; an empty chunk's offset is the size.
+                let (len, start) = crate::sharding::shard_size_and_offset(size, n, i);
+                self.narrow(dim, start, len)
+            })
             .collect()
     }
 
