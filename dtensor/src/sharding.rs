@@ -256,6 +256,19 @@ pub fn local_shape_and_offset(
     Ok((shape, offset))
 }
 
+/// Every coordinate of a mesh of `shape`, row-major (the order of the ranks of the
+/// communicator the mesh was built over).
+pub fn mesh_coords(shape: &[usize]) -> Vec<Vec<usize>> {
+    let mut out = vec![vec![]];
+    for &n in shape {
+        out = out
+            .into_iter()
+            .flat_map(|c| (0..n).map(move |i| [c.as_slice(), &[i]].concat()))
+            .collect();
+    }
+    out
+}
+
 /// For every mesh dim `m`, the shape of the tensor as a collective along `m` sees it on
 /// `coord`: the local shape, except that when `placements[m]` is `Shard(d)`, dim `d` has
 /// the size of the piece before `m` splits it ([`logical_size_before`]).
@@ -650,18 +663,6 @@ mod tests {
         );
     }
 
-    /// Every coordinate of a mesh, row-major.
-    fn coords(mesh: &[usize]) -> Vec<Vec<usize>> {
-        let mut out = vec![vec![]];
-        for &n in mesh {
-            out = out
-                .into_iter()
-                .flat_map(|c| (0..n).map(move |i| [c.as_slice(), &[i]].concat()))
-                .collect();
-        }
-        out
-    }
-
     /// The oracle: the global indices that coordinate `coord` holds along a dim of `size`
     /// split by `chain`, by slicing an index list as `torch.chunk` does.
     fn nested_chunk(size: usize, mesh: &[usize], chain: &[usize], coord: &[usize]) -> Vec<usize> {
@@ -718,7 +719,7 @@ mod tests {
             let volume: usize = shape.iter().product();
             let mut count = vec![0u8; volume];
             let mut seen: HashMap<Vec<usize>, (Vec<usize>, Vec<usize>)> = HashMap::new();
-            for coord in coords(&mesh) {
+            for coord in mesh_coords(&mesh) {
                 let (local, offset) =
                     local_shape_and_offset(&shape, &mesh, &placements, &order, &coord).unwrap();
                 for d in 0..shape.len() {
@@ -738,7 +739,7 @@ mod tests {
                 }
                 seen.insert(key, (local.clone(), offset.clone()));
                 // Count every element of the piece.
-                for idx in coords(&local) {
+                for idx in mesh_coords(&local) {
                     let flat = idx
                         .iter()
                         .zip(&offset)

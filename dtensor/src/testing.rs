@@ -454,14 +454,7 @@ pub fn collective_bound(before: &Layout, after: &Layout, kind: OpKind, n: usize,
 
 /// Every coordinate of a mesh of `shape`, row-major (rank order).
 pub fn all_coords(shape: &[usize]) -> Vec<Vec<usize>> {
-    let mut out = vec![vec![]];
-    for &n in shape {
-        out = out
-            .into_iter()
-            .flat_map(|c| (0..n).map(move |i| [c.as_slice(), &[i]].concat()))
-            .collect();
-    }
-    out
+    crate::sharding::mesh_coords(shape)
 }
 
 #[cfg(test)]

@@ -9,7 +9,7 @@
 
 use std::borrow::Cow;
 
-use tessera_mesh::{Communicator, DType, DeviceMesh, Element, ReduceOp};
+use tessera_mesh::{Communicator, DeviceMesh, Element, ReduceOp};
 
 use super::plan::{Plan, StepKind};
 use super::{group_coords, group_index};
@@ -34,7 +34,7 @@ pub(crate) fn execute(local: &Tensor, mesh: &DeviceMesh, plan: &Plan) -> Result<
             coord,
             mesh_dim: step.mesh_dim,
         };
-        t = dispatch(t.dtype(), &ex, &t, step.kind)?;
+        t = crate::ops::any_dispatch!("redistribute", t.dtype(), T => ex.run::<T>(&t, step.kind)?);
     }
     Ok(t)
 }
@@ -46,21 +46,6 @@ struct Exchange<'a> {
     after: &'a Layout,
     coord: &'a [usize],
     mesh_dim: Option<usize>,
-}
-
-fn dispatch(dtype: DType, ex: &Exchange<'_>, t: &Tensor, kind: StepKind) -> Result<Tensor> {
-    match dtype {
-        DType::F32 => ex.run::<f32>(t, kind),
-        DType::F64 => ex.run::<f64>(t, kind),
-        DType::BF16 => ex.run::<half::bf16>(t, kind),
-        DType::F16 => ex.run::<half::f16>(t, kind),
-        DType::I64 => ex.run::<i64>(t, kind),
-        DType::U8 => ex.run::<u8>(t, kind),
-        other => Err(crate::Error::InvalidArgument {
-            op: "redistribute",
-            detail: format!("dtype {other} is not supported"),
-        }),
-    }
 }
 
 impl Exchange<'_> {

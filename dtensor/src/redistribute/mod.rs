@@ -31,19 +31,7 @@ pub(crate) fn group_coords(mesh_shape: &[usize], coord: &[usize], mesh_dim: Opti
                 c
             })
             .collect(),
-        None => {
-            let n: usize = mesh_shape.iter().product();
-            (0..n)
-                .map(|mut i| {
-                    let mut c = vec![0; mesh_shape.len()];
-                    for d in (0..mesh_shape.len()).rev() {
-                        c[d] = i % mesh_shape[d];
-                        i /= mesh_shape[d];
-                    }
-                    c
-                })
-                .collect()
-        }
+        None => crate::sharding::mesh_coords(mesh_shape),
     }
 }
 
