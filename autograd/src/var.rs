@@ -130,6 +130,22 @@ impl Var {
         out
     }
 
+    /// A value that requires a gradient and, in backward, hands the gradient that
+    /// reaches it to `on_grad` instead of to a parameter (how FSDP receives the
+    /// gradients of its unsharded parameters). Without grad mode it is a constant.
+    ///
+    /// PyTorch: a leaf with a `register_hook` that consumes the gradient.
+    pub fn with_grad_hook(
+        name: &'static str,
+        value: DTensor,
+        on_grad: impl FnOnce(&DTensor) -> Result<()> + 'static,
+    ) -> Var {
+        Var::record_op_ids(name, value, SmallVec::new(), true, move |g| {
+            on_grad(g)?;
+            Ok(SmallVec::new())
+        })
+    }
+
     /// Runs backward from this scalar: accumulates into every parameter it depends
     /// on (see [`backward`](crate::backward)).
     ///
@@ -192,7 +208,9 @@ impl Param {
         &self.inner.name
     }
 
-    pub(crate) fn id(&self) -> u64 {
+    /// A unique id of this parameter (shared by its clones), for keying
+    /// per-parameter state such as FSDP's ownership.
+    pub fn id(&self) -> u64 {
         self.inner.id
     }
 

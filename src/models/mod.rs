@@ -2,4 +2,4 @@
 
 mod transformer;
 
-pub use transformer::{Block, Transformer, TransformerConfig};
+pub use transformer::{Block, FsdpUnits, Transformer, TransformerConfig};

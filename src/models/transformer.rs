@@ -6,6 +6,7 @@ use tessera_autograd::nn::{Embedding, LayerNorm, Linear, Module, join};
 use tessera_autograd::{Param, Result, Var};
 use tessera_dtensor::DType;
 use tessera_dtensor::ops::Reduction;
+use tessera_fsdp::{FsdpConfig, FsdpModule, fully_shard};
 use tessera_mesh::DeviceMesh;
 
 /// Sizes of a [`Transformer`].
@@ -85,12 +86,12 @@ impl Block {
         let s = x.value().shape().to_vec();
         let (b, t, d) = (s[0], s[1], s[2]);
         let (h, hd) = (self.n_heads, d / self.n_heads);
-        let heads = |lin: &Linear| -> Result<Var> { lin.forward(x)?.reshape(&[b, t, h, hd])?.permute(&[0, 2, 1, 3]) };
+        let heads = |lin: &Linear| -> Result<Var> { lin.call(x)?.reshape(&[b, t, h, hd])?.permute(&[0, 2, 1, 3]) };
         let (q, k, v) = (heads(&self.wq)?, heads(&self.wk)?, heads(&self.wv)?);
         let scores = q.matmul(&k.transpose(2, 3)?)?.mul_scalar(1.0 / (hd as f64).sqrt())?;
         let probs = scores.causal_mask(f64::NEG_INFINITY)?.softmax(3)?;
         let out = probs.matmul(&v)?.permute(&[0, 2, 1, 3])?.reshape(&[b, t, d])?;
-        self.wo.forward(&out)
+        self.wo.call(&out)
     }
 }
 
@@ -110,12 +111,18 @@ impl Module for Block {
     }
 
     fn forward(&self, x: &Var) -> Result<Var> {
-        let h = x.add(&self.attention(&self.attention_norm.forward(x)?)?)?;
-        let f = self
-            .w2
-            .forward(&self.w1.forward(&self.ffn_norm.forward(&h)?)?.gelu()?)?;
+        let h = x.add(&self.attention(&self.attention_norm.call(x)?)?)?;
+        let f = self.w2.call(&self.w1.call(&self.ffn_norm.call(&h)?)?.gelu()?)?;
         h.add(&f)
     }
+}
+
+/// The FSDP units of a [`Transformer`] (see [`Transformer::fully_shard`]).
+pub struct FsdpUnits {
+    /// The root unit (embeddings, final norm, output); its setters recurse into the blocks.
+    pub root: FsdpModule,
+    /// One unit per block, in order.
+    pub blocks: Vec<FsdpModule>,
 }
 
 /// The reference Transformer: `h0 = tok[tokens] + pos[0..T]`, blocks, final norm,
@@ -160,6 +167,22 @@ impl Transformer {
         })
     }
 
+    /// Applies FSDP bottom-up as PyTorch's recipe does: each block becomes a unit,
+    /// then the root takes the embeddings, the final norm and the output
+    /// projection. Every unit gets `config`.
+    ///
+    /// # Errors
+    /// As [`fully_shard`].
+    pub fn fully_shard(&self, mesh: &DeviceMesh, config: &FsdpConfig) -> Result<FsdpUnits> {
+        let blocks = self
+            .layers
+            .iter()
+            .map(|b| fully_shard(b, mesh, config.clone()))
+            .collect::<Result<Vec<_>>>()?;
+        let root = fully_shard(self, mesh, config.clone())?;
+        Ok(FsdpUnits { root, blocks })
+    }
+
     /// The configuration.
     pub fn config(&self) -> &TransformerConfig {
         &self.cfg
@@ -172,7 +195,7 @@ impl Transformer {
     pub fn embed(&self, tokens: &Var) -> Result<Var> {
         let t = tokens.value().shape()[1];
         let pos = self.pos_embeddings.weight.var().narrow(0, 0, t)?;
-        self.tok_embeddings.forward(tokens)?.add(&pos)
+        self.tok_embeddings.call(tokens)?.add(&pos)
     }
 
     /// Logits from the last hidden state.
@@ -180,11 +203,11 @@ impl Transformer {
     /// # Errors
     /// Shapes that do not fit.
     pub fn head(&self, h: &Var) -> Result<Var> {
-        self.output.forward(&self.norm.forward(h)?)
+        self.output.call(&self.norm.call(h)?)
     }
 
     /// The mean next-token cross entropy of rows `[B, T+1]` (inputs `row[..T]`,
-    /// targets `row[1..]`).
+    /// targets `row[1..]`), computed in f32 when the logits are bf16 or f16.
     ///
     /// # Errors
     /// Rows shorter than 2 tokens, shapes that do not fit.
@@ -192,7 +215,13 @@ impl Transformer {
         let t = rows.value().shape()[1].saturating_sub(1);
         let inputs = rows.narrow(1, 0, t)?;
         let targets = rows.narrow(1, 1, t)?;
-        self.forward(&inputs)?.cross_entropy(&targets, Reduction::Mean)
+        let logits = self.call(&inputs)?;
+        // Low-precision logits are upcast: the loss is computed in f32.
+        let logits = match logits.value().dtype() {
+            DType::BF16 | DType::F16 => logits.cast(DType::F32)?,
+            _ => logits,
+        };
+        logits.cross_entropy(&targets, Reduction::Mean)
     }
 }
 
@@ -211,7 +240,7 @@ impl Module for Transformer {
     fn forward(&self, tokens: &Var) -> Result<Var> {
         let mut h = self.embed(tokens)?;
         for l in &self.layers {
-            h = l.forward(&h)?;
+            h = l.call(&h)?;
         }
         self.head(&h)
     }

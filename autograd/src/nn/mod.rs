@@ -4,8 +4,10 @@
 //! Parameters are created replicated on a mesh; sharding them is a later step
 //! (FSDP or tensor-parallel styles redistribute each parameter's value).
 
+mod hooks;
 mod layers;
 
+pub use hooks::{ModuleHooks, register_module_hooks, remove_module_hooks};
 pub use layers::{Embedding, LayerNorm, Linear};
 
 use tessera_dtensor::{DType, Placement, Tensor, distribute_tensor};
@@ -26,6 +28,19 @@ pub trait Module {
     /// # Errors
     /// Shapes that do not fit, communication failures.
     fn forward(&self, x: &Var) -> Result<Var>;
+
+    /// Calls the module: [`forward`](Self::forward) between the hooks registered
+    /// for it (see [`register_module_hooks`]; FSDP registers its units so). Models
+    /// call their submodules with `call`, so wrapping a submodule needs no change
+    /// to the model.
+    ///
+    /// PyTorch: `module(x)` (`Module.__call__`).
+    ///
+    /// # Errors
+    /// Whatever forward or a hook fails with.
+    fn call(&self, x: &Var) -> Result<Var> {
+        hooks::call(self, x)
+    }
 }
 
 /// A replicated parameter on `mesh` from a full tensor.

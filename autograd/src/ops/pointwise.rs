@@ -7,6 +7,21 @@ use super::{map_f64, unbroadcast};
 use crate::{Result, Var};
 
 impl Var {
+    /// The same values in `dtype`; the gradient is cast back to this var's dtype.
+    ///
+    /// PyTorch: `Tensor.to(dtype)`.
+    ///
+    /// # Errors
+    /// A cast the kernels reject.
+    pub fn cast(&self, dtype: tessera_dtensor::DType) -> Result<Var> {
+        if dtype == self.value().dtype() {
+            return Ok(self.clone());
+        }
+        let from = self.value().dtype();
+        let value = self.value().cast(dtype)?;
+        Ok(self.unary_op("cast", value, move |g| g.cast(from)))
+    }
+
     /// `self + rhs` with broadcasting.
     ///
     /// # Errors

@@ -50,10 +50,28 @@ impl Var {
         let (mesh, layout) = (self.value().mesh().clone(), self.value().layout().clone());
         let size = layout.shape[dim];
         Ok(self.unary_op("narrow", value, move |g| {
-            let zeros = DTensor::zeros_with_layout(&mesh, &layout)?.full_like_replicated(0.0)?;
-            let before = zeros.narrow(dim, 0, start)?;
-            let after = zeros.narrow(dim, start + len, size - start - len)?;
-            DTensor::cat(&[&before, g, &after], dim)
+            if g.placements().iter().any(|p| p.is_shard_on(dim)) {
+                let zeros = DTensor::zeros_with_layout(&mesh, &layout)?.full_like_replicated(0.0)?;
+                let before = zeros.narrow(dim, 0, start)?;
+                let after = zeros.narrow(dim, start + len, size - start - len)?;
+                return DTensor::cat(&[&before, g, &after], dim);
+            }
+            // Zeros placed like `g` (a partial zero is zero on every rank), so a
+            // partial gradient stays partial: padding is linear.
+            let zeros = |n: usize| {
+                let mut shape = g.shape().to_vec();
+                shape[dim] = n;
+                let l = g.layout();
+                let piece = tessera_dtensor::Layout::with_order(
+                    &l.mesh_shape,
+                    &l.placements,
+                    l.order.clone(),
+                    &shape,
+                    l.dtype,
+                )?;
+                DTensor::zeros_with_layout(&mesh, &piece)
+            };
+            DTensor::cat(&[&zeros(start)?, g, &zeros(size - start - len)?], dim)
         }))
     }
 

@@ -121,6 +121,22 @@ impl DTensor {
         dispatch(op, &[self], &cands, self.shape(), self.dtype(), |l, _| kernel(&l[0]))
     }
 
+    /// The same tensor in `dtype`: each rank casts its local piece (no
+    /// communication; placements and shard order are kept).
+    ///
+    /// PyTorch: `DTensor.to(dtype)`.
+    ///
+    /// # Errors
+    /// A cast the local kernel rejects.
+    pub fn cast(&self, dtype: tessera_mesh::DType) -> Result<DTensor> {
+        if dtype == self.dtype() {
+            return Ok(self.clone());
+        }
+        let mut layout = self.layout().clone();
+        layout.dtype = dtype;
+        DTensor::from_local_with_layout(self.to_local().cast(dtype)?, self.mesh(), layout)
+    }
+
     /// Zeros with this tensor's layout (no communication; a partial layout holds
     /// zeros everywhere, which is a partial zero).
     ///
