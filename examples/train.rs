@@ -2,15 +2,19 @@
 //! reference data generator, printing progress and a summary.
 //!
 //! ```text
-//! cargo run --release --example train -- [--world-size 4] [--steps 50] [--batch 2]
+//! cargo run --release --example train -- [--world-size 4 | --mesh RxS] [--steps 50] [--batch 2]
 //!     [--dim 64 --n-layers 2 --n-heads 4 --vocab 256 --seq 32] [--lr 1e-3]
+//!     [--mixed-precision bf16] [--no-reshard]
 //!     [--init PATH] [--tokens PATH] [--data-seed 1234] [--losses-out PATH]
 //! ```
 //!
-//! Today the ranks run data parallel through DTensor semantics: the batch is split
-//! (`Shard(0)`), parameters are replicated, and the gradient placement rules make
-//! every step exactly the single-device step on the global batch. FSDP (sharded
-//! parameters, gradients and optimizer states) replaces the replication next.
+//! Each block of the model is an FSDP unit and the root takes the rest
+//! (`Transformer::fully_shard`): parameters, gradients and AdamW states are sharded
+//! over the ranks, each unit's parameters are all-gathered for its forward and
+//! backward, and its gradients reduce-scattered. `--mesh RxS` trains HSDP on an
+//! `R × S` mesh (replicate over R, shard over S). The batch (`--batch` rows per
+//! rank) is split over all ranks; every step is the single-device step on the
+//! global batch.
 
 use std::io::Write as _;
 use std::path::PathBuf;
@@ -21,15 +25,21 @@ use tessera::autograd::optim::{AdamW, AdamWConfig, Optimizer};
 use tessera::autograd::{Var, backward, load_state_dict, read_safetensors};
 use tessera::data::{DATA_SEED, batch};
 use tessera::dtensor::{Placement, Tensor, distribute_tensor, memory};
+use tessera::fsdp::{FsdpConfig, MixedPrecisionPolicy};
 use tessera::models::{Transformer, TransformerConfig};
 use tessera::{BoxError, DType, DeviceMesh, launch};
 
-const USAGE: &str = "usage: train [--world-size N] [--steps N] [--batch ROWS_PER_RANK] [--dim N] [--n-layers N] \
-[--n-heads N] [--vocab N] [--seq N] [--lr F] [--init PATH] [--tokens PATH] [--data-seed N] [--losses-out PATH]";
+const USAGE: &str = "usage: train [--world-size N | --mesh RxS] [--steps N] [--batch ROWS_PER_RANK] [--dim N] \
+[--n-layers N] [--n-heads N] [--vocab N] [--seq N] [--lr F] [--mixed-precision bf16] [--no-reshard] [--init PATH] \
+[--tokens PATH] [--data-seed N] [--losses-out PATH]";
 
 #[derive(Clone, Debug)]
 struct Args {
     world: usize,
+    /// `[R, S]` for HSDP, `[world]` for FSDP.
+    mesh: Vec<usize>,
+    bf16: bool,
+    no_reshard: bool,
     steps: usize,
     batch: usize,
     model: TransformerConfig,
@@ -43,6 +53,9 @@ struct Args {
 fn parse() -> Result<Args, String> {
     let mut a = Args {
         world: 4,
+        mesh: Vec::new(),
+        bf16: false,
+        no_reshard: false,
         steps: 50,
         batch: 2,
         model: TransformerConfig::TINY,
@@ -52,11 +65,16 @@ fn parse() -> Result<Args, String> {
         data_seed: DATA_SEED,
         losses_out: None,
     };
+    let mut world_given = false;
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
         if flag == "--help" || flag == "-h" {
             println!("{USAGE}");
             std::process::exit(0);
+        }
+        if flag == "--no-reshard" {
+            a.no_reshard = true;
+            continue;
         }
         let value = it.next().ok_or_else(|| format!("{flag} needs a value"))?;
         let num = |v: &str| {
@@ -64,7 +82,22 @@ fn parse() -> Result<Args, String> {
                 .map_err(|_| format!("{flag}: {v:?} is not a whole number"))
         };
         match flag.as_str() {
-            "--world-size" => a.world = num(&value)?,
+            "--world-size" => {
+                a.world = num(&value)?;
+                world_given = true;
+            }
+            "--mesh" => {
+                let dims: Vec<usize> = value.split(['x', 'X']).map(num).collect::<Result<_, _>>()?;
+                if dims.len() != 2 {
+                    return Err(format!("--mesh: {value:?} is not RxS (e.g. 2x2)"));
+                }
+                a.mesh = dims;
+            }
+            "--mixed-precision" => match value.as_str() {
+                "bf16" => a.bf16 = true,
+                "none" | "f32" => a.bf16 = false,
+                other => return Err(format!("--mixed-precision: {other:?} (bf16 or none)")),
+            },
             "--steps" => a.steps = num(&value)?,
             "--batch" => a.batch = num(&value)?,
             "--dim" => a.model.dim = num(&value)?,
@@ -80,8 +113,17 @@ fn parse() -> Result<Args, String> {
             other => return Err(format!("unknown flag {other}")),
         }
     }
+    if a.mesh.is_empty() {
+        a.mesh = vec![a.world];
+    } else {
+        let n = a.mesh[0] * a.mesh[1];
+        if world_given && n != a.world {
+            return Err(format!("--mesh {}x{} has {n} ranks, --world-size says {}", a.mesh[0], a.mesh[1], a.world));
+        }
+        a.world = n;
+    }
     if a.world == 0 || a.batch == 0 || a.steps == 0 {
-        return Err("--world-size, --batch and --steps must be at least 1".into());
+        return Err("--world-size (or the mesh), --batch and --steps must be at least 1".into());
     }
     Ok(a)
 }
@@ -142,25 +184,42 @@ fn run(args: &Args) -> Result<(), BoxError> {
     };
     let cfg = args.model;
     let g = args.world * args.batch;
+    let layout = if args.mesh.len() == 2 {
+        format!("HSDP on a {}x{} mesh (replicate x shard)", args.mesh[0], args.mesh[1])
+    } else {
+        format!("FSDP on {} ranks", args.world)
+    };
     println!(
-        "training a {}-layer Transformer (dim {}, {} heads, vocab {}, seq {}; {} parameters) on {} ranks, \
-         global batch {g}, data parallel",
+        "training a {}-layer Transformer (dim {}, {} heads, vocab {}, seq {}; {} parameters), {layout}, \
+         global batch {g}{}{}",
         cfg.n_layers,
         cfg.dim,
         cfg.n_heads,
         cfg.vocab,
         cfg.seq,
         cfg.num_params(),
-        args.world
+        if args.bf16 { ", bf16 mixed precision" } else { "" },
+        if args.no_reshard { ", no reshard after forward" } else { "" },
     );
+    let fsdp = FsdpConfig {
+        reshard_after_forward: args.no_reshard.then_some(false),
+        mp_policy: if args.bf16 {
+            MixedPrecisionPolicy::bf16()
+        } else {
+            MixedPrecisionPolicy::default()
+        },
+        ..FsdpConfig::default()
+    };
     let reports = launch(args.world, |ctx| {
         let rank = ctx.rank();
-        let mesh = DeviceMesh::new(ctx.into_comm(), &[args.world])?;
+        let mesh = DeviceMesh::new(ctx.into_comm(), &args.mesh)?;
         let model = Transformer::new(cfg, &mesh, DType::F32, 0)?;
         let params = model.parameters();
         if let Some(p) = &args.init {
             load_state_dict(&params, p)?;
         }
+        let _units = model.fully_shard(&mesh, &fsdp)?;
+        let batch_placements = vec![Placement::Shard(0); args.mesh.len()];
         let adamw = AdamWConfig {
             lr: args.lr,
             betas: (0.9, 0.95),
@@ -177,7 +236,7 @@ fn run(args: &Args) -> Result<(), BoxError> {
         let start = Instant::now();
         for step in 0..args.steps {
             let t = Instant::now();
-            let x = distribute_tensor(&rows(args, tokens.as_ref(), step)?, &mesh, &[Placement::Shard(0)])?;
+            let x = distribute_tensor(&rows(args, tokens.as_ref(), step)?, &mesh, &batch_placements)?;
             let loss = model.loss(&Var::constant(x))?;
             let value = loss.value().full_tensor()?.to_f64_vec()[0];
             backward(&loss)?;
@@ -198,13 +257,17 @@ fn run(args: &Args) -> Result<(), BoxError> {
     let total: f64 = r0.step_time_s.iter().sum();
     let tokens_seen = (args.steps * g * cfg.seq) as f64;
     let peak = reports.iter().map(|r| r.peak_bytes).max().unwrap_or(0);
+    // One unsharded rank holds every parameter, its gradient and two AdamW
+    // states in f32 before any activation.
+    let unsharded = 16 * cfg.num_params();
     println!(
-        "done: loss {:.4} -> {:.4}; {:.0} tokens/s; peak tensor memory per rank {} (one unsharded rank holds the \
-         same: parameters are replicated until FSDP)",
+        "done: loss {:.4} -> {:.4}; {:.0} tokens/s; peak tensor memory per rank {} (one unsharded rank needs {} \
+         for parameters, gradients and AdamW states alone)",
         r0.losses[0],
         r0.losses[r0.losses.len() - 1],
         tokens_seen / total,
-        human(peak)
+        human(peak),
+        human(unsharded)
     );
     if let Some(path) = &args.losses_out {
         let json = serde_json::json!({
