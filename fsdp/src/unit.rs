@@ -106,7 +106,15 @@ pub(crate) struct Unit {
     /// The local shards the current forward gathered (to catch updates between
     /// forward and backward).
     forward_shards: RefCell<Vec<Tensor>>,
+    /// The local shards the unsharded values were gathered from (a unit left
+    /// unsharded gathers again when they changed since).
+    gathered_from: RefCell<Vec<Tensor>>,
     pub(crate) me: Weak<Unit>,
+}
+
+/// Whether `a` and `b` are the same elements of the same storage.
+fn same_tensor(a: &Tensor, b: &Tensor) -> bool {
+    a.shares_storage(b) && a.storage_offset() == b.storage_offset() && a.shape() == b.shape()
 }
 
 fn config(detail: String) -> Error {
@@ -155,6 +163,7 @@ impl Unit {
                 arrived: 0,
             }),
             forward_shards: RefCell::new(Vec::new()),
+            gathered_from: RefCell::new(Vec::new()),
             me: me.clone(),
         })
     }
@@ -200,8 +209,12 @@ impl Unit {
     fn copy_in(&self) -> Result<Tensor> {
         let dt = self.gather_dtype();
         let mut pieces = Vec::with_capacity(2 * self.params.len());
+        let mut from = self.gathered_from.borrow_mut();
+        from.clear();
         for p in &self.params {
-            let local = p.param.value().to_local().cast(dt)?;
+            let shard = p.param.value().to_local().clone();
+            let local = shard.cast(dt)?;
+            from.push(shard);
             pieces.push(local.contiguous().reshape(&[p.local_rows * p.row_numel])?);
             let pad = (p.chunk_rows - p.local_rows) * p.row_numel;
             if pad > 0 {
@@ -255,9 +268,14 @@ impl Unit {
         }
         let state = std::mem::replace(&mut *self.state.borrow_mut(), State::Sharded);
         match state {
-            State::Unsharded => {
+            State::Unsharded if self.shards_unchanged(&self.gathered_from.borrow()) => {
                 *self.state.borrow_mut() = State::Unsharded;
                 Ok(())
+            }
+            State::Unsharded => {
+                // Updated (an optimizer step) since they were gathered: gather again.
+                let g = self.issue_gather()?;
+                self.finish_gather(g)
             }
             State::Gathering(g) => self.finish_gather(g),
             State::Sharded => {
@@ -287,6 +305,7 @@ impl Unit {
         for p in &self.params {
             p.slot.free();
         }
+        self.gathered_from.borrow_mut().clear();
         Ok(())
     }
 
@@ -387,9 +406,7 @@ impl Unit {
     fn check_unchanged(&self) -> Result<()> {
         let shards = self.forward_shards.borrow();
         for (p, s) in self.params.iter().zip(shards.iter()) {
-            let now = p.param.value();
-            let same = now.to_local().shares_storage(s) && now.to_local().storage_offset() == s.storage_offset();
-            if !same {
+            if !same_tensor(p.param.value().to_local(), s) {
                 return Err(config(format!(
                     "parameter {} changed between its unit's forward and backward (an optimizer step or \
                      set_value in between?); its gradient would be computed against other values",
@@ -398,6 +415,16 @@ impl Unit {
             }
         }
         Ok(())
+    }
+
+    /// Whether every parameter still holds the local shard recorded in `shards`.
+    fn shards_unchanged(&self, shards: &[Tensor]) -> bool {
+        shards.len() == self.params.len()
+            && self
+                .params
+                .iter()
+                .zip(shards)
+                .all(|(p, s)| same_tensor(p.param.value().to_local(), s))
     }
 
     /// This rank's contribution to the sum over data-parallel ranks of an
