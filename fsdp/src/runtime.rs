@@ -83,6 +83,11 @@ pub(crate) fn leave_forward(unit: &Rc<Unit>) {
     });
 }
 
+/// Undoes [`enter_forward`]'s depth for a forward that failed.
+pub(crate) fn abandon_forward() {
+    with(|rt| rt.depth = rt.depth.saturating_sub(1));
+}
+
 /// Marks the backward as started; true the first time in an iteration.
 pub(crate) fn start_backward() -> bool {
     with(|rt| !std::mem::replace(&mut rt.backward_started, true))

@@ -346,6 +346,16 @@ impl Unit {
     fn pre_forward_impl(&self, x: &Var) -> Result<Var> {
         let me = self.rc();
         let next = runtime::enter_forward(&me);
+        let r = self.prepare_forward(next, x);
+        if r.is_err() {
+            self.clear_stand_ins();
+            runtime::abandon_forward();
+        }
+        r
+    }
+
+    /// Pre-forward after the runtime recorded it: gather, prefetch, stand-ins, input cast.
+    fn prepare_forward(&self, next: Option<Rc<Unit>>, x: &Var) -> Result<Var> {
         self.unshard()?;
         let targets = match &*self.forward_prefetch.borrow() {
             Some(list) => list.iter().filter_map(Weak::upgrade).collect(),
@@ -641,6 +651,6 @@ impl ModuleHooks for Unit {
 
     fn forward_failed(&self) {
         self.clear_stand_ins();
-        runtime::leave_forward(&self.rc());
+        runtime::abandon_forward();
     }
 }
