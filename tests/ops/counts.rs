@@ -424,3 +424,59 @@ fn reduction_over_a_sharded_dim_is_partial() {
         f,
     );
 }
+
+/// Merging a batch dim sharded evenly with the dims after it (`[B, T, D]` →
+/// `[B·T, D]`), and splitting it back, keeps the shards where they are: each
+/// rank's rows are whole rows of the merged dim.
+#[test]
+fn reshape_merging_an_evenly_sharded_batch_dim_is_local() {
+    let x = randn(&[4, 3, 2], 21);
+    let merged = x.reshape(&[12, 2]).unwrap();
+    let merge = |t: &[DTensor]| t[0].reshape(&[12, 2]);
+    expect(
+        "reshape [4,3,2]->[12,2]",
+        &[4],
+        &[(&x, &[S(0)])],
+        NONE,
+        &[S(0)],
+        &merged,
+        merge,
+    );
+    expect(
+        "reshape [4,3,2]->[12,2]",
+        &[2, 2],
+        &[(&x, &[S(0), S(0)])],
+        NONE,
+        &[S(0), S(0)],
+        &merged,
+        merge,
+    );
+    expect(
+        "reshape [4,3,2]->[12,2]",
+        &[2, 2],
+        &[(&x, &[S(0), P])],
+        NONE,
+        &[S(0), P],
+        &merged,
+        merge,
+    );
+    let split = |t: &[DTensor]| t[0].reshape(&[4, 3, 2]);
+    expect(
+        "reshape [12,2]->[4,3,2]",
+        &[4],
+        &[(&merged, &[S(0)])],
+        NONE,
+        &[S(0)],
+        &x,
+        split,
+    );
+    // 3 rows over 2 ranks: rank 0's 2 rows would be 6 of the 9 merged rows, not
+    // torch.chunk's 5, so the op moves data first (the values stay right).
+    let odd = randn(&[3, 3, 2], 22);
+    let outs = counted(&[2], &[(&odd, &[S(0)])], |t| t[0].reshape(&[9, 2]));
+    for c in &outs {
+        let moved: u64 = OpKind::ALL.iter().map(|&k| c.op.calls(k)).sum();
+        assert!(moved > 0, "an uneven merge redistributes ({})", c.op);
+        assert!(c.full.allclose(&odd.reshape(&[9, 2]).unwrap(), 0.0, 0.0));
+    }
+}

@@ -60,13 +60,27 @@ impl Var {
             let batch: Vec<usize> = (0..r - 1).collect();
             let gx = if need_x { Some(g.matmul(&sw.get()?)?) } else { None };
             let gw = if need_w {
-                // Σ over batch dims of gᵀ·x: [.., out, T] × [.., T, in], then sum the rest.
+                // gᵀ·x over all leading dims at once: [out, N] × [N, in] with the
+                // rows flattened (no per-batch products to sum afterwards).
                 let x = sx.get()?;
+                // Flattening keeps the shards local when only dim 0 is sharded, evenly.
+                let leading_ok = |t: &DTensor| {
+                    t.placements().iter().all(|p| match p.shard_dim() {
+                        Some(d) => d == 0 || d == r - 1,
+                        None => true,
+                    }) && t.shape()[0] % t.mesh().size().max(1) == 0
+                };
                 Some(if r == 2 {
                     g.transpose(0, 1)?.matmul(&x)?
-                } else {
+                } else if !(leading_ok(g) && leading_ok(&x)) {
                     let lead: Vec<usize> = (0..r - 2).collect();
                     g.transpose(r - 2, r - 1)?.matmul(&x)?.sum(&lead, false)?
+                } else {
+                    let n: usize = g.shape()[..r - 1].iter().product();
+                    let (out, inp) = (g.shape()[r - 1], x.shape()[r - 1]);
+                    let g2 = g.reshape(&[n, out])?;
+                    let x2 = x.reshape(&[n, inp])?;
+                    g2.transpose(0, 1)?.matmul(&x2)?
                 })
             } else {
                 None

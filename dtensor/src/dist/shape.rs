@@ -76,9 +76,30 @@ impl DTensor {
                 detail: format!("cannot reshape {a:?} into {shape:?}: element counts differ"),
             });
         }
+        // Input dim `d` can stay sharded as output dim `o` when `o` starts where `d`
+        // starts and either has its size, or merges `d` with the dims after it, or
+        // splits `d` with `o` leading — the last two only when every rank's shard is
+        // whole rows of the merged or split dim (`d`'s, resp. `o`'s, size divisible
+        // by the whole mesh, so by any group of mesh dims sharding it).
+        let ranks = self.mesh().size().max(1);
         let map = |d: usize| {
             let before: usize = a[..d].iter().product();
-            (0..shape.len()).find(|&o| shape[o] == a[d] && shape[..o].iter().product::<usize>() == before)
+            let o = (0..shape.len()).find(|&o| shape[..o].iter().product::<usize>() == before)?;
+            let prefix_of = |big: &[usize], from: usize, target: usize| {
+                let mut p = 1usize;
+                big[from..].iter().any(|&x| {
+                    p = p.saturating_mul(x);
+                    p == target
+                })
+            };
+            let ok = if shape[o] == a[d] {
+                true
+            } else if shape[o] > a[d] {
+                a[d] % ranks == 0 && prefix_of(a, d, shape[o])
+            } else {
+                shape[o] % ranks == 0 && prefix_of(shape, o, a[d])
+            };
+            ok.then_some(o)
         };
         let options = remap_options(a.len(), map);
         let cands = product(&vec![options; self.mesh().ndim()], 1);
@@ -86,8 +107,14 @@ impl DTensor {
             let mut local = shape.to_vec();
             for p in &ctx.inputs[0].placements {
                 if let Placement::Shard(d) = *p {
-                    // INVARIANT: only dims with a mapping are sharded in the candidates.
-                    local[map(d).expect("mapped dim")] = l[0].shape()[d];
+                    // INVARIANT: only dims with a mapping are sharded in the candidates,
+                    // and those shard evenly, so the ratio is exact.
+                    let o = map(d).expect("mapped dim");
+                    local[o] = if a[d] == 0 {
+                        0
+                    } else {
+                        shape[o] * l[0].shape()[d] / a[d]
+                    };
                 }
             }
             l[0].contiguous().reshape(&local)
