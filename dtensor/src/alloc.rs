@@ -11,7 +11,13 @@
 //!   ([`reused`]) come from there first: no faults, no zeroing. The cache holds at
 //!   most [`CACHE_BUFFERS`] buffers and [`CACHE_BYTES`] bytes per thread and dies
 //!   with the thread; cached buffers are not tensor storage, so the memory tracker
-//!   does not count them.
+//!   does not count them;
+//! - with glibc, the first tensor storage tunes `malloc` to keep freed memory for
+//!   reuse instead of handing it back to the system after every step (a heap
+//!   allocation up to 32 MiB, no trimming below 1 GiB of free top, 64 MiB of top
+//!   padding): a training step allocates and frees the same sizes every time, and
+//!   returning them costs a page fault per page on the next step. Set
+//!   `TESSERA_SYSTEM_MALLOC=1` to leave `malloc` as it is.
 
 use std::cell::RefCell;
 
@@ -57,6 +63,31 @@ pub(crate) fn reused<T: Element>(n: usize) -> Vec<T> {
         .flatten();
     hit.unwrap_or_else(|| zeroed(n))
 }
+
+/// Tunes glibc's `malloc` once per process (see the module docs).
+pub(crate) fn tune_malloc_once() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        if std::env::var_os("TESSERA_SYSTEM_MALLOC").is_some_and(|v| v != "0") {
+            return;
+        }
+        tune_malloc();
+    });
+}
+
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+fn tune_malloc() {
+    // SAFETY: mallopt only changes allocator parameters; it is called once,
+    // before this process's tensors are allocated by this library.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, 1 << 30);
+        libc::mallopt(libc::M_TOP_PAD, 64 << 20);
+    }
+}
+
+#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+fn tune_malloc() {}
 
 /// Below this size the advice is not worth a system call.
 const HUGE: usize = 2 << 20;

@@ -65,10 +65,10 @@ mod unit;
 use std::collections::HashSet;
 use std::rc::{Rc, Weak};
 
-use tessera_autograd::nn::{Module, register_module_hooks};
+use tessera_autograd::nn::{Module, has_module_hooks, register_module_hooks};
 use tessera_autograd::{Param, Slot};
 use tessera_dtensor::sharding::shard_size_and_offset;
-use tessera_dtensor::{DTensor, Placement};
+use tessera_dtensor::{DTensor, Placement, Tensor};
 use tessera_mesh::{DType, DeviceMesh};
 
 pub use config::{FsdpConfig, MixedPrecisionPolicy};
@@ -133,7 +133,7 @@ pub fn fully_shard<M: Module + ?Sized>(module: &M, mesh: &DeviceMesh, config: Fs
             None => own.push(p.clone()),
         }
     }
-    if own.is_empty() && children.len() == 1 && children[0].params.len() == all.len() {
+    if has_module_hooks(&all) || (own.is_empty() && children.len() == 1 && children[0].params.len() == all.len()) {
         return Err(config_error(format!(
             "the module holding {} is already fully_shard-ed",
             all.first().map_or("no parameters", |p| p.name())
@@ -160,7 +160,11 @@ pub fn fully_shard<M: Module + ?Sized>(module: &M, mesh: &DeviceMesh, config: Fs
         let row_numel: usize = shape[1..].iter().product();
         let chunk_rows = rows.div_ceil(world);
         let (local_rows, start) = shard_size_and_offset(rows, world, rank);
-        let local = value.to_local().narrow(0, start, local_rows)?.contiguous();
+        // A copy, not a view: the replicated value is freed once set_value replaces it.
+        let rows_here = value.to_local().narrow(0, start, local_rows)?;
+        let mut local_shape = shape.clone();
+        local_shape[0] = local_rows;
+        let local = Tensor::from_buffer(rows_here.to_buffer(), &local_shape)?;
         p.set_value(DTensor::from_local(local, mesh, &placements, &shape)?);
         p.set_grad(None);
         let slot = Slot::new(p.name(), None);

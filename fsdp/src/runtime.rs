@@ -42,9 +42,22 @@ pub(crate) fn set_owner(id: u64, unit: &Rc<Unit>) {
     with(|rt| rt.owners.insert(id, Rc::downgrade(unit)));
 }
 
-/// Records `unit`'s pre-forward; returns the unit to prefetch implicitly (the
-/// one that followed it in the previous iteration).
-pub(crate) fn enter_forward(unit: &Rc<Unit>) -> Option<Rc<Unit>> {
+/// What [`enter_forward`] found.
+pub(crate) enum Entry {
+    /// A forward: the unit to prefetch implicitly (the one that followed this
+    /// unit in the previous iteration), if any.
+    Forward(Option<Rc<Unit>>),
+    /// A recomputation during backward (activation checkpointing): not a new
+    /// iteration, and no change to the recorded orders.
+    Recompute,
+}
+
+/// Records `unit`'s pre-forward.
+pub(crate) fn enter_forward(unit: &Rc<Unit>) -> Entry {
+    if with(|rt| rt.backward_started) {
+        with(|rt| rt.depth += 1);
+        return Entry::Recompute;
+    }
     let root = with(|rt| rt.depth == 0);
     if root {
         // A new iteration. Units whose gradients were expected from a forward
@@ -68,18 +81,21 @@ pub(crate) fn enter_forward(unit: &Rc<Unit>) -> Option<Rc<Unit>> {
             .last_pre_forward
             .get(pos)
             .is_some_and(|w| w.upgrade().is_some_and(|u| Rc::ptr_eq(&u, unit)));
-        if same_so_far {
+        Entry::Forward(if same_so_far {
             rt.last_pre_forward.get(pos + 1).and_then(Weak::upgrade)
         } else {
             None
-        }
+        })
     })
 }
 
-pub(crate) fn leave_forward(unit: &Rc<Unit>) {
+/// Records `unit`'s post-forward (a recomputation only leaves the depth).
+pub(crate) fn leave_forward(unit: &Rc<Unit>, recompute: bool) {
     with(|rt| {
         rt.depth = rt.depth.saturating_sub(1);
-        rt.post_forward.push(Rc::downgrade(unit));
+        if !recompute {
+            rt.post_forward.push(Rc::downgrade(unit));
+        }
     });
 }
 

@@ -99,6 +99,8 @@ pub(crate) struct Unit {
     pub(crate) mp: MixedPrecisionPolicy,
     pub(crate) grad_sync: Cell<bool>,
     pub(crate) is_root: Cell<bool>,
+    /// The current forward is a recomputation during backward (checkpointing).
+    recomputing: Cell<bool>,
     pub(crate) forward_prefetch: RefCell<Option<Vec<Weak<Unit>>>>,
     pub(crate) backward_prefetch: RefCell<Option<Vec<Weak<Unit>>>>,
     state: RefCell<State>,
@@ -153,6 +155,7 @@ impl Unit {
             mp,
             grad_sync: Cell::new(true),
             is_root: Cell::new(false),
+            recomputing: Cell::new(false),
             forward_prefetch: RefCell::new(None),
             backward_prefetch: RefCell::new(None),
             state: RefCell::new(State::Sharded),
@@ -333,7 +336,14 @@ impl Unit {
                 shards.push(p.param.value().to_local().clone());
             }
         }
-        self.grads.borrow_mut().expected += expected;
+        let mut gs = self.grads.borrow_mut();
+        if self.recomputing.get() {
+            // The checkpointed forward's own nodes were dropped with its frame:
+            // only this recomputation's gradients will arrive.
+            gs.expected = gs.arrived + expected;
+        } else {
+            gs.expected += expected;
+        }
         Ok(())
     }
 
@@ -345,10 +355,17 @@ impl Unit {
 
     fn pre_forward_impl(&self, x: &Var) -> Result<Var> {
         let me = self.rc();
-        let next = runtime::enter_forward(&me);
+        let next = match runtime::enter_forward(&me) {
+            runtime::Entry::Forward(next) => next,
+            runtime::Entry::Recompute => {
+                self.recomputing.set(true);
+                None
+            }
+        };
         let r = self.prepare_forward(next, x);
         if r.is_err() {
             self.clear_stand_ins();
+            self.recomputing.set(false);
             runtime::abandon_forward();
         }
         r
@@ -373,8 +390,10 @@ impl Unit {
 
     fn post_forward_impl(&self, out: Var) -> Result<Var> {
         self.clear_stand_ins();
-        runtime::leave_forward(&self.rc());
-        if self.resolved_reshard_after_forward() {
+        let recompute = self.recomputing.replace(false);
+        runtime::leave_forward(&self.rc(), recompute);
+        // A recomputation's backward follows at once: keep the parameters.
+        if !recompute && self.resolved_reshard_after_forward() {
             self.reshard()?;
         }
         let out = if out.requires_grad() {
@@ -651,6 +670,7 @@ impl ModuleHooks for Unit {
 
     fn forward_failed(&self) {
         self.clear_stand_ins();
+        self.recomputing.set(false);
         runtime::abandon_forward();
     }
 }

@@ -73,6 +73,11 @@ pub fn register_module_hooks(params: &[Param], hooks: Rc<dyn ModuleHooks>) -> Re
     })
 }
 
+/// Whether hooks are registered for the module whose parameters are `params`.
+pub fn has_module_hooks(params: &[Param]) -> bool {
+    HOOKS.with(|h| h.borrow().contains_key(&key(params)))
+}
+
 /// Removes the hooks registered for `params`, returning whether there were any.
 pub fn remove_module_hooks(params: &[Param]) -> bool {
     HOOKS.with(|h| h.borrow_mut().remove(&key(params)).is_some())

@@ -7,7 +7,7 @@
 mod hooks;
 mod layers;
 
-pub use hooks::{ModuleHooks, register_module_hooks, remove_module_hooks};
+pub use hooks::{ModuleHooks, has_module_hooks, register_module_hooks, remove_module_hooks};
 pub use layers::{Embedding, LayerNorm, Linear};
 
 use tessera_dtensor::{DType, Placement, Tensor, distribute_tensor};

@@ -18,6 +18,7 @@ pub(crate) struct Storage {
 impl Storage {
     /// Wraps `data`, charging its bytes to the current thread's rank.
     pub(crate) fn new(data: Buffer) -> Storage {
+        crate::alloc::tune_malloc_once();
         let bytes = data.len() * data.dtype().size_in_bytes();
         Storage {
             data,

@@ -1,0 +1,493 @@
+//! FSDP benchmark: one training step of the reference Transformer on one rank
+//! against FSDP on two in-process ranks, with the same global batch.
+//!
+//! ```text
+//! cargo run --release --example bench_fsdp -- [--json PATH] [--steps N] [--config bench|tiny]
+//!     [--mixed-precision bf16]
+//! ```
+//!
+//! A step is forward (`model.loss` on the token rows), backward, `AdamW::step`
+//! (lr 1e-3, betas (0.9, 0.95), eps 1e-8, weight decay 0.1) and `zero_grad`, in
+//! f32, on rows of the reference generator (`tessera::data::batch`, data seed
+//! 1234), 4 rows per FSDP rank:
+//!
+//! - `single`: `launch(1)`, a 1-rank mesh, no FSDP, the 8 rows of the global batch;
+//! - `fsdp`: `launch(2)`, a 2-rank mesh, `model.fully_shard(&mesh, &FsdpConfig::default())`
+//!   (each block a unit, then the root), the batch split `Shard(0)`, 4 rows each.
+//!
+//! With `--mixed-precision bf16` both modes use `MixedPrecisionPolicy::bf16()`
+//! (bf16 compute, f32 gradient reduction and master weights); the single rank
+//! gets it from `fully_shard` on its 1-rank mesh, which gathers and scatters
+//! nothing.
+//!
+//! The token rows of a step are built before its timing starts; each step starts
+//! after a barrier. After 2 warm-up steps come `N` timed ones (default 10); a
+//! step's time is the slowest rank's, the table shows the median, and for rank 0
+//! the medians of its phases (forward, backward, optimizer step with `zero_grad`).
+//! Peak memory is the per-rank high-water mark of tensor storage
+//! (`tessera::dtensor::memory`) from after setup (model, sharding, optimizer;
+//! AdamW's moments appear in the first step) to the last step, the largest over
+//! ranks. The first-step losses of both modes are printed as a check: they start
+//! from the same weights on the same global batch, so they agree to rounding.
+//!
+//! The ranks are threads of this process and share the machine's cores, so other
+//! load skews the comparison. `cores_ours` is this process's CPU time over the
+//! wall time of the timed steps (all its threads: about 1 for `single`, up to 2
+//! for `fsdp`), `cores_others` the rest of the machine's busy time over the same
+//! interval (Linux `/proc`, in 10 ms ticks: coarse for short runs such as the
+//! tiny config's); a mode whose steps shared the machine with more than 0.2 cores
+//! of other work is flagged.
+//!
+//! `--json PATH` writes one record per mode, `{mode, world, median_step_s,
+//! peak_bytes_per_rank, ...}`, atomically. PyTorch 2.15 FSDP2 (gloo) times on
+//! this machine are shown for comparison; they are reference figures, not
+//! measured here.
+
+#[path = "common/mod.rs"]
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::Instant;
+
+use common::{Json, max_over_ranks, median};
+use tessera::autograd::nn::Module;
+use tessera::autograd::optim::{AdamW, AdamWConfig, Optimizer};
+use tessera::autograd::{Var, backward};
+use tessera::data::{DATA_SEED, batch};
+use tessera::dtensor::{Placement, Tensor, distribute_tensor, memory};
+use tessera::fsdp::{FsdpConfig, MixedPrecisionPolicy};
+use tessera::models::{Transformer, TransformerConfig};
+use tessera::{BoxError, DType, DeviceMesh, launch};
+
+const WARMUP: usize = 2;
+const DEFAULT_STEPS: usize = 10;
+const ROWS_PER_RANK: usize = 4;
+const FSDP_WORLD: usize = 2;
+const INIT_SEED: u64 = 0;
+/// Cores busy with other work above which a mode's times are flagged as noisy.
+const OTHERS_NOISE: f64 = 0.2;
+
+/// The bench model: dim 256, 4 layers, 8 heads, vocab 4096, seq 128.
+const BENCH: TransformerConfig = TransformerConfig {
+    vocab: 4096,
+    dim: 256,
+    n_layers: 4,
+    n_heads: 8,
+    seq: 128,
+};
+
+const USAGE: &str = "usage: bench_fsdp [--json PATH] [--steps N] [--config bench|tiny] [--mixed-precision bf16]
+  --json PATH              also write the results as a JSON array of records (atomically)
+  --steps N                timed steps per mode (default 10; 2 warm-ups come first)
+  --config bench|tiny      bench: dim 256, 4 layers, 8 heads, vocab 4096, seq 128 (default);
+                           tiny: dim 64, 2 layers, 4 heads, vocab 256, seq 32
+  --mixed-precision bf16   bf16 compute and gathers, f32 gradient reduction (both modes)";
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Mode {
+    Single,
+    Fsdp,
+}
+
+impl Mode {
+    fn name(self) -> &'static str {
+        match self {
+            Mode::Single => "single",
+            Mode::Fsdp => "fsdp",
+        }
+    }
+
+    fn world(self) -> usize {
+        match self {
+            Mode::Single => 1,
+            Mode::Fsdp => FSDP_WORLD,
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+struct Args {
+    json: Option<PathBuf>,
+    steps: usize,
+    config_name: &'static str,
+    model: TransformerConfig,
+    /// PyTorch 2.15 FSDP2 ms per step: (one process, W=2), same global batch.
+    pytorch_ms: (f64, f64),
+    bf16: bool,
+}
+
+/// What one rank measured.
+struct RankReport {
+    step_s: Vec<f64>,
+    forward_s: Vec<f64>,
+    backward_s: Vec<f64>,
+    optim_s: Vec<f64>,
+    /// Cores busy during the timed steps (rank 0's view).
+    cpu: Option<CpuUse>,
+    peak_bytes: usize,
+    first_loss: f64,
+    last_loss: f64,
+}
+
+/// One mode's summary.
+struct Summary {
+    mode: Mode,
+    median_s: f64,
+    forward_s: f64,
+    backward_s: f64,
+    optim_s: f64,
+    cpu: Option<CpuUse>,
+    peak_bytes: usize,
+    first_loss: f64,
+    last_loss: f64,
+}
+
+fn main() -> ExitCode {
+    let args = match parse(std::env::args().skip(1)) {
+        Ok(a) => a,
+        Err(msg) if msg == common::HELP => {
+            println!("{USAGE}");
+            return ExitCode::SUCCESS;
+        }
+        Err(msg) => {
+            eprintln!("bench_fsdp: {msg}\n{USAGE}");
+            return ExitCode::from(2);
+        }
+    };
+    match run(&args) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("bench_fsdp: error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Parses the flags (also `--flag=value`); `--help` gives [`common::HELP`].
+fn parse(args: impl IntoIterator<Item = String>) -> Result<Args, String> {
+    let mut out = Args {
+        json: None,
+        steps: DEFAULT_STEPS,
+        config_name: "bench",
+        model: BENCH,
+        pytorch_ms: (233.0, 316.8),
+        bf16: false,
+    };
+    let mut args = args.into_iter();
+    while let Some(arg) = args.next() {
+        let (flag, inline) = match arg.split_once('=') {
+            Some((f, v)) if f.starts_with("--") => (f.to_string(), Some(v.to_string())),
+            _ => (arg.clone(), None),
+        };
+        let mut value = |what: &str| -> Result<String, String> {
+            match inline.clone().or_else(|| args.next()) {
+                Some(v) if !v.is_empty() => Ok(v),
+                _ => Err(format!("{flag} needs a value ({what})")),
+            }
+        };
+        match flag.as_str() {
+            "--json" => {
+                let path = PathBuf::from(value("a file path")?);
+                check_json_path(&path)?;
+                out.json = Some(path);
+            }
+            "--steps" => {
+                let v = value("a positive integer")?;
+                out.steps = match v.parse::<usize>() {
+                    Ok(n) if n > 0 => n,
+                    _ => return Err(format!("--steps takes a positive integer, got {v:?}")),
+                };
+            }
+            "--config" => match value("bench or tiny")?.as_str() {
+                "bench" => (out.config_name, out.model, out.pytorch_ms) = ("bench", BENCH, (233.0, 316.8)),
+                "tiny" => (out.config_name, out.model, out.pytorch_ms) = ("tiny", TransformerConfig::TINY, (6.3, 34.8)),
+                other => return Err(format!("--config takes bench or tiny, got {other:?}")),
+            },
+            "--mixed-precision" => match value("bf16")?.as_str() {
+                "bf16" => out.bf16 = true,
+                other => return Err(format!("--mixed-precision takes bf16, got {other:?}")),
+            },
+            "-h" | "--help" => return Err(common::HELP.to_string()),
+            other => return Err(format!("unknown argument {other:?}")),
+        }
+    }
+    Ok(out)
+}
+
+/// Fails early (before the benchmark runs) when `path` is a folder or its folder is missing.
+fn check_json_path(path: &Path) -> Result<(), String> {
+    if path.file_name().is_none() || path.is_dir() {
+        return Err(format!("--json {}: give a file path, not a folder", path.display()));
+    }
+    let dir = path
+        .parent()
+        .filter(|d| !d.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    if !dir.is_dir() {
+        return Err(format!(
+            "--json {}: folder {} does not exist; create it first",
+            path.display(),
+            dir.display()
+        ));
+    }
+    Ok(())
+}
+
+fn run(args: &Args) -> Result<(), BoxError> {
+    let cfg = args.model;
+    let global = FSDP_WORLD * ROWS_PER_RANK;
+    println!(
+        "one training step (forward, backward, AdamW) of the {} Transformer (dim {}, {} layers, {} heads, vocab {}, \
+         seq {}; {} parameters), {}, global batch {global} rows; {} steps after {WARMUP} warm-ups",
+        args.config_name,
+        cfg.dim,
+        cfg.n_layers,
+        cfg.n_heads,
+        cfg.vocab,
+        cfg.seq,
+        cfg.num_params(),
+        if args.bf16 { "bf16 mixed precision" } else { "f32" },
+        args.steps,
+    );
+    let mut summaries = Vec::new();
+    for mode in [Mode::Single, Mode::Fsdp] {
+        let reports = launch(mode.world(), |ctx| bench_rank(ctx.into_comm(), mode, args))?;
+        let med = |f: fn(&RankReport) -> &Vec<f64>| median(f(&reports[0]));
+        summaries.push(Summary {
+            mode,
+            median_s: median(&max_over_ranks(
+                &reports.iter().map(|r| r.step_s.clone()).collect::<Vec<_>>(),
+            )),
+            forward_s: med(|r| &r.forward_s),
+            backward_s: med(|r| &r.backward_s),
+            optim_s: med(|r| &r.optim_s),
+            cpu: reports[0].cpu,
+            peak_bytes: reports.iter().map(|r| r.peak_bytes).max().unwrap_or(0),
+            first_loss: reports[0].first_loss,
+            last_loss: reports[0].last_loss,
+        });
+    }
+    report(args, &summaries)
+}
+
+/// Sets up one rank of `mode` and times its steps.
+fn bench_rank(comm: Box<dyn tessera::Communicator>, mode: Mode, args: &Args) -> Result<RankReport, BoxError> {
+    let world = mode.world();
+    let mesh = DeviceMesh::new(comm, &[world])?;
+    let cfg = args.model;
+    let model = Transformer::new(cfg, &mesh, DType::F32, INIT_SEED)?;
+    let fsdp_config = FsdpConfig {
+        mp_policy: if args.bf16 {
+            MixedPrecisionPolicy::bf16()
+        } else {
+            MixedPrecisionPolicy::default()
+        },
+        ..FsdpConfig::default()
+    };
+    // Kept alive for the whole run: dropping the units would end FSDP.
+    let _units = match mode {
+        Mode::Fsdp => Some(model.fully_shard(&mesh, &fsdp_config)?),
+        Mode::Single if args.bf16 => Some(model.fully_shard(&mesh, &fsdp_config)?),
+        Mode::Single => None,
+    };
+    let adamw = AdamWConfig {
+        lr: 1e-3,
+        betas: (0.9, 0.95),
+        eps: 1e-8,
+        weight_decay: 0.1,
+    };
+    let mut opt = AdamW::new(model.parameters(), adamw)?;
+    let global = FSDP_WORLD * ROWS_PER_RANK;
+    let len = cfg.seq + 1;
+    memory::reset_peak();
+
+    let mut r = RankReport {
+        step_s: Vec::new(),
+        forward_s: Vec::new(),
+        backward_s: Vec::new(),
+        optim_s: Vec::new(),
+        cpu: None,
+        peak_bytes: 0,
+        first_loss: f64::NAN,
+        last_loss: f64::NAN,
+    };
+    let mut cpu_start = None;
+    for step in 0..WARMUP + args.steps {
+        // Every rank builds the global rows; `distribute_tensor` keeps its own.
+        let rows = batch(DATA_SEED, step as u64, 0..global as u64, len, cfg.vocab as u64);
+        let rows = distribute_tensor(&Tensor::from_vec(rows, &[global, len])?, &mesh, &[Placement::Shard(0)])?;
+        let rows = Var::constant(rows);
+        mesh.comm().barrier()?;
+        if step == WARMUP {
+            cpu_start = cpu_seconds().map(|c| (c, Instant::now()));
+        }
+        let t0 = Instant::now();
+        let loss = model.loss(&rows)?;
+        let t1 = Instant::now();
+        backward(&loss)?;
+        let t2 = Instant::now();
+        opt.step()?;
+        opt.zero_grad();
+        let t3 = Instant::now();
+        let value = loss.value().full_tensor()?.to_f64_vec()[0];
+        if !value.is_finite() {
+            return Err(format!("{} step {step}: the loss is {value}", mode.name()).into());
+        }
+        if step == 0 {
+            r.first_loss = value;
+        }
+        r.last_loss = value;
+        if step >= WARMUP {
+            r.step_s.push((t3 - t0).as_secs_f64());
+            r.forward_s.push((t1 - t0).as_secs_f64());
+            r.backward_s.push((t2 - t1).as_secs_f64());
+            r.optim_s.push((t3 - t2).as_secs_f64());
+        }
+    }
+    // Every rank has finished its last step once this barrier passes.
+    mesh.comm().barrier()?;
+    if let (Some(((ours0, all0), w0)), Some((ours1, all1))) = (cpu_start, cpu_seconds()) {
+        let wall = w0.elapsed().as_secs_f64();
+        let ours = (ours1 - ours0) / wall;
+        r.cpu = Some(CpuUse {
+            ours,
+            others: ((all1 - all0) / wall - ours).max(0.0),
+        });
+    }
+    r.peak_bytes = memory::stats().peak_bytes;
+    Ok(r)
+}
+
+/// Average busy cores over an interval: this process's threads, and everything else
+/// on the machine (other processes, the kernel's own work).
+#[derive(Clone, Copy, Debug)]
+struct CpuUse {
+    ours: f64,
+    others: f64,
+}
+
+/// CPU seconds (user + system) so far of this process (all its threads) and of the
+/// whole machine (all CPUs, not idle or waiting on I/O); `None` where `/proc`
+/// cannot be read (not Linux). Assumes `USER_HZ` = 100, as on every mainstream
+/// Linux architecture.
+fn cpu_seconds() -> Option<(f64, f64)> {
+    const HZ: f64 = 100.0;
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    // Fields after the parenthesised command name: state is field 3, utime 14, stime 15.
+    let rest = stat.get(stat.rfind(')')? + 1..)?;
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let ticks = |i: usize| fields.get(i - 3)?.parse::<u64>().ok();
+    let ours = (ticks(14)? + ticks(15)?) as f64 / HZ;
+    // `cpu  user nice system idle iowait irq softirq steal ...`, summed over CPUs.
+    let machine = std::fs::read_to_string("/proc/stat").ok()?;
+    let cpu: Vec<u64> = machine
+        .lines()
+        .next()?
+        .strip_prefix("cpu ")?
+        .split_whitespace()
+        .take(8)
+        .map(|v| v.parse().ok())
+        .collect::<Option<_>>()?;
+    let busy = cpu.iter().sum::<u64>() - cpu.get(3)? - cpu.get(4)?;
+    Some((ours, busy as f64 / HZ))
+}
+
+/// Prints the table and the targets, and writes the JSON.
+fn report(args: &Args, s: &[Summary]) -> Result<(), BoxError> {
+    let (single, fsdp) = (&s[0], &s[1]);
+    let (pt_single, pt_fsdp) = args.pytorch_ms;
+    let mib = |b: usize| b as f64 / (1u64 << 20) as f64;
+    println!();
+    println!(
+        "{:<7} {:>5} {:>10} {:>8} {:>8} {:>9} {:>11} {:>13} {:>14} {:>11} {:>11} {:>11}",
+        "mode",
+        "world",
+        "median_ms",
+        "fwd_ms",
+        "bwd_ms",
+        "optim_ms",
+        "cores_ours",
+        "cores_others",
+        "peak_MiB/rank",
+        "first_loss",
+        "pytorch_ms",
+        "vs_pytorch"
+    );
+    let mut records = Vec::new();
+    for (x, pt) in [(single, pt_single), (fsdp, pt_fsdp)] {
+        let ms = x.median_s * 1e3;
+        println!(
+            "{:<7} {:>5} {:>10.1} {:>8.1} {:>8.1} {:>9.1} {:>11} {:>13} {:>14.1} {:>11.5} {:>11.1} {:>10.2}x",
+            x.mode.name(),
+            x.mode.world(),
+            ms,
+            x.forward_s * 1e3,
+            x.backward_s * 1e3,
+            x.optim_s * 1e3,
+            x.cpu.map_or("-".into(), |c| format!("{:.2}", c.ours)),
+            x.cpu.map_or("-".into(), |c| format!("{:.2}", c.others)),
+            mib(x.peak_bytes),
+            x.first_loss,
+            pt,
+            ms / pt,
+        );
+        records.push(Json::Obj(vec![
+            ("mode".into(), Json::Str(x.mode.name().into())),
+            ("world".into(), Json::Int(x.mode.world() as u64)),
+            ("median_step_s".into(), Json::Num(x.median_s)),
+            ("peak_bytes_per_rank".into(), Json::Int(x.peak_bytes as u64)),
+            ("config".into(), Json::Str(args.config_name.into())),
+            (
+                "precision".into(),
+                Json::Str(if args.bf16 { "bf16" } else { "f32" }.into()),
+            ),
+            ("global_batch".into(), Json::Int((FSDP_WORLD * ROWS_PER_RANK) as u64)),
+            ("steps".into(), Json::Int(args.steps as u64)),
+            ("first_loss".into(), Json::Num(x.first_loss)),
+            ("last_loss".into(), Json::Num(x.last_loss)),
+        ]));
+    }
+    let time_ratio = fsdp.median_s / single.median_s;
+    let mem_ratio = fsdp.peak_bytes as f64 / single.peak_bytes as f64;
+    let vs_pt = fsdp.median_s * 1e3 / pt_fsdp;
+    println!();
+    println!("fsdp/single: step time {time_ratio:.2}x, peak memory per rank {mem_ratio:.2}x");
+    println!(
+        "pytorch_ms: PyTorch 2.15 FSDP2, gloo, f32, on this machine, {} config, 8 rows (reference figures, not measured \
+         here); vs_pytorch = our median / theirs, in the same mode",
+        args.config_name
+    );
+    let verdict = |ok: bool| if ok { "met" } else { "NOT met" };
+    println!(
+        "target fsdp W=2 <= 1.1x our single-rank step: {time_ratio:.2}x, {}",
+        verdict(time_ratio <= 1.1)
+    );
+    println!(
+        "target fsdp W=2 <= 0.6x PyTorch FSDP2 W=2 ({pt_fsdp} ms): {vs_pt:.2}x, {}",
+        verdict(vs_pt <= 0.6)
+    );
+    let drift = (fsdp.first_loss - single.first_loss).abs();
+    if drift > 1e-3 * single.first_loss.abs().max(1.0) {
+        println!(
+            "WARNING: the first-step losses differ ({} single, {} fsdp): the two modes do not compute the same step",
+            single.first_loss, fsdp.first_loss
+        );
+    }
+    for x in s {
+        if let Some(c) = x.cpu.filter(|c| c.others > OTHERS_NOISE) {
+            println!(
+                "WARNING: other work kept {:.2} cores busy during the {} steps (this run used {:.2}): its times \
+                 are not clean; rerun on an idle machine",
+                c.others,
+                x.mode.name(),
+                c.ours
+            );
+        }
+    }
+    if let Some(path) = &args.json {
+        common::write_atomic(path, &(Json::Arr(records).render() + "\n"))?;
+        println!("wrote {}", path.display());
+    }
+    Ok(())
+}
