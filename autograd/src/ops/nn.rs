@@ -68,7 +68,7 @@ impl Var {
                     t.placements().iter().all(|p| match p.shard_dim() {
                         Some(d) => d == 0 || d == r - 1,
                         None => true,
-                    }) && t.shape()[0] % t.mesh().size().max(1) == 0
+                    }) && t.shape()[0].is_multiple_of(t.mesh().size().max(1))
                 };
                 Some(if r == 2 {
                     g.transpose(0, 1)?.matmul(&x)?

@@ -95,9 +95,9 @@ impl DTensor {
             let ok = if shape[o] == a[d] {
                 true
             } else if shape[o] > a[d] {
-                a[d] % ranks == 0 && prefix_of(a, d, shape[o])
+                a[d].is_multiple_of(ranks) && prefix_of(a, d, shape[o])
             } else {
-                shape[o] % ranks == 0 && prefix_of(shape, o, a[d])
+                shape[o].is_multiple_of(ranks) && prefix_of(shape, o, a[d])
             };
             ok.then_some(o)
         };
@@ -110,11 +110,7 @@ impl DTensor {
                     // INVARIANT: only dims with a mapping are sharded in the candidates,
                     // and those shard evenly, so the ratio is exact.
                     let o = map(d).expect("mapped dim");
-                    local[o] = if a[d] == 0 {
-                        0
-                    } else {
-                        shape[o] * l[0].shape()[d] / a[d]
-                    };
+                    local[o] = (shape[o] * l[0].shape()[d]).checked_div(a[d]).unwrap_or(0);
                 }
             }
             l[0].contiguous().reshape(&local)
