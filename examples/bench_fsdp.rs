@@ -46,7 +46,7 @@
 #[path = "common/mod.rs"]
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Instant;
 
@@ -174,31 +174,10 @@ fn parse(args: impl IntoIterator<Item = String>) -> Result<Args, String> {
         pytorch_ms: (233.0, 316.8),
         bf16: false,
     };
-    let mut args = args.into_iter();
-    while let Some(arg) = args.next() {
-        let (flag, inline) = match arg.split_once('=') {
-            Some((f, v)) if f.starts_with("--") => (f.to_string(), Some(v.to_string())),
-            _ => (arg.clone(), None),
-        };
-        let mut value = |what: &str| -> Result<String, String> {
-            match inline.clone().or_else(|| args.next()) {
-                Some(v) if !v.is_empty() => Ok(v),
-                _ => Err(format!("{flag} needs a value ({what})")),
-            }
-        };
-        match flag.as_str() {
-            "--json" => {
-                let path = PathBuf::from(value("a file path")?);
-                check_json_path(&path)?;
-                out.json = Some(path);
-            }
-            "--steps" => {
-                let v = value("a positive integer")?;
-                out.steps = match v.parse::<usize>() {
-                    Ok(n) if n > 0 => n,
-                    _ => return Err(format!("--steps takes a positive integer, got {v:?}")),
-                };
-            }
+    common::parse_flags(args, |flag, value| {
+        match flag {
+            "--json" => out.json = Some(common::json_path(&value("a file path")?)?),
+            "--steps" => out.steps = common::positive(flag, &value("a positive integer")?)?,
             "--config" => match value("bench or tiny")?.as_str() {
                 "bench" => (out.config_name, out.model, out.pytorch_ms) = ("bench", BENCH, (233.0, 316.8)),
                 "tiny" => (out.config_name, out.model, out.pytorch_ms) = ("tiny", TransformerConfig::TINY, (6.3, 34.8)),
@@ -208,30 +187,11 @@ fn parse(args: impl IntoIterator<Item = String>) -> Result<Args, String> {
                 "bf16" => out.bf16 = true,
                 other => return Err(format!("--mixed-precision takes bf16, got {other:?}")),
             },
-            "-h" | "--help" => return Err(common::HELP.to_string()),
             other => return Err(format!("unknown argument {other:?}")),
         }
-    }
+        Ok(())
+    })?;
     Ok(out)
-}
-
-/// Fails early (before the benchmark runs) when `path` is a folder or its folder is missing.
-fn check_json_path(path: &Path) -> Result<(), String> {
-    if path.file_name().is_none() || path.is_dir() {
-        return Err(format!("--json {}: give a file path, not a folder", path.display()));
-    }
-    let dir = path
-        .parent()
-        .filter(|d| !d.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    if !dir.is_dir() {
-        return Err(format!(
-            "--json {}: folder {} does not exist; create it first",
-            path.display(),
-            dir.display()
-        ));
-    }
-    Ok(())
 }
 
 fn run(args: &Args) -> Result<(), BoxError> {

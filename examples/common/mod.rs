@@ -30,36 +30,66 @@ pub fn parse_args(args: impl IntoIterator<Item = String>, default_iters: usize) 
         json: None,
         iters: default_iters,
     };
+    parse_flags(args, |flag, value| {
+        match flag {
+            "--json" => out.json = Some(json_path(&value("a file path")?)?),
+            "--iters" => out.iters = positive(flag, &value("a positive integer")?)?,
+            other => return Err(format!("unknown argument {other:?}")),
+        }
+        Ok(())
+    })?;
+    Ok(out)
+}
+
+/// Walks `--flag value` / `--flag=value` pairs, handing each flag to `on` with a
+/// function that fetches its value (naming `what` it expects when missing).
+/// `-h`/`--help` gives [`HELP`].
+///
+/// # Errors
+/// The first message `on` or a missing value gives.
+pub fn parse_flags(
+    args: impl IntoIterator<Item = String>,
+    mut on: impl FnMut(&str, &mut dyn FnMut(&str) -> Result<String, String>) -> Result<(), String>,
+) -> Result<(), String> {
     let mut args = args.into_iter();
     while let Some(arg) = args.next() {
         let (flag, inline) = match arg.split_once('=') {
             Some((f, v)) if f.starts_with("--") => (f.to_string(), Some(v.to_string())),
             _ => (arg.clone(), None),
         };
+        if flag == "-h" || flag == "--help" {
+            return Err(HELP.to_string());
+        }
         let mut value = |what: &str| -> Result<String, String> {
             match inline.clone().or_else(|| args.next()) {
                 Some(v) if !v.is_empty() => Ok(v),
                 _ => Err(format!("{flag} needs a value ({what})")),
             }
         };
-        match flag.as_str() {
-            "--json" => {
-                let path = PathBuf::from(value("a file path")?);
-                check_writable_dir(&path)?;
-                out.json = Some(path);
-            }
-            "--iters" => {
-                let v = value("a positive integer")?;
-                out.iters = match v.parse::<usize>() {
-                    Ok(n) if n > 0 => n,
-                    _ => return Err(format!("--iters takes a positive integer, got {v:?}")),
-                };
-            }
-            "-h" | "--help" => return Err(HELP.to_string()),
-            other => return Err(format!("unknown argument {other:?}")),
-        }
+        on(&flag, &mut value)?;
     }
-    Ok(out)
+    Ok(())
+}
+
+/// `v` as a positive integer for `flag`.
+///
+/// # Errors
+/// Anything else.
+pub fn positive(flag: &str, v: &str) -> Result<usize, String> {
+    match v.parse::<usize>() {
+        Ok(n) if n > 0 => Ok(n),
+        _ => Err(format!("{flag} takes a positive integer, got {v:?}")),
+    }
+}
+
+/// The `--json` path, checked early (see [`check_writable_dir`]).
+///
+/// # Errors
+/// A folder, or a file in a folder that does not exist.
+pub fn json_path(v: &str) -> Result<PathBuf, String> {
+    let path = PathBuf::from(v);
+    check_writable_dir(&path)?;
+    Ok(path)
 }
 
 /// Fails early (before minutes of benchmarking) when `path`'s folder does not exist.
