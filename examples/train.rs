@@ -118,7 +118,10 @@ fn parse() -> Result<Args, String> {
     } else {
         let n = a.mesh[0] * a.mesh[1];
         if world_given && n != a.world {
-            return Err(format!("--mesh {}x{} has {n} ranks, --world-size says {}", a.mesh[0], a.mesh[1], a.world));
+            return Err(format!(
+                "--mesh {}x{} has {n} ranks, --world-size says {}",
+                a.mesh[0], a.mesh[1], a.world
+            ));
         }
         a.world = n;
     }
@@ -199,7 +202,11 @@ fn run(args: &Args) -> Result<(), BoxError> {
         cfg.seq,
         cfg.num_params(),
         if args.bf16 { ", bf16 mixed precision" } else { "" },
-        if args.no_reshard { ", no reshard after forward" } else { "" },
+        if args.no_reshard {
+            ", no reshard after forward"
+        } else {
+            ""
+        },
     );
     let fsdp = FsdpConfig {
         reshard_after_forward: args.no_reshard.then_some(false),

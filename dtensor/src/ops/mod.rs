@@ -31,6 +31,7 @@
 //! - Operands must have the same dtype: there is no type promotion.
 
 mod elementwise;
+mod fastmath;
 mod matmul;
 mod nn;
 mod reduce;

@@ -3,6 +3,7 @@
 
 use tessera_mesh::{DType, Element};
 
+use super::fastmath::{exp, zip_map};
 use super::reduce::{row_max, sum_f64, sum_map_f64};
 use super::{Float, Real, any_dispatch, check_dim, elements, float_dispatch, output, same_dtype};
 use crate::{Error, Result, Tensor};
@@ -46,11 +47,20 @@ fn map_rows<T: Float>(t: &Tensor, dim: usize, mut f: impl FnMut(&[T], &mut [T]))
     }
 }
 
-/// `ln Σ exp(x - max)` of a row, in `f64`, and the row maximum.
-fn row_logsumexp<T: Float>(row: &[T]) -> (T::Acc, f64) {
+/// The row maximum and `Σ exp(x - max)` of a row (the sum in `f64`), leaving
+/// the exponentials in `e` (one vectorisable pass, then the sum).
+fn row_exp_sum<T: Float>(row: &[T], e: &mut Vec<T::Acc>) -> (T::Acc, f64) {
     let max = row_max(row);
-    let s = sum_map_f64(row, |x| (x.to_acc() - max).exp().widen());
-    (max, s.ln())
+    e.clear();
+    e.resize(row.len(), T::Acc::ZERO);
+    zip_map(
+        row,
+        row,
+        e,
+        #[inline(always)]
+        |x, _| exp(x.to_acc() - max),
+    );
+    (max, sum_map_f64(e, |v| v.widen()))
 }
 
 /// Errors unless `t` has rank >= 1 (ops over a dim or the last dim).
@@ -143,10 +153,7 @@ impl Tensor {
             // The exponentials in the compute type, so that half types round once.
             let mut e = Vec::new();
             map_rows::<T>(self, dim, |row, out| {
-                let max = row_max(row);
-                e.clear();
-                e.extend(row.iter().map(|&x| (x.to_acc() - max).exp()));
-                let inv = 1.0 / sum_map_f64(&e, |v| v.widen());
+                let inv = 1.0 / row_exp_sum(row, &mut e).1;
                 for (o, &v) in out.iter_mut().zip(&e) {
                     *o = <T as Float>::from_f64(v.widen() * inv);
                 }
@@ -161,12 +168,16 @@ impl Tensor {
     /// [`Error::DimOutOfRange`]; [`Error::InvalidArgument`] for integer tensors.
     pub fn log_softmax(&self, dim: usize) -> Result<Tensor> {
         check_dim("log_softmax", dim, self.rank())?;
-        float_dispatch!("log_softmax", self.dtype(), T => map_rows::<T>(self, dim, |row, out| {
-            let (max, lse) = row_logsumexp(row);
-            for (o, &x) in out.iter_mut().zip(row) {
-                *o = <T as Float>::from_f64((x.to_acc() - max).widen() - lse);
-            }
-        }))
+        float_dispatch!("log_softmax", self.dtype(), T => {
+            let mut e = Vec::new();
+            map_rows::<T>(self, dim, |row, out| {
+                let (max, sum) = row_exp_sum(row, &mut e);
+                let lse = sum.ln();
+                for (o, &x) in out.iter_mut().zip(row) {
+                    *o = <T as Float>::from_f64((x.to_acc() - max).widen() - lse);
+                }
+            })
+        })
     }
 
     /// Layer norm over the last dim: `(x - mean) / sqrt(var + eps) · weight + bias`
@@ -241,8 +252,10 @@ impl Tensor {
     }
 
     /// Cross entropy of `[N, C]` logits against `i64` class `targets` of shape
-    /// `[N]`: `logsumexp(row) - row[target]`, reduced by `reduction`, computed in
-    /// `f64` and returned in the logits' dtype.
+    /// `[N]`: `logsumexp(row) - row[target]`, reduced by `reduction`, and returned
+    /// in the logits' dtype. The exponentials are taken in the compute type (as
+    /// in [`softmax`](Self::softmax)), their sums, the logarithm and the
+    /// reduction in `f64`.
     /// PyTorch: `torch.nn.functional.cross_entropy(logits, targets, reduction=...)`
     /// (without class weights, `ignore_index` or label smoothing).
     ///
@@ -317,15 +330,16 @@ impl Tensor {
         float_dispatch!(OP, self.dtype(), T => {
             let x = elements::<T>(self)?;
             let mut losses = Vec::with_capacity(n);
-            let mut p = if probs { vec![T::default(); n * c] } else { Vec::new() };
+            let mut p = Vec::with_capacity(if probs { n * c } else { 0 });
+            let mut e = Vec::with_capacity(c);
             for (i, &k) in t.iter().enumerate() {
                 let row = &x[i * c..(i + 1) * c];
-                let (max, lse) = row_logsumexp(row);
-                losses.push(lse - (row[k as usize].to_acc() - max).widen());
+                let (max, sum) = row_exp_sum(row, &mut e);
+                losses.push(sum.ln() - (row[k as usize].to_acc() - max).widen());
                 if probs {
-                    for (o, &v) in p[i * c..(i + 1) * c].iter_mut().zip(row) {
-                        *o = <T as Float>::from_f64(((v.to_acc() - max).widen() - lse).exp());
-                    }
+                    // The softmax from the exponentials already at hand, as `softmax` does.
+                    let inv = 1.0 / sum;
+                    p.extend(e.iter().map(|&v| <T as Float>::from_f64(v.widen() * inv)));
                 }
             }
             let loss = match reduction {

@@ -1,6 +1,7 @@
 //! Unary element-wise ops (activations and math functions), and GELU's backward.
 
 use super::elementwise::Binary;
+use super::fastmath::{erfc, exp, zip_map};
 use super::{Float, Real, elements, float_dispatch, output, same_dtype};
 use crate::{Error, Result, Tensor};
 
@@ -26,7 +27,7 @@ macro_rules! unary_op {
     };
 }
 unary_op!(NegOp, |x| -x);
-unary_op!(ExpOp, |x| x.exp());
+unary_op!(ExpOp, |x| exp(x));
 unary_op!(LogOp, |x| x.ln());
 unary_op!(SqrtOp, |x| x.sqrt());
 unary_op!(RsqrtOp, |x| R::ONE / x.sqrt());
@@ -34,11 +35,12 @@ unary_op!(TanhOp, |x| x.tanh());
 unary_op!(ErfOp, |x| x.erf());
 // 0.5 x (1 + erf(x / sqrt 2)) = 0.5 x erfc(-x / sqrt 2), without the cancellation
 // of 1 + erf for negative x.
-unary_op!(GeluOp, |x| R::real(0.5) * x * (-x * R::real(FRAC_1_SQRT_2)).erfc());
+// `erfc` and `exp` are the branch-free `f32` kernels of `fastmath` (libm for `f64`).
+unary_op!(GeluOp, |x| R::real(0.5) * x * erfc(-x * R::real(FRAC_1_SQRT_2)));
 // `x <= 0` is false for NaN, so NaN propagates as in PyTorch.
 unary_op!(ReluOp, |x| if x <= R::ZERO { R::ZERO } else { x });
-unary_op!(SigmoidOp, |x| R::ONE / (R::ONE + (-x).exp()));
-unary_op!(SiluOp, |x| x / (R::ONE + (-x).exp()));
+unary_op!(SigmoidOp, |x| R::ONE / (R::ONE + exp(-x)));
+unary_op!(SiluOp, |x| x / (R::ONE + exp(-x)));
 unary_op!(AbsOp, |x| x.abs());
 unary_op!(SquareOp, |x| x * x);
 
@@ -47,8 +49,8 @@ pub(crate) struct GeluBackwardOp;
 impl Binary for GeluBackwardOp {
     #[inline(always)]
     fn apply<R: Real>(g: R, x: R) -> R {
-        let cdf = R::real(0.5) * (-x * R::real(FRAC_1_SQRT_2)).erfc();
-        let pdf = R::real(FRAC_1_SQRT_2PI) * (R::real(-0.5) * x * x).exp();
+        let cdf = R::real(0.5) * erfc(-x * R::real(FRAC_1_SQRT_2));
+        let pdf = R::real(FRAC_1_SQRT_2PI) * exp(R::real(-0.5) * x * x);
         g * (cdf + x * pdf)
     }
 }
@@ -56,7 +58,8 @@ impl Binary for GeluBackwardOp {
 fn unary<Op: Unary>(op: &'static str, t: &Tensor) -> Result<Tensor> {
     float_dispatch!(op, t.dtype(), T => {
         let x = elements::<T>(t)?;
-        let out: Vec<T> = x.iter().map(|&x| T::from_acc(Op::apply(x.to_acc()))).collect();
+        let mut out = vec![T::default(); x.len()];
+        zip_map(&x, &x, &mut out, #[inline(always)] |x, _| T::from_acc(Op::apply(x.to_acc())));
         output(out, t.shape())
     })
 }
@@ -133,11 +136,10 @@ impl Tensor {
         same_dtype(OP, self, x)?;
         float_dispatch!(OP, self.dtype(), T => {
             let (g, x) = (elements::<T>(self)?, elements::<T>(x)?);
-            let out: Vec<T> = g
-                .iter()
-                .zip(x.iter())
-                .map(|(&g, &x)| T::from_acc(GeluBackwardOp::apply(g.to_acc(), x.to_acc())))
-                .collect();
+            let mut out = vec![T::default(); g.len()];
+            zip_map(&g, &x, &mut out, #[inline(always)] |g, x| {
+                T::from_acc(GeluBackwardOp::apply(g.to_acc(), x.to_acc()))
+            });
             output(out, self.shape())
         })
     }

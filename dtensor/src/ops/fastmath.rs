@@ -1,0 +1,296 @@
+//! Branch-free `f32` `exp` and `erfc` for the hot loops of softmax, cross
+//! entropy and GELU.
+//!
+//! libm's scalar `expf` and `erfcf` branch on the input's range and cannot be
+//! vectorised; these compute every range with plain arithmetic and pick the
+//! result with selects, so that a loop over a slice compiles to vector code.
+//! They use no fused multiply-add (which is a libm call without the `fma`
+//! target feature), so results do not depend on the CPU.
+//!
+//! Accuracy against `f64` libm over dense sweeps of 4·10⁶ points (the tests
+//! assert these bounds): [`exp_f32`] within 0.97 ulp on `[-104, 88.72]`
+//! (subnormal results counted in the subnormal spacing), asserted <= 1 ulp;
+//! [`erfc_f32`] within 2.53 ulp on `[-10, 10]`, asserted <= 3 ulp (libm's
+//! scalar `erfcf`, built on the same FreeBSD rational approximations, measures
+//! 3.03 ulp on the same sweep). Special values
+//! follow libm: NaN stays NaN, `exp(-inf) = 0`, `exp(+inf) = inf`,
+//! `erfc(-inf) = 2`, `erfc(+inf) = 0`.
+//!
+//! [`exp`] and [`erfc`] take any [`Real`]: `f32` goes through these, `f64`
+//! through libm, unchanged.
+
+use super::Real;
+
+/// `e^x` for any [`Real`]: the fast kernel for `f32`, libm for `f64`.
+#[inline(always)]
+pub(crate) fn exp<R: Real>(x: R) -> R {
+    // `Real` has two types; the size picks `f32`, and the casts through `f64`
+    // are exact round trips that compile away.
+    if size_of::<R>() == 4 {
+        R::real(f64::from(exp_f32(x.widen() as f32)))
+    } else {
+        x.exp()
+    }
+}
+
+/// `erfc(x)` for any [`Real`]: the fast kernel for `f32`, libm for `f64`.
+#[inline(always)]
+pub(crate) fn erfc<R: Real>(x: R) -> R {
+    if size_of::<R>() == 4 {
+        R::real(f64::from(erfc_f32(x.widen() as f32)))
+    } else {
+        x.erfc()
+    }
+}
+
+/// `out[i] = f(x[i], y[i])` over the common length, with the loop compiled
+/// both for the baseline target and for AVX2 (eight `f32` lanes instead of
+/// four), the latter taken when the CPU has it. `f` uses no FMA, so both give
+/// the same bits.
+#[inline(always)]
+pub(crate) fn zip_map<A: Copy, B: Copy, C>(x: &[A], y: &[B], out: &mut [C], f: impl Fn(A, B) -> C) {
+    #[inline(always)]
+    fn body<A: Copy, B: Copy, C>(x: &[A], y: &[B], out: &mut [C], f: impl Fn(A, B) -> C) {
+        for ((o, &a), &b) in out.iter_mut().zip(x).zip(y) {
+            *o = f(a, b);
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        #[target_feature(enable = "avx2")]
+        fn avx2<A: Copy, B: Copy, C>(x: &[A], y: &[B], out: &mut [C], f: impl Fn(A, B) -> C) {
+            body(x, y, out, f);
+        }
+        if std::arch::is_x86_feature_detected!("avx2") {
+            // SAFETY: the CPU supports AVX2 (checked just above), the only
+            // requirement of calling a function compiled with that feature.
+            unsafe { avx2(x, y, out, f) };
+            return;
+        }
+    }
+    body(x, y, out, f);
+}
+
+/// Inputs above this give `inf` (`ln f32::MAX` is 88.72284).
+const EXP_HI: f32 = 88.722_84;
+/// Inputs below this give 0 (`e^-103.972` is half the smallest subnormal).
+const EXP_LO: f32 = -103.972_08;
+
+/// `2^n` for `n` in `-126..=127`, built from its exponent bits.
+#[inline(always)]
+fn pow2i(n: i32) -> f32 {
+    f32::from_bits(((n + 127) as u32) << 23)
+}
+
+/// `e^(hi + lo)`, where `lo` is a small correction to `hi` that is added after
+/// the range reduction (so that it keeps its low bits when `hi` is large).
+#[inline(always)]
+fn exp_hi_lo(hi: f32, lo: f32) -> f32 {
+    // Cephes `expf`: x = n ln2 + r with |r| <= ln2 / 2, ln2 split so that
+    // n * LN2_HI is exact, and a degree-7 polynomial for e^r.
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    const LN2_HI: f32 = 0.693_359_4;
+    const LN2_LO: f32 = -2.121_944_4e-4;
+    // 1.5 * 2^23: adding it rounds to an integer (to nearest, ties to even),
+    // which sits in the low mantissa bits.
+    const ROUND: f32 = 12_582_912.0;
+    let x = hi + lo;
+    // NaN stays NaN through the clamp.
+    let xc = x.clamp(EXP_LO, EXP_HI);
+    let t = xc * LOG2E + ROUND;
+    let n = t - ROUND;
+    let ni = (t.to_bits() as i32) - (ROUND.to_bits() as i32);
+    let r = (hi - n * LN2_HI) - n * LN2_LO + lo;
+    let r2 = r * r;
+    let p =
+        ((((1.987_569_2e-4 * r + 1.398_2e-3) * r + 8.333_452e-3) * r + 4.166_579_6e-2) * r + 1.666_666_5e-1) * r + 0.5;
+    let y = p * r2 + r + 1.0;
+    // 2^n in two factors so that neither overflows nor goes subnormal; the
+    // second product rounds once, to a subnormal where the result is one.
+    let n1 = ni >> 1;
+    let y = y * pow2i(n1) * pow2i(ni - n1);
+    if x > EXP_HI {
+        f32::INFINITY
+    } else if x < EXP_LO {
+        0.0
+    } else {
+        // NaN fails every comparison above and arrives here as NaN.
+        y
+    }
+}
+
+/// `e^x` in `f32`, branch-free.
+#[inline(always)]
+pub(crate) fn exp_f32(x: f32) -> f32 {
+    exp_hi_lo(x, 0.0)
+}
+
+/// `erfc(x)` in `f32`, branch-free: FreeBSD's `s_erff.c` rational
+/// approximations for every range, selected per element, with full relative
+/// precision in the positive tail (where `erfc` is tiny).
+#[inline(always)]
+pub(crate) fn erfc_f32(x: f32) -> f32 {
+    const ERX: f32 = 8.450_629e-1;
+    let z = x.abs();
+
+    // |x| < 0.84375: erf(x) = x + x R(x²)/S(x²).
+    let zz = x * x;
+    let r1 =
+        1.283_791_7e-1 + zz * (-3.250_421e-1 + zz * (-2.848_175e-2 + zz * (-5.770_270_3e-3 + zz * -2.376_301_7e-5)));
+    let s1 = 1.0
+        + zz * (3.979_172e-1
+            + zz * (6.502_225e-2 + zz * (5.081_306e-3 + zz * (1.324_947_4e-4 + zz * -3.960_228_2e-6))));
+    // 0.84375 <= |x| < 1.25: erfc(|x|) = 1 - erx - P(|x| - 1)/Q(|x| - 1).
+    let d = z - 1.0;
+    let p = -2.362_118_6e-3
+        + d * (4.148_561e-1
+            + d * (-3.722_078_8e-1
+                + d * (3.183_466_2e-1 + d * (-1.108_947e-1 + d * (3.547_830_5e-2 + d * -2.166_375_5e-3)))));
+    let q = 1.0
+        + d * (1.064_208_8e-1
+            + d * (5.403_979_4e-1
+                + d * (7.182_866e-2 + d * (1.261_712_2e-1 + d * (1.363_708_4e-2 + d * 1.198_45e-2)))));
+
+    // |x| >= 1.25: erfc(|x|) = e^(-z² - 0.5625 + R(1/x²)/S(1/x²)) / |x|, with
+    // the coefficients of [1.25, 1/0.35) or [1/0.35, 28).
+    let w = 1.0 / (z * z);
+    let a = z < 1.0 / 0.35;
+    let c = |ca: f32, cb: f32| if a { ca } else { cb };
+    let r3 = c(-9.864_944e-3, -9.864_943e-3)
+        + w * (c(-6.938_586e-1, -7.992_833e-1)
+            + w * (c(-1.055_862_6e1, -1.775_795_6e1)
+                + w * (c(-6.237_533e1, -1.606_363_8e2)
+                    + w * (c(-1.623_966_7e2, -6.375_665e2)
+                        + w * (c(-1.846_050_9e2, -1.025_095_1e3)
+                            + w * (c(-8.128_744e1, -4.835_192e2) + w * c(-9.814_329, 0.0)))))));
+    let s3 = 1.0
+        + w * (c(1.965_127_2e1, 3.033_806e1)
+            + w * (c(1.376_577_6e2, 3.257_925e2)
+                + w * (c(4.345_659e2, 1.536_729_6e3)
+                    + w * (c(6.453_873e2, 3.199_858e3)
+                        + w * (c(4.290_081_5e2, 2.553_050_3e3)
+                            + w * (c(1.086_35e2, 4.745_285_3e2)
+                                + w * (c(6.570_249_6, -2.244_095_2e1) + w * c(-6.042_441_4e-2, 0.0))))))));
+    // One division for the range that each element is in.
+    let (small_range, middle_range) = (z < 0.843_75, z < 1.25);
+    let num = if small_range {
+        r1
+    } else if middle_range {
+        p
+    } else {
+        r3
+    };
+    let den = if small_range {
+        s1
+    } else if middle_range {
+        q
+    } else {
+        s3
+    };
+    let y = num / den;
+    let small = if x < 0.25 {
+        1.0 - (x + x * y)
+    } else {
+        0.5 - (x - 0.5 + x * y)
+    };
+    let middle = 1.0 - ERX - y;
+    // z with its low 13 bits cleared: zh² is exact, so the large part of the
+    // exponent loses nothing; the rest rides along as a correction.
+    let zh = f32::from_bits(z.to_bits() & 0xffff_e000);
+    let tail = exp_hi_lo(-zh * zh - 0.5625, (zh - z) * (zh + z) + y) / z;
+    // erfc underflows to 0 beyond 10.06; the cut also keeps inf out of the tail.
+    let tail = if z < 10.1 { tail } else { 0.0 };
+
+    let big = if middle_range { middle } else { tail };
+    let big = if x < 0.0 { 2.0 - big } else { big };
+    if small_range {
+        small
+    } else if x.is_nan() {
+        x
+    } else {
+        big
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The distance from `got` to the exact `want` in units of the last place
+    /// of `want` rounded to `f32` (the subnormal spacing below the normals).
+    fn ulps(got: f32, want: f64) -> f64 {
+        if got as f64 == want || (got.is_nan() && want.is_nan()) {
+            return 0.0;
+        }
+        let w = want as f32;
+        let ulp = if w.abs() < f32::MIN_POSITIVE {
+            f32::from_bits(1) as f64
+        } else {
+            let next = f32::from_bits(w.abs().to_bits() + 1) as f64;
+            next - w.abs() as f64
+        };
+        (got as f64 - want).abs() / ulp
+    }
+
+    /// The largest ulp error of `f` against `want` over `n + 1` points from
+    /// `lo` to `hi`, and where it is.
+    fn sweep(lo: f32, hi: f32, n: u32, f: impl Fn(f32) -> f32, want: impl Fn(f64) -> f64) -> (f64, f32) {
+        (0..=n)
+            .map(|i| {
+                let x = lo + (hi - lo) * (i as f32 / n as f32);
+                (ulps(f(x), want(x as f64)), x)
+            })
+            .fold((0.0, lo), |a, b| if b.0 > a.0 { b } else { a })
+    }
+
+    #[test]
+    fn exp_error_bound() {
+        let (err, at) = sweep(-104.0, 88.72, 4_000_000, exp_f32, f64::exp);
+        assert!(err <= 1.0, "exp_f32: {err} ulp at {at}");
+        // Near 0, where most softmax inputs are.
+        let (err, at) = sweep(-1.0, 1.0, 1_000_000, exp_f32, f64::exp);
+        assert!(err <= 1.0, "exp_f32: {err} ulp at {at}");
+    }
+
+    #[test]
+    fn erfc_error_bound() {
+        let (err, at) = sweep(-10.0, 10.0, 4_000_000, erfc_f32, libm::erfc);
+        assert!(err <= 3.0, "erfc_f32: {err} ulp at {at}");
+        let (lib, at) = sweep(-10.0, 10.0, 4_000_000, libm::erfcf, libm::erfc);
+        assert!(lib <= 3.5, "libm erfcf: {lib} ulp at {at}");
+    }
+
+    #[test]
+    fn special_values() {
+        macro_rules! case {
+            ($f:expr, $x:expr, $want:expr) => {
+                let got: f32 = $f($x);
+                let want: f32 = $want;
+                assert!(
+                    got == want || (got.is_nan() && want.is_nan()),
+                    "{}({}) = {got}, want {want}",
+                    stringify!($f),
+                    $x
+                );
+            };
+        }
+        case!(exp_f32, 0.0, 1.0);
+        case!(exp_f32, f32::NEG_INFINITY, 0.0);
+        case!(exp_f32, f32::INFINITY, f32::INFINITY);
+        case!(exp_f32, f32::NAN, f32::NAN);
+        case!(exp_f32, 89.0, f32::INFINITY);
+        case!(exp_f32, -105.0, 0.0);
+        case!(exp_f32, -103.0, (-103f64).exp() as f32);
+        case!(exp_f32, -90.0, (-90f64).exp() as f32);
+        case!(erfc_f32, 0.0, 1.0);
+        case!(erfc_f32, f32::INFINITY, 0.0);
+        case!(erfc_f32, f32::NEG_INFINITY, 2.0);
+        case!(erfc_f32, f32::NAN, f32::NAN);
+        case!(erfc_f32, 30.0, 0.0);
+        case!(erfc_f32, -30.0, 2.0);
+        assert_eq!(exp(1.0f64), 1f64.exp());
+        assert_eq!(erfc(0.5f64), libm::erfc(0.5));
+        assert_eq!(exp(0.5f32), exp_f32(0.5));
+        assert_eq!(erfc(0.5f32), erfc_f32(0.5));
+    }
+}
