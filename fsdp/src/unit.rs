@@ -235,7 +235,7 @@ impl Unit {
         }
         let bytes = self.world * self.bucket_len * self.gather_dtype().size_in_bytes();
         let charge = Allocation::charge(bytes);
-        let work = self.shard_comm()?.all_gather_async(send.to_buffer());
+        let work = self.shard_comm()?.all_gather_async(send.into_buffer());
         Ok(Gathering::Comm { work, _charge: charge })
     }
 
@@ -558,8 +558,7 @@ impl Unit {
     /// asynchronously.
     fn reduce(&self) -> Result<()> {
         let dt = self.reduce_dtype();
-        let pending: Vec<Option<Tensor>> = std::mem::take(&mut self.grads.borrow_mut().pending);
-        self.grads.borrow_mut().pending = vec![None; self.params.len()];
+        let pending = std::mem::replace(&mut self.grads.borrow_mut().pending, vec![None; self.params.len()]);
         let has_grad: Vec<bool> = pending.iter().map(Option::is_some).collect();
         let mut cols = Vec::with_capacity(self.params.len());
         for (p, g) in self.params.iter().zip(pending) {
@@ -585,7 +584,7 @@ impl Unit {
             let charge = Allocation::charge(bucket.size_in_bytes() * (self.world + 1) / self.world);
             let work = self
                 .shard_comm()?
-                .reduce_scatter_async(bucket.to_buffer(), ReduceOp::Sum);
+                .reduce_scatter_async(bucket.into_buffer(), ReduceOp::Sum);
             Stage::Scatter(work, charge)
         };
         runtime::push_reduction(Reduction {
@@ -644,7 +643,7 @@ impl Reduction {
         match unit.replicate_comm()? {
             Some(comm) => {
                 let charge = Allocation::charge(flat.size_in_bytes());
-                let work = comm.all_reduce_async(flat.to_buffer(), ReduceOp::Sum);
+                let work = comm.all_reduce_async(flat.into_buffer(), ReduceOp::Sum);
                 Ok(Some(Reduction {
                     stage: Stage::AllReduce(work, charge),
                     unit,

@@ -121,6 +121,20 @@ impl Tensor {
         with_buffer!(self.data(), v, _T => Buffer::from(layout.gather(v)))
     }
 
+    /// [`to_buffer`](Self::to_buffer) that moves the storage's buffer out instead
+    /// of copying it when this tensor is its only holder and spans all of it in
+    /// row-major order (a freshly built bucket handed to an asynchronous collective).
+    pub fn into_buffer(mut self) -> Buffer {
+        let whole = self.is_contiguous() && self.storage_offset() == 0 && self.numel() == self.data().len();
+        if whole
+            && let Some(inner) = std::sync::Arc::get_mut(&mut self.0)
+            && let Some(storage) = std::sync::Arc::get_mut(&mut inner.storage)
+        {
+            return storage.take_data();
+        }
+        self.to_buffer()
+    }
+
     /// An ndarray view of the elements, with this tensor's strides, without copying.
     ///
     /// # Errors
@@ -219,6 +233,45 @@ mod tests {
         case!([257.9f32, -1.0], DType::U8, [255u8, 0]);
         case!([(1i64 << 53) + 1], DType::F64, [(1u64 << 53) as f64]);
         case!([1.5f32, 2.0], DType::F32, [1.5f32, 2.0]);
+    }
+
+    #[test]
+    fn into_buffer_moves_a_sole_whole_storage_and_copies_otherwise() {
+        let t = Tensor::arange(6, DType::F32).unwrap().reshape(&[2, 3]).unwrap();
+        let addr = t.as_buf().unwrap().as_bytes().as_ptr();
+        let moved = t.into_buffer();
+        assert_eq!(
+            moved.as_buf().as_bytes().as_ptr(),
+            addr,
+            "the only holder gives its buffer away"
+        );
+        assert_eq!(moved.into_vec::<f32>().unwrap(), vec![0.0, 1.0, 2.0, 3.0, 4.0, 5.0]);
+
+        let t = Tensor::arange(6, DType::F32).unwrap().reshape(&[2, 3]).unwrap();
+        let kept = t.clone();
+        let copied = t.into_buffer();
+        assert_ne!(
+            copied.as_buf().as_bytes().as_ptr(),
+            kept.as_buf().unwrap().as_bytes().as_ptr()
+        );
+        assert_eq!(
+            kept.to_vec::<f32>().unwrap(),
+            vec![0.0, 1.0, 2.0, 3.0, 4.0, 5.0],
+            "a shared one is left alone"
+        );
+
+        let view = Tensor::arange(6, DType::F32)
+            .unwrap()
+            .reshape(&[2, 3])
+            .unwrap()
+            .transpose(0, 1)
+            .unwrap();
+        assert_eq!(
+            view.into_buffer().into_vec::<f32>().unwrap(),
+            vec![0.0, 3.0, 1.0, 4.0, 2.0, 5.0]
+        );
+        let part = Tensor::arange(6, DType::F32).unwrap().narrow(0, 2, 3).unwrap();
+        assert_eq!(part.into_buffer().into_vec::<f32>().unwrap(), vec![2.0, 3.0, 4.0]);
     }
 
     #[test]

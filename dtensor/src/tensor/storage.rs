@@ -29,12 +29,18 @@ impl Storage {
     pub(crate) fn data(&self) -> &Buffer {
         &self.data
     }
+
+    /// Moves the buffer out (the storage is left empty, and its charge goes
+    /// when it drops).
+    pub(crate) fn take_data(&mut self) -> Buffer {
+        std::mem::replace(&mut self.data, Buffer::U8(Vec::new()))
+    }
 }
 
 impl Drop for Storage {
     fn drop(&mut self) {
         // Large buffers go back to this thread's cache for the next exchange.
-        crate::alloc::recycle(std::mem::replace(&mut self.data, Buffer::U8(Vec::new())));
+        crate::alloc::recycle(self.take_data());
     }
 }
 
