@@ -9,14 +9,15 @@
 //! Run with `cargo test --test fsdp -- --nocapture` to see the figures (parity
 //! differences, collective counts, memory bound and peaks).
 
+mod common;
+
 use std::cell::RefCell;
 use std::ops::Range;
-use std::path::PathBuf;
 
-use serde_json::Value;
+use common::{adamw, reference_losses, tiny_model, tokens};
 use tessera::autograd::nn::{Linear, Module};
-use tessera::autograd::optim::{AdamW, AdamWConfig, Optimizer, Sgd, SgdConfig};
-use tessera::autograd::{Error, Param, Var, backward, load_state_dict, read_safetensors};
+use tessera::autograd::optim::{AdamW, Optimizer, Sgd, SgdConfig};
+use tessera::autograd::{Error, Param, Var, backward, load_state_dict};
 use tessera::dtensor::{DTensor, Placement, Tensor, distribute_tensor};
 use tessera::fsdp::{FsdpConfig, FsdpModule, MixedPrecisionPolicy, fully_shard};
 use tessera::mesh::{CommCounts, OpKind};
@@ -27,28 +28,6 @@ use tessera::{BoxError, Communicator, DType, DeviceMesh, launch};
 
 type TestResult<T> = Result<T, BoxError>;
 
-fn data(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data").join(name)
-}
-
-/// `runs.<run>.loss` of the PyTorch reference (20 steps).
-fn reference_losses(run: &str) -> Vec<f64> {
-    let text = std::fs::read_to_string(data("tiny_reference.json")).unwrap();
-    let v: Value = serde_json::from_str(&text).unwrap();
-    v["runs"][run]["loss"]
-        .as_array()
-        .unwrap_or_else(|| panic!("no reference run {run}"))
-        .iter()
-        .map(|x| x.as_f64().unwrap())
-        .collect()
-}
-
-/// Tokens `[20, 16, 33]` of the reference: step `s` uses rows `0..G` of `tokens[s]`.
-fn tokens() -> Tensor {
-    let all = read_safetensors(data("tiny_tokens_G16.safetensors")).unwrap();
-    all.into_iter().find(|(n, _)| n == "tokens").unwrap().1
-}
-
 /// Rows `rows` of step `step`, `[rows.len(), 33]`, split over every mesh dim (`Shard(0)`).
 fn batch(toks: &Tensor, step: usize, rows: Range<usize>, mesh: &DeviceMesh) -> TestResult<Var> {
     let n = rows.len();
@@ -58,16 +37,6 @@ fn batch(toks: &Tensor, step: usize, rows: Range<usize>, mesh: &DeviceMesh) -> T
         mesh,
         &vec![Placement::Shard(0); mesh.ndim()],
     )?))
-}
-
-/// The reference AdamW.
-fn adamw() -> AdamWConfig {
-    AdamWConfig {
-        lr: 1e-3,
-        betas: (0.9, 0.95),
-        eps: 1e-8,
-        weight_decay: 0.1,
-    }
 }
 
 fn scalar(v: &Var) -> TestResult<f64> {
@@ -186,9 +155,8 @@ fn train(job: &Job) -> Run {
     let world = job.mesh.iter().product();
     let runs = launch(world, |ctx| {
         let mesh = mesh_of(ctx.into_comm(), job.mesh, job.names)?;
-        let model = Transformer::new(TransformerConfig::TINY, &mesh, DType::F32, 0)?;
+        let model = tiny_model(&mesh)?;
         let params = model.parameters();
-        load_state_dict(&params, data("tiny_init.safetensors"))?;
         let mut run = Run {
             losses: Vec::new(),
             fwd: Vec::new(),
@@ -476,9 +444,8 @@ fn accumulate(mesh_shape: &[usize], g: usize, steps: usize, check_mid: fn(&[Para
     let world = mesh_shape.iter().product();
     let runs = launch(world, |ctx| {
         let mesh = DeviceMesh::new(ctx.into_comm(), mesh_shape)?;
-        let model = Transformer::new(TransformerConfig::TINY, &mesh, DType::F32, 0)?;
+        let model = tiny_model(&mesh)?;
         let params = model.parameters();
-        load_state_dict(&params, data("tiny_init.safetensors"))?;
         let units = model.fully_shard(&mesh, &FsdpConfig::default())?;
         let mut opt = Sgd::new(params.clone(), sgd())?;
         let mut out = Accumulated {
@@ -532,9 +499,8 @@ fn one_big_batch(mesh_shape: &[usize], g: usize, steps: usize, fsdp: bool) -> Ac
     let world = mesh_shape.iter().product();
     let runs = launch(world, |ctx| {
         let mesh = DeviceMesh::new(ctx.into_comm(), mesh_shape)?;
-        let model = Transformer::new(TransformerConfig::TINY, &mesh, DType::F32, 0)?;
+        let model = tiny_model(&mesh)?;
         let params = model.parameters();
-        load_state_dict(&params, data("tiny_init.safetensors"))?;
         if fsdp {
             model.fully_shard(&mesh, &FsdpConfig::default())?;
         }
@@ -1040,8 +1006,7 @@ mod resharding {
         let toks = tokens();
         launch(2, |ctx| {
             let mesh = DeviceMesh::new(ctx.into_comm(), &[2])?;
-            let model = Transformer::new(TransformerConfig::TINY, &mesh, DType::F32, 0)?;
-            load_state_dict(&model.parameters(), data("tiny_init.safetensors"))?;
+            let model = tiny_model(&mesh)?;
             let units = model.fully_shard(&mesh, &FsdpConfig::default())?;
             assert_eq!(states(&units), (vec![false, false], false), "before any forward");
             // Default: blocks free their parameters after forward, the root keeps them.
@@ -1078,8 +1043,7 @@ mod resharding {
         let toks = tokens();
         launch(2, |ctx| {
             let mesh = DeviceMesh::new(ctx.into_comm(), &[2])?;
-            let model = Transformer::new(TransformerConfig::TINY, &mesh, DType::F32, 0)?;
-            load_state_dict(&model.parameters(), data("tiny_init.safetensors"))?;
+            let model = tiny_model(&mesh)?;
             let units = model.fully_shard(&mesh, &FsdpConfig::default())?;
             let b = &units.blocks[0];
             let gathered = |f: &dyn Fn() -> tessera::autograd::Result<()>| -> TestResult<CommCounts> {
@@ -1347,8 +1311,7 @@ mod errors {
         let toks = tokens();
         let errors = launch(2, |ctx| {
             let mesh = DeviceMesh::new(ctx.into_comm(), &[2])?;
-            let model = Transformer::new(TransformerConfig::TINY, &mesh, DType::F32, 0)?;
-            load_state_dict(&model.parameters(), data("tiny_init.safetensors"))?;
+            let model = tiny_model(&mesh)?;
             model.fully_shard(&mesh, &FsdpConfig::default())?;
             let loss = model.loss(&batch(&toks, 0, 0..8, &mesh)?)?;
             let p = &model.layers[1].wq.weight;
@@ -1379,9 +1342,8 @@ mod errors {
         let run = |fsdp: bool| {
             launch(2, |ctx| {
                 let mesh = DeviceMesh::new(ctx.into_comm(), &[2])?;
-                let model = Transformer::new(TransformerConfig::TINY, &mesh, DType::F32, 0)?;
+                let model = tiny_model(&mesh)?;
                 let params = model.parameters();
-                load_state_dict(&params, data("tiny_init.safetensors"))?;
                 if fsdp {
                     model.fully_shard(&mesh, &FsdpConfig::default())?;
                 }
@@ -1435,9 +1397,8 @@ mod errors {
         let toks = tokens();
         let losses = launch(2, |ctx| {
             let mesh = DeviceMesh::new(ctx.into_comm(), &[2])?;
-            let model = Transformer::new(TransformerConfig::TINY, &mesh, DType::F32, 0)?;
+            let model = tiny_model(&mesh)?;
             let params = model.parameters();
-            load_state_dict(&params, data("tiny_init.safetensors"))?;
             let units = model.fully_shard(&mesh, &FsdpConfig::default())?;
             // 34 tokens: 33 inputs, one more than the position table (fails in the root's forward).
             let long = Tensor::zeros(&[8, 35], DType::I64)?;
@@ -1515,9 +1476,8 @@ mod usage {
         let toks = tokens();
         let runs = launch(2, |ctx| {
             let mesh = DeviceMesh::new(ctx.into_comm(), &[2])?;
-            let model = Transformer::new(TransformerConfig::TINY, &mesh, DType::F32, 0)?;
+            let model = tiny_model(&mesh)?;
             let params = model.parameters();
-            load_state_dict(&params, data("tiny_init.safetensors"))?;
             let units = model.fully_shard(&mesh, &FsdpConfig::default())?;
             let mut opt = AdamW::new(params, adamw())?;
             let mut out = Vec::new();
@@ -1650,8 +1610,7 @@ mod usage {
         let toks = tokens();
         let runs = launch(2, |ctx| {
             let mesh = DeviceMesh::new(ctx.into_comm(), &[2])?;
-            let model = Rc::new(Transformer::new(TransformerConfig::TINY, &mesh, DType::F32, 0)?);
-            load_state_dict(&model.parameters(), data("tiny_init.safetensors"))?;
+            let model = Rc::new(tiny_model(&mesh)?);
             let ck = Checkpointed(model.clone());
             for b in &model.layers {
                 fully_shard(b, &mesh, FsdpConfig::default())?;
@@ -1709,8 +1668,7 @@ mod state_dict {
         let toks = tokens();
         let saved = launch(2, |ctx| {
             let mesh = DeviceMesh::new(ctx.into_comm(), &[2])?;
-            let model = Transformer::new(TransformerConfig::TINY, &mesh, DType::F32, 0)?;
-            load_state_dict(&model.parameters(), data("tiny_init.safetensors"))?;
+            let model = tiny_model(&mesh)?;
             model.fully_shard(&mesh, &FsdpConfig::default())?;
             let mut opt = AdamW::new(model.parameters(), adamw())?;
             let loss = model.loss(&batch(&toks, 0, 0..8, &mesh)?)?;

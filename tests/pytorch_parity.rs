@@ -6,36 +6,14 @@
 //! (`Shard(0)`) and replicated parameters (plain data parallelism through DTensor
 //! semantics: the gradient placement rules alone make it exact).
 
-use std::path::PathBuf;
+mod common;
 
-use serde_json::Value;
+use common::{adamw, data, reference_losses, tiny_model, tokens};
 use tessera::autograd::nn::Module;
-use tessera::autograd::optim::{AdamW, AdamWConfig, Optimizer};
-use tessera::autograd::{Var, backward, load_state_dict, read_safetensors};
+use tessera::autograd::optim::{AdamW, Optimizer};
+use tessera::autograd::{Var, backward, read_safetensors};
 use tessera::dtensor::{Placement, Tensor, distribute_tensor};
-use tessera::models::{Transformer, TransformerConfig};
-use tessera::{DType, DeviceMesh, launch};
-
-fn data(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data").join(name)
-}
-
-fn reference_losses(run: &str) -> Vec<f64> {
-    let text = std::fs::read_to_string(data("tiny_reference.json")).unwrap();
-    let v: Value = serde_json::from_str(&text).unwrap();
-    v["runs"][run]["loss"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_f64().unwrap())
-        .collect()
-}
-
-/// Tokens `[20, 16, 33]` of the reference.
-fn tokens() -> Tensor {
-    let all = read_safetensors(data("tiny_tokens_G16.safetensors")).unwrap();
-    all.into_iter().find(|(n, _)| n == "tokens").unwrap().1
-}
+use tessera::{DeviceMesh, launch};
 
 struct Run {
     losses: Vec<f64>,
@@ -47,16 +25,9 @@ fn train(world: usize, g: usize, steps: usize) -> Run {
     let toks = tokens();
     let runs = launch(world, |ctx| {
         let mesh = DeviceMesh::new(ctx.into_comm(), &[world])?;
-        let model = Transformer::new(TransformerConfig::TINY, &mesh, DType::F32, 0)?;
+        let model = tiny_model(&mesh)?;
         let params = model.parameters();
-        load_state_dict(&params, data("tiny_init.safetensors"))?;
-        let config = AdamWConfig {
-            lr: 1e-3,
-            betas: (0.9, 0.95),
-            eps: 1e-8,
-            weight_decay: 0.1,
-        };
-        let mut opt = AdamW::new(params.clone(), config)?;
+        let mut opt = AdamW::new(params.clone(), adamw())?;
         let mut losses = Vec::new();
         for step in 0..steps {
             let rows = toks.narrow(0, step, 1)?.narrow(1, 0, g)?.reshape(&[g, 33])?;
