@@ -16,6 +16,9 @@
 //! rank) is split over all ranks; every step is the single-device step on the
 //! global batch.
 
+#[path = "common/mod.rs"]
+mod common;
+
 use std::io::Write as _;
 use std::path::PathBuf;
 use std::time::Instant;
@@ -282,7 +285,7 @@ fn run(args: &Args) -> Result<(), BoxError> {
             "step_time_s": r0.step_time_s,
             "peak_bytes_per_rank": reports.iter().map(|r| r.peak_bytes).collect::<Vec<_>>(),
         });
-        write_atomic(path, &serde_json::to_vec_pretty(&json)?)?;
+        common::write_atomic(path, &serde_json::to_string_pretty(&json)?)?;
         println!("wrote {}", path.display());
     }
     Ok(())
@@ -308,23 +311,4 @@ fn human(bytes: usize) -> String {
         u += 1;
     }
     format!("{v:.1} {}", UNITS[u])
-}
-
-/// Writes `bytes` to `path` through a temporary file in the same directory and a
-/// rename, so the file is never half-written.
-fn write_atomic(path: &std::path::Path, bytes: &[u8]) -> Result<(), BoxError> {
-    let dir = path
-        .parent()
-        .filter(|d| !d.as_os_str().is_empty())
-        .unwrap_or(std::path::Path::new("."));
-    let tmp = dir.join(format!(
-        ".{}.tmp{}",
-        path.file_name().and_then(|n| n.to_str()).unwrap_or("out"),
-        std::process::id()
-    ));
-    let mut f = std::fs::File::create(&tmp).map_err(|e| format!("{}: {e}", tmp.display()))?;
-    f.write_all(bytes)?;
-    f.sync_all()?;
-    std::fs::rename(&tmp, path).map_err(|e| format!("{}: {e}", path.display()))?;
-    Ok(())
 }

@@ -1,4 +1,4 @@
-//! Small helpers shared by the `bench_*` examples (included with `#[path]`):
+//! Small helpers shared by the examples (`bench_*` and `train`, included with `#[path]`):
 //! command-line flags, medians, and JSON written atomically.
 //!
 //! No dependencies beyond std, so a benchmark adds nothing to the build.
