@@ -33,7 +33,8 @@ pub use tessera_fsdp as fsdp;
 pub use tessera_mesh as mesh;
 
 pub use tessera_mesh::{
-    BoxError, Communicator, CommunicatorExt, DType, DeviceMesh, LaunchOptions, RankCtx, ReduceOp, launch, launch_with,
+    BoxError, Communicator, CommunicatorExt, DType, DeviceMesh, LaunchOptions, MpiEnv, RankCtx, ReduceOp,
+    is_lead_process, launch, launch_with, mpi_env,
 };
 
 /// The README's examples, compiled and run as doctests.

@@ -109,6 +109,17 @@ pub enum Error {
     #[error("launch: {0}")]
     Launch(String),
 
+    /// The MPI library returned an error from a call.
+    #[error("{op} on rank {rank}: MPI error: {reason}")]
+    Mpi {
+        /// The collective.
+        op: &'static str,
+        /// Rank in the communicator.
+        rank: usize,
+        /// The library's message and error code.
+        reason: String,
+    },
+
     /// The backend's communication thread went away.
     #[error("communication thread of rank {rank} stopped: {reason}")]
     Backend {

@@ -30,6 +30,9 @@ pub mod context;
 mod device_mesh;
 mod dtype;
 mod error;
+mod launcher;
+#[cfg(feature = "mpi")]
+mod mpi;
 pub mod stats;
 #[cfg(feature = "testing")]
 pub mod testing;
@@ -40,4 +43,6 @@ pub use device_mesh::{DeviceMesh, DimRef};
 pub use dtype::{Buf, BufMut, Buffer, DType, Element};
 pub use error::{Error, Result};
 pub use stats::{CommCounts, CommStats, OpKind};
-pub use threads::{BoxError, LaunchOptions, RankCtx, launch, launch_with};
+pub use launcher::{
+    BoxError, DEFAULT_TIMEOUT, LaunchOptions, MpiEnv, RankCtx, is_lead_process, launch, launch_with, mpi_env,
+};

@@ -8,7 +8,9 @@
 
 use half::{bf16, f16};
 
-use crate::{Communicator, CommunicatorExt, DType, Element, OpKind, ReduceOp};
+use std::time::{Duration, Instant};
+
+use crate::{Communicator, CommunicatorExt, DType, DeviceMesh, Element, OpKind, ReduceOp};
 
 /// Buffer lengths (per rank block) every check covers: empty, tiny, odd, and
 /// longer than one reduction block.
@@ -337,4 +339,58 @@ pub fn check_all(comm: &dyn Communicator) {
     check_split(comm);
     check_stats(comm);
     comm.barrier().expect("final barrier");
+}
+
+/// Builds a mesh of `shape` over `world` (every rank of it) and checks that each
+/// mesh dim's communicator holds exactly the ranks that differ only along that
+/// dim, in coordinate order, and passes the blocking, asynchronous and
+/// variable-count checks.
+pub fn check_mesh(world: Box<dyn Communicator>, shape: &[usize]) {
+    let world_rank = world.rank();
+    let mesh = DeviceMesh::new(world, shape).expect("mesh");
+    for d in 0..shape.len() {
+        let comm = mesh.dim_comm(d).expect("dim communicator");
+        assert_eq!(comm.size(), shape[d], "mesh {shape:?} dim {d} size");
+        assert_eq!(comm.rank(), mesh.coordinate()[d], "mesh {shape:?} dim {d} rank");
+        let got = comm.all_gather_vec(&[world_rank as i64]).expect("all_gather");
+        let stride: usize = shape[d + 1..].iter().product();
+        let base = world_rank - mesh.coordinate()[d] * stride;
+        let want: Vec<i64> = (0..shape[d]).map(|k| (base + k * stride) as i64).collect();
+        assert_eq!(got, want, "mesh {shape:?} dim {d} members seen by rank {world_rank}");
+        check_blocking::<f32>(comm);
+        check_blocking::<bf16>(comm);
+        check_async::<i64>(comm);
+        check_variable::<f32>(comm);
+        check_variable::<i64>(comm);
+    }
+}
+
+/// Asynchronous collectives overlap: rank 0 issues an all_gather while every
+/// other rank is still asleep (for `delay`), gets its handle back at once and
+/// sees it unfinished, computes, and only then waits. A backend that ran the
+/// collective inside the issue call would block there for `delay`.
+///
+/// For backends whose ranks cannot share memory (MPI); the threads backend's own
+/// test orders the ranks with a flag instead of a delay.
+pub fn check_overlap(comm: &dyn Communicator, delay: Duration) {
+    let (r, n) = (comm.rank(), comm.size());
+    comm.barrier().expect("barrier");
+    if r != 0 {
+        std::thread::sleep(delay);
+    }
+    let t = Instant::now();
+    let mut work = comm.all_gather_async(f32::into_buffer(vec![r as f32; 1000]));
+    if r == 0 {
+        let issued_in = t.elapsed();
+        assert!(
+            issued_in < delay / 2,
+            "all_gather_async took {issued_in:?} to return while peers slept {delay:?}: it does not overlap"
+        );
+        assert!(!work.is_done(), "the all_gather finished before the peers entered it");
+    }
+    let busy: f64 = (0..200_000).map(|i| (i as f64).sqrt()).sum();
+    assert!(busy > 0.0);
+    let got = work.wait_vec::<f32>().expect("all_gather_async");
+    let want: Vec<f32> = (0..n).flat_map(|q| vec![q as f32; 1000]).collect();
+    assert_eq!(got, want, "overlapped all_gather on rank {r}");
 }

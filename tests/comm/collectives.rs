@@ -51,27 +51,12 @@ fn contract_on_world_sizes() {
     }
 }
 
-/// Every mesh dim's communicator holds exactly the ranks that differ only along that dim.
+/// Every mesh dim's communicator holds exactly the ranks that differ only along that
+/// dim (the contract body the MPI tests run too).
 fn check_dim_comms(shape: &[usize]) {
     let n: usize = shape.iter().product();
     launch(n, |ctx| {
-        let world_rank = ctx.rank() as i64;
-        let mesh = DeviceMesh::new(ctx.into_comm(), shape)?;
-        for d in 0..shape.len() {
-            let comm = mesh.dim_comm(d)?;
-            assert_eq!(comm.size(), shape[d]);
-            assert_eq!(comm.rank(), mesh.coordinate()[d]);
-            let got = comm.all_gather_vec(&[world_rank])?;
-            let stride: usize = shape[d + 1..].iter().product();
-            let base = world_rank as usize - mesh.coordinate()[d] * stride;
-            let want: Vec<i64> = (0..shape[d]).map(|k| (base + k * stride) as i64).collect();
-            assert_eq!(got, want, "mesh {shape:?} dim {d} rank {world_rank}");
-            testing::check_blocking::<f32>(comm);
-            testing::check_blocking::<half::bf16>(comm);
-            testing::check_async::<i64>(comm);
-            testing::check_variable::<f32>(comm);
-            testing::check_variable::<i64>(comm);
-        }
+        testing::check_mesh(ctx.into_comm(), shape);
         Ok(())
     })
     .unwrap();
@@ -246,6 +231,16 @@ fn padded_defaults_record_what_they_move() {
             "{d}"
         );
         assert_eq!(d.total_calls(), 2, "{d}");
+        Ok(())
+    })
+    .unwrap();
+}
+
+/// The delay-based overlap check the MPI tests run, on threads too.
+#[test]
+fn overlap_check_on_threads() {
+    launch(3, |ctx| {
+        testing::check_overlap(ctx.comm(), Duration::from_millis(300));
         Ok(())
     })
     .unwrap();

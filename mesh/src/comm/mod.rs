@@ -3,14 +3,18 @@
 use crate::stats::{CommStats, OpKind};
 use crate::{Buf, BufMut, Buffer, Element, Error, Result};
 
+mod check;
 mod reduce_op;
 mod variable;
 mod work;
+mod worker;
 
 pub use reduce_op::ReduceOp;
 pub use work::Work;
 
+pub(crate) use check::{Call, check_call};
 pub(crate) use variable::*;
+pub(crate) use worker::Worker;
 
 /// One process group: this rank's view of a set of ranks and their collectives.
 ///

@@ -132,7 +132,7 @@ pub(crate) fn check_v(kind: OpKind, args: &[VArgs<'_>], name: impl Fn(usize) -> 
 
 /// Local checks of the provided variable-count forms: matching dtypes and counts
 /// arrays of one per rank (the cross-rank ones need the exchange). Returns the dtype.
-pub(super) fn check_v_local<C: Communicator + ?Sized>(
+pub(crate) fn check_v_local<C: Communicator + ?Sized>(
     c: &C,
     kind: OpKind,
     send: &Buf<'_>,
@@ -154,7 +154,7 @@ pub(super) fn check_v_local<C: Communicator + ?Sized>(
 /// Gathers every rank's buffer lengths and counts (one `all_gather` of `i64`) and
 /// checks them with [`check_v`], identically on every rank. Returns the largest
 /// count (send count for all_to_all_v) of any rank: the block size every rank pads to.
-pub(super) fn exchange_v<C: Communicator + ?Sized>(
+pub(crate) fn exchange_v<C: Communicator + ?Sized>(
     c: &C,
     kind: OpKind,
     send_len: usize,

@@ -1,97 +1,43 @@
 //! [`ThreadComm`]: this rank's handle on a group of the threads backend, with a
 //! communication thread that runs the asynchronous collectives in issue order.
 
-use std::cell::RefCell;
-use std::sync::{Arc, Condvar, Mutex, mpsc};
-use std::thread::JoinHandle;
+use std::sync::Arc;
 
-use super::group::{Group, lock};
+use super::group::Group;
 use super::kernels;
-use crate::context::{self, RankId};
+use crate::comm::Worker;
+use crate::context::RankId;
 use crate::stats::CommStats;
-use crate::{Buf, BufMut, Buffer, Communicator, Error, OpKind, ReduceOp, Result, Work};
-
-type Job = Box<dyn FnOnce() + Send>;
-
-/// The communication thread of one communicator, started on first asynchronous use.
-struct Worker {
-    tx: Option<mpsc::Sender<Job>>,
-    handle: Option<JoinHandle<()>>,
-    /// Jobs issued and not finished, and a condvar signalled when it drops to zero.
-    pending: Arc<(Mutex<usize>, Condvar)>,
-}
-
-impl Worker {
-    fn start(group: &Group, rank: usize) -> Result<Worker> {
-        let (tx, rx) = mpsc::channel::<Job>();
-        let id = RankId {
-            job: group.world.job,
-            rank: group.members[rank],
-        };
-        let handle = std::thread::Builder::new()
-            .name(format!("tessera-comm-{}", id.rank))
-            .spawn(move || {
-                let _tag = context::enter(id);
-                for job in rx {
-                    job();
-                }
-            })
-            .map_err(|e| Error::Backend {
-                rank,
-                reason: format!("cannot start the communication thread: {e}"),
-            })?;
-        Ok(Worker {
-            tx: Some(tx),
-            handle: Some(handle),
-            pending: Arc::new((Mutex::new(0), Condvar::new())),
-        })
-    }
-
-    /// Blocks until every issued job has finished.
-    fn drain(&self) {
-        let (count, cv) = &*self.pending;
-        let mut c = lock(count);
-        while *c > 0 {
-            c = cv.wait(c).unwrap_or_else(|e| e.into_inner());
-        }
-    }
-}
-
-impl Drop for Worker {
-    fn drop(&mut self) {
-        // Closing the channel ends the thread once queued jobs are done; every job
-        // ends (collectives time out or see the poison), so the join is bounded.
-        self.tx.take();
-        if let Some(h) = self.handle.take() {
-            let _ = h.join();
-        }
-    }
-}
+use crate::{Buf, BufMut, Buffer, Communicator, OpKind, ReduceOp, Result, Work};
 
 /// This rank's communicator on one group of the threads backend.
 pub(crate) struct ThreadComm {
     group: Arc<Group>,
     rank: usize,
     stats: Arc<CommStats>,
-    worker: RefCell<Option<Worker>>,
+    worker: Worker,
 }
 
 impl ThreadComm {
     pub(crate) fn new(group: Arc<Group>, rank: usize) -> ThreadComm {
-        let stats = group.world.stats[group.members[rank]].clone();
+        let world_rank = group.members[rank];
+        let stats = group.world.stats[world_rank].clone();
+        let tag = RankId {
+            job: group.world.job,
+            rank: world_rank,
+        };
+        let worker = Worker::new(rank, format!("tessera-comm-{world_rank}"), Some(tag));
         ThreadComm {
             group,
             rank,
             stats,
-            worker: RefCell::new(None),
+            worker,
         }
     }
 
     /// Waits for queued asynchronous collectives, so blocking ones run in issue order.
     fn fence(&self) {
-        if let Some(w) = self.worker.borrow().as_ref() {
-            w.drain();
-        }
+        self.worker.fence();
     }
 
     fn record(&self, kind: OpKind, bytes: usize) {
@@ -100,39 +46,8 @@ impl ThreadComm {
 
     /// Queues `f` (a collective on owned buffers) on the communication thread.
     fn submit(&self, f: impl FnOnce(&Group, usize) -> Result<Buffer> + Send + 'static) -> Work {
-        let mut slot = self.worker.borrow_mut();
-        if slot.is_none() {
-            match Worker::start(&self.group, self.rank) {
-                Ok(w) => *slot = Some(w),
-                Err(e) => return Work::ready(Err(e)),
-            }
-        }
-        // INVARIANT: the slot was filled just above.
-        let w = slot.as_ref().expect("worker started");
-        let (tx, rx) = mpsc::channel();
-        let group = self.group.clone();
-        let rank = self.rank;
-        let pending = w.pending.clone();
-        *lock(&pending.0) += 1;
-        let job: Job = Box::new(move || {
-            let out = f(&group, rank);
-            // The receiver may be gone (the handle was dropped unwaited): nothing to do then.
-            let _ = tx.send(out);
-            let (count, cv) = &*pending;
-            *lock(count) -= 1;
-            cv.notify_all();
-        });
-        let sent = w.tx.as_ref().map(|tx| tx.send(job));
-        match sent {
-            Some(Ok(())) => Work::pending(rank, rx),
-            _ => {
-                *lock(&w.pending.0) -= 1;
-                Work::ready(Err(Error::Backend {
-                    rank,
-                    reason: "the communication thread has stopped".into(),
-                }))
-            }
-        }
+        let (group, rank) = (self.group.clone(), self.rank);
+        self.worker.submit(move || f(&group, rank))
     }
 }
 

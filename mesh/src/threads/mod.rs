@@ -17,79 +17,15 @@ mod validate;
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
-use std::time::Duration;
 
 use group::{Desc, Group, World, lock};
 
 use crate::context::{self, RankId};
-use crate::{Communicator, Error, OpKind, Result};
+use crate::launcher::panic_message;
+use crate::{BoxError, Error, LaunchOptions, OpKind, RankCtx, Result};
 
-/// Any error a rank's closure returns (`?` converts every error type into it).
-pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
-
-/// How long a rank waits in a collective for peers before giving up, unless
-/// `TESSERA_TIMEOUT_S` says otherwise.
-pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
-
-/// Options of [`launch_with`].
-#[derive(Clone, Debug)]
-pub struct LaunchOptions {
-    /// How long a rank waits inside a collective for peers that have not arrived
-    /// before the job fails with [`Error::Timeout`]. Default: `TESSERA_TIMEOUT_S`
-    /// seconds from the environment, else [`DEFAULT_TIMEOUT`].
-    pub timeout: Duration,
-}
-
-impl Default for LaunchOptions {
-    fn default() -> Self {
-        let timeout = std::env::var("TESSERA_TIMEOUT_S")
-            .ok()
-            .and_then(|s| s.trim().parse::<f64>().ok())
-            .filter(|s| s.is_finite() && *s > 0.0)
-            .map(Duration::from_secs_f64)
-            .unwrap_or(DEFAULT_TIMEOUT);
-        LaunchOptions { timeout }
-    }
-}
-
-impl LaunchOptions {
-    /// Sets the collective timeout.
-    pub fn timeout(mut self, timeout: Duration) -> Self {
-        self.timeout = timeout;
-        self
-    }
-}
-
-/// What a rank's closure receives: its world communicator.
-pub struct RankCtx {
-    comm: Box<dyn Communicator>,
-    job: u64,
-}
-
-impl RankCtx {
-    /// This rank, `0..world_size`.
-    pub fn rank(&self) -> usize {
-        self.comm.rank()
-    }
-    /// Number of ranks in the job.
-    pub fn world_size(&self) -> usize {
-        self.comm.size()
-    }
-    /// The world communicator.
-    pub fn comm(&self) -> &dyn Communicator {
-        &*self.comm
-    }
-    /// Takes the world communicator (to build a [`DeviceMesh`](crate::DeviceMesh) over it).
-    pub fn into_comm(self) -> Box<dyn Communicator> {
-        self.comm
-    }
-    /// The job's process-unique number.
-    pub fn job(&self) -> u64 {
-        self.job
-    }
-}
-
-/// Runs `f` on `world_size` ranks (one thread each) with default options.
+/// Runs `f` on `world_size` ranks, one thread each, with default options: the
+/// threads backend whatever the environment says ([`crate::launch`] picks the backend).
 ///
 /// Returns every rank's result in rank order.
 ///
@@ -168,20 +104,10 @@ where
     F: Fn(RankCtx) -> Result<T, BoxError>,
 {
     let _tag = context::enter(RankId { job, rank });
-    let ctx = RankCtx {
-        comm: Box::new(comm::ThreadComm::new(group, rank)),
-        job,
-    };
+    let ctx = RankCtx::new(Box::new(comm::ThreadComm::new(group, rank)), job);
     let out = match catch_unwind(AssertUnwindSafe(|| f(ctx))) {
         Ok(r) => r,
-        Err(payload) => {
-            let msg = payload
-                .downcast_ref::<&str>()
-                .map(|s| s.to_string())
-                .or_else(|| payload.downcast_ref::<String>().cloned())
-                .unwrap_or_else(|| "unknown panic payload".into());
-            Err(format!("panicked: {msg}").into())
-        }
+        Err(payload) => Err(format!("panicked: {}", panic_message(&*payload)).into()),
     };
     if let Err(e) = &out {
         world.poison(rank, e.to_string());

@@ -2,8 +2,8 @@
 //! Runs on every rank over the same descriptors, so all ranks report the same error.
 
 use super::group::{Counts, Desc};
-use crate::comm::{VArgs, check_v};
-use crate::{Error, OpKind, Result};
+use crate::comm::{Call, VArgs, check_call, check_v};
+use crate::{Error, Result};
 
 /// `members[q]` is the world rank of group rank `q` (errors name world ranks).
 /// `counts[q]` are rank `q`'s count arrays when every rank called a
@@ -31,50 +31,16 @@ pub(crate) fn validate(d: &[Desc], counts: &[Counts], members: &[usize]) -> Resu
     }
     let op = first.name();
     for (q, dq) in d.iter().enumerate() {
-        let has_recv = matches!(
-            dq.kind,
-            OpKind::AllGather | OpKind::ReduceScatter | OpKind::AllToAll | OpKind::AllReduce
-        );
-        if has_recv && dq.recv_dtype != dq.dtype {
-            return Err(Error::DTypeMismatch {
-                op,
-                send: dq.dtype,
-                recv: dq.recv_dtype,
-            });
-        }
-        let bad = |what, expected, got| Error::BadLength {
-            op,
-            rank: members[q],
-            what,
-            expected,
-            got,
-        };
-        match dq.kind {
-            _ if dq.v => {}
-            OpKind::AllGather if dq.recv_len != n * dq.send_len => {
-                return Err(bad("receive buffer", n * dq.send_len, dq.recv_len));
-            }
-            OpKind::ReduceScatter | OpKind::AllToAll if !dq.send_len.is_multiple_of(n) => {
-                return Err(bad(
-                    "send buffer (must be a multiple of the group size)",
-                    dq.send_len.div_ceil(n) * n,
-                    dq.send_len,
-                ));
-            }
-            OpKind::ReduceScatter if dq.recv_len * n != dq.send_len => {
-                return Err(bad("receive buffer", dq.send_len / n, dq.recv_len));
-            }
-            OpKind::AllToAll | OpKind::AllReduce if dq.recv_len != dq.send_len => {
-                return Err(bad("receive buffer", dq.send_len, dq.recv_len));
-            }
-            OpKind::Broadcast if dq.root >= n => {
-                return Err(Error::InvalidRank {
-                    op,
-                    rank: dq.root,
-                    size: n,
-                });
-            }
-            _ => {}
+        if !dq.v {
+            let call = Call {
+                kind: dq.kind,
+                dtype: dq.dtype,
+                recv_dtype: dq.recv_dtype,
+                send_len: dq.send_len,
+                recv_len: dq.recv_len,
+                root: dq.root,
+            };
+            check_call(op, &call, n, members[q])?;
         }
     }
     if first.v {

@@ -1,0 +1,266 @@
+//! [`launch`]: runs a closure on every rank of a job, on the backend the
+//! environment calls for.
+//!
+//! - Started by `mpirun`/`mpiexec`/`srun` (an MPI launch, detected by
+//!   [`mpi_env`] from the variables the launcher sets) and built with the `mpi`
+//!   feature: this process is one rank; MPI is initialised (at
+//!   `MPI_THREAD_MULTIPLE`) and the closure runs once, on this process's rank.
+//! - Otherwise: the threads backend ([`threads::launch_with`](crate::threads::launch_with)),
+//!   every rank a thread of this process.
+//!
+//! `TESSERA_BACKEND=threads` or `=mpi` overrides the detection. So one binary
+//! runs either way: `cargo run --example train` or `mpirun -n 4 target/release/examples/train`.
+
+use std::time::Duration;
+
+use crate::{Communicator, Result};
+#[cfg(not(feature = "mpi"))]
+use crate::Error;
+
+/// Any error a rank's closure returns (`?` converts every error type into it).
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// How long a rank waits in a collective for peers before giving up, unless
+/// `TESSERA_TIMEOUT_S` says otherwise.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// Options of [`launch_with`].
+#[derive(Clone, Debug)]
+pub struct LaunchOptions {
+    /// How long a rank waits inside a collective for peers that have not arrived
+    /// before the job fails with [`Error::Timeout`]. Default: `TESSERA_TIMEOUT_S`
+    /// seconds from the environment, else [`DEFAULT_TIMEOUT`].
+    pub timeout: Duration,
+}
+
+impl Default for LaunchOptions {
+    fn default() -> Self {
+        let timeout = std::env::var("TESSERA_TIMEOUT_S")
+            .ok()
+            .and_then(|s| s.trim().parse::<f64>().ok())
+            .filter(|s| s.is_finite() && *s > 0.0)
+            .map(Duration::from_secs_f64)
+            .unwrap_or(DEFAULT_TIMEOUT);
+        LaunchOptions { timeout }
+    }
+}
+
+impl LaunchOptions {
+    /// Sets the collective timeout.
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+}
+
+/// What a rank's closure receives: its world communicator.
+pub struct RankCtx {
+    comm: Box<dyn Communicator>,
+    job: u64,
+}
+
+impl RankCtx {
+    pub(crate) fn new(comm: Box<dyn Communicator>, job: u64) -> RankCtx {
+        RankCtx { comm, job }
+    }
+    /// This rank, `0..world_size`.
+    pub fn rank(&self) -> usize {
+        self.comm.rank()
+    }
+    /// Number of ranks in the job.
+    pub fn world_size(&self) -> usize {
+        self.comm.size()
+    }
+    /// The world communicator.
+    pub fn comm(&self) -> &dyn Communicator {
+        &*self.comm
+    }
+    /// Takes the world communicator (to build a [`DeviceMesh`](crate::DeviceMesh) over it).
+    pub fn into_comm(self) -> Box<dyn Communicator> {
+        self.comm
+    }
+    /// The job's process-unique number.
+    pub fn job(&self) -> u64 {
+        self.job
+    }
+}
+
+/// An MPI launch, as read from the environment of this process.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MpiEnv {
+    /// Which launcher's variables were found (`"OpenMPI"`, `"PMI"`, `"PMIx"`).
+    pub launcher: &'static str,
+    /// This process's rank in the MPI world.
+    pub rank: usize,
+    /// The number of processes, where the launcher says (PMIx alone does not).
+    pub size: Option<usize>,
+}
+
+/// Detects an MPI launch from the environment: OpenMPI's
+/// `OMPI_COMM_WORLD_RANK`/`OMPI_COMM_WORLD_SIZE`, then PMI's `PMI_RANK`/`PMI_SIZE`
+/// (MPICH, Intel MPI, Slurm with PMI-2), then PMIx's `PMIX_RANK`. `None` when none
+/// is set, or when `TESSERA_BACKEND=threads` asks for the threads backend.
+///
+/// ```
+/// // `cargo test` is not started by mpirun.
+/// if std::env::var_os("OMPI_COMM_WORLD_SIZE").is_none()
+///     && std::env::var_os("PMI_SIZE").is_none()
+///     && std::env::var_os("PMIX_RANK").is_none()
+/// {
+///     assert_eq!(tessera_mesh::mpi_env(), None);
+/// }
+/// ```
+pub fn mpi_env() -> Option<MpiEnv> {
+    mpi_env_from(|k| std::env::var(k).ok())
+}
+
+fn mpi_env_from(var: impl Fn(&str) -> Option<String>) -> Option<MpiEnv> {
+    if var("TESSERA_BACKEND").is_some_and(|b| b.trim() == "threads") {
+        return None;
+    }
+    let num = |k: &str| var(k).and_then(|v| v.trim().parse::<usize>().ok());
+    let found = [
+        ("OpenMPI", "OMPI_COMM_WORLD_RANK", Some("OMPI_COMM_WORLD_SIZE")),
+        ("PMI", "PMI_RANK", Some("PMI_SIZE")),
+        ("PMIx", "PMIX_RANK", None),
+    ]
+    .into_iter()
+    .find_map(|(launcher, rank, size)| {
+        Some(MpiEnv {
+            launcher,
+            rank: num(rank)?,
+            size: size.and_then(num),
+        })
+    });
+    match found {
+        Some(env) => Some(env),
+        // Forced MPI with no launcher variables: a singleton MPI process.
+        None if var("TESSERA_BACKEND").is_some_and(|b| b.trim() == "mpi") => Some(MpiEnv {
+            launcher: "TESSERA_BACKEND=mpi",
+            rank: 0,
+            size: None,
+        }),
+        None => None,
+    }
+}
+
+/// Whether this process should print the job's summaries: always with the threads
+/// backend, on world rank 0 only under MPI.
+pub fn is_lead_process() -> bool {
+    mpi_env().is_none_or(|e| e.rank == 0)
+}
+
+/// Runs `f` on every rank of a `world_size`-rank job with default options.
+///
+/// Returns the results of the ranks this process ran, in rank order: every rank's
+/// with the threads backend, this process's own (one element) under MPI.
+///
+/// # Errors
+/// [`Error::Launch`] for `world_size == 0`, for an MPI launch whose process count is
+/// not `world_size`, or for an MPI launch of a build without the `mpi` feature;
+/// [`Error::RankFailed`] naming the first rank that failed (threads backend; under
+/// MPI a failing rank prints its error and aborts the whole job instead, so that no
+/// peer waits for it forever).
+pub fn launch<T, F>(world_size: usize, f: F) -> Result<Vec<T>>
+where
+    T: Send,
+    F: Fn(RankCtx) -> Result<T, BoxError> + Sync,
+{
+    launch_with(&LaunchOptions::default(), world_size, f)
+}
+
+/// [`launch`] with explicit options.
+///
+/// # Errors
+/// As [`launch`].
+pub fn launch_with<T, F>(opts: &LaunchOptions, world_size: usize, f: F) -> Result<Vec<T>>
+where
+    T: Send,
+    F: Fn(RankCtx) -> Result<T, BoxError> + Sync,
+{
+    match mpi_env() {
+        None => crate::threads::launch_with(opts, world_size, f),
+        Some(env) => launch_mpi(opts, world_size, &env, f),
+    }
+}
+
+#[cfg(feature = "mpi")]
+fn launch_mpi<T, F>(opts: &LaunchOptions, world_size: usize, env: &MpiEnv, f: F) -> Result<Vec<T>>
+where
+    F: Fn(RankCtx) -> Result<T, BoxError>,
+{
+    crate::mpi::launch(opts, world_size, env, f)
+}
+
+#[cfg(not(feature = "mpi"))]
+fn launch_mpi<T, F>(_: &LaunchOptions, _: usize, env: &MpiEnv, _: F) -> Result<Vec<T>> {
+    Err(Error::Launch(format!(
+        "this process was started by an MPI launcher ({} variables, rank {}) but Tessera was built without \
+         the `mpi` feature; rebuild with `--features mpi`, or run without mpirun to use in-process threads \
+         (TESSERA_BACKEND=threads forces them)",
+        env.launcher, env.rank
+    )))
+}
+
+/// The text of a panic payload (`&str` or `String`).
+pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "unknown panic payload".into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env(vars: &[(&str, &str)]) -> Option<MpiEnv> {
+        let vars: Vec<(String, String)> = vars.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        mpi_env_from(|k| vars.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone()))
+    }
+
+    #[test]
+    fn detects_each_launcher() {
+        assert_eq!(env(&[]), None);
+        let ompi = env(&[("OMPI_COMM_WORLD_RANK", "3"), ("OMPI_COMM_WORLD_SIZE", "4")]);
+        assert_eq!(
+            ompi,
+            Some(MpiEnv {
+                launcher: "OpenMPI",
+                rank: 3,
+                size: Some(4)
+            })
+        );
+        let pmi = env(&[("PMI_RANK", "1"), ("PMI_SIZE", "2")]).unwrap();
+        assert_eq!((pmi.launcher, pmi.rank, pmi.size), ("PMI", 1, Some(2)));
+        let pmix = env(&[("PMIX_RANK", "0")]).unwrap();
+        assert_eq!((pmix.launcher, pmix.size), ("PMIx", None));
+        // OpenMPI sets PMIx variables too; its own win.
+        let both = env(&[("PMIX_RANK", "2"), ("OMPI_COMM_WORLD_RANK", "2"), ("OMPI_COMM_WORLD_SIZE", "8")]).unwrap();
+        assert_eq!((both.launcher, both.size), ("OpenMPI", Some(8)));
+    }
+
+    #[test]
+    fn backend_override() {
+        let forced = [("TESSERA_BACKEND", "threads"), ("OMPI_COMM_WORLD_RANK", "0"), ("OMPI_COMM_WORLD_SIZE", "2")];
+        assert_eq!(env(&forced), None);
+        let mpi = env(&[("TESSERA_BACKEND", "mpi")]).unwrap();
+        assert_eq!((mpi.rank, mpi.size), (0, None));
+        // Unparsable values are not a launch.
+        assert_eq!(env(&[("OMPI_COMM_WORLD_RANK", "x"), ("OMPI_COMM_WORLD_SIZE", "2")]), None);
+    }
+
+    #[cfg(not(feature = "mpi"))]
+    #[test]
+    fn mpi_launch_without_the_feature_is_an_error() {
+        let e = MpiEnv {
+            launcher: "OpenMPI",
+            rank: 1,
+            size: Some(2),
+        };
+        let err = launch_mpi(&LaunchOptions::default(), 2, &e, |_| Ok::<(), BoxError>(())).unwrap_err();
+        let msg = err.to_string();
+        assert!(msg.contains("--features mpi") && msg.contains("OpenMPI"), "{msg}");
+    }
+}

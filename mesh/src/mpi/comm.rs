@@ -1,0 +1,465 @@
+//! [`MpiComm`]: one MPI communicator as a Tessera [`Communicator`].
+
+use std::os::raw::{c_int, c_void};
+use std::sync::Arc;
+
+use mpi::ffi;
+
+use super::ops::{Handle, datatype, divide, ptr, ptr_mut};
+use super::{Runtime, Watch, error_string};
+use crate::comm::{Call, Worker, check_call, check_v_local, exchange_v};
+use crate::stats::CommStats;
+use crate::{Buf, BufMut, Buffer, Communicator, DType, Error, OpKind, ReduceOp, Result, Work};
+
+type Comm = Handle<ffi::MPI_Comm>;
+
+/// This process's handle on one MPI communicator (a duplicate it owns).
+pub(crate) struct MpiComm {
+    raw: Comm,
+    rank: usize,
+    size: usize,
+    rt: &'static Runtime,
+    worker: Worker,
+    watch: Arc<Watch>,
+}
+
+/// Runs one MPI call under the watchdog's clock and turns its return code into a `Result`.
+fn exec(watch: &Watch, kind: OpKind, rank: usize, call: impl FnOnce() -> c_int) -> Result<()> {
+    let rc = {
+        let _clock = watch.enter(kind);
+        call()
+    };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(Error::Mpi {
+            op: kind.name(),
+            rank,
+            reason: error_string(rc),
+        })
+    }
+}
+
+/// An element count as MPI's `int`.
+fn count(op: &'static str, rank: usize, n: usize) -> Result<c_int> {
+    c_int::try_from(n).map_err(|_| Error::BadLength {
+        op,
+        rank,
+        what: "buffer (the MPI backend moves at most 2^31 - 1 elements per call)",
+        expected: c_int::MAX as usize,
+        got: n,
+    })
+}
+
+fn counts(op: &'static str, rank: usize, c: &[usize]) -> Result<(Vec<c_int>, Vec<c_int>)> {
+    let mut displs = Vec::with_capacity(c.len());
+    let mut at = 0usize;
+    for &k in c {
+        displs.push(count(op, rank, at)?);
+        at += k;
+    }
+    count(op, rank, at)?;
+    let c = c.iter().map(|&k| count(op, rank, k)).collect::<Result<Vec<_>>>()?;
+    Ok((c, displs))
+}
+
+fn bytes(b: &Buf<'_>) -> usize {
+    b.len() * b.dtype().size_in_bytes()
+}
+
+impl MpiComm {
+    /// A duplicate of `MPI_COMM_WORLD`.
+    pub(crate) fn world(rt: &'static Runtime) -> Result<MpiComm> {
+        // SAFETY: MPI is initialised; reading a predefined handle.
+        let mut raw = unsafe { ffi::RSMPI_COMM_NULL };
+        // SAFETY: `raw` is a valid out-pointer.
+        let rc = unsafe { ffi::MPI_Comm_dup(ffi::RSMPI_COMM_WORLD, &mut raw) };
+        if rc != 0 {
+            return Err(Error::Launch(format!("MPI_Comm_dup: {}", error_string(rc))));
+        }
+        // SAFETY: `raw` is the communicator just created.
+        let rc = unsafe { ffi::MPI_Comm_set_errhandler(raw, ffi::RSMPI_ERRORS_RETURN) };
+        if rc != 0 {
+            return Err(Error::Launch(format!("MPI_Comm_set_errhandler: {}", error_string(rc))));
+        }
+        Ok(MpiComm::wrap(rt, Handle(raw)))
+    }
+
+    /// Takes ownership of `raw` (freed on drop).
+    fn wrap(rt: &'static Runtime, raw: Comm) -> MpiComm {
+        let (mut rank, mut size): (c_int, c_int) = (0, 0);
+        // SAFETY: `raw` is a live communicator; out-pointers are valid.
+        unsafe {
+            ffi::MPI_Comm_rank(raw.0, &mut rank);
+            ffi::MPI_Comm_size(raw.0, &mut size);
+        }
+        let (rank, size) = (usize::try_from(rank).unwrap_or(0), usize::try_from(size).unwrap_or(1));
+        MpiComm {
+            raw,
+            rank,
+            size,
+            rt,
+            worker: Worker::new(rank, format!("tessera-mpi-comm-{}", rt.world_rank), None),
+            watch: Watch::new(rank, size),
+        }
+    }
+
+    fn check(&self, kind: OpKind, send: &Buf<'_>, recv: Option<&BufMut<'_>>, root: usize) -> Result<()> {
+        let call = Call {
+            kind,
+            dtype: send.dtype(),
+            recv_dtype: recv.map_or(send.dtype(), |r| r.dtype()),
+            send_len: send.len(),
+            recv_len: recv.map_or(send.len(), |r| r.len()),
+            root,
+        };
+        check_call(kind.name(), &call, self.size, self.rank)
+    }
+
+    /// Waits for queued asynchronous collectives and counts a blocking one.
+    fn begin(&self, kind: OpKind, bytes: usize) {
+        self.worker.fence();
+        self.rt.stats.record(kind, self.size, bytes);
+    }
+
+    fn run(&self, kind: OpKind, call: impl FnOnce() -> c_int) -> Result<()> {
+        exec(&self.watch, kind, self.rank, call)
+    }
+
+    /// The `sendbuf` argument of an in-place reduction of `buf`: `MPI_IN_PLACE`, or
+    /// a copy where the library's sentinel is unknown (kept alive by the returned buffer).
+    fn in_place(&self, buf: &BufMut<'_>) -> (*const c_void, Option<Buffer>) {
+        match self.rt.in_place {
+            Some(p) => (p.0.cast_const(), None),
+            None => {
+                let copy = buf.as_buf().to_buffer();
+                (ptr(&copy.as_buf()), Some(copy))
+            }
+        }
+    }
+
+    /// Queues `f` (given the communicator) on the communication thread.
+    fn submit(&self, kind: OpKind, bytes: usize, f: impl FnOnce(Exec) -> Result<Buffer> + Send + 'static) -> Work {
+        self.rt.stats.record(kind, self.size, bytes);
+        let ex = Exec {
+            raw: self.raw,
+            watch: self.watch.clone(),
+            rank: self.rank,
+            kind,
+        };
+        self.worker.submit(move || f(ex))
+    }
+}
+
+/// What an asynchronous job needs to make its MPI call.
+struct Exec {
+    raw: Comm,
+    watch: Arc<Watch>,
+    rank: usize,
+    kind: OpKind,
+}
+
+impl Exec {
+    fn run(&self, call: impl FnOnce(ffi::MPI_Comm) -> c_int) -> Result<()> {
+        exec(&self.watch, self.kind, self.rank, || call(self.raw.0))
+    }
+}
+
+impl Drop for MpiComm {
+    fn drop(&mut self) {
+        // The communication thread may still use the communicator: end it first.
+        self.worker.stop();
+        if !mpi::environment::is_finalized() {
+            // SAFETY: this handle owns the communicator and nothing uses it any more.
+            unsafe { ffi::MPI_Comm_free(&mut self.raw.0) };
+        }
+    }
+}
+
+impl Communicator for MpiComm {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn size(&self) -> usize {
+        self.size
+    }
+
+    fn stats(&self) -> &CommStats {
+        &self.rt.stats
+    }
+
+    fn backend(&self) -> &'static str {
+        "mpi"
+    }
+
+    fn all_gather(&self, send: Buf<'_>, mut recv: BufMut<'_>) -> Result<()> {
+        self.check(OpKind::AllGather, &send, Some(&recv), 0)?;
+        self.begin(OpKind::AllGather, bytes(&send) * self.size);
+        let (c, dt) = (count("all_gather", self.rank, send.len())?, datatype(send.dtype()));
+        count("all_gather", self.rank, recv.len())?;
+        let (s, r) = (ptr(&send), ptr_mut(&mut recv));
+        // SAFETY: `s` holds `c` elements and `r` `size * c` (checked above), both of `dt`.
+        self.run(OpKind::AllGather, || unsafe { ffi::MPI_Allgather(s, c, dt, r, c, dt, self.raw.0) })
+    }
+
+    fn reduce_scatter(&self, send: Buf<'_>, mut recv: BufMut<'_>, op: ReduceOp) -> Result<()> {
+        self.check(OpKind::ReduceScatter, &send, Some(&recv), 0)?;
+        op.check("reduce_scatter", send.dtype())?;
+        self.begin(OpKind::ReduceScatter, bytes(&send));
+        count("reduce_scatter", self.rank, send.len())?;
+        let c = count("reduce_scatter", self.rank, recv.len())?;
+        let (dt, mop) = (datatype(send.dtype()), self.rt.ops.get(send.dtype(), op));
+        let (s, r) = (ptr(&send), ptr_mut(&mut recv));
+        // SAFETY: `s` holds `size * c` elements and `r` `c`, both of `dt`.
+        self.run(OpKind::ReduceScatter, || unsafe {
+            ffi::MPI_Reduce_scatter_block(s, r, c, dt, mop, self.raw.0)
+        })?;
+        if op == ReduceOp::Avg {
+            divide(&mut recv, self.size);
+        }
+        Ok(())
+    }
+
+    fn all_reduce(&self, mut buf: BufMut<'_>, op: ReduceOp) -> Result<()> {
+        op.check("all_reduce", buf.dtype())?;
+        self.begin(OpKind::AllReduce, bytes(&buf.as_buf()));
+        let (c, dtype) = (count("all_reduce", self.rank, buf.len())?, buf.dtype());
+        let (dt, mop) = (datatype(dtype), self.rt.ops.get(dtype, op));
+        let (s, _copy) = self.in_place(&buf);
+        let r = ptr_mut(&mut buf);
+        // SAFETY: `r` holds `c` elements of `dt`; `s` is MPI_IN_PLACE or a copy of them.
+        self.run(OpKind::AllReduce, || unsafe { ffi::MPI_Allreduce(s, r, c, dt, mop, self.raw.0) })?;
+        if op == ReduceOp::Avg {
+            divide(&mut buf, self.size);
+        }
+        Ok(())
+    }
+
+    fn all_reduce_into(&self, send: Buf<'_>, mut recv: BufMut<'_>, op: ReduceOp) -> Result<()> {
+        self.check(OpKind::AllReduce, &send, Some(&recv), 0)?;
+        op.check("all_reduce", send.dtype())?;
+        self.begin(OpKind::AllReduce, bytes(&send));
+        let c = count("all_reduce", self.rank, send.len())?;
+        let (dt, mop) = (datatype(send.dtype()), self.rt.ops.get(send.dtype(), op));
+        let (s, r) = (ptr(&send), ptr_mut(&mut recv));
+        // SAFETY: both buffers hold `c` elements of `dt` (checked above).
+        self.run(OpKind::AllReduce, || unsafe { ffi::MPI_Allreduce(s, r, c, dt, mop, self.raw.0) })?;
+        if op == ReduceOp::Avg {
+            divide(&mut recv, self.size);
+        }
+        Ok(())
+    }
+
+    fn all_to_all(&self, send: Buf<'_>, mut recv: BufMut<'_>) -> Result<()> {
+        self.check(OpKind::AllToAll, &send, Some(&recv), 0)?;
+        self.begin(OpKind::AllToAll, bytes(&send));
+        count("all_to_all", self.rank, send.len())?;
+        let (c, dt) = (count("all_to_all", self.rank, send.len() / self.size)?, datatype(send.dtype()));
+        let (s, r) = (ptr(&send), ptr_mut(&mut recv));
+        // SAFETY: both buffers hold `size * c` elements of `dt` (checked above).
+        self.run(OpKind::AllToAll, || unsafe { ffi::MPI_Alltoall(s, c, dt, r, c, dt, self.raw.0) })
+    }
+
+    fn broadcast(&self, mut buf: BufMut<'_>, root: usize) -> Result<()> {
+        self.check(OpKind::Broadcast, &buf.as_buf(), None, root)?;
+        self.begin(OpKind::Broadcast, bytes(&buf.as_buf()));
+        let (c, dt) = (count("broadcast", self.rank, buf.len())?, datatype(buf.dtype()));
+        let root = count("broadcast", self.rank, root)?;
+        let b = ptr_mut(&mut buf);
+        // SAFETY: `b` holds `c` elements of `dt`; `root` is in range (checked above).
+        self.run(OpKind::Broadcast, || unsafe { ffi::MPI_Bcast(b, c, dt, root, self.raw.0) })
+    }
+
+    fn barrier(&self) -> Result<()> {
+        self.begin(OpKind::Barrier, 0);
+        // SAFETY: a live communicator.
+        self.run(OpKind::Barrier, || unsafe { ffi::MPI_Barrier(self.raw.0) })
+    }
+
+    fn split(&self, color: u32, key: u32) -> Result<Box<dyn Communicator>> {
+        let arg = |v: u32, what: &'static str| {
+            c_int::try_from(v).map_err(|_| Error::BadLength {
+                op: "split",
+                rank: self.rank,
+                what,
+                expected: c_int::MAX as usize,
+                got: v as usize,
+            })
+        };
+        let (color, key) = (arg(color, "color (at most 2^31 - 1)")?, arg(key, "key (at most 2^31 - 1)")?);
+        self.begin(OpKind::Split, 0);
+        // SAFETY: reading a predefined handle.
+        let mut raw = unsafe { ffi::RSMPI_COMM_NULL };
+        // SAFETY: a live communicator; `raw` is a valid out-pointer.
+        self.run(OpKind::Split, || unsafe { ffi::MPI_Comm_split(self.raw.0, color, key, &mut raw) })?;
+        Ok(Box::new(MpiComm::wrap(self.rt, Handle(raw))))
+    }
+
+    fn all_gather_v(&self, send: Buf<'_>, mut recv: BufMut<'_>, counts_in: &[usize]) -> Result<()> {
+        check_v_local(self, OpKind::AllGather, &send, &recv, counts_in, &[])?;
+        exchange_v(self, OpKind::AllGather, send.len(), recv.len(), counts_in, &[])?;
+        let total = counts_in.iter().sum::<usize>();
+        self.begin(OpKind::AllGather, total * send.dtype().size_in_bytes());
+        let op = "all_gather_v";
+        let (c, displs) = counts(op, self.rank, counts_in)?;
+        let (sc, dt) = (count(op, self.rank, send.len())?, datatype(send.dtype()));
+        let (s, r) = (ptr(&send), ptr_mut(&mut recv));
+        // SAFETY: the counts were checked on every rank against the buffer lengths.
+        self.run(OpKind::AllGather, || unsafe {
+            ffi::MPI_Allgatherv(s, sc, dt, r, c.as_ptr(), displs.as_ptr(), dt, self.raw.0)
+        })
+    }
+
+    fn reduce_scatter_v(&self, send: Buf<'_>, mut recv: BufMut<'_>, counts_in: &[usize], op: ReduceOp) -> Result<()> {
+        let dtype = check_v_local(self, OpKind::ReduceScatter, &send, &recv, counts_in, &[])?;
+        op.check("reduce_scatter_v", dtype)?;
+        exchange_v(self, OpKind::ReduceScatter, send.len(), recv.len(), counts_in, &[])?;
+        self.begin(OpKind::ReduceScatter, bytes(&send));
+        let (c, _) = counts("reduce_scatter_v", self.rank, counts_in)?;
+        let (dt, mop) = (datatype(dtype), self.rt.ops.get(dtype, op));
+        let (s, r) = (ptr(&send), ptr_mut(&mut recv));
+        // SAFETY: the counts were checked on every rank against the buffer lengths.
+        self.run(OpKind::ReduceScatter, || unsafe {
+            ffi::MPI_Reduce_scatter(s, r, c.as_ptr(), dt, mop, self.raw.0)
+        })?;
+        if op == ReduceOp::Avg {
+            divide(&mut recv, self.size);
+        }
+        Ok(())
+    }
+
+    fn all_to_all_v(
+        &self,
+        send: Buf<'_>,
+        send_counts: &[usize],
+        mut recv: BufMut<'_>,
+        recv_counts: &[usize],
+    ) -> Result<()> {
+        check_v_local(self, OpKind::AllToAll, &send, &recv, send_counts, recv_counts)?;
+        exchange_v(self, OpKind::AllToAll, send.len(), recv.len(), send_counts, recv_counts)?;
+        let own = send_counts.get(self.rank).copied().unwrap_or(0);
+        let off_rank = (send.len() - own) as u64 * send.dtype().size_in_bytes() as u64;
+        self.worker.fence();
+        self.rt.stats.record_exact(OpKind::AllToAll, off_rank);
+        let op = "all_to_all_v";
+        let ((sc, sd), (rc, rd)) = (counts(op, self.rank, send_counts)?, counts(op, self.rank, recv_counts)?);
+        let dt = datatype(send.dtype());
+        let (s, r) = (ptr(&send), ptr_mut(&mut recv));
+        // SAFETY: the counts were checked on every rank against the buffer lengths.
+        self.run(OpKind::AllToAll, || unsafe {
+            ffi::MPI_Alltoallv(s, sc.as_ptr(), sd.as_ptr(), dt, r, rc.as_ptr(), rd.as_ptr(), dt, self.raw.0)
+        })
+    }
+
+    fn all_gather_async(&self, send: Buffer) -> Work {
+        let n = self.size;
+        let (rank, len, dtype) = (self.rank, send.len(), send.dtype());
+        self.submit(OpKind::AllGather, len * dtype.size_in_bytes() * n, move |ex| {
+            let c = count("all_gather", rank, len)?;
+            count("all_gather", rank, len * n)?;
+            let mut recv = Buffer::zeros(dtype, len * n);
+            let (s, r, dt) = (ptr(&send.as_buf()), ptr_mut(&mut recv.as_buf_mut()), datatype(dtype));
+            // SAFETY: `send` holds `c` elements and `recv` `n * c`, both owned by this job.
+            ex.run(|comm| unsafe { ffi::MPI_Allgather(s, c, dt, r, c, dt, comm) })?;
+            Ok(recv)
+        })
+    }
+
+    fn reduce_scatter_async(&self, send: Buffer, op: ReduceOp) -> Work {
+        let (n, rank, dtype) = (self.size, self.rank, send.dtype());
+        let block = send.len() / n;
+        let checked = self
+            .check(OpKind::ReduceScatter, &send.as_buf(), Some(&Buffer::zeros(dtype, 0).as_buf_mut()), 0)
+            .or_else(|e| match e {
+                // Only the send length matters here; the output is ours to size.
+                Error::BadLength { what: "receive buffer", .. } => Ok(()),
+                e => Err(e),
+            })
+            .and_then(|_| op.check("reduce_scatter", dtype));
+        if let Err(e) = checked {
+            return Work::ready(Err(e));
+        }
+        let mop = Handle(self.rt.ops.get(dtype, op));
+        self.submit(OpKind::ReduceScatter, send.len() * dtype.size_in_bytes(), move |ex| {
+            count("reduce_scatter", rank, send.len())?;
+            let c = count("reduce_scatter", rank, block)?;
+            let mut recv = Buffer::zeros(dtype, block);
+            let (s, r, dt) = (ptr(&send.as_buf()), ptr_mut(&mut recv.as_buf_mut()), datatype(dtype));
+            let mop = mop.get();
+            // SAFETY: `send` holds `n * c` elements and `recv` `c`, both owned by this job.
+            ex.run(|comm| unsafe { ffi::MPI_Reduce_scatter_block(s, r, c, dt, mop, comm) })?;
+            if op == ReduceOp::Avg {
+                divide(&mut recv.as_buf_mut(), n);
+            }
+            Ok(recv)
+        })
+    }
+
+    fn all_reduce_async(&self, mut buf: Buffer, op: ReduceOp) -> Work {
+        let (n, rank, dtype) = (self.size, self.rank, buf.dtype());
+        if let Err(e) = op.check("all_reduce", dtype) {
+            return Work::ready(Err(e));
+        }
+        let mop = Handle(self.rt.ops.get(dtype, op));
+        let in_place = self.rt.in_place;
+        self.submit(OpKind::AllReduce, buf.len() * dtype.size_in_bytes(), move |ex| {
+            let c = count("all_reduce", rank, buf.len())?;
+            let copy = in_place.is_none().then(|| buf.clone());
+            let s = match (&in_place, &copy) {
+                (Some(p), _) => p.0.cast_const(),
+                (None, Some(copy)) => ptr(&copy.as_buf()),
+                (None, None) => unreachable!("a copy is made when MPI_IN_PLACE is unknown"),
+            };
+            let (r, dt, mop) = (ptr_mut(&mut buf.as_buf_mut()), datatype(dtype), mop.get());
+            // SAFETY: `buf` holds `c` elements of `dt`; `s` is MPI_IN_PLACE or a copy of them.
+            ex.run(|comm| unsafe { ffi::MPI_Allreduce(s, r, c, dt, mop, comm) })?;
+            if op == ReduceOp::Avg {
+                divide(&mut buf.as_buf_mut(), n);
+            }
+            Ok(buf)
+        })
+    }
+
+    fn all_to_all_async(&self, send: Buffer) -> Work {
+        let (n, rank, dtype) = (self.size, self.rank, send.dtype());
+        if !send.len().is_multiple_of(n) {
+            return Work::ready(Err(Error::BadLength {
+                op: "all_to_all",
+                rank,
+                what: "send buffer (must be a multiple of the group size)",
+                expected: send.len().div_ceil(n) * n,
+                got: send.len(),
+            }));
+        }
+        self.submit(OpKind::AllToAll, send.len() * dtype.size_in_bytes(), move |ex| {
+            count("all_to_all", rank, send.len())?;
+            let c = count("all_to_all", rank, send.len() / n)?;
+            let mut recv = Buffer::zeros(dtype, send.len());
+            let (s, r, dt) = (ptr(&send.as_buf()), ptr_mut(&mut recv.as_buf_mut()), datatype(dtype));
+            // SAFETY: both buffers hold `n * c` elements of `dt`, owned by this job.
+            ex.run(|comm| unsafe { ffi::MPI_Alltoall(s, c, dt, r, c, dt, comm) })?;
+            Ok(recv)
+        })
+    }
+
+    fn broadcast_async(&self, mut buf: Buffer, root: usize) -> Work {
+        let (n, rank) = (self.size, self.rank);
+        if root >= n {
+            return Work::ready(Err(Error::InvalidRank {
+                op: "broadcast",
+                rank: root,
+                size: n,
+            }));
+        }
+        let dtype: DType = buf.dtype();
+        self.submit(OpKind::Broadcast, buf.len() * dtype.size_in_bytes(), move |ex| {
+            let c = count("broadcast", rank, buf.len())?;
+            let root = count("broadcast", rank, root)?;
+            let (b, dt) = (ptr_mut(&mut buf.as_buf_mut()), datatype(dtype));
+            // SAFETY: `buf` holds `c` elements of `dt`, owned by this job.
+            ex.run(|comm| unsafe { ffi::MPI_Bcast(b, c, dt, root, comm) })?;
+            Ok(buf)
+        })
+    }
+}

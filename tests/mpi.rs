@@ -1,0 +1,324 @@
+//! The MPI backend end to end (feature `mpi`; `cargo test --features mpi --test mpi`).
+//!
+//! Without an MPI launch in its environment this binary is the driver: it starts
+//! itself under `mpirun` (`-n 2` and `-n 4`, `--oversubscribe`, as root
+//! `--allow-run-as-root`) once per scenario, with a deadline, and checks each
+//! job's exit status and output. Under `mpirun` it runs the scenario named by its
+//! argument as one rank:
+//!
+//! - `contract`: the communicator contract of `tessera::mesh::testing` (the same
+//!   body the threads backend passes under `cargo test`), meshes' sub-communicators,
+//!   and overlap of the asynchronous forms;
+//! - `fsdp`: FSDP (W2, W4) and HSDP (2x2) train the tiny reference Transformer to
+//!   PyTorch's losses within 1e-5 at every step;
+//! - `fail-error`, `fail-panic`, `fail-abort`, `stall`: a rank fails mid-step by
+//!   returning an error, panicking, dying (`abort`), or never arriving at a
+//!   collective; the job must end promptly with a message naming the rank.
+//!
+//! The driver also runs the `train` example with 4 threads and under `mpirun -n 4`
+//! and compares the losses (the example must be built: `cargo test` builds it).
+//! `TESSERA_MPIRUN` names another launcher binary.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{adamw, reference_losses, tiny_model, tokens};
+use tessera::autograd::nn::Module;
+use tessera::autograd::optim::{AdamW, Optimizer};
+use tessera::autograd::{Var, backward};
+use tessera::dtensor::{Placement, distribute_tensor};
+use tessera::fsdp::FsdpConfig;
+use tessera::mesh::testing;
+use tessera::{BoxError, CommunicatorExt, DeviceMesh, LaunchOptions, ReduceOp, launch, launch_with, mpi_env};
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    match mpi_env() {
+        Some(env) => {
+            let scenario = args.first().map(String::as_str).unwrap_or("");
+            if let Err(e) = rank_main(scenario) {
+                eprintln!("rank {}: scenario {scenario}: {e}", env.rank);
+                std::process::exit(2);
+            }
+        }
+        None => driver(&args),
+    }
+}
+
+// ----- the ranks ----------------------------------------------------------------
+
+fn rank_main(scenario: &str) -> Result<(), BoxError> {
+    let world = mpi_env().and_then(|e| e.size).ok_or("no MPI world size in the environment")?;
+    match scenario {
+        "contract" => contract(world),
+        "fsdp" => fsdp(world),
+        "fail-error" | "fail-panic" | "fail-abort" | "stall" => fail(world, scenario),
+        other => Err(format!("unknown scenario {other:?}").into()),
+    }
+}
+
+fn contract(world: usize) -> Result<(), BoxError> {
+    launch(world, |ctx| {
+        assert_eq!(ctx.comm().backend(), "mpi");
+        testing::check_all(ctx.comm());
+        testing::check_overlap(ctx.comm(), Duration::from_millis(500));
+        let shape: &[usize] = if ctx.world_size() == 4 { &[2, 2] } else { &[ctx.world_size()] };
+        let rank = ctx.rank();
+        testing::check_mesh(ctx.into_comm(), shape);
+        if rank == 0 {
+            println!("contract ok on {world} ranks (mesh {shape:?})");
+        }
+        Ok(())
+    })?;
+    Ok(())
+}
+
+/// Trains the tiny model on `shape` with FSDP and returns the losses.
+fn train_tiny(shape: &[usize], g: usize, steps: usize) -> Result<Vec<f64>, BoxError> {
+    let toks = tokens();
+    let world = shape.iter().product();
+    let runs = launch(world, |ctx| {
+        let mesh = DeviceMesh::new(ctx.into_comm(), shape)?;
+        let model = tiny_model(&mesh)?;
+        let params = model.parameters();
+        model.fully_shard(&mesh, &FsdpConfig::default())?;
+        let mut opt = AdamW::new(params, adamw())?;
+        let mut losses = Vec::new();
+        for step in 0..steps {
+            let t = toks.narrow(0, step, 1)?.narrow(1, 0, g)?.reshape(&[g, 33])?;
+            let rows = distribute_tensor(&t, &mesh, &vec![Placement::Shard(0); shape.len()])?;
+            let loss = model.loss(&Var::constant(rows))?;
+            losses.push(loss.value().full_tensor()?.to_f64_vec()[0]);
+            backward(&loss)?;
+            opt.step()?;
+            opt.zero_grad();
+        }
+        Ok(losses)
+    })?;
+    Ok(runs.into_iter().next().ok_or("no result")?)
+}
+
+fn fsdp(world: usize) -> Result<(), BoxError> {
+    let jobs: &[(&[usize], usize, &str)] = match world {
+        2 => &[(&[2], 8, "fsdp_W2_G8")],
+        4 => &[(&[4], 16, "fsdp_W4_G16"), (&[2, 2], 16, "hsdp_2x2_G16")],
+        n => return Err(format!("no FSDP reference for {n} ranks").into()),
+    };
+    for &(shape, g, reference) in jobs {
+        let losses = train_tiny(shape, g, 20)?;
+        let want = reference_losses(reference);
+        let d = losses.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
+        if d > 1e-5 {
+            return Err(format!("mesh {shape:?}: max |Δloss| {d:.3e} vs {reference} exceeds 1e-5").into());
+        }
+        if tessera::is_lead_process() {
+            println!("fsdp parity mesh {shape:?} vs {reference}: max |Δloss| = {d:.3e} over 20 steps");
+        }
+    }
+    Ok(())
+}
+
+/// Rank 1 fails after two good steps; the others go on into the next collective.
+fn fail(world: usize, how: &str) -> Result<(), BoxError> {
+    let opts = LaunchOptions::default();
+    launch_with(&opts, world, |ctx| {
+        let comm = ctx.comm();
+        for step in 0..5 {
+            if ctx.rank() == 1 && step == 2 {
+                match how {
+                    "fail-error" => return Err("injected failure at step 2".into()),
+                    "fail-panic" => panic!("injected panic at step 2"),
+                    "fail-abort" => std::process::abort(),
+                    _ => std::thread::sleep(Duration::from_secs(120)),
+                }
+            }
+            let mut x = vec![1.0f32; 1024];
+            comm.all_reduce_slice(&mut x, ReduceOp::Sum)?;
+            assert_eq!(x[0], ctx.world_size() as f32);
+        }
+        Ok(())
+    })?;
+    Err("every rank finished, but rank 1 should have failed".into())
+}
+
+// ----- the driver -----------------------------------------------------------------
+
+struct Job {
+    status: Option<i32>,
+    stdout: String,
+    stderr: String,
+    took: Duration,
+}
+
+fn mpirun() -> String {
+    std::env::var("TESSERA_MPIRUN").unwrap_or_else(|_| "mpirun".into())
+}
+
+/// Runs `program args` on `n` ranks under mpirun, killed after `deadline`.
+fn run_mpi(n: usize, program: &Path, args: &[&str], envs: &[(&str, &str)], deadline: Duration) -> Job {
+    let mut cmd = Command::new(mpirun());
+    cmd.args(["-n", &n.to_string(), "--oversubscribe"]);
+    // SAFETY-free check for root: OpenMPI refuses root without this flag.
+    if std::env::var("USER").map(|u| u == "root").unwrap_or(false) || is_root() {
+        cmd.arg("--allow-run-as-root");
+    }
+    cmd.arg(program).args(args);
+    run(cmd, envs, deadline)
+}
+
+fn is_root() -> bool {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("Uid:"))
+                .map(|l| l.split_whitespace().nth(1) == Some("0"))
+        })
+        .unwrap_or(false)
+}
+
+fn run(mut cmd: Command, envs: &[(&str, &str)], deadline: Duration) -> Job {
+    let dir = std::env::temp_dir().join(format!("tessera-mpi-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (out, err) = (dir.join("stdout"), dir.join("stderr"));
+    cmd.envs(envs.iter().copied())
+        .stdin(Stdio::null())
+        .stdout(std::fs::File::create(&out).unwrap())
+        .stderr(std::fs::File::create(&err).unwrap());
+    let t = Instant::now();
+    let mut child = cmd
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot start {cmd:?}: {e} (is OpenMPI installed? apt-get install openmpi-bin)"));
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s.code();
+        }
+        if t.elapsed() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!(
+                "{cmd:?} still running after {deadline:?}: it hangs\nstderr:\n{}",
+                std::fs::read_to_string(&err).unwrap_or_default()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let job = Job {
+        status,
+        stdout: std::fs::read_to_string(&out).unwrap_or_default(),
+        stderr: std::fs::read_to_string(&err).unwrap_or_default(),
+        took: t.elapsed(),
+    };
+    let _ = std::fs::remove_dir_all(&dir);
+    job
+}
+
+fn expect_ok(what: &str, job: &Job) {
+    assert_eq!(
+        job.status,
+        Some(0),
+        "{what}: exit status {:?}\nstdout:\n{}\nstderr:\n{}",
+        job.status,
+        job.stdout,
+        job.stderr
+    );
+}
+
+fn expect_failure(what: &str, job: &Job, needles: &[&str]) {
+    assert!(
+        job.status.is_some_and(|s| s != 0),
+        "{what}: the job should fail, exit status {:?}\nstderr:\n{}",
+        job.status,
+        job.stderr
+    );
+    for n in needles {
+        assert!(job.stderr.contains(n), "{what}: stderr lacks {n:?}:\n{}", job.stderr);
+    }
+    println!("{what}: ended in {:.1} s with status {:?}", job.took.as_secs_f64(), job.status);
+}
+
+/// `target/<profile>/examples/<name>`, next to this test's `deps` directory.
+fn example(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let profile_dir = exe.parent().and_then(Path::parent).expect("target/<profile>/deps/<test>");
+    profile_dir.join("examples").join(name)
+}
+
+fn losses(path: &Path) -> Vec<f64> {
+    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    v["loss"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect()
+}
+
+fn driver(args: &[String]) {
+    let only = args.iter().find(|a| !a.starts_with('-')).cloned();
+    let want = |name: &str| only.as_deref().is_none_or(|o| name.contains(o));
+    let me = std::env::current_exe().unwrap();
+    let minute = Duration::from_secs(60);
+    let mut ran = 0;
+    for n in [2, 4] {
+        if want("contract") {
+            let job = run_mpi(n, &me, &["contract"], &[], 5 * minute);
+            expect_ok(&format!("contract on {n} ranks"), &job);
+            assert!(job.stdout.contains(&format!("contract ok on {n} ranks")), "{}", job.stdout);
+            print!("{}", job.stdout);
+            ran += 1;
+        }
+        if want("fsdp") {
+            let job = run_mpi(n, &me, &["fsdp"], &[], 5 * minute);
+            expect_ok(&format!("fsdp on {n} ranks"), &job);
+            assert_eq!(job.stdout.matches("fsdp parity").count(), n / 2, "{}", job.stdout);
+            print!("{}", job.stdout);
+            ran += 1;
+        }
+    }
+    let fail_cases: [(&str, &[(&str, &str)], &[&str]); 4] = [
+        ("fail-error", &[], &["rank 1 of 2 failed: injected failure at step 2", "aborting the MPI job"]),
+        ("fail-panic", &[], &["rank 1 of 2 panicked: injected panic at step 2", "aborting the MPI job"]),
+        ("fail-abort", &[], &["rank 1"]),
+        (
+            "stall",
+            &[("TESSERA_TIMEOUT_S", "3")],
+            &["rank 0 waited", "in all_reduce", "never arrived", "aborting the MPI job"],
+        ),
+    ];
+    for (scenario, envs, needles) in fail_cases {
+        if want(scenario) {
+            let job = run_mpi(2, &me, &[scenario], envs, minute);
+            expect_failure(&format!("{scenario} on 2 ranks"), &job, needles);
+            ran += 1;
+        }
+    }
+    if want("train") {
+        let train = example("train");
+        assert!(
+            train.exists(),
+            "{} is missing: build it with `cargo build --features mpi --example train` (cargo test builds it)",
+            train.display()
+        );
+        let dir = std::env::temp_dir().join(format!("tessera-mpi-train-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let (a, b) = (dir.join("threads.json"), dir.join("mpi.json"));
+        let flags = ["--steps", "4", "--dim", "64", "--n-layers", "2", "--n-heads", "4", "--vocab", "256", "--seq", "32"];
+        let mut threads = Command::new(&train);
+        threads.args(flags).args(["--world-size", "4", "--losses-out"]).arg(&a);
+        expect_ok("train on 4 threads", &run(threads, &[], 5 * minute));
+        let b_str = b.to_str().unwrap();
+        let mut mpi_args: Vec<&str> = flags.to_vec();
+        mpi_args.extend(["--losses-out", b_str]);
+        let job = run_mpi(4, &train, &mpi_args, &[], 5 * minute);
+        expect_ok("train under mpirun -n 4", &job);
+        let (la, lb) = (losses(&a), losses(&b));
+        assert_eq!(la.len(), lb.len());
+        let d = la.iter().zip(&lb).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max);
+        println!("train: 4 threads vs mpirun -n 4, {} steps: max |Δloss| = {d:.3e}", la.len());
+        assert!(d <= 1e-6, "train losses differ: threads {la:?} vs MPI {lb:?}");
+        let _ = std::fs::remove_dir_all(&dir);
+        ran += 1;
+    }
+    assert!(ran > 0, "no scenario matches {only:?}");
+    println!("mpi: {ran} scenario runs passed");
+}
