@@ -1,4 +1,5 @@
-//! The main job: trains the reference Transformer on in-process ranks on the
+//! The main job: trains the reference Transformer on in-process ranks (or, built
+//! with `--features mpi` and started by `mpirun -n N`, one rank per process) on the
 //! reference data generator, printing progress and a summary.
 //!
 //! ```text
@@ -15,6 +16,9 @@
 //! `R × S` mesh (replicate over R, shard over S). The batch (`--batch` rows per
 //! rank) is split over all ranks; every step is the single-device step on the
 //! global batch.
+//!
+//! Under `mpirun` the world size defaults to the number of processes, and only
+//! rank 0 prints and writes `--losses-out`.
 
 #[path = "common/mod.rs"]
 mod common;
@@ -30,7 +34,7 @@ use tessera::data::{DATA_SEED, batch};
 use tessera::dtensor::{Placement, Tensor, distribute_tensor, memory};
 use tessera::fsdp::{FsdpConfig, MixedPrecisionPolicy};
 use tessera::models::{Transformer, TransformerConfig};
-use tessera::{BoxError, DType, DeviceMesh, launch};
+use tessera::{BoxError, CommunicatorExt, DType, DeviceMesh, is_lead_process, launch, mpi_env};
 
 const USAGE: &str = "usage: train [--world-size N | --mesh RxS] [--steps N] [--batch ROWS_PER_RANK] [--dim N] \
 [--n-layers N] [--n-heads N] [--vocab N] [--seq N] [--lr F] [--mixed-precision bf16] [--no-reshard] [--init PATH] \
@@ -55,7 +59,8 @@ struct Args {
 
 fn parse() -> Result<Args, String> {
     let mut a = Args {
-        world: 4,
+        // Under mpirun: one rank per process.
+        world: mpi_env().and_then(|e| e.size).unwrap_or(4),
         mesh: Vec::new(),
         bf16: false,
         no_reshard: false,
@@ -160,7 +165,8 @@ fn rows(args: &Args, file: Option<&Tensor>, step: usize) -> Result<Tensor, BoxEr
 struct RankReport {
     losses: Vec<f64>,
     step_time_s: Vec<f64>,
-    peak_bytes: usize,
+    /// Every rank's peak tensor memory (gathered, so MPI's rank 0 knows them all).
+    peak_bytes: Vec<usize>,
 }
 
 fn main() {
@@ -195,22 +201,25 @@ fn run(args: &Args) -> Result<(), BoxError> {
     } else {
         format!("FSDP on {} ranks", args.world)
     };
-    println!(
-        "training a {}-layer Transformer (dim {}, {} heads, vocab {}, seq {}; {} parameters), {layout}, \
+    let lead = is_lead_process();
+    if lead {
+        println!(
+            "training a {}-layer Transformer (dim {}, {} heads, vocab {}, seq {}; {} parameters), {layout}, \
          global batch {g}{}{}",
-        cfg.n_layers,
-        cfg.dim,
-        cfg.n_heads,
-        cfg.vocab,
-        cfg.seq,
-        cfg.num_params(),
-        if args.bf16 { ", bf16 mixed precision" } else { "" },
-        if args.no_reshard {
-            ", no reshard after forward"
-        } else {
-            ""
-        },
-    );
+            cfg.n_layers,
+            cfg.dim,
+            cfg.n_heads,
+            cfg.vocab,
+            cfg.seq,
+            cfg.num_params(),
+            if args.bf16 { ", bf16 mixed precision" } else { "" },
+            if args.no_reshard {
+                ", no reshard after forward"
+            } else {
+                ""
+            },
+        );
+    }
     let fsdp = FsdpConfig {
         reshard_after_forward: args.no_reshard.then_some(false),
         mp_policy: if args.bf16 {
@@ -241,7 +250,7 @@ fn run(args: &Args) -> Result<(), BoxError> {
         let mut report = RankReport {
             losses: Vec::new(),
             step_time_s: Vec::new(),
-            peak_bytes: 0,
+            peak_bytes: Vec::new(),
         };
         let start = Instant::now();
         for step in 0..args.steps {
@@ -259,14 +268,23 @@ fn run(args: &Args) -> Result<(), BoxError> {
                 progress(step + 1, args.steps, value, tok_s);
             }
         }
-        report.peak_bytes = memory::stats().peak_bytes;
+        let peak = memory::stats().peak_bytes as i64;
+        report.peak_bytes = mesh
+            .comm()
+            .all_gather_vec(&[peak])?
+            .into_iter()
+            .map(|b| b as usize)
+            .collect();
         Ok(report)
     })?;
+    if !lead {
+        return Ok(());
+    }
     println!();
     let r0 = &reports[0];
     let total: f64 = r0.step_time_s.iter().sum();
     let tokens_seen = (args.steps * g * cfg.seq) as f64;
-    let peak = reports.iter().map(|r| r.peak_bytes).max().unwrap_or(0);
+    let peak = r0.peak_bytes.iter().copied().max().unwrap_or(0);
     // One unsharded rank holds every parameter, its gradient and two AdamW
     // states in f32 before any activation.
     let unsharded = 16 * cfg.num_params();
@@ -283,7 +301,7 @@ fn run(args: &Args) -> Result<(), BoxError> {
         let json = serde_json::json!({
             "loss": r0.losses,
             "step_time_s": r0.step_time_s,
-            "peak_bytes_per_rank": reports.iter().map(|r| r.peak_bytes).collect::<Vec<_>>(),
+            "peak_bytes_per_rank": r0.peak_bytes,
         });
         common::write_atomic(path, &serde_json::to_string_pretty(&json)?)?;
         println!("wrote {}", path.display());

@@ -16,7 +16,9 @@
 //!   collective; the job must end promptly with a message naming the rank.
 //!
 //! The driver also runs the `train` example with 4 threads and under `mpirun -n 4`
-//! and compares the losses (the example must be built: `cargo test` builds it).
+//! and compares the losses, and runs `hsdp_multinode` under `mpirun -n 4` (the
+//! examples must be built: `cargo test` builds them). A scenario name as argument
+//! runs only the matching scenarios (`cargo test --features mpi --test mpi -- fsdp`).
 //! `TESSERA_MPIRUN` names another launcher binary.
 
 mod common;
@@ -51,7 +53,9 @@ fn main() {
 // ----- the ranks ----------------------------------------------------------------
 
 fn rank_main(scenario: &str) -> Result<(), BoxError> {
-    let world = mpi_env().and_then(|e| e.size).ok_or("no MPI world size in the environment")?;
+    let world = mpi_env()
+        .and_then(|e| e.size)
+        .ok_or("no MPI world size in the environment")?;
     match scenario {
         "contract" => contract(world),
         "fsdp" => fsdp(world),
@@ -65,7 +69,11 @@ fn contract(world: usize) -> Result<(), BoxError> {
         assert_eq!(ctx.comm().backend(), "mpi");
         testing::check_all(ctx.comm());
         testing::check_overlap(ctx.comm(), Duration::from_millis(500));
-        let shape: &[usize] = if ctx.world_size() == 4 { &[2, 2] } else { &[ctx.world_size()] };
+        let shape: &[usize] = if ctx.world_size() == 4 {
+            &[2, 2]
+        } else {
+            &[ctx.world_size()]
+        };
         let rank = ctx.rank();
         testing::check_mesh(ctx.into_comm(), shape);
         if rank == 0 {
@@ -237,20 +245,32 @@ fn expect_failure(what: &str, job: &Job, needles: &[&str]) {
     for n in needles {
         assert!(job.stderr.contains(n), "{what}: stderr lacks {n:?}:\n{}", job.stderr);
     }
-    println!("{what}: ended in {:.1} s with status {:?}", job.took.as_secs_f64(), job.status);
+    println!(
+        "{what}: ended in {:.1} s with status {:?}",
+        job.took.as_secs_f64(),
+        job.status
+    );
 }
 
 /// `target/<profile>/examples/<name>`, next to this test's `deps` directory.
 fn example(name: &str) -> PathBuf {
     let exe = std::env::current_exe().unwrap();
-    let profile_dir = exe.parent().and_then(Path::parent).expect("target/<profile>/deps/<test>");
+    let profile_dir = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("target/<profile>/deps/<test>");
     profile_dir.join("examples").join(name)
 }
 
 fn losses(path: &Path) -> Vec<f64> {
     let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     let v: serde_json::Value = serde_json::from_str(&text).unwrap();
-    v["loss"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect()
+    v["loss"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_f64().unwrap())
+        .collect()
 }
 
 fn driver(args: &[String]) {
@@ -263,7 +283,11 @@ fn driver(args: &[String]) {
         if want("contract") {
             let job = run_mpi(n, &me, &["contract"], &[], 5 * minute);
             expect_ok(&format!("contract on {n} ranks"), &job);
-            assert!(job.stdout.contains(&format!("contract ok on {n} ranks")), "{}", job.stdout);
+            assert!(
+                job.stdout.contains(&format!("contract ok on {n} ranks")),
+                "{}",
+                job.stdout
+            );
             print!("{}", job.stdout);
             ran += 1;
         }
@@ -276,13 +300,26 @@ fn driver(args: &[String]) {
         }
     }
     let fail_cases: [(&str, &[(&str, &str)], &[&str]); 4] = [
-        ("fail-error", &[], &["rank 1 of 2 failed: injected failure at step 2", "aborting the MPI job"]),
-        ("fail-panic", &[], &["rank 1 of 2 panicked: injected panic at step 2", "aborting the MPI job"]),
+        (
+            "fail-error",
+            &[],
+            &["rank 1 of 2 failed: injected failure at step 2", "aborting the MPI job"],
+        ),
+        (
+            "fail-panic",
+            &[],
+            &["rank 1 of 2 panicked: injected panic at step 2", "aborting the MPI job"],
+        ),
         ("fail-abort", &[], &["rank 1"]),
         (
             "stall",
             &[("TESSERA_TIMEOUT_S", "3")],
-            &["rank 0 waited", "in all_reduce", "never arrived", "aborting the MPI job"],
+            &[
+                "rank 0 waited",
+                "in all_reduce",
+                "never arrived",
+                "aborting the MPI job",
+            ],
         ),
     ];
     for (scenario, envs, needles) in fail_cases {
@@ -302,7 +339,20 @@ fn driver(args: &[String]) {
         let dir = std::env::temp_dir().join(format!("tessera-mpi-train-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let (a, b) = (dir.join("threads.json"), dir.join("mpi.json"));
-        let flags = ["--steps", "4", "--dim", "64", "--n-layers", "2", "--n-heads", "4", "--vocab", "256", "--seq", "32"];
+        let flags = [
+            "--steps",
+            "4",
+            "--dim",
+            "64",
+            "--n-layers",
+            "2",
+            "--n-heads",
+            "4",
+            "--vocab",
+            "256",
+            "--seq",
+            "32",
+        ];
         let mut threads = Command::new(&train);
         threads.args(flags).args(["--world-size", "4", "--losses-out"]).arg(&a);
         expect_ok("train on 4 threads", &run(threads, &[], 5 * minute));
@@ -314,9 +364,30 @@ fn driver(args: &[String]) {
         let (la, lb) = (losses(&a), losses(&b));
         assert_eq!(la.len(), lb.len());
         let d = la.iter().zip(&lb).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max);
-        println!("train: 4 threads vs mpirun -n 4, {} steps: max |Δloss| = {d:.3e}", la.len());
+        println!(
+            "train: 4 threads vs mpirun -n 4, {} steps: max |Δloss| = {d:.3e}",
+            la.len()
+        );
         assert!(d <= 1e-6, "train losses differ: threads {la:?} vs MPI {lb:?}");
         let _ = std::fs::remove_dir_all(&dir);
+        ran += 1;
+    }
+    if want("hsdp_multinode") {
+        let bin = example("hsdp_multinode");
+        assert!(
+            bin.exists(),
+            "{} is missing: build it with `cargo build --features mpi --example hsdp_multinode`",
+            bin.display()
+        );
+        let job = run_mpi(4, &bin, &["--steps", "2"], &[], 5 * minute);
+        expect_ok("hsdp_multinode under mpirun -n 4", &job);
+        assert!(job.stdout.contains("backend mpi; mesh [2, 2]"), "{}", job.stdout);
+        assert!(
+            !job.stdout.contains("warning"),
+            "one host: no shard group spans hosts\n{}",
+            job.stdout
+        );
+        print!("{}", job.stdout);
         ran += 1;
     }
     assert!(ran > 0, "no scenario matches {only:?}");
