@@ -273,6 +273,9 @@ fn losses(path: &Path) -> Vec<f64> {
         .collect()
 }
 
+/// A failure scenario: its name, extra environment, and what stderr must say.
+type FailCase = (&'static str, &'static [(&'static str, &'static str)], &'static [&'static str]);
+
 fn driver(args: &[String]) {
     let only = args.iter().find(|a| !a.starts_with('-')).cloned();
     let want = |name: &str| only.as_deref().is_none_or(|o| name.contains(o));
@@ -299,7 +302,7 @@ fn driver(args: &[String]) {
             ran += 1;
         }
     }
-    let fail_cases: [(&str, &[(&str, &str)], &[&str]); 4] = [
+    let fail_cases: [FailCase; 4] = [
         (
             "fail-error",
             &[],

@@ -13,9 +13,9 @@
 
 use std::time::Duration;
 
-use crate::{Communicator, Result};
 #[cfg(not(feature = "mpi"))]
 use crate::Error;
+use crate::{Communicator, Result};
 
 /// Any error a rank's closure returns (`?` converts every error type into it).
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -189,7 +189,7 @@ fn launch_mpi<T, F>(opts: &LaunchOptions, world_size: usize, env: &MpiEnv, f: F)
 where
     F: Fn(RankCtx) -> Result<T, BoxError>,
 {
-    crate::mpi::launch(opts, world_size, env, f)
+    crate::mpi_backend::launch(opts, world_size, env, f)
 }
 
 #[cfg(not(feature = "mpi"))]
@@ -237,18 +237,30 @@ mod tests {
         let pmix = env(&[("PMIX_RANK", "0")]).unwrap();
         assert_eq!((pmix.launcher, pmix.size), ("PMIx", None));
         // OpenMPI sets PMIx variables too; its own win.
-        let both = env(&[("PMIX_RANK", "2"), ("OMPI_COMM_WORLD_RANK", "2"), ("OMPI_COMM_WORLD_SIZE", "8")]).unwrap();
+        let both = env(&[
+            ("PMIX_RANK", "2"),
+            ("OMPI_COMM_WORLD_RANK", "2"),
+            ("OMPI_COMM_WORLD_SIZE", "8"),
+        ])
+        .unwrap();
         assert_eq!((both.launcher, both.size), ("OpenMPI", Some(8)));
     }
 
     #[test]
     fn backend_override() {
-        let forced = [("TESSERA_BACKEND", "threads"), ("OMPI_COMM_WORLD_RANK", "0"), ("OMPI_COMM_WORLD_SIZE", "2")];
+        let forced = [
+            ("TESSERA_BACKEND", "threads"),
+            ("OMPI_COMM_WORLD_RANK", "0"),
+            ("OMPI_COMM_WORLD_SIZE", "2"),
+        ];
         assert_eq!(env(&forced), None);
         let mpi = env(&[("TESSERA_BACKEND", "mpi")]).unwrap();
         assert_eq!((mpi.rank, mpi.size), (0, None));
         // Unparsable values are not a launch.
-        assert_eq!(env(&[("OMPI_COMM_WORLD_RANK", "x"), ("OMPI_COMM_WORLD_SIZE", "2")]), None);
+        assert_eq!(
+            env(&[("OMPI_COMM_WORLD_RANK", "x"), ("OMPI_COMM_WORLD_SIZE", "2")]),
+            None
+        );
     }
 
     #[cfg(not(feature = "mpi"))]

@@ -17,12 +17,16 @@
 //!   asynchronous forms, `split` into sub-groups). Object safe, a small required core.
 //! - [`launch`]: runs a closure on every rank; the threads backend (default) makes
 //!   each rank a thread and moves data through shared memory. A rank that fails
-//!   poisons the job: the others get errors naming it instead of hanging.
+//!   poisons the job: the others get errors naming it instead of hanging. Under
+//!   `mpirun` (detected by [`mpi_env`]) with feature `mpi`, each process is one rank
+//!   and the collectives are MPI's; a failing rank aborts the job with its error.
 //! - [`DeviceMesh`]: an N-D array of ranks with named dims and one sub-communicator per dim.
 //! - [`CommStats`]: per-rank counts of collectives and bytes, for tests and benchmarks.
 //!
-//! Features: `testing` (the communicator contract checks of [`testing`], for
-//! backends' test suites). The `mpi` and `cuda` (NCCL) backends come behind features.
+//! Features: `testing` (the communicator contract checks of `testing`, for
+//! backends' test suites); `mpi` (the MPI backend over the `mpi` crate: needs an
+//! MPI library such as OpenMPI and libclang to build). A `cuda` (NCCL) backend is
+//! planned behind its own feature.
 #![deny(missing_docs)]
 
 mod comm;
@@ -32,7 +36,7 @@ mod dtype;
 mod error;
 mod launcher;
 #[cfg(feature = "mpi")]
-mod mpi;
+mod mpi_backend;
 pub mod stats;
 #[cfg(feature = "testing")]
 pub mod testing;
@@ -42,7 +46,13 @@ pub use comm::{Communicator, CommunicatorExt, ReduceOp, Work};
 pub use device_mesh::{DeviceMesh, DimRef};
 pub use dtype::{Buf, BufMut, Buffer, DType, Element};
 pub use error::{Error, Result};
-pub use stats::{CommCounts, CommStats, OpKind};
 pub use launcher::{
     BoxError, DEFAULT_TIMEOUT, LaunchOptions, MpiEnv, RankCtx, is_lead_process, launch, launch_with, mpi_env,
 };
+/// The `mpi` crate the MPI backend is built on, for raw MPI calls beside Tessera's
+/// (feature `mpi`). Initialise MPI through it before the first [`launch`] to own
+/// its `Universe` (at `Threading::Multiple`); otherwise `launch` initialises MPI
+/// and finalises it at process exit.
+#[cfg(feature = "mpi")]
+pub use mpi;
+pub use stats::{CommCounts, CommStats, OpKind};

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use tessera::mesh::{Buf, BufMut, CommStats, OpKind, Result, testing};
-use tessera::{Communicator, CommunicatorExt, DeviceMesh, LaunchOptions, ReduceOp, launch, launch_with};
+use tessera::{Communicator, CommunicatorExt, LaunchOptions, ReduceOp, launch, launch_with};
 
 /// Delegates only the required methods of [`Communicator`] to a real communicator,
 /// so every provided method (the padded variable-count forms included) runs its

@@ -200,7 +200,9 @@ impl Communicator for MpiComm {
         count("all_gather", self.rank, recv.len())?;
         let (s, r) = (ptr(&send), ptr_mut(&mut recv));
         // SAFETY: `s` holds `c` elements and `r` `size * c` (checked above), both of `dt`.
-        self.run(OpKind::AllGather, || unsafe { ffi::MPI_Allgather(s, c, dt, r, c, dt, self.raw.0) })
+        self.run(OpKind::AllGather, || unsafe {
+            ffi::MPI_Allgather(s, c, dt, r, c, dt, self.raw.0)
+        })
     }
 
     fn reduce_scatter(&self, send: Buf<'_>, mut recv: BufMut<'_>, op: ReduceOp) -> Result<()> {
@@ -229,7 +231,9 @@ impl Communicator for MpiComm {
         let (s, _copy) = self.in_place(&buf);
         let r = ptr_mut(&mut buf);
         // SAFETY: `r` holds `c` elements of `dt`; `s` is MPI_IN_PLACE or a copy of them.
-        self.run(OpKind::AllReduce, || unsafe { ffi::MPI_Allreduce(s, r, c, dt, mop, self.raw.0) })?;
+        self.run(OpKind::AllReduce, || unsafe {
+            ffi::MPI_Allreduce(s, r, c, dt, mop, self.raw.0)
+        })?;
         if op == ReduceOp::Avg {
             divide(&mut buf, self.size);
         }
@@ -244,7 +248,9 @@ impl Communicator for MpiComm {
         let (dt, mop) = (datatype(send.dtype()), self.rt.ops.get(send.dtype(), op));
         let (s, r) = (ptr(&send), ptr_mut(&mut recv));
         // SAFETY: both buffers hold `c` elements of `dt` (checked above).
-        self.run(OpKind::AllReduce, || unsafe { ffi::MPI_Allreduce(s, r, c, dt, mop, self.raw.0) })?;
+        self.run(OpKind::AllReduce, || unsafe {
+            ffi::MPI_Allreduce(s, r, c, dt, mop, self.raw.0)
+        })?;
         if op == ReduceOp::Avg {
             divide(&mut recv, self.size);
         }
@@ -255,10 +261,15 @@ impl Communicator for MpiComm {
         self.check(OpKind::AllToAll, &send, Some(&recv), 0)?;
         self.begin(OpKind::AllToAll, bytes(&send));
         count("all_to_all", self.rank, send.len())?;
-        let (c, dt) = (count("all_to_all", self.rank, send.len() / self.size)?, datatype(send.dtype()));
+        let (c, dt) = (
+            count("all_to_all", self.rank, send.len() / self.size)?,
+            datatype(send.dtype()),
+        );
         let (s, r) = (ptr(&send), ptr_mut(&mut recv));
         // SAFETY: both buffers hold `size * c` elements of `dt` (checked above).
-        self.run(OpKind::AllToAll, || unsafe { ffi::MPI_Alltoall(s, c, dt, r, c, dt, self.raw.0) })
+        self.run(OpKind::AllToAll, || unsafe {
+            ffi::MPI_Alltoall(s, c, dt, r, c, dt, self.raw.0)
+        })
     }
 
     fn broadcast(&self, mut buf: BufMut<'_>, root: usize) -> Result<()> {
@@ -268,7 +279,9 @@ impl Communicator for MpiComm {
         let root = count("broadcast", self.rank, root)?;
         let b = ptr_mut(&mut buf);
         // SAFETY: `b` holds `c` elements of `dt`; `root` is in range (checked above).
-        self.run(OpKind::Broadcast, || unsafe { ffi::MPI_Bcast(b, c, dt, root, self.raw.0) })
+        self.run(OpKind::Broadcast, || unsafe {
+            ffi::MPI_Bcast(b, c, dt, root, self.raw.0)
+        })
     }
 
     fn barrier(&self) -> Result<()> {
@@ -287,12 +300,17 @@ impl Communicator for MpiComm {
                 got: v as usize,
             })
         };
-        let (color, key) = (arg(color, "color (at most 2^31 - 1)")?, arg(key, "key (at most 2^31 - 1)")?);
+        let (color, key) = (
+            arg(color, "color (at most 2^31 - 1)")?,
+            arg(key, "key (at most 2^31 - 1)")?,
+        );
         self.begin(OpKind::Split, 0);
         // SAFETY: reading a predefined handle.
         let mut raw = unsafe { ffi::RSMPI_COMM_NULL };
         // SAFETY: a live communicator; `raw` is a valid out-pointer.
-        self.run(OpKind::Split, || unsafe { ffi::MPI_Comm_split(self.raw.0, color, key, &mut raw) })?;
+        self.run(OpKind::Split, || unsafe {
+            ffi::MPI_Comm_split(self.raw.0, color, key, &mut raw)
+        })?;
         Ok(Box::new(MpiComm::wrap(self.rt, Handle(raw))))
     }
 
@@ -348,7 +366,17 @@ impl Communicator for MpiComm {
         let (s, r) = (ptr(&send), ptr_mut(&mut recv));
         // SAFETY: the counts were checked on every rank against the buffer lengths.
         self.run(OpKind::AllToAll, || unsafe {
-            ffi::MPI_Alltoallv(s, sc.as_ptr(), sd.as_ptr(), dt, r, rc.as_ptr(), rd.as_ptr(), dt, self.raw.0)
+            ffi::MPI_Alltoallv(
+                s,
+                sc.as_ptr(),
+                sd.as_ptr(),
+                dt,
+                r,
+                rc.as_ptr(),
+                rd.as_ptr(),
+                dt,
+                self.raw.0,
+            )
         })
     }
 
@@ -370,10 +398,17 @@ impl Communicator for MpiComm {
         let (n, rank, dtype) = (self.size, self.rank, send.dtype());
         let block = send.len() / n;
         let checked = self
-            .check(OpKind::ReduceScatter, &send.as_buf(), Some(&Buffer::zeros(dtype, 0).as_buf_mut()), 0)
+            .check(
+                OpKind::ReduceScatter,
+                &send.as_buf(),
+                Some(&Buffer::zeros(dtype, 0).as_buf_mut()),
+                0,
+            )
             .or_else(|e| match e {
                 // Only the send length matters here; the output is ours to size.
-                Error::BadLength { what: "receive buffer", .. } => Ok(()),
+                Error::BadLength {
+                    what: "receive buffer", ..
+                } => Ok(()),
                 e => Err(e),
             })
             .and_then(|_| op.check("reduce_scatter", dtype));

@@ -115,16 +115,30 @@ macro_rules! half_fns {
     ($t:ident, $sum:ident, $prod:ident, $max:ident, $min:ident) => {
         user_fn!($sum, $t, |x: $t, y: $t| $t::from_f32(x.to_f32() + y.to_f32()));
         user_fn!($prod, $t, |x: $t, y: $t| $t::from_f32(x.to_f32() * y.to_f32()));
-        user_fn!($max, $t, |x: $t, y: $t| $t::from_f32(max_nan(x.to_f32(), y.to_f32())));
-        user_fn!($min, $t, |x: $t, y: $t| $t::from_f32(min_nan(x.to_f32(), y.to_f32())));
+        user_fn!($max, $t, |x: $t, y: $t| $t::from_f32(max_nan(
+            x.to_f32(),
+            y.to_f32()
+        )));
+        user_fn!($min, $t, |x: $t, y: $t| $t::from_f32(min_nan(
+            x.to_f32(),
+            y.to_f32()
+        )));
     };
 }
 half_fns!(bf16, bf16_sum, bf16_prod, bf16_max, bf16_min);
 half_fns!(f16, f16_sum, f16_prod, f16_max, f16_min);
 user_fn!(f32_max, f32, max_nan);
 user_fn!(f32_min, f32, min_nan);
-user_fn!(f64_max, f64, |x: f64, y: f64| if x.is_nan() || y.is_nan() { f64::NAN } else { x.max(y) });
-user_fn!(f64_min, f64, |x: f64, y: f64| if x.is_nan() || y.is_nan() { f64::NAN } else { x.min(y) });
+user_fn!(f64_max, f64, |x: f64, y: f64| if x.is_nan() || y.is_nan() {
+    f64::NAN
+} else {
+    x.max(y)
+});
+user_fn!(f64_min, f64, |x: f64, y: f64| if x.is_nan() || y.is_nan() {
+    f64::NAN
+} else {
+    x.min(y)
+});
 
 type UserFn = unsafe extern "C" fn(*mut c_void, *mut c_void, *mut c_int, *mut ffi::MPI_Datatype);
 
@@ -153,7 +167,12 @@ impl Ops {
     /// Creates every operator (after `MPI_Init`).
     pub(super) fn create() -> Result<Ops, String> {
         Ok(Ops {
-            bf16: [create(bf16_sum)?, create(bf16_prod)?, create(bf16_max)?, create(bf16_min)?],
+            bf16: [
+                create(bf16_sum)?,
+                create(bf16_prod)?,
+                create(bf16_max)?,
+                create(bf16_min)?,
+            ],
             f16: [create(f16_sum)?, create(f16_prod)?, create(f16_max)?, create(f16_min)?],
             f32: [create(f32_max)?, create(f32_min)?],
             f64: [create(f64_max)?, create(f64_min)?],
@@ -188,7 +207,14 @@ mod tests {
     fn apply(f: UserFn, x: &mut [f32], y: &mut [f32]) {
         let mut n = x.len() as c_int;
         // SAFETY: both slices hold `n` f32s; the datatype argument is unused.
-        unsafe { f(x.as_mut_ptr().cast(), y.as_mut_ptr().cast(), &mut n, std::ptr::null_mut()) };
+        unsafe {
+            f(
+                x.as_mut_ptr().cast(),
+                y.as_mut_ptr().cast(),
+                &mut n,
+                std::ptr::null_mut(),
+            )
+        };
     }
 
     #[test]
@@ -202,7 +228,14 @@ mod tests {
         let (mut a, mut b) = ([bf16::from_f32(1.5); 3], [bf16::from_f32(2.0); 3]);
         let mut n: c_int = 3;
         // SAFETY: both arrays hold 3 bf16s.
-        unsafe { bf16_sum(a.as_mut_ptr().cast(), b.as_mut_ptr().cast(), &mut n, std::ptr::null_mut()) };
+        unsafe {
+            bf16_sum(
+                a.as_mut_ptr().cast(),
+                b.as_mut_ptr().cast(),
+                &mut n,
+                std::ptr::null_mut(),
+            )
+        };
         assert_eq!(b, [bf16::from_f32(3.5); 3]);
         assert_eq!(a, [bf16::from_f32(1.5); 3], "the input buffer is left alone");
     }

@@ -82,9 +82,11 @@ fn init() -> std::result::Result<Runtime, String> {
         (level == Threading::Multiple).then_some(level)
     };
     if provided.is_none() {
-        return Err("the MPI library does not provide MPI_THREAD_MULTIPLE, which Tessera's communication \
+        return Err(
+            "the MPI library does not provide MPI_THREAD_MULTIPLE, which Tessera's communication \
                     threads need (OpenMPI and MPICH do in their standard builds)"
-            .into());
+                .into(),
+        );
     }
     let (mut rank, mut size): (c_int, c_int) = (0, 0);
     // SAFETY: MPI is initialised; out-pointers are valid.
@@ -170,7 +172,10 @@ where
             env.launcher, rt.world_size, rt.world_size
         )));
     }
-    TIMEOUT_MS.store(u64::try_from(opts.timeout.as_millis()).unwrap_or(u64::MAX).max(1), Ordering::Relaxed);
+    TIMEOUT_MS.store(
+        u64::try_from(opts.timeout.as_millis()).unwrap_or(u64::MAX).max(1),
+        Ordering::Relaxed,
+    );
     let ctx = RankCtx::new(Box::new(MpiComm::world(rt)?), crate::context::next_job());
     match catch_unwind(AssertUnwindSafe(|| f(ctx))) {
         Ok(Ok(out)) => Ok(vec![out]),
