@@ -193,7 +193,10 @@ where
 }
 
 #[cfg(not(feature = "mpi"))]
-fn launch_mpi<T, F>(_: &LaunchOptions, _: usize, env: &MpiEnv, _: F) -> Result<Vec<T>> {
+fn launch_mpi<T, F>(_: &LaunchOptions, _: usize, env: &MpiEnv, _: F) -> Result<Vec<T>>
+where
+    F: Fn(RankCtx) -> Result<T, BoxError>,
+{
     Err(Error::Launch(format!(
         "this process was started by an MPI launcher ({} variables, rank {}) but Tessera was built without \
          the `mpi` feature; rebuild with `--features mpi`, or run without mpirun to use in-process threads \

@@ -100,10 +100,7 @@ impl Var {
     pub fn softmax(&self, dim: usize) -> Result<Var> {
         let y = self.value().softmax(dim)?;
         let out = y.clone();
-        Ok(self.unary_op("softmax", y, move |g| {
-            let dot = g.mul(&out)?.sum(&[dim], true)?;
-            out.mul(&g.sub(&dot)?)
-        }))
+        Ok(self.unary_op("softmax", y, move |g| softmax_backward(g, &out, dim)))
     }
 
     /// Log-softmax along `dim`.
@@ -141,26 +138,13 @@ impl Var {
         let has_bias = bias.is_some();
         Ok(Var::from_op("layer_norm", value, &inputs, move |g| {
             let last = x.shape().len() - 1;
-            let batch: Vec<usize> = (0..last).collect();
-            // Recompute the normalised input x̂ = (x − mean)·rstd.
-            let mean = x.mean(&[last], true)?;
-            let centered = x.sub(&mean)?;
-            let var = centered.square()?.mean(&[last], true)?;
-            let rstd = var.add_scalar(eps)?.rsqrt()?;
-            let xhat = centered.mul(&rstd)?;
-            let gw = match &w {
-                Some(w) => g.mul(&w.get()?)?,
-                None => g.clone(),
-            };
-            // dx = rstd · (ĝ − mean(ĝ) − x̂ · mean(ĝ · x̂)) with ĝ = g · w.
-            let m1 = gw.mean(&[last], true)?;
-            let m2 = gw.mul(&xhat)?.mean(&[last], true)?;
-            let gx = gw.sub(&m1)?.sub(&xhat.mul(&m2)?)?.mul(&rstd)?;
-            let mut out: SmallVec<[Option<DTensor>; 3]> = smallvec![Some(gx)];
+            let w = w.as_ref().map(|w| w.get()).transpose()?;
+            let mut out: SmallVec<[Option<DTensor>; 3]> = smallvec![Some(layer_norm_backward(g, &x, w.as_ref(), eps)?)];
             if w.is_some() {
-                out.push(Some(g.mul(&xhat)?.sum(&batch, false)?));
+                out.push(Some(layer_norm_weight_grad(g, &x, eps)?));
             }
             if has_bias {
+                let batch: Vec<usize> = (0..last).collect();
                 out.push(Some(g.sum(&batch, false)?));
             }
             Ok(out)
@@ -255,14 +239,63 @@ fn cross_entropy_backward(
             }
             let flat = l[0].reshape(&[n, c])?;
             let t = l[1].contiguous().reshape(&[n])?;
-            let (_, probs) = flat.cross_entropy_with_grad(&t, Reduction::Sum)?;
             let gs = l[2].to_f64_vec()[0] * scale;
-            let mut p = probs.to_f64_vec();
-            for (row, &k) in t.to_vec::<i64>()?.iter().enumerate() {
-                p[row * c + k as usize] -= 1.0;
-            }
-            p.iter_mut().for_each(|v| *v *= gs);
-            Tensor::from_vec(p, l[0].shape())?.cast(l[0].dtype())
+            flat.cross_entropy_backward(&t, gs)?.reshape(l[0].shape())
         },
+    )
+}
+
+/// `y · (g − Σ_dim g·y)`, the input gradient of a softmax with output `y`, in one
+/// pass per row; sharded like `y` off `dim`.
+fn softmax_backward(g: &DTensor, y: &DTensor, dim: usize) -> tessera_dtensor::Result<DTensor> {
+    let (r, s) = (Placement::Replicate, Placement::Shard);
+    let mut options: Vec<DimOption> = vec![(smallvec![r, r], r)];
+    options.extend(
+        (0..y.shape().len())
+            .filter(|&d| d != dim)
+            .map(|d| (smallvec![s(d), s(d)], s(d))),
+    );
+    let cands = product(&vec![options; y.mesh().ndim()], 2);
+    dispatch("softmax_backward", &[g, y], &cands, y.shape(), y.dtype(), |l, _| {
+        l[0].softmax_backward(&l[1], dim)
+    })
+}
+
+/// The input gradient of layer norm over the last dim (see
+/// [`Tensor::layer_norm_backward`]), sharded like `x` off the last dim, with the
+/// weight replicated.
+fn layer_norm_backward(g: &DTensor, x: &DTensor, w: Option<&DTensor>, eps: f64) -> tessera_dtensor::Result<DTensor> {
+    let (r, s) = (Placement::Replicate, Placement::Shard);
+    let last = x.shape().len() - 1;
+    let n = 2 + usize::from(w.is_some());
+    let mut options: Vec<DimOption> = vec![(smallvec![r; n], r)];
+    options.extend((0..last).map(|d| {
+        let mut ins: SmallVec<[Placement; 3]> = smallvec![s(d), s(d)];
+        ins.extend(w.map(|_| r));
+        (ins, s(d))
+    }));
+    let cands = product(&vec![options; x.mesh().ndim()], n);
+    let mut inputs: SmallVec<[&DTensor; 3]> = smallvec![g, x];
+    inputs.extend(w);
+    dispatch("layer_norm_backward", &inputs, &cands, x.shape(), x.dtype(), |l, _| {
+        l[0].layer_norm_backward(&l[1], l.get(2), eps)
+    })
+}
+
+/// The weight gradient of layer norm, `Σ_rows g · x̂` (see
+/// [`Tensor::layer_norm_weight_grad`]): a partial sum when the rows are sharded.
+fn layer_norm_weight_grad(g: &DTensor, x: &DTensor, eps: f64) -> tessera_dtensor::Result<DTensor> {
+    let (r, s) = (Placement::Replicate, Placement::Shard);
+    let last = x.shape().len() - 1;
+    let mut options: Vec<DimOption> = vec![(smallvec![r, r], r)];
+    options.extend((0..last).map(|d| (smallvec![s(d), s(d)], Placement::Partial(ReduceOp::Sum))));
+    let cands = product(&vec![options; x.mesh().ndim()], 2);
+    dispatch(
+        "layer_norm_weight_grad",
+        &[g, x],
+        &cands,
+        &[x.shape()[last]],
+        x.dtype(),
+        |l, _| l[0].layer_norm_weight_grad(&l[1], eps),
     )
 }

@@ -115,8 +115,58 @@ impl<F: Real> Scalars<F> {
     }
 }
 
-/// One AdamW step over local slices of equal length.
+/// One AdamW step over local slices of equal length, on the widest loop that
+/// the CPU runs (see [`kernel_on`]).
 fn kernel<F: Real>(s: &Scalars<F>, p: &mut [F], g: &[F], m: &mut [F], v: &mut [F]) {
+    kernel_on(Simd::best(), s, p, g, m, v);
+}
+
+/// The loops that [`kernel`] is compiled to: the baseline target, where each
+/// fused multiply-add is a libm call (correctly rounded, in software), and
+/// AVX-512F with FMA, where it is one instruction with the same single
+/// rounding. Every other operation is an IEEE add, multiply, divide or square
+/// root, so both give the same bits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Simd {
+    Baseline,
+    #[cfg(target_arch = "x86_64")]
+    Avx512Fma,
+}
+
+impl Simd {
+    fn best() -> Simd {
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("fma") {
+            return Simd::Avx512Fma;
+        }
+        Simd::Baseline
+    }
+}
+
+/// [`kernel`] on the loop compiled for `simd`, which the CPU must support
+/// (asserted).
+fn kernel_on<F: Real>(simd: Simd, s: &Scalars<F>, p: &mut [F], g: &[F], m: &mut [F], v: &mut [F]) {
+    match simd {
+        Simd::Baseline => kernel_body(s, p, g, m, v),
+        #[cfg(target_arch = "x86_64")]
+        Simd::Avx512Fma => {
+            #[target_feature(enable = "avx512f,fma")]
+            fn wide<F: Real>(s: &Scalars<F>, p: &mut [F], g: &[F], m: &mut [F], v: &mut [F]) {
+                kernel_body(s, p, g, m, v);
+            }
+            assert!(
+                std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("fma"),
+                "AdamW kernel: no AVX-512F with FMA"
+            );
+            // SAFETY: the CPU supports AVX-512F and FMA (asserted just above), the
+            // only requirement of calling a function compiled with those features.
+            unsafe { wide(s, p, g, m, v) }
+        }
+    }
+}
+
+#[inline(always)]
+fn kernel_body<F: Real>(s: &Scalars<F>, p: &mut [F], g: &[F], m: &mut [F], v: &mut [F]) {
     let n = p.len();
     let (g, m, v) = (&g[..n], &mut m[..n], &mut v[..n]);
     let one = F::from_f64(1.0);
@@ -350,6 +400,38 @@ mod tests {
             }
             Ok(())
         });
+    }
+
+    /// The vectorised FMA loop gives the bits of the baseline one (whose
+    /// multiply-adds are software `fma`), in both lerp forms, on an odd length.
+    #[test]
+    fn kernel_variants_agree() {
+        fn run<F: Real>(simd: Simd, c: &AdamWConfig, steps: u64) -> Vec<Vec<F>> {
+            let n = 1003;
+            let x = |i: usize, k: f64| F::from_f64(((i as f64 * k).sin() * 3.0).powi(3));
+            let mut p: Vec<F> = (0..n).map(|i| x(i, 0.37)).collect();
+            let (mut m, mut v) = (vec![F::from_f64(0.0); n], vec![F::from_f64(0.0); n]);
+            for t in 1..=steps {
+                let g: Vec<F> = (0..n).map(|i| x(i, 0.11 * t as f64)).collect();
+                kernel_on(simd, &Scalars::new(c, t), &mut p, &g, &mut m, &mut v);
+            }
+            vec![p, m, v]
+        }
+        #[allow(unused_mut)]
+        let mut all = vec![Simd::Baseline];
+        #[cfg(target_arch = "x86_64")]
+        if Simd::best() == Simd::Avx512Fma {
+            all.push(Simd::Avx512Fma);
+        }
+        for c in [TINY, c(1e-3, 0.25, 0.6, 1e-8, 0.1)] {
+            let (want32, want64) = (run::<f32>(Simd::Baseline, &c, 3), run::<f64>(Simd::Baseline, &c, 3));
+            for &simd in &all {
+                let bits32 = |v: &Vec<Vec<f32>>| v.concat().iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                let bits64 = |v: &Vec<Vec<f64>>| v.concat().iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits32(&run::<f32>(simd, &c, 3)), bits32(&want32), "{simd:?} f32 {c:?}");
+                assert_eq!(bits64(&run::<f64>(simd, &c, 3)), bits64(&want64), "{simd:?} f64 {c:?}");
+            }
+        }
     }
 
     #[test]

@@ -112,15 +112,19 @@ pub(crate) trait Real:
 }
 
 impl Real for f32 {
+    #[inline(always)]
     fn from_f64(x: f64) -> f32 {
         x as f32
     }
+    #[inline(always)]
     fn to_f64(self) -> f64 {
         self as f64
     }
+    #[inline(always)]
     fn sqrt(self) -> f32 {
         f32::sqrt(self)
     }
+    #[inline(always)]
     fn mul_add(self, a: f32, b: f32) -> f32 {
         f32::mul_add(self, a, b)
     }
@@ -133,15 +137,19 @@ impl Real for f32 {
 }
 
 impl Real for f64 {
+    #[inline(always)]
     fn from_f64(x: f64) -> f64 {
         x
     }
+    #[inline(always)]
     fn to_f64(self) -> f64 {
         self
     }
+    #[inline(always)]
     fn sqrt(self) -> f64 {
         f64::sqrt(self)
     }
+    #[inline(always)]
     fn mul_add(self, a: f64, b: f64) -> f64 {
         f64::mul_add(self, a, b)
     }

@@ -44,31 +44,93 @@ pub(crate) fn erfc<R: Real>(x: R) -> R {
 }
 
 /// `out[i] = f(x[i], y[i])` over the common length, with the loop compiled
-/// both for the baseline target and for AVX2 (eight `f32` lanes instead of
-/// four), the latter taken when the CPU has it. `f` uses no FMA, so both give
-/// the same bits.
+/// for the baseline target, for AVX2 (eight `f32` lanes instead of four) and
+/// for AVX-512 (sixteen), the widest that the CPU has taken. `f` uses no FMA,
+/// so all three give the same bits.
 #[inline(always)]
 pub(crate) fn zip_map<A: Copy, B: Copy, C>(x: &[A], y: &[B], out: &mut [C], f: impl Fn(A, B) -> C) {
+    zip_map_on(Simd::best(), x, y, out, f);
+}
+
+/// The instruction sets that [`zip_map`] compiles its loop for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Simd {
+    Baseline,
+    #[cfg(target_arch = "x86_64")]
+    Avx2,
+    #[cfg(target_arch = "x86_64")]
+    Avx512,
+}
+
+impl Simd {
+    /// The widest that this CPU supports.
+    #[inline(always)]
+    pub(crate) fn best() -> Simd {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx512f") {
+                return Simd::Avx512;
+            }
+            if std::arch::is_x86_feature_detected!("avx2") {
+                return Simd::Avx2;
+            }
+        }
+        Simd::Baseline
+    }
+
+    /// Every variant that this CPU supports (for tests that compare them).
+    #[cfg(test)]
+    pub(crate) fn supported() -> Vec<Simd> {
+        let mut all = vec![Simd::Baseline];
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx2") {
+                all.push(Simd::Avx2);
+            }
+            if std::arch::is_x86_feature_detected!("avx512f") {
+                all.push(Simd::Avx512);
+            }
+        }
+        all
+    }
+}
+
+/// [`zip_map`] on the loop compiled for `simd`, which the CPU must support
+/// (anything else is a panic: [`Simd::best`] and [`Simd::supported`] only give
+/// supported ones).
+#[inline(always)]
+pub(crate) fn zip_map_on<A: Copy, B: Copy, C>(simd: Simd, x: &[A], y: &[B], out: &mut [C], f: impl Fn(A, B) -> C) {
     #[inline(always)]
     fn body<A: Copy, B: Copy, C>(x: &[A], y: &[B], out: &mut [C], f: impl Fn(A, B) -> C) {
         for ((o, &a), &b) in out.iter_mut().zip(x).zip(y) {
             *o = f(a, b);
         }
     }
-    #[cfg(target_arch = "x86_64")]
-    {
-        #[target_feature(enable = "avx2")]
-        fn avx2<A: Copy, B: Copy, C>(x: &[A], y: &[B], out: &mut [C], f: impl Fn(A, B) -> C) {
-            body(x, y, out, f);
-        }
-        if std::arch::is_x86_feature_detected!("avx2") {
-            // SAFETY: the CPU supports AVX2 (checked just above), the only
+    match simd {
+        Simd::Baseline => body(x, y, out, f),
+        #[cfg(target_arch = "x86_64")]
+        Simd::Avx2 => {
+            #[target_feature(enable = "avx2")]
+            fn avx2<A: Copy, B: Copy, C>(x: &[A], y: &[B], out: &mut [C], f: impl Fn(A, B) -> C) {
+                body(x, y, out, f);
+            }
+            assert!(std::arch::is_x86_feature_detected!("avx2"), "zip_map: no AVX2");
+            // SAFETY: the CPU supports AVX2 (asserted just above), the only
             // requirement of calling a function compiled with that feature.
-            unsafe { avx2(x, y, out, f) };
-            return;
+            unsafe { avx2(x, y, out, f) }
+        }
+        #[cfg(target_arch = "x86_64")]
+        Simd::Avx512 => {
+            #[target_feature(enable = "avx512f")]
+            fn avx512<A: Copy, B: Copy, C>(x: &[A], y: &[B], out: &mut [C], f: impl Fn(A, B) -> C) {
+                body(x, y, out, f);
+            }
+            assert!(std::arch::is_x86_feature_detected!("avx512f"), "zip_map: no AVX-512");
+            // SAFETY: the CPU supports AVX-512F (asserted just above), the only
+            // requirement of calling a function compiled with that feature.
+            unsafe { avx512(x, y, out, f) }
         }
     }
-    body(x, y, out, f);
 }
 
 /// Inputs above this give `inf` (`ln f32::MAX` is 88.72284).
@@ -258,6 +320,42 @@ mod tests {
         assert!(err <= 3.0, "erfc_f32: {err} ulp at {at}");
         let (lib, at) = sweep(-10.0, 10.0, 4_000_000, libm::erfcf, libm::erfc);
         assert!(lib <= 3.5, "libm erfcf: {lib} ulp at {at}");
+    }
+
+    /// Every loop variant gives the same bits (no FMA contraction, same
+    /// selects), on a sweep that crosses every range of both kernels, with an
+    /// odd length so that the vector loops have a remainder.
+    #[test]
+    fn simd_variants_agree() {
+        let xs: Vec<f32> = (0..20_011)
+            .map(|i| -110.0 + 200.0 * i as f32 / 20_011.0)
+            .chain([f32::NAN, f32::INFINITY, f32::NEG_INFINITY, 0.0, -0.0])
+            .collect();
+        let run = |simd| {
+            let mut e = vec![0f32; xs.len()];
+            let mut g = vec![0f64; xs.len()];
+            zip_map_on(simd, &xs, &xs, &mut e, |x, y| exp_f32(x) + erfc_f32(y * 0.1));
+            zip_map_on(simd, &xs, &e, &mut g, |x, e| f64::from(x) * f64::from(e) - 0.5);
+            (e, g)
+        };
+        let (want_e, want_g) = run(Simd::Baseline);
+        assert!(
+            want_e
+                .iter()
+                .zip(&xs)
+                .take(20_011)
+                .all(|(&e, &x)| e == exp_f32(x) + erfc_f32(x * 0.1))
+        );
+        for simd in Simd::supported() {
+            let (e, g) = run(simd);
+            let same = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+            assert!(same(&e, &want_e), "{simd:?} f32");
+            assert!(
+                g.iter().zip(&want_g).all(|(x, y)| x.to_bits() == y.to_bits()),
+                "{simd:?} f64"
+            );
+        }
+        assert_eq!(Simd::supported().last(), Some(&Simd::best()));
     }
 
     #[test]

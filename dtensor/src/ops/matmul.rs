@@ -125,10 +125,13 @@ fn matmul_typed<T: Gemm>(a: &Tensor, b: &Tensor, batch: &[usize], kernel: GemmKe
     let count: usize = batch.iter().product();
     let mut shape = batch.to_vec();
     shape.extend([m, n]);
-    let mut out = vec![T::default(); count * m * n];
-    if out.is_empty() || k == 0 {
-        return output(out, &shape);
+    let len = count * m * n;
+    if len == 0 || k == 0 {
+        return output(vec![T::default(); len], &shape);
     }
+    // The GEMM overwrites every output element without reading it, so the
+    // output is not zeroed first (a memset as long as the product's write).
+    let mut out = Vec::<T>::with_capacity(len);
     let (av, bv) = (a.view::<T>()?, b.view::<T>()?);
     let mat = |ptr: *const T, t: &Tensor, r: usize| Mat {
         ptr,
@@ -143,8 +146,12 @@ fn matmul_typed<T: Gemm>(a: &Tensor, b: &Tensor, batch: &[usize], kernel: GemmKe
     if b_single && rows_fold(a, ra - 2) {
         // SAFETY: `a` folds to a (count·m)×k matrix of row stride `am.rs` inside
         // its storage (checked by `rows_fold`; views keep the storage borrowed);
-        // `b` is one k×n matrix; `out` holds count·m rows of n elements.
-        unsafe { T::gemm(kernel, [count * m, k, n], am, bm, c, n as isize) };
+        // `b` is one k×n matrix; `out` has capacity for count·m rows of n elements.
+        unsafe {
+            T::gemm(kernel, [count * m, k, n], am, bm, c, n as isize);
+            // SAFETY: the GEMM wrote all count·m·n elements (m, n, k > 0, beta = 0).
+            out.set_len(len);
+        }
         return output(out, &shape);
     }
     // Offsets of each batch entry, with size-1 (broadcast) dims fixed at 0.
@@ -167,8 +174,8 @@ fn matmul_typed<T: Gemm>(a: &Tensor, b: &Tensor, batch: &[usize], kernel: GemmKe
         bi.ptr = bv.as_ptr().wrapping_offset(offset(b, rb, &index));
         // SAFETY: `index` is inside `batch`, so every element each operand's
         // strides reach from its batch offset is an element of that tensor,
-        // inside its borrowed storage; the output block `i` is m×n inside `out`,
-        // disjoint from the operands (fresh allocation).
+        // inside its borrowed storage; the output block `i` is m×n inside the
+        // capacity of `out`, disjoint from the operands (fresh allocation).
         unsafe { T::gemm(kernel, [m, k, n], am, bi, c.add(i * m * n), n as isize) };
         for d in (0..batch.len()).rev() {
             index[d] += 1;
@@ -178,6 +185,9 @@ fn matmul_typed<T: Gemm>(a: &Tensor, b: &Tensor, batch: &[usize], kernel: GemmKe
             index[d] = 0;
         }
     }
+    // SAFETY: the loop wrote the m×n block of each of the `count` batch entries,
+    // every element of the `len` reserved.
+    unsafe { out.set_len(len) };
     output(out, &shape)
 }
 
@@ -373,6 +383,38 @@ mod tests {
         case!(s(&[0, 3], 1), s(&[3, 2], 2), vec![0, 2]);
         case!(s(&[2, 3], 1), s(&[3, 0], 2), vec![2, 0]);
         case!(s(&[0, 2, 3], 1), s(&[3, 2], 2), vec![0, 2, 2]);
+    }
+
+    /// The output is not zeroed before the GEMM writes it: with the allocator
+    /// handing back blocks just filled with NaN, every path (one tall GEMM,
+    /// per-batch GEMMs, broadcast batches, vectors, both kernels) still gives
+    /// the reference product.
+    #[test]
+    fn matmul_writes_every_output_element() {
+        let cases: [(&[usize], &[usize]); 6] = [
+            (&[17, 33], &[33, 9]),
+            (&[3, 5, 7], &[7, 11]),
+            (&[3, 5, 7], &[3, 7, 11]),
+            (&[2, 1, 5, 3], &[4, 3, 6]),
+            (&[1, 64], &[64, 1]),
+            (&[65, 2], &[2, 130]),
+        ];
+        for (sa, sb) in cases {
+            for dtype in [DType::F32, DType::F64] {
+                let (a, b) = (sample(sa, dtype, 7), sample(sb, dtype, 8));
+                let (shape, want) = reference(&a, &b);
+                for kernel in [GemmKernel::Gemm, GemmKernel::MatrixMultiply] {
+                    for _ in 0..3 {
+                        drop(std::hint::black_box(vec![f64::NAN; want.len()]));
+                        drop(std::hint::black_box(vec![f32::NAN; want.len()]));
+                        let got = a.matmul_with(&b, kernel).unwrap();
+                        assert_eq!(got.shape(), &shape[..]);
+                        let what = format!("{sa:?} x {sb:?} {dtype} {kernel:?}");
+                        assert_close(&got, &want, 4.0 * sa[sa.len() - 1] as f64 * tol(dtype), &what);
+                    }
+                }
+            }
+        }
     }
 
     #[test]

@@ -34,6 +34,7 @@ mod elementwise;
 mod fastmath;
 mod matmul;
 mod nn;
+mod nn_backward;
 mod reduce;
 mod shape;
 #[cfg(test)]

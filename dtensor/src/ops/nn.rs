@@ -33,7 +33,8 @@ fn map_rows<T: Float>(t: &Tensor, dim: usize, mut f: impl FnMut(&[T], &mut [T]))
     };
     let x = elements::<T>(&src)?;
     let len = src.shape()[last];
-    let mut out = vec![T::default(); x.len()];
+    // Every element is written below: a recycled buffer needs no zeroing.
+    let mut out: Vec<T> = crate::alloc::reused(x.len());
     if len > 0 {
         for (row, o) in x.chunks_exact(len).zip(out.chunks_exact_mut(len)) {
             f(row, o);
@@ -49,7 +50,7 @@ fn map_rows<T: Float>(t: &Tensor, dim: usize, mut f: impl FnMut(&[T], &mut [T]))
 
 /// The row maximum and `Σ exp(x - max)` of a row (the sum in `f64`), leaving
 /// the exponentials in `e` (one vectorisable pass, then the sum).
-fn row_exp_sum<T: Float>(row: &[T], e: &mut Vec<T::Acc>) -> (T::Acc, f64) {
+pub(super) fn row_exp_sum<T: Float>(row: &[T], e: &mut Vec<T::Acc>) -> (T::Acc, f64) {
     let max = row_max(row);
     e.clear();
     e.resize(row.len(), T::Acc::ZERO);
@@ -111,7 +112,8 @@ fn layer_norm_typed<T: Float>(
     };
     let (w, b) = (affine(weight, 1.0)?, affine(bias, 0.0)?);
     let rows = xs.len().checked_div(d).unwrap_or(0);
-    let mut out = vec![T::default(); xs.len()];
+    // Every element is written below: a recycled buffer needs no zeroing.
+    let mut out: Vec<T> = crate::alloc::reused(xs.len());
     let (mut means, mut rstds) = (Vec::with_capacity(rows), Vec::with_capacity(rows));
     if d > 0 {
         for (row, o) in xs.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
@@ -293,40 +295,7 @@ impl Tensor {
         probs: bool,
     ) -> Result<(Tensor, Option<Tensor>)> {
         const OP: &str = "cross_entropy";
-        if self.rank() != 2 {
-            return Err(Error::InvalidArgument {
-                op: OP,
-                detail: format!(
-                    "logits must be [N, C], got shape {:?}; reshape to 2-D first",
-                    self.shape()
-                ),
-            });
-        }
-        if targets.dtype() != DType::I64 {
-            return Err(Error::DTypeMismatch {
-                op: OP,
-                expected: DType::I64,
-                got: targets.dtype(),
-            });
-        }
-        let (n, c) = (self.shape()[0], self.shape()[1]);
-        if targets.shape() != [n] {
-            return Err(Error::ShapeMismatch {
-                op: OP,
-                detail: format!(
-                    "logits {:?} need targets of shape [{n}], got {:?}",
-                    self.shape(),
-                    targets.shape()
-                ),
-            });
-        }
-        let t = elements::<i64>(targets)?;
-        if let Some((row, &k)) = t.iter().enumerate().find(|&(_, &k)| k < 0 || k as u64 >= c as u64) {
-            return Err(Error::InvalidArgument {
-                op: OP,
-                detail: format!("target {k} of row {row} is not a class of 0..{c}"),
-            });
-        }
+        let (n, c, t) = ce_targets(self, targets)?;
         float_dispatch!(OP, self.dtype(), T => {
             let x = elements::<T>(self)?;
             let mut losses = Vec::with_capacity(n);
@@ -380,6 +349,50 @@ impl Tensor {
             output(out, self.shape())
         })
     }
+}
+
+/// Checks cross entropy's `[N, C]` float logits against `[N]` `i64` targets in
+/// `0..C`, returning `(N, C, targets)`.
+pub(super) fn ce_targets<'a>(
+    logits: &Tensor,
+    targets: &'a Tensor,
+) -> Result<(usize, usize, std::borrow::Cow<'a, [i64]>)> {
+    const OP: &str = "cross_entropy";
+    if logits.rank() != 2 {
+        return Err(Error::InvalidArgument {
+            op: OP,
+            detail: format!(
+                "logits must be [N, C], got shape {:?}; reshape to 2-D first",
+                logits.shape()
+            ),
+        });
+    }
+    if targets.dtype() != DType::I64 {
+        return Err(Error::DTypeMismatch {
+            op: OP,
+            expected: DType::I64,
+            got: targets.dtype(),
+        });
+    }
+    let (n, c) = (logits.shape()[0], logits.shape()[1]);
+    if targets.shape() != [n] {
+        return Err(Error::ShapeMismatch {
+            op: OP,
+            detail: format!(
+                "logits {:?} need targets of shape [{n}], got {:?}",
+                logits.shape(),
+                targets.shape()
+            ),
+        });
+    }
+    let t = elements::<i64>(targets)?;
+    if let Some((row, &k)) = t.iter().enumerate().find(|&(_, &k)| k < 0 || k as u64 >= c as u64) {
+        return Err(Error::InvalidArgument {
+            op: OP,
+            detail: format!("target {k} of row {row} is not a class of 0..{c}"),
+        });
+    }
+    Ok((n, c, t))
 }
 
 /// The rows `idx` of a `[V, d]` table, concatenated.

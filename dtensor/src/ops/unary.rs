@@ -58,7 +58,8 @@ impl Binary for GeluBackwardOp {
 fn unary<Op: Unary>(op: &'static str, t: &Tensor) -> Result<Tensor> {
     float_dispatch!(op, t.dtype(), T => {
         let x = elements::<T>(t)?;
-        let mut out = vec![T::default(); x.len()];
+        // Every element is written below: a recycled buffer needs no zeroing.
+        let mut out: Vec<T> = crate::alloc::reused(x.len());
         zip_map(&x, &x, &mut out, #[inline(always)] |x, _| T::from_acc(Op::apply(x.to_acc())));
         output(out, t.shape())
     })
@@ -136,7 +137,8 @@ impl Tensor {
         same_dtype(OP, self, x)?;
         float_dispatch!(OP, self.dtype(), T => {
             let (g, x) = (elements::<T>(self)?, elements::<T>(x)?);
-            let mut out = vec![T::default(); g.len()];
+            // Every element is written below: a recycled buffer needs no zeroing.
+            let mut out: Vec<T> = crate::alloc::reused(g.len());
             zip_map(&g, &x, &mut out, #[inline(always)] |g, x| {
                 T::from_acc(GeluBackwardOp::apply(g.to_acc(), x.to_acc()))
             });

@@ -142,8 +142,15 @@ impl Layout {
             strides: SmallVec::from_slice(&self.strides[..last]),
             offset: self.offset,
         };
-        for base in rows.offsets() {
-            out.extend((0..row_len).map(|i| data[base + i * row_stride]));
+        if row_stride == 1 {
+            // Rows of contiguous elements (a narrowed or sliced tensor): one copy each.
+            for base in rows.offsets() {
+                out.extend_from_slice(&data[base..base + row_len]);
+            }
+        } else {
+            for base in rows.offsets() {
+                out.extend((0..row_len).map(|i| data[base + i * row_stride]));
+            }
         }
         out
     }

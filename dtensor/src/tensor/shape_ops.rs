@@ -1,5 +1,7 @@
 //! Shape ops: views (narrow, chunk, transpose, reshape) and copies (contiguous, cat).
 
+use std::borrow::Cow;
+
 use tessera_mesh::{Buffer, Element};
 
 use super::Tensor;
@@ -138,11 +140,19 @@ impl Tensor {
 /// along `dim`, row-major.
 fn cat_rows<T: Element>(tensors: &[Tensor], dim: usize) -> Vec<T> {
     let outer: usize = tensors[0].shape()[..dim].iter().product();
-    let parts: Vec<(Vec<T>, usize)> = tensors
+    let parts: Vec<(Cow<'_, [T]>, usize)> = tensors
         .iter()
         .map(|t| {
             // `cat` checked that every piece has dtype `T`, so `typed` is `Some`.
-            let v = typed::<T>(t.data().as_buf()).map_or_else(Vec::new, |v| t.layout().gather(v));
+            // Contiguous pieces are read in place (one copy, into `out`).
+            let v = match typed::<T>(t.data().as_buf()) {
+                Some(v) if t.is_contiguous() => {
+                    let start = t.storage_offset();
+                    Cow::Borrowed(&v[start..start + t.numel()])
+                }
+                Some(v) => Cow::Owned(t.layout().gather(v)),
+                None => Cow::Owned(Vec::new()),
+            };
             // Elements per outer index: this piece's slab of `dim` and later dims.
             let block = t.shape()[dim..].iter().product();
             (v, block)
@@ -319,6 +329,25 @@ mod tests {
             vec![0, 3, 0, 1, 4, 1, 2, 5, 2]
         );
         case!([iota(&[0]), iota(&[2])], 0, [2], vec![0, 1]);
+        // Contiguous views at a storage offset are read in place; narrowed rows
+        // (row stride 1, not contiguous) are gathered row by row.
+        case!(
+            [t.narrow(0, 1, 1).unwrap(), t.clone()],
+            0,
+            [3, 3],
+            vec![3, 4, 5, 0, 1, 2, 3, 4, 5]
+        );
+        let wide = iota(&[3, 4]);
+        case!(
+            [
+                wide.narrow(1, 1, 2).unwrap(),
+                iota(&[3, 1]),
+                wide.narrow(1, 3, 1).unwrap()
+            ],
+            1,
+            [3, 4],
+            vec![1, 2, 0, 3, 5, 6, 1, 7, 9, 10, 2, 11]
+        );
     }
 
     #[test]
