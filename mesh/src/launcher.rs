@@ -28,7 +28,7 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
 #[derive(Clone, Debug)]
 pub struct LaunchOptions {
     /// How long a rank waits inside a collective for peers that have not arrived
-    /// before the job fails with [`Error::Timeout`]. Default: `TESSERA_TIMEOUT_S`
+    /// before the job fails with [`Error::Timeout`](crate::Error::Timeout). Default: `TESSERA_TIMEOUT_S`
     /// seconds from the environment, else [`DEFAULT_TIMEOUT`].
     pub timeout: Duration,
 }
@@ -156,9 +156,9 @@ pub fn is_lead_process() -> bool {
 /// with the threads backend, this process's own (one element) under MPI.
 ///
 /// # Errors
-/// [`Error::Launch`] for `world_size == 0`, for an MPI launch whose process count is
+/// [`Error::Launch`](crate::Error::Launch) for `world_size == 0`, for an MPI launch whose process count is
 /// not `world_size`, or for an MPI launch of a build without the `mpi` feature;
-/// [`Error::RankFailed`] naming the first rank that failed (threads backend; under
+/// [`Error::RankFailed`](crate::Error::RankFailed) naming the first rank that failed (threads backend; under
 /// MPI a failing rank prints its error and aborts the whole job instead, so that no
 /// peer waits for it forever).
 pub fn launch<T, F>(world_size: usize, f: F) -> Result<Vec<T>>
