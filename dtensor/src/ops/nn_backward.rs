@@ -1,0 +1,438 @@
+//! Fused backward kernels of softmax, layer norm and cross entropy: one pass
+//! over each row instead of a chain of element-wise ops and their temporaries.
+
+use super::fastmath::zip_map;
+use super::nn::{ce_targets, row_exp_sum};
+use super::reduce::sum_map_f64;
+use super::{Float, Real, check_dim, elements, float_dispatch, output, same_dtype};
+use crate::{Error, Result, Tensor};
+
+/// Errors unless `a` and `b` have the same shape and dtype.
+fn same_shape(op: &'static str, a: &Tensor, b: &Tensor, what: &str) -> Result<()> {
+    if a.shape() != b.shape() {
+        return Err(Error::ShapeMismatch {
+            op,
+            detail: format!(
+                "gradient has shape {:?} but {what} has {:?}; they must be equal",
+                a.shape(),
+                b.shape()
+            ),
+        });
+    }
+    same_dtype(op, a, b)
+}
+
+/// Row-wise `f(g_row, x_row, out_row)` over `dim` (moved last) of two tensors of
+/// one shape, returning a tensor of that shape (contiguous).
+fn zip_rows<T: Float>(g: &Tensor, x: &Tensor, dim: usize, mut f: impl FnMut(&[T], &[T], &mut [T])) -> Result<Tensor> {
+    let last = g.rank() - 1;
+    let (gs, xs) = if dim == last {
+        (g.clone(), x.clone())
+    } else {
+        (g.transpose(dim, last)?, x.transpose(dim, last)?)
+    };
+    let (gv, xv) = (elements::<T>(&gs)?, elements::<T>(&xs)?);
+    let len = gs.shape()[last];
+    // Every element is written below: a recycled buffer needs no zeroing.
+    let mut out: Vec<T> = crate::alloc::reused(gv.len());
+    if len > 0 {
+        for ((g, x), o) in gv
+            .chunks_exact(len)
+            .zip(xv.chunks_exact(len))
+            .zip(out.chunks_exact_mut(len))
+        {
+            f(g, x, o);
+        }
+    }
+    let out = output(out, gs.shape())?;
+    if dim == last {
+        Ok(out)
+    } else {
+        Ok(out.transpose(dim, last)?.contiguous())
+    }
+}
+
+impl Tensor {
+    /// The gradient of [`softmax`](Self::softmax) along `dim` with respect to its
+    /// input, given the gradient `self` of its output `y`:
+    /// `y · (self − Σ_dim self·y)`. The products `self·y` are rounded to the dtype
+    /// and summed in `f64`, and every intermediate is rounded to the dtype, as the
+    /// same chain of element-wise ops computes it.
+    /// PyTorch: `torch.ops.aten._softmax_backward_data(grad, y, dim, dtype)`.
+    ///
+    /// # Errors
+    /// [`Error::ShapeMismatch`] when the shapes differ; [`Error::DTypeMismatch`];
+    /// [`Error::DimOutOfRange`]; [`Error::InvalidArgument`] for integer tensors.
+    pub fn softmax_backward(&self, y: &Tensor, dim: usize) -> Result<Tensor> {
+        const OP: &str = "softmax_backward";
+        same_shape(OP, self, y, "the softmax output")?;
+        check_dim(OP, dim, self.rank())?;
+        float_dispatch!(OP, self.dtype(), T => zip_rows::<T>(self, y, dim, |g, y, o| {
+            let dot = T::from_f64(dot_f64(g, y)).to_acc();
+            zip_map(g, y, o, #[inline(always)] |g, y| {
+                T::from_acc(y.to_acc() * T::from_acc(g.to_acc() - dot).to_acc())
+            });
+        }))
+    }
+
+    /// The gradient of [`layer_norm`](Self::layer_norm) with respect to its input
+    /// `x`, given the gradient `self` of its output:
+    /// `rstd · (ĝ − mean(ĝ) − x̂ · mean(ĝ · x̂))` with `ĝ = self · weight` and
+    /// `x̂ = (x − mean) · rstd`, per row of the last dim, with the statistics
+    /// recomputed from `x` in `f64` (as the forward computes them) and the result
+    /// rounded once. PyTorch: the input gradient of `torch.ops.aten.native_layer_norm_backward`.
+    ///
+    /// # Errors
+    /// [`Error::ShapeMismatch`] when the shapes differ or `weight` is not `[D]`;
+    /// [`Error::DTypeMismatch`]; [`Error::InvalidArgument`] for rank-0 or integer tensors.
+    pub fn layer_norm_backward(&self, x: &Tensor, weight: Option<&Tensor>, eps: f64) -> Result<Tensor> {
+        const OP: &str = "layer_norm_backward";
+        same_shape(OP, self, x, "the input")?;
+        need_rank(OP, x)?;
+        let d = x.shape()[x.rank() - 1];
+        if let Some(w) = weight {
+            same_dtype(OP, x, w)?;
+            if w.shape() != [d] {
+                return Err(Error::ShapeMismatch {
+                    op: OP,
+                    detail: format!(
+                        "weight has shape {:?} but the input's last dim is {d}; pass a [{d}] weight",
+                        w.shape()
+                    ),
+                });
+            }
+        }
+        float_dispatch!(OP, self.dtype(), T => {
+            let w: Vec<f64> = match weight {
+                Some(w) => elements::<T>(w)?.iter().map(|v| v.to_f64()).collect(),
+                None => vec![1.0; d],
+            };
+            let mut gw = vec![0.0f64; d];
+            zip_rows::<T>(self, x, x.rank() - 1, |g, x, o| {
+                let (mean, rstd) = row_stats(x, eps);
+                for ((a, &g), &w) in gw.iter_mut().zip(g).zip(&w) {
+                    *a = g.to_f64() * w;
+                }
+                let m1 = gw.iter().sum::<f64>() / d as f64;
+                let m2 = gw.iter().zip(x).map(|(&a, &x)| a * (x.to_f64() - mean) * rstd).sum::<f64>() / d as f64;
+                for ((o, &a), &x) in o.iter_mut().zip(&gw).zip(x) {
+                    let xhat = (x.to_f64() - mean) * rstd;
+                    *o = T::from_f64((a - m1 - xhat * m2) * rstd);
+                }
+            })
+        })
+    }
+
+    /// The gradient of [`layer_norm`](Self::layer_norm)'s weight, given the
+    /// gradient `self` of its output: `Σ_rows self · x̂`, `[D]` in the dtype of
+    /// `x`, with the statistics of `x` recomputed in `f64` and the sum taken in
+    /// `f64`. (The bias gradient is `Σ_rows self`, a plain sum.) PyTorch: the
+    /// weight gradient of `torch.ops.aten.native_layer_norm_backward`.
+    ///
+    /// # Errors
+    /// As [`layer_norm_backward`](Self::layer_norm_backward).
+    pub fn layer_norm_weight_grad(&self, x: &Tensor, eps: f64) -> Result<Tensor> {
+        const OP: &str = "layer_norm_weight_grad";
+        same_shape(OP, self, x, "the input")?;
+        need_rank(OP, x)?;
+        let d = x.shape()[x.rank() - 1];
+        float_dispatch!(OP, self.dtype(), T => {
+            let (gv, xv) = (elements::<T>(self)?, elements::<T>(x)?);
+            let mut gw = vec![0.0f64; d];
+            if d > 0 {
+                for (g, x) in gv.chunks_exact(d).zip(xv.chunks_exact(d)) {
+                    let (mean, rstd) = row_stats(x, eps);
+                    for ((a, &g), &x) in gw.iter_mut().zip(g).zip(x) {
+                        *a += g.to_f64() * ((x.to_f64() - mean) * rstd);
+                    }
+                }
+            }
+            output(gw.into_iter().map(T::from_f64).collect::<Vec<T>>(), &[d])
+        })
+    }
+
+    /// The gradient of the summed [`cross_entropy`](Self::cross_entropy) of
+    /// `[N, C]` logits with respect to them, times `scale`:
+    /// `(softmax(self) − onehot(targets)) · scale`, in one pass per row. The
+    /// probabilities are rounded to the dtype first (as
+    /// [`cross_entropy_with_grad`](Self::cross_entropy_with_grad) returns them),
+    /// then shifted and scaled in `f64` and rounded once. For the mean loss pass
+    /// `scale = 1 / N` (times the incoming gradient).
+    ///
+    /// # Errors
+    /// As [`cross_entropy_with_grad`](Self::cross_entropy_with_grad).
+    pub fn cross_entropy_backward(&self, targets: &Tensor, scale: f64) -> Result<Tensor> {
+        let (n, c, t) = ce_targets(self, targets)?;
+        float_dispatch!("cross_entropy", self.dtype(), T => {
+            let x = elements::<T>(self)?;
+            // Every element is written below: a recycled buffer needs no zeroing.
+            let mut out: Vec<T> = crate::alloc::reused(n * c);
+            let mut e = Vec::with_capacity(c);
+            for ((row, o), &k) in x.chunks_exact(c.max(1)).zip(out.chunks_exact_mut(c.max(1))).zip(t.iter()) {
+                let inv = 1.0 / row_exp_sum(row, &mut e).1;
+                zip_map(&e, &e, o, #[inline(always)] |v, _| {
+                    T::from_f64(T::from_f64(v.widen() * inv).to_f64() * scale)
+                });
+                let k = k as usize;
+                o[k] = T::from_f64((T::from_f64(e[k].widen() * inv).to_f64() - 1.0) * scale);
+            }
+            output(out, &[n, c])
+        })
+    }
+}
+
+/// `Σ g·y` in `f64` of the products rounded to the dtype (as `g.mul(y).sum()`
+/// computes it), with eight independent accumulators.
+#[inline]
+fn dot_f64<T: Float>(g: &[T], y: &[T]) -> f64 {
+    let prod = |g: T, y: T| T::from_acc(g.to_acc() * y.to_acc()).to_f64();
+    let mut acc = [0f64; 8];
+    let (gc, yc) = (g.chunks_exact(8), y.chunks_exact(8));
+    let tail: f64 = gc
+        .remainder()
+        .iter()
+        .zip(yc.remainder())
+        .map(|(&g, &y)| prod(g, y))
+        .sum();
+    for (g, y) in gc.zip(yc) {
+        for ((a, &g), &y) in acc.iter_mut().zip(g).zip(y) {
+            *a += prod(g, y);
+        }
+    }
+    ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
+}
+
+/// Errors unless `t` has a last dim.
+fn need_rank(op: &'static str, t: &Tensor) -> Result<()> {
+    if t.rank() >= 1 {
+        Ok(())
+    } else {
+        Err(Error::InvalidArgument {
+            op,
+            detail: "a rank-0 tensor has no dim to normalize; reshape it to [1] first".into(),
+        })
+    }
+}
+
+/// The mean and `1 / sqrt(var + eps)` of a row in `f64`, two passes as the
+/// forward computes them.
+#[inline]
+fn row_stats<T: Float>(row: &[T], eps: f64) -> (f64, f64) {
+    let d = row.len() as f64;
+    let mean = sum_map_f64(row, |v| v.to_f64()) / d;
+    let var = sum_map_f64(row, |v| (v.to_f64() - mean).powi(2)) / d;
+    (mean, 1.0 / (var + eps).sqrt())
+}
+
+#[cfg(test)]
+mod tests {
+    use tessera_mesh::DType;
+
+    use super::*;
+    use crate::ops::Reduction;
+    use crate::ops::testutil::{assert_close, sample, tol};
+
+    const FLOATS: [DType; 4] = [DType::F32, DType::F64, DType::BF16, DType::F16];
+
+    /// The same gradients from the chains of element-wise ops that they fuse.
+    #[test]
+    fn fused_backwards_match_their_op_chains() {
+        macro_rules! case {
+            ($shape:expr, $dim:expr, $strided:expr) => {
+                for dtype in FLOATS {
+                    let shape: &[usize] = &$shape;
+                    let view = |t: Tensor| {
+                        if $strided {
+                            t.transpose(0, shape.len() - 1).unwrap()
+                        } else {
+                            t
+                        }
+                    };
+                    let x = view(sample(shape, dtype, 61).mul_scalar(2.0).unwrap());
+                    let g = view(sample(shape, dtype, 62));
+                    let what = format!("{shape:?} dim {} strided {} {dtype}", $dim, $strided);
+                    // Softmax: y · (g − Σ g·y).
+                    let y = x.softmax($dim).unwrap();
+                    let dot = g.mul(&y).unwrap().sum(&[$dim], true).unwrap();
+                    let want = y.mul(&g.sub(&dot).unwrap()).unwrap();
+                    let got = g.softmax_backward(&y, $dim).unwrap();
+                    assert_eq!((got.shape(), got.dtype()), (x.shape(), dtype));
+                    assert_close(
+                        &got,
+                        &want.to_f64_vec(),
+                        4.0 * tol(dtype),
+                        &format!("softmax {what}"),
+                    );
+                    // Layer norm over the last dim, with and without a weight.
+                    let last = x.rank() - 1;
+                    let d = x.shape()[last];
+                    let w = sample(&[d], dtype, 63);
+                    let batch: Vec<usize> = (0..last).collect();
+                    let (x64, g64, w64) = (
+                        x.cast(DType::F64).unwrap(),
+                        g.cast(DType::F64).unwrap(),
+                        w.cast(DType::F64).unwrap(),
+                    );
+                    let mean = x64.mean(&[last], true).unwrap();
+                    let centered = x64.sub(&mean).unwrap();
+                    let rstd = centered
+                        .square()
+                        .unwrap()
+                        .mean(&[last], true)
+                        .unwrap()
+                        .add_scalar(1e-5)
+                        .unwrap()
+                        .rsqrt()
+                        .unwrap();
+                    let xhat = centered.mul(&rstd).unwrap();
+                    for weight in [Some(&w), None] {
+                        let gw = if weight.is_some() {
+                            g64.mul(&w64).unwrap()
+                        } else {
+                            g64.clone()
+                        };
+                        let m1 = gw.mean(&[last], true).unwrap();
+                        let m2 = gw.mul(&xhat).unwrap().mean(&[last], true).unwrap();
+                        let want = gw
+                            .sub(&m1)
+                            .unwrap()
+                            .sub(&xhat.mul(&m2).unwrap())
+                            .unwrap()
+                            .mul(&rstd)
+                            .unwrap();
+                        let got = g.layer_norm_backward(&x, weight, 1e-5).unwrap();
+                        assert_eq!((got.shape(), got.dtype()), (x.shape(), dtype));
+                        // The sums of d terms lose a few ulp of the dtype.
+                        let rtol = (d as f64) * 4.0 * tol(dtype);
+                        assert_close(
+                            &got,
+                            &want.to_f64_vec(),
+                            rtol,
+                            &format!("layer_norm {what} {}", weight.is_some()),
+                        );
+                    }
+                    let want = g64.mul(&xhat).unwrap().sum(&batch, false).unwrap();
+                    let got = g.layer_norm_weight_grad(&x, 1e-5).unwrap();
+                    assert_eq!((got.shape(), got.dtype()), (&[d][..], dtype));
+                    let rows = (x.numel() / d.max(1)) as f64;
+                    assert_close(
+                        &got,
+                        &want.to_f64_vec(),
+                        rows * 4.0 * tol(dtype),
+                        &format!("weight grad {what}"),
+                    );
+                }
+            };
+        }
+        case!([3, 5], 1, false);
+        case!([3, 5], 0, false);
+        case!([2, 3, 17], 2, false);
+        case!([2, 3, 17], 1, true);
+        case!([4, 1, 33], 2, true);
+        case!([1], 0, false);
+    }
+
+    #[test]
+    fn cross_entropy_backward_matches_probabilities() {
+        for dtype in FLOATS {
+            for (n, c, strided) in [(5, 7, false), (7, 5, true), (3, 33, false), (1, 1, false)] {
+                let logits = if strided {
+                    sample(&[c, n], dtype, 71)
+                        .mul_scalar(3.0)
+                        .unwrap()
+                        .transpose(0, 1)
+                        .unwrap()
+                } else {
+                    sample(&[n, c], dtype, 71).mul_scalar(3.0).unwrap()
+                };
+                let t: Vec<i64> = (0..n).map(|i| ((i * 5 + 2) % c) as i64).collect();
+                let targets = Tensor::from_vec(t.clone(), &[n]).unwrap();
+                let (_, probs) = logits.cross_entropy_with_grad(&targets, Reduction::Sum).unwrap();
+                let mut want = probs.to_f64_vec();
+                for (row, &k) in t.iter().enumerate() {
+                    want[row * c + k as usize] -= 1.0;
+                }
+                want.iter_mut().for_each(|v| *v *= 0.37);
+                let got = logits.cross_entropy_backward(&targets, 0.37).unwrap();
+                assert_eq!((got.shape(), got.dtype()), (&[n, c][..], dtype));
+                // Bit-identical to rounding the f64 chain once.
+                let want = Tensor::from_vec(want, &[n, c]).unwrap().cast(dtype).unwrap();
+                assert_eq!(got.to_f64_vec(), want.to_f64_vec(), "{n}x{c} {dtype}");
+            }
+        }
+        let empty = Tensor::zeros(&[0, 3], DType::F32).unwrap();
+        let t = Tensor::zeros(&[0], DType::I64).unwrap();
+        assert_eq!(empty.cross_entropy_backward(&t, 1.0).unwrap().shape(), &[0, 3]);
+        let x = sample(&[2, 4], DType::F32, 1);
+        assert_eq!(
+            x.cross_entropy_backward(&Tensor::from_vec(vec![1i64, 4], &[2]).unwrap(), 1.0)
+                .unwrap_err()
+                .to_string(),
+            "cross_entropy: target 4 of row 1 is not a class of 0..4"
+        );
+    }
+
+    /// Kernels whose outputs come from the buffer cache write every element: a
+    /// cached buffer full of NaN of the output's size changes nothing.
+    #[test]
+    fn recycled_outputs_are_overwritten() {
+        use tessera_mesh::Buffer;
+        // 2^19 f32 elements: 2 MiB, the smallest size that the cache keeps.
+        let (x, g) = (
+            sample(&[8, 256, 256], DType::F32, 81),
+            sample(&[8, 256, 256], DType::F32, 82),
+        );
+        let w = sample(&[256], DType::F32, 83);
+        let logits = x.reshape(&[2048, 256]).unwrap();
+        let t = Tensor::from_vec((0..2048).map(|i| (i * 7 % 256) as i64).collect(), &[2048]).unwrap();
+        type Op<'a> = Box<dyn Fn() -> Tensor + 'a>;
+        let ops: Vec<(&str, Op<'_>)> = vec![
+            ("gelu", Box::new(|| x.gelu().unwrap())),
+            ("gelu_backward", Box::new(|| g.gelu_backward(&x).unwrap())),
+            ("softmax", Box::new(|| x.softmax(2).unwrap())),
+            ("log_softmax", Box::new(|| x.log_softmax(2).unwrap())),
+            (
+                "layer_norm",
+                Box::new(|| x.layer_norm(Some(&w), Some(&w), 1e-5).unwrap()),
+            ),
+            ("softmax_backward", Box::new(|| g.softmax_backward(&x, 2).unwrap())),
+            (
+                "layer_norm_backward",
+                Box::new(|| g.layer_norm_backward(&x, Some(&w), 1e-5).unwrap()),
+            ),
+            (
+                "cross_entropy_backward",
+                Box::new(|| logits.cross_entropy_backward(&t, 0.5).unwrap()),
+            ),
+        ];
+        for (name, op) in ops {
+            let want = op().to_vec::<f32>().unwrap();
+            crate::alloc::recycle(Buffer::F32(vec![f32::NAN; want.len()]));
+            let got = op().to_vec::<f32>().unwrap();
+            assert!(got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "{name}");
+        }
+    }
+
+    #[test]
+    fn fused_backward_errors() {
+        let x = sample(&[2, 4], DType::F32, 1);
+        let y = sample(&[4, 2], DType::F32, 1);
+        assert_eq!(
+            x.softmax_backward(&y, 1).unwrap_err().to_string(),
+            "softmax_backward: shape mismatch: gradient has shape [2, 4] but the softmax output has [4, 2]; \
+             they must be equal"
+        );
+        assert_eq!(
+            x.softmax_backward(&x, 2).unwrap_err().to_string(),
+            "softmax_backward: dim 2 is out of range for a tensor of rank 2"
+        );
+        assert_eq!(
+            x.layer_norm_backward(&x, Some(&sample(&[3], DType::F32, 1)), 1e-5)
+                .unwrap_err()
+                .to_string(),
+            "layer_norm_backward: shape mismatch: weight has shape [3] but the input's last dim is 4; pass a [4] weight"
+        );
+        let s = sample(&[], DType::F32, 1);
+        assert!(s.layer_norm_weight_grad(&s, 1e-5).is_err());
+    }
+}
