@@ -147,7 +147,10 @@ fn driver(args: &common::BenchArgs) -> Result<(), BoxError> {
     for n in [2, 4] {
         let mut cmd = Command::new(&mpirun);
         cmd.args(["-n", &n.to_string(), "--oversubscribe", "--allow-run-as-root"]);
-        cmd.arg(&me).args(["--iters", &args.iters.to_string()]);
+        cmd.arg(&me);
+        if args.iters > 0 {
+            cmd.args(["--iters", &args.iters.to_string()]);
+        }
         let out = cmd
             .output()
             .map_err(|e| format!("cannot run {mpirun}: {e} (install OpenMPI: apt-get install openmpi-bin)"))?;
