@@ -274,7 +274,11 @@ fn losses(path: &Path) -> Vec<f64> {
 }
 
 /// A failure scenario: its name, extra environment, and what stderr must say.
-type FailCase = (&'static str, &'static [(&'static str, &'static str)], &'static [&'static str]);
+type FailCase = (
+    &'static str,
+    &'static [(&'static str, &'static str)],
+    &'static [&'static str],
+);
 
 fn driver(args: &[String]) {
     let only = args.iter().find(|a| !a.starts_with('-')).cloned();
