@@ -5,6 +5,7 @@ use std::sync::Arc;
 
 use mpi::ffi;
 
+use super::agree::{self, Fingerprint, WORDS};
 use super::ops::{Handle, datatype, divide, ptr, ptr_mut};
 use super::{Runtime, Watch, error_string};
 use crate::comm::{Call, Worker, check_call, check_v_local, exchange_v};
@@ -37,6 +38,32 @@ fn exec(watch: &Watch, kind: OpKind, rank: usize, call: impl FnOnce() -> c_int) 
             rank,
             reason: error_string(rc),
         })
+    }
+}
+
+/// All-gathers `fp` over `raw` and compares every rank's ([`agree`]).
+fn agree_on(raw: Comm, watch: &Watch, rank: usize, size: usize, fp: Fingerprint) -> Result<()> {
+    let mine = fp.encode();
+    let mut all = vec![0i64; WORDS * size];
+    let (s, r) = (mine.as_ptr().cast(), all.as_mut_ptr().cast());
+    // SAFETY: MPI is initialised; reading a predefined handle.
+    let dt = unsafe { ffi::RSMPI_INT64_T };
+    let words = WORDS as c_int;
+    // SAFETY: `mine` holds WORDS i64s and `all` WORDS per rank.
+    exec(watch, fp.kind, rank, || unsafe {
+        ffi::MPI_Allgather(s, words, dt, r, words, dt, raw.0)
+    })?;
+    agree::compare(&all)
+}
+
+fn print(kind: OpKind, dtype: DType, len: usize, root: usize, reduce: Option<ReduceOp>) -> Fingerprint {
+    Fingerprint {
+        kind,
+        dtype: Some(dtype),
+        len,
+        root,
+        reduce,
+        ok: true,
     }
 }
 
@@ -126,6 +153,22 @@ impl MpiComm {
         exec(&self.watch, kind, self.rank, call)
     }
 
+    /// `local` is this rank's own check of its arguments. With `TESSERA_MPI_CHECK`,
+    /// every rank then compares its call with the others' (a rank whose own check
+    /// failed takes part too, so its peers fail with it instead of waiting for it).
+    fn validate(&self, fp: Fingerprint, local: Result<()>) -> Result<()> {
+        if !self.rt.check_calls {
+            return local;
+        }
+        self.worker.fence();
+        let fp = Fingerprint {
+            ok: local.is_ok(),
+            ..fp
+        };
+        let agreed = agree_on(self.raw, &self.watch, self.rank, self.size, fp);
+        local.and(agreed)
+    }
+
     /// The `sendbuf` argument of an in-place reduction of `buf`: `MPI_IN_PLACE`, or
     /// a copy where the library's sentinel is unknown (kept alive by the returned buffer).
     fn in_place(&self, buf: &BufMut<'_>) -> (*const c_void, Option<Buffer>) {
@@ -138,16 +181,38 @@ impl MpiComm {
         }
     }
 
-    /// Queues `f` (given the communicator) on the communication thread.
-    fn submit(&self, kind: OpKind, bytes: usize, f: impl FnOnce(Exec) -> Result<Buffer> + Send + 'static) -> Work {
-        self.rt.stats.record(kind, self.size, bytes);
-        let ex = Exec {
+    fn exec_for(&self, kind: OpKind) -> Exec {
+        Exec {
             raw: self.raw,
             watch: self.watch.clone(),
             rank: self.rank,
+            size: self.size,
             kind,
-        };
+            check: self.rt.check_calls,
+        }
+    }
+
+    /// Queues `f` (given the communicator) on the communication thread.
+    fn submit(&self, kind: OpKind, bytes: usize, f: impl FnOnce(Exec) -> Result<Buffer> + Send + 'static) -> Work {
+        self.rt.stats.record(kind, self.size, bytes);
+        let ex = self.exec_for(kind);
         self.worker.submit(move || f(ex))
+    }
+
+    /// An asynchronous collective whose arguments failed this rank's own checks:
+    /// the error, after (with `TESSERA_MPI_CHECK`) telling the peers in the
+    /// cross-rank comparison, in issue order, so they fail instead of waiting.
+    fn reject(&self, fp: Fingerprint, e: Error) -> Work {
+        if !self.rt.check_calls {
+            return Work::ready(Err(e));
+        }
+        let ex = self.exec_for(fp.kind);
+        let fp = Fingerprint { ok: false, ..fp };
+        self.worker.submit(move || {
+            // The comparison fails (this rank's print says so); our own error says more.
+            let _ = agree_on(ex.raw, &ex.watch, ex.rank, ex.size, fp);
+            Err(e)
+        })
     }
 }
 
@@ -156,10 +221,21 @@ struct Exec {
     raw: Comm,
     watch: Arc<Watch>,
     rank: usize,
+    size: usize,
     kind: OpKind,
+    check: bool,
 }
 
 impl Exec {
+    /// With `TESSERA_MPI_CHECK`, checks that every rank makes the same call.
+    fn agree(&self, dtype: DType, len: usize, root: usize, reduce: Option<ReduceOp>) -> Result<()> {
+        if !self.check {
+            return Ok(());
+        }
+        let fp = print(self.kind, dtype, len, root, reduce);
+        agree_on(self.raw, &self.watch, self.rank, self.size, fp)
+    }
+
     fn run(&self, call: impl FnOnce(ffi::MPI_Comm) -> c_int) -> Result<()> {
         exec(&self.watch, self.kind, self.rank, || call(self.raw.0))
     }
@@ -194,7 +270,8 @@ impl Communicator for MpiComm {
     }
 
     fn all_gather(&self, send: Buf<'_>, mut recv: BufMut<'_>) -> Result<()> {
-        self.check(OpKind::AllGather, &send, Some(&recv), 0)?;
+        let local = self.check(OpKind::AllGather, &send, Some(&recv), 0);
+        self.validate(print(OpKind::AllGather, send.dtype(), send.len(), 0, None), local)?;
         self.begin(OpKind::AllGather, bytes(&send) * self.size);
         let (c, dt) = (count("all_gather", self.rank, send.len())?, datatype(send.dtype()));
         count("all_gather", self.rank, recv.len())?;
@@ -206,8 +283,13 @@ impl Communicator for MpiComm {
     }
 
     fn reduce_scatter(&self, send: Buf<'_>, mut recv: BufMut<'_>, op: ReduceOp) -> Result<()> {
-        self.check(OpKind::ReduceScatter, &send, Some(&recv), 0)?;
-        op.check("reduce_scatter", send.dtype())?;
+        let local = self
+            .check(OpKind::ReduceScatter, &send, Some(&recv), 0)
+            .and_then(|_| op.check("reduce_scatter", send.dtype()));
+        self.validate(
+            print(OpKind::ReduceScatter, send.dtype(), send.len(), 0, Some(op)),
+            local,
+        )?;
         self.begin(OpKind::ReduceScatter, bytes(&send));
         count("reduce_scatter", self.rank, send.len())?;
         let c = count("reduce_scatter", self.rank, recv.len())?;
@@ -224,7 +306,8 @@ impl Communicator for MpiComm {
     }
 
     fn all_reduce(&self, mut buf: BufMut<'_>, op: ReduceOp) -> Result<()> {
-        op.check("all_reduce", buf.dtype())?;
+        let local = op.check("all_reduce", buf.dtype());
+        self.validate(print(OpKind::AllReduce, buf.dtype(), buf.len(), 0, Some(op)), local)?;
         self.begin(OpKind::AllReduce, bytes(&buf.as_buf()));
         let (c, dtype) = (count("all_reduce", self.rank, buf.len())?, buf.dtype());
         let (dt, mop) = (datatype(dtype), self.rt.ops.get(dtype, op));
@@ -241,8 +324,10 @@ impl Communicator for MpiComm {
     }
 
     fn all_reduce_into(&self, send: Buf<'_>, mut recv: BufMut<'_>, op: ReduceOp) -> Result<()> {
-        self.check(OpKind::AllReduce, &send, Some(&recv), 0)?;
-        op.check("all_reduce", send.dtype())?;
+        let local = self
+            .check(OpKind::AllReduce, &send, Some(&recv), 0)
+            .and_then(|_| op.check("all_reduce", send.dtype()));
+        self.validate(print(OpKind::AllReduce, send.dtype(), send.len(), 0, Some(op)), local)?;
         self.begin(OpKind::AllReduce, bytes(&send));
         let c = count("all_reduce", self.rank, send.len())?;
         let (dt, mop) = (datatype(send.dtype()), self.rt.ops.get(send.dtype(), op));
@@ -258,7 +343,8 @@ impl Communicator for MpiComm {
     }
 
     fn all_to_all(&self, send: Buf<'_>, mut recv: BufMut<'_>) -> Result<()> {
-        self.check(OpKind::AllToAll, &send, Some(&recv), 0)?;
+        let local = self.check(OpKind::AllToAll, &send, Some(&recv), 0);
+        self.validate(print(OpKind::AllToAll, send.dtype(), send.len(), 0, None), local)?;
         self.begin(OpKind::AllToAll, bytes(&send));
         count("all_to_all", self.rank, send.len())?;
         let (c, dt) = (
@@ -273,7 +359,8 @@ impl Communicator for MpiComm {
     }
 
     fn broadcast(&self, mut buf: BufMut<'_>, root: usize) -> Result<()> {
-        self.check(OpKind::Broadcast, &buf.as_buf(), None, root)?;
+        let local = self.check(OpKind::Broadcast, &buf.as_buf(), None, root);
+        self.validate(print(OpKind::Broadcast, buf.dtype(), buf.len(), root, None), local)?;
         self.begin(OpKind::Broadcast, bytes(&buf.as_buf()));
         let (c, dt) = (count("broadcast", self.rank, buf.len())?, datatype(buf.dtype()));
         let root = count("broadcast", self.rank, root)?;
@@ -285,6 +372,7 @@ impl Communicator for MpiComm {
     }
 
     fn barrier(&self) -> Result<()> {
+        self.validate(Fingerprint::bare(OpKind::Barrier), Ok(()))?;
         self.begin(OpKind::Barrier, 0);
         // SAFETY: a live communicator.
         self.run(OpKind::Barrier, || unsafe { ffi::MPI_Barrier(self.raw.0) })
@@ -304,6 +392,7 @@ impl Communicator for MpiComm {
             arg(color, "color (at most 2^31 - 1)")?,
             arg(key, "key (at most 2^31 - 1)")?,
         );
+        self.validate(Fingerprint::bare(OpKind::Split), Ok(()))?;
         self.begin(OpKind::Split, 0);
         // SAFETY: reading a predefined handle.
         let mut raw = unsafe { ffi::RSMPI_COMM_NULL };
@@ -384,6 +473,7 @@ impl Communicator for MpiComm {
         let n = self.size;
         let (rank, len, dtype) = (self.rank, send.len(), send.dtype());
         self.submit(OpKind::AllGather, len * dtype.size_in_bytes() * n, move |ex| {
+            ex.agree(dtype, len, 0, None)?;
             let c = count("all_gather", rank, len)?;
             count("all_gather", rank, len * n)?;
             let mut recv = Buffer::zeros(dtype, len * n);
@@ -413,10 +503,11 @@ impl Communicator for MpiComm {
             })
             .and_then(|_| op.check("reduce_scatter", dtype));
         if let Err(e) = checked {
-            return Work::ready(Err(e));
+            return self.reject(print(OpKind::ReduceScatter, dtype, send.len(), 0, Some(op)), e);
         }
         let mop = Handle(self.rt.ops.get(dtype, op));
         self.submit(OpKind::ReduceScatter, send.len() * dtype.size_in_bytes(), move |ex| {
+            ex.agree(dtype, send.len(), 0, Some(op))?;
             count("reduce_scatter", rank, send.len())?;
             let c = count("reduce_scatter", rank, block)?;
             let mut recv = Buffer::zeros(dtype, block);
@@ -434,11 +525,12 @@ impl Communicator for MpiComm {
     fn all_reduce_async(&self, mut buf: Buffer, op: ReduceOp) -> Work {
         let (n, rank, dtype) = (self.size, self.rank, buf.dtype());
         if let Err(e) = op.check("all_reduce", dtype) {
-            return Work::ready(Err(e));
+            return self.reject(print(OpKind::AllReduce, dtype, buf.len(), 0, Some(op)), e);
         }
         let mop = Handle(self.rt.ops.get(dtype, op));
         let in_place = self.rt.in_place;
         self.submit(OpKind::AllReduce, buf.len() * dtype.size_in_bytes(), move |ex| {
+            ex.agree(dtype, buf.len(), 0, Some(op))?;
             let c = count("all_reduce", rank, buf.len())?;
             let copy = in_place.is_none().then(|| buf.clone());
             let s = match (&in_place, &copy) {
@@ -459,15 +551,17 @@ impl Communicator for MpiComm {
     fn all_to_all_async(&self, send: Buffer) -> Work {
         let (n, rank, dtype) = (self.size, self.rank, send.dtype());
         if !send.len().is_multiple_of(n) {
-            return Work::ready(Err(Error::BadLength {
+            let e = Error::BadLength {
                 op: "all_to_all",
                 rank,
                 what: "send buffer (must be a multiple of the group size)",
                 expected: send.len().div_ceil(n) * n,
                 got: send.len(),
-            }));
+            };
+            return self.reject(print(OpKind::AllToAll, dtype, send.len(), 0, None), e);
         }
         self.submit(OpKind::AllToAll, send.len() * dtype.size_in_bytes(), move |ex| {
+            ex.agree(dtype, send.len(), 0, None)?;
             count("all_to_all", rank, send.len())?;
             let c = count("all_to_all", rank, send.len() / n)?;
             let mut recv = Buffer::zeros(dtype, send.len());
@@ -480,15 +574,17 @@ impl Communicator for MpiComm {
 
     fn broadcast_async(&self, mut buf: Buffer, root: usize) -> Work {
         let (n, rank) = (self.size, self.rank);
+        let dtype: DType = buf.dtype();
         if root >= n {
-            return Work::ready(Err(Error::InvalidRank {
+            let e = Error::InvalidRank {
                 op: "broadcast",
                 rank: root,
                 size: n,
-            }));
+            };
+            return self.reject(print(OpKind::Broadcast, dtype, buf.len(), root, None), e);
         }
-        let dtype: DType = buf.dtype();
         self.submit(OpKind::Broadcast, buf.len() * dtype.size_in_bytes(), move |ex| {
+            ex.agree(dtype, buf.len(), root, None)?;
             let c = count("broadcast", rank, buf.len())?;
             let root = count("broadcast", rank, root)?;
             let (b, dt) = (ptr_mut(&mut buf.as_buf_mut()), datatype(dtype));

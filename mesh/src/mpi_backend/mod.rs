@@ -12,11 +12,15 @@
 //!   empty.
 //! - bf16 and f16 move as 16-bit words and reduce with user operators (through
 //!   f32); `Avg` is a sum divided locally.
+//! - `TESSERA_MPI_CHECK=1` compares every collective's arguments across ranks
+//!   before running it ([`agree`]), so mismatched calls fail with
+//!   [`Error::Mismatch`] instead of MPI's undefined behaviour.
 //! - A rank whose closure fails or panics prints why and calls `MPI_Abort`, which
 //!   ends every process of the job. A watchdog aborts the job, naming the
 //!   collective, when a rank waits in one longer than the launch's timeout
 //!   (`TESSERA_TIMEOUT_S`): peers that never arrive never hang it.
 
+mod agree;
 mod comm;
 mod ops;
 
@@ -46,6 +50,8 @@ pub(crate) struct Runtime {
     /// The library's `MPI_IN_PLACE`, where known (OpenMPI, MPICH); otherwise in-place
     /// reductions go through a copy.
     in_place: Option<Handle<*mut c_void>>,
+    /// `TESSERA_MPI_CHECK`: compare every collective's arguments across ranks first.
+    check_calls: bool,
 }
 
 /// Set when Tessera initialised MPI itself: finalised at process exit.
@@ -100,6 +106,7 @@ fn init() -> std::result::Result<Runtime, String> {
         ops: Ops::create()?,
         stats: Arc::new(CommStats::default()),
         in_place: in_place_sentinel(),
+        check_calls: std::env::var("TESSERA_MPI_CHECK").is_ok_and(|v| matches!(v.trim(), "1" | "true" | "yes")),
     };
     start_watchdog(rt.world_rank);
     Ok(rt)
