@@ -41,9 +41,10 @@ const NAMES: [&str; 2] = ["replicate", "shard"];
 const HOST_BYTES: usize = 64;
 
 fn host_name() -> String {
-    std::env::var("HOSTNAME")
+    // The kernel's name first: `HOSTNAME` may be inherited from the submitting shell.
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
         .ok()
-        .or_else(|| std::fs::read_to_string("/proc/sys/kernel/hostname").ok())
+        .or_else(|| std::env::var("HOSTNAME").ok())
         .map(|s| s.trim().to_string())
         .filter(|s| !s.is_empty())
         .unwrap_or_else(|| "unknown-host".into())

@@ -14,9 +14,11 @@
 //! - `mismatch` (with `TESSERA_MPI_CHECK=1`): ranks that call different
 //!   collectives, or pass different or invalid lengths, all get errors naming both
 //!   sides, and the communicator stays usable;
-//! - `fail-error`, `fail-panic`, `fail-abort`, `stall`: a rank fails mid-step by
-//!   returning an error, panicking, dying (`abort`), or never arriving at a
-//!   collective; the job must end promptly with a message naming the rank.
+//! - `fail-error`, `fail-panic`, `fail-abort`, `stall`, `fail-pending`: a rank
+//!   fails mid-step by returning an error, panicking, dying (`abort`), never
+//!   arriving at a collective, or returning an error while its own asynchronous
+//!   collective still waits for a slow peer; the job must end promptly with a
+//!   message naming the rank.
 //!
 //! The driver also runs the `train` example with 4 threads and under `mpirun -n 4`
 //! and compares the losses, and runs `hsdp_multinode` under `mpirun -n 4` (the
@@ -36,7 +38,7 @@ use tessera::autograd::optim::{AdamW, Optimizer};
 use tessera::autograd::{Var, backward};
 use tessera::dtensor::{Placement, distribute_tensor};
 use tessera::fsdp::FsdpConfig;
-use tessera::mesh::testing;
+use tessera::mesh::{OpKind, testing};
 use tessera::{BoxError, CommunicatorExt, DeviceMesh, LaunchOptions, ReduceOp, launch, launch_with, mpi_env};
 
 fn main() {
@@ -63,6 +65,7 @@ fn rank_main(scenario: &str) -> Result<(), BoxError> {
         "contract" => contract(world),
         "fsdp" => fsdp(world),
         "fail-error" | "fail-panic" | "fail-abort" | "stall" => fail(world, scenario),
+        "fail-pending" => fail_pending(world),
         "mismatch" => mismatch(world),
         other => Err(format!("unknown scenario {other:?}").into()),
     }
@@ -73,6 +76,23 @@ fn contract(world: usize) -> Result<(), BoxError> {
         assert_eq!(ctx.comm().backend(), "mpi");
         testing::check_all(ctx.comm());
         testing::check_overlap(ctx.comm(), Duration::from_millis(500));
+        // A variable-count collective counts once, as with threads (its cross-rank
+        // check is not a collective the caller issued).
+        let comm = ctx.comm();
+        let counts = testing::chunk_counts(5, comm.size());
+        let before = comm.stats().snapshot();
+        let mut recv = [0.0f32; 5];
+        comm.all_gather_v(
+            (&vec![1.0f32; counts[comm.rank()]][..]).into(),
+            (&mut recv[..]).into(),
+            &counts,
+        )?;
+        let d = comm.stats().snapshot() - before;
+        assert_eq!(
+            (d.calls(OpKind::AllGather), d.total_calls()),
+            (1, 1),
+            "stats of all_gather_v"
+        );
         let shape: &[usize] = if ctx.world_size() == 4 {
             &[2, 2]
         } else {
@@ -184,6 +204,31 @@ fn mismatch(world: usize) -> Result<(), BoxError> {
             "rank 0 of a communicator"
         };
         expect("async", res, needle);
+        // Variable-count forms always compare: a rank with counts of the wrong
+        // length says so, its peers that it refused; dtypes must agree.
+        let counts = if r == 1 { vec![1; world + 1] } else { vec![1; world] };
+        let mut recv = vec![0.0f32; world];
+        let res = comm.all_gather_v((&[1.0f32][..]).into(), (&mut recv[..]).into(), &counts);
+        let needle = if r == 1 {
+            "counts (one per rank)"
+        } else {
+            "rank 1 rejected its own arguments to all_gather_v"
+        };
+        expect("v local", res, needle);
+        let res = if r == 0 {
+            comm.all_gather_v(
+                (&[1.0f32][..]).into(),
+                (&mut vec![0.0f32; world][..]).into(),
+                &vec![1; world],
+            )
+        } else {
+            comm.all_gather_v(
+                (&[1.0f64][..]).into(),
+                (&mut vec![0.0f64; world][..]).into(),
+                &vec![1; world],
+            )
+        };
+        expect("v dtype", res, "rank 0 called all_gather_v on f32 but rank 1 on f64");
         // Matching calls still work.
         let mut ok = vec![1.0f32; 8];
         comm.all_reduce_slice(&mut ok, ReduceOp::Sum)?;
@@ -194,6 +239,23 @@ fn mismatch(world: usize) -> Result<(), BoxError> {
         Ok(())
     })?;
     Ok(())
+}
+
+/// Rank 1 fails while its asynchronous all_gather still waits for rank 0 (which
+/// is slow): its error must end the job at once, not after rank 0 arrives.
+fn fail_pending(world: usize) -> Result<(), BoxError> {
+    launch(world, |ctx| {
+        if ctx.rank() == 0 {
+            std::thread::sleep(Duration::from_secs(30));
+        }
+        let work = ctx.comm().all_gather_async(vec![1.0f32; 16].into());
+        if ctx.rank() == 1 {
+            return Err("injected failure with a collective pending".into());
+        }
+        work.wait()?;
+        Ok(())
+    })?;
+    Err("every rank finished, but rank 1 should have failed".into())
 }
 
 /// Rank 1 fails after two good steps; the others go on into the next collective.
@@ -380,7 +442,15 @@ fn driver(args: &[String]) {
         print!("{}", job.stdout);
         ran += 1;
     }
-    let fail_cases: [FailCase; 4] = [
+    let fail_cases: [FailCase; 5] = [
+        (
+            "fail-pending",
+            &[],
+            &[
+                "rank 1 of 2 failed: injected failure with a collective pending",
+                "aborting the MPI job",
+            ],
+        ),
         (
             "fail-error",
             &[],
@@ -407,6 +477,7 @@ fn driver(args: &[String]) {
         if want(scenario) {
             let job = run_mpi(2, &me, &[scenario], envs, minute);
             expect_failure(&format!("{scenario} on 2 ranks"), &job, needles);
+            assert!(job.took < Duration::from_secs(20), "{scenario}: took {:?}", job.took);
             ran += 1;
         }
     }

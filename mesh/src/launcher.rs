@@ -28,7 +28,8 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
 #[derive(Clone, Debug)]
 pub struct LaunchOptions {
     /// How long a rank waits inside a collective for peers that have not arrived
-    /// before the job fails with [`Error::Timeout`](crate::Error::Timeout). Default: `TESSERA_TIMEOUT_S`
+    /// before the job fails with [`Error::Timeout`](crate::Error::Timeout) (threads; under MPI a watchdog
+    /// aborts the job naming the collective). Default: `TESSERA_TIMEOUT_S`
     /// seconds from the environment, else [`DEFAULT_TIMEOUT`].
     pub timeout: Duration,
 }
@@ -198,7 +199,7 @@ where
     F: Fn(RankCtx) -> Result<T, BoxError>,
 {
     Err(Error::Launch(format!(
-        "this process was started by an MPI launcher ({} variables, rank {}) but Tessera was built without \
+        "this process was started by an MPI launcher (found {}, rank {}) but Tessera was built without \
          the `mpi` feature; rebuild with `--features mpi`, or run without mpirun to use in-process threads \
          (TESSERA_BACKEND=threads forces them)",
         env.launcher, env.rank

@@ -17,6 +17,17 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// Decrements the pending count and wakes `fence` when dropped.
+struct Done(Pending);
+
+impl Drop for Done {
+    fn drop(&mut self) {
+        let (count, cv) = &*self.0;
+        *lock(count) -= 1;
+        cv.notify_all();
+    }
+}
+
 /// A started communication thread.
 struct Thread {
     tx: Option<mpsc::Sender<Job>>,
@@ -69,10 +80,21 @@ impl Worker {
         }
     }
 
-    /// Finishes the queued jobs and ends the thread (it starts again on the next submit).
+    /// Ends the thread once its queue is empty and returns true; with jobs still
+    /// queued or running, detaches it instead (it ends when they do) and returns
+    /// false, so that a failing rank does not wait here for peers that may never come.
     #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
-    pub(crate) fn stop(&self) {
-        drop(self.thread.borrow_mut().take());
+    pub(crate) fn stop_or_detach(&self) -> bool {
+        let Some(mut t) = self.thread.borrow_mut().take() else {
+            return true;
+        };
+        if *lock(&t.pending.0) == 0 {
+            drop(t);
+            return true;
+        }
+        t.tx.take();
+        t.handle.take();
+        false
     }
 
     fn start(&self) -> Result<Thread> {
@@ -112,12 +134,11 @@ impl Worker {
         let pending = t.pending.clone();
         *lock(&pending.0) += 1;
         let job: Job = Box::new(move || {
+            // Counts the job as done even if `f` panics, so `fence` never waits forever.
+            let _done = Done(pending);
             let out = f();
             // The receiver may be gone (the handle was dropped unwaited): nothing to do then.
             let _ = tx.send(out);
-            let (count, cv) = &*pending;
-            *lock(count) -= 1;
-            cv.notify_all();
         });
         match t.tx.as_ref().map(|tx| tx.send(job)) {
             Some(Ok(())) => Work::pending(self.rank, rx),

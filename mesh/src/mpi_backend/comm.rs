@@ -5,10 +5,10 @@ use std::sync::Arc;
 
 use mpi::ffi;
 
-use super::agree::{self, Fingerprint, WORDS};
+use super::agree::{self, Fingerprint};
 use super::ops::{Handle, datatype, divide, ptr, ptr_mut};
 use super::{Runtime, Watch, error_string};
-use crate::comm::{Call, Worker, check_call, check_v_local, exchange_v};
+use crate::comm::{Call, VArgs, Worker, check_call, check_v, check_v_local, v_name};
 use crate::stats::CommStats;
 use crate::{Buf, BufMut, Buffer, Communicator, DType, Error, OpKind, ReduceOp, Result, Work};
 
@@ -43,17 +43,24 @@ fn exec(watch: &Watch, kind: OpKind, rank: usize, call: impl FnOnce() -> c_int) 
 
 /// All-gathers `fp` over `raw` and compares every rank's ([`agree`]).
 fn agree_on(raw: Comm, watch: &Watch, rank: usize, size: usize, fp: Fingerprint) -> Result<()> {
-    let mine = fp.encode();
-    let mut all = vec![0i64; WORDS * size];
-    let (s, r) = (mine.as_ptr().cast(), all.as_mut_ptr().cast());
+    let all = gather_words(raw, watch, rank, size, fp.kind, &fp.encode())?;
+    agree::compare(&all)
+}
+
+/// All-gathers `row` (the same length on every rank) as i64 words, outside the
+/// statistics: the checks' own traffic is not a collective the caller issued.
+fn gather_words(raw: Comm, watch: &Watch, rank: usize, size: usize, kind: OpKind, row: &[i64]) -> Result<Vec<i64>> {
+    let mut all = vec![0i64; row.len() * size];
+    let words = count(kind.name(), rank, row.len())?;
+    count(kind.name(), rank, all.len())?;
+    let (s, r) = (row.as_ptr().cast(), all.as_mut_ptr().cast());
     // SAFETY: MPI is initialised; reading a predefined handle.
     let dt = unsafe { ffi::RSMPI_INT64_T };
-    let words = WORDS as c_int;
-    // SAFETY: `mine` holds WORDS i64s and `all` WORDS per rank.
-    exec(watch, fp.kind, rank, || unsafe {
+    // SAFETY: `row` holds `words` i64s and `all` `words` per rank.
+    exec(watch, kind, rank, || unsafe {
         ffi::MPI_Allgather(s, words, dt, r, words, dt, raw.0)
     })?;
-    agree::compare(&all)
+    Ok(all)
 }
 
 fn print(kind: OpKind, dtype: DType, len: usize, root: usize, reduce: Option<ReduceOp>) -> Fingerprint {
@@ -181,6 +188,75 @@ impl MpiComm {
         }
     }
 
+    /// The cross-rank check of a variable-count collective, always made (as the
+    /// threads backend does): every rank all-gathers whether its own checks
+    /// (`local`) passed, its dtype, buffer lengths and counts, then all run
+    /// [`check_v`] over the same rows. A rank whose own checks failed takes part
+    /// too, so its peers fail with it instead of waiting. Returns `local`'s value.
+    fn exchange_v<T>(
+        &self,
+        kind: OpKind,
+        send: &Buf<'_>,
+        recv_len: usize,
+        counts_in: &[usize],
+        recv_counts: &[usize],
+        local: Result<T>,
+    ) -> Result<T> {
+        let n = self.size;
+        let a2a = kind == OpKind::AllToAll;
+        let fixed = |c: &[usize]| (0..n).map(|q| c.get(q).map_or(0, |&x| x as i64)).collect::<Vec<i64>>();
+        let mut row = vec![
+            i64::from(local.is_ok()),
+            DType::ALL.iter().position(|&d| d == send.dtype()).unwrap_or(0) as i64,
+            send.len() as i64,
+            recv_len as i64,
+        ];
+        row.extend(fixed(counts_in));
+        if a2a {
+            row.extend(fixed(recv_counts));
+        }
+        self.worker.fence();
+        let all = gather_words(self.raw, &self.watch, self.rank, n, kind, &row)?;
+        let local = local?;
+        let width = row.len();
+        let rows: Vec<&[i64]> = all.chunks_exact(width).collect();
+        let name = v_name(kind);
+        if let Some(q) = rows.iter().position(|r| r[0] == 0) {
+            return Err(Error::Mismatch {
+                detail: format!("rank {q} rejected its own arguments to {name} (its error says why)"),
+            });
+        }
+        if let Some(q) = rows.iter().position(|r| r[1] != rows[0][1]) {
+            let dtype = |r: &[i64]| DType::ALL[usize::try_from(r[1]).unwrap_or(0).min(DType::ALL.len() - 1)];
+            return Err(Error::Mismatch {
+                detail: format!(
+                    "rank 0 called {name} on {} but rank {q} on {}",
+                    dtype(rows[0]),
+                    dtype(rows[q])
+                ),
+            });
+        }
+        let as_usize = |w: &[i64]| w.iter().map(|&x| x as usize).collect::<Vec<usize>>();
+        let cols: Vec<(usize, usize, Vec<usize>, Vec<usize>)> = rows
+            .iter()
+            .map(|r| {
+                let recv = if a2a { as_usize(&r[4 + n..]) } else { Vec::new() };
+                (r[2] as usize, r[3] as usize, as_usize(&r[4..4 + n]), recv)
+            })
+            .collect();
+        let args: Vec<VArgs<'_>> = cols
+            .iter()
+            .map(|(s, r, c, rc)| VArgs {
+                send_len: *s,
+                recv_len: *r,
+                counts: c,
+                recv_counts: rc,
+            })
+            .collect();
+        check_v(kind, &args, |q| q)?;
+        Ok(local)
+    }
+
     fn exec_for(&self, kind: OpKind) -> Exec {
         Exec {
             raw: self.raw,
@@ -243,8 +319,13 @@ impl Exec {
 
 impl Drop for MpiComm {
     fn drop(&mut self) {
-        // The communication thread may still use the communicator: end it first.
-        self.worker.stop();
+        // The communication thread may still use the communicator: end it first. If
+        // a collective is still waiting for peers (this rank is failing mid-step), the
+        // thread is left to it and the communicator is leaked rather than freed under
+        // it: the launcher is about to report the failure and abort the job.
+        if !self.worker.stop_or_detach() {
+            return;
+        }
         if !mpi::environment::is_finalized() {
             // SAFETY: this handle owns the communicator and nothing uses it any more.
             unsafe { ffi::MPI_Comm_free(&mut self.raw.0) };
@@ -388,11 +469,15 @@ impl Communicator for MpiComm {
                 got: v as usize,
             })
         };
-        let (color, key) = (
-            arg(color, "color (at most 2^31 - 1)")?,
-            arg(key, "key (at most 2^31 - 1)")?,
-        );
-        self.validate(Fingerprint::bare(OpKind::Split), Ok(()))?;
+        let args = arg(color, "color (at most 2^31 - 1)").and_then(|c| Ok((c, arg(key, "key (at most 2^31 - 1)")?)));
+        let (local, args) = match args {
+            Ok(a) => (Ok(()), Some(a)),
+            Err(e) => (Err(e), None),
+        };
+        self.validate(Fingerprint::bare(OpKind::Split), local)?;
+        let Some((color, key)) = args else {
+            unreachable!("validate returns the local error")
+        };
         self.begin(OpKind::Split, 0);
         // SAFETY: reading a predefined handle.
         let mut raw = unsafe { ffi::RSMPI_COMM_NULL };
@@ -404,13 +489,15 @@ impl Communicator for MpiComm {
     }
 
     fn all_gather_v(&self, send: Buf<'_>, mut recv: BufMut<'_>, counts_in: &[usize]) -> Result<()> {
-        check_v_local(self, OpKind::AllGather, &send, &recv, counts_in, &[])?;
-        exchange_v(self, OpKind::AllGather, send.len(), recv.len(), counts_in, &[])?;
+        let op = "all_gather_v";
+        let local = check_v_local(self, OpKind::AllGather, &send, &recv, counts_in, &[]).and_then(|_| {
+            count(op, self.rank, send.len())?;
+            counts(op, self.rank, counts_in)
+        });
+        let local = self.exchange_v(OpKind::AllGather, &send, recv.len(), counts_in, &[], local)?;
+        let ((c, displs), sc, dt) = (local, send.len() as c_int, datatype(send.dtype()));
         let total = counts_in.iter().sum::<usize>();
         self.begin(OpKind::AllGather, total * send.dtype().size_in_bytes());
-        let op = "all_gather_v";
-        let (c, displs) = counts(op, self.rank, counts_in)?;
-        let (sc, dt) = (count(op, self.rank, send.len())?, datatype(send.dtype()));
         let (s, r) = (ptr(&send), ptr_mut(&mut recv));
         // SAFETY: the counts were checked on every rank against the buffer lengths.
         self.run(OpKind::AllGather, || unsafe {
@@ -419,11 +506,13 @@ impl Communicator for MpiComm {
     }
 
     fn reduce_scatter_v(&self, send: Buf<'_>, mut recv: BufMut<'_>, counts_in: &[usize], op: ReduceOp) -> Result<()> {
-        let dtype = check_v_local(self, OpKind::ReduceScatter, &send, &recv, counts_in, &[])?;
-        op.check("reduce_scatter_v", dtype)?;
-        exchange_v(self, OpKind::ReduceScatter, send.len(), recv.len(), counts_in, &[])?;
+        let name = "reduce_scatter_v";
+        let local = check_v_local(self, OpKind::ReduceScatter, &send, &recv, counts_in, &[])
+            .and_then(|dtype| op.check(name, dtype))
+            .and_then(|_| counts(name, self.rank, counts_in));
+        let (c, _) = self.exchange_v(OpKind::ReduceScatter, &send, recv.len(), counts_in, &[], local)?;
         self.begin(OpKind::ReduceScatter, bytes(&send));
-        let (c, _) = counts("reduce_scatter_v", self.rank, counts_in)?;
+        let dtype = send.dtype();
         let (dt, mop) = (datatype(dtype), self.rt.ops.get(dtype, op));
         let (s, r) = (ptr(&send), ptr_mut(&mut recv));
         // SAFETY: the counts were checked on every rank against the buffer lengths.
@@ -443,14 +532,15 @@ impl Communicator for MpiComm {
         mut recv: BufMut<'_>,
         recv_counts: &[usize],
     ) -> Result<()> {
-        check_v_local(self, OpKind::AllToAll, &send, &recv, send_counts, recv_counts)?;
-        exchange_v(self, OpKind::AllToAll, send.len(), recv.len(), send_counts, recv_counts)?;
+        let op = "all_to_all_v";
+        let local = check_v_local(self, OpKind::AllToAll, &send, &recv, send_counts, recv_counts)
+            .and_then(|_| Ok((counts(op, self.rank, send_counts)?, counts(op, self.rank, recv_counts)?)));
+        let ((sc, sd), (rc, rd)) =
+            self.exchange_v(OpKind::AllToAll, &send, recv.len(), send_counts, recv_counts, local)?;
         let own = send_counts.get(self.rank).copied().unwrap_or(0);
         let off_rank = (send.len() - own) as u64 * send.dtype().size_in_bytes() as u64;
         self.worker.fence();
         self.rt.stats.record_exact(OpKind::AllToAll, off_rank);
-        let op = "all_to_all_v";
-        let ((sc, sd), (rc, rd)) = (counts(op, self.rank, send_counts)?, counts(op, self.rank, recv_counts)?);
         let dt = datatype(send.dtype());
         let (s, r) = (ptr(&send), ptr_mut(&mut recv));
         // SAFETY: the counts were checked on every rank against the buffer lengths.

@@ -10,8 +10,12 @@
 //!   there as blocking MPI calls, in issue order, and so truly overlap the caller's
 //!   compute. Blocking collectives run on the caller's thread once the queue is
 //!   empty.
-//! - bf16 and f16 move as 16-bit words and reduce with user operators (through
-//!   f32); `Avg` is a sum divided locally.
+//! - bf16 and f16 move as 16-bit words and reduce with user operators (each
+//!   pairwise step through f32, rounded back to 16 bits); `Avg` is a sum divided
+//!   locally. Over more than two ranks a 16-bit sum can therefore differ in the last
+//!   bits from the threads backend's (which rounds once), and an f16 `Avg` can
+//!   overflow where the threads backend's does not: reduce in f32 where that
+//!   matters (FSDP's mixed precision reduces gradients in f32).
 //! - `TESSERA_MPI_CHECK=1` compares every collective's arguments across ranks
 //!   before running it ([`agree`]), so mismatched calls fail with
 //!   [`Error::Mismatch`] instead of MPI's undefined behaviour.

@@ -22,10 +22,17 @@ impl<T: Copy> Handle<T> {
     }
 }
 
+/// The handle types that [`Handle`] may carry across threads.
+pub(super) trait MpiHandle: Copy {}
+impl MpiHandle for ffi::MPI_Comm {}
+impl MpiHandle for ffi::MPI_Op {}
+/// `MPI_IN_PLACE`, a sentinel address never dereferenced by Tessera.
+impl MpiHandle for *mut c_void {}
+
 // SAFETY: see the type's docs; the handles are opaque identifiers owned by the MPI library.
-unsafe impl<T> Send for Handle<T> {}
-// SAFETY: as above; shared handles (datatypes, operators) are only read.
-unsafe impl<T> Sync for Handle<T> {}
+unsafe impl<T: MpiHandle> Send for Handle<T> {}
+// SAFETY: as above; shared handles (communicators, operators) are only read.
+unsafe impl<T: MpiHandle> Sync for Handle<T> {}
 
 /// The MPI datatype that moves elements of `dtype`.
 pub(super) fn datatype(dtype: DType) -> ffi::MPI_Datatype {
@@ -94,10 +101,18 @@ fn min_nan(a: f32, b: f32) -> f32 {
 macro_rules! user_fn {
     ($name:ident, $t:ty, $f:expr) => {
         unsafe extern "C" fn $name(a: *mut c_void, b: *mut c_void, len: *mut c_int, _: *mut ffi::MPI_Datatype) {
-            // SAFETY: MPI passes two buffers of `*len` elements of the datatype the
+            // SAFETY: MPI passes a valid count pointer (checked for null all the same).
+            let n = if len.is_null() {
+                0
+            } else {
+                usize::try_from(unsafe { *len }).unwrap_or(0)
+            };
+            if n == 0 || a.is_null() || b.is_null() {
+                return;
+            }
+            // SAFETY: MPI passes two buffers of `n` elements of the datatype the
             // operator was used with, which Tessera only pairs with `$t`.
             let (x, y) = unsafe {
-                let n = usize::try_from(*len).unwrap_or(0);
                 (
                     std::slice::from_raw_parts(a as *const $t, n),
                     std::slice::from_raw_parts_mut(b as *mut $t, n),
