@@ -334,6 +334,11 @@ pub trait CommunicatorExt: Communicator {
 impl<C: Communicator + ?Sized> CommunicatorExt for C {}
 
 /// Copies `min(src.len(), dst.len())` leading elements; dtypes must match.
+/// The size of a buffer in bytes (what the statistics count).
+pub(crate) fn nbytes(b: &Buf<'_>) -> usize {
+    b.len() * b.dtype().size_in_bytes()
+}
+
 fn copy_prefix(src: Buf<'_>, mut dst: BufMut<'_>) {
     crate::dispatch_buf!(Buf, src, s, T => {
         if let Ok(d) = typed_mut::<T>(&mut dst) {

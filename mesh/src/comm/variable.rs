@@ -151,8 +151,47 @@ pub(crate) fn check_v_local<C: Communicator + ?Sized>(
     Ok(send.dtype())
 }
 
+/// One rank's row in the cross-rank check of a variable-count collective:
+/// `[send_len, recv_len, counts.., recv_counts..]`, each counts array padded or cut
+/// to `n` (`recv_counts` only for all_to_all_v), so every rank's row has the same
+/// width even when its own counts arrays have the wrong length.
+pub(crate) fn v_row(
+    kind: OpKind,
+    n: usize,
+    send_len: usize,
+    recv_len: usize,
+    counts: &[usize],
+    recv_counts: &[usize],
+) -> Vec<i64> {
+    let fixed = |c: &[usize]| (0..n).map(|q| c.get(q).map_or(0, |&x| x as i64)).collect::<Vec<i64>>();
+    let mut row = vec![send_len as i64, recv_len as i64];
+    row.extend(fixed(counts));
+    if kind == OpKind::AllToAll {
+        row.extend(fixed(recv_counts));
+    }
+    row
+}
+
+/// Checks every rank's [`v_row`] (`rows[q]` is group rank `q`'s) with [`check_v`],
+/// identically on every rank. Returns the largest count (send count for
+/// all_to_all_v) of any rank: the block size every rank pads to.
+pub(crate) fn check_v_rows(kind: OpKind, n: usize, rows: &[&[i64]]) -> Result<usize> {
+    let cols: Vec<Vec<usize>> = rows.iter().map(|r| r.iter().map(|&x| x as usize).collect()).collect();
+    let args: Vec<VArgs<'_>> = cols
+        .iter()
+        .map(|r| VArgs {
+            send_len: r[0],
+            recv_len: r[1],
+            counts: &r[2..2 + n],
+            recv_counts: &r[2 + n..],
+        })
+        .collect();
+    check_v(kind, &args, |q| q)?;
+    Ok(args.iter().flat_map(|a| a.counts.iter().copied()).max().unwrap_or(0))
+}
+
 /// Gathers every rank's buffer lengths and counts (one `all_gather` of `i64`) and
-/// checks them with [`check_v`], identically on every rank. Returns the largest
+/// checks them with [`check_v_rows`], identically on every rank. Returns the largest
 /// count (send count for all_to_all_v) of any rank: the block size every rank pads to.
 pub(crate) fn exchange_v<C: Communicator + ?Sized>(
     c: &C,
@@ -163,28 +202,18 @@ pub(crate) fn exchange_v<C: Communicator + ?Sized>(
     recv_counts: &[usize],
 ) -> Result<usize> {
     let n = c.size();
-    let row: Vec<i64> = [send_len, recv_len]
-        .iter()
-        .chain(counts)
-        .chain(recv_counts)
-        .map(|&x| x as i64)
-        .collect();
-    let width = row.len();
-    let mut all = vec![0i64; width * n];
+    let row = v_row(kind, n, send_len, recv_len, counts, recv_counts);
+    let mut all = vec![0i64; row.len() * n];
     c.all_gather(i64::buf(&row), i64::buf_mut(&mut all))?;
-    let all: Vec<usize> = all.into_iter().map(|x| x as usize).collect();
-    let k = counts.len();
-    let args: Vec<VArgs<'_>> = all
-        .chunks_exact(width)
-        .map(|r| VArgs {
-            send_len: r[0],
-            recv_len: r[1],
-            counts: &r[2..2 + k],
-            recv_counts: &r[2 + k..],
-        })
-        .collect();
-    check_v(kind, &args, |q| q)?;
-    Ok(args.iter().flat_map(|a| a.counts.iter().copied()).max().unwrap_or(0))
+    let rows: Vec<&[i64]> = all.chunks_exact(row.len()).collect();
+    check_v_rows(kind, n, &rows)
+}
+
+/// The bytes an all_to_all_v sends off this rank: every segment but its own.
+pub(crate) fn all_to_all_v_bytes(dtype: DType, send_counts: &[usize], rank: usize) -> u64 {
+    let own = send_counts.get(rank).copied().unwrap_or(0) as u64;
+    let total = send_counts.iter().fold(0u64, |a, &c| a.saturating_add(c as u64));
+    (total - own).saturating_mul(dtype.size_in_bytes() as u64)
 }
 
 /// Copies consecutive segments of `src` (lengths `counts`) into blocks of `block`

@@ -1,14 +1,16 @@
 //! [`MpiComm`]: one MPI communicator as a Tessera [`Communicator`].
 
-use std::os::raw::{c_int, c_void};
+use std::os::raw::c_int;
 use std::sync::Arc;
 
 use mpi::ffi;
 
 use super::agree::{self, Fingerprint};
-use super::ops::{Handle, datatype, divide, ptr, ptr_mut};
+use super::ops::{Handle, average, datatype, in_place_send, ptr, ptr_mut};
 use super::{Runtime, Watch, error_string};
-use crate::comm::{Call, VArgs, Worker, check_call, check_v, check_v_local, v_name};
+use crate::comm::{
+    Call, Worker, all_to_all_v_bytes, check_call, check_v_local, check_v_rows, nbytes as bytes, v_name, v_row,
+};
 use crate::stats::CommStats;
 use crate::{Buf, BufMut, Buffer, Communicator, DType, Error, OpKind, ReduceOp, Result, Work};
 
@@ -97,10 +99,6 @@ fn counts(op: &'static str, rank: usize, c: &[usize]) -> Result<(Vec<c_int>, Vec
     Ok((c, displs))
 }
 
-fn bytes(b: &Buf<'_>) -> usize {
-    b.len() * b.dtype().size_in_bytes()
-}
-
 impl MpiComm {
     /// A duplicate of `MPI_COMM_WORLD`.
     pub(crate) fn world(rt: &'static Runtime) -> Result<MpiComm> {
@@ -138,13 +136,16 @@ impl MpiComm {
         }
     }
 
-    fn check(&self, kind: OpKind, send: &Buf<'_>, recv: Option<&BufMut<'_>>, root: usize) -> Result<()> {
+    /// This rank's own check of its arguments: `recv` is the output's dtype and
+    /// length (`None` for in-place collectives).
+    fn check(&self, kind: OpKind, send: &Buf<'_>, recv: Option<(DType, usize)>, root: usize) -> Result<()> {
+        let (recv_dtype, recv_len) = recv.unwrap_or((send.dtype(), send.len()));
         let call = Call {
             kind,
             dtype: send.dtype(),
-            recv_dtype: recv.map_or(send.dtype(), |r| r.dtype()),
+            recv_dtype,
             send_len: send.len(),
-            recv_len: recv.map_or(send.len(), |r| r.len()),
+            recv_len,
             root,
         };
         check_call(kind.name(), &call, self.size, self.rank)
@@ -176,23 +177,11 @@ impl MpiComm {
         local.and(agreed)
     }
 
-    /// The `sendbuf` argument of an in-place reduction of `buf`: `MPI_IN_PLACE`, or
-    /// a copy where the library's sentinel is unknown (kept alive by the returned buffer).
-    fn in_place(&self, buf: &BufMut<'_>) -> (*const c_void, Option<Buffer>) {
-        match self.rt.in_place {
-            Some(p) => (p.0.cast_const(), None),
-            None => {
-                let copy = buf.as_buf().to_buffer();
-                (ptr(&copy.as_buf()), Some(copy))
-            }
-        }
-    }
-
     /// The cross-rank check of a variable-count collective, always made (as the
     /// threads backend does): every rank all-gathers whether its own checks
-    /// (`local`) passed, its dtype, buffer lengths and counts, then all run
-    /// [`check_v`] over the same rows. A rank whose own checks failed takes part
-    /// too, so its peers fail with it instead of waiting. Returns `local`'s value.
+    /// (`local`) passed and its dtype, then its [`v_row`], and all run
+    /// [`check_v_rows`] over the same rows. A rank whose own checks failed takes
+    /// part too, so its peers fail with it instead of waiting. Returns `local`'s value.
     fn exchange_v<T>(
         &self,
         kind: OpKind,
@@ -203,23 +192,16 @@ impl MpiComm {
         local: Result<T>,
     ) -> Result<T> {
         let n = self.size;
-        let a2a = kind == OpKind::AllToAll;
-        let fixed = |c: &[usize]| (0..n).map(|q| c.get(q).map_or(0, |&x| x as i64)).collect::<Vec<i64>>();
+        let dtype = |w: i64| DType::ALL[usize::try_from(w).unwrap_or(0).min(DType::ALL.len() - 1)];
         let mut row = vec![
             i64::from(local.is_ok()),
             DType::ALL.iter().position(|&d| d == send.dtype()).unwrap_or(0) as i64,
-            send.len() as i64,
-            recv_len as i64,
         ];
-        row.extend(fixed(counts_in));
-        if a2a {
-            row.extend(fixed(recv_counts));
-        }
+        row.extend(v_row(kind, n, send.len(), recv_len, counts_in, recv_counts));
         self.worker.fence();
         let all = gather_words(self.raw, &self.watch, self.rank, n, kind, &row)?;
         let local = local?;
-        let width = row.len();
-        let rows: Vec<&[i64]> = all.chunks_exact(width).collect();
+        let rows: Vec<&[i64]> = all.chunks_exact(row.len()).collect();
         let name = v_name(kind);
         if let Some(q) = rows.iter().position(|r| r[0] == 0) {
             return Err(Error::Mismatch {
@@ -227,33 +209,16 @@ impl MpiComm {
             });
         }
         if let Some(q) = rows.iter().position(|r| r[1] != rows[0][1]) {
-            let dtype = |r: &[i64]| DType::ALL[usize::try_from(r[1]).unwrap_or(0).min(DType::ALL.len() - 1)];
             return Err(Error::Mismatch {
                 detail: format!(
                     "rank 0 called {name} on {} but rank {q} on {}",
-                    dtype(rows[0]),
-                    dtype(rows[q])
+                    dtype(rows[0][1]),
+                    dtype(rows[q][1])
                 ),
             });
         }
-        let as_usize = |w: &[i64]| w.iter().map(|&x| x as usize).collect::<Vec<usize>>();
-        let cols: Vec<(usize, usize, Vec<usize>, Vec<usize>)> = rows
-            .iter()
-            .map(|r| {
-                let recv = if a2a { as_usize(&r[4 + n..]) } else { Vec::new() };
-                (r[2] as usize, r[3] as usize, as_usize(&r[4..4 + n]), recv)
-            })
-            .collect();
-        let args: Vec<VArgs<'_>> = cols
-            .iter()
-            .map(|(s, r, c, rc)| VArgs {
-                send_len: *s,
-                recv_len: *r,
-                counts: c,
-                recv_counts: rc,
-            })
-            .collect();
-        check_v(kind, &args, |q| q)?;
+        let tails: Vec<&[i64]> = rows.iter().map(|r| &r[2..]).collect();
+        check_v_rows(kind, n, &tails)?;
         Ok(local)
     }
 
@@ -351,7 +316,7 @@ impl Communicator for MpiComm {
     }
 
     fn all_gather(&self, send: Buf<'_>, mut recv: BufMut<'_>) -> Result<()> {
-        let local = self.check(OpKind::AllGather, &send, Some(&recv), 0);
+        let local = self.check(OpKind::AllGather, &send, Some((recv.dtype(), recv.len())), 0);
         self.validate(print(OpKind::AllGather, send.dtype(), send.len(), 0, None), local)?;
         self.begin(OpKind::AllGather, bytes(&send) * self.size);
         let (c, dt) = (count("all_gather", self.rank, send.len())?, datatype(send.dtype()));
@@ -365,7 +330,7 @@ impl Communicator for MpiComm {
 
     fn reduce_scatter(&self, send: Buf<'_>, mut recv: BufMut<'_>, op: ReduceOp) -> Result<()> {
         let local = self
-            .check(OpKind::ReduceScatter, &send, Some(&recv), 0)
+            .check(OpKind::ReduceScatter, &send, Some((recv.dtype(), recv.len())), 0)
             .and_then(|_| op.check("reduce_scatter", send.dtype()));
         self.validate(
             print(OpKind::ReduceScatter, send.dtype(), send.len(), 0, Some(op)),
@@ -380,9 +345,7 @@ impl Communicator for MpiComm {
         self.run(OpKind::ReduceScatter, || unsafe {
             ffi::MPI_Reduce_scatter_block(s, r, c, dt, mop, self.raw.0)
         })?;
-        if op == ReduceOp::Avg {
-            divide(&mut recv, self.size);
-        }
+        average(op, &mut recv, self.size);
         Ok(())
     }
 
@@ -392,21 +355,19 @@ impl Communicator for MpiComm {
         self.begin(OpKind::AllReduce, bytes(&buf.as_buf()));
         let (c, dtype) = (count("all_reduce", self.rank, buf.len())?, buf.dtype());
         let (dt, mop) = (datatype(dtype), self.rt.ops.get(dtype, op));
-        let (s, _copy) = self.in_place(&buf);
+        let (s, _copy) = in_place_send(self.rt.in_place, &buf.as_buf());
         let r = ptr_mut(&mut buf);
         // SAFETY: `r` holds `c` elements of `dt`; `s` is MPI_IN_PLACE or a copy of them.
         self.run(OpKind::AllReduce, || unsafe {
             ffi::MPI_Allreduce(s, r, c, dt, mop, self.raw.0)
         })?;
-        if op == ReduceOp::Avg {
-            divide(&mut buf, self.size);
-        }
+        average(op, &mut buf, self.size);
         Ok(())
     }
 
     fn all_reduce_into(&self, send: Buf<'_>, mut recv: BufMut<'_>, op: ReduceOp) -> Result<()> {
         let local = self
-            .check(OpKind::AllReduce, &send, Some(&recv), 0)
+            .check(OpKind::AllReduce, &send, Some((recv.dtype(), recv.len())), 0)
             .and_then(|_| op.check("all_reduce", send.dtype()));
         self.validate(print(OpKind::AllReduce, send.dtype(), send.len(), 0, Some(op)), local)?;
         self.begin(OpKind::AllReduce, bytes(&send));
@@ -417,14 +378,12 @@ impl Communicator for MpiComm {
         self.run(OpKind::AllReduce, || unsafe {
             ffi::MPI_Allreduce(s, r, c, dt, mop, self.raw.0)
         })?;
-        if op == ReduceOp::Avg {
-            divide(&mut recv, self.size);
-        }
+        average(op, &mut recv, self.size);
         Ok(())
     }
 
     fn all_to_all(&self, send: Buf<'_>, mut recv: BufMut<'_>) -> Result<()> {
-        let local = self.check(OpKind::AllToAll, &send, Some(&recv), 0);
+        let local = self.check(OpKind::AllToAll, &send, Some((recv.dtype(), recv.len())), 0);
         self.validate(print(OpKind::AllToAll, send.dtype(), send.len(), 0, None), local)?;
         self.begin(OpKind::AllToAll, bytes(&send));
         count("all_to_all", self.rank, send.len())?;
@@ -519,9 +478,7 @@ impl Communicator for MpiComm {
         self.run(OpKind::ReduceScatter, || unsafe {
             ffi::MPI_Reduce_scatter(s, r, c.as_ptr(), dt, mop, self.raw.0)
         })?;
-        if op == ReduceOp::Avg {
-            divide(&mut recv, self.size);
-        }
+        average(op, &mut recv, self.size);
         Ok(())
     }
 
@@ -537,10 +494,11 @@ impl Communicator for MpiComm {
             .and_then(|_| Ok((counts(op, self.rank, send_counts)?, counts(op, self.rank, recv_counts)?)));
         let ((sc, sd), (rc, rd)) =
             self.exchange_v(OpKind::AllToAll, &send, recv.len(), send_counts, recv_counts, local)?;
-        let own = send_counts.get(self.rank).copied().unwrap_or(0);
-        let off_rank = (send.len() - own) as u64 * send.dtype().size_in_bytes() as u64;
         self.worker.fence();
-        self.rt.stats.record_exact(OpKind::AllToAll, off_rank);
+        self.rt.stats.record_exact(
+            OpKind::AllToAll,
+            all_to_all_v_bytes(send.dtype(), send_counts, self.rank),
+        );
         let dt = datatype(send.dtype());
         let (s, r) = (ptr(&send), ptr_mut(&mut recv));
         // SAFETY: the counts were checked on every rank against the buffer lengths.
@@ -577,20 +535,9 @@ impl Communicator for MpiComm {
     fn reduce_scatter_async(&self, send: Buffer, op: ReduceOp) -> Work {
         let (n, rank, dtype) = (self.size, self.rank, send.dtype());
         let block = send.len() / n;
+        // The output is ours to size: only the send length can be wrong.
         let checked = self
-            .check(
-                OpKind::ReduceScatter,
-                &send.as_buf(),
-                Some(&Buffer::zeros(dtype, 0).as_buf_mut()),
-                0,
-            )
-            .or_else(|e| match e {
-                // Only the send length matters here; the output is ours to size.
-                Error::BadLength {
-                    what: "receive buffer", ..
-                } => Ok(()),
-                e => Err(e),
-            })
+            .check(OpKind::ReduceScatter, &send.as_buf(), Some((dtype, block)), 0)
             .and_then(|_| op.check("reduce_scatter", dtype));
         if let Err(e) = checked {
             return self.reject(print(OpKind::ReduceScatter, dtype, send.len(), 0, Some(op)), e);
@@ -605,9 +552,7 @@ impl Communicator for MpiComm {
             let mop = mop.get();
             // SAFETY: `send` holds `n * c` elements and `recv` `c`, both owned by this job.
             ex.run(|comm| unsafe { ffi::MPI_Reduce_scatter_block(s, r, c, dt, mop, comm) })?;
-            if op == ReduceOp::Avg {
-                divide(&mut recv.as_buf_mut(), n);
-            }
+            average(op, &mut recv.as_buf_mut(), n);
             Ok(recv)
         })
     }
@@ -622,18 +567,11 @@ impl Communicator for MpiComm {
         self.submit(OpKind::AllReduce, buf.len() * dtype.size_in_bytes(), move |ex| {
             ex.agree(dtype, buf.len(), 0, Some(op))?;
             let c = count("all_reduce", rank, buf.len())?;
-            let copy = in_place.is_none().then(|| buf.clone());
-            let s = match (&in_place, &copy) {
-                (Some(p), _) => p.0.cast_const(),
-                (None, Some(copy)) => ptr(&copy.as_buf()),
-                (None, None) => unreachable!("a copy is made when MPI_IN_PLACE is unknown"),
-            };
+            let (s, _copy) = in_place_send(in_place, &buf.as_buf());
             let (r, dt, mop) = (ptr_mut(&mut buf.as_buf_mut()), datatype(dtype), mop.get());
             // SAFETY: `buf` holds `c` elements of `dt`; `s` is MPI_IN_PLACE or a copy of them.
             ex.run(|comm| unsafe { ffi::MPI_Allreduce(s, r, c, dt, mop, comm) })?;
-            if op == ReduceOp::Avg {
-                divide(&mut buf.as_buf_mut(), n);
-            }
+            average(op, &mut buf.as_buf_mut(), n);
             Ok(buf)
         })
     }

@@ -8,7 +8,7 @@ use std::os::raw::{c_int, c_void};
 use half::{bf16, f16};
 use mpi::ffi;
 
-use crate::{Buf, BufMut, DType, ReduceOp};
+use crate::{Buf, BufMut, Buffer, DType, ReduceOp};
 
 /// An MPI handle (a pointer in OpenMPI) that may move between threads:
 /// `MPI_THREAD_MULTIPLE` lets any thread use it, and Tessera never uses one
@@ -73,9 +73,12 @@ pub(super) fn ptr_mut(b: &mut BufMut<'_>) -> *mut c_void {
     crate::dispatch_buf!(BufMut, b, s, _T => s.as_mut_ptr().cast())
 }
 
-/// `x /= n` element-wise (the second half of `Avg`; floats only, which
-/// [`ReduceOp::check`] guarantees).
-pub(super) fn divide(b: &mut BufMut<'_>, n: usize) {
+/// The second half of `Avg` (a sum over `n` ranks): `x /= n` element-wise; nothing
+/// for the other reductions. `Avg` is defined for floats only ([`ReduceOp::check`]).
+pub(super) fn average(op: ReduceOp, b: &mut BufMut<'_>, n: usize) {
+    if op != ReduceOp::Avg {
+        return;
+    }
     let d = n as f64;
     match b {
         BufMut::F32(x) => x.iter_mut().for_each(|v| *v /= d as f32),
@@ -83,6 +86,19 @@ pub(super) fn divide(b: &mut BufMut<'_>, n: usize) {
         BufMut::BF16(x) => x.iter_mut().for_each(|v| *v = bf16::from_f32(v.to_f32() / d as f32)),
         BufMut::F16(x) => x.iter_mut().for_each(|v| *v = f16::from_f32(v.to_f32() / d as f32)),
         BufMut::I64(_) | BufMut::U8(_) => {}
+    }
+}
+
+/// The `sendbuf` argument of an in-place reduction of `buf`: the library's
+/// `MPI_IN_PLACE` where known, otherwise a copy of `buf` (kept alive by the
+/// returned buffer for as long as the call runs).
+pub(super) fn in_place_send(in_place: Option<Handle<*mut c_void>>, buf: &Buf<'_>) -> (*const c_void, Option<Buffer>) {
+    match in_place {
+        Some(p) => (p.get().cast_const(), None),
+        None => {
+            let copy = buf.to_buffer();
+            (ptr(&copy.as_buf()), Some(copy))
+        }
     }
 }
 
@@ -256,12 +272,14 @@ mod tests {
     }
 
     #[test]
-    fn divide_is_the_mean() {
+    fn average_is_the_mean_for_avg_only() {
         let mut v = vec![bf16::from_f32(3.0), bf16::from_f32(-6.0)];
-        divide(&mut BufMut::BF16(&mut v), 3);
+        average(ReduceOp::Avg, &mut BufMut::BF16(&mut v), 3);
         assert_eq!(v, [bf16::from_f32(1.0), bf16::from_f32(-2.0)]);
         let mut w = vec![9.0f64];
-        divide(&mut BufMut::F64(&mut w), 4);
+        average(ReduceOp::Avg, &mut BufMut::F64(&mut w), 4);
         assert_eq!(w, [2.25]);
+        average(ReduceOp::Sum, &mut BufMut::F64(&mut w), 4);
+        assert_eq!(w, [2.25], "a sum is left alone");
     }
 }

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use super::group::Group;
 use super::kernels;
-use crate::comm::Worker;
+use crate::comm::{Worker, all_to_all_v_bytes, nbytes as bytes};
 use crate::context::RankId;
 use crate::stats::CommStats;
 use crate::{Buf, BufMut, Buffer, Communicator, OpKind, ReduceOp, Result, Work};
@@ -49,10 +49,6 @@ impl ThreadComm {
         let (group, rank) = (self.group.clone(), self.rank);
         self.worker.submit(move || f(&group, rank))
     }
-}
-
-fn bytes(b: &Buf<'_>) -> usize {
-    b.len() * b.dtype().size_in_bytes()
 }
 
 impl Communicator for ThreadComm {
@@ -123,11 +119,10 @@ impl Communicator for ThreadComm {
         recv_counts: &[usize],
     ) -> Result<()> {
         self.fence();
-        // Exactly what leaves this rank: every segment but our own.
-        let own = send_counts.get(self.rank).copied().unwrap_or(0);
-        let off_rank = send_counts.iter().fold(0u64, |a, &c| a.saturating_add(c as u64)) - own as u64;
-        let elem = send.dtype().size_in_bytes() as u64;
-        self.stats.record_exact(OpKind::AllToAll, off_rank.saturating_mul(elem));
+        self.stats.record_exact(
+            OpKind::AllToAll,
+            all_to_all_v_bytes(send.dtype(), send_counts, self.rank),
+        );
         kernels::all_to_all_v(&self.group, self.rank, send, send_counts, recv, recv_counts)
     }
 
