@@ -129,17 +129,22 @@ fn in_place_sentinel() -> Option<Handle<*mut c_void>> {
     }
 }
 
+/// The first `len` characters MPI wrote into `buf`, as trimmed text.
+fn mpi_text(buf: &[c_char], len: c_int) -> String {
+    let bytes: Vec<u8> = buf[..usize::try_from(len).unwrap_or(0).min(buf.len())]
+        .iter()
+        .map(|&c| c as u8)
+        .collect();
+    String::from_utf8_lossy(&bytes).trim().to_string()
+}
+
 /// The MPI library's version string (`MPI_Get_library_version`).
 pub(crate) fn library_version() -> String {
     let mut buf = vec![0 as c_char; 8192];
     let mut len: c_int = 0;
     // SAFETY: the buffer is larger than MPI_MAX_LIBRARY_VERSION_STRING.
     unsafe { ffi::MPI_Get_library_version(buf.as_mut_ptr(), &mut len) };
-    let bytes: Vec<u8> = buf[..usize::try_from(len).unwrap_or(0).min(buf.len())]
-        .iter()
-        .map(|&c| c as u8)
-        .collect();
-    String::from_utf8_lossy(&bytes).trim().to_string()
+    mpi_text(&buf, len)
 }
 
 /// The text of an MPI error code.
@@ -151,11 +156,7 @@ pub(crate) fn error_string(code: c_int) -> String {
     if rc != 0 {
         return format!("MPI error code {code}");
     }
-    let bytes: Vec<u8> = buf[..usize::try_from(len).unwrap_or(0).min(buf.len())]
-        .iter()
-        .map(|&c| c as u8)
-        .collect();
-    format!("{} (MPI error code {code})", String::from_utf8_lossy(&bytes).trim())
+    format!("{} (MPI error code {code})", mpi_text(&buf, len))
 }
 
 /// Prints why and ends every process of the job.
