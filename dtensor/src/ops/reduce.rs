@@ -92,23 +92,24 @@ impl<T: Float> Reducer<T> for Sum {
     }
 }
 
+/// A [`Sum`] divided by the count.
 struct Mean;
 impl<T: Float> Reducer<T> for Mean {
     type State = f64;
     type Out = T;
     fn init() -> f64 {
-        0.0
+        <Sum as Reducer<T>>::init()
     }
     #[inline(always)]
     fn push(s: &mut f64, x: T) {
-        *s += x.to_f64();
+        <Sum as Reducer<T>>::push(s, x)
     }
     fn finish(s: f64, count: usize) -> T {
         // 0 / 0 is NaN for an empty reduction, as in PyTorch.
         T::from_f64(s / count as f64)
     }
     fn row(row: &[T]) -> f64 {
-        sum_f64(row)
+        <Sum as Reducer<T>>::row(row)
     }
 }
 
