@@ -24,34 +24,76 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 /// `TESSERA_TIMEOUT_S` says otherwise.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
 
+/// The longest timeout `TESSERA_TIMEOUT_S` may set: one year (effectively none).
+pub const MAX_TIMEOUT: Duration = Duration::from_secs(365 * 24 * 3600);
+
+/// The shortest timeout `TESSERA_TIMEOUT_S` may set.
+pub const MIN_TIMEOUT: Duration = Duration::from_millis(1);
+
 /// Options of [`launch_with`].
 #[derive(Clone, Debug)]
 pub struct LaunchOptions {
     /// How long a rank waits inside a collective for peers that have not arrived
     /// before the job fails with [`Error::Timeout`](crate::Error::Timeout) (threads; under MPI a watchdog
-    /// aborts the job naming the collective). Default: `TESSERA_TIMEOUT_S`
-    /// seconds from the environment, else [`DEFAULT_TIMEOUT`].
+    /// aborts the job naming the collective), and how long [`launch`] waits for a
+    /// rank that has not returned once every other rank has. Default
+    /// [`DEFAULT_TIMEOUT`]; [`LaunchOptions::from_env`] reads `TESSERA_TIMEOUT_S`.
     pub timeout: Duration,
 }
 
 impl Default for LaunchOptions {
+    /// The defaults, whatever the environment says ([`LaunchOptions::from_env`] reads it).
     fn default() -> Self {
-        let timeout = std::env::var("TESSERA_TIMEOUT_S")
-            .ok()
-            .and_then(|s| s.trim().parse::<f64>().ok())
-            .filter(|s| s.is_finite() && *s > 0.0)
-            .map(Duration::from_secs_f64)
-            .unwrap_or(DEFAULT_TIMEOUT);
-        LaunchOptions { timeout }
+        LaunchOptions {
+            timeout: DEFAULT_TIMEOUT,
+        }
     }
 }
 
 impl LaunchOptions {
+    /// The options [`launch`] uses: the defaults, with the timeout from
+    /// `TESSERA_TIMEOUT_S` (seconds, a decimal number such as `30` or `0.5`) when it
+    /// is set.
+    ///
+    /// # Errors
+    /// [`Error::Launch`](crate::Error::Launch) naming the value when `TESSERA_TIMEOUT_S` is not a number of
+    /// seconds between [`MIN_TIMEOUT`] and [`MAX_TIMEOUT`].
+    pub fn from_env() -> Result<LaunchOptions> {
+        let mut opts = LaunchOptions::default();
+        if let Some(v) = std::env::var_os("TESSERA_TIMEOUT_S") {
+            opts.timeout = parse_timeout(&v.to_string_lossy())?;
+        }
+        Ok(opts)
+    }
+
     /// Sets the collective timeout.
     pub fn timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
         self
     }
+}
+
+/// Parses a `TESSERA_TIMEOUT_S` value: seconds within [`MIN_TIMEOUT`]..=[`MAX_TIMEOUT`].
+fn parse_timeout(v: &str) -> Result<Duration> {
+    let bad = |why: &str| {
+        crate::Error::Launch(format!(
+            "TESSERA_TIMEOUT_S={v:?} {why}; give seconds between {} and {} (unset means {})",
+            MIN_TIMEOUT.as_secs_f64(),
+            MAX_TIMEOUT.as_secs(),
+            DEFAULT_TIMEOUT.as_secs()
+        ))
+    };
+    let s: f64 = v.trim().parse().map_err(|_| bad("is not a number"))?;
+    if !s.is_finite() {
+        return Err(bad("is not finite"));
+    }
+    if s < MIN_TIMEOUT.as_secs_f64() {
+        return Err(bad("is too short"));
+    }
+    if s > MAX_TIMEOUT.as_secs_f64() {
+        return Err(bad("is too long"));
+    }
+    Ok(Duration::from_secs_f64(s))
 }
 
 /// What a rank's closure receives: its world communicator.
@@ -151,23 +193,31 @@ pub fn is_lead_process() -> bool {
     mpi_env().is_none_or(|e| e.rank == 0)
 }
 
-/// Runs `f` on every rank of a `world_size`-rank job with default options.
+/// Runs `f` on every rank of a `world_size`-rank job with the options of
+/// [`LaunchOptions::from_env`].
 ///
 /// Returns the results of the ranks this process ran, in rank order: every rank's
 /// with the threads backend, this process's own (one element) under MPI.
 ///
+/// The closure owns what it uses (`'static`, as for [`std::thread::spawn`]): with
+/// the threads backend a rank stuck outside any collective is left running,
+/// detached, when `launch` gives up on it. Move inputs in (`move |ctx| ...`),
+/// sharing large ones through an `Arc`.
+///
 /// # Errors
-/// [`Error::Launch`](crate::Error::Launch) for `world_size == 0`, for an MPI launch whose process count is
-/// not `world_size`, or for an MPI launch of a build without the `mpi` feature;
-/// [`Error::RankFailed`](crate::Error::RankFailed) naming the first rank that failed (threads backend; under
+/// [`Error::Launch`](crate::Error::Launch) for `world_size == 0`, an invalid `TESSERA_TIMEOUT_S`, an MPI
+/// launch whose process count is not `world_size`, or an MPI launch of a build
+/// without the `mpi` feature;
+/// [`Error::RankFailed`](crate::Error::RankFailed) naming the first rank that failed, or a rank still in its
+/// closure a timeout after every other rank returned (threads backend; under
 /// MPI a failing rank prints its error and aborts the whole job instead, so that no
 /// peer waits for it forever).
 pub fn launch<T, F>(world_size: usize, f: F) -> Result<Vec<T>>
 where
-    T: Send,
-    F: Fn(RankCtx) -> Result<T, BoxError> + Sync,
+    T: Send + 'static,
+    F: Fn(RankCtx) -> Result<T, BoxError> + Send + Sync + 'static,
 {
-    launch_with(&LaunchOptions::default(), world_size, f)
+    launch_with(&LaunchOptions::from_env()?, world_size, f)
 }
 
 /// [`launch`] with explicit options.
@@ -176,8 +226,8 @@ where
 /// As [`launch`].
 pub fn launch_with<T, F>(opts: &LaunchOptions, world_size: usize, f: F) -> Result<Vec<T>>
 where
-    T: Send,
-    F: Fn(RankCtx) -> Result<T, BoxError> + Sync,
+    T: Send + 'static,
+    F: Fn(RankCtx) -> Result<T, BoxError> + Send + Sync + 'static,
 {
     match mpi_env() {
         None => crate::threads::launch_with(opts, world_size, f),
@@ -265,6 +315,39 @@ mod tests {
             env(&[("OMPI_COMM_WORLD_RANK", "x"), ("OMPI_COMM_WORLD_SIZE", "2")]),
             None
         );
+    }
+
+    #[test]
+    fn timeout_values() {
+        macro_rules! ok {
+            ($v:expr, $want:expr) => {
+                assert_eq!(parse_timeout($v).unwrap(), $want, "{}", $v)
+            };
+        }
+        macro_rules! bad {
+            ($v:expr, $why:expr) => {{
+                let msg = parse_timeout($v).unwrap_err().to_string();
+                assert!(
+                    msg.contains($why) && msg.contains("TESSERA_TIMEOUT_S"),
+                    "{}: {msg}",
+                    $v
+                );
+            }};
+        }
+        ok!("30", Duration::from_secs(30));
+        ok!(" 0.5 ", Duration::from_millis(500));
+        ok!("0.001", Duration::from_millis(1));
+        ok!("31536000", MAX_TIMEOUT);
+        bad!("0", "too short");
+        bad!("1e-300", "too short");
+        bad!("-3", "too short");
+        bad!("1e20", "too long");
+        bad!("1e300", "too long");
+        bad!("18446744073709551616", "too long");
+        bad!("inf", "not finite");
+        bad!("NaN", "not finite");
+        bad!("ten", "not a number");
+        bad!("", "not a number");
     }
 
     #[cfg(not(feature = "mpi"))]

@@ -44,10 +44,40 @@ impl ThreadComm {
         self.stats.record(kind, self.size(), bytes);
     }
 
-    /// Queues `f` (a collective on owned buffers) on the communication thread.
+    /// Queues `f` (a collective on owned buffers) on the communication thread. The
+    /// queued collective is an agent of this rank until it completes or is dropped
+    /// unrun (see the cross-group mismatch check in `activity`).
     fn submit(&self, f: impl FnOnce(&Group, usize) -> Result<Buffer> + Send + 'static) -> Work {
         let (group, rank) = (self.group.clone(), self.rank);
-        self.worker.submit(move || f(&group, rank))
+        let agent = Agent::start(&group, rank);
+        self.worker.submit(move || {
+            let _agent = agent;
+            f(&group, rank)
+        })
+    }
+}
+
+/// One queued asynchronous collective of a rank, counted as an active agent of
+/// that rank until dropped.
+struct Agent {
+    group: Arc<Group>,
+    world_rank: usize,
+}
+
+impl Agent {
+    fn start(group: &Arc<Group>, rank: usize) -> Agent {
+        let world_rank = group.members[rank];
+        group.world.activity.add(world_rank, 1);
+        Agent {
+            group: group.clone(),
+            world_rank,
+        }
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        self.group.world.activity.add(self.world_rank, -1);
     }
 }
 

@@ -3,7 +3,10 @@
 //! Protocol: every rank publishes a descriptor naming its buffers ([`Group::enter`],
 //! which also checks that the calls agree), then reads its peers' published inputs
 //! and writes only its own output, then waits at a barrier point before returning,
-//! so no peer still reads a buffer its owner is about to release.
+//! so no peer still reads a buffer its owner is about to release. Past the entry
+//! barrier a rank is [`Committed`](super::group::Committed): it leaves only through
+//! the collective's barrier points, which wait for every rank whatever happens
+//! elsewhere (a peer's failure, the timeout, this rank unwinding).
 //!
 //! Each rank's own output is written through a raw pointer taken once from its
 //! `&mut` buffer, and peers only ever read through raw pointers they were given
@@ -11,7 +14,8 @@
 
 use half::{bf16, f16};
 
-use super::group::{Desc, Group};
+use super::desc::Desc;
+use super::group::Group;
 use crate::{Buf, BufMut, Element, OpKind, ReduceOp, Result};
 
 /// Elements reduced per block: a block of every peer's input and the accumulator
@@ -138,7 +142,7 @@ pub(crate) fn all_gather(g: &Group, r: usize, send: Buf<'_>, mut recv: BufMut<'_
     let mut d = send_desc(OpKind::AllGather, &send);
     (d.recv_ptr, d.recv_len) = recv_parts(&mut recv);
     d.recv_dtype = recv.dtype();
-    let descs = g.enter(r, d)?;
+    let (descs, done) = g.enter(r, d)?;
     let c = d.send_len;
     crate::dispatch_buf!(Buf, send, _s, T => {
         let out = d.recv_ptr as *mut T;
@@ -149,7 +153,7 @@ pub(crate) fn all_gather(g: &Group, r: usize, send: Buf<'_>, mut recv: BufMut<'_
             unsafe { write(out, q * c, peer::<T>(dq.send_ptr, c)) };
         }
     });
-    g.sync(r, d.name(), d.seq)
+    done.finish()
 }
 
 pub(crate) fn reduce_scatter(g: &Group, r: usize, send: Buf<'_>, mut recv: BufMut<'_>, op: ReduceOp) -> Result<()> {
@@ -157,14 +161,14 @@ pub(crate) fn reduce_scatter(g: &Group, r: usize, send: Buf<'_>, mut recv: BufMu
     (d.recv_ptr, d.recv_len) = recv_parts(&mut recv);
     d.recv_dtype = recv.dtype();
     d.reduce = Some(op);
-    let descs = g.enter(r, d)?;
+    let (descs, done) = g.enter(r, d)?;
     let c = d.recv_len;
     crate::dispatch_buf!(Buf, send, _s, T => {
         // SAFETY: as in `all_gather`; we read block r of every peer's input and write
         // only our own output.
         unsafe { reduce_blocks::<T>(&descs, |dq| dq.send_ptr, r * c, c, op, d.recv_ptr as *mut T, 0) };
     });
-    g.sync(r, d.name(), d.seq)
+    done.finish()
 }
 
 /// All-reduce of `send` (in place when `send` is `None`) into `buf`.
@@ -176,7 +180,7 @@ pub(crate) fn all_reduce(g: &Group, r: usize, send: Option<Buf<'_>>, mut buf: Bu
         d.send_ptr = d.recv_ptr;
     }
     d.reduce = Some(op);
-    let descs = g.enter(r, d)?;
+    let (descs, mut done) = g.enter(r, d)?;
     let n = descs.len();
     let len = d.send_len;
     let lo = |q: usize| q * len / n;
@@ -188,7 +192,7 @@ pub(crate) fn all_reduce(g: &Group, r: usize, send: Option<Buf<'_>>, mut buf: Bu
         // SAFETY: see the module docs; block r of every input is read only by us in
         // this phase and block r of our output is written only by us.
         unsafe { reduce_blocks::<T>(&descs, |dq| dq.send_ptr, lo(r), lo(r + 1) - lo(r), op, out, lo(r)) };
-        g.sync(r, d.name(), d.seq)?;
+        done.sync();
         // Phase 2: copy every other rank's finished block from its output.
         for (q, dq) in descs.iter().enumerate().filter(|&(q, _)| q != r) {
             // SAFETY: block q of peer q's output is final after the barrier and nobody
@@ -196,14 +200,14 @@ pub(crate) fn all_reduce(g: &Group, r: usize, send: Option<Buf<'_>>, mut buf: Bu
             unsafe { write(out, lo(q), peer::<T>(dq.recv_ptr + lo(q) * size_of::<T>(), lo(q + 1) - lo(q))) };
         }
     });
-    g.sync(r, d.name(), d.seq)
+    done.finish()
 }
 
 pub(crate) fn all_to_all(g: &Group, r: usize, send: Buf<'_>, mut recv: BufMut<'_>) -> Result<()> {
     let mut d = send_desc(OpKind::AllToAll, &send);
     (d.recv_ptr, d.recv_len) = recv_parts(&mut recv);
     d.recv_dtype = recv.dtype();
-    let descs = g.enter(r, d)?;
+    let (descs, done) = g.enter(r, d)?;
     let c = d.send_len / descs.len();
     crate::dispatch_buf!(Buf, send, _s, T => {
         let out = d.recv_ptr as *mut T;
@@ -212,7 +216,7 @@ pub(crate) fn all_to_all(g: &Group, r: usize, send: Buf<'_>, mut recv: BufMut<'_
             unsafe { write(out, q * c, peer::<T>(dq.send_ptr + r * c * size_of::<T>(), c)) };
         }
     });
-    g.sync(r, d.name(), d.seq)
+    done.finish()
 }
 
 pub(crate) fn all_gather_v(g: &Group, r: usize, send: Buf<'_>, mut recv: BufMut<'_>, counts: &[usize]) -> Result<()> {
@@ -220,7 +224,7 @@ pub(crate) fn all_gather_v(g: &Group, r: usize, send: Buf<'_>, mut recv: BufMut<
     (d.recv_ptr, d.recv_len) = recv_parts(&mut recv);
     d.recv_dtype = recv.dtype();
     d.v = true;
-    let (descs, _) = g.enter_v(r, d, counts, &[])?;
+    let (descs, _, done) = g.enter_v(r, d, counts, &[])?;
     crate::dispatch_buf!(Buf, send, _s, T => {
         let out = d.recv_ptr as *mut T;
         let mut at = 0;
@@ -232,7 +236,7 @@ pub(crate) fn all_gather_v(g: &Group, r: usize, send: Buf<'_>, mut recv: BufMut<
             at += dq.send_len;
         }
     });
-    g.sync(r, d.name(), d.seq)
+    done.finish()
 }
 
 pub(crate) fn reduce_scatter_v(
@@ -248,7 +252,7 @@ pub(crate) fn reduce_scatter_v(
     d.recv_dtype = recv.dtype();
     d.reduce = Some(op);
     d.v = true;
-    let descs = g.enter_v(r, d, counts, &[])?.0;
+    let (descs, _, done) = g.enter_v(r, d, counts, &[])?;
     let from: usize = counts[..r].iter().sum();
     crate::dispatch_buf!(Buf, send, _s, T => {
         // SAFETY: validation checked that every rank passed the same counts and sends
@@ -256,7 +260,7 @@ pub(crate) fn reduce_scatter_v(
         // input; our output holds counts[r] elements and is ours alone.
         unsafe { reduce_blocks::<T>(&descs, |dq| dq.send_ptr, from, counts[r], op, d.recv_ptr as *mut T, 0) };
     });
-    g.sync(r, d.name(), d.seq)
+    done.finish()
 }
 
 pub(crate) fn all_to_all_v(
@@ -271,7 +275,7 @@ pub(crate) fn all_to_all_v(
     (d.recv_ptr, d.recv_len) = recv_parts(&mut recv);
     d.recv_dtype = recv.dtype();
     d.v = true;
-    let (descs, counts) = g.enter_v(r, d, send_counts, recv_counts)?;
+    let (descs, counts, done) = g.enter_v(r, d, send_counts, recv_counts)?;
     crate::dispatch_buf!(Buf, send, _s, T => {
         let out = d.recv_ptr as *mut T;
         let mut at = 0;
@@ -287,7 +291,7 @@ pub(crate) fn all_to_all_v(
             at += len;
         }
     });
-    g.sync(r, d.name(), d.seq)
+    done.finish()
 }
 
 pub(crate) fn broadcast(g: &Group, r: usize, mut buf: BufMut<'_>, root: usize) -> Result<()> {
@@ -295,18 +299,18 @@ pub(crate) fn broadcast(g: &Group, r: usize, mut buf: BufMut<'_>, root: usize) -
     (d.recv_ptr, d.recv_len) = recv_parts(&mut buf);
     d.send_ptr = d.recv_ptr;
     d.root = root;
-    let descs = g.enter(r, d)?;
+    let (descs, done) = g.enter(r, d)?;
     if r != root {
         crate::dispatch_buf!(BufMut, buf, _s, T => {
             // SAFETY: the root only reads its buffer during a broadcast; ours is ours.
             unsafe { write(d.recv_ptr as *mut T, 0, peer::<T>(descs[root].send_ptr, d.send_len)) };
         });
     }
-    g.sync(r, d.name(), d.seq)
+    done.finish()
 }
 
 pub(crate) fn barrier(g: &Group, r: usize) -> Result<()> {
-    g.enter(r, Desc::new(OpKind::Barrier)).map(|_| ())
+    g.enter(r, Desc::new(OpKind::Barrier))?.1.finish()
 }
 
 /// Reduces `len` elements starting at element `from` of every rank's buffer

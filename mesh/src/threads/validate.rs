@@ -1,7 +1,7 @@
 //! Checks that every rank called the same collective with compatible arguments.
 //! Runs on every rank over the same descriptors, so all ranks report the same error.
 
-use super::group::{Counts, Desc};
+use super::desc::{Counts, Desc};
 use crate::comm::{Call, VArgs, check_call, check_v};
 use crate::{Error, Result};
 

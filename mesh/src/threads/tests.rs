@@ -1,0 +1,87 @@
+//! The barrier protocol's invariants, driven step by step on one group.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use super::desc::Desc;
+use super::group::Group;
+use super::world::World;
+use crate::{Error, OpKind};
+
+/// A job of `n` ranks with a short timeout (the committed barrier must ignore it).
+fn group(n: usize) -> (Arc<World>, Arc<Group>) {
+    let world = World::new(u64::MAX, n, Duration::from_millis(50));
+    let g = Group::new(world.clone(), (0..n).collect());
+    (world, g)
+}
+
+/// The failure that caused the segfault: rank 1's closure fails and returns while
+/// its communication thread is still inside a collective, reading rank 0's buffer.
+/// Rank 0 must stay in the collective (its buffer alive) until rank 1's reads end,
+/// although rank 1 has left its closure, the job is poisoned and the timeout passed.
+#[test]
+fn a_committed_peer_is_waited_for_even_after_its_rank_failed() {
+    let (world, g) = group(2);
+    let reading = AtomicBool::new(true);
+    std::thread::scope(|s| {
+        let peer = s.spawn(|| {
+            let (_, done) = g.enter(1, Desc::new(OpKind::AllGather)).unwrap();
+            world.poison(1, "injected failure".into());
+            world.mark_exited(1);
+            std::thread::sleep(Duration::from_millis(200));
+            reading.store(false, Ordering::SeqCst);
+            done.finish()
+        });
+        let (_, done) = g.enter(0, Desc::new(OpKind::AllGather)).unwrap();
+        done.finish().unwrap();
+        assert!(
+            !reading.load(Ordering::SeqCst),
+            "rank 0 left the collective while rank 1 still read its buffer"
+        );
+        peer.join().unwrap().unwrap();
+    });
+    // The next collective fails at once, naming the failed rank.
+    let e = g.enter(0, Desc::new(OpKind::AllGather)).map(|_| ()).unwrap_err();
+    assert!(matches!(e, Error::PeerFailed { rank: 1, .. }), "{e}");
+}
+
+/// A rank that unwinds out of a collective's data phase (an all-reduce, two
+/// barrier points) still passes every barrier point, so its peers neither hang
+/// nor leave early.
+#[test]
+fn a_rank_unwinding_from_the_data_phase_passes_every_barrier_point() {
+    let (_, g) = group(3);
+    let start = Instant::now();
+    std::thread::scope(|s| {
+        let peers: Vec<_> = (1..3)
+            .map(|r| {
+                let g = &g;
+                s.spawn(move || {
+                    let (_, mut done) = g.enter(r, Desc::new(OpKind::AllReduce)).unwrap();
+                    done.sync();
+                    done.finish()
+                })
+            })
+            .collect();
+        let unwound = s
+            .spawn(|| {
+                let (_, _done) = g.enter(0, Desc::new(OpKind::AllReduce)).unwrap();
+                std::thread::sleep(Duration::from_millis(100));
+                panic!("injected panic in the data phase");
+            })
+            .join();
+        assert!(unwound.is_err());
+        for p in peers {
+            p.join().unwrap().unwrap();
+        }
+    });
+    assert!(start.elapsed() >= Duration::from_millis(100));
+    // The group is still consistent: the next collective runs on every rank.
+    std::thread::scope(|s| {
+        for r in 0..3 {
+            let g = &g;
+            s.spawn(move || g.enter(r, Desc::new(OpKind::Barrier)).unwrap().1.finish().unwrap());
+        }
+    });
+}
