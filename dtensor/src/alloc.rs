@@ -18,10 +18,20 @@
 //!   padding): a training step allocates and frees the same sizes every time, and
 //!   returning them costs a page fault per page on the next step. Set
 //!   `TESSERA_SYSTEM_MALLOC=1` to leave `malloc` as it is.
+//!
+//! Buffers whose size comes from a shape rather than from data that already
+//! exists (constructors, casts, outputs that can outgrow their inputs such as
+//! matmul, broadcasting, embedding and reductions of empty tensors, and exchange
+//! buffers sized from a spec) are allocated here, fallibly: [`zeroed`],
+//! [`with_capacity`], [`reused`] and [`zeros_buffer`] check the element and byte
+//! counts for overflow and return [`Error::OutOfMemory`] (naming the op, shape,
+//! dtype and bytes) when the memory cannot be had, instead of aborting the process.
 
 use std::cell::RefCell;
 
-use tessera_mesh::{Buffer, Element};
+use tessera_mesh::{Buffer, DType, Element};
+
+use crate::{Error, Result};
 
 /// Buffers kept per thread.
 pub(crate) const CACHE_BUFFERS: usize = 4;
@@ -49,10 +59,14 @@ pub(crate) fn recycle(buf: Buffer) {
     });
 }
 
-/// A vector of `n` elements whose contents are unspecified (but valid values): a
-/// cached buffer of that exact size when there is one, else a fresh zeroed one.
-/// For outputs that the caller overwrites in full.
-pub(crate) fn reused<T: Element>(n: usize) -> Vec<T> {
+/// A vector for a tensor of `shape` whose contents are unspecified (but valid
+/// values): a cached buffer of that exact size when there is one, else a fresh
+/// zeroed one. For outputs that the caller overwrites in full.
+///
+/// # Errors
+/// [`Error::OutOfMemory`] as for [`zeroed`].
+pub(crate) fn reused<T: Element>(op: &'static str, shape: &[usize]) -> Result<Vec<T>> {
+    let n = checked_len(op, shape, T::DTYPE)?;
     let hit = CACHE
         .try_with(|c| {
             let mut c = c.borrow_mut();
@@ -61,7 +75,74 @@ pub(crate) fn reused<T: Element>(n: usize) -> Vec<T> {
         })
         .ok()
         .flatten();
-    hit.unwrap_or_else(|| zeroed(n))
+    match hit {
+        Some(v) => Ok(v),
+        None => zeroed(op, shape),
+    }
+}
+
+/// The bytes a tensor of `shape` and `dtype` needs, or `None` when the count
+/// overflows 128 bits. A shape with a zero dim needs none.
+fn byte_count(shape: &[usize], dtype: DType) -> Option<u128> {
+    if shape.contains(&0) {
+        return Some(0);
+    }
+    shape
+        .iter()
+        .try_fold(dtype.size_in_bytes() as u128, |bytes, &d| bytes.checked_mul(d as u128))
+}
+
+/// The error for a tensor of `shape` and `dtype` that cannot be allocated.
+fn out_of_memory(op: &'static str, shape: &[usize], dtype: DType) -> Error {
+    Error::OutOfMemory {
+        op,
+        shape: shape.to_vec(),
+        dtype,
+        bytes: byte_count(shape, dtype),
+    }
+}
+
+/// The number of elements of a tensor of `shape` and `dtype`, checked before
+/// anything is allocated.
+///
+/// # Errors
+/// [`Error::OutOfMemory`] when the element or byte count overflows, or the bytes
+/// exceed what one allocation may hold (`isize::MAX`).
+pub(crate) fn checked_len(op: &'static str, shape: &[usize], dtype: DType) -> Result<usize> {
+    match byte_count(shape, dtype) {
+        // Tensors compute their element count left to right, so a zero-size shape
+        // must not overflow before its zero dim either.
+        Some(0) if shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d)).is_none() => Err(Error::InvalidArgument {
+            op,
+            detail: format!(
+                "shape {shape:?} has a zero dim after dims whose product overflows usize; \
+                 use smaller dims"
+            ),
+        }),
+        // At most isize::MAX bytes, so the element count fits a usize too.
+        Some(bytes) if bytes <= isize::MAX as u128 => Ok((bytes / dtype.size_in_bytes() as u128) as usize),
+        _ => Err(out_of_memory(op, shape, dtype)),
+    }
+}
+
+/// A zeroed buffer of `dtype` for a tensor of `shape` (see [`zeroed`]).
+///
+/// # Errors
+/// [`Error::OutOfMemory`] as for [`zeroed`].
+pub(crate) fn zeros_buffer(op: &'static str, shape: &[usize], dtype: DType) -> Result<Buffer> {
+    crate::ops::any_dispatch!(op, dtype, T => Ok(T::into_buffer(zeroed::<T>(op, shape)?)))
+}
+
+/// An empty vector with room for exactly the elements of a tensor of `shape`,
+/// for outputs that are filled by pushing.
+///
+/// # Errors
+/// [`Error::OutOfMemory`] as for [`zeroed`].
+pub(crate) fn with_capacity<T: Element>(op: &'static str, shape: &[usize]) -> Result<Vec<T>> {
+    let n = checked_len(op, shape, T::DTYPE)?;
+    let mut v = Vec::new();
+    v.try_reserve_exact(n).map_err(|_| out_of_memory(op, shape, T::DTYPE))?;
+    Ok(v)
 }
 
 /// Tunes glibc's `malloc` once per process (see the module docs).
@@ -92,11 +173,37 @@ fn tune_malloc() {}
 /// Below this size the advice is not worth a system call.
 const HUGE: usize = 2 << 20;
 
-/// A vector of `n` default (zero) elements.
-pub(crate) fn zeroed<T: Element>(n: usize) -> Vec<T> {
-    let v = vec![T::default(); n];
+/// The zero (default) elements of a tensor of `shape`, in fresh memory that the
+/// system zeroes lazily (large buffers are not touched here).
+///
+/// # Errors
+/// [`Error::OutOfMemory`] naming `op`, the shape, dtype and bytes when the counts
+/// overflow or the allocator refuses the memory.
+pub(crate) fn zeroed<T: Element>(op: &'static str, shape: &[usize]) -> Result<Vec<T>> {
+    let n = checked_len(op, shape, T::DTYPE)?;
+    let v = try_zeroed::<T>(n).ok_or_else(|| out_of_memory(op, shape, T::DTYPE))?;
     advise_huge(&v);
-    v
+    Ok(v)
+}
+
+/// `n` zero elements, or `None` when the allocator refuses them. Like
+/// `vec![T::default(); n]` (zeroed memory from the allocator, which for large
+/// sizes means untouched pages), but fallible, for every element type.
+fn try_zeroed<T: Element>(n: usize) -> Option<Vec<T>> {
+    let layout = std::alloc::Layout::array::<T>(n).ok()?;
+    if layout.size() == 0 {
+        return Some(Vec::new());
+    }
+    // SAFETY: `layout` has a non-zero size (checked above).
+    let ptr = unsafe { std::alloc::alloc_zeroed(layout) }.cast::<T>();
+    if ptr.is_null() {
+        return None;
+    }
+    // SAFETY: `ptr` comes from the global allocator with the layout of `[T; n]`,
+    // which is what a `Vec<T>` of capacity `n` deallocates with; all `n` elements
+    // are initialized, because all-zero bytes are a valid `T` (`Element: Pod`, so
+    // `Zeroable`), and they equal `T::default()` (0, 0.0 or +0.0 in half precision).
+    Some(unsafe { Vec::from_raw_parts(ptr, n, n) })
 }
 
 fn advise_huge<T>(v: &[T]) {
@@ -135,10 +242,10 @@ mod tests {
         let v: Vec<f32> = vec![7.0; n];
         let ptr = v.as_ptr();
         recycle(Buffer::F32(v));
-        let again: Vec<f32> = reused(n);
+        let again: Vec<f32> = reused("t", &[n]).unwrap();
         assert_eq!(again.as_ptr(), ptr, "the cached buffer comes back");
         assert_eq!(again.len(), n);
-        let other: Vec<f32> = reused(n);
+        let other: Vec<f32> = reused("t", &[n]).unwrap();
         assert_ne!(other.as_ptr(), ptr, "a buffer is handed out once");
         assert!(other.iter().all(|&x| x == 0.0), "a fresh buffer is zeroed");
         // Small buffers are not cached.
@@ -157,10 +264,101 @@ mod tests {
 
     #[test]
     fn buffers_are_usable() {
-        let v: Vec<f32> = zeroed(3 << 20);
+        let v: Vec<f32> = zeroed("t", &[3, 1 << 20]).unwrap();
         assert_eq!(v.len(), 3 << 20);
         assert!(v.iter().all(|&x| x == 0.0));
-        let small: Vec<i64> = zeroed(7);
+        let small: Vec<i64> = zeroed("t", &[7]).unwrap();
         assert_eq!(small, vec![0; 7]);
+        let halves: Vec<half::bf16> = zeroed("t", &[2, 3]).unwrap();
+        assert_eq!(halves, vec![half::bf16::ZERO; 6]);
+        let none: Vec<f64> = zeroed("t", &[4, 0]).unwrap();
+        assert!(none.is_empty());
+        let room: Vec<u8> = with_capacity("t", &[5, 2]).unwrap();
+        assert!(room.is_empty() && room.capacity() >= 10);
+    }
+
+    /// Ops whose output comes from small inputs but a large shape: an error naming
+    /// the op, shape, dtype and bytes, never an abort.
+    #[test]
+    fn ops_with_large_outputs_fail_cleanly() {
+        use crate::Tensor;
+        macro_rules! case {
+            ($res:expr, $want:expr) => {
+                let e = $res.unwrap_err();
+                assert!(matches!(e, Error::OutOfMemory { .. }), "{e:?}");
+                assert!(e.to_string().starts_with($want), "{e} lacks {:?}", $want);
+            };
+        }
+        const M: usize = 1 << 20;
+        let col = Tensor::zeros(&[M, 1], DType::F32).unwrap();
+        let row = Tensor::zeros(&[1, M], DType::F32).unwrap();
+        let four_tib = "cannot allocate 4398046511104 bytes for a [1048576, 1048576] f32 tensor";
+        case!(col.matmul(&row), &format!("matmul: {four_tib}"));
+        let (a, b) = (
+            Tensor::zeros(&[M, 0], DType::F32).unwrap(),
+            Tensor::zeros(&[0, M], DType::F32).unwrap(),
+        );
+        case!(a.matmul(&b), &format!("matmul: {four_tib}"));
+        case!(col.add(&row), &format!("broadcast: {four_tib}"));
+        case!(
+            Tensor::scalar(1.0, DType::F32).unwrap().broadcast_to(&[1 << 40]),
+            "broadcast_to: cannot allocate 4398046511104 bytes for a [1099511627776] f32 tensor"
+        );
+        let idx = Tensor::zeros(&[M], DType::I64).unwrap();
+        case!(row.embedding(&idx), &format!("embedding: {four_tib}"));
+        let empty = Tensor::zeros(&[1 << 40, 0], DType::F32).unwrap();
+        case!(
+            empty.sum(&[1], false),
+            "sum: cannot allocate 4398046511104 bytes for a [1099511627776] f32 tensor"
+        );
+        case!(empty.layer_norm(None, None, 1e-5), "layer_norm: cannot allocate");
+        // Concatenated sizes that overflow are an error too.
+        let wide = Tensor::zeros(&[usize::MAX, 0], DType::U8).unwrap();
+        let e = Tensor::cat(&[wide.clone(), wide], 0).unwrap_err().to_string();
+        assert!(e.contains("cat: the sizes of dim 0 add up past usize::MAX"), "{e}");
+    }
+
+    #[test]
+    fn sizes_are_checked_before_allocating() {
+        // (shape, dtype, elements or the bytes the error names). 2^40 bytes and up:
+        // more than any test machine holds, so the allocator refuses them at once.
+        macro_rules! case {
+            ($shape:expr, $dtype:expr, ok $n:expr) => {
+                let shape: &[usize] = &$shape;
+                assert_eq!(checked_len("t", shape, $dtype).unwrap(), $n, "{shape:?}");
+            };
+            ($shape:expr, $dtype:expr, err $bytes:expr) => {
+                let shape: &[usize] = &$shape;
+                let e = zeros_buffer("t", shape, $dtype).unwrap_err();
+                let want = format!("t: cannot allocate {} for a {shape:?} {} tensor", $bytes, $dtype);
+                assert!(e.to_string().starts_with(&want), "{e} lacks {want}");
+                assert!(matches!(e, Error::OutOfMemory { dtype, .. } if dtype == $dtype));
+            };
+        }
+        case!([2, 3], DType::F32, ok 6);
+        case!([], DType::U8, ok 1);
+        case!([0, usize::MAX, usize::MAX], DType::F64, ok 0);
+        let e = checked_len("t", &[usize::MAX, usize::MAX, 0], DType::F64).unwrap_err();
+        assert!(
+            e.to_string().contains("a zero dim after dims whose product overflows"),
+            "{e}"
+        );
+        case!([1 << 40], DType::F32, err "4398046511104 bytes");
+        case!([1 << 20, 1 << 20], DType::BF16, err "2199023255552 bytes");
+        case!([1 << 40], DType::U8, err "1099511627776 bytes");
+        case!([1 << 40, 1 << 40], DType::F32, err "4835703278458516698824704 bytes");
+        case!([usize::MAX / 2], DType::F32, err "36893488147419103228 bytes");
+        case!([usize::MAX; 3], DType::I64, err "more than 2^128 bytes");
+        // Each fallible allocator says the same.
+        let e = with_capacity::<f32>("cap", &[1 << 40]).unwrap_err().to_string();
+        assert!(
+            e.starts_with("cap: cannot allocate 4398046511104 bytes for a [1099511627776] f32"),
+            "{e}"
+        );
+        let e = reused::<i64>("re", &[1 << 40]).unwrap_err().to_string();
+        assert!(
+            e.starts_with("re: cannot allocate 8796093022208 bytes for a [1099511627776] i64"),
+            "{e}"
+        );
     }
 }

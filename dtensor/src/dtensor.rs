@@ -252,3 +252,32 @@ impl fmt::Debug for DTensor {
         )
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use tessera_mesh::{DType, launch};
+
+    use super::*;
+
+    /// `full_tensor` of a DTensor whose spec claims a `[2^40]` f32 global tensor
+    /// (4 TiB) over a small local piece: the gather's receive buffer, sized from
+    /// the spec, fails with an error on every rank instead of aborting.
+    #[test]
+    fn full_tensor_of_a_huge_global_shape_is_an_error() {
+        for (ranks, placements) in [(1, [Placement::Shard(0)]), (2, [Placement::Shard(0)])] {
+            let msgs = launch(ranks, move |ctx| {
+                let mesh = DeviceMesh::new(ctx.into_comm(), &[ranks])?;
+                let layout = Layout::new(mesh.shape(), &placements, &[1 << 40], DType::F32)?;
+                let spec = DTensorSpec::new(&mesh, layout)?;
+                let x = DTensor::from_parts(Tensor::zeros(&[4], DType::F32)?, spec);
+                Ok(x.full_tensor().map(|t| t.shape().to_vec()).map_err(|e| e.to_string()))
+            })
+            .unwrap();
+            for msg in msgs {
+                let msg = msg.unwrap_err();
+                let want = "redistribute: cannot allocate 4398046511104 bytes for a [1099511627776] f32 tensor";
+                assert!(msg.starts_with(want), "{ranks} ranks: {msg}");
+            }
+        }
+    }
+}

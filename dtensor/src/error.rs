@@ -57,9 +57,35 @@ pub enum Error {
         detail: String,
     },
 
+    /// Memory for a tensor could not be allocated: its byte count overflows, exceeds
+    /// what one allocation may hold (`isize::MAX` bytes), or the system refused it.
+    #[error(
+        "{op}: cannot allocate {} for a {shape:?} {dtype} tensor; use a smaller shape or \
+         dtype, or shard the tensor over more ranks",
+        bytes_text(.bytes)
+    )]
+    OutOfMemory {
+        /// The operation.
+        op: &'static str,
+        /// The shape of the tensor (or buffer) that was to be allocated.
+        shape: Vec<usize>,
+        /// Its element type.
+        dtype: DType,
+        /// The bytes it needs; `None` when even that count overflows 128 bits.
+        bytes: Option<u128>,
+    },
+
     /// A communicator or mesh error.
     #[error(transparent)]
     Comm(#[from] tessera_mesh::Error),
+}
+
+/// "4398046511104 bytes", or "more than 2^128 bytes" when the count overflowed.
+fn bytes_text(bytes: &Option<u128>) -> String {
+    match bytes {
+        Some(b) => format!("{b} bytes"),
+        None => "more than 2^128 bytes".to_string(),
+    }
 }
 
 /// `Result` with [`Error`].

@@ -1,6 +1,6 @@
 //! Binary element-wise ops with NumPy/PyTorch broadcasting, and their scalar forms.
 
-use ndarray::{ArrayD, IxDyn, Zip};
+use ndarray::{ArrayViewMutD, IxDyn, Zip};
 
 use super::{Float, Real, elements, float_dispatch, output, same_dtype};
 use crate::{Error, Result, Tensor};
@@ -122,9 +122,14 @@ fn binary_typed<T: Float, Op: Binary>(a: &Tensor, b: &Tensor, shape: &[usize]) -
         };
         let ab = av.broadcast(dim.clone()).ok_or_else(internal)?;
         let bb = bv.broadcast(dim.clone()).ok_or_else(internal)?;
-        let mut out = ArrayD::<T>::from_elem(dim, T::default());
-        Zip::from(&mut out).and(&ab).and(&bb).for_each(|o, &x, &y| *o = f(x, y));
-        return Ok(Tensor::from_ndarray(out));
+        // Small operands can broadcast to a result too large for memory.
+        let mut out = crate::alloc::zeroed::<T>("broadcast", shape)?;
+        let mut view = ArrayViewMutD::from_shape(dim, &mut out).map_err(|_| internal())?;
+        Zip::from(&mut view)
+            .and(&ab)
+            .and(&bb)
+            .for_each(|o, &x, &y| *o = f(x, y));
+        out
     };
     output(out, shape)
 }

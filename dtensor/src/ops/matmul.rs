@@ -122,16 +122,18 @@ fn rows_fold(t: &Tensor, last: usize) -> bool {
 fn matmul_typed<T: Gemm>(a: &Tensor, b: &Tensor, batch: &[usize], kernel: GemmKernel) -> Result<Tensor> {
     let (ra, rb) = (a.rank(), b.rank());
     let (m, k, n) = (a.shape()[ra - 2], a.shape()[ra - 1], b.shape()[rb - 1]);
-    let count: usize = batch.iter().product();
     let mut shape = batch.to_vec();
     shape.extend([m, n]);
-    let len = count * m * n;
+    // Small operands can make a product too large for memory ([m, 1] × [1, n]).
+    let len = crate::alloc::checked_len("matmul", &shape, T::DTYPE)?;
     if len == 0 || k == 0 {
-        return output(vec![T::default(); len], &shape);
+        return output(crate::alloc::zeroed::<T>("matmul", &shape)?, &shape);
     }
+    // Non-zero and checked above, so neither product overflows.
+    let count: usize = batch.iter().product();
     // The GEMM overwrites every output element without reading it, so the
     // output is not zeroed first (a memset as long as the product's write).
-    let mut out = Vec::<T>::with_capacity(len);
+    let mut out = crate::alloc::with_capacity::<T>("matmul", &shape)?;
     let (av, bv) = (a.view::<T>()?, b.view::<T>()?);
     let mat = |ptr: *const T, t: &Tensor, r: usize| Mat {
         ptr,
@@ -205,7 +207,8 @@ impl Tensor {
     /// # Errors
     /// [`Error::ShapeMismatch`] naming both shapes when the inner dims differ
     /// or the batch dims do not broadcast; [`Error::DTypeMismatch`] for
-    /// different dtypes; [`Error::InvalidArgument`] for rank-0 or integer tensors.
+    /// different dtypes; [`Error::InvalidArgument`] for rank-0 or integer tensors;
+    /// [`Error::OutOfMemory`] when the product cannot be allocated.
     pub fn matmul(&self, rhs: &Tensor) -> Result<Tensor> {
         self.matmul_with(rhs, GemmKernel::auto())
     }

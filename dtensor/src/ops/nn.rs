@@ -24,7 +24,7 @@ pub enum Reduction {
 /// Runs `f` on every row of `dim` (moved last), returning a tensor of the
 /// input's shape: the rows of a contiguous tensor in place when `dim` is last,
 /// otherwise through one transposed copy each way.
-fn map_rows<T: Float>(t: &Tensor, dim: usize, mut f: impl FnMut(&[T], &mut [T])) -> Result<Tensor> {
+fn map_rows<T: Float>(op: &'static str, t: &Tensor, dim: usize, mut f: impl FnMut(&[T], &mut [T])) -> Result<Tensor> {
     let last = t.rank() - 1;
     let src = if dim == last {
         t.clone()
@@ -34,7 +34,7 @@ fn map_rows<T: Float>(t: &Tensor, dim: usize, mut f: impl FnMut(&[T], &mut [T]))
     let x = elements::<T>(&src)?;
     let len = src.shape()[last];
     // Every element is written below: a recycled buffer needs no zeroing.
-    let mut out: Vec<T> = crate::alloc::reused(x.len());
+    let mut out: Vec<T> = crate::alloc::reused(op, src.shape())?;
     if len > 0 {
         for (row, o) in x.chunks_exact(len).zip(out.chunks_exact_mut(len)) {
             f(row, o);
@@ -107,13 +107,13 @@ fn layer_norm_typed<T: Float>(
     let affine = |p: Option<&Tensor>, default: f64| -> Result<Vec<f64>> {
         Ok(match p {
             Some(p) => elements::<T>(p)?.iter().map(|v| v.to_f64()).collect(),
-            None => vec![default; d],
+            None => super::nn_backward::filled("layer_norm", d, default)?,
         })
     };
     let (w, b) = (affine(weight, 1.0)?, affine(bias, 0.0)?);
     let rows = xs.len().checked_div(d).unwrap_or(0);
     // Every element is written below: a recycled buffer needs no zeroing.
-    let mut out: Vec<T> = crate::alloc::reused(xs.len());
+    let mut out: Vec<T> = crate::alloc::reused("layer_norm", x.shape())?;
     let (mut means, mut rstds) = (Vec::with_capacity(rows), Vec::with_capacity(rows));
     if d > 0 {
         for (row, o) in xs.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
@@ -133,7 +133,11 @@ fn layer_norm_typed<T: Float>(
         *last = 1;
     }
     if d == 0 {
-        means = vec![T::Acc::real(f64::NAN); stat_shape.iter().product()];
+        // An empty input can still have many rows (`[n, 0]`).
+        means = crate::alloc::with_capacity("layer_norm", &stat_shape)?;
+        // Allocated above, so the product fits.
+        means.resize(stat_shape.iter().product(), T::Acc::real(f64::NAN));
+        rstds = crate::alloc::with_capacity("layer_norm", &stat_shape)?;
         rstds.clone_from(&means);
     }
     Ok((
@@ -154,7 +158,7 @@ impl Tensor {
         float_dispatch!("softmax", self.dtype(), T => {
             // The exponentials in the compute type, so that half types round once.
             let mut e = Vec::new();
-            map_rows::<T>(self, dim, |row, out| {
+            map_rows::<T>("softmax", self, dim, |row, out| {
                 let inv = 1.0 / row_exp_sum(row, &mut e).1;
                 for (o, &v) in out.iter_mut().zip(&e) {
                     *o = <T as Float>::from_f64(v.widen() * inv);
@@ -172,7 +176,7 @@ impl Tensor {
         check_dim("log_softmax", dim, self.rank())?;
         float_dispatch!("log_softmax", self.dtype(), T => {
             let mut e = Vec::new();
-            map_rows::<T>(self, dim, |row, out| {
+            map_rows::<T>("log_softmax", self, dim, |row, out| {
                 let (max, sum) = row_exp_sum(row, &mut e);
                 let lse = sum.ln();
                 for (o, &x) in out.iter_mut().zip(row) {
@@ -398,7 +402,8 @@ pub(super) fn ce_targets<'a>(
 /// The rows `idx` of a `[V, d]` table, concatenated.
 fn gather_rows<T: Element>(table: &Tensor, idx: &[i64], d: usize, shape: &[usize]) -> Result<Tensor> {
     let w = elements::<T>(table)?;
-    let mut out = Vec::with_capacity(idx.len() * d);
+    // A few indices into a wide table can ask for more than memory holds.
+    let mut out = crate::alloc::with_capacity::<T>("embedding", shape)?;
     for &i in idx {
         let start = i as usize * d;
         out.extend_from_slice(&w[start..start + d]);

@@ -22,9 +22,23 @@ fn same_shape(op: &'static str, a: &Tensor, b: &Tensor, what: &str) -> Result<()
     same_dtype(op, a, b)
 }
 
+/// `d` copies of `v`: scratch rows of a last dim that an empty input may make
+/// larger than memory.
+pub(crate) fn filled(op: &'static str, d: usize, v: f64) -> Result<Vec<f64>> {
+    let mut out = crate::alloc::zeroed::<f64>(op, &[d])?;
+    out.fill(v);
+    Ok(out)
+}
+
 /// Row-wise `f(g_row, x_row, out_row)` over `dim` (moved last) of two tensors of
 /// one shape, returning a tensor of that shape (contiguous).
-fn zip_rows<T: Float>(g: &Tensor, x: &Tensor, dim: usize, mut f: impl FnMut(&[T], &[T], &mut [T])) -> Result<Tensor> {
+fn zip_rows<T: Float>(
+    op: &'static str,
+    g: &Tensor,
+    x: &Tensor,
+    dim: usize,
+    mut f: impl FnMut(&[T], &[T], &mut [T]),
+) -> Result<Tensor> {
     let last = g.rank() - 1;
     let (gs, xs) = if dim == last {
         (g.clone(), x.clone())
@@ -34,7 +48,7 @@ fn zip_rows<T: Float>(g: &Tensor, x: &Tensor, dim: usize, mut f: impl FnMut(&[T]
     let (gv, xv) = (elements::<T>(&gs)?, elements::<T>(&xs)?);
     let len = gs.shape()[last];
     // Every element is written below: a recycled buffer needs no zeroing.
-    let mut out: Vec<T> = crate::alloc::reused(gv.len());
+    let mut out: Vec<T> = crate::alloc::reused(op, gs.shape())?;
     if len > 0 {
         for ((g, x), o) in gv
             .chunks_exact(len)
@@ -67,7 +81,7 @@ impl Tensor {
         const OP: &str = "softmax_backward";
         same_shape(OP, self, y, "the softmax output")?;
         check_dim(OP, dim, self.rank())?;
-        float_dispatch!(OP, self.dtype(), T => zip_rows::<T>(self, y, dim, |g, y, o| {
+        float_dispatch!(OP, self.dtype(), T => zip_rows::<T>(OP, self, y, dim, |g, y, o| {
             let dot = T::from_f64(dot_f64(g, y)).to_acc();
             zip_map(g, y, o, #[inline(always)] |g, y| {
                 T::from_acc(y.to_acc() * T::from_acc(g.to_acc() - dot).to_acc())
@@ -105,10 +119,10 @@ impl Tensor {
         float_dispatch!(OP, self.dtype(), T => {
             let w: Vec<f64> = match weight {
                 Some(w) => elements::<T>(w)?.iter().map(|v| v.to_f64()).collect(),
-                None => vec![1.0; d],
+                None => filled(OP, d, 1.0)?,
             };
-            let mut gw = vec![0.0f64; d];
-            zip_rows::<T>(self, x, x.rank() - 1, |g, x, o| {
+            let mut gw = filled(OP, d, 0.0)?;
+            zip_rows::<T>(OP, self, x, x.rank() - 1, |g, x, o| {
                 let (mean, rstd) = row_stats(x, eps);
                 for ((a, &g), &w) in gw.iter_mut().zip(g).zip(&w) {
                     *a = g.to_f64() * w;
@@ -138,7 +152,7 @@ impl Tensor {
         let d = x.shape()[x.rank() - 1];
         float_dispatch!(OP, self.dtype(), T => {
             let (gv, xv) = (elements::<T>(self)?, elements::<T>(x)?);
-            let mut gw = vec![0.0f64; d];
+            let mut gw = filled(OP, d, 0.0)?;
             if d > 0 {
                 for (g, x) in gv.chunks_exact(d).zip(xv.chunks_exact(d)) {
                     let (mean, rstd) = row_stats(x, eps);
@@ -166,7 +180,7 @@ impl Tensor {
         float_dispatch!("cross_entropy", self.dtype(), T => {
             let x = elements::<T>(self)?;
             // Every element is written below: a recycled buffer needs no zeroing.
-            let mut out: Vec<T> = crate::alloc::reused(n * c);
+            let mut out: Vec<T> = crate::alloc::reused("cross_entropy", &[n, c])?;
             let mut e = Vec::with_capacity(c);
             for ((row, o), &k) in x.chunks_exact(c.max(1)).zip(out.chunks_exact_mut(c.max(1))).zip(t.iter()) {
                 let inv = 1.0 / row_exp_sum(row, &mut e).1;

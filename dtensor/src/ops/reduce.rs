@@ -170,7 +170,7 @@ fn reduced_mask(op: &'static str, shape: &[usize], dims: &[usize]) -> Result<Vec
 }
 
 /// Reduces `t` over the dims in `mask` with `R`.
-fn reduce<T: Float, R: Reducer<T>>(t: &Tensor, mask: &[bool], keepdim: bool) -> Result<Tensor> {
+fn reduce<T: Float, R: Reducer<T>>(op: &'static str, t: &Tensor, mask: &[bool], keepdim: bool) -> Result<Tensor> {
     let shape = t.shape();
     let out_shape: Vec<usize> = (0..shape.len())
         .filter_map(|d| match (mask[d], keepdim) {
@@ -180,17 +180,17 @@ fn reduce<T: Float, R: Reducer<T>>(t: &Tensor, mask: &[bool], keepdim: bool) -> 
         })
         .collect();
     let count: usize = (0..shape.len()).filter(|&d| mask[d]).map(|d| shape[d]).product();
-    let kept = t
-        .numel()
-        .checked_div(count)
-        .unwrap_or_else(|| out_shape.iter().product());
+    // An empty input can reduce to a large output (`[n, 0]` summed over dim 1).
+    let kept = crate::alloc::checked_len(op, &out_shape, R::Out::DTYPE)?;
     // The reduced dims as a suffix (rows), as a prefix (columns), or neither.
     let first_reduced = mask.iter().position(|&m| m).unwrap_or(shape.len());
     let suffix = mask[first_reduced..].iter().all(|&m| m);
     let first_kept = mask.iter().position(|&m| !m).unwrap_or(shape.len());
     let prefix = mask[first_kept..].iter().all(|&m| !m);
     let out: Vec<R::Out> = if count == 0 {
-        vec![R::finish(R::init(), 0); kept]
+        let mut out = crate::alloc::with_capacity(op, &out_shape)?;
+        out.resize(kept, R::finish(R::init(), 0));
+        out
     } else if kept == 0 {
         Vec::new()
     } else if suffix {
@@ -229,7 +229,7 @@ impl Tensor {
     /// an integer tensor.
     pub fn sum(&self, dims: &[usize], keepdim: bool) -> Result<Tensor> {
         let mask = reduced_mask("sum", self.shape(), dims)?;
-        float_dispatch!("sum", self.dtype(), T => reduce::<T, Sum>(self, &mask, keepdim))
+        float_dispatch!("sum", self.dtype(), T => reduce::<T, Sum>("sum", self, &mask, keepdim))
     }
 
     /// The mean over `dims`, as [`sum`](Self::sum) divides by the count (NaN
@@ -239,7 +239,7 @@ impl Tensor {
     /// As [`sum`](Self::sum).
     pub fn mean(&self, dims: &[usize], keepdim: bool) -> Result<Tensor> {
         let mask = reduced_mask("mean", self.shape(), dims)?;
-        float_dispatch!("mean", self.dtype(), T => reduce::<T, Mean>(self, &mask, keepdim))
+        float_dispatch!("mean", self.dtype(), T => reduce::<T, Mean>("mean", self, &mask, keepdim))
     }
 
     /// The largest value over `dims` (NaN if any is NaN). PyTorch:
@@ -251,7 +251,7 @@ impl Tensor {
     pub fn max(&self, dims: &[usize], keepdim: bool) -> Result<Tensor> {
         let mask = reduced_mask("max", self.shape(), dims)?;
         self.check_not_empty("max", &mask)?;
-        float_dispatch!("max", self.dtype(), T => reduce::<T, Max>(self, &mask, keepdim))
+        float_dispatch!("max", self.dtype(), T => reduce::<T, Max>("max", self, &mask, keepdim))
     }
 
     /// The index (`i64`) of the largest value along `dim`, the first one on
@@ -263,7 +263,7 @@ impl Tensor {
     pub fn argmax(&self, dim: usize, keepdim: bool) -> Result<Tensor> {
         let mask = reduced_mask("argmax", self.shape(), &[dim])?;
         self.check_not_empty("argmax", &mask)?;
-        float_dispatch!("argmax", self.dtype(), T => reduce::<T, ArgMax>(self, &mask, keepdim))
+        float_dispatch!("argmax", self.dtype(), T => reduce::<T, ArgMax>("argmax", self, &mask, keepdim))
     }
 
     /// The sum of all elements as a rank-0 tensor (0 when empty).

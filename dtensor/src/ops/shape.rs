@@ -58,7 +58,8 @@ impl Tensor {
     /// without calling this.
     ///
     /// # Errors
-    /// [`Error::ShapeMismatch`] when this shape does not broadcast to `shape`.
+    /// [`Error::ShapeMismatch`] when this shape does not broadcast to `shape`;
+    /// [`Error::OutOfMemory`] when the copy cannot be allocated.
     pub fn broadcast_to(&self, shape: &[usize]) -> Result<Tensor> {
         let fits = shape.len() >= self.rank()
             && broadcast_shapes("broadcast_to", self.shape(), shape).is_ok_and(|b| b == shape);
@@ -81,7 +82,10 @@ impl Tensor {
                 op: "broadcast_to",
                 detail: format!("internal error: ndarray cannot broadcast {:?} to {shape:?}", self.shape()),
             })?;
-            Ok(Tensor::from_ndarray(wide.to_owned()))
+            // A small tensor can broadcast to a shape too large for memory.
+            let mut out = crate::alloc::with_capacity::<T>("broadcast_to", shape)?;
+            out.extend(wide.iter().copied());
+            Tensor::from_vec(out, shape)
         })
     }
 }

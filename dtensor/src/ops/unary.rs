@@ -59,7 +59,7 @@ fn unary<Op: Unary>(op: &'static str, t: &Tensor) -> Result<Tensor> {
     float_dispatch!(op, t.dtype(), T => {
         let x = elements::<T>(t)?;
         // Every element is written below: a recycled buffer needs no zeroing.
-        let mut out: Vec<T> = crate::alloc::reused(x.len());
+        let mut out: Vec<T> = crate::alloc::reused(op, t.shape())?;
         zip_map(&x, &x, &mut out, #[inline(always)] |x, _| T::from_acc(Op::apply(x.to_acc())));
         output(out, t.shape())
     })
@@ -138,7 +138,7 @@ impl Tensor {
         float_dispatch!(OP, self.dtype(), T => {
             let (g, x) = (elements::<T>(self)?, elements::<T>(x)?);
             // Every element is written below: a recycled buffer needs no zeroing.
-            let mut out: Vec<T> = crate::alloc::reused(g.len());
+            let mut out: Vec<T> = crate::alloc::reused(OP, self.shape())?;
             zip_map(&g, &x, &mut out, #[inline(always)] |g, x| {
                 T::from_acc(GeluBackwardOp::apply(g.to_acc(), x.to_acc()))
             });

@@ -13,9 +13,12 @@ use tessera_mesh::{Communicator, DeviceMesh, Element, ReduceOp};
 
 use super::plan::{Plan, StepKind};
 use super::{group_coords, group_index};
-use crate::alloc::reused;
+use crate::alloc::{checked_len, reused};
 use crate::spec::{Layout, Region};
 use crate::{Result, Tensor};
+
+/// The op named in allocation errors.
+const OP: &str = "redistribute";
 
 /// Runs `plan` on `local` (this rank's tensor of `plan.src`), returning the local
 /// tensor of `plan.dst()`.
@@ -59,11 +62,14 @@ impl Exchange<'_> {
     fn run<T: Element>(&self, t: &Tensor, kind: StepKind) -> Result<Tensor> {
         let mine_before = self.before.region(self.coord)?;
         let mine_after = self.after.region(self.coord)?;
+        // The new region's size is checked before any count below is computed
+        // from it (the before region is the tensor this rank already holds).
+        checked_len(OP, &mine_after.shape, T::DTYPE)?;
         let t = t.contiguous();
         let src: &[T] = t.as_slice()?;
         let me = group_index(&self.before.mesh_shape, self.coord, self.mesh_dim);
         let out: Vec<T> = match kind {
-            StepKind::Slice { .. } => pack(src, &mine_before, std::slice::from_ref(&mine_after)).into_owned(),
+            StepKind::Slice { .. } => pack(src, &mine_before, std::slice::from_ref(&mine_after))?.into_owned(),
             StepKind::Partition { op } => {
                 // INVARIANT: partitions are planned along one mesh dim.
                 let m = self.mesh_dim.expect("partition along a mesh dim");
@@ -77,22 +83,22 @@ impl Exchange<'_> {
                 };
             }
             StepKind::AllReduce { op } | StepKind::AllReduceMesh { op } => {
-                let mut out = reused::<T>(src.len());
+                let mut out = buffer_for::<T>(src.len(), &mine_after)?;
                 self.comm.all_reduce_into(T::buf(src), T::buf_mut(&mut out), op)?;
                 out
             }
             StepKind::AllGather { .. } => {
                 let pieces = self.regions(self.before)?;
                 let counts: Vec<usize> = pieces.iter().map(Region::numel).collect();
-                let mut recv = reused::<T>(counts.iter().sum());
+                let mut recv = buffer_for::<T>(counts.iter().sum(), &mine_after)?;
                 self.comm.all_gather_v(T::buf(src), T::buf_mut(&mut recv), &counts)?;
-                place_all(recv, &mine_after, &pieces)
+                place_all(recv, &mine_after, &pieces)?
             }
             StepKind::ReduceScatter { op, .. } => {
                 let pieces = self.regions(self.after)?;
                 let counts: Vec<usize> = pieces.iter().map(Region::numel).collect();
-                let send = pack(src, &mine_before, &pieces);
-                let mut recv = reused::<T>(counts[me]);
+                let send = pack(src, &mine_before, &pieces)?;
+                let mut recv = buffer_for::<T>(counts[me], &mine_after)?;
                 self.comm
                     .reduce_scatter_v(T::buf(&send), T::buf_mut(&mut recv), &counts, op)?;
                 recv
@@ -110,15 +116,23 @@ impl Exchange<'_> {
                     .collect();
                 let send_counts: Vec<usize> = outgoing.iter().map(Region::numel).collect();
                 let recv_counts: Vec<usize> = incoming.iter().map(Region::numel).collect();
-                let send = pack(src, &mine_before, &outgoing);
-                let mut recv = reused::<T>(recv_counts.iter().sum());
+                let send = pack(src, &mine_before, &outgoing)?;
+                let mut recv = buffer_for::<T>(recv_counts.iter().sum(), &mine_after)?;
                 self.comm
                     .all_to_all_v(T::buf(&send), &send_counts, T::buf_mut(&mut recv), &recv_counts)?;
-                place_all(recv, &mine_after, &incoming)
+                place_all(recv, &mine_after, &incoming)?
             }
         };
         Tensor::from_vec(out, &mine_after.shape)
     }
+}
+
+/// A buffer of `n` elements for this rank's new region `r`; an allocation error
+/// names `r`'s shape when the buffer is all of it, else the flat count.
+fn buffer_for<T: Element>(n: usize, r: &Region) -> Result<Vec<T>> {
+    let flat = [n];
+    let shape = if r.numel() == n { &r.shape[..] } else { &flat[..] };
+    reused(OP, shape)
 }
 
 /// Row-major strides of `shape`.
@@ -197,25 +211,25 @@ fn for_each_row(a: &Region, b: &Region, part: &Region, mut f: impl FnMut(usize, 
 
 /// The parts of `src` (laid out as `outer`) concatenated in order; borrowed when they
 /// already are `src`'s buffer in order.
-fn pack<'a, T: Element>(src: &'a [T], outer: &Region, parts: &[Region]) -> Cow<'a, [T]> {
+fn pack<'a, T: Element>(src: &'a [T], outer: &Region, parts: &[Region]) -> Result<Cow<'a, [T]>> {
     if tiles_in_order(outer, parts) {
-        return Cow::Borrowed(src);
+        return Ok(Cow::Borrowed(src));
     }
-    let mut out = reused::<T>(parts.iter().map(Region::numel).sum());
+    let mut out = reused::<T>(OP, &[parts.iter().map(Region::numel).sum()])?;
     out.clear();
     for p in parts {
         for_each_row(outer, p, p, |o, _, len| out.extend_from_slice(&src[o..o + len]));
     }
-    Cow::Owned(out)
+    Ok(Cow::Owned(out))
 }
 
 /// Places the concatenated `parts` of `data` into a buffer laid out as `outer`; the
 /// data itself when the parts tile `outer` in order.
-fn place_all<T: Element>(data: Vec<T>, outer: &Region, parts: &[Region]) -> Vec<T> {
+fn place_all<T: Element>(data: Vec<T>, outer: &Region, parts: &[Region]) -> Result<Vec<T>> {
     if tiles_in_order(outer, parts) {
-        return data;
+        return Ok(data);
     }
-    let mut out = reused::<T>(outer.numel());
+    let mut out = reused::<T>(OP, &outer.shape)?;
     let mut at = 0;
     for p in parts {
         for_each_row(p, outer, p, |o, dst, len| {
@@ -223,7 +237,7 @@ fn place_all<T: Element>(data: Vec<T>, outer: &Region, parts: &[Region]) -> Vec<
         });
         at += p.numel();
     }
-    out
+    Ok(out)
 }
 
 #[cfg(test)]
@@ -265,21 +279,23 @@ mod tests {
         let outer = region(&[10, 0], &[4, 6]);
         let src: Vec<i64> = (0..24).collect();
         let parts: Vec<Region> = (0..3).map(|k| region(&[10, 2 * k], &[4, 2])).collect();
-        let packed = pack(&src, &outer, &parts);
+        let packed = pack(&src, &outer, &parts).unwrap();
         assert!(matches!(packed, Cow::Owned(_)));
         assert_eq!(&packed[..8], &[0, 1, 6, 7, 12, 13, 18, 19]);
-        let back = place_all(packed.into_owned(), &outer, &parts);
+        let back = place_all(packed.into_owned(), &outer, &parts).unwrap();
         assert_eq!(back, src);
         // Row blocks are runs: no copy.
         let rows: Vec<Region> = (0..2).map(|k| region(&[10 + 2 * k, 0], &[2, 6])).collect();
-        assert!(matches!(pack(&src, &outer, &rows), Cow::Borrowed(_)));
+        assert!(matches!(pack(&src, &outer, &rows).unwrap(), Cow::Borrowed(_)));
     }
 
     #[test]
     fn scalars_and_empty_parts() {
         let outer = region(&[], &[]);
         assert_eq!(
-            pack(&[7.0f32], &outer, std::slice::from_ref(&outer)).into_owned(),
+            pack(&[7.0f32], &outer, std::slice::from_ref(&outer))
+                .unwrap()
+                .into_owned(),
             vec![7.0]
         );
         let outer = region(&[0], &[3]);

@@ -6,20 +6,9 @@ use tessera_mesh::{Buffer, DType, Element};
 use super::Tensor;
 use super::layout::checked_numel;
 use super::storage::{Scalar, fill_value, with_buffer};
+use crate::alloc::zeros_buffer;
 use crate::rng::Rng;
 use crate::{Error, Result};
-
-/// The number of elements of `shape`, checked for overflow of memory.
-fn numel_for(op: &'static str, shape: &[usize], dtype: DType) -> Result<usize> {
-    let n = checked_numel(op, shape)?;
-    match n.checked_mul(dtype.size_in_bytes()) {
-        Some(bytes) if bytes <= isize::MAX as usize => Ok(n),
-        _ => Err(Error::InvalidArgument {
-            op,
-            detail: format!("shape {shape:?} of {dtype} is larger than memory can hold"),
-        }),
-    }
-}
 
 /// Fills `v` with one value from `f` per element, in row-major order.
 fn fill_with<T: Scalar>(v: &mut [T], mut f: impl FnMut() -> T) {
@@ -45,16 +34,16 @@ impl Tensor {
     /// A tensor of `shape` filled with zeros. PyTorch: `torch.zeros`.
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] when the shape is too large for memory.
+    /// [`Error::OutOfMemory`] naming the shape, dtype and bytes when the memory
+    /// cannot be allocated (or its size overflows).
     pub fn zeros(shape: &[usize], dtype: DType) -> Result<Tensor> {
-        let n = numel_for("zeros", shape, dtype)?;
-        Ok(Tensor::from_storage_data(Buffer::zeros(dtype, n), shape))
+        Ok(Tensor::from_storage_data(zeros_buffer("zeros", shape, dtype)?, shape))
     }
 
     /// A tensor of `shape` filled with ones. PyTorch: `torch.ones`.
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] when the shape is too large for memory.
+    /// [`Error::OutOfMemory`] as for [`zeros`](Self::zeros).
     pub fn ones(shape: &[usize], dtype: DType) -> Result<Tensor> {
         Tensor::full_op("ones", shape, 1.0, dtype)
     }
@@ -66,15 +55,14 @@ impl Tensor {
     /// and reject NaN, infinities and values out of range (`U8` holds 0..=255).
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] for a value the dtype cannot hold or a shape
-    /// too large for memory.
+    /// [`Error::InvalidArgument`] for a value the dtype cannot hold;
+    /// [`Error::OutOfMemory`] as for [`zeros`](Self::zeros).
     pub fn full(shape: &[usize], value: f64, dtype: DType) -> Result<Tensor> {
         Tensor::full_op("full", shape, value, dtype)
     }
 
     fn full_op(op: &'static str, shape: &[usize], value: f64, dtype: DType) -> Result<Tensor> {
-        let n = numel_for(op, shape, dtype)?;
-        let mut data = Buffer::zeros(dtype, n);
+        let mut data = zeros_buffer(op, shape, dtype)?;
         with_buffer!(&mut data, v, T => {
             let x = fill_value::<T>(op, value)?;
             v.fill(x);
@@ -162,10 +150,9 @@ impl Tensor {
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] when `n - 1` does not fit an integer dtype
-    /// (`U8` allows `n <= 256`) or `n` is too large for memory.
+    /// (`U8` allows `n <= 256`); [`Error::OutOfMemory`] as for [`zeros`](Self::zeros).
     pub fn arange(n: usize, dtype: DType) -> Result<Tensor> {
-        let len = numel_for("arange", &[n], dtype)?;
-        let mut data = Buffer::zeros(dtype, len);
+        let mut data = zeros_buffer("arange", &[n], dtype)?;
         with_buffer!(&mut data, v, T => {
             if let Some(last) = n.checked_sub(1) {
                 fill_value::<T>("arange", last as f64)?;
@@ -189,11 +176,11 @@ impl Tensor {
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] for an integer dtype (`I64`, `U8`): draw floats
-    /// and [`cast`](Self::cast) them. Also for a shape too large for memory.
+    /// and [`cast`](Self::cast) them; [`Error::OutOfMemory`] as for
+    /// [`zeros`](Self::zeros).
     pub fn randn(shape: &[usize], dtype: DType, seed: u64) -> Result<Tensor> {
         require_float("randn", dtype)?;
-        let n = numel_for("randn", shape, dtype)?;
-        let mut data = Buffer::zeros(dtype, n);
+        let mut data = zeros_buffer("randn", shape, dtype)?;
         let mut rng = Rng::new(seed);
         with_buffer!(&mut data, v, T => fill_with(v, || T::from_f64(rng.normal())));
         Ok(Tensor::from_storage_data(data, shape))
@@ -207,12 +194,11 @@ impl Tensor {
     /// never rounds up to 1.
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] for an integer dtype (`I64`, `U8`) or a shape
-    /// too large for memory.
+    /// [`Error::InvalidArgument`] for an integer dtype (`I64`, `U8`);
+    /// [`Error::OutOfMemory`] as for [`zeros`](Self::zeros).
     pub fn rand(shape: &[usize], dtype: DType, seed: u64) -> Result<Tensor> {
         require_float("rand", dtype)?;
-        let n = numel_for("rand", shape, dtype)?;
-        let mut data = Buffer::zeros(dtype, n);
+        let mut data = zeros_buffer("rand", shape, dtype)?;
         let mut rng = Rng::new(seed);
         with_buffer!(&mut data, v, T => {
             fill_with(v, || T::from_f64(rng.uniform_bits(T::MANTISSA_BITS)))
@@ -297,8 +283,14 @@ mod tests {
             Tensor::rand(&[2], DType::U8, 0),
             "rand: dtype u8 is not a floating-point"
         );
-        case!(Tensor::zeros(&[usize::MAX, 2], DType::F32), "more elements than fit");
-        case!(Tensor::zeros(&[usize::MAX / 2], DType::F32), "larger than memory");
+        case!(
+            Tensor::zeros(&[usize::MAX, 2], DType::F32),
+            "zeros: cannot allocate 147573952589676412920 bytes for a [18446744073709551615, 2] f32 tensor"
+        );
+        case!(
+            Tensor::zeros(&[usize::MAX / 2], DType::F32),
+            "zeros: cannot allocate 36893488147419103228 bytes"
+        );
         case!(
             Tensor::from_vec(vec![1.0f32; 5], &[2, 3]),
             "from_vec: shape mismatch: 5 elements given for shape [2, 3], which holds 6"
@@ -312,6 +304,64 @@ mod tests {
             "from_buffer: shape mismatch"
         );
         assert!(Tensor::arange(256, DType::U8).is_ok());
+    }
+
+    #[test]
+    fn huge_shapes_are_errors_not_aborts() {
+        // 2^40 bytes and more: the allocator refuses them at once (also under
+        // Linux's overcommit), so no test touches that memory.
+        macro_rules! case {
+            ($res:expr, $want:expr) => {
+                let e = $res.unwrap_err();
+                assert!(matches!(e, Error::OutOfMemory { .. }), "{e:?}");
+                assert!(e.to_string().starts_with($want), "{e} lacks {:?}", $want);
+            };
+        }
+        const T: usize = 1 << 40;
+        const M: usize = 1 << 20;
+        case!(
+            Tensor::zeros(&[T], DType::F32),
+            "zeros: cannot allocate 4398046511104 bytes for a [1099511627776] f32 tensor"
+        );
+        case!(
+            Tensor::ones(&[T], DType::F64),
+            "ones: cannot allocate 8796093022208 bytes for a [1099511627776] f64 tensor"
+        );
+        case!(
+            Tensor::full(&[T], 2.0, DType::I64),
+            "full: cannot allocate 8796093022208 bytes for a [1099511627776] i64 tensor"
+        );
+        case!(
+            Tensor::randn(&[T], DType::F32, 0),
+            "randn: cannot allocate 4398046511104 bytes for a [1099511627776] f32 tensor"
+        );
+        case!(
+            Tensor::rand(&[T, 4], DType::F16, 0),
+            "rand: cannot allocate 8796093022208 bytes for a [1099511627776, 4] f16 tensor"
+        );
+        case!(
+            Tensor::arange(T, DType::F32),
+            "arange: cannot allocate 4398046511104 bytes for a [1099511627776] f32 tensor"
+        );
+        case!(
+            Tensor::zeros(&[M, M], DType::BF16),
+            "zeros: cannot allocate 2199023255552 bytes for a [1048576, 1048576] bf16 tensor"
+        );
+        case!(
+            Tensor::zeros(&[T, T], DType::F32),
+            "zeros: cannot allocate 4835703278458516698824704 bytes for a [1099511627776, 1099511627776] f32"
+        );
+        case!(
+            Tensor::zeros(&[T, T, T, T], DType::U8),
+            "zeros: cannot allocate more than 2^128 bytes for a"
+        );
+        // A float to an integer dtype too large for memory: the size is checked first.
+        case!(
+            Tensor::full(&[T], 1e300, DType::U8),
+            "full: cannot allocate 1099511627776 bytes"
+        );
+        // Zero-size tensors of huge dims need no memory.
+        assert_eq!(Tensor::zeros(&[T, 0, T], DType::F64).unwrap().numel(), 0);
     }
 
     #[test]

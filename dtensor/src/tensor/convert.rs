@@ -50,12 +50,12 @@ impl Tensor {
     /// - integer → float rounds to nearest (exact for |x| ≤ 2^53 into f64).
     ///
     /// # Errors
-    /// None today; `Result` leaves room for device tensors.
+    /// [`Error::OutOfMemory`] when the new storage cannot be allocated.
     pub fn cast(&self, dtype: DType) -> Result<Tensor> {
         if dtype == self.dtype() {
             return Ok(self.clone());
         }
-        let mut out = Buffer::zeros(dtype, self.numel());
+        let mut out = crate::alloc::zeros_buffer("cast", self.shape(), dtype)?;
         let layout = self.layout();
         let span = self.is_contiguous().then(|| self.span());
         with_buffer!(self.data(), src, S => {

@@ -97,7 +97,8 @@ impl Tensor {
     /// # Errors
     /// [`Error::InvalidArgument`] for an empty list; [`Error::DimOutOfRange`];
     /// [`Error::ShapeMismatch`] naming the first piece whose rank or other dims
-    /// differ from piece 0's; [`Error::DTypeMismatch`] for a piece of another dtype.
+    /// differ from piece 0's; [`Error::DTypeMismatch`] for a piece of another dtype;
+    /// [`Error::OutOfMemory`] when the output cannot be allocated.
     pub fn cat(tensors: &[Tensor], dim: usize) -> Result<Tensor> {
         let Some(first) = tensors.first() else {
             return Err(Error::InvalidArgument {
@@ -129,16 +130,23 @@ impl Tensor {
                     ),
                 });
             }
-            shape[dim] += t.shape()[dim];
+            shape[dim] = shape[dim]
+                .checked_add(t.shape()[dim])
+                .ok_or_else(|| Error::InvalidArgument {
+                    op: "cat",
+                    detail: format!("the sizes of dim {dim} add up past usize::MAX; concatenate fewer pieces"),
+                })?;
         }
-        let data = with_buffer!(first.data(), _v, T => Buffer::from(cat_rows::<T>(tensors, dim)));
+        let data = with_buffer!(first.data(), _v, T => Buffer::from(cat_rows::<T>(tensors, dim, &shape)?));
         Ok(Tensor::from_storage_data(data, &shape))
     }
 }
 
 /// The elements of `tensors` (all of dtype `T`, shapes checked) concatenated
-/// along `dim`, row-major.
-fn cat_rows<T: Element>(tensors: &[Tensor], dim: usize) -> Vec<T> {
+/// along `dim` into a tensor of `shape`, row-major.
+fn cat_rows<T: Element>(tensors: &[Tensor], dim: usize, shape: &[usize]) -> Result<Vec<T>> {
+    // Allocated first: the output may not fit even when every piece does.
+    let mut out = crate::alloc::with_capacity("cat", shape)?;
     let outer: usize = tensors[0].shape()[..dim].iter().product();
     let parts: Vec<(Cow<'_, [T]>, usize)> = tensors
         .iter()
@@ -158,14 +166,12 @@ fn cat_rows<T: Element>(tensors: &[Tensor], dim: usize) -> Vec<T> {
             (v, block)
         })
         .collect();
-    let total = parts.iter().map(|(v, _)| v.len()).sum();
-    let mut out = Vec::with_capacity(total);
     for o in 0..outer {
         for (v, block) in &parts {
             out.extend_from_slice(&v[o * block..(o + 1) * block]);
         }
     }
-    out
+    Ok(out)
 }
 
 #[cfg(test)]
