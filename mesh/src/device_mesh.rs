@@ -2,6 +2,7 @@
 
 use std::fmt;
 use std::rc::Rc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use smallvec::SmallVec;
 
@@ -47,6 +48,15 @@ struct Inner {
     coord: SmallVec<[usize; 4]>,
     comm: Rc<dyn Communicator>,
     dim_comms: Vec<Rc<dyn Communicator>>,
+    /// [`DeviceMesh::comm_id`] of `comm` and of each of `dim_comms`.
+    comm_id: u64,
+    dim_comm_ids: Vec<u64>,
+}
+
+/// A fresh process-wide number for a communicator a mesh holds.
+fn next_comm_id() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    NEXT.fetch_add(1, Ordering::Relaxed)
 }
 
 /// An N-D array of ranks, with optional unique dim names, this rank's coordinate
@@ -148,6 +158,8 @@ impl DeviceMesh {
                 ranks: (0..n).collect(),
                 coord,
                 comm,
+                comm_id: next_comm_id(),
+                dim_comm_ids: dim_comms.iter().map(|_| next_comm_id()).collect(),
                 dim_comms,
             }),
         })
@@ -217,6 +229,16 @@ impl DeviceMesh {
         Ok(&*self.inner.dim_comms[self.dim_index(d)?])
     }
 
+    /// A number identifying the communicator over the whole mesh, unique in this
+    /// process: clones of a mesh, and the meshes [`dim`](Self::dim) returns for
+    /// one dim, share it; a mesh built over another communicator (another
+    /// [`new`](Self::new), a split, [`flatten`](Self::flatten)'s merged dim) has
+    /// its own. With the shape, names and ranks, it is what
+    /// [`same_as`](Self::same_as) compares, so error messages can name it.
+    pub fn comm_id(&self) -> u64 {
+        self.inner.comm_id
+    }
+
     /// Counters of the collectives this rank has issued (all its communicators).
     pub fn stats(&self) -> CommCounts {
         self.inner.comm.stats().snapshot()
@@ -244,6 +266,8 @@ impl DeviceMesh {
                 coord: SmallVec::from_slice(&[inner.coord[i]]),
                 comm: inner.dim_comms[i].clone(),
                 dim_comms: vec![inner.dim_comms[i].clone()],
+                comm_id: inner.dim_comm_ids[i],
+                dim_comm_ids: vec![inner.dim_comm_ids[i]],
             }),
         })
     }
@@ -295,6 +319,9 @@ impl DeviceMesh {
         let mut dim_comms: Vec<Rc<dyn Communicator>> = inner.dim_comms[..lo].to_vec();
         dim_comms.push(comm);
         dim_comms.extend(inner.dim_comms[hi + 1..].iter().cloned());
+        let mut dim_comm_ids = inner.dim_comm_ids[..lo].to_vec();
+        dim_comm_ids.push(next_comm_id());
+        dim_comm_ids.extend(&inner.dim_comm_ids[hi + 1..]);
         let names = if inner.names.is_empty() {
             Vec::new()
         } else {
@@ -313,6 +340,8 @@ impl DeviceMesh {
                 coord: splice(&inner.coord, merged_coord),
                 comm: inner.comm.clone(),
                 dim_comms,
+                comm_id: inner.comm_id,
+                dim_comm_ids,
             }),
         })
     }

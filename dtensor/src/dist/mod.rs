@@ -12,7 +12,7 @@ pub use pointwise::broadcast_shape;
 mod shape;
 
 use smallvec::SmallVec;
-use tessera_mesh::DType;
+use tessera_mesh::{DType, DeviceMesh};
 
 use crate::redistribute::execute;
 use crate::spec::{DTensorSpec, Layout};
@@ -58,12 +58,14 @@ pub fn dispatch(
     kernel: impl FnOnce(&[Tensor], &LocalCtx<'_>) -> Result<Tensor>,
 ) -> Result<DTensor> {
     let mesh = inputs[0].mesh();
-    if let Some(other) = inputs.iter().find(|x| !x.mesh().same_as(mesh)) {
+    if let Some(i) = inputs.iter().position(|x| !x.mesh().same_as(mesh)) {
+        let other = inputs[i].mesh();
         return Err(Error::Placement {
             op,
             detail: format!(
-                "inputs live on different meshes ({mesh} and {}); move one first",
-                other.mesh()
+                "inputs live on different meshes: input 0 is on {mesh} and input {i} on {other}, which {}; \
+                 distribute both inputs on one mesh (clones of one DeviceMesh)",
+                mesh_difference(mesh, other)
             ),
         });
     }
@@ -112,6 +114,34 @@ pub fn dispatch(
     Ok(DTensor::from_parts(local, spec))
 }
 
+/// What tells two meshes apart (their `Display` may be identical): the shapes,
+/// dim names, ranks or communicators that differ.
+fn mesh_difference(a: &DeviceMesh, b: &DeviceMesh) -> String {
+    let mut parts = Vec::new();
+    if a.names() != b.names() {
+        parts.push(format!("dim names {:?} and {:?}", a.names(), b.names()));
+    }
+    if a.ranks() != b.ranks() {
+        parts.push(format!("ranks {:?} and {:?}", a.ranks(), b.ranks()));
+    }
+    if a.comm_id() != b.comm_id() {
+        parts.push(format!(
+            "communicators (#{} and #{}; every DeviceMesh::new, split or flatten builds a new one)",
+            a.comm_id(),
+            b.comm_id()
+        ));
+    }
+    if a.shape() != b.shape() {
+        parts.insert(0, format!("shapes {:?} and {:?}", a.shape(), b.shape()));
+        return format!("have different {}", parts.join(", "));
+    }
+    if parts.is_empty() {
+        // `same_as` compares nothing else; kept in case it ever does.
+        parts.push("constructions".into());
+    }
+    format!("have the same shape {:?} but different {}", a.shape(), parts.join(", "))
+}
+
 /// A candidate list holding only the all-replicated candidate for `n` inputs.
 pub(crate) fn replicate_only(n: usize, mesh_ndim: usize) -> Vec<Candidate> {
     let r = crate::Placement::Replicate;
@@ -119,4 +149,55 @@ pub(crate) fn replicate_only(n: usize, mesh_ndim: usize) -> Vec<Candidate> {
         inputs: (0..n).map(|_| std::iter::repeat_n(r, mesh_ndim).collect()).collect(),
         output: std::iter::repeat_n(r, mesh_ndim).collect(),
     }]
+}
+
+#[cfg(test)]
+mod tests {
+    use tessera_mesh::launch;
+
+    use crate::{DType, Placement, Tensor, distribute_tensor};
+
+    /// Meshes whose `Display` is identical (same shape and coordinate) are told
+    /// apart in the error by what differs: here, the communicator.
+    #[test]
+    fn different_meshes_name_what_differs() {
+        let msgs = launch(3, move |ctx| {
+            let mesh = super::DeviceMesh::new(ctx.into_comm(), &[3])?;
+            let split = super::DeviceMesh::new(mesh.comm().split(0, mesh.comm().rank() as u32)?, &[3])?;
+            assert_eq!(mesh.clone().comm_id(), mesh.comm_id(), "clones share the id");
+            assert_eq!(mesh.dim(0)?.comm_id(), mesh.dim(0)?.comm_id(), "one dim, one id");
+            assert_ne!(split.comm_id(), mesh.comm_id());
+            let x = Tensor::ones(&[3, 2], DType::F32)?;
+            let a = distribute_tensor(&x, &mesh, &[Placement::Shard(0)])?;
+            let b = distribute_tensor(&x, &split, &[Placement::Shard(0)])?;
+            let same_shape = a.add(&b).unwrap_err().to_string();
+            let want = format!(
+                "add: invalid placements: inputs live on different meshes: input 0 is on {mesh} and input 1 on \
+                 {split}, which have the same shape [3] but different communicators (#{} and #{}; \
+                 every DeviceMesh::new, split or flatten builds a new one)",
+                mesh.comm_id(),
+                split.comm_id()
+            );
+            assert!(same_shape.starts_with(&want), "{same_shape}\nlacks {want}");
+            Ok(same_shape)
+        })
+        .unwrap();
+        // The two descriptions are identical, which is why the difference is spelled out.
+        assert!(msgs[0].contains("on DeviceMesh([3], coord [0]) and input 1 on DeviceMesh([3], coord [0])"));
+        // Meshes along the two dims of a 2×2 mesh: ranks and communicators differ.
+        let msgs = launch(4, move |ctx| {
+            let mesh = super::DeviceMesh::new(ctx.into_comm(), &[2, 2])?;
+            let x = Tensor::ones(&[2], DType::F32)?;
+            let a = distribute_tensor(&x, &mesh.dim(0)?, &[Placement::Replicate])?;
+            let b = distribute_tensor(&x, &mesh.dim(1)?, &[Placement::Replicate])?;
+            Ok(a.mul(&b).unwrap_err().to_string())
+        })
+        .unwrap();
+        assert!(
+            msgs[0].contains("have the same shape [2] but different ranks [0, 2] and [0, 1], communicators (#"),
+            "{}",
+            msgs[0]
+        );
+        assert!(msgs[3].contains("ranks [1, 3] and [2, 3]"), "{}", msgs[3]);
+    }
 }
