@@ -20,9 +20,21 @@ pub enum Error {
     #[error("parameter {0} is resharded (its unsharded value was freed after forward); unshard it before using it")]
     Freed(String),
 
-    /// A state dict that does not fit the module.
+    /// A state dict that does not fit the module, or a file that is not a valid
+    /// safetensors file.
     #[error("state dict: {0}")]
     StateDict(String),
+
+    /// Reading or writing a file failed.
+    #[error("{}: {action}: {source}", path.display())]
+    Io {
+        /// The file.
+        path: std::path::PathBuf,
+        /// What failed ("cannot read", "cannot create", "write failed", ...).
+        action: &'static str,
+        /// The system's error.
+        source: std::io::Error,
+    },
 
     /// Bad optimizer or module configuration.
     #[error("{op}: {detail}")]

@@ -225,27 +225,14 @@ fn write_str(s: &mut String, t: &str) {
 
 /// Writes `contents` to `path` atomically: a temporary file in the same folder,
 /// flushed to disk, then renamed over `path`. Readers see the old file or the new
-/// one, never half of it.
+/// one, never half of it. Temporaries left by killed runs are removed on the next
+/// write ([`tessera::autograd::state_dict::write_atomic`], shared with the state
+/// dict writers).
 ///
 /// # Errors
 /// Any I/O error, with the path in the message; the temporary file is removed.
 pub fn write_atomic(path: &Path, contents: &str) -> Result<(), String> {
-    use std::io::Write as _;
-    let name = path
-        .file_name()
-        .ok_or_else(|| format!("{}: not a file path", path.display()))?
-        .to_string_lossy();
-    let tmp = path.with_file_name(format!(".{name}.tmp.{}", std::process::id()));
-    let result = (|| {
-        let mut f = std::fs::File::create(&tmp)?;
-        f.write_all(contents.as_bytes())?;
-        f.sync_all()?;
-        std::fs::rename(&tmp, path)
-    })();
-    result.map_err(|e| {
-        let _ = std::fs::remove_file(&tmp);
-        format!("writing {}: {e}", path.display())
-    })
+    tessera::autograd::state_dict::write_atomic(path, contents.as_bytes()).map_err(|e| e.to_string())
 }
 
 #[cfg(test)]

@@ -26,6 +26,7 @@
 //!   mismatch listed; nothing changes on error.
 //! - [`save_state_dict_full`]: collective gathers, one writer, atomic.
 //! - [`read_safetensors`], [`write_safetensors`]: whole files of local tensors.
+//! - [`write_atomic`]: any file, atomically; what the writers above use.
 //!
 //! The format is that of Hugging Face's `safetensors` (little-endian, C order),
 //! readable by `safetensors.torch.load_file`; full state dicts use PyTorch's
@@ -33,10 +34,14 @@
 //! `{"format": "pt"}` and lay tensors out as the `safetensors` crate does (widest
 //! dtype first, then by name), so every tensor's data is aligned.
 
+mod atomic;
+
 use std::collections::BTreeSet;
-use std::fs::File;
-use std::io::{BufWriter, Write};
-use std::path::{Path, PathBuf};
+use std::path::Path;
+// For `tests` (which imports this module's names).
+#[cfg(test)]
+use std::path::PathBuf;
+#[cfg(test)]
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use half::{bf16, f16};
@@ -46,6 +51,8 @@ use tessera_dtensor::{DTensor, Tensor, distribute_tensor_with_order};
 use tessera_mesh::{Buffer, CommunicatorExt, DType};
 
 use crate::{Error, Param, Result};
+use atomic::AtomicFile;
+pub use atomic::write_atomic;
 
 /// Reads every tensor of a safetensors file, in the file's order (by offset).
 ///
@@ -78,7 +85,7 @@ pub fn read_safetensors(path: impl AsRef<Path>) -> Result<Vec<(String, Tensor)>>
 /// PyTorch: `safetensors.torch.save_file`.
 ///
 /// # Errors
-/// Duplicate names, or [`Error::StateDict`] naming the path when writing fails.
+/// Duplicate names, or [`Error::Io`] naming the path when writing fails.
 pub fn write_safetensors(path: impl AsRef<Path>, tensors: &[(String, Tensor)]) -> Result<()> {
     let path = path.as_ref();
     let entries: Vec<Entry> = tensors
@@ -205,7 +212,7 @@ pub fn load_state_dict(params: &[Param], path: impl AsRef<Path>) -> Result<()> {
 ///
 /// # Errors
 /// Two parameters with one name, a dtype with no safetensors counterpart, a
-/// communication failure, or [`Error::StateDict`] when writing fails: on every
+/// communication failure, or [`Error::Io`] when writing fails: on every
 /// rank (the writer names the path and the cause; it takes its part in every
 /// gather first, so no rank is left waiting).
 pub fn save_state_dict_full(params: &[Param], path: impl AsRef<Path>) -> Result<()> {
@@ -434,77 +441,6 @@ fn corrupt(path: &Path, e: safetensors::SafeTensorError) -> Error {
         "{}: not a valid safetensors file ({e}); it may be truncated or corrupt, write it again",
         path.display()
     ))
-}
-
-/// A file written under a temporary name and renamed into place on `commit`;
-/// dropped uncommitted, it removes the temporary file.
-struct AtomicFile {
-    dest: PathBuf,
-    tmp: PathBuf,
-    out: Option<BufWriter<File>>,
-}
-
-impl AtomicFile {
-    fn create(dest: &Path) -> Result<AtomicFile> {
-        static NEXT: AtomicU64 = AtomicU64::new(0);
-        let name = dest
-            .file_name()
-            .ok_or_else(|| Error::StateDict(format!("{}: not a file path", dest.display())))?;
-        let tmp = dest.with_file_name(format!(
-            ".{}.tmp-{}-{}",
-            name.to_string_lossy(),
-            std::process::id(),
-            NEXT.fetch_add(1, Ordering::Relaxed)
-        ));
-        let file = File::options()
-            .write(true)
-            .create_new(true)
-            .open(&tmp)
-            .map_err(|e| Error::StateDict(format!("{}: cannot create: {e}", tmp.display())))?;
-        Ok(AtomicFile {
-            dest: dest.to_path_buf(),
-            tmp,
-            out: Some(BufWriter::new(file)),
-        })
-    }
-
-    fn fail(&self, what: &str, e: std::io::Error) -> Error {
-        Error::StateDict(format!("{}: {what}: {e}", self.dest.display()))
-    }
-
-    fn write(&mut self, bytes: &[u8]) -> Result<()> {
-        // INVARIANT: `out` is `Some` until `commit` consumes the file.
-        let out = self.out.as_mut().expect("file open until commit");
-        out.write_all(bytes).map_err(|e| self.fail("write failed", e))
-    }
-
-    fn commit(mut self) -> Result<()> {
-        // INVARIANT: `out` is `Some` until here.
-        let out = self.out.take().expect("file open until commit");
-        let file = out
-            .into_inner()
-            .map_err(|e| self.fail("write failed", e.into_error()))?;
-        file.sync_all().map_err(|e| self.fail("sync failed", e))?;
-        drop(file);
-        std::fs::rename(&self.tmp, &self.dest).map_err(|e| self.fail("rename failed", e))?;
-        // Make the rename durable; not every platform can open a directory.
-        if let Some(dir) = self.dest.parent().filter(|d| !d.as_os_str().is_empty())
-            && let Ok(d) = File::open(dir)
-        {
-            let _ = d.sync_all();
-        }
-        self.tmp = PathBuf::new();
-        Ok(())
-    }
-}
-
-impl Drop for AtomicFile {
-    fn drop(&mut self) {
-        if !self.tmp.as_os_str().is_empty() {
-            drop(self.out.take());
-            let _ = std::fs::remove_file(&self.tmp);
-        }
-    }
 }
 
 #[cfg(test)]

@@ -1,0 +1,276 @@
+//! Atomic file writes: a temporary file in the target's directory, synced, then
+//! renamed over the target, so that readers see the old file or the new one,
+//! never half of one. Shared by the state dict writers and the examples' result
+//! files.
+//!
+//! Temporaries are named `.NAME.tmp-PID-N` (the writing process and a counter).
+//! A writer killed mid-save cannot remove its own, so every new write to `NAME`
+//! first removes the temporaries of `NAME` left by processes that no longer run
+//! (on Linux, where `/proc` tells; elsewhere nothing is removed). Temporaries of
+//! live processes, this one included, are left alone: they may be saves in flight.
+
+use std::fs::File;
+use std::io::{BufWriter, Write};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use crate::{Error, Result};
+
+/// Writes `bytes` to `path` atomically (see the module docs), first removing
+/// stale temporaries of `path` left by killed writers.
+///
+/// # Errors
+/// [`Error::Io`] naming the file and the step that failed; the temporary file is
+/// removed and any previous file at `path` is left as it was.
+pub fn write_atomic(path: impl AsRef<Path>, bytes: &[u8]) -> Result<()> {
+    let mut file = AtomicFile::create(path.as_ref())?;
+    file.write(bytes)?;
+    file.commit()
+}
+
+/// A file written under a temporary name and renamed into place on `commit`;
+/// dropped uncommitted, it removes the temporary file.
+pub(crate) struct AtomicFile {
+    dest: PathBuf,
+    tmp: PathBuf,
+    out: Option<BufWriter<File>>,
+}
+
+impl AtomicFile {
+    /// Creates the temporary file for `dest` (after removing stale ones).
+    pub(crate) fn create(dest: &Path) -> Result<AtomicFile> {
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        let name = dest
+            .file_name()
+            .ok_or_else(|| Error::Io {
+                path: dest.to_path_buf(),
+                action: "cannot write",
+                source: std::io::Error::new(std::io::ErrorKind::InvalidInput, "the path names no file"),
+            })?
+            .to_string_lossy();
+        remove_stale_temporaries(dest, &name);
+        let tmp = dest.with_file_name(format!(
+            "{}{}-{}",
+            temp_prefix(&name),
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        ));
+        let file = File::options()
+            .write(true)
+            .create_new(true)
+            .open(&tmp)
+            .map_err(|source| Error::Io {
+                path: tmp.clone(),
+                action: "cannot create",
+                source,
+            })?;
+        Ok(AtomicFile {
+            dest: dest.to_path_buf(),
+            tmp,
+            out: Some(BufWriter::new(file)),
+        })
+    }
+
+    fn fail(&self, action: &'static str, source: std::io::Error) -> Error {
+        Error::Io {
+            path: self.dest.clone(),
+            action,
+            source,
+        }
+    }
+
+    pub(crate) fn write(&mut self, bytes: &[u8]) -> Result<()> {
+        // INVARIANT: `out` is `Some` until `commit` consumes the file.
+        let out = self.out.as_mut().expect("file open until commit");
+        out.write_all(bytes).map_err(|e| self.fail("write failed", e))
+    }
+
+    pub(crate) fn commit(mut self) -> Result<()> {
+        // INVARIANT: `out` is `Some` until here.
+        let out = self.out.take().expect("file open until commit");
+        let file = out
+            .into_inner()
+            .map_err(|e| self.fail("write failed", e.into_error()))?;
+        file.sync_all().map_err(|e| self.fail("sync failed", e))?;
+        drop(file);
+        std::fs::rename(&self.tmp, &self.dest).map_err(|e| self.fail("rename failed", e))?;
+        // Make the rename durable; not every platform can open a directory.
+        if let Some(dir) = self.dest.parent().filter(|d| !d.as_os_str().is_empty())
+            && let Ok(d) = File::open(dir)
+        {
+            let _ = d.sync_all();
+        }
+        self.tmp = PathBuf::new();
+        Ok(())
+    }
+}
+
+impl Drop for AtomicFile {
+    fn drop(&mut self) {
+        if !self.tmp.as_os_str().is_empty() {
+            drop(self.out.take());
+            let _ = std::fs::remove_file(&self.tmp);
+        }
+    }
+}
+
+/// The start of the temporary names for a target named `name`: `.NAME.tmp-`.
+fn temp_prefix(name: &str) -> String {
+    format!(".{name}.tmp-")
+}
+
+/// The writing process of a temporary file name of the target `name`
+/// (`.NAME.tmp-PID-N`), or `None` for any other name.
+fn temp_owner(file_name: &str, name: &str) -> Option<u32> {
+    let rest = file_name.strip_prefix(&temp_prefix(name))?;
+    let (pid, counter) = rest.split_once('-')?;
+    let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+    (digits(pid) && digits(counter)).then(|| pid.parse().ok()).flatten()
+}
+
+/// Removes the temporaries of `dest` (named `name`) whose writing process is
+/// gone. Best effort: a directory that cannot be listed or a file that cannot be
+/// removed is left for the next write.
+fn remove_stale_temporaries(dest: &Path, name: &str) {
+    let dir = match dest.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let file_name = entry.file_name();
+        let Some(pid) = file_name.to_str().and_then(|f| temp_owner(f, name)) else {
+            continue;
+        };
+        if process_is_gone(pid) && std::fs::remove_file(entry.path()).is_ok() {
+            log::info!(
+                "removed {}, a temporary file left by process {pid}, which no longer runs",
+                entry.path().display()
+            );
+        }
+    }
+}
+
+/// Whether process `pid` is certainly not running: `/proc/PID` is missing while
+/// `/proc` is mounted. Never this process.
+#[cfg(target_os = "linux")]
+fn process_is_gone(pid: u32) -> bool {
+    pid != std::process::id() && Path::new("/proc/self").exists() && !Path::new(&format!("/proc/{pid}")).exists()
+}
+
+/// Without `/proc`, liveness is unknown: nothing counts as gone.
+#[cfg(not(target_os = "linux"))]
+fn process_is_gone(_pid: u32) -> bool {
+    false
+}
+
+/// A fresh empty directory under the system temp dir, removed on drop.
+#[cfg(test)]
+pub(super) struct ScratchDir(pub(super) PathBuf);
+
+#[cfg(test)]
+impl ScratchDir {
+    pub(super) fn new(tag: &str) -> ScratchDir {
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        let dir = std::env::temp_dir().join(format!(
+            "tessera-{tag}-{}-{}",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        ScratchDir(dir)
+    }
+
+    /// The sorted names in the directory.
+    pub(super) fn entries(&self) -> Vec<String> {
+        let mut v: Vec<String> = std::fs::read_dir(&self.0)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        v.sort();
+        v
+    }
+}
+
+#[cfg(test)]
+impl Drop for ScratchDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn temporary_names() {
+        macro_rules! case {
+            ($file:expr, $want:expr) => {
+                assert_eq!(temp_owner($file, "w.safetensors"), $want, "{}", $file);
+            };
+        }
+        case!(".w.safetensors.tmp-123-0", Some(123));
+        case!(".w.safetensors.tmp-7-45", Some(7));
+        case!(".w.safetensors.tmp-123-", None);
+        case!(".w.safetensors.tmp--0", None);
+        case!(".w.safetensors.tmp-12a-0", None);
+        case!(".w.safetensors.tmp-1-2-3", None);
+        case!(".w.safetensors.tmp.123", None);
+        case!(".x.safetensors.tmp-123-0", None);
+        case!(".w.safetensors.tmp-5.tmp-123-0", None);
+        case!("w.safetensors", None);
+    }
+
+    /// The PID of a process that has exited (a child, reaped).
+    fn dead_pid() -> u32 {
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let pid = child.id();
+        child.wait().unwrap();
+        pid
+    }
+
+    #[test]
+    #[cfg_attr(not(target_os = "linux"), ignore = "needs /proc to tell dead writers")]
+    fn a_write_removes_temporaries_of_dead_writers_only() {
+        let dir = ScratchDir::new("atomic-stale");
+        let path = dir.0.join("w.safetensors");
+        let dead = format!(".w.safetensors.tmp-{}-3", dead_pid());
+        let live = format!(".w.safetensors.tmp-{}-999999", std::process::id());
+        let other = format!(".other.tmp-{}-0", dead_pid());
+        for name in [&dead, &live, &other] {
+            std::fs::write(dir.0.join(name), b"partial").unwrap();
+        }
+        write_atomic(&path, b"new").unwrap();
+        assert_eq!(std::fs::read(&path).unwrap(), b"new");
+        let mut want = vec![live, other, "w.safetensors".to_string()];
+        want.sort();
+        assert_eq!(
+            dir.entries(),
+            want,
+            "the dead writer's temporary is gone, the rest stays"
+        );
+    }
+
+    #[test]
+    fn failures_name_the_file_and_leave_nothing() {
+        let dir = ScratchDir::new("atomic-fail");
+        let err = write_atomic(dir.0.join("no/such/dir.json"), b"x").unwrap_err();
+        assert!(
+            matches!(
+                err,
+                Error::Io {
+                    action: "cannot create",
+                    ..
+                }
+            ),
+            "{err:?}"
+        );
+        assert!(err.to_string().contains("no/such/.dir.json.tmp-"), "{err}");
+        let err = write_atomic(dir.0.join(".."), b"x").unwrap_err().to_string();
+        assert!(err.ends_with("..: cannot write: the path names no file"), "{err}");
+        assert!(dir.entries().is_empty(), "{:?}", dir.entries());
+    }
+}
