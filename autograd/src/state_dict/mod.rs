@@ -35,6 +35,7 @@
 //! dtype first, then by name), so every tensor's data is aligned.
 
 mod atomic;
+mod read;
 
 use std::collections::BTreeSet;
 use std::path::Path;
@@ -53,6 +54,7 @@ use tessera_mesh::{Buffer, CommunicatorExt, DType};
 use crate::{Error, Param, Result};
 use atomic::AtomicFile;
 pub use atomic::write_atomic;
+use read::{invalid, read_file};
 
 /// Reads every tensor of a safetensors file, in the file's order (by offset).
 ///
@@ -62,10 +64,16 @@ pub use atomic::write_atomic;
 ///
 /// PyTorch: `safetensors.torch.load_file`.
 ///
+/// The length prefix and the JSON header are checked against the file's size
+/// before anything else is read, and only the bytes the header declares are read:
+/// a corrupt header, a truncated file or a device such as `/dev/zero` is an error
+/// at once.
+///
 /// # Errors
-/// [`Error::StateDict`] naming the path: the file cannot be read, is not a valid
-/// safetensors file (truncated or corrupt), or holds a dtype with no counterpart
-/// (8-bit floats).
+/// [`Error::Io`] naming the path when the file cannot be read; [`Error::StateDict`]
+/// naming the path when it is not a regular file, is not a valid safetensors file
+/// (a corrupt header; truncated, naming the first tensor cut off and the byte
+/// counts), or holds a dtype with no counterpart (8-bit floats).
 pub fn read_safetensors(path: impl AsRef<Path>) -> Result<Vec<(String, Tensor)>> {
     let path = path.as_ref();
     let bytes = read_file(path)?;
@@ -115,12 +123,12 @@ pub fn write_safetensors(path: impl AsRef<Path>, tensors: &[(String, Tensor)]) -
 /// from a full state dict.
 ///
 /// # Errors
-/// [`Error::StateDict`]: the file cannot be read or is not valid safetensors (the
-/// path and the parser's error); parameters missing from the file and tensors in
-/// the file that no parameter takes (both listed); a global shape that differs
-/// (name, expected, got); a dtype that cannot be converted (a float parameter
-/// loads float tensors, an integer one integer tensors); two parameters with one
-/// name.
+/// [`Error::Io`] or [`Error::StateDict`] when the file cannot be read or is not
+/// valid safetensors, as for [`read_safetensors`]; [`Error::StateDict`]:
+/// parameters missing from the file and tensors in the file that no parameter
+/// takes (both listed); a global shape that differs (name, expected, got); a
+/// dtype that cannot be converted (a float parameter loads float tensors, an
+/// integer one integer tensors); two parameters with one name.
 pub fn load_state_dict(params: &[Param], path: impl AsRef<Path>) -> Result<()> {
     let path = path.as_ref();
     check_unique_names(params.iter().map(|p| p.name()))?;
@@ -428,19 +436,12 @@ fn check_unique_names<'a>(names: impl Iterator<Item = &'a str>) -> Result<()> {
     Ok(())
 }
 
-fn read_file(path: &Path) -> Result<Vec<u8>> {
-    std::fs::read(path).map_err(|e| Error::StateDict(format!("{}: cannot read: {e}", path.display())))
-}
-
 fn parse<'a>(path: &Path, bytes: &'a [u8]) -> Result<SafeTensors<'a>> {
     SafeTensors::deserialize(bytes).map_err(|e| corrupt(path, e))
 }
 
 fn corrupt(path: &Path, e: safetensors::SafeTensorError) -> Error {
-    Error::StateDict(format!(
-        "{}: not a valid safetensors file ({e}); it may be truncated or corrupt, write it again",
-        path.display()
-    ))
+    invalid(path, e)
 }
 
 #[cfg(test)]

@@ -1,0 +1,261 @@
+//! Reading a safetensors file without trusting it: the 8-byte header length and
+//! the JSON header are checked against the file's size first, then only the
+//! bytes the header declares are read. A corrupt length, a device such as
+//! `/dev/zero` or a truncated file is an error before the data is read.
+
+use std::fs::File;
+use std::io::Read;
+use std::path::Path;
+
+use safetensors::tensor::Metadata;
+
+use crate::{Error, Result};
+
+/// The largest JSON header accepted (the `safetensors` crate's own limit).
+const MAX_HEADER_BYTES: u64 = 100_000_000;
+
+/// The error for a file that is not valid safetensors: the path, what is wrong,
+/// and what to do.
+pub(super) fn invalid(path: &Path, detail: impl std::fmt::Display) -> Error {
+    Error::StateDict(format!(
+        "{}: not a valid safetensors file ({detail}); it may be truncated or corrupt, write it again",
+        path.display()
+    ))
+}
+
+/// The whole of the safetensors file at `path` (length prefix, header and data),
+/// after checking the header against the file's size.
+///
+/// # Errors
+/// [`Error::Io`] when the file cannot be opened or read; [`Error::StateDict`]
+/// naming the path for anything but a regular file, a header length past the end
+/// of the file or above 100 MB, a header that is not a safetensors header, a data
+/// section shorter than the header declares (the first tensor cut off and the
+/// byte counts) or longer, or a buffer that cannot be allocated.
+pub(super) fn read_file(path: &Path) -> Result<Vec<u8>> {
+    let io = |source| Error::Io {
+        path: path.to_path_buf(),
+        action: "cannot read",
+        source,
+    };
+    let mut file = File::open(path).map_err(io)?;
+    let meta = file.metadata().map_err(io)?;
+    if !meta.is_file() {
+        let kind = if meta.is_dir() {
+            "a directory"
+        } else {
+            "a device, pipe or socket"
+        };
+        return Err(Error::StateDict(format!(
+            "{}: not a regular file ({kind}); pass the path of a safetensors file",
+            path.display()
+        )));
+    }
+    let size = meta.len();
+    if size < 8 {
+        return Err(invalid(
+            path,
+            format!("the file holds {size} bytes, fewer than the 8 of the header length"),
+        ));
+    }
+    let mut prefix = [0u8; 8];
+    file.read_exact(&mut prefix).map_err(io)?;
+    let n = u64::from_le_bytes(prefix);
+    if n > size - 8 {
+        return Err(invalid(
+            path,
+            format!("the header length is {n} bytes but only {} bytes follow it", size - 8),
+        ));
+    }
+    if n > MAX_HEADER_BYTES {
+        return Err(invalid(
+            path,
+            format!("the header length is {n} bytes, more than the {MAX_HEADER_BYTES} allowed"),
+        ));
+    }
+    // At most MAX_HEADER_BYTES, so the casts below are exact.
+    let mut header = vec![0u8; n as usize];
+    file.read_exact(&mut header).map_err(io)?;
+    let metadata: Metadata = serde_json::from_slice(&header)
+        .map_err(|e| invalid(path, format!("its {n}-byte header is not a safetensors header: {e}")))?;
+
+    let available = size - 8 - n;
+    let mut spans: Vec<(usize, usize, String)> = metadata
+        .tensors()
+        .into_iter()
+        .map(|(name, info)| (info.data_offsets.0, info.data_offsets.1, name))
+        .collect();
+    spans.sort();
+    let declared = spans.iter().map(|s| s.1 as u64).max().unwrap_or(0);
+    if let Some((start, end, name)) = spans.iter().find(|s| s.1 as u64 > available) {
+        return Err(invalid(
+            path,
+            format!(
+                "truncated: tensor {name:?} needs bytes {start}..{end} of the data section, but the file \
+                 holds {available} data bytes after its {n}-byte header ({size} bytes in all; the header \
+                 declares {declared})"
+            ),
+        ));
+    }
+    if declared < available {
+        return Err(invalid(
+            path,
+            format!(
+                "{} bytes follow the {declared} data bytes its header declares",
+                available - declared
+            ),
+        ));
+    }
+
+    // `declared == available`: the whole file, which exists, so its size fits.
+    let total = (8 + n + declared) as usize;
+    let mut bytes = Vec::new();
+    bytes.try_reserve_exact(total).map_err(|_| {
+        Error::StateDict(format!(
+            "{}: cannot allocate {total} bytes to read the file",
+            path.display()
+        ))
+    })?;
+    bytes.extend_from_slice(&prefix);
+    bytes.extend_from_slice(&header);
+    (&mut file).take(declared).read_to_end(&mut bytes).map_err(io)?;
+    if bytes.len() != total {
+        return Err(invalid(
+            path,
+            format!(
+                "truncated while reading: {} of {declared} data bytes",
+                bytes.len() - 8 - n as usize
+            ),
+        ));
+    }
+    Ok(bytes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::atomic::ScratchDir;
+    use super::*;
+
+    /// A file of `len` bytes (sparse: no disk) that starts with `head`.
+    fn sparse(path: &Path, head: &[u8], len: u64) {
+        let mut f = File::create(path).unwrap();
+        std::io::Write::write_all(&mut f, head).unwrap();
+        f.set_len(len).unwrap();
+    }
+
+    /// Bytes this thread has read through system calls so far (Linux).
+    fn bytes_read() -> Option<u64> {
+        let io = std::fs::read_to_string("/proc/thread-self/io").ok()?;
+        io.lines().find_map(|l| l.strip_prefix("rchar: ")?.parse().ok())
+    }
+
+    /// A header `json` with its length prefix (unpadded).
+    fn headed(json: &str) -> Vec<u8> {
+        let mut v = (json.len() as u64).to_le_bytes().to_vec();
+        v.extend_from_slice(json.as_bytes());
+        v
+    }
+
+    #[test]
+    fn a_corrupt_header_is_rejected_before_the_data_is_read() {
+        let dir = ScratchDir::new("read-header");
+        let path = dir.0.join("big.safetensors");
+        let gib = 1u64 << 30;
+        let before = bytes_read();
+        for (case, head, needle) in [
+            (
+                "length past the end",
+                b"garbage!".to_vec(),
+                "only 1073741816 bytes follow it",
+            ),
+            (
+                "length 2^40",
+                (1u64 << 40).to_le_bytes().to_vec(),
+                "the header length is 1099511627776",
+            ),
+            (
+                "length over the limit",
+                (200_000_000u64).to_le_bytes().to_vec(),
+                "more than the 100000000 allowed",
+            ),
+            (
+                "not json",
+                headed("{not json"),
+                "its 9-byte header is not a safetensors header",
+            ),
+            (
+                "bad offsets",
+                headed(r#"{"w":{"dtype":"F32","shape":[2],"data_offsets":[0,"x"]}}"#),
+                "header is not a safetensors header",
+            ),
+        ] {
+            sparse(&path, &head, gib);
+            let err = read_file(&path).unwrap_err().to_string();
+            assert!(
+                err.contains("big.safetensors: not a valid safetensors file"),
+                "{case}: {err}"
+            );
+            assert!(err.contains(needle), "{case}: {err} lacks {needle:?}");
+        }
+        if let (Some(before), Some(after)) = (before, bytes_read()) {
+            assert!(after - before < 1 << 20, "read {} bytes of 5 GiB files", after - before);
+        }
+    }
+
+    #[test]
+    fn a_device_or_directory_is_rejected() {
+        macro_rules! case {
+            ($path:expr, $needle:expr) => {
+                let err = read_file(Path::new($path)).unwrap_err().to_string();
+                assert!(err.contains($needle), "{err} lacks {:?}", $needle);
+            };
+        }
+        #[cfg(unix)]
+        case!("/dev/zero", "/dev/zero: not a regular file (a device, pipe or socket)");
+        let dir = ScratchDir::new("read-dir");
+        case!(&dir.0, "not a regular file (a directory)");
+        case!(&dir.0.join("missing"), "missing: cannot read");
+    }
+
+    #[test]
+    fn truncated_and_overlong_data_name_the_tensor_and_counts() {
+        let dir = ScratchDir::new("read-truncated");
+        let path = dir.0.join("t.safetensors");
+        let json = r#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F64","shape":[4],"data_offsets":[8,40]}}"#;
+        let whole = [headed(json), vec![0u8; 40]].concat();
+        let h = headed(json).len();
+        macro_rules! case {
+            ($len:expr, ok) => {
+                std::fs::write(&path, &whole[..$len]).unwrap();
+                assert_eq!(read_file(&path).unwrap(), whole);
+            };
+            ($bytes:expr, $needle:expr) => {
+                std::fs::write(&path, $bytes).unwrap();
+                let err = read_file(&path).unwrap_err().to_string();
+                assert!(
+                    err.contains("t.safetensors: not a valid safetensors file"),
+                    "{err}"
+                );
+                assert!(err.contains($needle), "{err} lacks {:?}", $needle);
+            };
+        }
+        case!(whole.len(), ok);
+        case!(
+            &whole[..h + 20],
+            "truncated: tensor \"b\" needs bytes 8..40 of the data section, but the file holds 20 data bytes"
+        );
+        case!(&whole[..h + 4], "truncated: tensor \"a\" needs bytes 0..8");
+        case!(
+            &whole[..h],
+            "holds 0 data bytes after its 108-byte header (116 bytes in all; the header declares 40)"
+        );
+        case!(
+            [&whole[..], b"tail"].concat(),
+            "4 bytes follow the 40 data bytes its header declares"
+        );
+        case!(
+            &whole[..5],
+            "the file holds 5 bytes, fewer than the 8 of the header length"
+        );
+    }
+}
