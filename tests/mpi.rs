@@ -14,11 +14,12 @@
 //! - `mismatch` (with `TESSERA_MPI_CHECK=1`): ranks that call different
 //!   collectives, or pass different or invalid lengths, all get errors naming both
 //!   sides, and the communicator stays usable;
-//! - `fail-error`, `fail-panic`, `fail-abort`, `stall`, `fail-pending`: a rank
-//!   fails mid-step by returning an error, panicking, dying (`abort`), never
-//!   arriving at a collective, or returning an error while its own asynchronous
-//!   collective still waits for a slow peer; the job must end promptly with a
-//!   message naming the rank.
+//! - `fail-error`, `fail-panic`, `fail-abort`, `fail-exit`, `stall`,
+//!   `fail-pending`: a rank fails mid-step by returning an error, panicking, dying
+//!   (`abort`), exiting with status 0, never arriving at a collective, or
+//!   returning an error while its own asynchronous collective still waits for a
+//!   slow peer; the job must end promptly with a message naming the rank (and,
+//!   for `fail-exit` and `stall`, what it was doing).
 //!
 //! The driver also runs the `train` example with 4 threads and under `mpirun -n 4`
 //! and compares the losses, and runs `hsdp_multinode` under `mpirun -n 4` (the
@@ -64,7 +65,7 @@ fn rank_main(scenario: &str) -> Result<(), BoxError> {
     match scenario {
         "contract" => contract(world),
         "fsdp" => fsdp(world),
-        "fail-error" | "fail-panic" | "fail-abort" | "stall" => fail(world, scenario),
+        "fail-error" | "fail-panic" | "fail-abort" | "fail-exit" | "stall" => fail(world, scenario),
         "fail-pending" => fail_pending(world),
         "mismatch" => mismatch(world),
         other => Err(format!("unknown scenario {other:?}").into()),
@@ -269,6 +270,7 @@ fn fail(world: usize, how: &str) -> Result<(), BoxError> {
                     "fail-error" => return Err("injected failure at step 2".into()),
                     "fail-panic" => panic!("injected panic at step 2"),
                     "fail-abort" => std::process::abort(),
+                    "fail-exit" => std::process::exit(0),
                     _ => std::thread::sleep(Duration::from_secs(120)),
                 }
             }
@@ -442,7 +444,7 @@ fn driver(args: &[String]) {
         print!("{}", job.stdout);
         ran += 1;
     }
-    let fail_cases: [FailCase; 5] = [
+    let fail_cases: [FailCase; 6] = [
         (
             "fail-pending",
             &[],
@@ -470,6 +472,18 @@ fn driver(args: &[String]) {
                 "in all_reduce",
                 "never arrived",
                 "aborting the MPI job",
+                "rank 1: outside any collective for",
+                "(last: all_reduce #2 of a group of 2 ranks, where it is rank 1)",
+            ],
+        ),
+        (
+            "fail-exit",
+            &[("TESSERA_TIMEOUT_S", "3")],
+            &[
+                "rank 0 waited",
+                "in all_reduce",
+                "rank 1 exited (its process called exit) while this rank waited for it, before its closure returned",
+                "aborting the MPI job",
             ],
         ),
     ];
@@ -480,6 +494,24 @@ fn driver(args: &[String]) {
             assert!(job.took < Duration::from_secs(20), "{scenario}: took {:?}", job.took);
             ran += 1;
         }
+    }
+    if want("stall") {
+        // Ranks 0, 2 and 3 time out together: their watchdogs answer each other
+        // while they collect answers, and whichever aborts first names all three peers.
+        let job = run_mpi(4, &me, &["stall"], &[("TESSERA_TIMEOUT_S", "3")], minute);
+        let needles = [
+            "never arrived",
+            "what the other 3 ranks of that group report:",
+            "rank 1: outside any collective for",
+            "in all_reduce #3 of a group of 4 ranks",
+        ];
+        expect_failure("stall on 4 ranks", &job, &needles);
+        assert!(
+            job.took < Duration::from_secs(20),
+            "stall on 4 ranks: took {:?}",
+            job.took
+        );
+        ran += 1;
     }
     if want("train") {
         let train = example("train");

@@ -132,7 +132,7 @@ impl MpiComm {
             size,
             rt,
             worker: Worker::new(rank, format!("tessera-mpi-comm-{}", rt.world_rank), None),
-            watch: Watch::new(rank, size),
+            watch: Watch::new(raw.0, rank, size),
         }
     }
 

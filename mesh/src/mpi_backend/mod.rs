@@ -20,29 +20,40 @@
 //!   before running it ([`agree`]), so mismatched calls fail with
 //!   [`Error::Mismatch`] instead of MPI's undefined behaviour.
 //! - A rank whose closure fails or panics prints why and calls `MPI_Abort`, which
-//!   ends every process of the job. A watchdog aborts the job, naming the
-//!   collective, when a rank waits in one longer than the launch's timeout
-//!   (`TESSERA_TIMEOUT_S`): peers that never arrive never hang it.
+//!   ends every process of the job. A watchdog thread ([`watchdog`]) aborts the
+//!   job when a rank waits in a collective longer than the launch's timeout
+//!   (`TESSERA_TIMEOUT_S`), so peers that never arrive never hang it. Its message
+//!   names the collective and what each other rank of that collective's group
+//!   says it is doing (the watchdogs answer each other over a control
+//!   communicator of their own, even while their rank's main thread is stalled):
+//!   "rank 1: outside any collective for 3.0 s (last: all_reduce #2 ...)", "rank 1
+//!   exited (its process called exit) while this rank waited for it, ...", or
+//!   "rank 1 did not answer (it exited, or is not responding)". A process tells
+//!   its peers that it exits when it finalises MPI; after its closure returned it
+//!   does so only in worlds of at most 64 ranks (it would cost n² messages), so in
+//!   larger ones such a rank is reported as not answering.
 
 mod agree;
 mod comm;
 mod ops;
+mod status;
+mod watchdog;
 
 use std::os::raw::{c_char, c_int, c_void};
 use std::panic::{AssertUnwindSafe, catch_unwind};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, OnceLock, Weak};
-use std::time::{Duration, Instant};
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex, OnceLock};
 
 use mpi::environment::{Threading, Universe};
 use mpi::ffi;
 
 use crate::launcher::panic_message;
 use crate::stats::CommStats;
-use crate::{BoxError, Error, LaunchOptions, MpiEnv, OpKind, RankCtx, Result};
+use crate::{BoxError, Error, LaunchOptions, MpiEnv, RankCtx, Result};
 
 pub(crate) use comm::MpiComm;
 use ops::{Handle, Ops};
+pub(crate) use status::Watch;
 
 /// What this process knows once MPI is initialised.
 pub(crate) struct Runtime {
@@ -63,6 +74,8 @@ static UNIVERSE: Mutex<Option<Universe>> = Mutex::new(None);
 static RUNTIME: OnceLock<std::result::Result<Runtime, String>> = OnceLock::new();
 
 extern "C" fn finalize_at_exit() {
+    // Tell the peers' watchdogs, and stop this one's MPI calls, before MPI_Finalize.
+    watchdog::finalizing(true);
     let universe = UNIVERSE.lock().map(|mut u| u.take()).unwrap_or(None);
     // Dropping the universe calls MPI_Finalize.
     drop(universe);
@@ -112,8 +125,24 @@ fn init() -> std::result::Result<Runtime, String> {
         in_place: in_place_sentinel(),
         check_calls: std::env::var("TESSERA_MPI_CHECK").is_ok_and(|v| matches!(v.trim(), "1" | "true" | "yes")),
     };
-    start_watchdog(rt.world_rank);
+    watchdog::start(rt.world_rank, rt.world_size, control_comm());
     Ok(rt)
+}
+
+/// A duplicate of `MPI_COMM_WORLD` for the watchdogs' own messages (collective
+/// over the world, as `init` is); `None` if MPI refuses (the watchdog then only
+/// names the collective).
+fn control_comm() -> Option<ffi::MPI_Comm> {
+    // SAFETY: MPI is initialised; reading a predefined handle.
+    let mut raw = unsafe { ffi::RSMPI_COMM_NULL };
+    // SAFETY: `raw` is a valid out-pointer.
+    if unsafe { ffi::MPI_Comm_dup(ffi::RSMPI_COMM_WORLD, &mut raw) } != 0 {
+        return None;
+    }
+    // SAFETY: `raw` is the communicator just created: a gone peer must return an
+    // error to the watchdog, not abort the job.
+    let rc = unsafe { ffi::MPI_Comm_set_errhandler(raw, ffi::RSMPI_ERRORS_RETURN) };
+    (rc == 0).then_some(raw)
 }
 
 /// `MPI_IN_PLACE` is a macro the bindings cannot see: `(void *) 1` in OpenMPI,
@@ -161,7 +190,16 @@ pub(crate) fn error_string(code: c_int) -> String {
 
 /// Prints why and ends every process of the job.
 fn abort(world_rank: usize, why: &str) -> ! {
-    eprintln!("tessera: rank {world_rank} {why}; aborting the MPI job");
+    abort_with(world_rank, why, &[])
+}
+
+/// Prints why, then each line of `details`, and ends every process of the job.
+fn abort_with(world_rank: usize, why: &str, details: &[String]) -> ! {
+    let mut text = format!("tessera: rank {world_rank} {why}; aborting the MPI job\n");
+    for d in details {
+        text += &format!("tessera: rank {world_rank}: {d}\n");
+    }
+    watchdog::write_stderr(&text);
     // SAFETY: MPI is initialised (only called after `runtime()` succeeded).
     unsafe { ffi::MPI_Abort(ffi::RSMPI_COMM_WORLD, 1) };
     // MPI_Abort does not return on any implementation we know; make sure.
@@ -184,111 +222,21 @@ where
             env.launcher, rt.world_size, rt.world_size
         )));
     }
-    TIMEOUT_MS.store(
+    watchdog::TIMEOUT_MS.store(
         u64::try_from(opts.timeout.as_millis()).unwrap_or(u64::MAX).max(1),
         Ordering::Relaxed,
     );
     let ctx = RankCtx::new(Box::new(MpiComm::world(rt)?), crate::context::next_job());
+    status::set_closure_returned(false);
     match catch_unwind(AssertUnwindSafe(|| f(ctx))) {
-        Ok(Ok(out)) => Ok(vec![out]),
+        Ok(Ok(out)) => {
+            status::set_closure_returned(true);
+            Ok(vec![out])
+        }
         Ok(Err(e)) => abort(rt.world_rank, &format!("of {world_size} failed: {e}")),
         Err(payload) => abort(
             rt.world_rank,
             &format!("of {world_size} panicked: {}", panic_message(&*payload)),
         ),
-    }
-}
-
-/// How long a collective may wait before the watchdog aborts the job.
-static TIMEOUT_MS: AtomicU64 = AtomicU64::new(300_000);
-/// Every live communicator's clock.
-static WATCHED: Mutex<Vec<Weak<Watch>>> = Mutex::new(Vec::new());
-
-/// Which collective a communicator is in, and since when (for the watchdog).
-pub(crate) struct Watch {
-    /// Milliseconds since `epoch()` plus one when the collective began; 0 when idle.
-    since: AtomicU64,
-    kind: AtomicUsize,
-    seq: AtomicU64,
-    rank: usize,
-    size: usize,
-}
-
-fn epoch() -> Instant {
-    static EPOCH: OnceLock<Instant> = OnceLock::new();
-    *EPOCH.get_or_init(Instant::now)
-}
-
-fn now_ms() -> u64 {
-    u64::try_from(epoch().elapsed().as_millis()).unwrap_or(u64::MAX)
-}
-
-impl Watch {
-    /// A registered clock for a communicator of `size` ranks in which this process is `rank`.
-    pub(crate) fn new(rank: usize, size: usize) -> Arc<Watch> {
-        let w = Arc::new(Watch {
-            since: AtomicU64::new(0),
-            kind: AtomicUsize::new(0),
-            seq: AtomicU64::new(0),
-            rank,
-            size,
-        });
-        if let Ok(mut all) = WATCHED.lock() {
-            all.retain(|w| w.strong_count() > 0);
-            all.push(Arc::downgrade(&w));
-        }
-        w
-    }
-
-    /// Starts the clock of one collective; it stops when the guard drops.
-    pub(crate) fn enter(&self, kind: OpKind) -> WatchGuard<'_> {
-        let i = OpKind::ALL.iter().position(|&k| k == kind).unwrap_or(0);
-        self.kind.store(i, Ordering::Relaxed);
-        self.seq.fetch_add(1, Ordering::Relaxed);
-        self.since.store(now_ms() + 1, Ordering::Release);
-        WatchGuard(self)
-    }
-}
-
-/// Stops a [`Watch`]'s clock on drop.
-pub(crate) struct WatchGuard<'a>(&'a Watch);
-
-impl Drop for WatchGuard<'_> {
-    fn drop(&mut self) {
-        self.0.since.store(0, Ordering::Release);
-    }
-}
-
-fn start_watchdog(world_rank: usize) {
-    let spawned = std::thread::Builder::new().name("tessera-mpi-watchdog".into()).spawn(move || {
-        loop {
-            let timeout = TIMEOUT_MS.load(Ordering::Relaxed);
-            std::thread::sleep(Duration::from_millis((timeout / 10).clamp(10, 1000)));
-            let now = now_ms();
-            let live: Vec<Arc<Watch>> = match WATCHED.lock() {
-                Ok(all) => all.iter().filter_map(Weak::upgrade).collect(),
-                Err(_) => continue,
-            };
-            for w in live {
-                let since = w.since.load(Ordering::Acquire);
-                if since != 0 && now.saturating_sub(since - 1) > timeout {
-                    let kind = OpKind::ALL[w.kind.load(Ordering::Relaxed).min(OpKind::ALL.len() - 1)];
-                    abort(
-                        world_rank,
-                        &format!(
-                            "waited {:.1} s in {kind} (collective #{} of its group of {} ranks, where it is rank {}) \
-                             for peers that never arrived (raise TESSERA_TIMEOUT_S if they are only slow)",
-                            (now - (since - 1)) as f64 / 1000.0,
-                            w.seq.load(Ordering::Relaxed),
-                            w.size,
-                            w.rank
-                        ),
-                    );
-                }
-            }
-        }
-    });
-    if let Err(e) = spawned {
-        eprintln!("tessera: rank {world_rank}: could not start the MPI watchdog ({e}); collectives will not time out");
     }
 }

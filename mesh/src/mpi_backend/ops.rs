@@ -26,6 +26,8 @@ impl<T: Copy> Handle<T> {
 pub(super) trait MpiHandle: Copy {}
 impl MpiHandle for ffi::MPI_Comm {}
 impl MpiHandle for ffi::MPI_Op {}
+/// The watchdog's send requests, used by one thread at a time (under its lock).
+impl MpiHandle for ffi::MPI_Request {}
 /// `MPI_IN_PLACE`, a sentinel address never dereferenced by Tessera.
 impl MpiHandle for *mut c_void {}
 

@@ -1,0 +1,409 @@
+//! What each process is doing, for the watchdog ([`super::watchdog`]), and how
+//! it is worded: every communicator has a [`Watch`] (in which collective since
+//! when), the process remembers the last collective it left and whether its
+//! launch closure has returned; [`describe`] turns that into one line a peer's
+//! abort message quotes, and [`report`] lists the peers, likeliest culprits first.
+
+use std::os::raw::c_int;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::time::Instant;
+
+use mpi::ffi;
+
+use crate::OpKind;
+
+/// Every live communicator's clock.
+static WATCHED: Mutex<Vec<Weak<Watch>>> = Mutex::new(Vec::new());
+/// The collective this process left last, and when (ms since [`epoch`]).
+static LAST: Mutex<Option<(Activity, u64)>> = Mutex::new(None);
+/// Whether the closure of this process's current (or last) launch has returned.
+static CLOSURE_RETURNED: AtomicBool = AtomicBool::new(false);
+
+/// Peers listed one per line in the abort message; the rest are counted.
+const MAX_LISTED: usize = 16;
+/// `EXITING` flags: the process exits (not only finalises MPI); its closure had returned.
+pub(super) const EXIT_BY_EXIT: u8 = 1;
+pub(super) const EXIT_AFTER_RETURN: u8 = 2;
+
+/// The clocks' origin (the first call).
+pub(super) fn epoch() -> Instant {
+    static EPOCH: OnceLock<Instant> = OnceLock::new();
+    *EPOCH.get_or_init(Instant::now)
+}
+
+fn now_ms() -> u64 {
+    u64::try_from(epoch().elapsed().as_millis()).unwrap_or(u64::MAX)
+}
+
+/// Milliseconds as seconds.
+pub(super) fn secs(ms: u64) -> f64 {
+    ms as f64 / 1000.0
+}
+
+/// Records that this process's launch closure starts (`false`) or has returned (`true`).
+pub(super) fn set_closure_returned(returned: bool) {
+    CLOSURE_RETURNED.store(returned, Ordering::Relaxed);
+}
+
+/// Whether this process's launch closure has returned.
+pub(super) fn closure_returned() -> bool {
+    CLOSURE_RETURNED.load(Ordering::Relaxed)
+}
+
+/// One collective of one communicator.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(super) struct Activity {
+    pub(super) kind: OpKind,
+    /// Its number among the communicator's collectives (from 1).
+    pub(super) seq: u64,
+    /// The communicator's size and this process's rank in it.
+    pub(super) size: usize,
+    pub(super) rank: usize,
+}
+
+impl std::fmt::Display for Activity {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} #{} of a group of {} ranks, where it is rank {}",
+            self.kind, self.seq, self.size, self.rank
+        )
+    }
+}
+
+/// Which collective a communicator is in, and since when (for the watchdog).
+pub(crate) struct Watch {
+    /// Milliseconds since `epoch()` plus one when the collective began; 0 when idle.
+    since: AtomicU64,
+    kind: AtomicUsize,
+    seq: AtomicU64,
+    rank: usize,
+    size: usize,
+    /// The members' world ranks, in the communicator's rank order (empty: unknown).
+    members: Vec<usize>,
+}
+
+impl Watch {
+    /// A registered clock for `comm`, of `size` ranks, in which this process is `rank`.
+    pub(crate) fn new(comm: ffi::MPI_Comm, rank: usize, size: usize) -> Arc<Watch> {
+        let w = Arc::new(Watch {
+            since: AtomicU64::new(0),
+            kind: AtomicUsize::new(0),
+            seq: AtomicU64::new(0),
+            rank,
+            size,
+            members: world_ranks(comm, size),
+        });
+        if let Ok(mut all) = WATCHED.lock() {
+            all.retain(|w| w.strong_count() > 0);
+            all.push(Arc::downgrade(&w));
+        }
+        w
+    }
+
+    /// Starts the clock of one collective; it stops when the guard drops.
+    pub(crate) fn enter(&self, kind: OpKind) -> WatchGuard<'_> {
+        let i = OpKind::ALL.iter().position(|&k| k == kind).unwrap_or(0);
+        self.kind.store(i, Ordering::Relaxed);
+        self.seq.fetch_add(1, Ordering::Relaxed);
+        self.since.store(now_ms() + 1, Ordering::Release);
+        WatchGuard(self)
+    }
+
+    fn activity(&self) -> Activity {
+        Activity {
+            kind: OpKind::ALL[self.kind.load(Ordering::Relaxed).min(OpKind::ALL.len() - 1)],
+            seq: self.seq.load(Ordering::Relaxed),
+            size: self.size,
+            rank: self.rank,
+        }
+    }
+}
+
+/// Stops a [`Watch`]'s clock on drop.
+pub(crate) struct WatchGuard<'a>(&'a Watch);
+
+impl Drop for WatchGuard<'_> {
+    fn drop(&mut self) {
+        self.0.since.store(0, Ordering::Release);
+        if let Ok(mut last) = LAST.lock() {
+            *last = Some((self.0.activity(), now_ms()));
+        }
+    }
+}
+
+/// The world ranks of `comm`'s members, in its rank order; empty if MPI cannot say.
+fn world_ranks(comm: ffi::MPI_Comm, size: usize) -> Vec<usize> {
+    let Ok(n) = c_int::try_from(size) else {
+        return Vec::new();
+    };
+    // SAFETY: reading a predefined handle after MPI_Init.
+    let (mut group, mut world) = unsafe { (ffi::RSMPI_GROUP_NULL, ffi::RSMPI_GROUP_NULL) };
+    // SAFETY: `comm` is a live communicator; the out-pointer is valid.
+    if unsafe { ffi::MPI_Comm_group(comm, &mut group) } != 0 {
+        return Vec::new();
+    }
+    let ranks: Vec<c_int> = (0..n).collect();
+    let mut out: Vec<c_int> = vec![-1; size];
+    // SAFETY: the out-pointer is valid.
+    let mut rc = unsafe { ffi::MPI_Comm_group(ffi::RSMPI_COMM_WORLD, &mut world) };
+    if rc == 0 {
+        // SAFETY: both groups are live; `ranks` and `out` hold `n` ints each.
+        rc = unsafe { ffi::MPI_Group_translate_ranks(group, n, ranks.as_ptr(), world, out.as_mut_ptr()) };
+        // SAFETY: `world` was created above and is not used after this.
+        unsafe { ffi::MPI_Group_free(&mut world) };
+    }
+    // SAFETY: `group` was created above and is not used after this.
+    unsafe { ffi::MPI_Group_free(&mut group) };
+    if rc != 0 {
+        return Vec::new();
+    }
+    // MPI_UNDEFINED (negative) for a member outside the world: unknown.
+    out.iter()
+        .map(|&r| usize::try_from(r).ok())
+        .collect::<Option<Vec<_>>>()
+        .unwrap_or_default()
+}
+
+/// What this process is doing, as a status class and one line (in the third person).
+#[derive(Clone, Debug, Default)]
+pub(super) struct Snapshot {
+    /// Collectives in progress and how long each has waited (ms).
+    pub(super) waiting: Vec<(Activity, u64)>,
+    /// The last collective left and how long ago (ms).
+    pub(super) last: Option<(Activity, u64)>,
+    pub(super) closure_returned: bool,
+}
+
+/// A status's class, sent as its first byte; higher ones are listed first.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Class {
+    Waiting = 0,
+    Outside = 1,
+    Returned = 2,
+}
+
+impl Class {
+    fn from_byte(b: u8) -> Class {
+        match b {
+            0 => Class::Waiting,
+            2 => Class::Returned,
+            _ => Class::Outside,
+        }
+    }
+}
+
+/// What this process is doing now.
+pub(super) fn snapshot() -> Snapshot {
+    let now = now_ms();
+    let live: Vec<Arc<Watch>> = WATCHED
+        .lock()
+        .map(|all| all.iter().filter_map(Weak::upgrade).collect())
+        .unwrap_or_default();
+    let waiting = live
+        .iter()
+        .filter_map(|w| {
+            let since = w.since.load(Ordering::Acquire);
+            (since != 0).then(|| (w.activity(), now.saturating_sub(since - 1)))
+        })
+        .collect();
+    let last = LAST
+        .lock()
+        .ok()
+        .and_then(|l| *l)
+        .map(|(a, at)| (a, now.saturating_sub(at)));
+    Snapshot {
+        waiting,
+        last,
+        closure_returned: CLOSURE_RETURNED.load(Ordering::Relaxed),
+    }
+}
+
+/// The status class and line (in the third person) of `s`.
+pub(super) fn describe(s: &Snapshot) -> (Class, String) {
+    let returned = if s.closure_returned {
+        "its closure has returned; "
+    } else {
+        ""
+    };
+    if !s.waiting.is_empty() {
+        let each: Vec<String> = s
+            .waiting
+            .iter()
+            .map(|(a, ms)| format!("waiting {:.1} s in {a}", secs(*ms)))
+            .collect();
+        return (Class::Waiting, format!("{returned}{}", each.join("; and ")));
+    }
+    let outside = match s.last {
+        Some((a, ms)) => format!("outside any collective for {:.1} s (last: {a})", secs(ms)),
+        None => "outside any collective (it has not entered one yet)".to_string(),
+    };
+    let class = if s.closure_returned {
+        Class::Returned
+    } else {
+        Class::Outside
+    };
+    (class, format!("{returned}{outside}"))
+}
+
+/// What the timed-out rank learnt about one peer.
+#[derive(Clone, Debug)]
+pub(super) enum Peer {
+    Replied(Class, String),
+    /// Its `EXITING` notice: flags and its status then.
+    Exited(u8, String),
+    Silent,
+}
+
+impl Peer {
+    /// A `REPLY`: class byte, then the status line.
+    pub(super) fn from_reply(body: &[u8]) -> Peer {
+        let (class, text) = body
+            .split_first()
+            .map_or((Class::Outside, &[][..]), |(c, t)| (Class::from_byte(*c), t));
+        Peer::Replied(class, String::from_utf8_lossy(text).into_owned())
+    }
+
+    /// An `EXITING` notice: flags byte, then the status line.
+    pub(super) fn from_exit(body: &[u8]) -> Peer {
+        let (flags, text) = body.split_first().map_or((0, &[][..]), |(f, t)| (*f, t));
+        Peer::Exited(flags, String::from_utf8_lossy(text).into_owned())
+    }
+
+    /// The order of the abort message: the likeliest culprits first.
+    fn priority(&self) -> u8 {
+        match self {
+            Peer::Exited(..) => 5,
+            Peer::Silent => 4,
+            Peer::Replied(c, _) => *c as u8 + 1,
+        }
+    }
+
+    fn line(&self, rank: usize) -> String {
+        match self {
+            Peer::Replied(_, text) => format!("rank {rank}: {text}"),
+            Peer::Silent => format!("rank {rank} did not answer (it exited, or is not responding)"),
+            Peer::Exited(flags, text) => {
+                let how = if flags & EXIT_BY_EXIT != 0 {
+                    "exited (its process called exit)"
+                } else {
+                    "finalized MPI (its application called MPI_Finalize)"
+                };
+                let when = if flags & EXIT_AFTER_RETURN != 0 {
+                    "after its closure returned"
+                } else {
+                    "before its closure returned"
+                };
+                format!("rank {rank} {how} while this rank waited for it, {when}; it was {text}")
+            }
+        }
+    }
+}
+
+/// One line per peer, likeliest culprits first, at most [`MAX_LISTED`], then a count.
+pub(super) fn report(peers: &[(usize, Peer)]) -> Vec<String> {
+    let mut order: Vec<&(usize, Peer)> = peers.iter().collect();
+    order.sort_by_key(|(rank, p)| (std::cmp::Reverse(p.priority()), *rank));
+    let mut lines: Vec<String> = order.iter().take(MAX_LISTED).map(|(r, p)| p.line(*r)).collect();
+    let rest = &order[order.len().min(MAX_LISTED)..];
+    if !rest.is_empty() {
+        let waiting = rest
+            .iter()
+            .filter(|(_, p)| matches!(p, Peer::Replied(Class::Waiting, _)))
+            .count();
+        lines.push(format!(
+            "and {} more ranks ({waiting} of them waiting in collectives)",
+            rest.len()
+        ));
+    }
+    lines
+}
+
+/// A collective that waited longer than the timeout.
+pub(super) struct Expired {
+    pub(super) activity: Activity,
+    pub(super) waited_ms: u64,
+    /// The group's world ranks (empty: unknown).
+    pub(super) members: Vec<usize>,
+}
+
+/// The first collective of this process that has waited longer than `timeout_ms`.
+pub(super) fn expired(timeout_ms: u64) -> Option<Expired> {
+    let now = now_ms();
+    let all = WATCHED.lock().ok()?;
+    all.iter().filter_map(Weak::upgrade).find_map(|w| {
+        let since = w.since.load(Ordering::Acquire);
+        let waited_ms = now.saturating_sub(since.saturating_sub(1));
+        (since != 0 && waited_ms > timeout_ms).then(|| Expired {
+            activity: w.activity(),
+            waited_ms,
+            members: w.members.clone(),
+        })
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn act(kind: OpKind, seq: u64) -> Activity {
+        Activity {
+            kind,
+            seq,
+            size: 2,
+            rank: 1,
+        }
+    }
+
+    #[test]
+    fn statuses_read_as_one_line() {
+        macro_rules! case {
+            ($waiting:expr, $last:expr, $returned:expr => $class:expr, $text:expr) => {
+                let s = Snapshot {
+                    waiting: $waiting,
+                    last: $last,
+                    closure_returned: $returned,
+                };
+                assert_eq!(describe(&s), ($class, $text.to_string()));
+            };
+        }
+        let ar = act(OpKind::AllReduce, 5);
+        let b = act(OpKind::Barrier, 2);
+        case!(vec![], None, false => Class::Outside, "outside any collective (it has not entered one yet)");
+        case!(vec![], Some((b, 3200)), false => Class::Outside,
+            "outside any collective for 3.2 s (last: barrier #2 of a group of 2 ranks, where it is rank 1)");
+        case!(vec![(ar, 3100)], Some((b, 9)), false => Class::Waiting,
+            "waiting 3.1 s in all_reduce #5 of a group of 2 ranks, where it is rank 1");
+        case!(vec![], Some((b, 400)), true => Class::Returned,
+            "its closure has returned; outside any collective for 0.4 s (last: barrier #2 of a group of 2 ranks, \
+             where it is rank 1)");
+    }
+
+    #[test]
+    fn peers_are_named_likeliest_culprits_first() {
+        macro_rules! line {
+            ($rank:expr, $peer:expr => $text:expr) => {
+                assert_eq!($peer.line($rank), $text);
+            };
+        }
+        let exit = Peer::from_exit(b"\x01outside any collective for 0.0 s (last: x)");
+        line!(1, exit => "rank 1 exited (its process called exit) while this rank waited for it, before its \
+            closure returned; it was outside any collective for 0.0 s (last: x)");
+        line!(2, Peer::from_exit(b"\x02y") => "rank 2 finalized MPI (its application called MPI_Finalize) while \
+            this rank waited for it, after its closure returned; it was y");
+        line!(3, Peer::Silent => "rank 3 did not answer (it exited, or is not responding)");
+        line!(4, Peer::from_reply(b"\x00waiting 1.0 s in barrier #1") => "rank 4: waiting 1.0 s in barrier #1");
+        line!(5, Peer::from_reply(b"") => "rank 5: ");
+
+        let waiting = || Peer::Replied(Class::Waiting, "w".into());
+        let mut peers: Vec<(usize, Peer)> = (1..=20).map(|r| (r, waiting())).collect();
+        peers[17].1 = Peer::Replied(Class::Outside, "stalled".into());
+        peers[18].1 = Peer::Silent;
+        let lines = report(&peers);
+        assert_eq!(lines.len(), MAX_LISTED + 1, "{lines:?}");
+        assert!(lines[0].starts_with("rank 19 did not answer"), "{lines:?}");
+        assert_eq!(lines[1], "rank 18: stalled");
+        assert_eq!(lines[MAX_LISTED], "and 4 more ranks (4 of them waiting in collectives)");
+    }
+}
