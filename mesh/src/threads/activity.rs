@@ -67,6 +67,10 @@ struct RankState {
     next_token: u64,
 }
 
+/// One rank's state as one check saw it: version, active agents, and each wait
+/// with the members it was missing.
+type Snapshot = (u64, i64, Vec<(Wait, Vec<usize>)>);
+
 /// Every rank's agents, for the cross-group mismatch check.
 pub(crate) struct Activity {
     ranks: Vec<Mutex<RankState>>,
@@ -156,7 +160,7 @@ impl Activity {
     /// One look at every rank's state: the ranks, `me` among them, that wait only
     /// for each other.
     fn find(&self, me: usize) -> Option<Deadlock> {
-        let snap: Vec<(u64, i64, Vec<(Wait, Vec<usize>)>)> = self
+        let snap: Vec<Snapshot> = self
             .ranks
             .iter()
             .map(|m| {
