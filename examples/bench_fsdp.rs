@@ -212,7 +212,10 @@ fn run(args: &Args) -> Result<(), BoxError> {
     );
     let mut summaries = Vec::new();
     for mode in [Mode::Single, Mode::Fsdp] {
-        let reports = launch(mode.world(), |ctx| bench_rank(ctx.into_comm(), mode, args))?;
+        let reports = launch(mode.world(), {
+            let args = args.clone();
+            move |ctx| bench_rank(ctx.into_comm(), mode, &args)
+        })?;
         let med = |f: fn(&RankReport) -> &Vec<f64>| median(f(&reports[0]));
         summaries.push(Summary {
             mode,

@@ -77,7 +77,7 @@ fn rank(iters: usize) -> Result<(), BoxError> {
         return Err("the MPI library lacks MPI_THREAD_MULTIPLE".into());
     }
     let n = universe.world().size() as usize;
-    launch(n, |ctx| {
+    launch(n, move |ctx| {
         let raw = SimpleCommunicator::world();
         let comm = ctx.comm();
         for mib in SIZES_MIB {

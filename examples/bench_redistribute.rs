@@ -26,6 +26,7 @@ mod common;
 
 use std::hint::black_box;
 use std::process::ExitCode;
+use std::sync::Arc;
 use std::time::Instant;
 
 use common::{Json, max_over_ranks, median};
@@ -129,19 +130,22 @@ fn main() -> ExitCode {
 }
 
 fn run(args: &common::BenchArgs) -> Result<(), BoxError> {
-    let cases = cases();
+    let cases = Arc::new(cases());
     let n: usize = MESH.iter().product();
     println!(
         "redistribute of f32 {:?} on a {:?} mesh ({n} ranks, threads backend), {} iterations after {WARMUP} warm-ups",
         SHAPE, MESH, args.iters
     );
-    let per_rank = launch(n, |ctx| {
-        let mesh = DeviceMesh::new(ctx.into_comm(), &MESH)?;
-        let full = Tensor::randn(&SHAPE, DType::F32, SEED)?;
-        cases
-            .iter()
-            .map(|c| bench_case(&mesh, &full, c, args.iters))
-            .collect::<Result<Vec<_>, _>>()
+    let per_rank = launch(n, {
+        let (cases, iters) = (cases.clone(), args.iters);
+        move |ctx| {
+            let mesh = DeviceMesh::new(ctx.into_comm(), &MESH)?;
+            let full = Tensor::randn(&SHAPE, DType::F32, SEED)?;
+            cases
+                .iter()
+                .map(|c| bench_case(&mesh, &full, c, iters))
+                .collect::<Result<Vec<_>, _>>()
+        }
     })?;
 
     let mut records = Vec::new();

@@ -12,7 +12,7 @@ use tessera::{CommunicatorExt, DeviceMesh, ReduceOp, launch};
 fn main() -> Result<(), tessera::BoxError> {
     let n = 4;
     let len = 1 << 20;
-    let reports = launch(n, |ctx| {
+    let reports = launch(n, move |ctx| {
         let rank = ctx.rank();
         let mesh = DeviceMesh::with_names(ctx.into_comm(), &[2, 2], &["dp", "tp"])?;
         let world = mesh.comm();

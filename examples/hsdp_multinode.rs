@@ -87,7 +87,7 @@ fn run(steps: usize, rows_per_rank: usize) -> Result<(), BoxError> {
         seq: 64,
     };
     let g = world * rows_per_rank;
-    let out = launch(world, |ctx| {
+    let out = launch(world, move |ctx| {
         let backend = ctx.comm().backend();
         let mut host = [0u8; HOST_BYTES];
         let name = host_name();

@@ -229,53 +229,56 @@ fn run(args: &Args) -> Result<(), BoxError> {
         },
         ..FsdpConfig::default()
     };
-    let reports = launch(args.world, |ctx| {
-        let rank = ctx.rank();
-        let mesh = DeviceMesh::new(ctx.into_comm(), &args.mesh)?;
-        let model = Transformer::new(cfg, &mesh, DType::F32, 0)?;
-        let params = model.parameters();
-        if let Some(p) = &args.init {
-            load_state_dict(&params, p)?;
-        }
-        let _units = model.fully_shard(&mesh, &fsdp)?;
-        let batch_placements = vec![Placement::Shard(0); args.mesh.len()];
-        let adamw = AdamWConfig {
-            lr: args.lr,
-            betas: (0.9, 0.95),
-            eps: 1e-8,
-            weight_decay: 0.1,
-        };
-        let mut opt = AdamW::new(params, adamw)?;
-        memory::reset_peak();
-        let mut report = RankReport {
-            losses: Vec::new(),
-            step_time_s: Vec::new(),
-            peak_bytes: Vec::new(),
-        };
-        let start = Instant::now();
-        for step in 0..args.steps {
-            let t = Instant::now();
-            let x = distribute_tensor(&rows(args, tokens.as_ref(), step)?, &mesh, &batch_placements)?;
-            let loss = model.loss(&Var::constant(x))?;
-            let value = loss.value().full_tensor()?.to_f64_vec()[0];
-            backward(&loss)?;
-            opt.step()?;
-            opt.zero_grad();
-            report.losses.push(value);
-            report.step_time_s.push(t.elapsed().as_secs_f64());
-            if rank == 0 {
-                let tok_s = (step + 1) as f64 * (g * cfg.seq) as f64 / start.elapsed().as_secs_f64();
-                progress(step + 1, args.steps, value, tok_s);
+    let reports = launch(args.world, {
+        let args = args.clone();
+        move |ctx| {
+            let rank = ctx.rank();
+            let mesh = DeviceMesh::new(ctx.into_comm(), &args.mesh)?;
+            let model = Transformer::new(cfg, &mesh, DType::F32, 0)?;
+            let params = model.parameters();
+            if let Some(p) = &args.init {
+                load_state_dict(&params, p)?;
             }
+            let _units = model.fully_shard(&mesh, &fsdp)?;
+            let batch_placements = vec![Placement::Shard(0); args.mesh.len()];
+            let adamw = AdamWConfig {
+                lr: args.lr,
+                betas: (0.9, 0.95),
+                eps: 1e-8,
+                weight_decay: 0.1,
+            };
+            let mut opt = AdamW::new(params, adamw)?;
+            memory::reset_peak();
+            let mut report = RankReport {
+                losses: Vec::new(),
+                step_time_s: Vec::new(),
+                peak_bytes: Vec::new(),
+            };
+            let start = Instant::now();
+            for step in 0..args.steps {
+                let t = Instant::now();
+                let x = distribute_tensor(&rows(&args, tokens.as_ref(), step)?, &mesh, &batch_placements)?;
+                let loss = model.loss(&Var::constant(x))?;
+                let value = loss.value().full_tensor()?.to_f64_vec()[0];
+                backward(&loss)?;
+                opt.step()?;
+                opt.zero_grad();
+                report.losses.push(value);
+                report.step_time_s.push(t.elapsed().as_secs_f64());
+                if rank == 0 {
+                    let tok_s = (step + 1) as f64 * (g * cfg.seq) as f64 / start.elapsed().as_secs_f64();
+                    progress(step + 1, args.steps, value, tok_s);
+                }
+            }
+            let peak = memory::stats().peak_bytes as i64;
+            report.peak_bytes = mesh
+                .comm()
+                .all_gather_vec(&[peak])?
+                .into_iter()
+                .map(|b| b as usize)
+                .collect();
+            Ok(report)
         }
-        let peak = memory::stats().peak_bytes as i64;
-        report.peak_bytes = mesh
-            .comm()
-            .all_gather_vec(&[peak])?
-            .into_iter()
-            .map(|b| b as usize)
-            .collect();
-        Ok(report)
     })?;
     if !lead {
         return Ok(());

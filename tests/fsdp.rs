@@ -109,6 +109,7 @@ fn err_msg<T>(r: Result<T, Error>, what: &str) -> String {
 fn no_setup(_: &FsdpUnits) {}
 
 /// One training run of the tiny reference model.
+#[derive(Clone)]
 struct Job {
     mesh: &'static [usize],
     names: Option<&'static [&'static str]>,
@@ -153,7 +154,8 @@ struct Run {
 fn train(job: &Job) -> Run {
     let toks = tokens();
     let world = job.mesh.iter().product();
-    let runs = launch(world, |ctx| {
+    let job = job.clone();
+    let runs = launch(world, move |ctx| {
         let mesh = mesh_of(ctx.into_comm(), job.mesh, job.names)?;
         let model = tiny_model(&mesh)?;
         let params = model.parameters();
@@ -439,10 +441,10 @@ struct Accumulated {
 /// `steps` SGD steps of FSDP on `mesh_shape`, each accumulating three micro-batches
 /// of `g` rows (rows `k·g..(k+1)·g` of `tokens[step]`), loss scaled by 1/3, with
 /// gradient sync off for the first two. `check_mid` runs after the second micro-batch.
-fn accumulate(mesh_shape: &[usize], g: usize, steps: usize, check_mid: fn(&[Param])) -> Accumulated {
+fn accumulate(mesh_shape: &'static [usize], g: usize, steps: usize, check_mid: fn(&[Param])) -> Accumulated {
     let toks = tokens();
     let world = mesh_shape.iter().product();
-    let runs = launch(world, |ctx| {
+    let runs = launch(world, move |ctx| {
         let mesh = DeviceMesh::new(ctx.into_comm(), mesh_shape)?;
         let model = tiny_model(&mesh)?;
         let params = model.parameters();
@@ -494,10 +496,10 @@ fn sgd() -> SgdConfig {
 }
 
 /// `steps` SGD steps on the whole `3g`-row batches, with FSDP or replicated.
-fn one_big_batch(mesh_shape: &[usize], g: usize, steps: usize, fsdp: bool) -> Accumulated {
+fn one_big_batch(mesh_shape: &'static [usize], g: usize, steps: usize, fsdp: bool) -> Accumulated {
     let toks = tokens();
     let world = mesh_shape.iter().product();
-    let runs = launch(world, |ctx| {
+    let runs = launch(world, move |ctx| {
         let mesh = DeviceMesh::new(ctx.into_comm(), mesh_shape)?;
         let model = tiny_model(&mesh)?;
         let params = model.parameters();
@@ -628,7 +630,7 @@ mod uneven {
     }
 
     fn run(units: Units) -> Vec<Out> {
-        launch(4, |ctx| {
+        launch(4, move |ctx| {
             let mesh = DeviceMesh::new(ctx.into_comm(), &[4])?;
             let mlp = Mlp::new(&mesh)?;
             match units {
@@ -785,7 +787,7 @@ mod memory {
     /// Three AdamW steps of `CFG` on 4 ranks, one row of 33 tokens per rank;
     /// measures step 2 (the optimizer state exists since step 0).
     fn measure(fsdp: bool) -> Vec<Mem> {
-        launch(WORLD, |ctx| {
+        launch(WORLD, move |ctx| {
             let mesh = DeviceMesh::new(ctx.into_comm(), &[WORLD])?;
             let model = Transformer::new(CFG, &mesh, DType::F32, 0)?;
             let built = stats().current_bytes;
@@ -1004,7 +1006,7 @@ mod resharding {
     #[test]
     fn after_forward_and_backward() {
         let toks = tokens();
-        launch(2, |ctx| {
+        launch(2, move |ctx| {
             let mesh = DeviceMesh::new(ctx.into_comm(), &[2])?;
             let model = tiny_model(&mesh)?;
             let units = model.fully_shard(&mesh, &FsdpConfig::default())?;
@@ -1041,7 +1043,7 @@ mod resharding {
     #[test]
     fn manual_unshard_and_reshard() {
         let toks = tokens();
-        launch(2, |ctx| {
+        launch(2, move |ctx| {
             let mesh = DeviceMesh::new(ctx.into_comm(), &[2])?;
             let model = tiny_model(&mesh)?;
             let units = model.fully_shard(&mesh, &FsdpConfig::default())?;
@@ -1094,7 +1096,7 @@ mod resharding {
     /// error naming the parameter; backward gathers it again.
     #[test]
     fn freed_parameter_cannot_be_read() {
-        launch(2, |ctx| {
+        launch(2, move |ctx| {
             let mesh = DeviceMesh::new(ctx.into_comm(), &[2])?;
             let stash = Stash {
                 lin: Linear::new("stash", 3, 4, true, &mesh, DType::F32, 7)?,
@@ -1181,7 +1183,7 @@ mod errors {
 
     #[test]
     fn bad_configurations() {
-        launch(2, |ctx| {
+        launch(2, move |ctx| {
             let world = ctx.into_comm();
             let comm = || world.split(0, world.rank() as u32);
             let mesh = DeviceMesh::new(comm()?, &[2])?;
@@ -1309,7 +1311,7 @@ mod errors {
     #[test]
     fn parameter_changed_between_forward_and_backward() {
         let toks = tokens();
-        let errors = launch(2, |ctx| {
+        let errors = launch(2, move |ctx| {
             let mesh = DeviceMesh::new(ctx.into_comm(), &[2])?;
             let model = tiny_model(&mesh)?;
             model.fully_shard(&mesh, &FsdpConfig::default())?;
@@ -1340,35 +1342,38 @@ mod errors {
     fn frozen_parameter() {
         let toks = tokens();
         let run = |fsdp: bool| {
-            launch(2, |ctx| {
-                let mesh = DeviceMesh::new(ctx.into_comm(), &[2])?;
-                let model = tiny_model(&mesh)?;
-                let params = model.parameters();
-                if fsdp {
-                    model.fully_shard(&mesh, &FsdpConfig::default())?;
+            launch(2, {
+                let toks = toks.clone();
+                move |ctx| {
+                    let mesh = DeviceMesh::new(ctx.into_comm(), &[2])?;
+                    let model = tiny_model(&mesh)?;
+                    let params = model.parameters();
+                    if fsdp {
+                        model.fully_shard(&mesh, &FsdpConfig::default())?;
+                    }
+                    let frozen = &model.layers[0].wq.weight;
+                    frozen.set_requires_grad(false);
+                    let start = frozen.value().full_tensor()?.to_f64_vec();
+                    let mut opt = AdamW::new(params.clone(), adamw())?;
+                    let mut out = Vec::new();
+                    for step in 0..2 {
+                        let rows = batch(&toks, step, 0..8, &mesh)?;
+                        let before = mesh.stats();
+                        let loss = model.loss(&rows)?;
+                        backward(&loss)?;
+                        let c = mesh.stats() - before;
+                        assert!(frozen.grad().is_none(), "the frozen parameter got a gradient");
+                        out.push((c, full_grads(&params)?));
+                        opt.step()?;
+                        opt.zero_grad();
+                    }
+                    assert_eq!(
+                        frozen.value().full_tensor()?.to_f64_vec(),
+                        start,
+                        "the frozen parameter moved"
+                    );
+                    Ok(out)
                 }
-                let frozen = &model.layers[0].wq.weight;
-                frozen.set_requires_grad(false);
-                let start = frozen.value().full_tensor()?.to_f64_vec();
-                let mut opt = AdamW::new(params.clone(), adamw())?;
-                let mut out = Vec::new();
-                for step in 0..2 {
-                    let rows = batch(&toks, step, 0..8, &mesh)?;
-                    let before = mesh.stats();
-                    let loss = model.loss(&rows)?;
-                    backward(&loss)?;
-                    let c = mesh.stats() - before;
-                    assert!(frozen.grad().is_none(), "the frozen parameter got a gradient");
-                    out.push((c, full_grads(&params)?));
-                    opt.step()?;
-                    opt.zero_grad();
-                }
-                assert_eq!(
-                    frozen.value().full_tensor()?.to_f64_vec(),
-                    start,
-                    "the frozen parameter moved"
-                );
-                Ok(out)
             })
             .unwrap()
             .swap_remove(0)
@@ -1395,7 +1400,7 @@ mod errors {
     #[test]
     fn failed_forward_leaves_fsdp_usable() {
         let toks = tokens();
-        let losses = launch(2, |ctx| {
+        let losses = launch(2, move |ctx| {
             let mesh = DeviceMesh::new(ctx.into_comm(), &[2])?;
             let model = tiny_model(&mesh)?;
             let params = model.parameters();
@@ -1474,7 +1479,7 @@ mod usage {
     #[test]
     fn eval_forward_between_steps() {
         let toks = tokens();
-        let runs = launch(2, |ctx| {
+        let runs = launch(2, move |ctx| {
             let mesh = DeviceMesh::new(ctx.into_comm(), &[2])?;
             let model = tiny_model(&mesh)?;
             let params = model.parameters();
@@ -1544,7 +1549,7 @@ mod usage {
     #[test]
     fn unit_called_twice_per_forward() {
         let run = |fsdp: bool| {
-            launch(2, |ctx| {
+            launch(2, move |ctx| {
                 let mesh = DeviceMesh::new(ctx.into_comm(), &[2])?;
                 let m = Reused {
                     fc1: Linear::new("fc1", 2, 4, true, &mesh, DType::F32, 1)?,
@@ -1608,7 +1613,7 @@ mod usage {
     #[test]
     fn checkpointed_blocks_reduce_once() {
         let toks = tokens();
-        let runs = launch(2, |ctx| {
+        let runs = launch(2, move |ctx| {
             let mesh = DeviceMesh::new(ctx.into_comm(), &[2])?;
             let model = Rc::new(tiny_model(&mesh)?);
             let ck = Checkpointed(model.clone());
@@ -1666,29 +1671,35 @@ mod state_dict {
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("model.safetensors");
         let toks = tokens();
-        let saved = launch(2, |ctx| {
-            let mesh = DeviceMesh::new(ctx.into_comm(), &[2])?;
-            let model = tiny_model(&mesh)?;
-            model.fully_shard(&mesh, &FsdpConfig::default())?;
-            let mut opt = AdamW::new(model.parameters(), adamw())?;
-            let loss = model.loss(&batch(&toks, 0, 0..8, &mesh)?)?;
-            backward(&loss)?;
-            opt.step()?;
-            save_state_dict_full(&model.parameters(), &path)?;
-            full_weights(&model)
+        let saved = launch(2, {
+            let path = path.clone();
+            move |ctx| {
+                let mesh = DeviceMesh::new(ctx.into_comm(), &[2])?;
+                let model = tiny_model(&mesh)?;
+                model.fully_shard(&mesh, &FsdpConfig::default())?;
+                let mut opt = AdamW::new(model.parameters(), adamw())?;
+                let loss = model.loss(&batch(&toks, 0, 0..8, &mesh)?)?;
+                backward(&loss)?;
+                opt.step()?;
+                save_state_dict_full(&model.parameters(), &path)?;
+                full_weights(&model)
+            }
         })
         .unwrap();
-        for shape in [vec![4], vec![2, 2]] {
-            let loaded = launch(4, |ctx| {
-                let mesh = DeviceMesh::new(ctx.into_comm(), &shape)?;
-                let model = Transformer::new(TransformerConfig::TINY, &mesh, DType::F32, 7)?;
-                let units = model.fully_shard(&mesh, &FsdpConfig::default())?;
-                load_state_dict(&model.parameters(), &path)?;
-                assert_eq!(
-                    model.tok_embeddings.weight.value().placements(),
-                    units.root.placements()
-                );
-                full_weights(&model)
+        for shape in [&[4][..], &[2, 2]] {
+            let loaded = launch(4, {
+                let path = path.clone();
+                move |ctx| {
+                    let mesh = DeviceMesh::new(ctx.into_comm(), shape)?;
+                    let model = Transformer::new(TransformerConfig::TINY, &mesh, DType::F32, 7)?;
+                    let units = model.fully_shard(&mesh, &FsdpConfig::default())?;
+                    load_state_dict(&model.parameters(), &path)?;
+                    assert_eq!(
+                        model.tok_embeddings.weight.value().placements(),
+                        units.root.placements()
+                    );
+                    full_weights(&model)
+                }
             })
             .unwrap();
             for rank in &loaded {

@@ -73,7 +73,7 @@ fn rank_main(scenario: &str) -> Result<(), BoxError> {
 }
 
 fn contract(world: usize) -> Result<(), BoxError> {
-    launch(world, |ctx| {
+    launch(world, move |ctx| {
         assert_eq!(ctx.comm().backend(), "mpi");
         testing::check_all(ctx.comm());
         testing::check_overlap(ctx.comm(), Duration::from_millis(500));
@@ -110,10 +110,10 @@ fn contract(world: usize) -> Result<(), BoxError> {
 }
 
 /// Trains the tiny model on `shape` with FSDP and returns the losses.
-fn train_tiny(shape: &[usize], g: usize, steps: usize) -> Result<Vec<f64>, BoxError> {
+fn train_tiny(shape: &'static [usize], g: usize, steps: usize) -> Result<Vec<f64>, BoxError> {
     let toks = tokens();
     let world = shape.iter().product();
-    let runs = launch(world, |ctx| {
+    let runs = launch(world, move |ctx| {
         let mesh = DeviceMesh::new(ctx.into_comm(), shape)?;
         let model = tiny_model(&mesh)?;
         let params = model.parameters();
@@ -157,7 +157,7 @@ fn fsdp(world: usize) -> Result<(), BoxError> {
 /// With `TESSERA_MPI_CHECK=1`, mismatched calls fail on every rank with errors
 /// naming both sides, and the communicator stays usable.
 fn mismatch(world: usize) -> Result<(), BoxError> {
-    launch(world, |ctx| {
+    launch(world, move |ctx| {
         let (comm, r) = (ctx.comm(), ctx.rank());
         let expect = |what: &str, res: tessera::mesh::Result<()>, needle: &str| {
             let e = res
@@ -261,12 +261,13 @@ fn fail_pending(world: usize) -> Result<(), BoxError> {
 
 /// Rank 1 fails after two good steps; the others go on into the next collective.
 fn fail(world: usize, how: &str) -> Result<(), BoxError> {
-    let opts = LaunchOptions::default();
-    launch_with(&opts, world, |ctx| {
+    let opts = LaunchOptions::from_env()?;
+    let how = how.to_owned();
+    launch_with(&opts, world, move |ctx| {
         let comm = ctx.comm();
         for step in 0..5 {
             if ctx.rank() == 1 && step == 2 {
-                match how {
+                match how.as_str() {
                     "fail-error" => return Err("injected failure at step 2".into()),
                     "fail-panic" => panic!("injected panic at step 2"),
                     "fail-abort" => std::process::abort(),

@@ -23,7 +23,7 @@ struct Run {
 /// Trains for `steps` on `world` ranks with global batch `g` (rows split over ranks).
 fn train(world: usize, g: usize, steps: usize) -> Run {
     let toks = tokens();
-    let runs = launch(world, |ctx| {
+    let runs = launch(world, move |ctx| {
         let mesh = DeviceMesh::new(ctx.into_comm(), &[world])?;
         let model = tiny_model(&mesh)?;
         let params = model.parameters();

@@ -98,7 +98,7 @@ mod tests {
     /// parameter too, so its gradient (`g · w`) must read `w` back from the slot.
     /// Returns `x`'s gradient and backward's error, if any.
     fn run(free_before_backward: bool, refill: bool) -> Result<(Option<Vec<f64>>, String)> {
-        let out = launch(1, |ctx| {
+        let out = launch(1, move |ctx| {
             let mesh = DeviceMesh::new(ctx.into_comm(), &[1])?;
             let rep = [Placement::Replicate];
             let full = |shape: &[usize], seed| -> crate::Result<DTensor> {

@@ -53,8 +53,8 @@ struct Run {
     ops_after_forward: usize,
 }
 
-fn run(mesh_shape: &[usize], batch: &[Placement], params: &[Placement], mode: Mode) -> Vec<Run> {
-    on_mesh(mesh_shape, |mesh| {
+fn run(mesh_shape: &[usize], batch: &'static [Placement], params: &'static [Placement], mode: Mode) -> Vec<Run> {
+    on_mesh(mesh_shape, move |mesh| {
         let x = param("x", &uniform(&[BATCH, WIDTH], 1), mesh, batch)?;
         let ls = layers(mesh, params)?;
         let target = constant(&uniform(&[BATCH, WIDTH], 2), mesh, batch)?;
@@ -226,7 +226,7 @@ fn checkpoint_edge_cases() {
 #[test]
 fn backward_frees_every_saved_activation() {
     for mode in [Mode::Plain, Mode::Whole, Mode::PerLayer] {
-        let out = on_mesh(&[2], |mesh| {
+        let out = on_mesh(&[2], move |mesh| {
             let x = param("x", &uniform(&[BATCH, WIDTH], 1), mesh, &[Shard(0)])?;
             let ls = layers(mesh, &[Shard(0)])?;
             let before = memory::stats().current_bytes;

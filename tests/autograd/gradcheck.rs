@@ -33,6 +33,7 @@ enum Init {
     Index(usize),
 }
 
+#[derive(Clone)]
 struct In {
     shape: Vec<usize>,
     init: Init,
@@ -95,21 +96,22 @@ impl In {
 }
 
 /// Checks `f`'s gradients for every float input against finite differences.
-fn check(inputs: &[In], f: impl Fn(&[Var]) -> Result<Var> + Sync) {
+fn check(inputs: &[In], f: impl Fn(&[Var]) -> Result<Var> + Send + Sync + 'static) {
     let failures = failures(inputs, f);
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
 /// What [`check`] finds wrong, one line per input.
-fn failures(inputs: &[In], f: impl Fn(&[Var]) -> Result<Var> + Sync) -> Vec<String> {
+fn failures(inputs: &[In], f: impl Fn(&[Var]) -> Result<Var> + Send + Sync + 'static) -> Vec<String> {
     let fulls: Vec<Tensor> = inputs.iter().enumerate().map(|(i, x)| x.make(11 + i as u64)).collect();
-    let failures = on_mesh(&[1], |mesh| {
+    let inputs = inputs.to_vec();
+    let failures = on_mesh(&[1], move |mesh| {
         let rep = [Replicate];
         let leaf = |xs: &[Tensor]| -> R<Vec<Var>> { xs.iter().map(|t| constant(t, mesh, &rep)).collect() };
         // The analytic gradients.
         let params: Vec<Option<Param>> = fulls
             .iter()
-            .zip(inputs)
+            .zip(&inputs)
             .enumerate()
             .map(|(i, (t, x))| {
                 x.differentiable()

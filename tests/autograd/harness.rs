@@ -17,13 +17,14 @@ static LAUNCH: Mutex<()> = Mutex::new(());
 /// result, or the launch's error (naming the rank that failed and why).
 pub fn try_on_mesh<T, F>(mesh_shape: &[usize], f: F) -> Result<Vec<T>, String>
 where
-    T: Send,
-    F: Fn(&DeviceMesh) -> R<T> + Sync,
+    T: Send + 'static,
+    F: Fn(&DeviceMesh) -> R<T> + Send + Sync + 'static,
 {
     let n: usize = mesh_shape.iter().product();
     let _one = (n > 1).then(|| LAUNCH.lock().unwrap_or_else(PoisonError::into_inner));
-    launch(n, |ctx| {
-        let mesh = DeviceMesh::new(ctx.into_comm(), mesh_shape)?;
+    let shape = mesh_shape.to_vec();
+    launch(n, move |ctx| {
+        let mesh = DeviceMesh::new(ctx.into_comm(), &shape)?;
         f(&mesh)
     })
     .map_err(|e| format!("launch on mesh {mesh_shape:?} failed: {e}"))
@@ -32,8 +33,8 @@ where
 /// [`try_on_mesh`], failing the test on an error.
 pub fn on_mesh<T, F>(mesh_shape: &[usize], f: F) -> Vec<T>
 where
-    T: Send,
-    F: Fn(&DeviceMesh) -> R<T> + Sync,
+    T: Send + 'static,
+    F: Fn(&DeviceMesh) -> R<T> + Send + Sync + 'static,
 {
     try_on_mesh(mesh_shape, f).unwrap_or_else(|e| panic!("{e}"))
 }

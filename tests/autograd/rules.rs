@@ -32,8 +32,9 @@ struct Seen {
 }
 
 fn grad_of_square_loss(mesh_shape: &[usize], w_placements: &[Placement]) -> Vec<Seen> {
-    on_mesh(mesh_shape, |mesh| {
-        let w = param("w", &uniform(&[4, 3], 2), mesh, w_placements)?;
+    let w_placements = w_placements.to_vec();
+    on_mesh(mesh_shape, move |mesh| {
+        let w = param("w", &uniform(&[4, 3], 2), mesh, &w_placements)?;
         let loss = square_loss(mesh, &w)?;
         let before = mesh.stats();
         backward(&loss)?;
@@ -326,18 +327,21 @@ fn a_reversed_shard_order_survives_into_the_grad() {
     let want = reference_grad();
     let placements = [Shard(0), Shard(0)];
     let order = ShardOrder::reversed_for(&placements);
-    let out = on_mesh(&[2, 2], |mesh| {
-        let w = distribute_tensor_with_order(&uniform(&[4, 3], 2), mesh, &placements, order.clone())?;
-        let w = Param::new("w", w);
-        backward(&square_loss(mesh, &w)?)?;
-        let g = w.grad().ok_or("no gradient")?;
-        let expected_local = distribute_tensor_with_order(&want, mesh, &placements, order.clone())?;
-        Ok((
-            g.placements().to_vec(),
-            g.layout().order.clone(),
-            g.to_local().to_f64_vec(),
-            expected_local.to_local().to_f64_vec(),
-        ))
+    let out = on_mesh(&[2, 2], {
+        let order = order.clone();
+        move |mesh| {
+            let w = distribute_tensor_with_order(&uniform(&[4, 3], 2), mesh, &placements, order.clone())?;
+            let w = Param::new("w", w);
+            backward(&square_loss(mesh, &w)?)?;
+            let g = w.grad().ok_or("no gradient")?;
+            let expected_local = distribute_tensor_with_order(&want, mesh, &placements, order.clone())?;
+            Ok((
+                g.placements().to_vec(),
+                g.layout().order.clone(),
+                g.to_local().to_f64_vec(),
+                expected_local.to_local().to_f64_vec(),
+            ))
+        }
     });
     for (rank, (placed, got_order, local, expected)) in out.into_iter().enumerate() {
         assert_eq!(placed, placements, "rank {rank}");

@@ -138,7 +138,7 @@ fn param_values(model: &Model) -> Vec<Tensor> {
 
 /// Runs forward and backward of `model` on a batch of `batch` and returns every rank's results.
 fn run(
-    model: &Model,
+    model: &'static Model,
     batch: usize,
     mesh_shape: &[usize],
     data_placements: &[Placement],
@@ -147,12 +147,13 @@ fn run(
 ) -> std::result::Result<Vec<RankOut>, String> {
     let values = param_values(model);
     let data = (model.data)(batch);
-    try_on_mesh(mesh_shape, |mesh| {
+    let (data_placements, param_placements) = (data_placements.to_vec(), param_placements.to_vec());
+    try_on_mesh(mesh_shape, move |mesh| {
         let params = model
             .params
             .iter()
             .zip(&values)
-            .zip(param_placements)
+            .zip(&param_placements)
             .map(|(((name, _), v), pl)| param(name, v, mesh, pl))
             .collect::<R<Vec<_>>>()?;
         let vars = if direct {
@@ -162,7 +163,7 @@ fn run(
         };
         let data = data
             .iter()
-            .map(|t| constant(t, mesh, data_placements))
+            .map(|t| constant(t, mesh, &data_placements))
             .collect::<R<Vec<_>>>()?;
         let loss = (model.loss)(&vars, &data)?;
         backward(&loss)?;
@@ -184,7 +185,7 @@ fn run(
 
 /// Checks a sharded run against the one-rank run of the same model and batch.
 fn compare(
-    model: &Model,
+    model: &'static Model,
     batch: usize,
     mesh_shape: &[usize],
     data_placements: &[Placement],
@@ -258,7 +259,7 @@ const CONFIGS: &[Config1] = &[
     (&[2, 2], 5, &[Replicate, Shard(0)], |_| vec![Shard(0), Replicate]),
 ];
 
-fn check_model(model: &Model) {
+fn check_model(model: &'static Model) {
     for &(mesh, batch, data, params) in CONFIGS {
         let placements: Vec<Vec<Placement>> = (0..model.params.len()).map(params).collect();
         if let Err(e) = compare(model, batch, mesh, data, &placements, false) {

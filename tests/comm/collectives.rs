@@ -53,9 +53,9 @@ fn contract_on_world_sizes() {
 
 /// Every mesh dim's communicator holds exactly the ranks that differ only along that
 /// dim (the contract body the MPI tests run too).
-fn check_dim_comms(shape: &[usize]) {
+fn check_dim_comms(shape: &'static [usize]) {
     let n: usize = shape.iter().product();
-    launch(n, |ctx| {
+    launch(n, move |ctx| {
         testing::check_mesh(ctx.into_comm(), shape);
         Ok(())
     })
@@ -85,7 +85,7 @@ fn sub_communicators_of_uneven_mesh() {
 fn async_returns_before_peers_arrive() {
     let issued = AtomicBool::new(false);
     let opts = LaunchOptions::default().timeout(Duration::from_secs(20));
-    let out = launch_with(&opts, 2, |ctx| {
+    let out = launch_with(&opts, 2, move |ctx| {
         let comm = ctx.comm();
         if ctx.rank() == 0 {
             let mut work = comm.all_gather_async(vec![1.0f32; 1000].into());
@@ -173,7 +173,7 @@ fn a2a_v_stats(comm: &dyn Communicator) -> Result<tessera::mesh::CommCounts> {
 #[test]
 fn variable_count_stats_count_logical_bytes() {
     let n = 4;
-    launch(n, |ctx| {
+    launch(n, move |ctx| {
         let comm = ctx.comm();
         let r = comm.rank();
         let counts = testing::chunk_counts(5, n);
@@ -217,7 +217,7 @@ fn variable_count_stats_count_logical_bytes() {
 #[test]
 fn padded_defaults_record_what_they_move() {
     let n = 4;
-    launch(n, |ctx| {
+    launch(n, move |ctx| {
         let comm = Defaults(ctx.into_comm());
         let d = a2a_v_stats(&comm)?;
         let block = a2a_counts(n).iter().flatten().copied().max().unwrap_or(0);

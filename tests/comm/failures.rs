@@ -4,11 +4,11 @@
 //! Variable-count collectives whose counts or lengths disagree fail on every
 //! rank with an error naming the offending rank, natively and in the padded defaults.
 
-use std::sync::Mutex;
+use std::sync::{Arc, mpsc};
 use std::time::{Duration, Instant};
 
 use tessera::mesh::Error;
-use tessera::{CommunicatorExt, LaunchOptions, ReduceOp, launch, launch_with};
+use tessera::{Communicator, CommunicatorExt, LaunchOptions, ReduceOp, launch, launch_with};
 
 fn short() -> LaunchOptions {
     LaunchOptions::default().timeout(Duration::from_millis(300))
@@ -21,22 +21,42 @@ fn long() -> LaunchOptions {
 /// Runs `body` on 4 ranks, collecting the error each rank's collectives returned.
 fn run(
     opts: &LaunchOptions,
-    body: impl Fn(usize, &dyn tessera::Communicator) -> Result<(), String> + Sync,
+    body: impl Fn(usize, &dyn Communicator) -> Result<(), String> + Send + Sync + 'static,
 ) -> (Error, Vec<String>) {
-    let seen = Mutex::new(vec![String::new(); 4]);
-    let err = launch_with(opts, 4, |ctx| {
+    run_on(opts, |comm| comm, body)
+}
+
+/// [`run`] on the communicator `wrap` makes of each rank's world communicator.
+///
+/// Waits for every rank's error: a rank that `launch` gave up on (left running,
+/// detached, as a rank that arrives after its peers timed out may be) reports when
+/// it returns.
+fn run_on(
+    opts: &LaunchOptions,
+    wrap: fn(Box<dyn Communicator>) -> Box<dyn Communicator>,
+    body: impl Fn(usize, &dyn Communicator) -> Result<(), String> + Send + Sync + 'static,
+) -> (Error, Vec<String>) {
+    let (tx, rx) = mpsc::channel();
+    let err = launch_with(opts, 4, move |ctx| {
         let r = ctx.rank();
-        let out = body(r, ctx.comm());
+        let comm = wrap(ctx.into_comm());
+        let out = body(r, &*comm);
         if let Err(e) = &out {
-            seen.lock().unwrap()[r] = e.clone();
+            // The receiver is gone only if this rank outlived the wait below.
+            let _ = tx.send((r, e.clone()));
         }
         out.map_err(Into::into)
     })
     .expect_err("the job must fail");
-    (err, seen.into_inner().unwrap())
+    let mut seen = vec![String::new(); 4];
+    // Disconnected once every rank's closure, holding `tx`, is gone.
+    while let Ok((r, e)) = rx.recv_timeout(Duration::from_secs(60)) {
+        seen[r] = e;
+    }
+    (err, seen)
 }
 
-fn gather_twice(comm: &dyn tessera::Communicator) -> Result<(), String> {
+fn gather_twice(comm: &dyn Communicator) -> Result<(), String> {
     let x = [1.0f32; 16];
     comm.all_gather_vec(&x).map_err(|e| e.to_string())?;
     comm.all_gather_vec(&x).map_err(|e| e.to_string())?;
@@ -216,7 +236,7 @@ fn unsupported_reductions_are_errors() {
 /// length, counts (send counts for all_to_all_v), receive counts.
 type VArgs = (usize, usize, Vec<usize>, Vec<usize>);
 
-fn call_v(comm: &dyn tessera::Communicator, op: &str, (send, recv, counts, recv_counts): VArgs) -> Result<(), String> {
+fn call_v(comm: &dyn Communicator, op: &str, (send, recv, counts, recv_counts): VArgs) -> Result<(), String> {
     let send = vec![1.0f32; send];
     let mut recv = vec![0.0f32; recv];
     let (s, r) = ((&send[..]).into(), (&mut recv[..]).into());
@@ -231,24 +251,17 @@ fn call_v(comm: &dyn tessera::Communicator, op: &str, (send, recv, counts, recv_
 
 /// Runs `op` on 4 ranks with `args(rank)`, on the threads backend and through the
 /// padded defaults, and checks that every rank's error contains `needle`.
-fn v_fails_everywhere(op: &str, args: impl Fn(usize) -> VArgs + Sync, needle: &str) {
+fn v_fails_everywhere(op: &'static str, args: impl Fn(usize) -> VArgs + Send + Sync + 'static, needle: &str) {
+    let args = Arc::new(args);
     for padded in [false, true] {
-        let seen = Mutex::new(vec![String::new(); 4]);
-        launch_with(&long(), 4, |ctx| {
-            let r = ctx.rank();
-            let comm: Box<dyn tessera::Communicator> = if padded {
-                Box::new(super::collectives::Defaults(ctx.into_comm()))
-            } else {
-                ctx.into_comm()
-            };
-            let out = call_v(&*comm, op, args(r));
-            if let Err(e) = &out {
-                seen.lock().unwrap()[r] = e.clone();
-            }
-            out.map_err(Into::into)
-        })
-        .expect_err("the job must fail");
-        for (r, s) in seen.into_inner().unwrap().iter().enumerate() {
+        let wrap: fn(Box<dyn Communicator>) -> Box<dyn Communicator> = if padded {
+            |comm| Box::new(super::collectives::Defaults(comm))
+        } else {
+            |comm| comm
+        };
+        let args = args.clone();
+        let (_, seen) = run_on(&long(), wrap, move |r, comm| call_v(comm, op, args(r)));
+        for (r, s) in seen.iter().enumerate() {
             assert!(
                 s.contains(needle),
                 "{op} (padded: {padded}) rank {r}: {s}\nwant: {needle}"
@@ -266,7 +279,7 @@ fn c5() -> Vec<usize> {
 fn variable_count_mismatches_fail_on_every_rank() {
     macro_rules! case {
         ($op:expr, |$r:ident| $args:expr, $needle:expr) => {
-            v_fails_everywhere($op, |$r| $args, $needle)
+            v_fails_everywhere($op, move |$r| $args, $needle)
         };
     }
     let ones = || vec![1; 4];

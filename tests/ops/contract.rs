@@ -46,33 +46,33 @@ proptest! {
     /// `[m, k] × [k, n]`.
     #[test]
     fn matmul_2d(c in plain(pairs(MATMUL_2D))) {
-        check(&c, &[op!("matmul", |x| x[0].matmul(&x[1]))])?;
+        check(c, [op!("matmul", |x| x[0].matmul(&x[1]))])?;
     }
 
     /// `[b, m, k] × [b, k, n]`.
     #[test]
     fn matmul_batched(c in plain(pairs(MATMUL_BATCHED))) {
-        check(&c, &[op!("matmul", |x| x[0].matmul(&x[1]))])?;
+        check(c, [op!("matmul", |x| x[0].matmul(&x[1]))])?;
     }
 
     /// `[b, m, k] × [k, n]`.
     #[test]
     fn matmul_batched_2d_rhs(c in plain(pairs(MATMUL_2D_RHS))) {
-        check(&c, &[op!("matmul", |x| x[0].matmul(&x[1]))])?;
+        check(c, [op!("matmul", |x| x[0].matmul(&x[1]))])?;
     }
 
     /// sum, mean and max over every one or two dims, with and without keepdim.
     #[test]
     fn reductions(c in plain(singles(&[&[7], &[3, 5], &[4, 6], &[2, 3, 5], &[3, 5, 7]]))) {
         let sets = dim_sets(c.args[0].shape.len());
-        let mut ops: Vec<Op<'_>> = Vec::new();
+        let mut ops: Vec<Op> = Vec::new();
         for dims in &sets {
             for keep in [false, true] {
-                ops.push(op!(format!("sum({dims:?}, {keep})"), |x| x[0].sum(dims, keep)));
-                ops.push(op!(format!("mean({dims:?}, {keep})"), |x| x[0].mean(dims, keep)));
-                ops.push(op!(format!("max({dims:?}, {keep})"), |x| x[0].max(dims, keep)));
+                ops.push(op!(format!("sum({dims:?}, {keep})"), [dims], |x| x[0].sum(&dims, keep)));
+                ops.push(op!(format!("mean({dims:?}, {keep})"), [dims], |x| x[0].mean(&dims, keep)));
+                ops.push(op!(format!("max({dims:?}, {keep})"), [dims], |x| x[0].max(&dims, keep)));
             }
         }
-        check(&c, &ops)?;
+        check(c, ops)?;
     }
 }

@@ -31,11 +31,12 @@ struct Counted {
 fn counted(
     mesh_shape: &[usize],
     inputs: &[(&Tensor, &[Placement])],
-    f: impl Fn(&[DTensor]) -> Result<DTensor> + Sync,
+    f: impl Fn(&[DTensor]) -> Result<DTensor> + Send + Sync + 'static,
 ) -> Vec<Counted> {
-    on_mesh(mesh_shape, |mesh| {
+    let inputs: Vec<(Tensor, Vec<Placement>)> = inputs.iter().map(|&(t, p)| (t.clone(), p.to_vec())).collect();
+    on_mesh(mesh_shape, move |mesh| {
         let mut xs = Vec::new();
-        for (full, p) in inputs {
+        for (full, p) in &inputs {
             let layout = Layout::new(mesh.shape(), p, full.shape(), full.dtype())?;
             let local = partial_local(full, &layout, mesh.coordinate(), 11)?;
             xs.push(DTensor::from_local_with_layout(local, mesh, layout)?);
@@ -74,7 +75,7 @@ fn expect(
     calls: &[(OpKind, u64)],
     placements: &[Placement],
     want: &Tensor,
-    f: impl Fn(&[DTensor]) -> Result<DTensor> + Sync,
+    f: impl Fn(&[DTensor]) -> Result<DTensor> + Send + Sync + 'static,
 ) -> Vec<Counted> {
     let outs = counted(mesh_shape, inputs, f);
     for c in &outs {
@@ -197,7 +198,7 @@ fn cross_entropy_on_batch_shards_is_one_all_reduce() {
     let ar1: &[(OpKind, u64)] = &[(OpKind::AllReduce, 1)];
     for reduction in [Reduction::Mean, Reduction::Sum] {
         let want = logits.cross_entropy(&targets, reduction).unwrap();
-        let ce = |t: &[DTensor]| t[0].cross_entropy(&t[1], reduction);
+        let ce = move |t: &[DTensor]| t[0].cross_entropy(&t[1], reduction);
         let what = format!("cross_entropy({reduction:?})");
         let cases: [(&[usize], &[Placement], &[Placement]); 2] =
             [(&[4], &[S(0)], &[P]), (&[2, 2], &[S(0), R], &[P, R])];

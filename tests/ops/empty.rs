@@ -26,8 +26,9 @@ fn mean_over_an_empty_dim_is_nan() {
     let full = Tensor::zeros(&[0, 3], DType::F64).unwrap();
     let want = full.mean(&[0], false).unwrap();
     for p in [R, S(1)] {
-        let outs = on_mesh(&[2], |m| {
-            Ok(distribute_tensor(&full, m, &[p])?.mean(&[0], false)?.full_tensor()?)
+        let outs = on_mesh(&[2], {
+            let full = full.clone();
+            move |m| Ok(distribute_tensor(&full, m, &[p])?.mean(&[0], false)?.full_tensor()?)
         })
         .unwrap();
         assert_all_nan(&outs, &want, &format!("mean of [0, 3] {p}"));
@@ -41,7 +42,7 @@ fn cross_entropy_mean_of_no_rows_is_nan() {
     let logits = Tensor::zeros(&[0, 3], DType::F64).unwrap();
     let targets = Tensor::from_vec(Vec::<i64>::new(), &[0]).unwrap();
     let want = logits.cross_entropy(&targets, Reduction::Mean).unwrap();
-    let outs = on_mesh(&[2], |m| {
+    let outs = on_mesh(&[2], move |m| {
         let x = distribute_tensor(&logits, m, &[R])?;
         let t = distribute_tensor(&targets, m, &[R])?;
         Ok(x.cross_entropy(&t, Reduction::Mean)?.full_tensor()?)

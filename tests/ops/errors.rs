@@ -10,8 +10,8 @@ use crate::harness::on_mesh;
 
 /// Runs `f` on every rank of a mesh; each rank must get an error containing every needle.
 #[track_caller]
-fn expect_err<T>(mesh: &[usize], needles: &[&str], f: impl Fn(&DeviceMesh) -> Result<T> + Sync) {
-    let outs = on_mesh(mesh, |m| -> std::result::Result<(Vec<usize>, String), BoxError> {
+fn expect_err<T>(mesh: &[usize], needles: &[&str], f: impl Fn(&DeviceMesh) -> Result<T> + Send + Sync + 'static) {
+    let outs = on_mesh(mesh, move |m| -> std::result::Result<(Vec<usize>, String), BoxError> {
         match f(m) {
             Ok(_) => Err("expected an error".into()),
             Err(e) => Ok((m.coordinate().to_vec(), e.to_string())),
@@ -93,14 +93,14 @@ fn cross_entropy_target_shape() {
 fn embedding_index_out_of_range() {
     let bad = [0, 3, 7, 1, 2, 6];
     // Replicated table and indices: every rank looks up the bad index.
-    expect_err(&[2], &["embedding", "index 7", "7 rows"], |m| {
+    expect_err(&[2], &["embedding", "index 7", "7 rows"], move |m| {
         let table = distribute_tensor(&randn(&[7, 4])?, m, &[R])?;
         let i = distribute_tensor(&idx(&bad, &[2, 3])?, m, &[R])?;
         table.embedding(&i)
     });
     // Row-sharded table: every rank checks against the whole vocabulary.
     for p in [[S(0), R], [S(0), S(0)]] {
-        expect_err(&[2, 2], &["embedding", "index 7", "7 rows"], |m| {
+        expect_err(&[2, 2], &["embedding", "index 7", "7 rows"], move |m| {
             let table = distribute_tensor(&randn(&[7, 4])?, m, &p)?;
             let i = distribute_tensor(&idx(&bad, &[2, 3])?, m, &[R, R])?;
             table.embedding(&i)

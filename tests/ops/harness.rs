@@ -4,7 +4,7 @@
 //! `Tensor` op on the full inputs.
 
 use std::fmt;
-use std::sync::{Mutex, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError};
 
 use proptest::prelude::*;
 use proptest::test_runner::{Config, FileFailurePersistence, TestCaseError};
@@ -48,13 +48,14 @@ static LAUNCH: Mutex<()> = Mutex::new(());
 /// The launch's error (a rank that failed or panicked), as a string.
 pub fn on_mesh<T, F>(mesh_shape: &[usize], f: F) -> std::result::Result<Vec<T>, String>
 where
-    T: Send,
-    F: Fn(&DeviceMesh) -> std::result::Result<T, BoxError> + Sync,
+    T: Send + 'static,
+    F: Fn(&DeviceMesh) -> std::result::Result<T, BoxError> + Send + Sync + 'static,
 {
     let n = mesh_shape.iter().product();
     let _one = LAUNCH.lock().unwrap_or_else(PoisonError::into_inner);
-    launch(n, |ctx| {
-        let mesh = DeviceMesh::new(ctx.into_comm(), mesh_shape)?;
+    let shape = mesh_shape.to_vec();
+    launch(n, move |ctx| {
+        let mesh = DeviceMesh::new(ctx.into_comm(), &shape)?;
         f(&mesh)
     })
     .map_err(|e| format!("launch on mesh {mesh_shape:?} failed: {e}"))
@@ -257,26 +258,27 @@ pub fn plain(sets: Vec<Vec<Arg>>) -> impl Strategy<Value = Case<()>> {
     cases(sets.into_iter().map(|a| ((), a)).collect())
 }
 
-type DistFn<'a> = Box<dyn Fn(&[DTensor]) -> Result<DTensor> + Sync + 'a>;
-type LocalFn<'a> = Box<dyn Fn(&[Tensor]) -> Result<Tensor> + Sync + 'a>;
+type DistFn = Box<dyn Fn(&[DTensor]) -> Result<DTensor> + Send + Sync>;
+type LocalFn = Box<dyn Fn(&[Tensor]) -> Result<Tensor> + Send + Sync>;
 
-/// One op under test: the DTensor op and its single-device oracle.
-pub struct Op<'a> {
+/// One op under test: the DTensor op and its single-device oracle (owning what they
+/// use: the DTensor op runs on the ranks of a launch).
+pub struct Op {
     /// Printed in failures.
     pub name: String,
-    dist: DistFn<'a>,
-    local: LocalFn<'a>,
+    dist: DistFn,
+    local: LocalFn,
     /// Whether the result must be bit-exact (data movement, no partial sums).
     exact: bool,
 }
 
-impl<'a> Op<'a> {
+impl Op {
     /// An op compared with a tolerance.
     pub fn new(
         name: impl Into<String>,
-        dist: impl Fn(&[DTensor]) -> Result<DTensor> + Sync + 'a,
-        local: impl Fn(&[Tensor]) -> Result<Tensor> + Sync + 'a,
-    ) -> Op<'a> {
+        dist: impl Fn(&[DTensor]) -> Result<DTensor> + Send + Sync + 'static,
+        local: impl Fn(&[Tensor]) -> Result<Tensor> + Send + Sync + 'static,
+    ) -> Op {
         Op {
             name: name.into(),
             dist: Box::new(dist),
@@ -286,17 +288,26 @@ impl<'a> Op<'a> {
     }
 
     /// The same op, bit-exact unless an input is `Partial`.
-    pub fn exact(mut self) -> Op<'a> {
+    pub fn exact(mut self) -> Op {
         self.exact = true;
         self
     }
 }
 
 /// An [`Op`] whose DTensor and Tensor forms are the same expression in `x` (the inputs).
+/// Values the expression uses are copied into both forms; name those that are not
+/// `Copy` in brackets, and each form gets its own clone: `op!(name, [dims], |x| ...)`.
 #[macro_export]
 macro_rules! op {
     ($name:expr, |$x:ident| $body:expr) => {
-        $crate::harness::Op::new($name, move |$x: &[DTensor]| $body, move |$x: &[Tensor]| $body)
+        $crate::op!($name, [], |$x| $body)
+    };
+    ($name:expr, [$($owned:ident),*], |$x:ident| $body:expr) => {
+        $crate::harness::Op::new(
+            $name,
+            { $(let $owned = $owned.clone();)* move |$x: &[DTensor]| $body },
+            { $(let $owned = $owned.clone();)* move |$x: &[Tensor]| $body },
+        )
     };
 }
 
@@ -336,10 +347,14 @@ fn matches(got: &Tensor, want: &Tensor, exact: bool) -> bool {
 /// Runs every op of `ops` on the inputs of `case`, on each mesh of [`MESHES`] (one
 /// launch per mesh), and compares every rank's `full_tensor()` of each result with
 /// the op on the full inputs.
-pub fn check<P: fmt::Debug + Sync>(case: &Case<P>, ops: &[Op<'_>]) -> std::result::Result<(), TestCaseError> {
-    let fulls = case.fulls();
+pub fn check<P>(case: Case<P>, ops: impl Into<Arc<[Op]>>) -> std::result::Result<(), TestCaseError>
+where
+    P: fmt::Debug + Send + Sync + 'static,
+{
+    let (case, ops) = (Arc::new(case), ops.into());
+    let fulls: Arc<[Tensor]> = case.fulls().into();
     let mut wants = Vec::with_capacity(ops.len());
-    for op in ops {
+    for op in ops.iter() {
         let want = (op.local)(&fulls).map_err(|e| TestCaseError::fail(format!("oracle {}: {e}", op.name)))?;
         wants.push(want);
     }
@@ -347,16 +362,19 @@ pub fn check<P: fmt::Debug + Sync>(case: &Case<P>, ops: &[Op<'_>]) -> std::resul
     // when nothing is partial or `Distribute` added zeros.
     let exact_ok = !case.has_partial() || case.source == Source::Distribute;
     for (m, mesh_shape) in MESHES.iter().enumerate() {
-        let outs = on_mesh(mesh_shape, |mesh| {
-            let xs = inputs(case, &fulls, m, mesh)?;
-            let mut out = Vec::with_capacity(ops.len());
-            for op in ops {
-                let y = (op.dist)(&xs).map_err(|e| format!("{}: {e}", op.name))?;
-                let placements = y.placements().to_vec();
-                let full = y.full_tensor().map_err(|e| format!("{} full_tensor: {e}", op.name))?;
-                out.push((placements, full));
+        let outs = on_mesh(mesh_shape, {
+            let (case, fulls, ops) = (case.clone(), fulls.clone(), ops.clone());
+            move |mesh| {
+                let xs = inputs(&case, &fulls, m, mesh)?;
+                let mut out = Vec::with_capacity(ops.len());
+                for op in ops.iter() {
+                    let y = (op.dist)(&xs).map_err(|e| format!("{}: {e}", op.name))?;
+                    let placements = y.placements().to_vec();
+                    let full = y.full_tensor().map_err(|e| format!("{} full_tensor: {e}", op.name))?;
+                    out.push((placements, full));
+                }
+                Ok(out)
             }
-            Ok(out)
         })
         .map_err(TestCaseError::fail)?;
         for (rank, out) in outs.iter().enumerate() {

@@ -22,12 +22,12 @@ proptest! {
     /// softmax and log_softmax along every dim.
     #[test]
     fn softmax(c in plain(singles(&[&[7], &[3, 5], &[4, 6], &[2, 3, 5], &[3, 5, 7]]))) {
-        let mut ops: Vec<Op<'_>> = Vec::new();
+        let mut ops: Vec<Op> = Vec::new();
         for d in 0..c.args[0].shape.len() {
             ops.push(op!(format!("softmax({d})"), |x| x[0].softmax(d)));
             ops.push(op!(format!("log_softmax({d})"), |x| x[0].log_softmax(d)));
         }
-        check(&c, &ops)?;
+        check(c, ops)?;
     }
 
     /// layer_norm over the last dim with weight and bias (and with only one of them).
@@ -36,7 +36,7 @@ proptest! {
         let d = s[s.len() - 1];
         vec![float(s), float(&[d]), float(&[d])]
     }).collect())) {
-        check(&c, &[
+        check(c, [
             op!("layer_norm(w, b)", |x| x[0].layer_norm(Some(&x[1]), Some(&x[2]), 1e-5)),
             op!("layer_norm(w, -)", |x| x[0].layer_norm(Some(&x[1]), None, 1e-5)),
             op!("layer_norm(-, b)", |x| x[0].layer_norm(None, Some(&x[2]), 1e-5)),
@@ -51,7 +51,7 @@ proptest! {
         vec![float(&[7, 4]), index(&[5], 7)],
         vec![float(&[5, 3]), index(&[3, 4], 5)],
     ])) {
-        check(&c, &[op!("embedding", |x| x[0].embedding(&x[1])).exact()])?;
+        check(c, [op!("embedding", |x| x[0].embedding(&x[1])).exact()])?;
     }
 
     /// Cross entropy, mean and sum, of `[N, C]` and `[B, T, C]` logits.
@@ -63,7 +63,7 @@ proptest! {
         vec![float(&[2, 3, 5]), index(&[2, 3], 5)],
         vec![float(&[3, 5, 4]), index(&[3, 5], 4)],
     ])) {
-        check(&c, &[
+        check(c, [
             Op::new("cross_entropy(mean)", |x| x[0].cross_entropy(&x[1], Reduction::Mean), |x| {
                 cross_entropy_oracle(x, Reduction::Mean)
             }),
@@ -76,7 +76,7 @@ proptest! {
     /// Causal masking of `[..., T, S]` scores, with −∞ and a finite fill.
     #[test]
     fn causal_mask(c in plain(singles(&[&[3, 5], &[5, 3], &[4, 4], &[2, 3, 5], &[2, 5, 5]]))) {
-        check(&c, &[
+        check(c, [
             op!("causal_mask(-inf)", |x| x[0].causal_mask(f64::NEG_INFINITY)).exact(),
             op!("causal_mask(-1e4)", |x| x[0].causal_mask(-1e4)).exact(),
         ])?;

@@ -36,7 +36,7 @@ proptest! {
     /// add, sub, mul and maximum with broadcasting.
     #[test]
     fn binary_ops(c in plain(broadcast_pairs(float))) {
-        check(&c, &[
+        check(c, [
             op!("add", |x| x[0].add(&x[1])),
             op!("sub", |x| x[0].sub(&x[1])),
             op!("mul", |x| x[0].mul(&x[1])),
@@ -47,13 +47,13 @@ proptest! {
     /// div with broadcasting, by a divisor away from zero.
     #[test]
     fn div(c in plain(broadcast_pairs(positive))) {
-        check(&c, &[op!("div", |x| x[0].div(&x[1]))])?;
+        check(c, [op!("div", |x| x[0].div(&x[1]))])?;
     }
 
     /// Unary ops on any real input.
     #[test]
     fn unary_ops(c in plain(unary_shapes(float))) {
-        check(&c, &[
+        check(c, [
             op!("neg", |x| x[0].neg()),
             op!("exp", |x| x[0].exp()),
             op!("tanh", |x| x[0].tanh()),
@@ -70,7 +70,7 @@ proptest! {
     /// Unary ops defined on positive inputs.
     #[test]
     fn unary_positive_ops(c in plain(unary_shapes(positive))) {
-        check(&c, &[
+        check(c, [
             op!("log", |x| x[0].log()),
             op!("sqrt", |x| x[0].sqrt()),
             op!("rsqrt", |x| x[0].rsqrt()),
@@ -81,7 +81,7 @@ proptest! {
     /// Scalar ops (`Partial(sum)` inputs included: add_scalar must reduce first).
     #[test]
     fn scalar_ops(c in plain(unary_shapes(float))) {
-        check(&c, &[
+        check(c, [
             op!("mul_scalar", |x| x[0].mul_scalar(2.5)),
             op!("div_scalar", |x| x[0].div_scalar(4.0)),
             op!("add_scalar", |x| x[0].add_scalar(1.5)),

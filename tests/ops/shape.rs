@@ -31,16 +31,16 @@ proptest! {
     fn transpose_permute(c in plain(singles(&[&[3, 5], &[4, 6], &[2, 3, 4], &[3, 5, 7]]))) {
         let rank = c.args[0].shape.len();
         let perms = permutations(rank);
-        let mut ops: Vec<Op<'_>> = Vec::new();
+        let mut ops: Vec<Op> = Vec::new();
         for a in 0..rank {
             for b in a..rank {
                 ops.push(op!(format!("transpose({a}, {b})"), |x| x[0].transpose(a, b)).exact());
             }
         }
         for p in &perms {
-            ops.push(op!(format!("permute({p:?})"), |x| x[0].permute(p)).exact());
+            ops.push(op!(format!("permute({p:?})"), [p], |x| x[0].permute(&p)).exact());
         }
-        check(&c, &ops)?;
+        check(c, ops)?;
     }
 
     /// reshape: merging and splitting dims after a leading dim, size-1 dims, and
@@ -54,12 +54,12 @@ proptest! {
         (vec![vec![3, 35], vec![15, 7], vec![105], vec![7, 5, 3]], vec![float(&[3, 5, 7])]),
         (vec![vec![3, 5], vec![5, 3]], vec![float(&[15])]),
     ])) {
-        let ops: Vec<Op<'_>> = c
+        let ops: Vec<Op> = c
             .param
             .iter()
-            .map(|s| op!(format!("reshape({s:?})"), |x| x[0].reshape(s)).exact())
+            .map(|s| op!(format!("reshape({s:?})"), [s], |x| x[0].reshape(&s)).exact())
             .collect();
-        check(&c, &ops)?;
+        check(c, ops)?;
     }
 
     /// narrow of every dim: whole, from 1, the back half, the last entry, empty.
@@ -71,11 +71,11 @@ proptest! {
                 ranges.push((d, start, len));
             }
         }
-        let ops: Vec<Op<'_>> = ranges
+        let ops: Vec<Op> = ranges
             .iter()
             .map(|&(d, s, l)| op!(format!("narrow({d}, {s}, {l})"), |x| x[0].narrow(d, s, l)).exact())
             .collect();
-        check(&c, &ops)?;
+        check(c, ops)?;
     }
 
     /// cat of two and three inputs along each dim.
@@ -91,6 +91,6 @@ proptest! {
         let dim = c.param;
         let dist = move |x: &[DTensor]| DTensor::cat(&x.iter().collect::<Vec<_>>(), dim);
         let local = move |x: &[Tensor]| Tensor::cat(x, dim);
-        check(&c, &[Op::new(format!("cat(dim {dim})"), dist, local).exact()])?;
+        check(c, [Op::new(format!("cat(dim {dim})"), dist, local).exact()])?;
     }
 }

@@ -10,8 +10,8 @@ use crate::harness::on_mesh;
 
 /// Runs `f` on every rank of a mesh; each rank must get an error containing every
 /// needle (`{coord}` in a needle stands for the rank's coordinate).
-fn expect_err<T>(mesh: &[usize], needles: &[&str], f: impl Fn(&DeviceMesh) -> Result<T> + Sync) {
-    let outs = on_mesh(mesh, |m| -> Result<(Vec<usize>, String), BoxError> {
+fn expect_err<T>(mesh: &[usize], needles: &[&str], f: impl Fn(&DeviceMesh) -> Result<T> + Send + Sync + 'static) {
+    let outs = on_mesh(mesh, move |m| -> Result<(Vec<usize>, String), BoxError> {
         match f(m) {
             Ok(_) => Err("expected an error".into()),
             Err(e) => Ok((m.coordinate().to_vec(), e.to_string())),
@@ -105,13 +105,13 @@ fn partial_avg_on_i64() {
         "reduce with Sum and divide explicitly",
     ];
     let avg = Partial(ReduceOp::Avg);
-    expect_err(&[2], &needles, |m| {
+    expect_err(&[2], &needles, move |m| {
         distribute_tensor(&full(&[4], DType::I64)?, m, &[avg])
     });
-    expect_err(&[2], &needles, |m| {
+    expect_err(&[2], &needles, move |m| {
         DTensor::from_local(full(&[4], DType::I64)?, m, &[avg], &[4])
     });
-    expect_err(&[2, 2], &needles, |m| {
+    expect_err(&[2, 2], &needles, move |m| {
         distribute_tensor(&full(&[4], DType::I64)?, m, &[S(0), R])?.redistribute(&[S(0), avg])
     });
 }

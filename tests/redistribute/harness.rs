@@ -35,17 +35,28 @@ static LAUNCH: Mutex<()> = Mutex::new(());
 /// or panic on any rank) fails the case.
 pub fn on_mesh<T, F>(mesh_shape: &[usize], f: F) -> Result<Vec<T>, TestCaseError>
 where
-    T: Send,
-    F: Fn(&DeviceMesh) -> Result<T, BoxError> + Sync,
+    T: Send + 'static,
+    F: Fn(&DeviceMesh) -> Result<T, BoxError> + Send + Sync + 'static,
 {
     let n = mesh_shape.iter().product();
     // A test that failed while holding the lock leaves nothing to clean up.
     let _one = LAUNCH.lock().unwrap_or_else(PoisonError::into_inner);
-    launch(n, |ctx| {
-        let mesh = DeviceMesh::new(ctx.into_comm(), mesh_shape)?;
+    let shape = mesh_shape.to_vec();
+    launch(n, move |ctx| {
+        let mesh = DeviceMesh::new(ctx.into_comm(), &shape)?;
         f(&mesh)
     })
     .map_err(|e| TestCaseError::fail(format!("launch on mesh {mesh_shape:?} failed: {e}")))
+}
+
+/// [`on_mesh`] on the case's source mesh, `f` getting the rank's own copy of the case.
+pub fn on_case<T, F>(t: &Transition, f: F) -> Result<Vec<T>, TestCaseError>
+where
+    T: Send + 'static,
+    F: Fn(&Transition, &DeviceMesh) -> Result<T, BoxError> + Send + Sync + 'static,
+{
+    let case = t.clone();
+    on_mesh(&t.src.mesh_shape, move |mesh| f(&case, mesh))
 }
 
 /// The full tensor of a case (every rank and the oracle build the same one).

@@ -7,7 +7,7 @@ use tessera::dtensor::testing::{all_coords, collective_bound, expected_local, sh
 use tessera::dtensor::{Layout, Tensor};
 use tessera::mesh::{CommCounts, OpKind};
 
-use crate::harness::{close, config, full_of, on_mesh, source};
+use crate::harness::{close, config, full_of, on_case, source};
 
 /// What one rank saw in the byte-count property.
 struct Counted {
@@ -34,8 +34,8 @@ proptest! {
     #[test]
     fn full_tensor_survives_redistribute(t in transition(true, true)) {
         let want = full_of(&t);
-        let outs = on_mesh(&t.src.mesh_shape, |mesh| {
-            let x = source(&t, mesh)?;
+        let outs = on_case(&t, |t, mesh| {
+            let x = source(t, mesh)?;
             let before = x.full_tensor()?;
             let y = x.redistribute_with_order(&t.dst.placements, t.dst.order.clone())?;
             Ok((before, y.layout().clone(), y.full_tensor()?))
@@ -52,8 +52,8 @@ proptest! {
     #[test]
     fn local_shards_are_the_named_slices(t in transition(true, false)) {
         let full = full_of(&t);
-        let outs = on_mesh(&t.src.mesh_shape, |mesh| {
-            let y = source(&t, mesh)?.redistribute_with_order(&t.dst.placements, t.dst.order.clone())?;
+        let outs = on_case(&t, |t, mesh| {
+            let y = source(t, mesh)?.redistribute_with_order(&t.dst.placements, t.dst.order.clone())?;
             Ok((mesh.coordinate().to_vec(), y.to_local().clone()))
         })?;
         for (coord, local) in &outs {
@@ -67,8 +67,8 @@ proptest! {
     /// collective and stays within that collective's bound; ranks agree on the steps.
     #[test]
     fn bytes_match_plan_and_bounds(t in transition(true, true)) {
-        let outs = on_mesh(&t.src.mesh_shape, |mesh| {
-            let x = source(&t, mesh)?;
+        let outs = on_case(&t, |t, mesh| {
+            let x = source(t, mesh)?;
             let plan = x.redistribute_plan_with_order(&t.dst.placements, t.dst.order.clone())?;
             let s0 = mesh.stats();
             let y = x.redistribute_with_order(&t.dst.placements, t.dst.order.clone())?;
@@ -133,8 +133,8 @@ proptest! {
             prop_assert_eq!(p.collectives(), 1);
         }
         let full = full_of(&t);
-        let outs = on_mesh(&t.src.mesh_shape, |mesh| {
-            let x = source(&t, mesh)?;
+        let outs = on_case(&t, |t, mesh| {
+            let x = source(t, mesh)?;
             let s0 = mesh.stats();
             let y = x.redistribute_with_order(&t.dst.placements, t.dst.order.clone())?;
             Ok((mesh.coordinate().to_vec(), y.to_local().clone(), mesh.stats() - s0))
@@ -153,8 +153,8 @@ proptest! {
     #[test]
     fn there_and_back_restores_locals(t in transition(false, false)) {
         let full = full_of(&t);
-        let outs = on_mesh(&t.src.mesh_shape, |mesh| {
-            let x = source(&t, mesh)?;
+        let outs = on_case(&t, |t, mesh| {
+            let x = source(t, mesh)?;
             let y = x.redistribute_with_order(&t.dst.placements, t.dst.order.clone())?;
             let z = y.redistribute_with_order(&t.src.placements, t.src.order.clone())?;
             let locals: [Tensor; 3] = [x.to_local().clone(), y.to_local().clone(), z.to_local().clone()];

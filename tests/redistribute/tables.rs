@@ -182,7 +182,7 @@ fn sharding_fixture_through_dtensor() {
 #[test]
 fn reversed_order_round_trip() {
     let p = [S(0), S(0)];
-    let outs = on_mesh(&[2, 2], |mesh| {
+    let outs = on_mesh(&[2, 2], move |mesh| {
         let full = Tensor::arange(21, DType::F64)?.reshape(&[7, 3])?;
         let x = distribute_tensor_with_order(&full, mesh, &p, reversed(&p))?;
         let r = x.redistribute(&[R, R])?;

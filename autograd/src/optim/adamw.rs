@@ -350,7 +350,7 @@ mod tests {
     #[test]
     fn three_steps_match_the_formula() {
         // config, initial value, gradients at steps 1..=3
-        let cases: &[(AdamWConfig, f64, [f64; 3])] = &[
+        let cases = [
             (TINY, 0.5, [0.1, -0.2, 0.3]),
             (TINY, -1.25, [1e-3, 1e-3, 1e-3]),
             (TINY, 2.0, [0.0, 0.0, 0.0]),
@@ -376,8 +376,8 @@ mod tests {
                 "{want:?} vs {h:?}"
             );
         }
-        on_one_rank(|mesh| {
-            for (c, p0, grads) in cases {
+        on_one_rank(move |mesh| {
+            for (c, p0, grads) in &cases {
                 let want = reference(c, *p0, grads);
                 for dtype in [DType::F64, DType::F32] {
                     let p = Param::new("w", replicated(mesh, Tensor::full(&[3], *p0, dtype)?));
@@ -448,7 +448,7 @@ mod tests {
             let denom = v.sqrt() / ((1.0 - 0.95f64.powf(t)).powf(0.5) as f32) + 1e-8f32;
             p += (-(1e-3 / (1.0 - 0.9f64.powf(t)))) as f32 * m / denom;
         }
-        let got = on_one_rank(|mesh| {
+        let got = on_one_rank(move |mesh| {
             let param = Param::new("w", replicated(mesh, Tensor::from_vec(vec![p0], &[1])?));
             let mut opt = AdamW::new(vec![param.clone()], c)?;
             for &g in &g {

@@ -367,8 +367,10 @@ pub(crate) fn check_range(op: &'static str, what: &str, x: f64, ok: bool, want: 
 
 /// Runs `f` on a one-rank mesh (the threads backend) and returns its result.
 #[cfg(test)]
-pub(crate) fn on_one_rank<T: Send>(f: impl Fn(&tessera_mesh::DeviceMesh) -> Result<T> + Sync) -> T {
-    let mut out = tessera_mesh::launch(1, |ctx| {
+pub(crate) fn on_one_rank<T: Send + 'static>(
+    f: impl Fn(&tessera_mesh::DeviceMesh) -> Result<T> + Send + Sync + 'static,
+) -> T {
+    let mut out = tessera_mesh::launch(1, move |ctx| {
         let mesh = tessera_mesh::DeviceMesh::new(ctx.into_comm(), &[1])?;
         Ok(f(&mesh)?)
     })

@@ -279,7 +279,7 @@ mod tests {
     #[test]
     fn three_steps_match_the_formula() {
         // config, initial value, gradients at steps 1..=3
-        let cases: &[(SgdConfig, f64, [f64; 3])] = &[
+        let cases = [
             (c(0.1, 0.0, 0.0, 0.0, false), 1.0, [1.0, 2.0, -1.0]),
             (c(0.1, 0.5, 0.0, 0.0, false), 1.0, [1.0, 2.0, -1.0]),
             (c(0.1, 0.0, 0.0, 0.5, false), 1.0, [0.0, 0.0, 0.0]),
@@ -297,8 +297,8 @@ mod tests {
                 "{c:?}: {want:?} vs {h:?}"
             );
         }
-        on_one_rank(|mesh| {
-            for (c, p0, grads) in cases {
+        on_one_rank(move |mesh| {
+            for (c, p0, grads) in &cases {
                 let want = reference(c, *p0, grads);
                 for dtype in [DType::F64, DType::F32] {
                     let p = Param::new(

@@ -7,16 +7,19 @@
 //! use tessera_mesh::{launch, DeviceMesh};
 //!
 //! let path = std::env::temp_dir().join(format!("tessera-doc-{}.safetensors", std::process::id()));
-//! launch(2, |ctx| {
-//!     let mesh = DeviceMesh::new(ctx.into_comm(), &[2])?;
-//!     let full = Tensor::arange(6, DType::F32)?.reshape(&[3, 2])?;
-//!     let w = Param::new("w", distribute_tensor(&full, &mesh, &[Shard(0)])?);
-//!     save_state_dict_full(&[w], &path)?; // collective; rank 0 writes
-//!     // Load into a parameter split the other way.
-//!     let v = Param::new("w", distribute_tensor(&Tensor::zeros(&[3, 2], DType::F32)?, &mesh, &[Shard(1)])?);
-//!     load_state_dict(&[v.clone()], &path)?;
-//!     assert_eq!(v.value().full_tensor()?, full);
-//!     Ok(())
+//! launch(2, {
+//!     let path = path.clone();
+//!     move |ctx| {
+//!         let mesh = DeviceMesh::new(ctx.into_comm(), &[2])?;
+//!         let full = Tensor::arange(6, DType::F32)?.reshape(&[3, 2])?;
+//!         let w = Param::new("w", distribute_tensor(&full, &mesh, &[Shard(0)])?);
+//!         save_state_dict_full(&[w], &path)?; // collective; rank 0 writes
+//!         // Load into a parameter split the other way.
+//!         let v = Param::new("w", distribute_tensor(&Tensor::zeros(&[3, 2], DType::F32)?, &mesh, &[Shard(1)])?);
+//!         load_state_dict(&[v.clone()], &path)?;
+//!         assert_eq!(v.value().full_tensor()?, full);
+//!         Ok(())
+//!     }
 //! })
 //! .unwrap();
 //! std::fs::remove_file(&path).unwrap();

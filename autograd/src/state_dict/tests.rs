@@ -126,30 +126,33 @@ fn round_trip_on_one_and_two_ranks() {
         ),
     ] {
         let path = dir.file(&format!("w{world}.safetensors"));
-        launch(world, |ctx| {
-            let mesh = DeviceMesh::new(ctx.into_comm(), &[world])?;
-            let params: Vec<Param> = sample()
-                .into_iter()
-                .zip(save_pl)
-                .map(|((n, t), pl)| Ok(Param::new(n, distribute_tensor(&t, &mesh, pl)?)))
-                .collect::<Result<_>>()?;
-            let before = mesh.stats().total_calls();
-            save_state_dict_full(&params, &path)?;
-            assert!(mesh.stats().total_calls() > before || world == 1);
-            // No barrier needed: the file is in place when save returns.
-            let loaded = zeros_like_sample(&mesh, &load_pl)?;
-            let before = mesh.stats().total_calls();
-            load_state_dict(&loaded, &path)?;
-            assert_eq!(mesh.stats().total_calls(), before, "loading communicates");
-            for ((p, (name, t)), pl) in loaded.iter().zip(sample()).zip(load_pl) {
-                assert_eq!(p.name(), name);
-                assert_eq!(p.value().placements(), pl);
-                assert_eq!(p.value().full_tensor()?, t, "{name}");
-                // The local piece owns its storage: no view of the file's full tensor.
-                let local = p.value().to_local().clone();
-                assert!(local.numel() == t.numel() || local.size_in_bytes() < t.size_in_bytes());
+        launch(world, {
+            let path = path.clone();
+            move |ctx| {
+                let mesh = DeviceMesh::new(ctx.into_comm(), &[world])?;
+                let params: Vec<Param> = sample()
+                    .into_iter()
+                    .zip(save_pl)
+                    .map(|((n, t), pl)| Ok(Param::new(n, distribute_tensor(&t, &mesh, pl)?)))
+                    .collect::<Result<_>>()?;
+                let before = mesh.stats().total_calls();
+                save_state_dict_full(&params, &path)?;
+                assert!(mesh.stats().total_calls() > before || world == 1);
+                // No barrier needed: the file is in place when save returns.
+                let loaded = zeros_like_sample(&mesh, &load_pl)?;
+                let before = mesh.stats().total_calls();
+                load_state_dict(&loaded, &path)?;
+                assert_eq!(mesh.stats().total_calls(), before, "loading communicates");
+                for ((p, (name, t)), pl) in loaded.iter().zip(sample()).zip(load_pl) {
+                    assert_eq!(p.name(), name);
+                    assert_eq!(p.value().placements(), pl);
+                    assert_eq!(p.value().full_tensor()?, t, "{name}");
+                    // The local piece owns its storage: no view of the file's full tensor.
+                    let local = p.value().to_local().clone();
+                    assert!(local.numel() == t.numel() || local.size_in_bytes() < t.size_in_bytes());
+                }
+                Ok(())
             }
-            Ok(())
         })
         .unwrap();
         let mut got = read_safetensors(&path).unwrap();
@@ -175,19 +178,22 @@ fn mismatches_are_listed_and_change_nothing() {
     ];
     write_safetensors(&path, &file).unwrap();
     let p = path.display().to_string();
-    launch(1, |ctx| {
-        let mesh = DeviceMesh::new(ctx.into_comm(), &[1])?;
-        let params = zeros_like_sample(&mesh, &[&[Replicate], &[Replicate], &[Replicate]])?;
-        let err = err_of(load_state_dict(&params, &path));
-        assert!(err.contains(&p), "{err}");
-        assert!(err.contains("missing tensors [\"h\"]"), "{err}");
-        assert!(err.contains("unexpected tensors [\"extra\"]"), "{err}");
-        assert!(
-            params
-                .iter()
-                .all(|p| p.value().to_local().to_f64_vec().iter().all(|&x| x == 0.0))
-        );
-        Ok(())
+    launch(1, {
+        let path = path.clone();
+        move |ctx| {
+            let mesh = DeviceMesh::new(ctx.into_comm(), &[1])?;
+            let params = zeros_like_sample(&mesh, &[&[Replicate], &[Replicate], &[Replicate]])?;
+            let err = err_of(load_state_dict(&params, &path));
+            assert!(err.contains(&p), "{err}");
+            assert!(err.contains("missing tensors [\"h\"]"), "{err}");
+            assert!(err.contains("unexpected tensors [\"extra\"]"), "{err}");
+            assert!(
+                params
+                    .iter()
+                    .all(|p| p.value().to_local().to_f64_vec().iter().all(|&x| x == 0.0))
+            );
+            Ok(())
+        }
     })
     .unwrap();
 
@@ -198,7 +204,7 @@ fn mismatches_are_listed_and_change_nothing() {
         s[2].clone(),
     ];
     write_safetensors(&path, &file).unwrap();
-    launch(1, |ctx| {
+    launch(1, move |ctx| {
         let mesh = DeviceMesh::new(ctx.into_comm(), &[1])?;
         let params = zeros_like_sample(&mesh, &[&[Replicate], &[Replicate], &[Replicate]])?;
         let err = err_of(load_state_dict(&params, &path));
@@ -238,10 +244,13 @@ fn truncated_missing_and_garbage_files_name_the_path() {
         let err = read_safetensors(&path).unwrap_err().to_string();
         assert!(err.contains(&path.display().to_string()), "{case}: {err}");
         assert!(err.contains("not a valid safetensors file"), "{case}: {err}");
-        let err = launch(1, |ctx| {
-            let mesh = DeviceMesh::new(ctx.into_comm(), &[1])?;
-            let params = zeros_like_sample(&mesh, &[&[Replicate], &[Replicate], &[Replicate]])?;
-            Ok(err_of(load_state_dict(&params, &path)))
+        let err = launch(1, {
+            let path = path.clone();
+            move |ctx| {
+                let mesh = DeviceMesh::new(ctx.into_comm(), &[1])?;
+                let params = zeros_like_sample(&mesh, &[&[Replicate], &[Replicate], &[Replicate]])?;
+                Ok(err_of(load_state_dict(&params, &path)))
+            }
         })
         .unwrap()
         .remove(0);
@@ -278,7 +287,7 @@ fn failed_write_leaves_the_old_file() {
 fn a_failed_save_fails_on_every_rank() {
     let dir = TmpDir::new("save-fails");
     let path = dir.file("missing-dir/x.safetensors");
-    let errs = launch(2, |ctx| {
+    let errs = launch(2, move |ctx| {
         let mesh = DeviceMesh::new(ctx.into_comm(), &[2])?;
         let w = Param::new(
             "w",
@@ -305,16 +314,19 @@ fn half_and_double_files_load_into_f32() {
     for dtype in [DType::BF16, DType::F16, DType::F64] {
         let stored = full.cast(dtype).unwrap();
         write_safetensors(&path, &[("w".into(), stored.clone())]).unwrap();
-        launch(2, |ctx| {
-            let mesh = DeviceMesh::new(ctx.into_comm(), &[2])?;
-            let w = Param::new(
-                "w",
-                distribute_tensor(&Tensor::zeros(&[4, 2], DType::F32)?, &mesh, &[Shard(0)])?,
-            );
-            load_state_dict(std::slice::from_ref(&w), &path)?;
-            assert_eq!(w.value().dtype(), DType::F32);
-            assert_eq!(w.value().full_tensor()?, stored.cast(DType::F32)?, "{dtype}");
-            Ok(())
+        launch(2, {
+            let path = path.clone();
+            move |ctx| {
+                let mesh = DeviceMesh::new(ctx.into_comm(), &[2])?;
+                let w = Param::new(
+                    "w",
+                    distribute_tensor(&Tensor::zeros(&[4, 2], DType::F32)?, &mesh, &[Shard(0)])?,
+                );
+                load_state_dict(std::slice::from_ref(&w), &path)?;
+                assert_eq!(w.value().dtype(), DType::F32);
+                assert_eq!(w.value().full_tensor()?, stored.cast(DType::F32)?, "{dtype}");
+                Ok(())
+            }
         })
         .unwrap();
     }
@@ -368,7 +380,7 @@ fn reference_files_load() {
     // Loaded into FSDP-style Shard(0) parameters on 2 ranks, every piece is the file's.
     let path = data("tiny_init.safetensors");
     let full = read_safetensors(&path).unwrap();
-    launch(2, |ctx| {
+    launch(2, move |ctx| {
         let mesh = DeviceMesh::new(ctx.into_comm(), &[2])?;
         let params: Vec<Param> = want
             .iter()
