@@ -2,4 +2,5 @@
 
 mod collectives;
 mod failures;
+mod hangs;
 mod mesh;

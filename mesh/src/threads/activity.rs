@@ -18,6 +18,13 @@
 //! active agent, every rank one of whose waits misses only ranks of the set: if
 //! such a stuck rank waits only for stuck ranks, the wait is a deadlock.
 //!
+//! A closure thread blocked in `Work::wait` or in the fence before a blocking
+//! collective counts as active (it wakes when its own collectives complete, and
+//! counting it idle would race with that hand-over), as does every queued
+//! collective behind one that waits. So a mismatch that only shows through such a
+//! wait is not found here; the timeout still ends it. The check never reports a
+//! job that could still progress.
+//!
 //! The state a check reads is versioned per rank, and a deadlock is declared only
 //! when a second look, at least 10 ms later, finds the same ranks in the same
 //! states (the same versions): a wait that completes or an agent that wakes
