@@ -32,13 +32,12 @@
 
 use std::fmt::Write as _;
 use std::sync::Mutex;
-use std::sync::atomic::Ordering;
 
 use smallvec::SmallVec;
 
 use super::desc::Desc;
 use super::group::Group;
-use super::world::{Phases, lock};
+use super::world::{Phases, behind, lock};
 
 /// One agent waiting at an entry barrier.
 #[derive(Clone)]
@@ -55,12 +54,7 @@ struct Wait {
 impl Wait {
     /// World ranks of the members that have not reached the barrier point.
     fn missing(&self) -> Vec<usize> {
-        self.phases
-            .iter()
-            .zip(&self.members)
-            .filter(|(p, _)| p.0.load(Ordering::Acquire) < self.phase)
-            .map(|(_, &w)| w)
-            .collect()
+        behind(&self.phases, self.phase).map(|q| self.members[q]).collect()
     }
 }
 

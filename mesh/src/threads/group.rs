@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use super::activity::Deadlock;
 use super::desc::{Counts, Desc, Descs};
-use super::world::{Padded, Phases, Poison, World, lock};
+use super::world::{Padded, Phases, Poison, World, behind, lock};
 use crate::{Error, OpKind, Result};
 
 /// One process group of a threads job.
@@ -241,9 +241,7 @@ impl Group {
         // (release/acquire on the flag), so a peer seen as exited and not arrived
         // really left without arriving.
         let exited: Vec<bool> = self.members.iter().map(|&w| self.world.has_exited(w)).collect();
-        let missing: Vec<usize> = (0..self.size())
-            .filter(|&q| self.phase[q].0.load(Ordering::Acquire) < my_phase)
-            .collect();
+        let missing: Vec<usize> = behind(&self.phase, my_phase).collect();
         if let Some(&q) = missing.iter().find(|&&q| exited[q]) {
             let gone = self.members[q];
             let reason = format!("returned from its closure without entering {op} (collective #{seq} of its group)");

@@ -31,6 +31,11 @@ pub(crate) struct Poison {
 /// Barrier points each member of a group has reached.
 pub(crate) type Phases = Arc<Vec<Padded<AtomicU64>>>;
 
+/// The group ranks that have not reached barrier point `phase`.
+pub(crate) fn behind(phases: &[Padded<AtomicU64>], phase: u64) -> impl Iterator<Item = usize> + '_ {
+    (0..phases.len()).filter(move |&q| phases[q].0.load(Ordering::Acquire) < phase)
+}
+
 impl Poison {
     pub(crate) fn new(rank: usize, reason: String) -> Poison {
         Poison {
