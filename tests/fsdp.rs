@@ -1316,7 +1316,7 @@ mod errors {
             let model = tiny_model(&mesh)?;
             model.fully_shard(&mesh, &FsdpConfig::default())?;
             let loss = model.loss(&batch(&toks, 0, 0..8, &mesh)?)?;
-            let p = &model.layers[1].wq.weight;
+            let p = &model.layers[1].attention.wq.weight;
             let v = p.value();
             // The same values in a new storage.
             let copy = v.to_local().cast(DType::F64)?.cast(DType::F32)?;
@@ -1351,7 +1351,7 @@ mod errors {
                     if fsdp {
                         model.fully_shard(&mesh, &FsdpConfig::default())?;
                     }
-                    let frozen = &model.layers[0].wq.weight;
+                    let frozen = &model.layers[0].attention.wq.weight;
                     frozen.set_requires_grad(false);
                     let start = frozen.value().full_tensor()?.to_f64_vec();
                     let mut opt = AdamW::new(params.clone(), adamw())?;

@@ -2,4 +2,4 @@
 
 mod transformer;
 
-pub use transformer::{Block, FsdpUnits, Transformer, TransformerConfig};
+pub use transformer::{Attention, Block, FeedForward, FsdpUnits, Transformer, TransformerConfig};

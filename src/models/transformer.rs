@@ -3,7 +3,7 @@
 //! reference state-dict keys).
 
 use tessera_autograd::nn::{Embedding, LayerNorm, Linear, Module, join};
-use tessera_autograd::{Param, Result, Var};
+use tessera_autograd::{Result, Var};
 use tessera_dtensor::DType;
 use tessera_dtensor::ops::Reduction;
 use tessera_fsdp::{FsdpConfig, FsdpModule, fully_shard};
@@ -42,10 +42,9 @@ impl TransformerConfig {
     }
 }
 
-/// One block: `h = x + wo(attn(ln1(x)))`, `out = h + w2(gelu(w1(ln2(h))))`.
-pub struct Block {
-    /// `layers.i.attention_norm`.
-    pub attention_norm: LayerNorm,
+/// Causal multi-head self-attention: `wo(softmax(q·kᵀ/√hd + mask)·v)`; head `h`
+/// owns feature columns `[h·hd, (h+1)·hd)` of `q`, `k` and `v`.
+pub struct Attention {
     /// `layers.i.attention.wq` (no bias).
     pub wq: Linear,
     /// `layers.i.attention.wk` (no bias).
@@ -54,35 +53,21 @@ pub struct Block {
     pub wv: Linear,
     /// `layers.i.attention.wo` (no bias).
     pub wo: Linear,
-    /// `layers.i.ffn_norm`.
-    pub ffn_norm: LayerNorm,
-    /// `layers.i.feed_forward.w1` (`[4·dim, dim]`, with bias).
-    pub w1: Linear,
-    /// `layers.i.feed_forward.w2` (`[dim, 4·dim]`, with bias).
-    pub w2: Linear,
     n_heads: usize,
 }
 
-impl Block {
-    fn new(prefix: &str, cfg: &TransformerConfig, mesh: &DeviceMesh, dtype: DType, seed: u64) -> Result<Block> {
-        let d = cfg.dim;
-        let lin = |name: &str, i, o, bias, s| Linear::new(&join(prefix, name), i, o, bias, mesh, dtype, seed + s);
-        Ok(Block {
-            attention_norm: LayerNorm::new(&join(prefix, "attention_norm"), d, 1e-5, mesh, dtype)?,
-            wq: lin("attention.wq", d, d, false, 0)?,
-            wk: lin("attention.wk", d, d, false, 2)?,
-            wv: lin("attention.wv", d, d, false, 4)?,
-            wo: lin("attention.wo", d, d, false, 6)?,
-            ffn_norm: LayerNorm::new(&join(prefix, "ffn_norm"), d, 1e-5, mesh, dtype)?,
-            w1: lin("feed_forward.w1", d, 4 * d, true, 8)?,
-            w2: lin("feed_forward.w2", 4 * d, d, true, 10)?,
-            n_heads: cfg.n_heads,
-        })
+impl Module for Attention {
+    fn named_children(&self) -> Vec<(String, &dyn Module)> {
+        vec![
+            ("wq".into(), &self.wq),
+            ("wk".into(), &self.wk),
+            ("wv".into(), &self.wv),
+            ("wo".into(), &self.wo),
+        ]
     }
 
-    /// Causal multi-head self-attention of `x` `[B, T, D]`: head `h` owns feature
-    /// columns `[h·hd, (h+1)·hd)`.
-    fn attention(&self, x: &Var) -> Result<Var> {
+    /// Attention over `x` `[B, T, D]`.
+    fn forward(&self, x: &Var) -> Result<Var> {
         let s = x.value().shape().to_vec();
         let (b, t, d) = (s[0], s[1], s[2]);
         let (h, hd) = (self.n_heads, d / self.n_heads);
@@ -95,25 +80,71 @@ impl Block {
     }
 }
 
-impl Module for Block {
-    fn parameters(&self) -> Vec<Param> {
-        [
-            self.attention_norm.parameters(),
-            self.wq.parameters(),
-            self.wk.parameters(),
-            self.wv.parameters(),
-            self.wo.parameters(),
-            self.ffn_norm.parameters(),
-            self.w1.parameters(),
-            self.w2.parameters(),
-        ]
-        .concat()
+/// The MLP of a block: `w2(gelu(w1(x)))`.
+pub struct FeedForward {
+    /// `layers.i.feed_forward.w1` (`[4·dim, dim]`, with bias).
+    pub w1: Linear,
+    /// `layers.i.feed_forward.w2` (`[dim, 4·dim]`, with bias).
+    pub w2: Linear,
+}
+
+impl Module for FeedForward {
+    fn named_children(&self) -> Vec<(String, &dyn Module)> {
+        vec![("w1".into(), &self.w1), ("w2".into(), &self.w2)]
     }
 
     fn forward(&self, x: &Var) -> Result<Var> {
-        let h = x.add(&self.attention(&self.attention_norm.call(x)?)?)?;
-        let f = self.w2.call(&self.w1.call(&self.ffn_norm.call(&h)?)?.gelu()?)?;
-        h.add(&f)
+        self.w2.call(&self.w1.call(x)?.gelu()?)
+    }
+}
+
+/// One block: `h = x + attention(attention_norm(x))`, `out = h + feed_forward(ffn_norm(h))`.
+pub struct Block {
+    /// `layers.i.attention_norm`.
+    pub attention_norm: LayerNorm,
+    /// `layers.i.attention`.
+    pub attention: Attention,
+    /// `layers.i.ffn_norm`.
+    pub ffn_norm: LayerNorm,
+    /// `layers.i.feed_forward`.
+    pub feed_forward: FeedForward,
+}
+
+impl Block {
+    fn new(prefix: &str, cfg: &TransformerConfig, mesh: &DeviceMesh, dtype: DType, seed: u64) -> Result<Block> {
+        let d = cfg.dim;
+        let lin = |name: &str, i, o, bias, s| Linear::new(&join(prefix, name), i, o, bias, mesh, dtype, seed + s);
+        Ok(Block {
+            attention_norm: LayerNorm::new(&join(prefix, "attention_norm"), d, 1e-5, mesh, dtype)?,
+            attention: Attention {
+                wq: lin("attention.wq", d, d, false, 0)?,
+                wk: lin("attention.wk", d, d, false, 2)?,
+                wv: lin("attention.wv", d, d, false, 4)?,
+                wo: lin("attention.wo", d, d, false, 6)?,
+                n_heads: cfg.n_heads,
+            },
+            ffn_norm: LayerNorm::new(&join(prefix, "ffn_norm"), d, 1e-5, mesh, dtype)?,
+            feed_forward: FeedForward {
+                w1: lin("feed_forward.w1", d, 4 * d, true, 8)?,
+                w2: lin("feed_forward.w2", 4 * d, d, true, 10)?,
+            },
+        })
+    }
+}
+
+impl Module for Block {
+    fn named_children(&self) -> Vec<(String, &dyn Module)> {
+        vec![
+            ("attention_norm".into(), &self.attention_norm),
+            ("attention".into(), &self.attention),
+            ("ffn_norm".into(), &self.ffn_norm),
+            ("feed_forward".into(), &self.feed_forward),
+        ]
+    }
+
+    fn forward(&self, x: &Var) -> Result<Var> {
+        let h = x.add(&self.attention.call(&self.attention_norm.call(x)?)?)?;
+        h.add(&self.feed_forward.call(&self.ffn_norm.call(&h)?)?)
     }
 }
 
@@ -226,15 +257,14 @@ impl Transformer {
 }
 
 impl Module for Transformer {
-    fn parameters(&self) -> Vec<Param> {
-        let mut out = self.tok_embeddings.parameters();
-        out.extend(self.pos_embeddings.parameters());
-        for l in &self.layers {
-            out.extend(l.parameters());
-        }
-        out.extend(self.norm.parameters());
-        out.extend(self.output.parameters());
-        out
+    fn named_children(&self) -> Vec<(String, &dyn Module)> {
+        vec![
+            ("tok_embeddings".into(), &self.tok_embeddings),
+            ("pos_embeddings".into(), &self.pos_embeddings),
+            ("layers".into(), &self.layers),
+            ("norm".into(), &self.norm),
+            ("output".into(), &self.output),
+        ]
     }
 
     fn forward(&self, tokens: &Var) -> Result<Var> {
@@ -243,5 +273,75 @@ impl Module for Transformer {
             h = l.call(&h)?;
         }
         self.head(&h)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use tessera_autograd::nn::{Module, named_modules};
+    use tessera_mesh::{DeviceMesh, launch};
+
+    use super::*;
+
+    #[test]
+    fn the_tree_names_every_parameter_by_its_state_dict_key() {
+        let out = launch(1, |ctx| {
+            let mesh = DeviceMesh::new(ctx.into_comm(), &[1])?;
+            let cfg = TransformerConfig {
+                n_layers: 2,
+                ..TransformerConfig::TINY
+            };
+            let model = Transformer::new(cfg, &mesh, DType::F32, 0)?;
+            // Fully qualified names from the tree equal the names the parameters
+            // were created with (the reference state-dict keys), in the same order.
+            let named = model.named_parameters();
+            let fqns: Vec<&str> = named.iter().map(|(n, _)| n.as_str()).collect();
+            let created: Vec<String> = model.parameters().iter().map(|p| p.name().to_string()).collect();
+            assert_eq!(fqns, created);
+            assert_eq!(named.len(), 2 + 2 * 12 + 3);
+            assert_eq!(
+                &fqns[..6],
+                [
+                    "tok_embeddings.weight",
+                    "pos_embeddings.weight",
+                    "layers.0.attention_norm.weight",
+                    "layers.0.attention_norm.bias",
+                    "layers.0.attention.wq.weight",
+                    "layers.0.attention.wk.weight",
+                ]
+            );
+            assert_eq!(fqns.last(), Some(&"output.weight"));
+            let modules: Vec<String> = named_modules(&model).into_iter().map(|(n, _)| n).collect();
+            let want_prefix = [
+                "",
+                "tok_embeddings",
+                "pos_embeddings",
+                "layers",
+                "layers.0",
+                "layers.0.attention_norm",
+                "layers.0.attention",
+                "layers.0.attention.wq",
+                "layers.0.attention.wk",
+                "layers.0.attention.wv",
+                "layers.0.attention.wo",
+                "layers.0.ffn_norm",
+                "layers.0.feed_forward",
+                "layers.0.feed_forward.w1",
+                "layers.0.feed_forward.w2",
+                "layers.1",
+            ];
+            assert_eq!(&modules[..want_prefix.len()], want_prefix);
+            assert_eq!(&modules[modules.len() - 2..], ["norm", "output"]);
+            // Containers (no parameters of their own) are modules too.
+            let layers = named_modules(&model)
+                .into_iter()
+                .find(|(n, _)| n == "layers")
+                .map(|(_, m)| m);
+            assert_eq!(layers.map(|m| m.own_parameters().len()), Some(0));
+            assert_eq!(layers.map(|m| m.parameters().len()), Some(2 * 12));
+            Ok(modules.len())
+        })
+        .unwrap();
+        assert_eq!(out, vec![1 + 2 + 1 + 2 * 11 + 2]);
     }
 }

@@ -51,8 +51,11 @@ impl Linear {
 }
 
 impl Module for Linear {
-    fn parameters(&self) -> Vec<Param> {
-        std::iter::once(self.weight.clone()).chain(self.bias.clone()).collect()
+    fn own_parameters(&self) -> Vec<(String, Param)> {
+        let bias = self.bias.clone().map(|b| ("bias".to_string(), b));
+        std::iter::once(("weight".to_string(), self.weight.clone()))
+            .chain(bias)
+            .collect()
     }
 
     fn forward(&self, x: &Var) -> Result<Var> {
@@ -82,8 +85,8 @@ impl Embedding {
 }
 
 impl Module for Embedding {
-    fn parameters(&self) -> Vec<Param> {
-        vec![self.weight.clone()]
+    fn own_parameters(&self) -> Vec<(String, Param)> {
+        vec![("weight".into(), self.weight.clone())]
     }
 
     fn forward(&self, indices: &Var) -> Result<Var> {
@@ -118,8 +121,11 @@ impl LayerNorm {
 }
 
 impl Module for LayerNorm {
-    fn parameters(&self) -> Vec<Param> {
-        vec![self.weight.clone(), self.bias.clone()]
+    fn own_parameters(&self) -> Vec<(String, Param)> {
+        vec![
+            ("weight".into(), self.weight.clone()),
+            ("bias".into(), self.bias.clone()),
+        ]
     }
 
     fn forward(&self, x: &Var) -> Result<Var> {

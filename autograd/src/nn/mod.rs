@@ -1,5 +1,5 @@
-//! Modules: [`Module`] (named parameters and a forward), [`Linear`], [`Embedding`],
-//! [`LayerNorm`].
+//! Modules: [`Module`] (a tree of named children and parameters, and a forward),
+//! [`named_modules`], [`Linear`], [`Embedding`], [`LayerNorm`].
 //!
 //! Parameters are created replicated on a mesh; sharding them is a later step
 //! (FSDP or tensor-parallel styles redistribute each parameter's value).
@@ -15,19 +15,95 @@ use tessera_mesh::DeviceMesh;
 
 use crate::{Param, Result, Var};
 
-/// A differentiable module: its parameters (named with their state-dict keys, in a
-/// fixed order) and its forward.
+/// A differentiable module: a forward, its own parameters and its named children,
+/// forming a tree as `torch.nn.Module`s do.
 ///
-/// PyTorch: `torch.nn.Module` (`named_parameters`, `forward`).
+/// A module implements [`forward`](Self::forward) and lists what it holds:
+/// [`own_parameters`](Self::own_parameters) (the parameters it holds directly, by
+/// local name: `"weight"`) and [`named_children`](Self::named_children) (its
+/// submodules, by field name: `"attention"`). Everything else is derived from that
+/// tree: [`parameters`](Self::parameters), [`named_parameters`](Self::named_parameters)
+/// (fully qualified names such as `layers.0.attention.wq.weight`, equal to the
+/// state-dict keys of the layers in this crate) and [`named_modules`].
+///
+/// ```
+/// use tessera_autograd::nn::{named_modules, Linear, Module};
+/// use tessera_autograd::{Param, Result, Var};
+/// use tessera_dtensor::DType;
+/// use tessera_mesh::{launch, DeviceMesh};
+///
+/// /// Two layers with an activation between them.
+/// struct Mlp {
+///     up: Linear,
+///     down: Linear,
+/// }
+///
+/// impl Module for Mlp {
+///     fn named_children(&self) -> Vec<(String, &dyn Module)> {
+///         vec![("up".into(), &self.up), ("down".into(), &self.down)]
+///     }
+///     fn forward(&self, x: &Var) -> Result<Var> {
+///         self.down.call(&self.up.call(x)?.gelu()?)
+///     }
+/// }
+///
+/// launch(1, |ctx| {
+///     let mesh = DeviceMesh::new(ctx.into_comm(), &[1])?;
+///     let mlp = Mlp {
+///         up: Linear::new("mlp.up", 4, 8, true, &mesh, DType::F32, 0)?,
+///         down: Linear::new("mlp.down", 8, 4, false, &mesh, DType::F32, 2)?,
+///     };
+///     let names: Vec<String> = mlp.named_parameters().into_iter().map(|(n, _)| n).collect();
+///     assert_eq!(names, ["up.weight", "up.bias", "down.weight"]);
+///     let modules: Vec<String> = named_modules(&mlp).into_iter().map(|(n, _)| n).collect();
+///     assert_eq!(modules, ["", "up", "down"]);
+///     Ok(())
+/// })?;
+/// # Ok::<(), tessera_mesh::Error>(())
+/// ```
+///
+/// PyTorch: `torch.nn.Module` (`forward`, `named_children`, `named_parameters`,
+/// `named_modules`).
 pub trait Module {
-    /// Every parameter, in a fixed order.
-    fn parameters(&self) -> Vec<Param>;
+    /// The parameters this module holds directly (not its children's), by local
+    /// name, in a fixed order. Default: none.
+    ///
+    /// PyTorch: `named_parameters(recurse=False)`.
+    fn own_parameters(&self) -> Vec<(String, Param)> {
+        Vec::new()
+    }
+
+    /// The direct submodules, by name, in a fixed order. Default: none.
+    ///
+    /// PyTorch: `named_children`.
+    fn named_children(&self) -> Vec<(String, &dyn Module)> {
+        Vec::new()
+    }
 
     /// The forward computation.
     ///
     /// # Errors
     /// Shapes that do not fit, communication failures.
     fn forward(&self, x: &Var) -> Result<Var>;
+
+    /// Every parameter of the tree by fully qualified name (`child.grandchild.local`):
+    /// this module's own first, then each child's, depth first.
+    ///
+    /// PyTorch: `named_parameters`.
+    fn named_parameters(&self) -> Vec<(String, Param)> {
+        let mut out = self.own_parameters();
+        for (name, child) in self.named_children() {
+            out.extend(child.named_parameters().into_iter().map(|(n, p)| (join(&name, &n), p)));
+        }
+        out
+    }
+
+    /// Every parameter of the tree, in [`named_parameters`](Self::named_parameters) order.
+    ///
+    /// PyTorch: `parameters`.
+    fn parameters(&self) -> Vec<Param> {
+        self.named_parameters().into_iter().map(|(_, p)| p).collect()
+    }
 
     /// Calls the module: [`forward`](Self::forward) between the hooks registered
     /// for it (see [`register_module_hooks`]; FSDP registers its units so). Models
@@ -40,6 +116,44 @@ pub trait Module {
     /// Whatever forward or a hook fails with.
     fn call(&self, x: &Var) -> Result<Var> {
         hooks::call(self, x)
+    }
+}
+
+/// `root` and every module below it, by fully qualified name (`""` for `root`),
+/// parents before children.
+///
+/// PyTorch: `Module.named_modules`.
+pub fn named_modules(root: &dyn Module) -> Vec<(String, &dyn Module)> {
+    let mut out = vec![(String::new(), root)];
+    let mut i = 0;
+    while i < out.len() {
+        let (prefix, m) = (out[i].0.clone(), out[i].1);
+        let children: Vec<(String, &dyn Module)> = m
+            .named_children()
+            .into_iter()
+            .map(|(n, c)| (join(&prefix, &n), c))
+            .collect();
+        // Depth first: a module's children come right after it.
+        out.splice(i + 1..i + 1, children);
+        i += 1;
+    }
+    out
+}
+
+/// A list of modules, run one after another; children are named by index (`"0"`,
+/// `"1"`, ...).
+///
+/// PyTorch: `torch.nn.ModuleList` (its children) and `torch.nn.Sequential` (its forward).
+impl<M: Module> Module for Vec<M> {
+    fn named_children(&self) -> Vec<(String, &dyn Module)> {
+        self.iter()
+            .enumerate()
+            .map(|(i, m)| (i.to_string(), m as &dyn Module))
+            .collect()
+    }
+
+    fn forward(&self, x: &Var) -> Result<Var> {
+        self.iter().try_fold(x.clone(), |h, m| m.call(&h))
     }
 }
 
@@ -63,5 +177,38 @@ pub fn join(prefix: &str, name: &str) -> String {
         name.to_string()
     } else {
         format!("{prefix}.{name}")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use tessera_dtensor::{DType, Tensor};
+    use tessera_mesh::{DeviceMesh, launch};
+
+    use super::*;
+
+    #[test]
+    fn a_list_of_modules_names_its_children_by_index_and_runs_them_in_order() {
+        launch(1, |ctx| {
+            let mesh = DeviceMesh::new(ctx.into_comm(), &[1])?;
+            let list = vec![
+                Linear::new("l.0", 3, 4, true, &mesh, DType::F32, 0)?,
+                Linear::new("l.1", 4, 2, false, &mesh, DType::F32, 5)?,
+            ];
+            let names: Vec<String> = list.named_parameters().into_iter().map(|(n, _)| n).collect();
+            assert_eq!(names, ["0.weight", "0.bias", "1.weight"]);
+            let modules: Vec<String> = named_modules(&list).into_iter().map(|(n, _)| n).collect();
+            assert_eq!(modules, ["", "0", "1"]);
+            assert!(list.own_parameters().is_empty());
+            let x = Var::constant(distribute_tensor(
+                &Tensor::randn(&[5, 3], DType::F32, 9)?,
+                &mesh,
+                &[Placement::Replicate],
+            )?);
+            let chained = list[1].forward(&list[0].forward(&x)?)?;
+            assert_eq!(list.forward(&x)?.value().full_tensor()?, chained.value().full_tensor()?);
+            Ok(())
+        })
+        .unwrap();
     }
 }
