@@ -166,43 +166,9 @@ fn process_is_gone(_pid: u32) -> bool {
     false
 }
 
-/// A fresh empty directory under the system temp dir, removed on drop.
-#[cfg(test)]
-pub(super) struct ScratchDir(pub(super) PathBuf);
-
-#[cfg(test)]
-impl ScratchDir {
-    pub(super) fn new(tag: &str) -> ScratchDir {
-        static NEXT: AtomicU64 = AtomicU64::new(0);
-        let dir = std::env::temp_dir().join(format!(
-            "tessera-{tag}-{}-{}",
-            std::process::id(),
-            NEXT.fetch_add(1, Ordering::Relaxed)
-        ));
-        std::fs::create_dir_all(&dir).unwrap();
-        ScratchDir(dir)
-    }
-
-    /// The sorted names in the directory.
-    pub(super) fn entries(&self) -> Vec<String> {
-        let mut v: Vec<String> = std::fs::read_dir(&self.0)
-            .unwrap()
-            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-            .collect();
-        v.sort();
-        v
-    }
-}
-
-#[cfg(test)]
-impl Drop for ScratchDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
 #[cfg(test)]
 mod tests {
+    use super::super::tests::TmpDir;
     use super::*;
 
     #[test]
@@ -235,7 +201,7 @@ mod tests {
     #[test]
     #[cfg_attr(not(target_os = "linux"), ignore = "needs /proc to tell dead writers")]
     fn a_write_removes_temporaries_of_dead_writers_only() {
-        let dir = ScratchDir::new("atomic-stale");
+        let dir = TmpDir::new("atomic-stale");
         let path = dir.0.join("w.safetensors");
         let dead = format!(".w.safetensors.tmp-{}-3", dead_pid());
         let live = format!(".w.safetensors.tmp-{}-999999", std::process::id());
@@ -256,7 +222,7 @@ mod tests {
 
     #[test]
     fn failures_name_the_file_and_leave_nothing() {
-        let dir = ScratchDir::new("atomic-fail");
+        let dir = TmpDir::new("atomic-fail");
         let err = write_atomic(dir.0.join("no/such/dir.json"), b"x").unwrap_err();
         assert!(
             matches!(

@@ -43,10 +43,6 @@ mod read;
 use std::collections::BTreeSet;
 use std::path::Path;
 // For `tests` (which imports this module's names).
-#[cfg(test)]
-use std::path::PathBuf;
-#[cfg(test)]
-use std::sync::atomic::{AtomicU64, Ordering};
 
 use half::{bf16, f16};
 use safetensors::SafeTensors;

@@ -133,7 +133,7 @@ pub(super) fn read_file(path: &Path) -> Result<Vec<u8>> {
 
 #[cfg(test)]
 mod tests {
-    use super::super::atomic::ScratchDir;
+    use super::super::tests::TmpDir;
     use super::*;
 
     /// A file of `len` bytes (sparse: no disk) that starts with `head`.
@@ -158,7 +158,7 @@ mod tests {
 
     #[test]
     fn a_corrupt_header_is_rejected_before_the_data_is_read() {
-        let dir = ScratchDir::new("read-header");
+        let dir = TmpDir::new("read-header");
         let path = dir.0.join("big.safetensors");
         let gib = 1u64 << 30;
         let before = bytes_read();
@@ -212,14 +212,14 @@ mod tests {
         }
         #[cfg(unix)]
         case!("/dev/zero", "/dev/zero: not a regular file (a device, pipe or socket)");
-        let dir = ScratchDir::new("read-dir");
+        let dir = TmpDir::new("read-dir");
         case!(&dir.0, "not a regular file (a directory)");
         case!(&dir.0.join("missing"), "missing: cannot read");
     }
 
     #[test]
     fn truncated_and_overlong_data_name_the_tensor_and_counts() {
-        let dir = ScratchDir::new("read-truncated");
+        let dir = TmpDir::new("read-truncated");
         let path = dir.0.join("t.safetensors");
         let json = r#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F64","shape":[4],"data_offsets":[8,40]}}"#;
         let whole = [headed(json), vec![0u8; 40]].concat();

@@ -3,13 +3,17 @@
 use tessera_dtensor::{Placement, Placement::*, distribute_tensor};
 use tessera_mesh::{DeviceMesh, launch};
 
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+
 use super::*;
 
-/// A fresh empty directory under the system temp dir, removed on drop.
-struct TmpDir(PathBuf);
+/// A fresh empty directory under the system temp dir, removed on drop (shared by
+/// the state-dict modules' tests).
+pub(super) struct TmpDir(pub(super) PathBuf);
 
 impl TmpDir {
-    fn new(tag: &str) -> TmpDir {
+    pub(super) fn new(tag: &str) -> TmpDir {
         static NEXT: AtomicU64 = AtomicU64::new(0);
         let dir = std::env::temp_dir().join(format!(
             "tessera-state-dict-{tag}-{}-{}",
@@ -20,12 +24,12 @@ impl TmpDir {
         TmpDir(dir)
     }
 
-    fn file(&self, name: &str) -> PathBuf {
+    pub(super) fn file(&self, name: &str) -> PathBuf {
         self.0.join(name)
     }
 
     /// The names in the directory (to spot leftover temporary files).
-    fn entries(&self) -> Vec<String> {
+    pub(super) fn entries(&self) -> Vec<String> {
         let mut v: Vec<String> = std::fs::read_dir(&self.0)
             .unwrap()
             .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
