@@ -65,7 +65,7 @@ mod unit;
 use std::collections::HashSet;
 use std::rc::{Rc, Weak};
 
-use tessera_autograd::nn::{Module, has_module_hooks, register_module_hooks};
+use tessera_autograd::nn::{Module, ModuleId, register_module_hooks};
 use tessera_autograd::{Param, Slot};
 use tessera_dtensor::sharding::shard_size_and_offset;
 use tessera_dtensor::{DTensor, Placement, Tensor};
@@ -98,7 +98,7 @@ fn config_error(detail: String) -> Error {
 /// parameter that is not replicated on `mesh`, lives on another mesh, is a scalar,
 /// or is not floating-point; parameters of different dtypes in one unit without a
 /// `param_dtype`.
-pub fn fully_shard<M: Module + ?Sized>(module: &M, mesh: &DeviceMesh, config: FsdpConfig) -> Result<FsdpModule> {
+pub fn fully_shard(module: &dyn Module, mesh: &DeviceMesh, config: FsdpConfig) -> Result<FsdpModule> {
     let (shard_dim, replicate_dim) = resolve_dims(mesh, config.shard_dim.as_deref())?;
     let all = module.parameters();
     let mut ids = HashSet::new();
@@ -133,14 +133,12 @@ pub fn fully_shard<M: Module + ?Sized>(module: &M, mesh: &DeviceMesh, config: Fs
             None => own.push(p.clone()),
         }
     }
-    if has_module_hooks(&all) || (own.is_empty() && children.len() == 1 && children[0].params.len() == all.len()) {
-        return Err(config_error(format!(
-            "the module holding {} is already fully_shard-ed",
-            all.first().map_or("no parameters", |p| p.name())
-        )));
-    }
     if all.is_empty() {
         return Err(config_error("the module has no parameters".into()));
+    }
+    let id = ModuleId::of(module)?;
+    if runtime::is_sharded(&id) {
+        return Err(config_error(format!("{id} is already fully_shard-ed")));
     }
     let dtype = unit_dtype(&own, &config)?;
     let world = mesh.shape()[shard_dim];
@@ -196,7 +194,8 @@ pub fn fully_shard<M: Module + ?Sized>(module: &M, mesh: &DeviceMesh, config: Fs
     for p in &unit.params {
         runtime::set_owner(p.param.id(), &unit);
     }
-    register_module_hooks(&all, unit.clone())?;
+    runtime::set_sharded(id.clone());
+    register_module_hooks(&id, unit.clone());
     Ok(FsdpModule { unit })
 }
 

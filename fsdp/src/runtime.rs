@@ -2,10 +2,11 @@
 //! order units ran in (for implicit prefetching), and reductions in flight.
 
 use std::cell::RefCell;
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::rc::{Rc, Weak};
 
 use tessera_autograd::Result;
+use tessera_autograd::nn::ModuleId;
 
 use crate::unit::{Reduction, Unit};
 
@@ -13,6 +14,8 @@ use crate::unit::{Reduction, Unit};
 struct Runtime {
     /// Parameter id → the unit owning it.
     owners: HashMap<u64, Weak<Unit>>,
+    /// Modules made units.
+    sharded: HashSet<ModuleId>,
     /// Units whose forward is running.
     depth: usize,
     /// This iteration's pre-forward order.
@@ -36,6 +39,15 @@ fn with<R>(f: impl FnOnce(&mut Runtime) -> R) -> R {
 /// The live unit owning parameter `id`, if any.
 pub(crate) fn owner(id: u64) -> Option<Rc<Unit>> {
     with(|rt| rt.owners.get(&id).and_then(Weak::upgrade))
+}
+
+/// Whether `module` was made a unit on this thread.
+pub(crate) fn is_sharded(module: &ModuleId) -> bool {
+    with(|rt| rt.sharded.contains(module))
+}
+
+pub(crate) fn set_sharded(module: ModuleId) {
+    with(|rt| rt.sharded.insert(module));
 }
 
 pub(crate) fn set_owner(id: u64, unit: &Rc<Unit>) {

@@ -1,103 +1,380 @@
 //! Hooks around a module's forward, run when the module is called through
 //! [`Module::call`] (PyTorch runs its hooks in `Module.__call__`, not in `forward`).
 //!
-//! A module is identified by its parameters: hooks registered for a parameter list
-//! run for any module whose [`Module::parameters`] returns exactly that list. FSDP
-//! registers its units this way, so a model needs no change beyond calling its
-//! submodules with `call`.
+//! Hooks attach to a module, named by a [`ModuleId`]:
+//!
+//! - a module holding parameters (in its subtree) is identified by its type and its
+//!   parameters: the identity survives moving the module (into a `Vec`, out of a
+//!   function), and a one-element container differs from its element by type;
+//! - a module without parameters (an activation, an empty container) is identified
+//!   by its path below its nearest ancestor that holds parameters
+//!   ([`ModuleId::at`]`(root, "layers.0.act")`); when it is called, the call stack of
+//!   [`Module::call`]s says where it sits.
+//!
+//! A module may carry several hooks: `pre_forward`s run in registration order
+//! before forward, then `post_forward`s in registration order after it. So tensor
+//! parallelism's input preparation and FSDP's gather can sit on one module.
 
+use std::any::{Any, TypeId};
 use std::cell::RefCell;
 use std::collections::HashMap;
+use std::fmt;
+use std::hash::{Hash, Hasher};
 use std::rc::Rc;
 
-use super::Module;
-use crate::{Error, Param, Result, Var};
+use super::{Module, join};
+use crate::{Error, Result, Var};
 
 /// What runs around a hooked module's forward.
 ///
 /// PyTorch: `register_forward_pre_hook` / `register_forward_hook`.
 pub trait ModuleHooks {
-    /// Runs before forward; its result is what forward receives.
+    /// Runs before forward; its result is what forward (or the next hook) receives.
     ///
     /// # Errors
     /// Whatever the hook fails with; the module's forward does not run.
     fn pre_forward(&self, input: &Var) -> Result<Var>;
 
-    /// Runs after forward; its result is what the caller receives.
+    /// Runs after forward; its result is what the caller (or the next hook) receives.
     ///
     /// # Errors
     /// Whatever the hook fails with.
     fn post_forward(&self, output: Var) -> Result<Var>;
 
-    /// Runs when forward failed, after `pre_forward` succeeded (to undo its effects).
+    /// Runs when forward (or a later hook's `pre_forward`) failed after this hook's
+    /// `pre_forward` succeeded, to undo its effects. Hooks are unwound in reverse
+    /// registration order.
     fn forward_failed(&self) {}
 }
 
-type Key = Vec<u64>;
-
-thread_local! {
-    static HOOKS: RefCell<HashMap<Key, Rc<dyn ModuleHooks>>> = RefCell::new(HashMap::new());
+/// What identifies a module (see the module docs).
+#[derive(Clone, PartialEq, Eq, Hash, Debug)]
+enum Key {
+    /// The module's concrete type and the ids of [`Module::parameters`].
+    Params(TypeId, Vec<u64>),
+    /// A path (`"act"`, `"blocks.0.act"`) below a module that holds parameters.
+    Under(Box<Key>, String),
 }
 
-fn key(params: &[Param]) -> Key {
-    params.iter().map(Param::id).collect()
-}
-
-/// Registers `hooks` for the module whose parameters are `params` (on this rank's
-/// thread).
+/// The identity of a module, to attach hooks to (see the module docs). Two ids are
+/// equal when they name the same module of a model, however the model was moved.
 ///
-/// # Errors
-/// An empty parameter list, or hooks already registered for the same list.
-pub fn register_module_hooks(params: &[Param], hooks: Rc<dyn ModuleHooks>) -> Result<()> {
-    if params.is_empty() {
-        return Err(Error::Config {
-            op: "register_module_hooks",
-            detail: "the module has no parameters, so it cannot be identified".into(),
-        });
+/// PyTorch identifies a module by the Python object; a Rust value moves, so the
+/// identity is derived from what does not: its parameters (shared handles) and its
+/// place in the tree.
+#[derive(Clone)]
+pub struct ModuleId {
+    key: Key,
+    /// For messages: what the module holds or where it is.
+    label: String,
+}
+
+impl PartialEq for ModuleId {
+    fn eq(&self, other: &Self) -> bool {
+        self.key == other.key
     }
-    HOOKS.with(|h| {
-        let mut h = h.borrow_mut();
-        let k = key(params);
-        if h.contains_key(&k) {
+}
+
+impl Eq for ModuleId {}
+
+impl Hash for ModuleId {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        self.key.hash(state);
+    }
+}
+
+impl fmt::Debug for ModuleId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "ModuleId({})", self.label)
+    }
+}
+
+impl fmt::Display for ModuleId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.label)
+    }
+}
+
+/// The concrete type of a module behind `&dyn Module`.
+fn type_of(m: &dyn Module) -> TypeId {
+    let any: &dyn Any = m;
+    any.type_id()
+}
+
+/// The data address of a module (its identity while it is borrowed).
+fn addr_of<M: ?Sized>(m: &M) -> usize {
+    (m as *const M).cast::<()>() as usize
+}
+
+fn params_label(m: &(impl Module + ?Sized)) -> Option<(Vec<u64>, String)> {
+    let ps = m.parameters();
+    let first = ps.first()?;
+    let label = match ps.len() {
+        1 => format!("the module holding {}", first.name()),
+        n => format!("the module holding {} (and {} more parameters)", first.name(), n - 1),
+    };
+    Some((ps.iter().map(crate::Param::id).collect(), label))
+}
+
+impl ModuleId {
+    /// The id of `module`, which must hold parameters (in its subtree).
+    ///
+    /// # Errors
+    /// A module without parameters: name it by its path with [`ModuleId::at`].
+    pub fn of(module: &dyn Module) -> Result<ModuleId> {
+        let Some((ids, label)) = params_label(module) else {
             return Err(Error::Config {
-                op: "register_module_hooks",
+                op: "ModuleId::of",
+                detail: "the module holds no parameters, so it is known only by its place in a model; \
+                         use ModuleId::at(root, \"path.to.module\")"
+                    .into(),
+            });
+        };
+        Ok(ModuleId {
+            key: Key::Params(type_of(module), ids),
+            label,
+        })
+    }
+
+    /// The id of the module at `fqn` below `root` (`""` for `root` itself), with or
+    /// without parameters.
+    ///
+    /// PyTorch: `Module.get_submodule(fqn)`.
+    ///
+    /// # Errors
+    /// No module at `fqn` (the error names the missing part and the children there),
+    /// or a parameter-less module none of whose ancestors up to `root` holds
+    /// parameters.
+    pub fn at(root: &dyn Module, fqn: &str) -> Result<ModuleId> {
+        let path = super::module_path(root, fqn)?;
+        let target = path.last().map_or(root, |(_, m)| *m);
+        if params_label(target).is_some() {
+            let mut id = ModuleId::of(target)?;
+            id.label = format!("`{fqn}`");
+            return Ok(id);
+        }
+        // The nearest ancestor holding parameters anchors the path.
+        let nodes: Vec<&dyn Module> = std::iter::once(root).chain(path.iter().map(|(_, m)| *m)).collect();
+        let Some(i) = (0..nodes.len() - 1).rev().find(|&i| params_label(nodes[i]).is_some()) else {
+            return Err(Error::Config {
+                op: "ModuleId::at",
                 detail: format!(
-                    "hooks are already registered for the module holding {} (and {} more parameters)",
-                    params[0].name(),
-                    params.len() - 1
+                    "module `{fqn}` and every module above it hold no parameters, so it cannot be told apart \
+                     from another instance of the model; hooks need a module with parameters at or above it"
                 ),
             });
+        };
+        let rest: Vec<&str> = path[i..].iter().map(|(n, _)| n.as_str()).collect();
+        Ok(ModuleId {
+            key: Key::Under(Box::new(ModuleId::of(nodes[i])?.key), rest.join(".")),
+            label: format!("`{fqn}`"),
+        })
+    }
+}
+
+/// A registration made by [`register_module_hooks`]; [`remove`](Self::remove) undoes it.
+///
+/// PyTorch: `torch.utils.hooks.RemovableHandle`.
+#[derive(Debug)]
+pub struct HookHandle {
+    module: ModuleId,
+    serial: u64,
+}
+
+impl HookHandle {
+    /// The module the hooks are attached to.
+    pub fn module(&self) -> &ModuleId {
+        &self.module
+    }
+
+    /// Detaches the hooks; false if they were removed already.
+    pub fn remove(&self) -> bool {
+        REGISTRY.with(|r| r.borrow_mut().remove(&self.module, self.serial))
+    }
+}
+
+#[derive(Default)]
+struct Registry {
+    hooks: HashMap<Key, Vec<(u64, Rc<dyn ModuleHooks>)>>,
+    next: u64,
+    /// Registered modules identified by a path (parameter-less ones).
+    relative: usize,
+}
+
+impl Registry {
+    fn remove(&mut self, module: &ModuleId, serial: u64) -> bool {
+        let Some(list) = self.hooks.get_mut(&module.key) else {
+            return false;
+        };
+        let Some(pos) = list.iter().position(|(s, _)| *s == serial) else {
+            return false;
+        };
+        list.remove(pos);
+        if list.is_empty() {
+            self.hooks.remove(&module.key);
+            if matches!(module.key, Key::Under(..)) {
+                self.relative -= 1;
+            }
         }
-        h.insert(k, hooks);
-        Ok(())
+        true
+    }
+}
+
+/// Lists a called module's children: a type-erased `named_children` of a module
+/// borrowed for the duration of its call.
+type Lister = dyn Fn() -> Vec<(String, *const dyn Module)>;
+
+/// A module being called.
+struct Frame {
+    key: Option<Key>,
+    /// Valid while the frame is on the stack (see [`FrameGuard`]).
+    children: *const Lister,
+}
+
+thread_local! {
+    static REGISTRY: RefCell<Registry> = RefCell::new(Registry::default());
+    static STACK: RefCell<Vec<Frame>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Pops its frame when the call ends, however it ends.
+struct FrameGuard;
+
+impl Drop for FrameGuard {
+    fn drop(&mut self) {
+        STACK.with(|s| s.borrow_mut().pop());
+    }
+}
+
+/// Attaches `hooks` to `module` (on this rank's thread); a module's hooks run in
+/// registration order.
+///
+/// PyTorch: `register_forward_pre_hook` and `register_forward_hook` together.
+pub fn register_module_hooks(module: &ModuleId, hooks: Rc<dyn ModuleHooks>) -> HookHandle {
+    REGISTRY.with(|r| {
+        let mut r = r.borrow_mut();
+        let serial = r.next;
+        r.next += 1;
+        let list = r.hooks.entry(module.key.clone()).or_default();
+        let fresh = list.is_empty();
+        list.push((serial, hooks));
+        if fresh && matches!(module.key, Key::Under(..)) {
+            r.relative += 1;
+        }
+        HookHandle {
+            module: module.clone(),
+            serial,
+        }
     })
 }
 
-/// Whether hooks are registered for the module whose parameters are `params`.
-pub fn has_module_hooks(params: &[Param]) -> bool {
-    HOOKS.with(|h| h.borrow().contains_key(&key(params)))
+/// How many hooks are attached to `module`.
+pub fn module_hooks_len(module: &ModuleId) -> usize {
+    REGISTRY.with(|r| r.borrow().hooks.get(&module.key).map_or(0, Vec::len))
 }
 
-/// Removes the hooks registered for `params`, returning whether there were any.
-pub fn remove_module_hooks(params: &[Param]) -> bool {
-    HOOKS.with(|h| h.borrow_mut().remove(&key(params)).is_some())
-}
-
-/// Runs `m`'s forward on `x` between its registered hooks, if any.
-pub(crate) fn call<M: Module + ?Sized>(m: &M, x: &Var) -> Result<Var> {
-    if HOOKS.with(|h| h.borrow().is_empty()) {
-        return m.forward(x);
+/// The id of `m` being called now: from its parameters, or from its place below
+/// the module whose call is running.
+fn key_of_call<M: Module + ?Sized>(m: &M, relative: bool) -> Option<Key> {
+    if let Some((ids, _)) = params_label(m) {
+        return Some(Key::Params(TypeId::of::<M>(), ids));
     }
-    let hooks = HOOKS.with(|h| h.borrow().get(&key(&m.parameters())).cloned());
-    let Some(hooks) = hooks else {
-        return m.forward(x);
-    };
-    let x = hooks.pre_forward(x)?;
-    match m.forward(&x) {
-        Ok(out) => hooks.post_forward(out),
-        Err(e) => {
-            hooks.forward_failed();
-            Err(e)
+    if !relative {
+        return None;
+    }
+    let (parent_key, children) = STACK.with(|s| s.borrow().last().map(|f| (f.key.clone(), f.children)))?;
+    // SAFETY: the frame is on the stack, so the call that pushed it is running and
+    // the module its lister borrows is alive (frames pop before their call returns).
+    let children = unsafe { (*children)() };
+    let (want, ty) = (addr_of(m), TypeId::of::<M>());
+    // SAFETY: as above; the children are borrowed from the same live module.
+    let top: Vec<(String, &dyn Module)> = children.into_iter().map(|(n, c)| (n, unsafe { &*c })).collect();
+    let path = find(top, want, ty)?;
+    // The nearest module holding parameters on the way down anchors the path.
+    let (nodes, names): (Vec<&dyn Module>, Vec<String>) = path.into_iter().map(|(n, c)| (c, n)).unzip();
+    match (0..nodes.len() - 1).rev().find(|&i| params_label(nodes[i]).is_some()) {
+        Some(i) => Some(Key::Under(
+            Box::new(Key::Params(type_of(nodes[i]), params_label(nodes[i])?.0)),
+            names[i + 1..].join("."),
+        )),
+        None => match parent_key? {
+            Key::Under(anchor, above) => Some(Key::Under(anchor, join(&above, &names.join(".")))),
+            parent => Some(Key::Under(Box::new(parent), names.join("."))),
+        },
+    }
+}
+
+/// The path (names and modules) from below a parent to the descendant at address
+/// `want` of type `ty`, depth first.
+fn find(children: Vec<(String, &dyn Module)>, want: usize, ty: TypeId) -> Option<Vec<(String, &dyn Module)>> {
+    for (name, c) in children {
+        if addr_of(c) == want && type_of(c) == ty {
+            return Some(vec![(name, c)]);
+        }
+        if let Some(mut rest) = find(c.named_children(), want, ty) {
+            rest.insert(0, (name, c));
+            return Some(rest);
         }
     }
+    None
+}
+
+/// Runs `m`'s forward on `x` between its hooks, if any.
+pub(crate) fn call<M: Module + ?Sized>(m: &M, x: &Var) -> Result<Var> {
+    let (active, relative) = REGISTRY.with(|r| {
+        let r = r.borrow();
+        (!r.hooks.is_empty(), r.relative > 0)
+    });
+    if !active {
+        return m.forward(x);
+    }
+    let key = key_of_call(m, relative);
+    let hooks: Vec<Rc<dyn ModuleHooks>> = key.as_ref().map_or_else(Vec::new, |k| {
+        REGISTRY.with(|r| {
+            r.borrow()
+                .hooks
+                .get(k)
+                .map_or_else(Vec::new, |l| l.iter().map(|(_, h)| h.clone()).collect())
+        })
+    });
+    let lister = || -> Vec<(String, *const dyn Module)> {
+        m.named_children()
+            .into_iter()
+            .map(|(n, c)| (n, c as *const dyn Module))
+            .collect()
+    };
+    let lister: &(dyn Fn() -> Vec<(String, *const dyn Module)> + '_) = &lister;
+    // SAFETY: only the lifetime is erased; the frame holding the pointer is popped
+    // (by the guard) before `lister` and the borrow of `m` end.
+    let children: *const Lister =
+        unsafe { std::mem::transmute::<&(dyn Fn() -> Vec<(String, *const dyn Module)> + '_), &'static Lister>(lister) };
+    STACK.with(|s| s.borrow_mut().push(Frame { key, children }));
+    let _guard = FrameGuard;
+    run(m, x, &hooks)
+}
+
+/// Pre hooks in order, forward, post hooks in order; on failure, the hooks whose
+/// pre ran are told, last first.
+fn run<M: Module + ?Sized>(m: &M, x: &Var, hooks: &[Rc<dyn ModuleHooks>]) -> Result<Var> {
+    let unwind = |ran: usize| hooks[..ran].iter().rev().for_each(|h| h.forward_failed());
+    let mut x = x.clone();
+    for (i, h) in hooks.iter().enumerate() {
+        match h.pre_forward(&x) {
+            Ok(y) => x = y,
+            Err(e) => {
+                unwind(i);
+                return Err(e);
+            }
+        }
+    }
+    let mut out = match m.forward(&x) {
+        Ok(out) => out,
+        Err(e) => {
+            unwind(hooks.len());
+            return Err(e);
+        }
+    };
+    for h in hooks {
+        out = h.post_forward(out)?;
+    }
+    Ok(out)
 }

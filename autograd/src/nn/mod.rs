@@ -7,13 +7,15 @@
 mod hooks;
 mod layers;
 
-pub use hooks::{ModuleHooks, has_module_hooks, register_module_hooks, remove_module_hooks};
+pub use hooks::{HookHandle, ModuleHooks, ModuleId, module_hooks_len, register_module_hooks};
 pub use layers::{Embedding, LayerNorm, Linear};
+
+use std::any::Any;
 
 use tessera_dtensor::{DType, Placement, Tensor, distribute_tensor};
 use tessera_mesh::DeviceMesh;
 
-use crate::{Param, Result, Var};
+use crate::{Error, Param, Result, Var};
 
 /// A differentiable module: a forward, its own parameters and its named children,
 /// forming a tree as `torch.nn.Module`s do.
@@ -62,9 +64,13 @@ use crate::{Param, Result, Var};
 /// # Ok::<(), tessera_mesh::Error>(())
 /// ```
 ///
+/// Modules are `'static` types (they own their parameters), so a module behind
+/// `&dyn Module` can be downcast (`(m as &dyn Any).downcast_ref::<Linear>()`), as
+/// tensor-parallel styles do to find the layers they shard.
+///
 /// PyTorch: `torch.nn.Module` (`forward`, `named_children`, `named_parameters`,
 /// `named_modules`).
-pub trait Module {
+pub trait Module: Any {
     /// The parameters this module holds directly (not its children's), by local
     /// name, in a fixed order. Default: none.
     ///
@@ -105,10 +111,10 @@ pub trait Module {
         self.named_parameters().into_iter().map(|(_, p)| p).collect()
     }
 
-    /// Calls the module: [`forward`](Self::forward) between the hooks registered
-    /// for it (see [`register_module_hooks`]; FSDP registers its units so). Models
-    /// call their submodules with `call`, so wrapping a submodule needs no change
-    /// to the model.
+    /// Calls the module: [`forward`](Self::forward) between the hooks attached to
+    /// it (see [`register_module_hooks`]; FSDP units and tensor-parallel styles
+    /// attach theirs so). Models call their submodules with `call`, so wrapping a
+    /// submodule needs no change to the model.
     ///
     /// PyTorch: `module(x)` (`Module.__call__`).
     ///
@@ -138,6 +144,44 @@ pub fn named_modules(root: &dyn Module) -> Vec<(String, &dyn Module)> {
         i += 1;
     }
     out
+}
+
+/// The module at `fqn` below `root` (`""` is `root`).
+///
+/// PyTorch: `Module.get_submodule`.
+///
+/// # Errors
+/// No module at `fqn`: the error names the first missing part and the children
+/// that exist there.
+pub fn get_submodule<'a>(root: &'a dyn Module, fqn: &str) -> Result<&'a dyn Module> {
+    Ok(module_path(root, fqn)?.last().map_or(root, |(_, m)| *m))
+}
+
+/// The modules on the way from `root` down to `fqn` (`root` excluded), with their
+/// local names.
+pub(crate) fn module_path<'a>(root: &'a dyn Module, fqn: &str) -> Result<Vec<(String, &'a dyn Module)>> {
+    let mut out: Vec<(String, &'a dyn Module)> = Vec::new();
+    if fqn.is_empty() {
+        return Ok(out);
+    }
+    let mut here = root;
+    for (i, part) in fqn.split('.').enumerate() {
+        let children = here.named_children();
+        let Some((name, child)) = children.iter().find(|(n, _)| n == part).cloned() else {
+            let at = fqn.split('.').take(i).collect::<Vec<_>>().join(".");
+            let names: Vec<&str> = children.iter().map(|(n, _)| n.as_str()).collect();
+            return Err(Error::Config {
+                op: "get_submodule",
+                detail: format!(
+                    "no module `{fqn}`: {} has no child `{part}` (its children: {names:?})",
+                    if at.is_empty() { "the root".to_string() } else { format!("`{at}`") }
+                ),
+            });
+        };
+        out.push((name, child));
+        here = child;
+    }
+    Ok(out)
 }
 
 /// A list of modules, run one after another; children are named by index (`"0"`,
@@ -212,3 +256,6 @@ mod tests {
         .unwrap();
     }
 }
+
+#[cfg(test)]
+mod hook_tests;
