@@ -3,8 +3,8 @@
 //! reference data generator, printing progress and a summary.
 //!
 //! ```text
-//! cargo run --release --example train -- [--world-size 4 | --mesh RxS] [--steps 50] [--batch 2]
-//!     [--dim 64 --n-layers 2 --n-heads 4 --vocab 256 --seq 32] [--lr 1e-3]
+//! cargo run --release --example train -- [--world-size 4 | --mesh RxS] [--tp T [--sequence-parallel]]
+//!     [--steps 50] [--batch 2] [--dim 64 --n-layers 2 --n-heads 4 --vocab 256 --seq 32] [--lr 1e-3]
 //!     [--mixed-precision bf16] [--no-reshard]
 //!     [--init PATH] [--tokens PATH] [--data-seed 1234] [--losses-out PATH]
 //! ```
@@ -16,6 +16,13 @@
 //! `R × S` mesh (replicate over R, shard over S). The batch (`--batch` rows per
 //! rank) is split over all ranks; every step is the single-device step on the
 //! global batch.
+//!
+//! `--tp T` trains with tensor parallelism instead: a `(dp, tp)` mesh with
+//! `dp = world / T`, the reference plan (`Transformer::tp_plan`; with
+//! `--sequence-parallel`, `Transformer::tp_plan_sequence_parallel`) over `tp`, and
+//! plain data parallelism (replicated parameters) over `dp`. `--batch` stays rows
+//! per data-parallel rank: `--world-size 2 --tp 2 --batch 8` trains every rank on
+//! the same 8 rows (pure TP).
 //!
 //! Under `mpirun` the world size defaults to the number of processes, and only
 //! rank 0 prints and writes `--losses-out`.
@@ -36,7 +43,7 @@ use tessera::fsdp::{FsdpConfig, MixedPrecisionPolicy};
 use tessera::models::{Transformer, TransformerConfig};
 use tessera::{BoxError, CommunicatorExt, DType, DeviceMesh, is_lead_process, launch, mpi_env};
 
-const USAGE: &str = "usage: train [--world-size N | --mesh RxS] [--steps N] [--batch ROWS_PER_RANK] [--dim N] \
+const USAGE: &str = "usage: train [--world-size N | --mesh RxS] [--tp T [--sequence-parallel]] [--steps N] [--batch ROWS_PER_RANK] [--dim N] \
 [--n-layers N] [--n-heads N] [--vocab N] [--seq N] [--lr F] [--mixed-precision bf16] [--no-reshard] [--init PATH] \
 [--tokens PATH] [--data-seed N] [--losses-out PATH]";
 
@@ -47,6 +54,9 @@ struct Args {
     mesh: Vec<usize>,
     bf16: bool,
     no_reshard: bool,
+    /// Tensor-parallel ranks (0: no TP).
+    tp: usize,
+    sequence_parallel: bool,
     steps: usize,
     batch: usize,
     model: TransformerConfig,
@@ -64,6 +74,8 @@ fn parse() -> Result<Args, String> {
         mesh: Vec::new(),
         bf16: false,
         no_reshard: false,
+        tp: 0,
+        sequence_parallel: false,
         steps: 50,
         batch: 2,
         model: TransformerConfig::TINY,
@@ -82,6 +94,10 @@ fn parse() -> Result<Args, String> {
         }
         if flag == "--no-reshard" {
             a.no_reshard = true;
+            continue;
+        }
+        if flag == "--sequence-parallel" {
+            a.sequence_parallel = true;
             continue;
         }
         let value = it.next().ok_or_else(|| format!("{flag} needs a value"))?;
@@ -106,6 +122,7 @@ fn parse() -> Result<Args, String> {
                 "none" | "f32" => a.bf16 = false,
                 other => return Err(format!("--mixed-precision: {other:?} (bf16 or none)")),
             },
+            "--tp" => a.tp = num(&value)?,
             "--steps" => a.steps = num(&value)?,
             "--batch" => a.batch = num(&value)?,
             "--dim" => a.model.dim = num(&value)?,
@@ -136,12 +153,34 @@ fn parse() -> Result<Args, String> {
     if a.world == 0 || a.batch == 0 || a.steps == 0 {
         return Err("--world-size (or the mesh), --batch and --steps must be at least 1".into());
     }
+    if a.sequence_parallel && a.tp == 0 {
+        return Err("--sequence-parallel needs --tp T".into());
+    }
+    if a.tp > 0 {
+        if a.mesh.len() == 2 {
+            return Err("--tp takes --world-size; HSDP (--mesh RxS) with TP is not supported yet".into());
+        }
+        if !a.world.is_multiple_of(a.tp) {
+            return Err(format!("--tp {} must divide --world-size {}", a.tp, a.world));
+        }
+        if a.bf16 || a.no_reshard {
+            return Err("--mixed-precision and --no-reshard configure FSDP, which --tp runs without".into());
+        }
+        a.mesh = vec![a.world / a.tp, a.tp];
+    }
     Ok(a)
+}
+
+impl Args {
+    /// Data-parallel ranks: each takes `batch` rows.
+    fn dp(&self) -> usize {
+        if self.tp > 0 { self.world / self.tp } else { self.world }
+    }
 }
 
 /// Token rows `[world·batch, seq+1]` of `step`: from the file if given, else generated.
 fn rows(args: &Args, file: Option<&Tensor>, step: usize) -> Result<Tensor, BoxError> {
-    let g = args.world * args.batch;
+    let g = args.dp() * args.batch;
     let len = args.model.seq + 1;
     match file {
         Some(t) => {
@@ -195,8 +234,20 @@ fn run(args: &Args) -> Result<(), BoxError> {
         None => None,
     };
     let cfg = args.model;
-    let g = args.world * args.batch;
-    let layout = if args.mesh.len() == 2 {
+    let g = args.dp() * args.batch;
+    let layout = if args.tp > 0 {
+        format!(
+            "TP over {} ranks{} on a (dp, tp) = {}x{} mesh, plain data parallel over dp",
+            args.tp,
+            if args.sequence_parallel {
+                " with sequence parallelism"
+            } else {
+                ""
+            },
+            args.mesh[0],
+            args.mesh[1]
+        )
+    } else if args.mesh.len() == 2 {
         format!("HSDP on a {}x{} mesh (replicate x shard)", args.mesh[0], args.mesh[1])
     } else {
         format!("FSDP on {} ranks", args.world)
@@ -233,14 +284,29 @@ fn run(args: &Args) -> Result<(), BoxError> {
         let args = args.clone();
         move |ctx| {
             let rank = ctx.rank();
-            let mesh = DeviceMesh::new(ctx.into_comm(), &args.mesh)?;
+            let mesh = if args.tp > 0 {
+                DeviceMesh::with_names(ctx.into_comm(), &args.mesh, &["dp", "tp"])?
+            } else {
+                DeviceMesh::new(ctx.into_comm(), &args.mesh)?
+            };
             let model = Transformer::new(cfg, &mesh, DType::F32, 0)?;
             let params = model.parameters();
             if let Some(p) = &args.init {
                 load_state_dict(&params, p)?;
             }
-            let _units = model.fully_shard(&mesh, &fsdp)?;
-            let batch_placements = vec![Placement::Shard(0); args.mesh.len()];
+            let batch_placements = if args.tp > 0 {
+                let applied = model.parallelize(&mesh.dim("tp")?, args.sequence_parallel)?;
+                if rank == 0 && is_lead_process() {
+                    println!("plan:");
+                    for a in &applied {
+                        println!("  {:<28} {}", a.fqn, a.style);
+                    }
+                }
+                vec![Placement::Shard(0), Placement::Replicate]
+            } else {
+                model.fully_shard(&mesh, &fsdp)?;
+                vec![Placement::Shard(0); args.mesh.len()]
+            };
             let adamw = AdamWConfig {
                 lr: args.lr,
                 betas: (0.9, 0.95),

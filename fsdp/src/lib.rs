@@ -60,6 +60,7 @@
 
 mod config;
 mod runtime;
+pub mod tp;
 mod unit;
 
 use std::collections::HashSet;

@@ -4,8 +4,12 @@
 
 use tessera_autograd::nn::{Embedding, LayerNorm, Linear, Module, join};
 use tessera_autograd::{Result, Var};
-use tessera_dtensor::DType;
 use tessera_dtensor::ops::Reduction;
+use tessera_dtensor::{DType, Placement, Tensor, distribute_tensor};
+use tessera_fsdp::tp::{
+    Applied, ColwiseParallel, ParallelPlan, PrepareModuleInput, RowwiseParallel, SequenceParallel, TpLayout,
+    parallelize_module,
+};
 use tessera_fsdp::{FsdpConfig, FsdpModule, fully_shard};
 use tessera_mesh::DeviceMesh;
 
@@ -214,6 +218,115 @@ impl Transformer {
         Ok(FsdpUnits { root, blocks })
     }
 
+    /// The tensor-parallel plan of the reference runs (Megatron style, no sequence
+    /// parallelism): embeddings row-wise (tables `Shard(0)`, replicated output),
+    /// `wq`/`wk`/`wv` and `w1` column-wise, `wo` and `w2` row-wise (outputs
+    /// all-reduced), the output head column-wise with the logits gathered to
+    /// `Replicate`; norms replicated. Attention runs `n_heads / tp` heads per rank.
+    /// Per block and forward: two all-reduces (attention out, MLP out).
+    ///
+    /// PyTorch: the reference's `parallelize_module` plan.
+    pub fn tp_plan() -> ParallelPlan {
+        let replicated = RowwiseParallel {
+            input_layouts: Some(TpLayout::Replicate),
+            output_layouts: TpLayout::Replicate,
+        };
+        ParallelPlan::new()
+            .add("tok_embeddings", replicated)
+            .add("pos_embeddings", replicated)
+            .add("layers.*.attention.wq", ColwiseParallel::default())
+            .add("layers.*.attention.wk", ColwiseParallel::default())
+            .add("layers.*.attention.wv", ColwiseParallel::default())
+            .add("layers.*.attention.wo", RowwiseParallel::default())
+            .add("layers.*.feed_forward.w1", ColwiseParallel::default())
+            .add("layers.*.feed_forward.w2", RowwiseParallel::default())
+            .add(
+                "output",
+                ColwiseParallel {
+                    input_layouts: TpLayout::Replicate,
+                    output_layouts: TpLayout::Replicate,
+                },
+            )
+    }
+
+    /// The sequence-parallel plan: as [`tp_plan`](Self::tp_plan), but activations
+    /// between blocks are sharded along the sequence (`Shard(1)`), the norms run
+    /// [`SequenceParallel`], each all-reduce becomes an all-gather before the
+    /// attention and the MLP plus a reduce-scatter after them (the same bytes),
+    /// and the output head leaves the logits sharded by class (`Shard(-1)`), so the
+    /// loss is computed without gathering them (loss parallel).
+    ///
+    /// PyTorch: the sequence-parallel plan of TorchTitan's Llama.
+    pub fn tp_plan_sequence_parallel() -> ParallelPlan {
+        let seq_in = PrepareModuleInput {
+            input_layouts: Some(TpLayout::Shard(1)),
+            desired_input_layouts: Some(TpLayout::Replicate),
+        };
+        let row_to_seq = RowwiseParallel {
+            input_layouts: None,
+            output_layouts: TpLayout::Shard(1),
+        };
+        ParallelPlan::new()
+            .add(
+                "tok_embeddings",
+                RowwiseParallel {
+                    input_layouts: Some(TpLayout::Replicate),
+                    output_layouts: TpLayout::Shard(1),
+                },
+            )
+            .add(
+                // Positions `[T, D]`: the sequence is dim 0.
+                "pos_embeddings",
+                RowwiseParallel {
+                    input_layouts: Some(TpLayout::Replicate),
+                    output_layouts: TpLayout::Shard(0),
+                },
+            )
+            .add("layers.*.attention_norm", SequenceParallel::default())
+            .add("layers.*.attention", seq_in)
+            .add("layers.*.attention.wq", ColwiseParallel::default())
+            .add("layers.*.attention.wk", ColwiseParallel::default())
+            .add("layers.*.attention.wv", ColwiseParallel::default())
+            .add("layers.*.attention.wo", row_to_seq)
+            .add("layers.*.ffn_norm", SequenceParallel::default())
+            .add("layers.*.feed_forward", seq_in)
+            .add("layers.*.feed_forward.w1", ColwiseParallel::default())
+            .add("layers.*.feed_forward.w2", row_to_seq)
+            .add("norm", SequenceParallel::default())
+            .add(
+                "output",
+                ColwiseParallel {
+                    input_layouts: TpLayout::Shard(1),
+                    output_layouts: TpLayout::Shard(-1),
+                },
+            )
+    }
+
+    /// Applies [`tp_plan`](Self::tp_plan) (or, with `sequence_parallel`,
+    /// [`tp_plan_sequence_parallel`](Self::tp_plan_sequence_parallel)) over
+    /// `tp_mesh` (a dim of the parameters' mesh, or all of it).
+    ///
+    /// # Errors
+    /// `n_heads` not divisible by the tp size; as [`parallelize_module`].
+    pub fn parallelize(&self, tp_mesh: &DeviceMesh, sequence_parallel: bool) -> Result<Vec<Applied>> {
+        let tp = tp_mesh.size();
+        if tp == 0 || !self.cfg.n_heads.is_multiple_of(tp) {
+            return Err(tessera_autograd::Error::Config {
+                op: "Transformer::parallelize",
+                detail: format!(
+                    "tensor parallelism over {tp} ranks splits the {} attention heads evenly; use a tp size                      dividing n_heads",
+                    self.cfg.n_heads
+                ),
+            });
+        }
+        let plan = if sequence_parallel {
+            Transformer::tp_plan_sequence_parallel()
+        } else {
+            Transformer::tp_plan()
+        };
+        parallelize_module(self, tp_mesh, &plan)
+    }
+
     /// The configuration.
     pub fn config(&self) -> &TransformerConfig {
         &self.cfg
@@ -225,7 +338,13 @@ impl Transformer {
     /// `T` longer than the position table, indices out of range.
     pub fn embed(&self, tokens: &Var) -> Result<Var> {
         let t = tokens.value().shape()[1];
-        let pos = self.pos_embeddings.weight.var().narrow(0, 0, t)?;
+        let mesh = tokens.value().mesh();
+        let positions = distribute_tensor(
+            &Tensor::arange(t, DType::I64)?,
+            mesh,
+            &vec![Placement::Replicate; mesh.ndim()],
+        )?;
+        let pos = self.pos_embeddings.call(&Var::constant(positions))?;
         self.tok_embeddings.call(tokens)?.add(&pos)
     }
 

@@ -30,6 +30,12 @@ pub(crate) fn execute(local: &Tensor, mesh: &DeviceMesh, plan: &Plan) -> Result<
             Some(m) => mesh.dim_comm(m)?,
             None => mesh.comm(),
         };
+        // A one-rank group moves nothing: this rank's piece is the same before
+        // and after, so no collective (and no synchronization) is issued.
+        if step.kind.collective().is_some() && step.collective().is_none() {
+            debug_assert_eq!(before.region(coord)?, step.after.region(coord)?);
+            continue;
+        }
         let ex = Exchange {
             comm,
             before,

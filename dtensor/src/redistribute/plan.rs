@@ -113,6 +113,22 @@ pub struct Step {
     pub bytes: u64,
 }
 
+impl Step {
+    /// Ranks in the step's group: the mesh dim's size, or the whole mesh's.
+    pub fn group_size(&self) -> usize {
+        match self.mesh_dim {
+            Some(m) => self.after.mesh_shape[m],
+            None => self.after.mesh_shape.iter().product(),
+        }
+    }
+
+    /// The collective this step issues: its kind's, unless the group has one rank
+    /// (nothing moves, so the step is local and synchronizes nothing).
+    pub fn collective(&self) -> Option<OpKind> {
+        self.kind.collective().filter(|_| self.group_size() > 1)
+    }
+}
+
 /// A redistribution plan: the steps from `src` to `dst`, in order.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Plan {
@@ -130,7 +146,7 @@ impl Plan {
 
     /// Number of collectives the plan issues.
     pub fn collectives(&self) -> usize {
-        self.steps.iter().filter(|s| s.kind.collective().is_some()).count()
+        self.steps.iter().filter(|s| s.collective().is_some()).count()
     }
 
     /// The layout the plan ends at.

@@ -95,9 +95,10 @@ pub fn choose(op: &'static str, inputs: &[&Layout], candidates: &[Candidate]) ->
         .first()
         .map_or_else(SmallVec::new, |l| SmallVec::from_elem(0, l.mesh_shape.len()));
     let mut best: Option<Choice> = None;
+    let mut best_steps = usize::MAX;
     'next: for (index, c) in candidates.iter().enumerate() {
         let mut plans = Vec::with_capacity(inputs.len());
-        let mut cost = 0;
+        let (mut cost, mut steps) = (0, 0);
         for (l, target) in inputs.iter().zip(&c.inputs) {
             // Making a value partial is for internal use (it never saves work here).
             if l.placements
@@ -120,9 +121,13 @@ pub fn choose(op: &'static str, inputs: &[&Layout], candidates: &[Candidate]) ->
                 continue 'next;
             };
             cost += p.bytes();
+            steps += p.steps.len();
             plans.push(p);
         }
-        if best.as_ref().is_none_or(|b| cost < b.cost) {
+        // Equal bytes: fewer steps (a collective over a one-rank mesh dim moves
+        // nothing but is still a synchronization point).
+        if best.as_ref().is_none_or(|b| (cost, steps) < (b.cost, best_steps)) {
+            best_steps = steps;
             best = Some(Choice {
                 index,
                 candidate: c.clone(),

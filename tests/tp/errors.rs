@@ -1,0 +1,152 @@
+//! What `parallelize_module` refuses, each error naming the module; a refused plan
+//! changes nothing.
+
+use tessera::autograd::Var;
+use tessera::autograd::nn::{Linear, Module};
+use tessera::dtensor::{DType, Placement, Tensor, distribute_tensor};
+use tessera::fsdp::tp::{ColwiseParallel, ParallelPlan, RowwiseParallel, TpLayout, parallelize_module};
+use tessera::models::{Transformer, TransformerConfig};
+use tessera::{DeviceMesh, launch};
+
+fn err<T>(r: tessera::autograd::Result<T>, what: &str) -> String {
+    match r {
+        Ok(_) => panic!("{what}: accepted"),
+        Err(e) => e.to_string(),
+    }
+}
+
+fn has(msg: &str, parts: &[&str]) {
+    for p in parts {
+        assert!(msg.contains(p), "{msg:?} lacks {p:?}");
+    }
+}
+
+fn all_replicated(m: &dyn Module) -> bool {
+    m.parameters()
+        .iter()
+        .all(|p| p.value().placements().iter().all(|pl| pl.is_replicate()))
+}
+
+#[test]
+fn bad_plans_are_refused_by_name_and_change_nothing() {
+    launch(2, |ctx| {
+        let mesh = DeviceMesh::with_names(ctx.into_comm(), &[1, 2], &["dp", "tp"])?;
+        let tp = mesh.dim("tp")?;
+        let model = Transformer::new(TransformerConfig::TINY, &mesh, DType::F32, 0)?;
+
+        let typo = Transformer::tp_plan().add("layers.*.attn.wq", ColwiseParallel::default());
+        has(
+            &err(parallelize_module(&model, &tp, &typo), "no match"),
+            &["plan entry `layers.*.attn.wq`", "matches no module"],
+        );
+        assert!(all_replicated(&model), "a refused plan changes nothing");
+
+        let on_norm = ParallelPlan::new()
+            .add("output", ColwiseParallel::default())
+            .add("layers.1.attention_norm", ColwiseParallel::default());
+        has(
+            &err(parallelize_module(&model, &tp, &on_norm), "norm"),
+            &["ColwiseParallel on `layers.1.attention_norm`", "LayerNorm"],
+        );
+        let on_block = ParallelPlan::new().add("layers.0", RowwiseParallel::default());
+        has(
+            &err(parallelize_module(&model, &tp, &on_block), "block"),
+            &["RowwiseParallel on `layers.0`", "a container"],
+        );
+        assert!(all_replicated(&model));
+
+        has(
+            &err(
+                parallelize_module(&model, &mesh, &Transformer::tp_plan()),
+                "2-D tp mesh",
+            ),
+            &["the tp mesh must be 1-D", "[1, 2]"],
+        );
+
+        // A tp mesh that is no dim of the parameters' mesh.
+        let other = DeviceMesh::with_names(mesh.comm().split(0, mesh.rank() as u32)?, &[2], &["tp"])?;
+        has(
+            &err(
+                parallelize_module(&model, &other, &Transformer::tp_plan()),
+                "foreign mesh",
+            ),
+            &[
+                "`tok_embeddings`",
+                "tok_embeddings.weight",
+                "no dim matching the tp mesh",
+            ],
+        );
+
+        // Twice, and after FSDP.
+        model.parallelize(&tp, false)?;
+        has(
+            &err(model.parallelize(&tp, false), "twice"),
+            &["`tok_embeddings`", "already tensor-parallel"],
+        );
+        let dp_mesh = DeviceMesh::with_names(mesh.comm().split(0, mesh.rank() as u32)?, &[2, 1], &["dp", "tp"])?;
+        let sharded = Linear::new("sharded", 4, 6, true, &dp_mesh, DType::F32, 1)?;
+        let w = sharded.weight.value();
+        sharded
+            .weight
+            .set_value(w.redistribute(&[Placement::Shard(0), Placement::Replicate])?);
+        has(
+            &err(
+                parallelize_module(
+                    &sharded,
+                    &dp_mesh.dim("tp")?,
+                    &ParallelPlan::new().add("", ColwiseParallel::default()),
+                ),
+                "after FSDP",
+            ),
+            &[
+                "the root module",
+                "sharded.weight",
+                "apply tensor parallelism before fully_shard",
+            ],
+        );
+
+        let heads = TransformerConfig {
+            n_heads: 3,
+            dim: 48,
+            ..TransformerConfig::TINY
+        };
+        let three = Transformer::new(heads, &mesh, DType::F32, 0)?;
+        has(
+            &err(three.parallelize(&tp, false), "heads"),
+            &["3 attention heads", "tp size"],
+        );
+        Ok(())
+    })
+    .unwrap();
+}
+
+#[test]
+fn an_input_in_another_layout_than_planned_is_an_error_naming_the_module() {
+    launch(2, |ctx| {
+        let mesh = DeviceMesh::with_names(ctx.into_comm(), &[2], &["tp"])?;
+        let fc = Linear::new("fc", 4, 6, true, &mesh, DType::F32, 1)?;
+        parallelize_module(&fc, &mesh, &ParallelPlan::new().add("", RowwiseParallel::default()))?;
+        let x = Tensor::randn(&[3, 4], DType::F32, 2)?;
+        let replicated = Var::constant(distribute_tensor(&x, &mesh, &[Placement::Replicate])?);
+        has(
+            &err(fc.call(&replicated), "replicated input"),
+            &[
+                "RowwiseParallel on the root module",
+                "input arrives R",
+                "the plan says Shard(-1)",
+            ],
+        );
+        let sharded = Var::constant(distribute_tensor(&x, &mesh, &[Placement::Shard(1)])?);
+        assert_eq!(fc.call(&sharded)?.value().placements(), &[Placement::Replicate]);
+        // Column-wise with a declared sequence-sharded input that arrives replicated.
+        let up = Linear::new("up", 4, 6, false, &mesh, DType::F32, 3)?;
+        let style = ColwiseParallel {
+            input_layouts: TpLayout::Shard(0),
+            output_layouts: TpLayout::Shard(-1),
+        };
+        parallelize_module(&up, &mesh, &ParallelPlan::new().add("", style))?;
+        has(&err(up.call(&replicated), "colwise"), &["ColwiseParallel", "Shard(0)"]);
+        Ok(())
+    })
+    .unwrap();
+}

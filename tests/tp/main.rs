@@ -1,0 +1,73 @@
+//! Tensor parallelism: the reference Transformer's plans against PyTorch's TP runs,
+//! collective counts per block, each style against one rank on full tensors, and
+//! the errors of `parallelize_module`.
+
+#[path = "../common/mod.rs"]
+mod common;
+
+mod counts;
+mod errors;
+mod parity;
+mod styles;
+
+use tessera::autograd::Var;
+use tessera::autograd::nn::Module;
+use tessera::autograd::optim::{AdamW, Optimizer};
+use tessera::dtensor::{Placement, distribute_tensor};
+use tessera::mesh::CommCounts;
+use tessera::{DeviceMesh, launch};
+
+use common::{adamw, tiny_model, tokens};
+
+/// One TP training run: per step the loss and the communication of forward and
+/// of backward (rank 0's counters).
+pub struct Run {
+    pub losses: Vec<f64>,
+    pub fwd: Vec<CommCounts>,
+    pub bwd: Vec<CommCounts>,
+}
+
+/// Trains the tiny model on a `(dp, tp)` mesh for `steps`: TP over `tp` with the
+/// plain or the sequence-parallel plan, plain data parallelism over `dp`; each
+/// data-parallel rank takes `g / dp` rows of the reference batch.
+pub fn train(dp: usize, tp: usize, g: usize, sp: bool, steps: usize) -> Run {
+    let toks = tokens();
+    launch(dp * tp, move |ctx| {
+        let mesh = DeviceMesh::with_names(ctx.into_comm(), &[dp, tp], &["dp", "tp"])?;
+        let model = tiny_model(&mesh)?;
+        model.parallelize(&mesh.dim("tp")?, sp)?;
+        let mut opt = AdamW::new(model.parameters(), adamw())?;
+        let mut run = Run {
+            losses: Vec::new(),
+            fwd: Vec::new(),
+            bwd: Vec::new(),
+        };
+        for step in 0..steps {
+            let rows = toks.narrow(0, step, 1)?.narrow(1, 0, g)?.reshape(&[g, 33])?;
+            let rows = Var::constant(distribute_tensor(
+                &rows,
+                &mesh,
+                &[Placement::Shard(0), Placement::Replicate],
+            )?);
+            let before = mesh.stats();
+            let loss = model.loss(&rows)?;
+            let mid = mesh.stats();
+            run.losses.push(loss.value().full_tensor()?.to_f64_vec()[0]);
+            let mid2 = mesh.stats();
+            tessera::autograd::backward(&loss)?;
+            run.fwd.push(mid - before);
+            run.bwd.push(mesh.stats() - mid2);
+            opt.step()?;
+            opt.zero_grad();
+        }
+        Ok(run)
+    })
+    .unwrap()
+    .swap_remove(0)
+}
+
+/// The largest `|a − b|`.
+pub fn max_abs_diff(a: &[f64], b: &[f64]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max)
+}
