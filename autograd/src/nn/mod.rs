@@ -64,6 +64,11 @@ use crate::{Error, Param, Result, Var};
 /// # Ok::<(), tessera_mesh::Error>(())
 /// ```
 ///
+/// That is all a model needs for FSDP and tensor parallelism: both find modules by
+/// their fully qualified names and act through hooks that [`call`](Self::call) runs
+/// (so a model calls its submodules with `call`, not `forward`); the layers in this
+/// crate are what the tensor-parallel styles shard.
+///
 /// Modules are `'static` types (they own their parameters), so a module behind
 /// `&dyn Module` can be downcast (`(m as &dyn Any).downcast_ref::<Linear>()`), as
 /// tensor-parallel styles do to find the layers they shard.
