@@ -9,5 +9,6 @@
 mod checkpointing;
 mod gradcheck;
 mod harness;
+mod loss_parallel;
 mod rules;
 mod sharded;

@@ -7,6 +7,7 @@
 //! Property cases: 32 per op and mesh by default, `PROPTEST_CASES` overrides.
 //! Failures are saved under `target/proptest-regressions/` (out of git).
 
+mod class_sharded;
 mod contract;
 mod counts;
 mod empty;

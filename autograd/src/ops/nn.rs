@@ -3,8 +3,9 @@
 use smallvec::{SmallVec, smallvec};
 use tessera_dtensor::dist::dispatch;
 use tessera_dtensor::ops::Reduction;
-use tessera_dtensor::strategy::{DimOption, product};
-use tessera_dtensor::{DTensor, Placement, ReduceOp, Tensor};
+use tessera_dtensor::sharding::local_shape_and_offset;
+use tessera_dtensor::strategy::{Candidate, DimOption, product};
+use tessera_dtensor::{DTensor, Layout, Placement, Placements, ReduceOp, ShardOrder, Tensor};
 
 use crate::{Result, Var};
 
@@ -43,12 +44,22 @@ impl Var {
     /// `x · Wᵀ (+ b)` with `W` stored `[out, in]`, as `nn.Linear` computes it. One op:
     /// backward keeps `x` and (through [`Var::saved`]) `W`, never a transposed copy.
     ///
+    /// A contraction-sharded product (`x` `Shard(-1)`, `W` `Shard(1)`: row-parallel)
+    /// is `Partial(sum)`; a replicated bias is then made partial on those mesh dims
+    /// (kept on one rank, zeros elsewhere: no communication), so the output stays
+    /// partial and the bias is added exactly once when whoever redistributes it
+    /// reduces (an all_reduce to `Replicate`, a reduce_scatter to `Shard(1)` for
+    /// sequence parallelism).
+    ///
+    /// PyTorch: `F.linear`; the deferred reduction is what `RowwiseParallel` does
+    /// with its output layouts.
+    ///
     /// # Errors
     /// Shapes that do not fit.
     pub fn linear(&self, weight: &Var, bias: Option<&Var>) -> Result<Var> {
         let mut value = self.value().matmul(&weight.value().transpose(0, 1)?)?;
         if let Some(b) = bias {
-            value = value.add(b.value())?;
+            value = value.add(&bias_for(&value, b.value())?)?;
         }
         let (sx, sw) = (self.saved(), weight.saved());
         let (need_x, need_w) = (self.requires_grad(), weight.requires_grad());
@@ -151,64 +162,210 @@ impl Var {
         }))
     }
 
-    /// Rows of this `[V, D]` table picked by `indices` (`i64`).
+    /// Rows of this `[V, D]` table picked by `indices` (`i64`). The table's
+    /// gradient comes in its own sharding when it is sharded (see `embedding_backward`).
     ///
     /// # Errors
     /// As [`DTensor::embedding`].
     pub fn embedding(&self, indices: &Var) -> Result<Var> {
         let idx = indices.value().clone();
         let value = self.value().embedding(&idx)?;
+        let table = self.value().placements().to_vec();
         let vocab = self.value().shape()[0];
         Ok(Var::from_op("embedding", value, &[self, indices], move |g| {
-            Ok(smallvec![Some(embedding_backward(&idx, g, vocab)?), None])
+            Ok(smallvec![Some(embedding_backward(&idx, g, vocab, &table)?), None])
         }))
     }
 
     /// Cross entropy of logits `[..., C]` against `i64` targets `[...]`, mean or sum.
+    /// Logits whose class dim is sharded take the loss-parallel path
+    /// ([`DTensor::cross_entropy_class_parallel`]): no gather in forward, and a
+    /// backward without communication whose gradient has the logits' placements.
+    ///
+    /// PyTorch: `F.cross_entropy`, under `loss_parallel()` for class-sharded logits.
     ///
     /// # Errors
     /// As [`DTensor::cross_entropy`].
     pub fn cross_entropy(&self, targets: &Var, reduction: Reduction) -> Result<Var> {
         let (logits, t) = (self.value().clone(), targets.value().clone());
-        let value = logits.cross_entropy(&t, reduction)?;
         let n: usize = t.shape().iter().product();
         let scale = if reduction == Reduction::Mean {
             1.0 / n.max(1) as f64
         } else {
             1.0
         };
+        let class_dim = logits.shape().len().saturating_sub(1);
+        if logits.placements().iter().any(|p| p.is_shard_on(class_dim)) {
+            // Brought to the loss's layouts here, so that backward reuses them.
+            let (x, t) = logits.class_parallel_inputs(&t)?;
+            let (loss, lse) = x.cross_entropy_class_parallel(&t, reduction)?;
+            return Ok(Var::from_op("cross_entropy", loss, &[self, targets], move |g| {
+                Ok(smallvec![
+                    Some(class_parallel_ce_backward(&x, &t, &lse, g, scale)?),
+                    None
+                ])
+            }));
+        }
+        let value = logits.cross_entropy(&t, reduction)?;
         Ok(Var::from_op("cross_entropy", value, &[self, targets], move |g| {
             Ok(smallvec![Some(cross_entropy_backward(&logits, &t, g, scale)?), None])
         }))
     }
 }
 
-/// The gradient of an embedding table: rows of `g` added at `indices`. Batch-sharded
-/// indices give a partial sum (each rank scatters its rows).
-fn embedding_backward(indices: &DTensor, g: &DTensor, vocab: usize) -> tessera_dtensor::Result<DTensor> {
+/// The bias placed so that adding it to the product `prod` keeps the product's
+/// pending sums: `Replicate → Partial(sum)` on the mesh dims where `prod` is
+/// `Partial(sum)` (free: the value on one coordinate, zeros elsewhere), other
+/// mesh dims as they are.
+fn bias_for(prod: &DTensor, bias: &DTensor) -> tessera_dtensor::Result<DTensor> {
+    let sum = Placement::Partial(ReduceOp::Sum);
+    let target: Vec<Placement> = prod
+        .placements()
+        .iter()
+        .zip(bias.placements())
+        .map(|(&p, &b)| if p == sum && b.is_replicate() { sum } else { b })
+        .collect();
+    if target == bias.placements() {
+        Ok(bias.clone())
+    } else {
+        // Only Replicate mesh dims change, so the bias's shard order still fits.
+        bias.redistribute_with_order(&target, bias.layout().order.clone())
+    }
+}
+
+/// The gradient of an embedding table of `vocab` rows placed `table`: rows of `g`
+/// added at `indices`. Per mesh dim: batch-sharded indices give a partial sum
+/// (each rank scatters its rows); where the table is row-sharded (`Shard(0)`),
+/// replicated indices and gradient give a row-sharded gradient (each rank
+/// scatters only the indices in its rows); where it is column-sharded
+/// (`Shard(1)`), a gradient sharded on its last dim gives a column-sharded one.
+/// Neither builds the full table nor communicates.
+///
+/// PyTorch: the backward of `F.embedding` (`embedding_dense_backward`) under the
+/// sharding rules of DTensor's embedding op.
+fn embedding_backward(
+    indices: &DTensor,
+    g: &DTensor,
+    vocab: usize,
+    table: &[Placement],
+) -> tessera_dtensor::Result<DTensor> {
     let d = *g.shape().last().unwrap_or(&0);
     let ir = indices.shape().len();
     let (r, s) = (Placement::Replicate, Placement::Shard);
-    let mut options: Vec<DimOption> = vec![(smallvec![r, r], r)];
-    options.extend((0..ir).map(|k| (smallvec![s(k), s(k)], Placement::Partial(ReduceOp::Sum))));
-    let cands = product(&vec![options; g.mesh().ndim()], 2);
+    let batch = (0..ir).map(|k| (smallvec![s(k), s(k)], Placement::Partial(ReduceOp::Sum)));
+    // Where the table is sharded, its sharding replaces the replicated option (it
+    // always fits: replicated inputs slice for free), so a row of replicated
+    // inputs is never gathered into a full table. Each input pair appears at most
+    // once per mesh dim, so the kernel can tell the chosen output placements from
+    // its inputs' ([`embedding_grad_placements`]).
+    let per_dim: Vec<Vec<DimOption>> = (0..g.mesh().ndim())
+        .map(|m| {
+            let mut options: Vec<DimOption> = match table.get(m) {
+                Some(Placement::Shard(0)) => vec![(smallvec![r, r], s(0))],
+                Some(Placement::Shard(1)) => vec![(smallvec![r, s(ir)], s(1))],
+                _ => vec![(smallvec![r, r], r)],
+            };
+            options.extend(batch.clone());
+            options
+        })
+        .collect();
+    let cands = product(&per_dim, 2);
+    let table = table.to_vec();
+    let mesh_shape = g.mesh().shape().to_vec();
     dispatch(
         "embedding_backward",
         &[indices, g],
         &cands,
         &[vocab, d],
         g.dtype(),
-        |l, _| {
+        |l, ctx| {
+            let out = embedding_grad_placements(ctx.inputs, &table, ir);
+            let (shape, offset) = local_shape_and_offset(
+                &[vocab, d],
+                &mesh_shape,
+                &out,
+                &ShardOrder::default_for(&out),
+                ctx.coord,
+            )?;
+            let (rows, cols) = (shape[0], shape[1]);
+            let first = offset[0];
             let idx = l[0].contiguous().to_vec::<i64>()?;
-            let rows = l[1].to_f64_vec();
-            let mut out = vec![0.0f64; vocab * d];
+            let grads = l[1].to_f64_vec();
+            let mut grad = vec![0.0f64; rows * cols];
             for (k, &i) in idx.iter().enumerate() {
-                let i = i as usize;
-                for j in 0..d {
-                    out[i * d + j] += rows[k * d + j];
+                let Some(i) = (i as usize).checked_sub(first).filter(|&i| i < rows) else {
+                    continue;
+                };
+                let (dst, src) = (&mut grad[i * cols..(i + 1) * cols], &grads[k * cols..(k + 1) * cols]);
+                dst.iter_mut().zip(src).for_each(|(a, b)| *a += b);
+            }
+            Tensor::from_vec(grad, &[rows, cols])?.cast(l[1].dtype())
+        },
+    )
+}
+
+/// The output placements of `embedding_backward` for its inputs' layouts after
+/// redistribution: per mesh dim, batch-sharded indices give `Partial(sum)`, a
+/// gradient sharded on its last dim (dim `ir`, the column-sharded table's option)
+/// gives `Shard(1)`, and replicated inputs give `Shard(0)` where the table is
+/// row-sharded, `Replicate` elsewhere.
+fn embedding_grad_placements(inputs: &[Layout], table: &[Placement], ir: usize) -> Vec<Placement> {
+    inputs[0]
+        .placements
+        .iter()
+        .zip(&inputs[1].placements)
+        .zip(table)
+        .map(|((&i, &g), &t)| match (i, g, t) {
+            (Placement::Shard(_), _, _) => Placement::Partial(ReduceOp::Sum),
+            (_, Placement::Shard(k), _) if k == ir => Placement::Shard(1),
+            (_, _, Placement::Shard(0)) => Placement::Shard(0),
+            _ => Placement::Replicate,
+        })
+        .collect()
+}
+
+/// The gradient of class-parallel cross entropy with respect to the logits:
+/// `(exp(x − lse) − onehot(target − class_offset)) · scale · g`, from the
+/// logits, targets and per-row log-sum-exp the forward kept
+/// ([`DTensor::cross_entropy_class_parallel`]). Local: the output has the
+/// logits' placements and no collective runs (a replicated `g` assumed).
+fn class_parallel_ce_backward(
+    logits: &DTensor,
+    targets: &DTensor,
+    lse: &DTensor,
+    g: &DTensor,
+    scale: f64,
+) -> tessera_dtensor::Result<DTensor> {
+    let lp: Placements = logits.placements().iter().copied().collect();
+    let tp: Placements = targets.placements().iter().copied().collect();
+    let rep: Placements = smallvec![Placement::Replicate; g.mesh().ndim()];
+    let cand = Candidate {
+        inputs: smallvec![lp.clone(), tp.clone(), tp, rep],
+        output: lp,
+    };
+    let cd = logits.shape().len() - 1;
+    dispatch(
+        "cross_entropy_backward",
+        &[logits, targets, lse, g],
+        &[cand],
+        logits.shape(),
+        logits.dtype(),
+        |l, ctx| {
+            let offset = ctx.offset(0)?[cd];
+            let c = *l[0].shape().last().unwrap_or(&0);
+            let gs = l[3].to_f64_vec()[0] * scale;
+            let t = l[1].contiguous().to_vec::<i64>()?;
+            let lse = l[2].to_f64_vec();
+            let mut x = l[0].to_f64_vec();
+            if c > 0 {
+                for ((row, &k), &lse) in x.chunks_exact_mut(c).zip(&t).zip(&lse) {
+                    row.iter_mut().for_each(|v| *v = (*v - lse).exp() * gs);
+                    if let Some(k) = (k as usize).checked_sub(offset).filter(|&k| k < c) {
+                        row[k] -= gs;
+                    }
                 }
             }
-            Tensor::from_vec(out, &[vocab, d])?.cast(l[1].dtype())
+            Tensor::from_vec(x, l[0].shape())?.cast(l[0].dtype())
         },
     )
 }
