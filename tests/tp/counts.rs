@@ -76,13 +76,14 @@ fn plain_plan_all_reduces_twice_per_block() {
         // One block: its two all-reduces, both embeddings' and the head's logits gathered.
         assert_eq!(calls(&f1), [1, 0, 2 + 2, 0], "tp={tp}: {f1}");
         assert_eq!(bytes(&f1)[0], share(tp, logits), "the head gathers the logits");
-        // Backward: per block the input gradients of the column-parallel layers are
-        // reduced (in two halves, reduce-scatter then all-gather) and so are the
-        // norms' parameter gradients; no all-to-all anywhere.
+        // Backward, as Megatron's: per block one all-reduce of the input gradient of
+        // the column-parallel layers before attention and before the MLP (reduced
+        // once for the norm's three gradients), plus one for the head's input.
         let per_block = minus(calls(&b3), calls(&b1));
         eprintln!("tp={tp} plain: forward {f1}; backward {b1}; backward per block {per_block:?}");
-        assert_eq!(per_block[3], 0);
-        assert_eq!(per_block, [4, 8, 8, 0], "tp={tp}");
+        assert_eq!(per_block, [0, 0, 4, 0], "tp={tp}: {b1} / {b3}");
+        assert_eq!(bytes(&b3)[2] - bytes(&b1)[2], 4 * 2 * share(tp, act));
+        assert_eq!(calls(&b1), [0, 0, 2 + 1, 0], "tp={tp}: {b1}");
     }
 }
 
@@ -107,6 +108,10 @@ fn sequence_parallel_moves_the_same_bytes_as_gather_scatter_pairs() {
         // One block: its 2 + 2, the embeddings reduce-scattered to sequence shards,
         // the head's input gathered, and the loss's two row-statistic all-reduces.
         assert_eq!(calls(&s1), [2 + 1, 2 + 2, 2, 0], "tp={tp}: {s1}");
+        // Backward mirrors it (an all-gather where forward reduce-scattered and the
+        // reverse); the norms' replicated parameters get their gradients, partial
+        // over the sequence shards, all-reduced: 3 norms × (weight, bias).
+        assert_eq!(calls(&sb1), [2 + 2, 2 + 1, 3 * 2, 0], "tp={tp}: {sb1}");
         eprintln!("tp={tp} sequence parallel: forward {s1}; backward {sb1}");
     }
 }

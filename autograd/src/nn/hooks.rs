@@ -222,7 +222,10 @@ impl Registry {
 
 /// Lists a called module's children: a type-erased `named_children` of a module
 /// borrowed for the duration of its call.
-type Lister = dyn Fn() -> Vec<(String, *const dyn Module)>;
+type Lister = dyn Fn() -> Children;
+
+/// A module's children as raw pointers (see [`Lister`]).
+type Children = Vec<(String, *const dyn Module)>;
 
 /// A module being called.
 struct Frame {
@@ -336,13 +339,13 @@ pub(crate) fn call<M: Module + ?Sized>(m: &M, x: &Var) -> Result<Var> {
                 .map_or_else(Vec::new, |l| l.iter().map(|(_, h)| h.clone()).collect())
         })
     });
-    let lister = || -> Vec<(String, *const dyn Module)> {
+    let lister = || -> Children {
         m.named_children()
             .into_iter()
             .map(|(n, c)| (n, c as *const dyn Module))
             .collect()
     };
-    let lister: &(dyn Fn() -> Vec<(String, *const dyn Module)> + '_) = &lister;
+    let lister: &(dyn Fn() -> Children + '_) = &lister;
     // SAFETY: only the lifetime is erased; the frame holding the pointer is popped
     // (by the guard) before `lister` and the borrow of `m` end.
     let children: *const Lister =

@@ -150,6 +150,22 @@ impl Var {
         Ok(Var::from_op("layer_norm", value, &inputs, move |g| {
             let last = x.shape().len() - 1;
             let w = w.as_ref().map(|w| w.get()).transpose()?;
+            // A pending sum in `g` (the input gradient of column-parallel layers) is
+            // reduced once, to `x`'s placements, for all three gradients (each would
+            // otherwise reduce it on its own).
+            let reduced;
+            let g = if g.placements().iter().any(|p| p.is_partial()) {
+                let target: Vec<Placement> = g
+                    .placements()
+                    .iter()
+                    .zip(x.placements())
+                    .map(|(p, xp)| if p.is_partial() { *xp } else { *p })
+                    .collect();
+                reduced = g.redistribute(&target)?;
+                &reduced
+            } else {
+                g
+            };
             let mut out: SmallVec<[Option<DTensor>; 3]> = smallvec![Some(layer_norm_backward(g, &x, w.as_ref(), eps)?)];
             if w.is_some() {
                 out.push(Some(layer_norm_weight_grad(g, &x, eps)?));
@@ -251,8 +267,8 @@ fn embedding_backward(
 ) -> tessera_dtensor::Result<DTensor> {
     let d = *g.shape().last().unwrap_or(&0);
     let ir = indices.shape().len();
-    let (r, s) = (Placement::Replicate, Placement::Shard);
-    let batch = (0..ir).map(|k| (smallvec![s(k), s(k)], Placement::Partial(ReduceOp::Sum)));
+    let (r, s, sum) = (Placement::Replicate, Placement::Shard, Placement::Partial(ReduceOp::Sum));
+    let batch = (0..ir).map(|k| (smallvec![s(k), s(k)], sum));
     // Where the table is sharded, its sharding replaces the replicated option (it
     // always fits: replicated inputs slice for free), so a row of replicated
     // inputs is never gathered into a full table. Each input pair appears at most
@@ -263,7 +279,10 @@ fn embedding_backward(
             let mut options: Vec<DimOption> = match table.get(m) {
                 Some(Placement::Shard(0)) => vec![(smallvec![r, r], s(0))],
                 Some(Placement::Shard(1)) => vec![(smallvec![r, s(ir)], s(1))],
-                _ => vec![(smallvec![r, r], r)],
+                // The gradient is linear in `g`: a pending sum (a gradient summed
+                // over a batch sharded elsewhere) stays pending, reduced once where
+                // the parameter's gradient lands (FSDP's reduce-scatter).
+                _ => vec![(smallvec![r, r], r), (smallvec![r, sum], sum)],
             };
             options.extend(batch.clone());
             options
@@ -316,7 +335,7 @@ fn embedding_grad_placements(inputs: &[Layout], table: &[Placement], ir: usize) 
         .zip(&inputs[1].placements)
         .zip(table)
         .map(|((&i, &g), &t)| match (i, g, t) {
-            (Placement::Shard(_), _, _) => Placement::Partial(ReduceOp::Sum),
+            (Placement::Shard(_), _, _) | (_, Placement::Partial(_), _) => Placement::Partial(ReduceOp::Sum),
             (_, Placement::Shard(k), _) if k == ir => Placement::Shard(1),
             (_, _, Placement::Shard(0)) => Placement::Shard(0),
             _ => Placement::Replicate,
