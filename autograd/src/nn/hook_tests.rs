@@ -235,7 +235,10 @@ fn get_submodule_names_what_is_missing() {
             get_submodule(&net, "blocks.1.fc")?.parameters()[0].name(),
             "blocks.1.fc.weight"
         );
-        let err = get_submodule(&net, "blocks.2.fc").err().map(|e| e.to_string()).unwrap_or_default();
+        let err = get_submodule(&net, "blocks.2.fc")
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
         assert!(
             err.contains("no module `blocks.2.fc`: `blocks` has no child `2` (its children: [\"0\", \"1\"])"),
             "{err}"

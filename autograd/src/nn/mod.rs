@@ -179,7 +179,11 @@ pub(crate) fn module_path<'a>(root: &'a dyn Module, fqn: &str) -> Result<Vec<(St
                 op: "get_submodule",
                 detail: format!(
                     "no module `{fqn}`: {} has no child `{part}` (its children: {names:?})",
-                    if at.is_empty() { "the root".to_string() } else { format!("`{at}`") }
+                    if at.is_empty() {
+                        "the root".to_string()
+                    } else {
+                        format!("`{at}`")
+                    }
                 ),
             });
         };

@@ -267,7 +267,11 @@ fn embedding_backward(
 ) -> tessera_dtensor::Result<DTensor> {
     let d = *g.shape().last().unwrap_or(&0);
     let ir = indices.shape().len();
-    let (r, s, sum) = (Placement::Replicate, Placement::Shard, Placement::Partial(ReduceOp::Sum));
+    let (r, s, sum) = (
+        Placement::Replicate,
+        Placement::Shard,
+        Placement::Partial(ReduceOp::Sum),
+    );
     let batch = (0..ir).map(|k| (smallvec![s(k), s(k)], sum));
     // Where the table is sharded, its sharding replaces the replicated option (it
     // always fits: replicated inputs slice for free), so a row of replicated
