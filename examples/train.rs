@@ -174,7 +174,7 @@ fn parse() -> Result<Args, String> {
 impl Args {
     /// Data-parallel ranks: each takes `batch` rows.
     fn dp(&self) -> usize {
-        if self.tp > 0 { self.world / self.tp } else { self.world }
+        self.world.checked_div(self.tp).unwrap_or(self.world)
     }
 }
 

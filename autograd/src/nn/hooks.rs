@@ -193,9 +193,12 @@ impl HookHandle {
     }
 }
 
+/// A module's hooks with their registration serials, in registration order.
+type HookList = Vec<(u64, Rc<dyn ModuleHooks>)>;
+
 #[derive(Default)]
 struct Registry {
-    hooks: HashMap<Key, Vec<(u64, Rc<dyn ModuleHooks>)>>,
+    hooks: HashMap<Key, HookList>,
     next: u64,
     /// Registered modules identified by a path (parameter-less ones).
     relative: usize,
