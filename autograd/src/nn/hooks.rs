@@ -106,14 +106,10 @@ fn addr_of<M: ?Sized>(m: &M) -> usize {
     (m as *const M).cast::<()>() as usize
 }
 
-fn params_label(m: &(impl Module + ?Sized)) -> Option<(Vec<u64>, String)> {
-    let ps = m.parameters();
-    let first = ps.first()?;
-    let label = match ps.len() {
-        1 => format!("the module holding {}", first.name()),
-        n => format!("the module holding {} (and {} more parameters)", first.name(), n - 1),
-    };
-    Some((ps.iter().map(crate::Param::id).collect(), label))
+/// The ids of `m`'s parameters; `None` when it holds none.
+fn param_ids(m: &(impl Module + ?Sized)) -> Option<Vec<u64>> {
+    let ids: Vec<u64> = m.parameters().iter().map(crate::Param::id).collect();
+    (!ids.is_empty()).then_some(ids)
 }
 
 impl ModuleId {
@@ -122,7 +118,8 @@ impl ModuleId {
     /// # Errors
     /// A module without parameters: name it by its path with [`ModuleId::at`].
     pub fn of(module: &dyn Module) -> Result<ModuleId> {
-        let Some((ids, label)) = params_label(module) else {
+        let ps = module.parameters();
+        let Some(first) = ps.first() else {
             return Err(Error::Config {
                 op: "ModuleId::of",
                 detail: "the module holds no parameters, so it is known only by its place in a model; \
@@ -130,8 +127,12 @@ impl ModuleId {
                     .into(),
             });
         };
+        let label = match ps.len() {
+            1 => format!("the module holding {}", first.name()),
+            n => format!("the module holding {} (and {} more parameters)", first.name(), n - 1),
+        };
         Ok(ModuleId {
-            key: Key::Params(type_of(module), ids),
+            key: Key::Params(type_of(module), ps.iter().map(crate::Param::id).collect()),
             label,
         })
     }
@@ -148,14 +149,14 @@ impl ModuleId {
     pub fn at(root: &dyn Module, fqn: &str) -> Result<ModuleId> {
         let path = super::module_path(root, fqn)?;
         let target = path.last().map_or(root, |(_, m)| *m);
-        if params_label(target).is_some() {
+        if param_ids(target).is_some() {
             let mut id = ModuleId::of(target)?;
             id.label = format!("`{fqn}`");
             return Ok(id);
         }
         // The nearest ancestor holding parameters anchors the path.
         let nodes: Vec<&dyn Module> = std::iter::once(root).chain(path.iter().map(|(_, m)| *m)).collect();
-        let Some(i) = (0..nodes.len() - 1).rev().find(|&i| params_label(nodes[i]).is_some()) else {
+        let Some(i) = (0..nodes.len() - 1).rev().find(|&i| param_ids(nodes[i]).is_some()) else {
             return Err(Error::Config {
                 op: "ModuleId::at",
                 detail: format!(
@@ -281,7 +282,7 @@ pub fn module_hooks_len(module: &ModuleId) -> usize {
 /// The id of `m` being called now: from its parameters, or from its place below
 /// the module whose call is running.
 fn key_of_call<M: Module + ?Sized>(m: &M, relative: bool) -> Option<Key> {
-    if let Some((ids, _)) = params_label(m) {
+    if let Some(ids) = param_ids(m) {
         return Some(Key::Params(TypeId::of::<M>(), ids));
     }
     if !relative {
@@ -297,9 +298,9 @@ fn key_of_call<M: Module + ?Sized>(m: &M, relative: bool) -> Option<Key> {
     let path = find(top, want, ty)?;
     // The nearest module holding parameters on the way down anchors the path.
     let (nodes, names): (Vec<&dyn Module>, Vec<String>) = path.into_iter().map(|(n, c)| (c, n)).unzip();
-    match (0..nodes.len() - 1).rev().find(|&i| params_label(nodes[i]).is_some()) {
+    match (0..nodes.len() - 1).rev().find(|&i| param_ids(nodes[i]).is_some()) {
         Some(i) => Some(Key::Under(
-            Box::new(Key::Params(type_of(nodes[i]), params_label(nodes[i])?.0)),
+            Box::new(Key::Params(type_of(nodes[i]), param_ids(nodes[i])?)),
             names[i + 1..].join("."),
         )),
         None => match parent_key? {

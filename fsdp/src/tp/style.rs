@@ -350,8 +350,7 @@ impl ModuleHooks for TpHooks {
     }
 }
 
-fn attach(module: &dyn Module, ctx: &StyleCtx<'_>, style: &'static str, input: Lay, output: Lay) -> Result<()> {
-    let _ = module;
+fn attach(ctx: &StyleCtx<'_>, style: &'static str, input: Lay, output: Lay) -> Result<()> {
     let id = ModuleId::at(ctx.root, ctx.fqn)?;
     register_module_hooks(
         &id,
@@ -366,8 +365,7 @@ fn attach(module: &dyn Module, ctx: &StyleCtx<'_>, style: &'static str, input: L
     Ok(())
 }
 
-fn check_params(module: &dyn Module, params: &[(Param, Option<usize>)], ctx: &StyleCtx<'_>) -> Result<()> {
-    let _ = module;
+fn check_params(params: &[(Param, Option<usize>)], ctx: &StyleCtx<'_>) -> Result<()> {
     params
         .iter()
         .try_for_each(|(p, _)| replicated_tp_dim(p, ctx).map(|_| ()))
@@ -376,7 +374,7 @@ fn check_params(module: &dyn Module, params: &[(Param, Option<usize>)], ctx: &St
 impl ParallelStyle for ColwiseParallel {
     fn check(&self, module: &dyn Module, ctx: &StyleCtx<'_>) -> Result<()> {
         let l = layer("ColwiseParallel", module, ctx.fqn)?;
-        check_params(module, &layer_params(&l, true), ctx)
+        check_params(&layer_params(&l, true), ctx)
     }
 
     fn apply(&self, module: &dyn Module, ctx: &StyleCtx<'_>) -> Result<()> {
@@ -392,14 +390,14 @@ impl ParallelStyle for ColwiseParallel {
             expect: Some(TpLayout::Shard(-1)),
             want: Some(self.output_layouts),
         };
-        attach(module, ctx, "ColwiseParallel", input, output)
+        attach(ctx, "ColwiseParallel", input, output)
     }
 }
 
 impl ParallelStyle for RowwiseParallel {
     fn check(&self, module: &dyn Module, ctx: &StyleCtx<'_>) -> Result<()> {
         let l = layer("RowwiseParallel", module, ctx.fqn)?;
-        check_params(module, &layer_params(&l, false), ctx)
+        check_params(&layer_params(&l, false), ctx)
     }
 
     fn apply(&self, module: &dyn Module, ctx: &StyleCtx<'_>) -> Result<()> {
@@ -419,7 +417,7 @@ impl ParallelStyle for RowwiseParallel {
             expect: Some(TpLayout::Partial),
             want: Some(self.output_layouts),
         };
-        attach(module, ctx, "RowwiseParallel", input, output)
+        attach(ctx, "RowwiseParallel", input, output)
     }
 }
 
@@ -438,7 +436,7 @@ impl ParallelStyle for SequenceParallel {
             expect: None,
             want: Some(seq),
         };
-        attach(module, ctx, "SequenceParallel", input, Lay::KEEP)
+        attach(ctx, "SequenceParallel", input, Lay::KEEP)
     }
 }
 
@@ -447,12 +445,12 @@ impl ParallelStyle for PrepareModuleInput {
         Ok(())
     }
 
-    fn apply(&self, module: &dyn Module, ctx: &StyleCtx<'_>) -> Result<()> {
+    fn apply(&self, _module: &dyn Module, ctx: &StyleCtx<'_>) -> Result<()> {
         let input = Lay {
             expect: self.input_layouts,
             want: self.desired_input_layouts,
         };
-        attach(module, ctx, "PrepareModuleInput", input, Lay::KEEP)
+        attach(ctx, "PrepareModuleInput", input, Lay::KEEP)
     }
 }
 
@@ -461,11 +459,11 @@ impl ParallelStyle for PrepareModuleOutput {
         Ok(())
     }
 
-    fn apply(&self, module: &dyn Module, ctx: &StyleCtx<'_>) -> Result<()> {
+    fn apply(&self, _module: &dyn Module, ctx: &StyleCtx<'_>) -> Result<()> {
         let output = Lay {
             expect: self.output_layouts,
             want: self.desired_output_layouts,
         };
-        attach(module, ctx, "PrepareModuleOutput", Lay::KEEP, output)
+        attach(ctx, "PrepareModuleOutput", Lay::KEEP, output)
     }
 }
