@@ -1,5 +1,6 @@
 //! [`DeviceMesh`]: an N-D array of ranks with one communicator per dimension.
 
+use std::cell::RefCell;
 use std::fmt;
 use std::rc::Rc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -51,6 +52,8 @@ struct Inner {
     /// [`DeviceMesh::comm_id`] of `comm` and of each of `dim_comms`.
     comm_id: u64,
     dim_comm_ids: Vec<u64>,
+    /// Multi-dim slices made so far, by dim indices (see [`DeviceMesh::slice`]).
+    slices: RefCell<Vec<(Vec<usize>, DeviceMesh)>>,
 }
 
 /// A fresh process-wide number for a communicator a mesh holds.
@@ -161,6 +164,7 @@ impl DeviceMesh {
                 comm_id: next_comm_id(),
                 dim_comm_ids: dim_comms.iter().map(|_| next_comm_id()).collect(),
                 dim_comms,
+                slices: RefCell::default(),
             }),
         })
     }
@@ -268,6 +272,7 @@ impl DeviceMesh {
                 dim_comms: vec![inner.dim_comms[i].clone()],
                 comm_id: inner.dim_comm_ids[i],
                 dim_comm_ids: vec![inner.dim_comm_ids[i]],
+                slices: RefCell::default(),
             }),
         })
     }
@@ -342,8 +347,79 @@ impl DeviceMesh {
                 dim_comms,
                 comm_id: inner.comm_id,
                 dim_comm_ids,
+                slices: RefCell::default(),
             }),
         })
+    }
+
+    /// The sub-mesh along `dims` (named in mesh order) through this rank: its
+    /// dims keep their communicators (so `slice(..).dim(d)` is `dim(d)`), and the
+    /// sub-mesh gets a communicator over all its ranks. One dim is
+    /// [`dim`](Self::dim); all dims is the mesh itself.
+    ///
+    /// Collective over the whole mesh the first time a set of dims is sliced
+    /// (every rank must call it: the sub-mesh communicator is split then); later
+    /// calls return the same sub-mesh without communicating.
+    ///
+    /// PyTorch: `mesh["dp_replicate", "dp_shard"]`.
+    ///
+    /// # Errors
+    /// No dims, unknown or repeated dims, dims out of mesh order, or a failed split.
+    pub fn slice(&self, dims: &[&str]) -> Result<DeviceMesh> {
+        let idx: Vec<usize> = dims.iter().map(|d| self.dim_index(*d)).collect::<Result<_>>()?;
+        if idx.is_empty() || !idx.windows(2).all(|w| w[0] < w[1]) {
+            return Err(Error::Mesh(format!(
+                "slice takes distinct mesh dims in mesh order; got {dims:?} of {:?}",
+                self.names()
+            )));
+        }
+        if idx.len() == 1 {
+            return self.dim(idx[0]);
+        }
+        if idx.len() == self.ndim() {
+            return Ok(self.clone());
+        }
+        let inner = &self.inner;
+        if let Some((_, m)) = inner.slices.borrow().iter().find(|(k, _)| *k == idx) {
+            return Ok(m.clone());
+        }
+        let shape: SmallVec<[usize; 4]> = idx.iter().map(|&d| inner.shape[d]).collect();
+        let coord: SmallVec<[usize; 4]> = idx.iter().map(|&d| inner.coord[d]).collect();
+        // Color: this rank's position with the sliced dims zeroed; key: its place in the slice.
+        let mut base = inner.coord.clone();
+        idx.iter().for_each(|&d| base[d] = 0);
+        let color = row_major_index(&base, &inner.shape) as u32;
+        let comm: Rc<dyn Communicator> = Rc::from(inner.comm.split(color, row_major_index(&coord, &shape) as u32)?);
+        let n: usize = shape.iter().product();
+        let ranks = (0..n)
+            .map(|k| {
+                let mut c = inner.coord.clone();
+                for (&d, v) in idx.iter().zip(row_major_coord(k, &shape)) {
+                    c[d] = v;
+                }
+                inner.ranks[row_major_index(&c, &inner.shape)]
+            })
+            .collect();
+        let names = if inner.names.is_empty() {
+            Vec::new()
+        } else {
+            idx.iter().map(|&d| inner.names[d].clone()).collect()
+        };
+        let sliced = DeviceMesh {
+            inner: Rc::new(Inner {
+                shape,
+                names,
+                ranks,
+                coord,
+                comm,
+                dim_comms: idx.iter().map(|&d| inner.dim_comms[d].clone()).collect(),
+                comm_id: next_comm_id(),
+                dim_comm_ids: idx.iter().map(|&d| inner.dim_comm_ids[d]).collect(),
+                slices: RefCell::default(),
+            }),
+        };
+        inner.slices.borrow_mut().push((idx, sliced.clone()));
+        Ok(sliced)
     }
 
     /// Whether two handles denote the same mesh (same construction, cheap check).

@@ -92,6 +92,49 @@ fn slicing_gives_one_d_meshes() {
 }
 
 #[test]
+fn slicing_several_dims_gives_a_sub_mesh() {
+    launch(8, |ctx| {
+        let r = ctx.rank();
+        let mesh = DeviceMesh::with_names(ctx.into_comm(), &[2, 2, 2], &["dp_replicate", "dp_shard", "tp"])?;
+        let dp = mesh.slice(&["dp_replicate", "dp_shard"])?;
+        assert_eq!(dp.shape(), &[2, 2]);
+        assert_eq!(dp.names(), &["dp_replicate".to_string(), "dp_shard".to_string()]);
+        assert_eq!(dp.coordinate(), &[r / 4, (r / 2) % 2]);
+        let mates: Vec<usize> = (0..4).map(|k| k * 2 + r % 2).collect();
+        assert_eq!(dp.ranks(), &mates[..]);
+        // Its communicator spans the four ranks with this rank's tp coordinate.
+        let got = dp.comm().all_gather_vec(&[r as i64])?;
+        assert_eq!(got, mates.iter().map(|&m| m as i64).collect::<Vec<_>>());
+        // Its dims are the mesh's dims (same communicators), and a second slice is the first.
+        assert_eq!(dp.dim("dp_shard")?.comm_id(), mesh.dim("dp_shard")?.comm_id());
+        let before = mesh.stats();
+        let again = mesh.slice(&["dp_replicate", "dp_shard"])?;
+        assert!(again.same_as(&dp) && again.comm_id() == dp.comm_id());
+        assert_eq!(
+            (mesh.stats() - before).total_calls(),
+            0,
+            "the second slice does not communicate"
+        );
+        // Dims need not be adjacent; one dim is `dim`, all dims the mesh itself.
+        let outer = mesh.slice(&["dp_replicate", "tp"])?;
+        assert_eq!(
+            outer.ranks(),
+            &[r % 4 - r % 2, r % 4 - r % 2 + 1, r % 4 - r % 2 + 4, r % 4 - r % 2 + 5]
+        );
+        assert_eq!(mesh.slice(&["tp"])?.comm_id(), mesh.dim("tp")?.comm_id());
+        assert!(mesh.slice(&["dp_replicate", "dp_shard", "tp"])?.same_as(&mesh));
+        for bad in [&["dp_shard", "dp_replicate"][..], &["tp", "tp"], &[]] {
+            let e = mesh.slice(bad).err().map(|e| e.to_string()).unwrap_or_default();
+            assert!(e.contains("distinct mesh dims in mesh order"), "{bad:?}: {e}");
+        }
+        let e = mesh.slice(&["dp"]).err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(e.contains("no mesh dim named \"dp\""), "{e}");
+        Ok(())
+    })
+    .unwrap();
+}
+
+#[test]
 fn flatten_merges_adjacent_dims() {
     launch(8, |ctx| {
         let r = ctx.rank();
