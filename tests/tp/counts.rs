@@ -3,11 +3,12 @@
 //! sequence-parallel plan moves the same bytes as all-gather + reduce-scatter
 //! pairs, and loss parallel moves per-row statistics, never the logits.
 
-use tessera::autograd::{Var, backward};
-use tessera::dtensor::{DType, Placement, Tensor, distribute_tensor};
+use tessera::dtensor::{DType, Tensor};
 use tessera::mesh::{CommCounts, OpKind};
 use tessera::models::{Transformer, TransformerConfig};
 use tessera::{DeviceMesh, launch};
+
+use crate::step_counted;
 
 /// Forward and backward counters of one step of a randomly initialised tiny model
 /// with `n_layers` blocks on `tp` ranks (pure TP), batch `[4, 17]`.
@@ -21,17 +22,8 @@ fn step(tp: usize, n_layers: usize, sp: bool) -> (CommCounts, CommCounts) {
         let model = Transformer::new(cfg, &mesh, DType::F32, 7)?;
         model.parallelize(&mesh.dim("tp")?, sp)?;
         let rows: Vec<i64> = (0..4 * 17).map(|i| (i * 37 % 256) as i64).collect();
-        let rows = Tensor::from_vec(rows, &[4, 17])?;
-        let rows = Var::constant(distribute_tensor(
-            &rows,
-            &mesh,
-            &[Placement::Shard(0), Placement::Replicate],
-        )?);
-        let before = mesh.stats();
-        let loss = model.loss(&rows)?;
-        let mid = mesh.stats();
-        backward(&loss)?;
-        Ok((mid - before, mesh.stats() - mid))
+        let (_, fwd, bwd) = step_counted(&model, &mesh, &Tensor::from_vec(rows, &[4, 17])?)?;
+        Ok((fwd, bwd))
     })
     .unwrap()
     .swap_remove(0)

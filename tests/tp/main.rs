@@ -10,11 +10,12 @@ mod errors;
 mod parity;
 mod styles;
 
-use tessera::autograd::Var;
 use tessera::autograd::nn::Module;
 use tessera::autograd::optim::{AdamW, Optimizer};
-use tessera::dtensor::{Placement, distribute_tensor};
+use tessera::autograd::{Var, backward};
+use tessera::dtensor::{Placement, Tensor, distribute_tensor};
 use tessera::mesh::CommCounts;
+use tessera::models::Transformer;
 use tessera::{DeviceMesh, launch};
 
 use common::{adamw, tiny_model, tokens};
@@ -44,19 +45,10 @@ pub fn train(dp: usize, tp: usize, g: usize, sp: bool, steps: usize) -> Run {
         };
         for step in 0..steps {
             let rows = toks.narrow(0, step, 1)?.narrow(1, 0, g)?.reshape(&[g, 33])?;
-            let rows = Var::constant(distribute_tensor(
-                &rows,
-                &mesh,
-                &[Placement::Shard(0), Placement::Replicate],
-            )?);
-            let before = mesh.stats();
-            let loss = model.loss(&rows)?;
-            let mid = mesh.stats();
-            run.losses.push(loss.value().full_tensor()?.to_f64_vec()[0]);
-            let mid2 = mesh.stats();
-            tessera::autograd::backward(&loss)?;
-            run.fwd.push(mid - before);
-            run.bwd.push(mesh.stats() - mid2);
+            let (loss, fwd, bwd) = step_counted(&model, &mesh, &rows)?;
+            run.losses.push(loss);
+            run.fwd.push(fwd);
+            run.bwd.push(bwd);
             opt.step()?;
             opt.zero_grad();
         }
@@ -64,6 +56,26 @@ pub fn train(dp: usize, tp: usize, g: usize, sp: bool, steps: usize) -> Run {
     })
     .unwrap()
     .swap_remove(0)
+}
+
+/// One forward and backward of `model` on token `rows` (batch `Shard(0)` over dp,
+/// replicated over tp): the loss and this rank's counters of forward and of backward.
+pub fn step_counted(
+    model: &Transformer,
+    mesh: &DeviceMesh,
+    rows: &Tensor,
+) -> tessera::autograd::Result<(f64, CommCounts, CommCounts)> {
+    let rows = Var::constant(distribute_tensor(
+        rows,
+        mesh,
+        &[Placement::Shard(0), Placement::Replicate],
+    )?);
+    let before = mesh.stats();
+    let loss = model.loss(&rows)?;
+    let mid = mesh.stats();
+    backward(&loss)?;
+    let bwd = mesh.stats() - mid;
+    Ok((loss.value().full_tensor()?.to_f64_vec()[0], mid - before, bwd))
 }
 
 /// The largest `|a − b|`.

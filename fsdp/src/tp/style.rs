@@ -77,7 +77,10 @@ pub trait ParallelStyle: fmt::Debug {
     /// # Errors
     /// A module type the style does not support, parameters that are not
     /// replicated on the tp dim or live on a mesh without it; each naming the module.
-    fn check(&self, module: &dyn Module, ctx: &StyleCtx<'_>) -> Result<()>;
+    /// Default: fits any module (a style that changes no parameters).
+    fn check(&self, _module: &dyn Module, _ctx: &StyleCtx<'_>) -> Result<()> {
+        Ok(())
+    }
 
     /// Shards the module's parameters and attaches its input/output hooks.
     ///
@@ -441,10 +444,6 @@ impl ParallelStyle for SequenceParallel {
 }
 
 impl ParallelStyle for PrepareModuleInput {
-    fn check(&self, _module: &dyn Module, _ctx: &StyleCtx<'_>) -> Result<()> {
-        Ok(())
-    }
-
     fn apply(&self, _module: &dyn Module, ctx: &StyleCtx<'_>) -> Result<()> {
         let input = Lay {
             expect: self.input_layouts,
@@ -455,10 +454,6 @@ impl ParallelStyle for PrepareModuleInput {
 }
 
 impl ParallelStyle for PrepareModuleOutput {
-    fn check(&self, _module: &dyn Module, _ctx: &StyleCtx<'_>) -> Result<()> {
-        Ok(())
-    }
-
     fn apply(&self, _module: &dyn Module, ctx: &StyleCtx<'_>) -> Result<()> {
         let output = Lay {
             expect: self.output_layouts,
