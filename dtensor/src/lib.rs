@@ -25,6 +25,7 @@
 #![deny(missing_docs)]
 
 mod alloc;
+pub mod bucket;
 pub mod dist;
 mod dtensor;
 mod error;

@@ -422,6 +422,45 @@ impl DeviceMesh {
         Ok(sliced)
     }
 
+    /// Where the dims of `sub` (a mesh from [`slice`](Self::slice) or
+    /// [`dim`](Self::dim) of this one, or this mesh itself) sit in this mesh:
+    /// for each dim of `sub`, the index of the dim of `self` that shares its
+    /// communicator. `None` when `sub` is not along dims of this mesh through
+    /// this rank. Not collective.
+    ///
+    /// ```
+    /// use tessera_mesh::{launch, DeviceMesh};
+    ///
+    /// launch(8, |ctx| {
+    ///     let mesh = DeviceMesh::with_names(ctx.into_comm(), &[2, 2, 2], &["rep", "shard", "tp"])?;
+    ///     let dp = mesh.slice(&["rep", "shard"])?;
+    ///     assert_eq!(mesh.dims_of(&dp), Some(vec![0, 1]));
+    ///     assert_eq!(mesh.dims_of(&mesh.dim("tp")?), Some(vec![2]));
+    ///     assert_eq!(dp.dims_of(&mesh), None);
+    ///     Ok(())
+    /// })
+    /// .unwrap();
+    /// ```
+    pub fn dims_of(&self, sub: &DeviceMesh) -> Option<Vec<usize>> {
+        if self.same_as(sub) {
+            return Some((0..self.ndim()).collect());
+        }
+        let inner = &self.inner;
+        let mut dims = Vec::with_capacity(sub.ndim());
+        for (j, id) in sub.inner.dim_comm_ids.iter().enumerate() {
+            let d = inner
+                .dim_comm_ids
+                .iter()
+                .position(|x| x == id)
+                .filter(|&d| inner.shape[d] == sub.inner.shape[j] && inner.coord[d] == sub.inner.coord[j])?;
+            if dims.contains(&d) {
+                return None;
+            }
+            dims.push(d);
+        }
+        Some(dims)
+    }
+
     /// Whether two handles denote the same mesh (same construction, cheap check).
     pub fn same_as(&self, other: &DeviceMesh) -> bool {
         Rc::ptr_eq(&self.inner, &other.inner)

@@ -5,6 +5,7 @@
 //! Property cases: 256 each by default, `PROPTEST_CASES` overrides. Failures are
 //! saved under `target/proptest-regressions/` (out of git) and replayed first.
 
+mod bucket;
 mod errors;
 mod harness;
 mod props;
