@@ -278,8 +278,17 @@ impl Param {
         *self.inner.stand_in.borrow_mut() = v;
     }
 
-    /// Adds `g` (any placements) to the gradient, converted to the parameter's placements.
-    pub(crate) fn accumulate(&self, g: DTensor) -> Result<()> {
+    /// Adds `g` (any placements) to the gradient, converted to the parameter's
+    /// placements and shard order (a partial gradient of a replicated parameter is
+    /// all-reduced, that of a sharded one reduce-scattered; nothing moves when `g`
+    /// already has them). What backward does for every parameter, and what FSDP
+    /// does with the gradients it reduced.
+    ///
+    /// PyTorch: autograd's accumulation into `param.grad`.
+    ///
+    /// # Errors
+    /// A gradient of another global shape; a failed redistribution or add.
+    pub fn accumulate(&self, g: DTensor) -> Result<()> {
         let value = self.value();
         let target: Vec<Placement> = value.placements().to_vec();
         let g = if g.placements() == &target[..] && g.layout().order == value.layout().order {

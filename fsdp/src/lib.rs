@@ -38,6 +38,11 @@
 //! - each parameter becomes `Shard(0)` on the shard dim (`[Replicate, Shard(0)]`
 //!   on a 2-D mesh: HSDP), its shard padded to `ceil(rows / world)` rows in the
 //!   unit's flat bucket so every rank moves the same number of elements;
+//! - over tensor parallelism (apply [`tp::parallelize_module`] first, then pass
+//!   the data-parallel sub-mesh, `mesh.slice(&["dp"])`): parameters keep their
+//!   placements on the other mesh dims and the shard dim splits the piece tensor
+//!   parallelism left the rank; forward sees exactly the TP placements, and the
+//!   unit's collectives run over the data-parallel dims on those pieces;
 //! - per unit and step, one all-gather before forward (and again before backward
 //!   when resharded after forward), one reduce-scatter of the gradient bucket after
 //!   its backward, plus one all-reduce over the replicate dim for HSDP; on a
@@ -59,46 +64,55 @@
 #![deny(missing_docs)]
 
 mod config;
-mod runtime;
+mod group;
+mod param;
+mod state;
 pub mod tp;
-mod unit;
 
 use std::collections::HashSet;
 use std::rc::{Rc, Weak};
 
+use tessera_autograd::Param;
 use tessera_autograd::nn::{Module, ModuleId, register_module_hooks};
-use tessera_autograd::{Param, Slot};
-use tessera_dtensor::sharding::shard_size_and_offset;
-use tessera_dtensor::{DTensor, Placement, Tensor};
+use tessera_dtensor::Placement;
 use tessera_mesh::{DType, DeviceMesh};
 
 pub use config::{FsdpConfig, MixedPrecisionPolicy};
 pub use tessera_autograd::{Error, Result};
 
-use unit::{FsdpParam, Unit};
+use group::ParamGroup;
+use param::{DpDims, FsdpParam};
+use state::Unit;
 
-fn config_error(detail: String) -> Error {
+pub(crate) fn config_error(detail: String) -> Error {
     Error::Config {
         op: "fully_shard",
         detail,
     }
 }
 
-/// Shards `module`'s parameters over `mesh` and makes the module one FSDP unit.
+/// Shards `module`'s parameters over the data-parallel mesh `mesh` and makes
+/// the module one FSDP unit.
 ///
-/// `mesh` is the data-parallel mesh: 1-D (FSDP) or 2-D (HSDP: `config.shard_dim`,
-/// by default dim 1, shards and the other dim replicates). Parameters must be
-/// replicated on `mesh` (as modules create them); each becomes `Shard(0)` on the
-/// shard dim. Parameters already owned by a unit made from a submodule stay there.
+/// `mesh` is 1-D (FSDP) or 2-D (HSDP: `config.shard_dim`, by default dim 1,
+/// shards and the other dim replicates). It is the parameters' mesh, or a
+/// sub-mesh of it ([`DeviceMesh::slice`], [`DeviceMesh::dim`]) when the
+/// parameters live on a larger mesh, as after tensor parallelism on a
+/// `(dp, tp)` or `(dp_replicate, dp_shard, tp)` mesh. Parameters must be
+/// replicated on the data-parallel dims; each gains `Shard(0)` on the shard dim
+/// and keeps its placements on the others (tensor parallelism's), the shard dim
+/// splitting the piece those left this rank. Parameters already owned by a unit
+/// made from a submodule stay there.
 ///
 /// PyTorch: `torch.distributed.fsdp.fully_shard`.
 ///
 /// # Errors
-/// A mesh with more than two dims or without the named shard dim; a module already
-/// sharded, or sharing a parameter with a unit that does not lie inside it; a
-/// parameter that is not replicated on `mesh`, lives on another mesh, is a scalar,
-/// or is not floating-point; parameters of different dtypes in one unit without a
-/// `param_dtype`.
+/// A mesh with more than two dims or without the named shard dim; a mesh that is
+/// not along dims of the parameters' mesh; a module already sharded, or sharing
+/// a parameter with a unit that does not lie inside it; a parameter that is not
+/// replicated on the data-parallel dims, lives on another mesh than the unit's
+/// other parameters, is a scalar, or is not floating-point; parameters of
+/// different dtypes in one unit.
 pub fn fully_shard(module: &dyn Module, mesh: &DeviceMesh, config: FsdpConfig) -> Result<FsdpModule> {
     let (shard_dim, replicate_dim) = resolve_dims(mesh, config.shard_dim.as_deref())?;
     let all = module.parameters();
@@ -111,14 +125,17 @@ pub fn fully_shard(module: &dyn Module, mesh: &DeviceMesh, config: FsdpConfig) -
             )));
         }
     }
+    if all.is_empty() {
+        return Err(config_error("the module has no parameters".into()));
+    }
     // Units inside this module keep their parameters; a unit that shares only
     // some of its parameters with this module is an error.
     let mut children: Vec<Rc<Unit>> = Vec::new();
     let mut own: Vec<Param> = Vec::new();
     for p in &all {
-        match runtime::owner(p.id()) {
+        match state::owner(p.id()) {
             Some(u) => {
-                if let Some(outside) = u.params.iter().find(|q| !ids.contains(&q.param.id())) {
+                if let Some(outside) = u.group.params.iter().find(|q| !ids.contains(&q.param.id())) {
                     return Err(config_error(format!(
                         "parameter {} is already owned by the FSDP unit of {}, which does not lie inside this \
                          module (its parameter {} is not the module's); a parameter can belong to one unit only",
@@ -134,73 +151,47 @@ pub fn fully_shard(module: &dyn Module, mesh: &DeviceMesh, config: FsdpConfig) -
             None => own.push(p.clone()),
         }
     }
-    if all.is_empty() {
-        return Err(config_error("the module has no parameters".into()));
-    }
     let id = ModuleId::of(module)?;
-    if runtime::is_sharded(&id) {
+    if state::is_sharded(&id) {
         return Err(config_error(format!("{id} is already fully_shard-ed")));
     }
     let dtype = unit_dtype(&own, &config)?;
-    let world = mesh.shape()[shard_dim];
-    let rank = mesh.coordinate()[shard_dim];
-    let mut placements = vec![Placement::Replicate; mesh.ndim()];
-    placements[shard_dim] = Placement::Shard(0);
+    // The parameters' mesh and where the data-parallel dims sit in it.
+    let param_mesh = own.first().map_or_else(|| mesh.clone(), |p| p.value().mesh().clone());
+    let Some(in_params) = param_mesh.dims_of(mesh) else {
+        return Err(config_error(format!(
+            "parameter {} lives on mesh {param_mesh}, which the data-parallel mesh {mesh} is not a slice of; \
+             pass the parameters' mesh or a slice of it (mesh.slice(&[\"dp\"]))",
+            own[0].name()
+        )));
+    };
+    let dims = DpDims {
+        shard: in_params[shard_dim],
+        replicate: replicate_dim.map(|r| in_params[r]),
+    };
     // Check every parameter before changing any.
-    for p in &own {
-        check_param(p, mesh)?;
+    let params: Vec<FsdpParam> = own
+        .into_iter()
+        .map(|p| FsdpParam::new(p, &param_mesh, dims))
+        .collect::<Result<_>>()?;
+    for p in &params {
+        p.shard(&param_mesh, dims)?;
     }
-    let mut params = Vec::with_capacity(own.len());
-    let mut offset = 0;
-    for p in own {
-        let value = p.value();
-        let shape = value.shape().to_vec();
-        let rows = shape[0];
-        let row_numel: usize = shape[1..].iter().product();
-        let chunk_rows = rows.div_ceil(world);
-        let (local_rows, start) = shard_size_and_offset(rows, world, rank);
-        // A copy, not a view: the replicated value is freed once set_value replaces it.
-        let rows_here = value.to_local().narrow(0, start, local_rows)?;
-        let mut local_shape = shape.clone();
-        local_shape[0] = local_rows;
-        let local = Tensor::from_buffer(rows_here.to_buffer(), &local_shape)?;
-        p.set_value(DTensor::from_local(local, mesh, &placements, &shape)?);
-        p.set_grad(None);
-        let slot = Slot::new(p.name(), None);
-        params.push(FsdpParam {
-            param: p,
-            shape,
-            rows,
-            row_numel,
-            chunk_rows,
-            local_rows,
-            offset,
-            slot,
-        });
-        offset += chunk_rows * row_numel;
-    }
-    let label = all[0].name().to_string();
+    let mut dp_placements = vec![Placement::Replicate; mesh.ndim()];
+    dp_placements[shard_dim] = Placement::Shard(0);
+    let group = ParamGroup::new(params, param_mesh, dims, dtype, config.mp_policy);
     let unit = Unit::new(
-        params,
-        mesh.clone(),
-        shard_dim,
-        replicate_dim,
-        dtype,
-        placements,
+        all[0].name().to_string(),
+        group,
         children.iter().map(Rc::downgrade).collect(),
         config.reshard_after_forward,
-        config.mp_policy,
-        label,
     );
-    for p in &unit.params {
-        runtime::set_owner(p.param.id(), &unit);
-    }
-    runtime::set_sharded(id.clone());
+    state::register(&unit, std::slice::from_ref(&id));
     register_module_hooks(&id, unit.clone());
-    Ok(FsdpModule { unit })
+    Ok(FsdpModule { unit, dp_placements })
 }
 
-/// The shard dim and the replicate dim (HSDP) of `mesh`.
+/// The shard dim and the replicate dim (HSDP) of the data-parallel mesh.
 fn resolve_dims(mesh: &DeviceMesh, shard_dim: Option<&str>) -> Result<(usize, Option<usize>)> {
     let shard = match shard_dim {
         Some(name) => mesh.dim_index(name).map_err(|_| {
@@ -216,7 +207,7 @@ fn resolve_dims(mesh: &DeviceMesh, shard_dim: Option<&str>) -> Result<(usize, Op
         2 => Ok((shard, Some(1 - shard))),
         n => Err(config_error(format!(
             "fully_shard takes a 1-D (FSDP) or 2-D (HSDP: replicate × shard) data-parallel mesh, got {n} dims \
-             {:?}; pass the data-parallel sub-mesh",
+             {:?}; pass the data-parallel sub-mesh (mesh.slice(&[\"dp_replicate\", \"dp_shard\"]))",
             mesh.shape()
         ))),
     }
@@ -241,39 +232,6 @@ fn unit_dtype(own: &[Param], config: &FsdpConfig) -> Result<DType> {
     Ok(dtype)
 }
 
-fn check_param(p: &Param, mesh: &DeviceMesh) -> Result<()> {
-    let v = p.value();
-    if !v.mesh().same_as(mesh) {
-        return Err(config_error(format!(
-            "parameter {} lives on a mesh of shape {:?}, not on the data-parallel mesh {:?} given to fully_shard",
-            p.name(),
-            v.mesh().shape(),
-            mesh.shape()
-        )));
-    }
-    if v.placements().iter().any(|pl| !pl.is_replicate()) {
-        return Err(config_error(format!(
-            "parameter {} is placed {:?}; fully_shard shards replicated parameters (is it already sharded?)",
-            p.name(),
-            v.placements()
-        )));
-    }
-    if v.shape().is_empty() {
-        return Err(config_error(format!(
-            "parameter {} is a scalar; FSDP shards dim 0 (reshape it to [1])",
-            p.name()
-        )));
-    }
-    if !v.dtype().is_float() {
-        return Err(config_error(format!(
-            "parameter {} is {}; FSDP shards floating-point parameters",
-            p.name(),
-            v.dtype()
-        )));
-    }
-    Ok(())
-}
-
 /// A module made an FSDP unit by [`fully_shard`]: a handle to control its
 /// communication. Cheap to clone; lives on its rank's thread.
 ///
@@ -281,17 +239,18 @@ fn check_param(p: &Param, mesh: &DeviceMesh) -> Result<()> {
 #[derive(Clone)]
 pub struct FsdpModule {
     unit: Rc<Unit>,
+    dp_placements: Vec<Placement>,
 }
 
 impl FsdpModule {
     /// The parameters this unit owns (not those of units inside it).
     pub fn params(&self) -> Vec<Param> {
-        self.unit.params.iter().map(|p| p.param.clone()).collect()
+        self.unit.group.params.iter().map(|p| p.param.clone()).collect()
     }
 
     /// Whether the unit's parameters are gathered now.
     pub fn is_unsharded(&self) -> bool {
-        self.unit.is_unsharded()
+        self.unit.group.is_unsharded()
     }
 
     /// Gathers the unit's parameters now (one all-gather), e.g. to overlap it
@@ -302,7 +261,7 @@ impl FsdpModule {
     /// # Errors
     /// Communication failures.
     pub fn unshard(&self) -> Result<()> {
-        self.unit.unshard()
+        self.unit.group.unshard()
     }
 
     /// Issues the all-gather without waiting; the unit's forward (or
@@ -313,7 +272,7 @@ impl FsdpModule {
     /// # Errors
     /// Communication failures.
     pub fn unshard_async(&self) -> Result<()> {
-        self.unit.prefetch()
+        self.unit.group.prefetch()
     }
 
     /// Frees the unsharded parameters. Not recursive.
@@ -323,7 +282,7 @@ impl FsdpModule {
     /// # Errors
     /// A failed all-gather that was in flight.
     pub fn reshard(&self) -> Result<()> {
-        self.unit.reshard()
+        self.unit.group.reshard()
     }
 
     fn units(&self) -> Vec<Rc<Unit>> {
@@ -370,23 +329,27 @@ impl FsdpModule {
         *self.unit.backward_prefetch.borrow_mut() = Some(modules.iter().map(|m| Rc::downgrade(&m.unit)).collect());
     }
 
-    /// Bytes of this rank's padded shards (the all-gather's input).
+    /// Bytes of this rank's padded shards (the all-gather's input) in the parameters' dtype.
     pub fn sharded_bytes(&self) -> usize {
-        self.unit.bucket_len * self.unit.dtype.size_in_bytes()
+        let g = &self.unit.group;
+        g.bucket_len().unwrap_or(0) * g.dtype.size_in_bytes()
     }
 
-    /// Bytes of the unsharded parameters in the gather dtype.
+    /// Bytes of this rank's unsharded parameters in the gather dtype (the pieces
+    /// tensor parallelism leaves it; the whole parameters without it).
     pub fn unsharded_bytes(&self) -> usize {
-        self.unit.params.iter().map(|p| p.rows * p.row_numel).sum::<usize>() * self.unit.gather_dtype().size_in_bytes()
+        let g = &self.unit.group;
+        g.unsharded_numel().unwrap_or(0) * g.gather_dtype().size_in_bytes()
     }
 
     /// The mixed-precision policy.
     pub fn mp_policy(&self) -> MixedPrecisionPolicy {
-        self.unit.mp
+        self.unit.group.mp
     }
 
-    /// The placements of the sharded parameters (`[Shard(0)]`, or `[Replicate, Shard(0)]` for HSDP).
+    /// The placements the unit gives its parameters on the data-parallel mesh
+    /// (`[Shard(0)]`, or `[Replicate, Shard(0)]` for HSDP).
     pub fn placements(&self) -> &[Placement] {
-        &self.unit.placements
+        &self.dp_placements
     }
 }

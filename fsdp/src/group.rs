@@ -1,0 +1,408 @@
+//! The parameter group of one unit: unshard (one bucket all-gather), reshard,
+//! and reduce (one bucket reduce-scatter, plus an all-reduce over the replicate
+//! dim for HSDP). Passive: the hooks in [`crate::state`] decide when.
+//!
+//! The group adds no gradient semantics: a gradient arrives as a DTensor in
+//! whatever placements backward gave it, is placed `Partial(sum)` on the
+//! data-parallel dims by `redistribute` ([`FsdpParam::contribution`]), reduced by
+//! the bucket collectives (Partial → Shard, Partial → Replicate), and added to
+//! the parameter by [`Param::accumulate`].
+//!
+//! PyTorch: `_fsdp_param_group.py` (`FSDPParamGroup`).
+
+use std::cell::RefCell;
+
+use tessera_autograd::{Error, Param, Result, Var, is_grad_enabled};
+use tessera_dtensor::bucket::{BucketWork, all_gather_bucket, all_reduce_bucket, reduce_scatter_bucket};
+use tessera_dtensor::{DTensor, Tensor};
+use tessera_mesh::{DType, DeviceMesh};
+
+use crate::MixedPrecisionPolicy;
+use crate::param::{DpDims, FsdpParam};
+
+/// Where a group's parameters are.
+enum State {
+    Sharded,
+    Gathering(BucketWork),
+    Unsharded,
+}
+
+/// Gradients of the unsharded parameters gathered during the unit's backward,
+/// each this rank's contribution (`Partial(sum)` on the data-parallel dims) in
+/// the reduce dtype.
+#[derive(Default)]
+struct Grads {
+    /// Per parameter: this backward's gradient.
+    pending: Vec<Option<DTensor>>,
+    /// Per parameter: gradients accumulated while gradient sync is off.
+    unsynced: Vec<Option<DTensor>>,
+    /// Gradients expected this backward (one per trainable parameter per forward call).
+    expected: usize,
+    arrived: usize,
+}
+
+/// A callback for the gradient of parameter `i`'s stand-in.
+pub(crate) type GradHook = Box<dyn FnOnce(&DTensor) -> Result<()>>;
+
+/// The parameters of one unit and their communication.
+pub(crate) struct ParamGroup {
+    pub(crate) params: Vec<FsdpParam>,
+    /// The parameters' mesh.
+    pub(crate) mesh: DeviceMesh,
+    pub(crate) dims: DpDims,
+    /// The parameters' own dtype (the master dtype).
+    pub(crate) dtype: DType,
+    pub(crate) mp: MixedPrecisionPolicy,
+    state: RefCell<State>,
+    grads: RefCell<Grads>,
+    /// The local shards the current forward gathered (to catch updates between
+    /// forward and backward).
+    forward_shards: RefCell<Vec<Tensor>>,
+    /// The local shards the unsharded values were gathered from (a group left
+    /// unsharded gathers again when they changed since).
+    gathered_from: RefCell<Vec<Tensor>>,
+}
+
+/// Whether `a` and `b` are the same elements of the same storage.
+fn same_tensor(a: &Tensor, b: &Tensor) -> bool {
+    a.shares_storage(b) && a.storage_offset() == b.storage_offset() && a.shape() == b.shape()
+}
+
+fn config(detail: String) -> Error {
+    Error::Config { op: "fsdp", detail }
+}
+
+impl ParamGroup {
+    pub(crate) fn new(
+        params: Vec<FsdpParam>,
+        mesh: DeviceMesh,
+        dims: DpDims,
+        dtype: DType,
+        mp: MixedPrecisionPolicy,
+    ) -> ParamGroup {
+        let n = params.len();
+        ParamGroup {
+            params,
+            mesh,
+            dims,
+            dtype,
+            mp,
+            state: RefCell::new(State::Sharded),
+            grads: RefCell::new(Grads {
+                pending: vec![None; n],
+                unsynced: vec![None; n],
+                expected: 0,
+                arrived: 0,
+            }),
+            forward_shards: RefCell::new(Vec::new()),
+            gathered_from: RefCell::new(Vec::new()),
+        }
+    }
+
+    /// The dtype of the all-gather and of the unsharded parameters.
+    pub(crate) fn gather_dtype(&self) -> DType {
+        self.mp.param_dtype.unwrap_or(self.dtype)
+    }
+
+    /// The dtype gradients are reduced in.
+    pub(crate) fn reduce_dtype(&self) -> DType {
+        self.mp.reduce_dtype.unwrap_or(self.gather_dtype())
+    }
+
+    /// Ranks along the shard dim.
+    pub(crate) fn shard_world(&self) -> usize {
+        self.mesh.shape()[self.dims.shard]
+    }
+
+    pub(crate) fn is_unsharded(&self) -> bool {
+        matches!(*self.state.borrow(), State::Unsharded)
+    }
+
+    /// Elements of this rank's padded bucket (the all-gather's input).
+    pub(crate) fn bucket_len(&self) -> Result<usize> {
+        let world = self.shard_world();
+        let coord = self.mesh.coordinate();
+        let mut n = 0;
+        for p in &self.params {
+            let local = p.unsharded.local_shape(coord)?;
+            let row: usize = local[1..].iter().product();
+            n += local[0].div_ceil(world) * row;
+        }
+        Ok(n)
+    }
+
+    /// Elements of this rank's unsharded pieces (tensor parallelism's local shapes).
+    pub(crate) fn unsharded_numel(&self) -> Result<usize> {
+        let coord = self.mesh.coordinate();
+        self.params.iter().map(|p| p.unsharded_local_numel(coord)).sum()
+    }
+
+    // ----- all-gather -------------------------------------------------------
+
+    /// Issues the bucket all-gather of the shards (asynchronously).
+    fn issue_gather(&self) -> Result<BucketWork> {
+        let mut from = self.gathered_from.borrow_mut();
+        from.clear();
+        let values: Vec<DTensor> = self.params.iter().map(|p| p.param.value()).collect();
+        from.extend(values.iter().map(|v| v.to_local().clone()));
+        Ok(all_gather_bucket(&values, self.dims.shard, self.gather_dtype())?)
+    }
+
+    /// Waits for the gather and fills every parameter's slot with its unsharded value.
+    fn finish_gather(&self, work: BucketWork) -> Result<()> {
+        let full = work.wait()?;
+        for (p, v) in self.params.iter().zip(full) {
+            debug_assert_eq!(v.placements(), &p.unsharded.placements[..]);
+            p.slot.fill(v);
+        }
+        *self.state.borrow_mut() = State::Unsharded;
+        Ok(())
+    }
+
+    /// Gathers the parameters now (waiting for a prefetch in flight).
+    pub(crate) fn unshard(&self) -> Result<()> {
+        if self.params.is_empty() {
+            return Ok(());
+        }
+        let state = std::mem::replace(&mut *self.state.borrow_mut(), State::Sharded);
+        match state {
+            State::Unsharded if self.shards_unchanged(&self.gathered_from.borrow()) => {
+                *self.state.borrow_mut() = State::Unsharded;
+                Ok(())
+            }
+            // Updated (an optimizer step) since they were gathered: gather again.
+            State::Unsharded | State::Sharded => {
+                let work = self.issue_gather()?;
+                self.finish_gather(work)
+            }
+            State::Gathering(work) => self.finish_gather(work),
+        }
+    }
+
+    /// Issues the all-gather without waiting (no-op unless sharded).
+    pub(crate) fn prefetch(&self) -> Result<()> {
+        if self.params.is_empty() || !matches!(*self.state.borrow(), State::Sharded) {
+            return Ok(());
+        }
+        let work = self.issue_gather()?;
+        *self.state.borrow_mut() = State::Gathering(work);
+        Ok(())
+    }
+
+    /// Frees the unsharded parameters (waiting for a gather in flight first, so
+    /// every rank's collectives stay in step).
+    pub(crate) fn reshard(&self) -> Result<()> {
+        let state = std::mem::replace(&mut *self.state.borrow_mut(), State::Sharded);
+        if let State::Gathering(work) = state {
+            work.wait()?;
+        }
+        for p in &self.params {
+            p.slot.free();
+        }
+        self.gathered_from.borrow_mut().clear();
+        Ok(())
+    }
+
+    // ----- forward ----------------------------------------------------------
+
+    /// Makes every parameter's `var()` its unsharded value for the forward;
+    /// trainable ones hand their gradient to `hook(i)`. `recomputing`: a
+    /// recomputation during backward (activation checkpointing), whose own
+    /// gradients replace those of the dropped forward.
+    pub(crate) fn set_stand_ins(&self, recomputing: bool, hook: impl Fn(usize) -> GradHook) -> Result<()> {
+        let grad = is_grad_enabled();
+        let mut shards = self.forward_shards.borrow_mut();
+        shards.clear();
+        let mut expected = 0;
+        for (i, p) in self.params.iter().enumerate() {
+            let value = p.slot.get()?;
+            let var = if grad && p.param.requires_grad() {
+                expected += 1;
+                Var::with_grad_hook("fsdp_unshard", value, hook(i))
+            } else {
+                Var::constant(value)
+            };
+            p.param.set_stand_in(Some(var.with_slot(p.slot.clone())));
+            if grad {
+                shards.push(p.param.value().to_local().clone());
+            }
+        }
+        let mut gs = self.grads.borrow_mut();
+        if recomputing {
+            gs.expected = gs.arrived + expected;
+        } else {
+            gs.expected += expected;
+        }
+        Ok(())
+    }
+
+    pub(crate) fn clear_stand_ins(&self) {
+        for p in &self.params {
+            p.param.set_stand_in(None);
+        }
+    }
+
+    // ----- backward ---------------------------------------------------------
+
+    /// Errors when a parameter's shard changed since forward gathered it.
+    pub(crate) fn check_unchanged(&self) -> Result<()> {
+        let shards = self.forward_shards.borrow();
+        for (p, s) in self.params.iter().zip(shards.iter()) {
+            if !same_tensor(p.param.value().to_local(), s) {
+                return Err(config(format!(
+                    "parameter {} changed between its unit's forward and backward (an optimizer step or \
+                     set_value in between?); its gradient would be computed against other values",
+                    p.param.name()
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether every parameter still holds the local shard recorded in `shards`.
+    fn shards_unchanged(&self, shards: &[Tensor]) -> bool {
+        shards.len() == self.params.len()
+            && self
+                .params
+                .iter()
+                .zip(shards)
+                .all(|(p, s)| same_tensor(p.param.value().to_local(), s))
+    }
+
+    /// Adds the gradient of parameter `i`'s unsharded value (kept for the next
+    /// synchronized backward when `sync` is off); true once every expected
+    /// gradient of this backward arrived.
+    pub(crate) fn add_grad(&self, i: usize, g: &DTensor, sync: bool) -> Result<bool> {
+        let c = self.params[i].contribution(g, self.dims, self.reduce_dtype())?;
+        let mut gs = self.grads.borrow_mut();
+        let slot = if sync { &mut gs.pending[i] } else { &mut gs.unsynced[i] };
+        *slot = Some(match slot.take() {
+            Some(prev) => prev.add(&c)?,
+            None => c,
+        });
+        gs.arrived += 1;
+        Ok(gs.arrived >= gs.expected)
+    }
+
+    /// Whether gradients of this backward arrived and wait for the post-backward.
+    pub(crate) fn has_arrivals(&self) -> bool {
+        self.grads.borrow().arrived > 0
+    }
+
+    /// Forgets the gradients expected from forwards that were never backpropagated.
+    pub(crate) fn forget_expected(&self) {
+        let mut gs = self.grads.borrow_mut();
+        gs.expected = 0;
+        gs.arrived = 0;
+    }
+
+    /// Ends the group's backward: with `sync`, folds the unsynchronized
+    /// gradients in and issues the reduction (`None` when no gradient arrived).
+    pub(crate) fn finish_grads(&self, sync: bool) -> Result<Option<Reduction>> {
+        self.forget_expected();
+        self.forward_shards.borrow_mut().clear();
+        if !sync {
+            return Ok(None);
+        }
+        let pending = {
+            let mut gs = self.grads.borrow_mut();
+            let n = self.params.len();
+            let mut pending = std::mem::replace(&mut gs.pending, vec![None; n]);
+            for (p, u) in pending.iter_mut().zip(gs.unsynced.iter_mut()) {
+                if let Some(u) = u.take() {
+                    *p = Some(match p.take() {
+                        Some(prev) => prev.add(&u)?,
+                        None => u,
+                    });
+                }
+            }
+            pending
+        };
+        if pending.iter().all(Option::is_none) {
+            return Ok(None);
+        }
+        self.reduce(pending).map(Some)
+    }
+
+    /// Issues the bucket reduce-scatter of the gradients: every trainable
+    /// parameter's contribution (zeros for one whose gradient did not arrive, so
+    /// every rank packs the same bucket); frozen parameters stay out.
+    fn reduce(&self, pending: Vec<Option<DTensor>>) -> Result<Reduction> {
+        let dt = self.reduce_dtype();
+        let mut params = Vec::new();
+        let mut has_grad = Vec::new();
+        let mut grads = Vec::new();
+        for (p, g) in self.params.iter().zip(pending) {
+            if g.is_none() && !p.param.requires_grad() {
+                continue;
+            }
+            has_grad.push(g.is_some());
+            grads.push(match g {
+                Some(g) => g,
+                None => p.zero_contribution(&self.mesh, self.dims, dt)?,
+            });
+            params.push(p.param.clone());
+        }
+        let work = reduce_scatter_bucket(&grads, self.dims.shard)?;
+        Ok(Reduction {
+            stage: Stage::Scatter(work),
+            params,
+            has_grad,
+            replicate: self.dims.replicate,
+            dtype: self.dtype,
+        })
+    }
+}
+
+/// A reduction in flight: reduce-scatter, then (HSDP) all-reduce, then
+/// accumulation into the parameters' gradients.
+pub(crate) struct Reduction {
+    stage: Stage,
+    params: Vec<Param>,
+    has_grad: Vec<bool>,
+    /// The replicate dim (HSDP).
+    replicate: Option<usize>,
+    /// The master dtype.
+    dtype: DType,
+}
+
+enum Stage {
+    Scatter(BucketWork),
+    AllReduce(BucketWork),
+}
+
+impl Reduction {
+    /// Moves the reduction one stage on (waiting for the current one); `None`
+    /// once the gradients are accumulated.
+    pub(crate) fn advance(self) -> Result<Option<Reduction>> {
+        let Reduction {
+            stage,
+            params,
+            has_grad,
+            replicate,
+            dtype,
+        } = self;
+        let reduced = match stage {
+            Stage::Scatter(work) => {
+                let sharded = work.wait()?;
+                if let Some(r) = replicate {
+                    return Ok(Some(Reduction {
+                        stage: Stage::AllReduce(all_reduce_bucket(&sharded, r)?),
+                        params,
+                        has_grad,
+                        replicate,
+                        dtype,
+                    }));
+                }
+                sharded
+            }
+            Stage::AllReduce(work) => work.wait()?,
+        };
+        for ((p, g), has) in params.iter().zip(reduced).zip(has_grad) {
+            if has {
+                p.accumulate(if g.dtype() == dtype { g } else { g.cast(dtype)? })?;
+            }
+        }
+        Ok(None)
+    }
+}
