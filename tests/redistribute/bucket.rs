@@ -97,6 +97,10 @@ fn bucket(step: Step) -> impl Strategy<Value = (Vec<usize>, usize, Vec<Member>, 
     })
 }
 
+/// Per rank: (bucket output, redistribute output) per member, collectives on the
+/// bucket's mesh dim, collectives in all.
+type Outcome = (Vec<(Tensor, Tensor)>, u64, u64);
+
 /// Runs `step` as one bucket and, per member, `redistribute` to the bucket's output
 /// layout; returns per rank the pairs of local tensors and the collectives issued
 /// on the bucket's mesh dim.
@@ -106,7 +110,7 @@ fn run(
     members: &[Member],
     step: Step,
     gather_dtype: DType,
-) -> Result<Vec<(Vec<(Tensor, Tensor)>, u64, u64)>, TestCaseError> {
+) -> Result<Vec<Outcome>, TestCaseError> {
     let members = members.to_vec();
     on_mesh(mesh, move |m| {
         let inputs: Vec<DTensor> = members
@@ -221,8 +225,8 @@ fn misplaced_inputs_are_named() {
             .unwrap_err()
             .to_string();
         // Dim 0 split by mesh dims [0, 1]: mesh dim 0 is not the last split.
-        let gather_outer = all_gather_bucket(&[s.clone()], 0, DType::F64).unwrap_err().to_string();
-        let scatter_r = reduce_scatter_bucket(&[r.clone()], 0).unwrap_err().to_string();
+        let gather_outer = all_gather_bucket(std::slice::from_ref(&s), 0, DType::F64).unwrap_err().to_string();
+        let scatter_r = reduce_scatter_bucket(std::slice::from_ref(&r), 0).unwrap_err().to_string();
         let past = all_reduce_bucket(&[r], 2).unwrap_err().to_string();
         Ok((gather_r, gather_outer, scatter_r, past))
     })
