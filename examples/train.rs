@@ -17,12 +17,13 @@
 //! rank) is split over all ranks; every step is the single-device step on the
 //! global batch.
 //!
-//! `--tp T` trains with tensor parallelism instead: a `(dp, tp)` mesh with
+//! `--tp T` adds tensor parallelism under FSDP: a `(dp, tp)` mesh with
 //! `dp = world / T`, the reference plan (`Transformer::tp_plan`; with
-//! `--sequence-parallel`, `Transformer::tp_plan_sequence_parallel`) over `tp`, and
-//! plain data parallelism (replicated parameters) over `dp`. `--batch` stays rows
-//! per data-parallel rank: `--world-size 2 --tp 2 --batch 8` trains every rank on
-//! the same 8 rows (pure TP).
+//! `--sequence-parallel`, `Transformer::tp_plan_sequence_parallel`) over `tp`,
+//! then FSDP over `dp` (`fully_shard` on `mesh.dim("dp")`); with `--mesh RxS`,
+//! a `(dp_replicate, dp_shard, tp)` mesh of `R·S·T` ranks and HSDP over the first
+//! two dims. `--batch` stays rows per data-parallel rank: `--world-size 2 --tp 2
+//! --batch 8` trains every rank on the same 8 rows (pure TP, FSDP over one rank).
 //!
 //! Under `mpirun` the world size defaults to the number of processes, and only
 //! rank 0 prints and writes `--losses-out`.
@@ -141,11 +142,18 @@ fn parse() -> Result<Args, String> {
     if a.mesh.is_empty() {
         a.mesh = vec![a.world];
     } else {
-        let n = a.mesh[0] * a.mesh[1];
+        let n = a.mesh[0] * a.mesh[1] * a.tp.max(1);
         if world_given && n != a.world {
             return Err(format!(
-                "--mesh {}x{} has {n} ranks, --world-size says {}",
-                a.mesh[0], a.mesh[1], a.world
+                "--mesh {}x{}{} has {n} ranks, --world-size says {}",
+                a.mesh[0],
+                a.mesh[1],
+                if a.tp > 0 {
+                    format!(" with --tp {}", a.tp)
+                } else {
+                    String::new()
+                },
+                a.world
             ));
         }
         a.world = n;
@@ -158,15 +166,12 @@ fn parse() -> Result<Args, String> {
     }
     if a.tp > 0 {
         if a.mesh.len() == 2 {
-            return Err("--tp takes --world-size; HSDP (--mesh RxS) with TP is not supported yet".into());
-        }
-        if !a.world.is_multiple_of(a.tp) {
+            a.mesh.push(a.tp);
+        } else if !a.world.is_multiple_of(a.tp) {
             return Err(format!("--tp {} must divide --world-size {}", a.tp, a.world));
+        } else {
+            a.mesh = vec![a.world / a.tp, a.tp];
         }
-        if a.bf16 || a.no_reshard {
-            return Err("--mixed-precision and --no-reshard configure FSDP, which --tp runs without".into());
-        }
-        a.mesh = vec![a.world / a.tp, a.tp];
     }
     Ok(a)
 }
@@ -236,17 +241,22 @@ fn run(args: &Args) -> Result<(), BoxError> {
     let cfg = args.model;
     let g = args.dp() * args.batch;
     let layout = if args.tp > 0 {
-        format!(
-            "TP over {} ranks{} on a (dp, tp) = {}x{} mesh, plain data parallel over dp",
-            args.tp,
-            if args.sequence_parallel {
-                " with sequence parallelism"
-            } else {
-                ""
-            },
-            args.mesh[0],
-            args.mesh[1]
-        )
+        let sp = if args.sequence_parallel {
+            " with sequence parallelism"
+        } else {
+            ""
+        };
+        if args.mesh.len() == 3 {
+            format!(
+                "HSDP over (dp_replicate, dp_shard) on TP over {} ranks{sp}: a {}x{}x{} mesh",
+                args.tp, args.mesh[0], args.mesh[1], args.mesh[2]
+            )
+        } else {
+            format!(
+                "FSDP over dp on TP over {} ranks{sp}: a (dp, tp) = {}x{} mesh",
+                args.tp, args.mesh[0], args.mesh[1]
+            )
+        }
     } else if args.mesh.len() == 2 {
         format!("HSDP on a {}x{} mesh (replicate x shard)", args.mesh[0], args.mesh[1])
     } else {
@@ -284,11 +294,13 @@ fn run(args: &Args) -> Result<(), BoxError> {
         let args = args.clone();
         move |ctx| {
             let rank = ctx.rank();
-            let mesh = if args.tp > 0 {
-                DeviceMesh::with_names(ctx.into_comm(), &args.mesh, &["dp", "tp"])?
-            } else {
-                DeviceMesh::new(ctx.into_comm(), &args.mesh)?
+            let names: &[&str] = match (args.tp > 0, args.mesh.len()) {
+                (true, 3) => &["dp_replicate", "dp_shard", "tp"],
+                (true, _) => &["dp", "tp"],
+                (false, 2) => &["dp_replicate", "dp_shard"],
+                (false, _) => &["dp"],
             };
+            let mesh = DeviceMesh::with_names(ctx.into_comm(), &args.mesh, names)?;
             let model = Transformer::new(cfg, &mesh, DType::F32, 0)?;
             let params = model.parameters();
             if let Some(p) = &args.init {
@@ -302,7 +314,11 @@ fn run(args: &Args) -> Result<(), BoxError> {
                         println!("  {:<28} {}", a.fqn, a.style);
                     }
                 }
-                vec![Placement::Shard(0), Placement::Replicate]
+                let dp = mesh.slice(&names[..names.len() - 1])?;
+                model.fully_shard(&dp, &fsdp)?;
+                let mut p = vec![Placement::Shard(0); args.mesh.len()];
+                p[args.mesh.len() - 1] = Placement::Replicate;
+                p
             } else {
                 model.fully_shard(&mesh, &fsdp)?;
                 vec![Placement::Shard(0); args.mesh.len()]

@@ -225,8 +225,12 @@ fn misplaced_inputs_are_named() {
             .unwrap_err()
             .to_string();
         // Dim 0 split by mesh dims [0, 1]: mesh dim 0 is not the last split.
-        let gather_outer = all_gather_bucket(std::slice::from_ref(&s), 0, DType::F64).unwrap_err().to_string();
-        let scatter_r = reduce_scatter_bucket(std::slice::from_ref(&r), 0).unwrap_err().to_string();
+        let gather_outer = all_gather_bucket(std::slice::from_ref(&s), 0, DType::F64)
+            .unwrap_err()
+            .to_string();
+        let scatter_r = reduce_scatter_bucket(std::slice::from_ref(&r), 0)
+            .unwrap_err()
+            .to_string();
         let past = all_reduce_bucket(&[r], 2).unwrap_err().to_string();
         Ok((gather_r, gather_outer, scatter_r, past))
     })

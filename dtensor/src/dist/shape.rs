@@ -79,10 +79,10 @@ impl DTensor {
         // Input dim `d` can stay sharded as output dim `o` when `o` starts where `d`
         // starts and either has its size, or merges `d` with the dims after it, or
         // splits `d` with `o` leading — the last two only when every rank's shard is
-        // whole rows of the merged or split dim (`d`'s, resp. `o`'s, size divisible
-        // by the whole mesh, so by any group of mesh dims sharding it).
-        let ranks = self.mesh().size().max(1);
-        let map = |d: usize| {
+        // whole rows of the merged or split dim: `d`'s (resp. `o`'s) size divisible
+        // by the number of shards the mesh dims sharding `d` make (checked per
+        // candidate below).
+        let remap = |d: usize| -> Option<(usize, Option<usize>)> {
             let before: usize = a[..d].iter().product();
             let o = (0..shape.len()).find(|&o| shape[..o].iter().product::<usize>() == before)?;
             let prefix_of = |big: &[usize], from: usize, target: usize| {
@@ -92,17 +92,34 @@ impl DTensor {
                     p == target
                 })
             };
-            let ok = if shape[o] == a[d] {
-                true
+            if shape[o] == a[d] {
+                Some((o, None))
             } else if shape[o] > a[d] {
-                a[d].is_multiple_of(ranks) && prefix_of(a, d, shape[o])
+                prefix_of(a, d, shape[o]).then_some((o, Some(a[d])))
             } else {
-                shape[o].is_multiple_of(ranks) && prefix_of(shape, o, a[d])
-            };
-            ok.then_some(o)
+                prefix_of(shape, o, a[d]).then_some((o, Some(shape[o])))
+            }
         };
+        let map = |d: usize| remap(d).map(|(o, _)| o);
         let options = remap_options(a.len(), map);
-        let cands = product(&vec![options; self.mesh().ndim()], 1);
+        let mesh_shape = self.mesh().shape();
+        let cands: Vec<_> = product(&vec![options; self.mesh().ndim()], 1)
+            .into_iter()
+            .filter(|c| {
+                (0..a.len()).all(|d| {
+                    let shards: usize = c.inputs[0]
+                        .iter()
+                        .zip(mesh_shape)
+                        .filter(|(p, _)| p.is_shard_on(d))
+                        .map(|(_, n)| n)
+                        .product();
+                    match remap(d) {
+                        Some((_, Some(rows))) => rows.is_multiple_of(shards),
+                        _ => true,
+                    }
+                })
+            })
+            .collect();
         dispatch("reshape", &[self], &cands, shape, self.dtype(), |l, ctx| {
             let mut local = shape.to_vec();
             for p in &ctx.inputs[0].placements {
