@@ -11,6 +11,7 @@
 //! PyTorch: `_fsdp_param_group.py` (`FSDPParamGroup`).
 
 use std::cell::RefCell;
+use std::rc::Rc;
 
 use tessera_autograd::{Error, Param, Result, Var, is_grad_enabled};
 use tessera_dtensor::bucket::{BucketWork, all_gather_bucket, all_reduce_bucket, reduce_scatter_bucket};
@@ -61,6 +62,9 @@ pub(crate) struct ParamGroup {
     /// The local shards the unsharded values were gathered from (a group left
     /// unsharded gathers again when they changed since).
     gathered_from: RefCell<Vec<Tensor>>,
+    /// Per parameter: reduce-scattered gradients still partial over the replicate
+    /// dim (HSDP with the all-reduce off), added in before the next all-reduce.
+    unreduced: Rc<RefCell<Vec<Option<DTensor>>>>,
 }
 
 /// Whether `a` and `b` are the same elements of the same storage.
@@ -96,6 +100,7 @@ impl ParamGroup {
             }),
             forward_shards: RefCell::new(Vec::new()),
             gathered_from: RefCell::new(Vec::new()),
+            unreduced: Rc::new(RefCell::new(vec![None; n])),
         }
     }
 
@@ -298,7 +303,9 @@ impl ParamGroup {
 
     /// Ends the group's backward: with `sync`, folds the unsynchronized
     /// gradients in and issues the reduction (`None` when no gradient arrived).
-    pub(crate) fn finish_grads(&self, sync: bool) -> Result<Option<Reduction>> {
+    /// Without `all_reduce` an HSDP reduction stops after the reduce-scatter and
+    /// keeps its result for the next one that all-reduces.
+    pub(crate) fn finish_grads(&self, sync: bool, all_reduce: bool) -> Result<Option<Reduction>> {
         self.forget_expected();
         self.forward_shards.borrow_mut().clear();
         if !sync {
@@ -321,21 +328,23 @@ impl ParamGroup {
         if pending.iter().all(Option::is_none) {
             return Ok(None);
         }
-        self.reduce(pending).map(Some)
+        self.reduce(pending, all_reduce).map(Some)
     }
 
     /// Issues the bucket reduce-scatter of the gradients: every trainable
     /// parameter's contribution (zeros for one whose gradient did not arrive, so
     /// every rank packs the same bucket); frozen parameters stay out.
-    fn reduce(&self, pending: Vec<Option<DTensor>>) -> Result<Reduction> {
+    fn reduce(&self, pending: Vec<Option<DTensor>>, all_reduce: bool) -> Result<Reduction> {
         let dt = self.reduce_dtype();
         let mut params = Vec::new();
+        let mut index = Vec::new();
         let mut has_grad = Vec::new();
         let mut grads = Vec::new();
-        for (p, g) in self.params.iter().zip(pending) {
+        for (i, (p, g)) in self.params.iter().zip(pending).enumerate() {
             if g.is_none() && !p.param.requires_grad() {
                 continue;
             }
+            index.push(i);
             has_grad.push(g.is_some());
             grads.push(match g {
                 Some(g) => g,
@@ -347,8 +356,11 @@ impl ParamGroup {
         Ok(Reduction {
             stage: Stage::Scatter(work),
             params,
+            index,
             has_grad,
             replicate: self.dims.replicate,
+            all_reduce,
+            unreduced: self.unreduced.clone(),
             dtype: self.dtype,
         })
     }
@@ -359,9 +371,14 @@ impl ParamGroup {
 pub(crate) struct Reduction {
     stage: Stage,
     params: Vec<Param>,
+    /// Each parameter's index in its group.
+    index: Vec<usize>,
     has_grad: Vec<bool>,
     /// The replicate dim (HSDP).
     replicate: Option<usize>,
+    /// Whether to all-reduce over the replicate dim (else keep the result in `unreduced`).
+    all_reduce: bool,
+    unreduced: Rc<RefCell<Vec<Option<DTensor>>>>,
     /// The master dtype.
     dtype: DType,
 }
@@ -378,19 +395,44 @@ impl Reduction {
         let Reduction {
             stage,
             params,
-            has_grad,
+            index,
+            mut has_grad,
             replicate,
+            all_reduce,
+            unreduced,
             dtype,
         } = self;
         let reduced = match stage {
             Stage::Scatter(work) => {
-                let sharded = work.wait()?;
+                let mut sharded = work.wait()?;
                 if let Some(r) = replicate {
+                    let mut kept = unreduced.borrow_mut();
+                    if !all_reduce {
+                        for ((g, &i), has) in sharded.into_iter().zip(&index).zip(&has_grad) {
+                            if *has {
+                                kept[i] = Some(match kept[i].take() {
+                                    Some(prev) => prev.add(&g)?,
+                                    None => g,
+                                });
+                            }
+                        }
+                        return Ok(None);
+                    }
+                    for ((g, &i), has) in sharded.iter_mut().zip(&index).zip(has_grad.iter_mut()) {
+                        if let Some(prev) = kept[i].take() {
+                            *g = g.add(&prev)?;
+                            *has = true;
+                        }
+                    }
+                    drop(kept);
                     return Ok(Some(Reduction {
                         stage: Stage::AllReduce(all_reduce_bucket(&sharded, r)?),
                         params,
+                        index,
                         has_grad,
                         replicate,
+                        all_reduce,
+                        unreduced,
                         dtype,
                     }));
                 }

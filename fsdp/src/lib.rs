@@ -313,6 +313,31 @@ impl FsdpModule {
         }
     }
 
+    /// Sets whether this unit and the units inside it free their parameters after
+    /// backward. Off, the next forward finds them gathered and communicates
+    /// nothing, as long as the shards did not change (no optimizer step in
+    /// between): gradient accumulation without re-gathering each micro-batch.
+    ///
+    /// PyTorch: `FSDPModule.set_reshard_after_backward(..., recurse=True)`.
+    pub fn set_reshard_after_backward(&self, on: bool) {
+        for u in self.units() {
+            u.reshard_after_backward.set(on);
+        }
+    }
+
+    /// Sets whether HSDP all-reduces gradients over the replicate dim (this unit
+    /// and the units inside it). Off, backward reduce-scatters within each replica
+    /// and keeps the result; the next backward with it on adds it in before its
+    /// all-reduce: accumulation across micro-batches with one inter-replica
+    /// all-reduce on the last. No effect on a 1-D mesh.
+    ///
+    /// PyTorch: `FSDPModule.set_requires_all_reduce(..., recurse=True)`.
+    pub fn set_requires_all_reduce(&self, on: bool) {
+        for u in self.units() {
+            u.all_reduce.set(on);
+        }
+    }
+
     /// The units whose all-gathers this unit's pre-forward issues (instead of the
     /// next unit of the previous iteration's order).
     ///

@@ -21,7 +21,9 @@ pub(crate) struct Unit {
     pub(crate) group: ParamGroup,
     pub(crate) children: Vec<Weak<Unit>>,
     pub(crate) reshard_after_forward: Cell<Option<bool>>,
+    pub(crate) reshard_after_backward: Cell<bool>,
     pub(crate) grad_sync: Cell<bool>,
+    pub(crate) all_reduce: Cell<bool>,
     pub(crate) is_root: Cell<bool>,
     /// The current forward is a recomputation during backward (checkpointing).
     recomputing: Cell<bool>,
@@ -42,7 +44,9 @@ impl Unit {
             group,
             children,
             reshard_after_forward: Cell::new(reshard_after_forward),
+            reshard_after_backward: Cell::new(true),
             grad_sync: Cell::new(true),
+            all_reduce: Cell::new(true),
             is_root: Cell::new(false),
             recomputing: Cell::new(false),
             forward_prefetch: RefCell::new(None),
@@ -153,15 +157,24 @@ impl Unit {
         }
     }
 
-    /// After the unit's backward: issue the reduction (unless sync is off) and reshard.
+    /// After the unit's backward: issue the reduction (unless sync is off) and
+    /// reshard (unless resharding after backward is off).
     fn post_backward(&self) -> Result<()> {
-        let r = match self.group.finish_grads(self.grad_sync.get()) {
+        let r = match self.group.finish_grads(self.grad_sync.get(), self.all_reduce.get()) {
             Ok(Some(reduction)) => push_reduction(reduction),
             Ok(None) => Ok(()),
             Err(e) => Err(e),
         };
-        self.group.reshard()?;
+        self.reshard_after_backward()?;
         r
+    }
+
+    fn reshard_after_backward(&self) -> Result<()> {
+        if self.reshard_after_backward.get() {
+            self.group.reshard()
+        } else {
+            Ok(())
+        }
     }
 }
 
@@ -365,7 +378,7 @@ fn finish_backward() -> Result<()> {
             u.post_backward()
         } else {
             u.group.forget_expected();
-            u.group.reshard()
+            u.reshard_after_backward()
         };
         if first.is_ok() {
             first = r;

@@ -25,6 +25,8 @@
 //! - `usage.rs`: beyond one call per unit: eval forwards, a unit called twice,
 //!   activation checkpointing;
 //! - `state_dict.rs`: a full state dict saved on one mesh and loaded onto others.
+//! - `tp.rs`: FSDP over tensor parallelism on 2-D and 3-D meshes (parity, placements,
+//!   counts and bytes per unit, accumulation, clipping, memory, errors).
 //!
 //! This file holds what they share: the batches, the comparisons, the collective
 //! counts, and `train`, which runs a `Job` of the tiny reference model and returns
@@ -45,6 +47,7 @@ mod parity;
 mod prefetch;
 mod resharding;
 mod state_dict;
+mod tp;
 mod uneven;
 mod usage;
 
