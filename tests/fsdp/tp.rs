@@ -193,7 +193,10 @@ fn bf16_over_tp_follows_f32() {
 
 /// `[rows, cols]` of every parameter of a block and of the root, and its TP
 /// placement under the reference plan: `Some(d)` sharded on dim `d`, `None` replicated.
-fn params_tp(cfg: TransformerConfig) -> (Vec<(usize, usize, Option<usize>)>, Vec<(usize, usize, Option<usize>)>) {
+/// `(rows, cols, TP-sharded dim)` of one parameter.
+type Shape2 = (usize, usize, Option<usize>);
+
+fn params_tp(cfg: TransformerConfig) -> (Vec<Shape2>, Vec<Shape2>) {
     let (d, v, s) = (cfg.dim, cfg.vocab, cfg.seq);
     let block = vec![
         (d, 1, None),        // attention_norm.weight
@@ -220,7 +223,7 @@ fn params_tp(cfg: TransformerConfig) -> (Vec<(usize, usize, Option<usize>)>, Vec
 }
 
 /// Bytes of one rank's padded shards and of its unsharded (TP-local) pieces.
-fn unit_bytes(params: &[(usize, usize, Option<usize>)], dp: usize, tp: usize) -> (usize, usize) {
+fn unit_bytes(params: &[Shape2], dp: usize, tp: usize) -> (usize, usize) {
     let mut sharded = 0;
     let mut unsharded = 0;
     for &(r, c, tp_dim) in params {
