@@ -24,6 +24,7 @@
 //! - `prefetch.rs`: explicit forward and backward prefetch;
 //! - `usage.rs`: beyond one call per unit: eval forwards, a unit called twice,
 //!   activation checkpointing;
+//! - `knobs.rs`: `set_reshard_after_backward`, `set_requires_all_reduce`.
 //! - `state_dict.rs`: a full state dict saved on one mesh and loaded onto others.
 //! - `tp.rs`: FSDP over tensor parallelism on 2-D and 3-D meshes (parity, placements,
 //!   counts and bytes per unit, accumulation, clipping, memory, errors).
@@ -42,6 +43,7 @@ mod accumulation;
 mod counts;
 mod ddp;
 mod errors;
+mod knobs;
 mod memory;
 mod parity;
 mod prefetch;
