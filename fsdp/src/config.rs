@@ -18,6 +18,13 @@ pub struct FsdpConfig {
     pub reshard_after_forward: Option<bool>,
     /// Mixed precision.
     pub mp_policy: MixedPrecisionPolicy,
+    /// Parameters of the module that FSDP leaves alone, by name (`Param::name`,
+    /// the state-dict key): not sharded, not gathered, their gradients reduced
+    /// by autograd as for any replicated parameter (an all-reduce each). Names
+    /// (not handles) so that one config serves every rank's thread.
+    ///
+    /// PyTorch: `fully_shard(..., ignored_params=...)`.
+    pub ignored_params: Vec<String>,
 }
 
 /// The dtypes of the unsharded parameters and of gradient reduction. Sharded

@@ -24,8 +24,14 @@ use crate::param::{DpDims, FsdpParam};
 /// Where a group's parameters are.
 enum State {
     Sharded,
-    Gathering(BucketWork),
+    Gathering(Gather),
     Unsharded,
+}
+
+/// An all-gather in flight, or (a replicated group) the values themselves.
+enum Gather {
+    Work(BucketWork),
+    Ready(Vec<DTensor>),
 }
 
 /// Gradients of the unsharded parameters gathered during the unit's backward,
@@ -116,7 +122,7 @@ impl ParamGroup {
 
     /// Ranks along the shard dim.
     pub(crate) fn shard_world(&self) -> usize {
-        self.mesh.shape()[self.dims.shard]
+        self.dims.shard.map_or(1, |d| self.mesh.shape()[d])
     }
 
     pub(crate) fn is_unsharded(&self) -> bool {
@@ -144,18 +150,31 @@ impl ParamGroup {
 
     // ----- all-gather -------------------------------------------------------
 
-    /// Issues the bucket all-gather of the shards (asynchronously).
-    fn issue_gather(&self) -> Result<BucketWork> {
+    /// Issues the bucket all-gather of the shards (asynchronously); a replicated
+    /// group only casts its values to the gather dtype.
+    fn issue_gather(&self) -> Result<Gather> {
         let mut from = self.gathered_from.borrow_mut();
         from.clear();
         let values: Vec<DTensor> = self.params.iter().map(|p| p.param.value()).collect();
         from.extend(values.iter().map(|v| v.to_local().clone()));
-        Ok(all_gather_bucket(&values, self.dims.shard, self.gather_dtype())?)
+        let dt = self.gather_dtype();
+        match self.dims.shard {
+            Some(d) => Ok(Gather::Work(all_gather_bucket(&values, d, dt)?)),
+            None => Ok(Gather::Ready(
+                values
+                    .into_iter()
+                    .map(|v| if v.dtype() == dt { Ok(v) } else { v.cast(dt) })
+                    .collect::<tessera_dtensor::Result<_>>()?,
+            )),
+        }
     }
 
     /// Waits for the gather and fills every parameter's slot with its unsharded value.
-    fn finish_gather(&self, work: BucketWork) -> Result<()> {
-        let full = work.wait()?;
+    fn finish_gather(&self, gather: Gather) -> Result<()> {
+        let full = match gather {
+            Gather::Work(work) => work.wait()?,
+            Gather::Ready(values) => values,
+        };
         for (p, v) in self.params.iter().zip(full) {
             debug_assert_eq!(v.placements(), &p.unsharded.placements[..]);
             p.slot.fill(v);
@@ -198,7 +217,7 @@ impl ParamGroup {
     /// every rank's collectives stay in step).
     pub(crate) fn reshard(&self) -> Result<()> {
         let state = std::mem::replace(&mut *self.state.borrow_mut(), State::Sharded);
-        if let State::Gathering(work) = state {
+        if let State::Gathering(Gather::Work(work)) = state {
             work.wait()?;
         }
         for p in &self.params {
@@ -328,18 +347,20 @@ impl ParamGroup {
         if pending.iter().all(Option::is_none) {
             return Ok(None);
         }
-        self.reduce(pending, all_reduce).map(Some)
+        self.reduce(pending, all_reduce)
     }
 
     /// Issues the bucket reduce-scatter of the gradients: every trainable
     /// parameter's contribution (zeros for one whose gradient did not arrive, so
-    /// every rank packs the same bucket); frozen parameters stay out.
-    fn reduce(&self, pending: Vec<Option<DTensor>>, all_reduce: bool) -> Result<Reduction> {
+    /// every rank packs the same bucket); frozen parameters stay out. A
+    /// replicated group all-reduces instead (or keeps the contributions while
+    /// the all-reduce is off).
+    fn reduce(&self, pending: Vec<Option<DTensor>>, all_reduce: bool) -> Result<Option<Reduction>> {
         let dt = self.reduce_dtype();
         let mut params = Vec::new();
         let mut index = Vec::new();
         let mut has_grad = Vec::new();
-        let mut grads = Vec::new();
+        let mut grads: Vec<DTensor> = Vec::new();
         for (i, (p, g)) in self.params.iter().zip(pending).enumerate() {
             if g.is_none() && !p.param.requires_grad() {
                 continue;
@@ -352,9 +373,32 @@ impl ParamGroup {
             });
             params.push(p.param.clone());
         }
-        let work = reduce_scatter_bucket(&grads, self.dims.shard)?;
-        Ok(Reduction {
-            stage: Stage::Scatter(work),
+        let stage = match (self.dims.shard, self.dims.replicate) {
+            (Some(d), _) => Stage::Scatter(reduce_scatter_bucket(&grads, d)?),
+            (None, Some(r)) => {
+                let mut kept = self.unreduced.borrow_mut();
+                for ((g, &i), has) in grads.iter_mut().zip(&index).zip(has_grad.iter_mut()) {
+                    if let Some(prev) = kept[i].take() {
+                        *g = g.add(&prev)?;
+                        *has = true;
+                    }
+                    if !all_reduce && *has {
+                        kept[i] = Some(g.clone());
+                    }
+                }
+                if !all_reduce {
+                    return Ok(None);
+                }
+                Stage::AllReduce(all_reduce_bucket(&grads, r)?)
+            }
+            (None, None) => {
+                return Err(config(
+                    "a unit without a shard or a replicate dim has nothing to reduce over".into(),
+                ));
+            }
+        };
+        Ok(Some(Reduction {
+            stage,
             params,
             index,
             has_grad,
@@ -362,7 +406,7 @@ impl ParamGroup {
             all_reduce,
             unreduced: self.unreduced.clone(),
             dtype: self.dtype,
-        })
+        }))
     }
 }
 

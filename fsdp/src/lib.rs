@@ -60,7 +60,14 @@
 //!   reduction in `reduce_dtype`, master shards and optimizer in the parameters'
 //!   own dtype;
 //! - gradients are the gradients of the global loss (DTensor semantics: a mean
-//!   over the global batch), so the reductions are sums.
+//!   over the global batch), so the reductions are sums;
+//! - [`replicate`] makes a unit that keeps its parameters replicated (NO_SHARD)
+//!   and all-reduces its gradient bucket; [`FsdpConfig::ignored_params`] leaves
+//!   parameters out of a unit; [`auto_wrap`] applies `fully_shard` to the
+//!   modules a [`WrapPolicy`] picks (by type or parameter count), bottom-up;
+//! - for gradient accumulation: [`FsdpModule::set_requires_gradient_sync`],
+//!   [`FsdpModule::set_reshard_after_backward`] and (HSDP)
+//!   [`FsdpModule::set_requires_all_reduce`].
 #![deny(missing_docs)]
 
 mod config;
@@ -68,6 +75,7 @@ mod group;
 mod param;
 mod state;
 pub mod tp;
+mod wrap;
 
 use std::collections::HashSet;
 use std::rc::{Rc, Weak};
@@ -79,6 +87,7 @@ use tessera_mesh::{DType, DeviceMesh};
 
 pub use config::{FsdpConfig, MixedPrecisionPolicy};
 pub use tessera_autograd::{Error, Result};
+pub use wrap::{WrapPolicy, auto_wrap};
 
 use group::ParamGroup;
 use param::{DpDims, FsdpParam};
@@ -115,7 +124,43 @@ pub(crate) fn config_error(detail: String) -> Error {
 /// different dtypes in one unit.
 pub fn fully_shard(module: &dyn Module, mesh: &DeviceMesh, config: FsdpConfig) -> Result<FsdpModule> {
     let (shard_dim, replicate_dim) = resolve_dims(mesh, config.shard_dim.as_deref())?;
-    let all = module.parameters();
+    make_unit(module, mesh, config, Some(shard_dim), replicate_dim)
+}
+
+/// Makes `module` one data-parallel unit whose parameters stay replicated over
+/// the 1-D mesh `mesh` (NO_SHARD, DDP's layout): no all-gathers, and after the
+/// unit's backward one all-reduce of its gradient bucket. Mixed precision,
+/// gradient accumulation, prefetch-free scheduling and the other [`FsdpModule`]
+/// controls work as for [`fully_shard`], and the two mix in one model.
+///
+/// PyTorch: `torch.distributed._composable.replicate`, FSDP's `NO_SHARD`.
+///
+/// # Errors
+/// A mesh that is not 1-D, and as [`fully_shard`].
+pub fn replicate(module: &dyn Module, mesh: &DeviceMesh, config: FsdpConfig) -> Result<FsdpModule> {
+    if mesh.ndim() != 1 {
+        return Err(config_error(format!(
+            "replicate takes the 1-D data-parallel mesh, got {:?}",
+            mesh.shape()
+        )));
+    }
+    make_unit(module, mesh, config, None, Some(0))
+}
+
+/// The unit of `module` over the data-parallel `mesh`: `shard_dim` and
+/// `replicate_dim` are dims of `mesh`.
+fn make_unit(
+    module: &dyn Module,
+    mesh: &DeviceMesh,
+    config: FsdpConfig,
+    shard_dim: Option<usize>,
+    replicate_dim: Option<usize>,
+) -> Result<FsdpModule> {
+    let all: Vec<Param> = module
+        .parameters()
+        .into_iter()
+        .filter(|p| !config.ignored_params.iter().any(|n| n == p.name()))
+        .collect();
     let mut ids = HashSet::new();
     for p in &all {
         if !ids.insert(p.id()) {
@@ -126,7 +171,9 @@ pub fn fully_shard(module: &dyn Module, mesh: &DeviceMesh, config: FsdpConfig) -
         }
     }
     if all.is_empty() {
-        return Err(config_error("the module has no parameters".into()));
+        return Err(config_error(
+            "the module has no parameters (besides ignored ones)".into(),
+        ));
     }
     // Units inside this module keep their parameters; a unit that shares only
     // some of its parameters with this module is an error.
@@ -166,7 +213,7 @@ pub fn fully_shard(module: &dyn Module, mesh: &DeviceMesh, config: FsdpConfig) -
         )));
     };
     let dims = DpDims {
-        shard: in_params[shard_dim],
+        shard: shard_dim.map(|s| in_params[s]),
         replicate: replicate_dim.map(|r| in_params[r]),
     };
     // Check every parameter before changing any.
@@ -178,7 +225,9 @@ pub fn fully_shard(module: &dyn Module, mesh: &DeviceMesh, config: FsdpConfig) -
         p.shard(&param_mesh, dims)?;
     }
     let mut dp_placements = vec![Placement::Replicate; mesh.ndim()];
-    dp_placements[shard_dim] = Placement::Shard(0);
+    if let Some(s) = shard_dim {
+        dp_placements[s] = Placement::Shard(0);
+    }
     let group = ParamGroup::new(params, param_mesh, dims, dtype, config.mp_policy);
     let unit = Unit::new(
         all[0].name().to_string(),

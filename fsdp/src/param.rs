@@ -16,15 +16,16 @@ use crate::config_error;
 /// The data-parallel dims of the parameters' mesh.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct DpDims {
-    /// The mesh dim that shards (`Shard(0)`).
-    pub(crate) shard: usize,
+    /// The mesh dim that shards (`Shard(0)`); `None` for a replicated unit
+    /// ([`replicate`](crate::replicate)).
+    pub(crate) shard: Option<usize>,
     /// The mesh dim that replicates (HSDP), if any.
     pub(crate) replicate: Option<usize>,
 }
 
 impl DpDims {
     fn contains(&self, d: usize) -> bool {
-        d == self.shard || self.replicate == Some(d)
+        self.shard == Some(d) || self.replicate == Some(d)
     }
 }
 
@@ -36,7 +37,8 @@ pub(crate) struct FsdpParam {
     /// data-parallel dims, in the master dtype.
     pub(crate) unsharded: Layout,
     /// `unsharded` with `Shard(0)` on the shard dim, which splits dim 0 last (the
-    /// piece tensor parallelism left this rank).
+    /// piece tensor parallelism left this rank); `unsharded` itself without a
+    /// shard dim.
     pub(crate) sharded: Layout,
     /// Holds the unsharded value while the unit is unsharded.
     pub(crate) slot: Rc<Slot>,
@@ -92,21 +94,26 @@ impl FsdpParam {
             )));
         }
         let unsharded = v.layout().clone();
-        let mut placements = p.to_vec();
-        placements[dims.shard] = Placement::Shard(0);
-        let mut chain = unsharded.order.order_of(p, 0);
-        chain.push(dims.shard);
-        let mut entries: Vec<(usize, Vec<usize>)> = unsharded
-            .order
-            .entries()
-            .filter(|(d, _)| *d != 0)
-            .map(|(d, m)| (d, m.to_vec()))
-            .collect();
-        if chain.len() >= 2 {
-            entries.push((0, chain.to_vec()));
-        }
-        let order = ShardOrder::new(&placements, entries)?;
-        let sharded = Layout::with_order(mesh.shape(), &placements, order, v.shape(), v.dtype())?;
+        let sharded = match dims.shard {
+            Some(shard) => {
+                let mut placements = p.to_vec();
+                placements[shard] = Placement::Shard(0);
+                let mut chain = unsharded.order.order_of(p, 0);
+                chain.push(shard);
+                let mut entries: Vec<(usize, Vec<usize>)> = unsharded
+                    .order
+                    .entries()
+                    .filter(|(d, _)| *d != 0)
+                    .map(|(d, m)| (d, m.to_vec()))
+                    .collect();
+                if chain.len() >= 2 {
+                    entries.push((0, chain.to_vec()));
+                }
+                let order = ShardOrder::new(&placements, entries)?;
+                Layout::with_order(mesh.shape(), &placements, order, v.shape(), v.dtype())?
+            }
+            None => unsharded.clone(),
+        };
         let slot = Slot::new(name, None);
         Ok(FsdpParam {
             param,
@@ -119,15 +126,18 @@ impl FsdpParam {
     /// Replaces the parameter's value by this rank's shard (a copy, so the
     /// unsharded value is freed) and clears its gradient. Not collective.
     pub(crate) fn shard(&self, mesh: &DeviceMesh, dims: DpDims) -> Result<()> {
+        self.param.set_grad(None);
+        let Some(shard) = dims.shard else {
+            return Ok(());
+        };
         let value = self.param.value();
         let local = value.to_local();
         let rows = local.shape()[0];
-        let (len, start) = shard_size_and_offset(rows, mesh.shape()[dims.shard], mesh.coordinate()[dims.shard]);
+        let (len, start) = shard_size_and_offset(rows, mesh.shape()[shard], mesh.coordinate()[shard]);
         let mine = local.narrow(0, start, len)?;
         let mine = Tensor::from_buffer(mine.to_buffer(), mine.shape())?;
         self.param
             .set_value(DTensor::from_local_with_layout(mine, mesh, self.sharded.clone())?);
-        self.param.set_grad(None);
         Ok(())
     }
 
@@ -140,9 +150,8 @@ impl FsdpParam {
     /// placements with `Partial(sum)` on the data-parallel dims.
     pub(crate) fn reduce_placements(&self, dims: DpDims) -> Vec<Placement> {
         let mut p = self.unsharded.placements.to_vec();
-        p[dims.shard] = Placement::Partial(ReduceOp::Sum);
-        if let Some(r) = dims.replicate {
-            p[r] = Placement::Partial(ReduceOp::Sum);
+        for d in dims.shard.into_iter().chain(dims.replicate) {
+            p[d] = Placement::Partial(ReduceOp::Sum);
         }
         p
     }

@@ -26,6 +26,7 @@
 //!   activation checkpointing;
 //! - `knobs.rs`: `set_reshard_after_backward`, `set_requires_all_reduce`.
 //! - `state_dict.rs`: a full state dict saved on one mesh and loaded onto others.
+//! - `wrapping.rs`: `replicate` (NO_SHARD) units, `ignored_params`, `auto_wrap`.
 //! - `tp.rs`: FSDP over tensor parallelism on 2-D and 3-D meshes (parity, placements,
 //!   counts and bytes per unit, accumulation, clipping, memory, errors).
 //!
@@ -52,6 +53,7 @@ mod state_dict;
 mod tp;
 mod uneven;
 mod usage;
+mod wrapping;
 
 use std::ops::Range;
 
