@@ -24,9 +24,12 @@ struct Seen {
     placements: Vec<(String, Vec<Placement>)>,
 }
 
+/// Makes a model's units; returns them by name.
+type Wrap = fn(&Transformer, &DeviceMesh) -> TestResult<Vec<(String, FsdpModule)>>;
+
 /// Trains the tiny model for 5 steps on 2 ranks (global batch 8) after `wrap`
 /// made its units.
-fn run(wrap: fn(&Transformer, &DeviceMesh) -> TestResult<Vec<(String, FsdpModule)>>) -> Seen {
+fn run(wrap: Wrap) -> Seen {
     let toks = tokens();
     launch(2, move |ctx| -> TestResult<Seen> {
         let mesh = DeviceMesh::new(ctx.into_comm(), &[2])?;
