@@ -123,8 +123,23 @@ pub(crate) fn config_error(detail: String) -> Error {
 /// other parameters, is a scalar, or is not floating-point; parameters of
 /// different dtypes in one unit.
 pub fn fully_shard(module: &dyn Module, mesh: &DeviceMesh, config: FsdpConfig) -> Result<FsdpModule> {
+    fully_shard_modules(&[module], mesh, config)
+}
+
+/// [`fully_shard`] of several modules as one unit: one all-gather before the
+/// first of them runs, one reduce-scatter after their backward. The unit's
+/// forward begins when the first of the modules is called and ends when the
+/// last returns (each runs once per forward, one after another or nested).
+/// For modules that always run together, as an embedding table and the
+/// positional one.
+///
+/// PyTorch: `fully_shard([module_a, module_b], ...)`.
+///
+/// # Errors
+/// No modules, and as [`fully_shard`].
+pub fn fully_shard_modules(modules: &[&dyn Module], mesh: &DeviceMesh, config: FsdpConfig) -> Result<FsdpModule> {
     let (shard_dim, replicate_dim) = resolve_dims(mesh, config.shard_dim.as_deref())?;
-    make_unit(module, mesh, config, Some(shard_dim), replicate_dim)
+    make_unit(modules, mesh, config, Some(shard_dim), replicate_dim)
 }
 
 /// Makes `module` one data-parallel unit whose parameters stay replicated over
@@ -144,32 +159,39 @@ pub fn replicate(module: &dyn Module, mesh: &DeviceMesh, config: FsdpConfig) -> 
             mesh.shape()
         )));
     }
-    make_unit(module, mesh, config, None, Some(0))
+    make_unit(&[module], mesh, config, None, Some(0))
 }
 
 /// The unit of `module` over the data-parallel `mesh`: `shard_dim` and
 /// `replicate_dim` are dims of `mesh`.
 fn make_unit(
-    module: &dyn Module,
+    modules: &[&dyn Module],
     mesh: &DeviceMesh,
     config: FsdpConfig,
     shard_dim: Option<usize>,
     replicate_dim: Option<usize>,
 ) -> Result<FsdpModule> {
-    let all: Vec<Param> = module
-        .parameters()
-        .into_iter()
-        .filter(|p| !config.ignored_params.iter().any(|n| n == p.name()))
-        .collect();
+    if modules.is_empty() {
+        return Err(config_error("no modules to shard".into()));
+    }
+    let mut all: Vec<Param> = Vec::new();
     let mut ids = HashSet::new();
-    for p in &all {
-        if !ids.insert(p.id()) {
-            return Err(config_error(format!(
-                "parameter {} appears twice in the module's parameters",
-                p.name()
-            )));
+    for module in modules {
+        let mut mine = HashSet::new();
+        for p in module.parameters() {
+            if !mine.insert(p.id()) {
+                return Err(config_error(format!(
+                    "parameter {} appears twice in the module's parameters",
+                    p.name()
+                )));
+            }
+            // A parameter shared by two of the modules belongs to the unit once.
+            if ids.insert(p.id()) && !config.ignored_params.iter().any(|n| n == p.name()) {
+                all.push(p);
+            }
         }
     }
+    ids = all.iter().map(Param::id).collect();
     if all.is_empty() {
         return Err(config_error(
             "the module has no parameters (besides ignored ones)".into(),
@@ -198,9 +220,13 @@ fn make_unit(
             None => own.push(p.clone()),
         }
     }
-    let id = ModuleId::of(module)?;
-    if state::is_sharded(&id) {
-        return Err(config_error(format!("{id} is already fully_shard-ed")));
+    let mut module_ids = Vec::with_capacity(modules.len());
+    for module in modules {
+        let id = ModuleId::of(*module)?;
+        if state::is_sharded(&id) || module_ids.contains(&id) {
+            return Err(config_error(format!("{id} is already fully_shard-ed")));
+        }
+        module_ids.push(id);
     }
     let dtype = unit_dtype(&own, &config)?;
     // The parameters' mesh and where the data-parallel dims sit in it.
@@ -234,9 +260,12 @@ fn make_unit(
         group,
         children.iter().map(Rc::downgrade).collect(),
         config.reshard_after_forward,
+        modules.len(),
     );
-    state::register(&unit, std::slice::from_ref(&id));
-    register_module_hooks(&id, unit.clone());
+    state::register(&unit, &module_ids);
+    for id in &module_ids {
+        register_module_hooks(id, unit.clone());
+    }
     Ok(FsdpModule { unit, dp_placements })
 }
 

@@ -27,6 +27,11 @@ pub(crate) struct Unit {
     pub(crate) is_root: Cell<bool>,
     /// The current forward is a recomputation during backward (checkpointing).
     recomputing: Cell<bool>,
+    /// Modules this unit was made from (their forwards together are the unit's).
+    modules: usize,
+    /// Pre- and post-forwards of those modules since the unit's forward began.
+    entered: Cell<usize>,
+    exited: Cell<usize>,
     pub(crate) forward_prefetch: RefCell<Option<Vec<Weak<Unit>>>>,
     pub(crate) backward_prefetch: RefCell<Option<Vec<Weak<Unit>>>>,
     me: Weak<Unit>,
@@ -38,6 +43,7 @@ impl Unit {
         group: ParamGroup,
         children: Vec<Weak<Unit>>,
         reshard_after_forward: Option<bool>,
+        modules: usize,
     ) -> Rc<Unit> {
         Rc::new_cyclic(|me| Unit {
             label,
@@ -49,6 +55,9 @@ impl Unit {
             all_reduce: Cell::new(true),
             is_root: Cell::new(false),
             recomputing: Cell::new(false),
+            modules,
+            entered: Cell::new(0),
+            exited: Cell::new(0),
             forward_prefetch: RefCell::new(None),
             backward_prefetch: RefCell::new(None),
             me: me.clone(),
@@ -65,7 +74,15 @@ impl Unit {
 
     // ----- forward ----------------------------------------------------------
 
+    /// The forward of a unit made from several modules begins with the first
+    /// of them and ends with the last (every one runs once per forward, in any
+    /// order or nested); the others only cast their inputs.
     fn pre_forward_impl(&self, x: &Var) -> Result<Var> {
+        let entered = self.entered.get();
+        self.entered.set(entered + 1);
+        if entered > 0 {
+            return self.cast_input(x);
+        }
         let me = self.rc();
         let next = match enter_forward(&me) {
             Entry::Forward(next) => next,
@@ -99,6 +116,10 @@ impl Unit {
                 None => Ok(()),
             })
         })?;
+        self.cast_input(x)
+    }
+
+    fn cast_input(&self, x: &Var) -> Result<Var> {
         let mp = self.group.mp;
         match mp.param_dtype {
             Some(dt) if mp.cast_forward_inputs && x.value().dtype().is_float() => x.cast(dt),
@@ -107,12 +128,18 @@ impl Unit {
     }
 
     fn post_forward_impl(&self, out: Var) -> Result<Var> {
-        self.group.clear_stand_ins();
-        let recompute = self.recomputing.replace(false);
-        leave_forward(&self.rc(), recompute);
-        // A recomputation's backward follows at once: keep the parameters.
-        if !recompute && self.resolved_reshard_after_forward() {
-            self.group.reshard()?;
+        let exited = self.exited.get() + 1;
+        self.exited.set(exited);
+        if exited == self.entered.get() && exited >= self.modules {
+            self.entered.set(0);
+            self.exited.set(0);
+            self.group.clear_stand_ins();
+            let recompute = self.recomputing.replace(false);
+            leave_forward(&self.rc(), recompute);
+            // A recomputation's backward follows at once: keep the parameters.
+            if !recompute && self.resolved_reshard_after_forward() {
+                self.group.reshard()?;
+            }
         }
         let out = if out.requires_grad() {
             let me = self.me.clone();
@@ -190,7 +217,11 @@ impl ModuleHooks for Unit {
     fn forward_failed(&self) {
         self.group.clear_stand_ins();
         self.recomputing.set(false);
-        abandon_forward();
+        self.exited.set(0);
+        // Once per failed forward, however many of the unit's modules unwind.
+        if self.entered.replace(0) > 0 {
+            abandon_forward();
+        }
     }
 }
 

@@ -1,4 +1,5 @@
-//! Choosing units: `replicate` (NO_SHARD) units, `ignored_params`, and
+//! Choosing units: `replicate` (NO_SHARD) units, `ignored_params`, several
+//! modules as one unit (`fully_shard_modules`), and
 //! `auto_wrap` by module type and by parameter count; each against the
 //! reference losses and by what it changes (collectives, placements, units).
 
@@ -6,7 +7,7 @@ use tessera::autograd::backward;
 use tessera::autograd::nn::Module;
 use tessera::autograd::optim::{AdamW, Optimizer};
 use tessera::dtensor::Placement;
-use tessera::fsdp::{FsdpConfig, FsdpModule, WrapPolicy, auto_wrap, fully_shard, replicate};
+use tessera::fsdp::{FsdpConfig, FsdpModule, WrapPolicy, auto_wrap, fully_shard, fully_shard_modules, replicate};
 use tessera::mesh::{CommCounts, OpKind};
 use tessera::models::{Block, Transformer};
 use tessera::{DeviceMesh, launch};
@@ -192,4 +193,36 @@ fn auto_wrap_by_type_and_by_size() {
     // 33280 together are enough.
     assert_eq!(names, ["layers.1.feed_forward", "layers.0.feed_forward", "layers", ""]);
     parity("auto_wrap MinParams(20000)", &smaller.losses);
+}
+
+/// The two embedding tables as one unit: one all-gather and one reduce-scatter
+/// for both (two when each is its own unit); the same losses.
+#[test]
+fn several_modules_as_one_unit() {
+    fn units(m: &Transformer, mesh: &DeviceMesh, grouped: bool) -> TestResult<Vec<(String, FsdpModule)>> {
+        let cfg = FsdpConfig::default;
+        let mut u = Vec::new();
+        for (i, b) in m.layers.iter().enumerate() {
+            u.push((format!("layers.{i}"), fully_shard(b, mesh, cfg())?));
+        }
+        if grouped {
+            let both = fully_shard_modules(&[&m.tok_embeddings, &m.pos_embeddings], mesh, cfg())?;
+            assert_eq!(both.params().len(), 2);
+            u.push(("embeddings".into(), both));
+        } else {
+            u.push(("tok_embeddings".into(), fully_shard(&m.tok_embeddings, mesh, cfg())?));
+            u.push(("pos_embeddings".into(), fully_shard(&m.pos_embeddings, mesh, cfg())?));
+        }
+        u.push((String::new(), fully_shard(m, mesh, cfg())?));
+        Ok(u)
+    }
+    let grouped = run(|m, mesh| units(m, mesh, true));
+    let separate = run(|m, mesh| units(m, mesh, false));
+    parity("embeddings as one unit", &grouped.losses);
+    assert_eq!(grouped.losses, separate.losses);
+    let ag = OpKind::AllGather;
+    let rs = OpKind::ReduceScatter;
+    assert_eq!(separate.fwd.calls(ag) - grouped.fwd.calls(ag), 1);
+    assert_eq!(separate.bwd.calls(rs) - grouped.bwd.calls(rs), 1);
+    assert_eq!(grouped.fwd.calls(ag), 4, "root, embeddings, two blocks");
 }
