@@ -129,6 +129,14 @@ impl ParamGroup {
         matches!(*self.state.borrow(), State::Unsharded)
     }
 
+    pub(crate) fn gather_state(&self) -> crate::GatherState {
+        match *self.state.borrow() {
+            State::Sharded => crate::GatherState::Sharded,
+            State::Gathering(_) => crate::GatherState::Gathering,
+            State::Unsharded => crate::GatherState::Unsharded,
+        }
+    }
+
     /// Elements of this rank's padded bucket (the all-gather's input).
     pub(crate) fn bucket_len(&self) -> Result<usize> {
         let world = self.shard_world();

@@ -310,6 +310,17 @@ fn unit_dtype(own: &[Param], config: &FsdpConfig) -> Result<DType> {
     Ok(dtype)
 }
 
+/// Where a unit's parameters are ([`FsdpModule::gather_state`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum GatherState {
+    /// Only the shards exist.
+    Sharded,
+    /// An all-gather was issued (a prefetch) and not yet waited for.
+    Gathering,
+    /// The unsharded parameters exist.
+    Unsharded,
+}
+
 /// A module made an FSDP unit by [`fully_shard`]: a handle to control its
 /// communication. Cheap to clone; lives on its rank's thread.
 ///
@@ -329,6 +340,14 @@ impl FsdpModule {
     /// Whether the unit's parameters are gathered now.
     pub fn is_unsharded(&self) -> bool {
         self.unit.group.is_unsharded()
+    }
+
+    /// Where the unit's parameters are now: sharded, being gathered (prefetched),
+    /// or unsharded. What prefetching did shows here.
+    ///
+    /// PyTorch: the param group's `_training_state` / `is_unsharded`.
+    pub fn gather_state(&self) -> GatherState {
+        self.unit.group.gather_state()
     }
 
     /// Gathers the unit's parameters now (one all-gather), e.g. to overlap it
