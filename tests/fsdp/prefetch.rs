@@ -39,11 +39,14 @@ fn explicit_prefetch_changes_only_the_order() {
     }
 }
 
+/// Probe points with the units' gather states there.
+type Log = Vec<(String, Vec<GatherState>)>;
+
 /// Records the units' gather states at points of forward and backward.
 struct Probe {
     name: &'static str,
     units: Vec<FsdpModule>,
-    log: Rc<RefCell<Vec<(String, Vec<GatherState>)>>>,
+    log: Rc<RefCell<Log>>,
 }
 
 fn states(units: &[FsdpModule]) -> Vec<GatherState> {
@@ -73,7 +76,7 @@ impl ModuleHooks for Probe {
 
 /// The gather states of (block 0, block 1, root) at each probe of the third
 /// step, with `setup` applied to the units.
-fn probe(setup: fn(&FsdpUnits)) -> Vec<(String, Vec<GatherState>)> {
+fn probe(setup: fn(&FsdpUnits)) -> Log {
     let toks = tokens();
     launch(2, move |ctx| -> TestResult<_> {
         let mesh = DeviceMesh::new(ctx.into_comm(), &[2])?;
@@ -114,7 +117,7 @@ fn probe(setup: fn(&FsdpUnits)) -> Vec<(String, Vec<GatherState>)> {
 #[test]
 fn explicit_prefetch_sets_the_issue_order() {
     use GatherState::{Gathering as G, Sharded as S, Unsharded as U};
-    let at = |log: &[(String, Vec<GatherState>)], point: &str| {
+    let at = |log: &Log, point: &str| {
         log.iter()
             .find(|(p, _)| p == point)
             .unwrap_or_else(|| panic!("no probe {point}: {log:?}"))
