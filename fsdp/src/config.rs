@@ -16,6 +16,15 @@ pub struct FsdpConfig {
     /// unit (the outermost one called), which keeps its parameters as its backward
     /// starts right after its forward.
     pub reshard_after_forward: Option<bool>,
+    /// Where a unit that reshards after forward reshards to: `Some(k)` keeps
+    /// each parameter sharded over groups of `k` consecutive ranks of the shard
+    /// dim (say, the ranks of one node) instead of over the whole dim, so
+    /// backward's all-gather runs within a group: more memory between forward
+    /// and backward (`1/k` of each unsharded parameter), less traffic across
+    /// groups. `k` must divide the shard dim. `None`: the whole shard dim.
+    ///
+    /// PyTorch: an integer `reshard_after_forward` (hpZ).
+    pub reshard_after_forward_to: Option<usize>,
     /// Mixed precision.
     pub mp_policy: MixedPrecisionPolicy,
     /// Parameters of the module that FSDP leaves alone, by name (`Param::name`,

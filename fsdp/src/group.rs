@@ -19,19 +19,23 @@ use tessera_dtensor::{DTensor, Tensor};
 use tessera_mesh::{DType, DeviceMesh};
 
 use crate::MixedPrecisionPolicy;
-use crate::param::{DpDims, FsdpParam};
+use crate::param::{DpDims, FsdpParam, Regroup};
 
 /// Where a group's parameters are.
 enum State {
     Sharded,
     Gathering(Gather),
     Unsharded,
+    /// Resharded after forward to smaller groups: the pieces on the regrouped mesh.
+    Regrouped(Vec<DTensor>),
 }
 
 /// An all-gather in flight, or (a replicated group) the values themselves.
 enum Gather {
     Work(BucketWork),
     Ready(Vec<DTensor>),
+    /// Within the smaller groups: the results live on the regrouped mesh.
+    Regrouped(BucketWork),
 }
 
 /// Gradients of the unsharded parameters gathered during the unit's backward,
@@ -71,6 +75,8 @@ pub(crate) struct ParamGroup {
     /// Per parameter: reduce-scattered gradients still partial over the replicate
     /// dim (HSDP with the all-reduce off), added in before the next all-reduce.
     unreduced: Rc<RefCell<Vec<Option<DTensor>>>>,
+    /// Where to reshard after forward instead of the whole shard dim (hpZ).
+    regroup: Option<Regroup>,
 }
 
 /// Whether `a` and `b` are the same elements of the same storage.
@@ -107,7 +113,21 @@ impl ParamGroup {
             forward_shards: RefCell::new(Vec::new()),
             gathered_from: RefCell::new(Vec::new()),
             unreduced: Rc::new(RefCell::new(vec![None; n])),
+            regroup: None,
         }
+    }
+
+    /// Reshards after forward to groups of `size` ranks of the shard dim.
+    /// Collective over the parameters' mesh.
+    pub(crate) fn regroup_after_forward(&mut self, size: usize) -> Result<()> {
+        self.regroup = Some(Regroup::new(
+            &self.mesh,
+            self.dims,
+            size,
+            &self.params,
+            self.gather_dtype(),
+        )?);
+        Ok(())
     }
 
     /// The dtype of the all-gather and of the unsharded parameters.
@@ -134,6 +154,7 @@ impl ParamGroup {
             State::Sharded => crate::GatherState::Sharded,
             State::Gathering(_) => crate::GatherState::Gathering,
             State::Unsharded => crate::GatherState::Unsharded,
+            State::Regrouped(_) => crate::GatherState::Regrouped,
         }
     }
 
@@ -182,6 +203,21 @@ impl ParamGroup {
         let full = match gather {
             Gather::Work(work) => work.wait()?,
             Gather::Ready(values) => values,
+            Gather::Regrouped(work) => {
+                // The same local tensors, back on the parameters' mesh.
+                let dt = self.gather_dtype();
+                work.wait()?
+                    .into_iter()
+                    .zip(&self.params)
+                    .map(|(v, p)| {
+                        let layout = tessera_dtensor::Layout {
+                            dtype: dt,
+                            ..p.unsharded.clone()
+                        };
+                        DTensor::from_local_with_layout(v.to_local().clone(), &self.mesh, layout)
+                    })
+                    .collect::<tessera_dtensor::Result<_>>()?
+            }
         };
         for (p, v) in self.params.iter().zip(full) {
             debug_assert_eq!(v.placements(), &p.unsharded.placements[..]);
@@ -208,16 +244,59 @@ impl ParamGroup {
                 self.finish_gather(work)
             }
             State::Gathering(work) => self.finish_gather(work),
+            State::Regrouped(pieces) => {
+                let work = self.issue_regrouped_gather(&pieces)?;
+                self.finish_gather(work)
+            }
         }
     }
 
-    /// Issues the all-gather without waiting (no-op unless sharded).
+    fn issue_regrouped_gather(&self, pieces: &[DTensor]) -> Result<Gather> {
+        let r = self
+            .regroup
+            .as_ref()
+            .ok_or_else(|| config("regrouped without a regroup".into()))?;
+        Ok(Gather::Regrouped(all_gather_bucket(
+            pieces,
+            r.inner,
+            self.gather_dtype(),
+        )?))
+    }
+
+    /// Issues the all-gather without waiting (no-op unless sharded or regrouped).
     pub(crate) fn prefetch(&self) -> Result<()> {
-        if self.params.is_empty() || !matches!(*self.state.borrow(), State::Sharded) {
+        if self.params.is_empty() {
             return Ok(());
         }
-        let work = self.issue_gather()?;
-        *self.state.borrow_mut() = State::Gathering(work);
+        let state = std::mem::replace(&mut *self.state.borrow_mut(), State::Sharded);
+        let next = match state {
+            State::Sharded => State::Gathering(self.issue_gather()?),
+            State::Regrouped(pieces) => State::Gathering(self.issue_regrouped_gather(&pieces)?),
+            other => other,
+        };
+        *self.state.borrow_mut() = next;
+        Ok(())
+    }
+
+    /// Reshards after forward: to the smaller groups when set (keeping this
+    /// rank's piece of each unsharded parameter), else as [`reshard`](Self::reshard).
+    pub(crate) fn reshard_after_forward(&self) -> Result<()> {
+        let Some(r) = &self.regroup else {
+            return self.reshard();
+        };
+        if !self.is_unsharded() {
+            return self.reshard();
+        }
+        let pieces = self
+            .params
+            .iter()
+            .enumerate()
+            .map(|(i, p)| r.piece(i, &p.slot.get()?))
+            .collect::<Result<Vec<_>>>()?;
+        for p in &self.params {
+            p.slot.free();
+        }
+        *self.state.borrow_mut() = State::Regrouped(pieces);
         Ok(())
     }
 
@@ -225,7 +304,7 @@ impl ParamGroup {
     /// every rank's collectives stay in step).
     pub(crate) fn reshard(&self) -> Result<()> {
         let state = std::mem::replace(&mut *self.state.borrow_mut(), State::Sharded);
-        if let State::Gathering(Gather::Work(work)) = state {
+        if let State::Gathering(Gather::Work(work) | Gather::Regrouped(work)) = state {
             work.wait()?;
         }
         for p in &self.params {

@@ -242,6 +242,15 @@ fn make_unit(
         shard: shard_dim.map(|s| in_params[s]),
         replicate: replicate_dim.map(|r| in_params[r]),
     };
+    if let Some(k) = config.reshard_after_forward_to {
+        let world = dims.shard.map(|d| param_mesh.shape()[d]);
+        if !world.is_some_and(|w| k > 0 && w.is_multiple_of(k)) {
+            return Err(config_error(format!(
+                "reshard_after_forward_to is {k}; it must divide the {} ranks of the shard dim",
+                world.map_or_else(|| "(absent)".to_string(), |w| w.to_string())
+            )));
+        }
+    }
     // Check every parameter before changing any.
     let params: Vec<FsdpParam> = own
         .into_iter()
@@ -254,7 +263,10 @@ fn make_unit(
     if let Some(s) = shard_dim {
         dp_placements[s] = Placement::Shard(0);
     }
-    let group = ParamGroup::new(params, param_mesh, dims, dtype, config.mp_policy);
+    let mut group = ParamGroup::new(params, param_mesh, dims, dtype, config.mp_policy);
+    if let Some(size) = config.reshard_after_forward_to {
+        group.regroup_after_forward(size)?;
+    }
     let unit = Unit::new(
         all[0].name().to_string(),
         group,
@@ -319,6 +331,9 @@ pub enum GatherState {
     Gathering,
     /// The unsharded parameters exist.
     Unsharded,
+    /// Resharded after forward to smaller groups
+    /// ([`FsdpConfig::reshard_after_forward_to`]): backward gathers within them.
+    Regrouped,
 }
 
 /// A module made an FSDP unit by [`fully_shard`]: a handle to control its

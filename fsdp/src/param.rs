@@ -199,3 +199,104 @@ impl FsdpParam {
         Ok(DTensor::from_local_with_layout(local, mesh, layout)?)
     }
 }
+
+/// The smaller groups a unit reshards to after forward (hpZ): the parameters'
+/// mesh with the shard dim split into `[outer, inner]`, `inner` ranks of the
+/// shard dim (consecutive ones) holding the parameters between them.
+pub(crate) struct Regroup {
+    /// The parameters' mesh with the shard dim unflattened.
+    pub(crate) mesh: DeviceMesh,
+    /// The inner dim's index in `mesh` (the outer one is right before it).
+    pub(crate) inner: usize,
+    /// Per parameter: the layout of its post-forward piece.
+    pub(crate) layouts: Vec<Layout>,
+}
+
+impl Regroup {
+    /// Groups of `size` ranks of the shard dim for `params`, pieces in `dtype`.
+    /// Collective over `mesh`.
+    ///
+    /// # Errors
+    /// A size that does not divide the shard dim, a unit without a shard dim, a
+    /// failed split.
+    pub(crate) fn new(
+        mesh: &DeviceMesh,
+        dims: DpDims,
+        size: usize,
+        params: &[FsdpParam],
+        dtype: DType,
+    ) -> Result<Regroup> {
+        let Some(shard) = dims.shard else {
+            return Err(config_error(
+                "reshard_after_forward_to needs a shard dim (a replicated unit has nothing to reshard)".into(),
+            ));
+        };
+        let world = mesh.shape()[shard];
+        if size == 0 || !world.is_multiple_of(size) {
+            return Err(config_error(format!(
+                "reshard_after_forward_to is {size}; it must divide the {world} ranks of the shard dim"
+            )));
+        }
+        let names: Vec<String> = if mesh.names().is_empty() {
+            Vec::new()
+        } else {
+            let base = &mesh.names()[shard];
+            vec![format!("{base}_outer"), format!("{base}_inner")]
+        };
+        let names: Vec<&str> = names.iter().map(String::as_str).collect();
+        let regrouped = mesh.unflatten(shard, &[world / size, size], &names)?;
+        let inner = shard + 1;
+        let at = |d: usize| if d > shard { d + 1 } else { d };
+        let mut layouts = Vec::with_capacity(params.len());
+        for p in params {
+            let u = &p.unsharded;
+            let mut placements = Vec::with_capacity(u.placements.len() + 1);
+            for (d, pl) in u.placements.iter().enumerate() {
+                if d == shard {
+                    placements.extend([Placement::Replicate, Placement::Shard(0)]);
+                } else {
+                    placements.push(*pl);
+                }
+            }
+            let mut entries: Vec<(usize, Vec<usize>)> = u
+                .order
+                .entries()
+                .filter(|(d, _)| *d != 0)
+                .map(|(d, m)| (d, m.iter().map(|&x| at(x)).collect()))
+                .collect();
+            let mut chain: Vec<usize> = u.order.order_of(&u.placements, 0).iter().map(|&x| at(x)).collect();
+            chain.push(inner);
+            if chain.len() >= 2 {
+                entries.push((0, chain));
+            }
+            let order = ShardOrder::new(&placements, entries)?;
+            layouts.push(Layout::with_order(
+                regrouped.shape(),
+                &placements,
+                order,
+                &u.shape,
+                dtype,
+            )?);
+        }
+        Ok(Regroup {
+            mesh: regrouped,
+            inner,
+            layouts,
+        })
+    }
+
+    /// The post-forward piece of the unsharded value `v` of parameter `i`: the
+    /// rows of its local tensor this rank keeps in its group (a copy).
+    pub(crate) fn piece(&self, i: usize, v: &DTensor) -> Result<DTensor> {
+        let local = v.to_local();
+        let (n, k) = (self.mesh.shape()[self.inner], self.mesh.coordinate()[self.inner]);
+        let (len, start) = shard_size_and_offset(local.shape()[0], n, k);
+        let mine = local.narrow(0, start, len)?;
+        let mine = Tensor::from_buffer(mine.to_buffer(), mine.shape())?;
+        Ok(DTensor::from_local_with_layout(
+            mine,
+            &self.mesh,
+            self.layouts[i].clone(),
+        )?)
+    }
+}

@@ -138,7 +138,7 @@ impl Unit {
             leave_forward(&self.rc(), recompute);
             // A recomputation's backward follows at once: keep the parameters.
             if !recompute && self.resolved_reshard_after_forward() {
-                self.group.reshard()?;
+                self.group.reshard_after_forward()?;
             }
         }
         let out = if out.requires_grad() {

@@ -352,6 +352,90 @@ impl DeviceMesh {
         })
     }
 
+    /// Splits dim `d` into dims of sizes `sizes` (row-major: the last varies
+    /// fastest along the old dim), named `names` (none for an unnamed mesh). The
+    /// other dims keep their communicators; each new dim gets one. Collective
+    /// over the whole mesh: every rank must call it.
+    ///
+    /// `mesh.unflatten("dp", &[2, 4], &["dp_inter", "dp_intra"])` splits 8
+    /// data-parallel ranks into 2 groups of 4 consecutive ones.
+    ///
+    /// PyTorch: `DeviceMesh._unflatten`.
+    ///
+    /// # Errors
+    /// An unknown dim, sizes whose product is not the dim's size or that hold a
+    /// 0, names that do not match the sizes or repeat another dim's name, or a
+    /// failed split.
+    pub fn unflatten(&self, d: impl DimRef, sizes: &[usize], names: &[&str]) -> Result<DeviceMesh> {
+        let i = self.dim_index(d)?;
+        let inner = &self.inner;
+        if sizes.is_empty() || sizes.contains(&0) || sizes.iter().product::<usize>() != inner.shape[i] {
+            return Err(Error::Mesh(format!(
+                "unflatten: sizes {sizes:?} must multiply to the size {} of mesh dim {i}, each at least 1",
+                inner.shape[i]
+            )));
+        }
+        let named = !inner.names.is_empty();
+        if names.len() != if named { sizes.len() } else { 0 } {
+            return Err(Error::Mesh(format!(
+                "unflatten: {} names {names:?} for {} new dims of a mesh {}; give one name per new dim \
+                 (none for an unnamed mesh)",
+                names.len(),
+                sizes.len(),
+                if named { "with names" } else { "without names" }
+            )));
+        }
+        for (k, n) in names.iter().enumerate() {
+            let elsewhere = inner.names.iter().enumerate().any(|(j, m)| j != i && m == n);
+            if elsewhere || names[..k].contains(n) {
+                return Err(Error::Mesh(format!(
+                    "unflatten: dim name {n:?} is used twice; names must be unique"
+                )));
+            }
+        }
+        let sub = row_major_coord(inner.coord[i], sizes);
+        let line = &inner.dim_comms[i];
+        let mut new_comms: Vec<Rc<dyn Communicator>> = Vec::with_capacity(sizes.len());
+        for j in 0..sizes.len() {
+            let mut base = sub.clone();
+            base[j] = 0;
+            let color = row_major_index(&base, sizes) as u32;
+            new_comms.push(Rc::from(line.split(color, sub[j] as u32)?));
+        }
+        let splice = |v: &[usize], mid: &[usize]| -> SmallVec<[usize; 4]> {
+            v[..i].iter().chain(mid).chain(&v[i + 1..]).copied().collect()
+        };
+        let mut dim_comms: Vec<Rc<dyn Communicator>> = inner.dim_comms[..i].to_vec();
+        dim_comms.extend(new_comms);
+        dim_comms.extend(inner.dim_comms[i + 1..].iter().cloned());
+        let mut dim_comm_ids = inner.dim_comm_ids[..i].to_vec();
+        dim_comm_ids.extend(sizes.iter().map(|_| next_comm_id()));
+        dim_comm_ids.extend(&inner.dim_comm_ids[i + 1..]);
+        let names = if named {
+            inner.names[..i]
+                .iter()
+                .cloned()
+                .chain(names.iter().map(|s| s.to_string()))
+                .chain(inner.names[i + 1..].iter().cloned())
+                .collect()
+        } else {
+            Vec::new()
+        };
+        Ok(DeviceMesh {
+            inner: Rc::new(Inner {
+                shape: splice(&inner.shape, sizes),
+                names,
+                ranks: inner.ranks.clone(),
+                coord: splice(&inner.coord, &sub),
+                comm: inner.comm.clone(),
+                dim_comms,
+                comm_id: inner.comm_id,
+                dim_comm_ids,
+                slices: RefCell::default(),
+            }),
+        })
+    }
+
     /// The sub-mesh along `dims` (named in mesh order) through this rank: its
     /// dims keep their communicators (so `slice(..).dim(d)` is `dim(d)`), and the
     /// sub-mesh gets a communicator over all its ranks. One dim is

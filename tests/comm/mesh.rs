@@ -168,3 +168,40 @@ fn stats_count_per_rank() {
     })
     .unwrap();
 }
+
+#[test]
+fn unflatten_splits_a_dim() {
+    let out = launch(8, |ctx| {
+        let mesh = DeviceMesh::with_names(ctx.into_comm(), &[8], &["dp"])?;
+        let split = mesh.unflatten("dp", &[2, 4], &["inter", "intra"])?;
+        let r = mesh.rank() as i64;
+        // The inner dim: 4 consecutive ranks; the outer: ranks 4 apart.
+        let intra = split.dim_comm("intra")?.all_gather_vec(&[r])?;
+        let inter = split.dim_comm("inter")?.all_gather_vec(&[r])?;
+        let errors = [
+            mesh.unflatten("dp", &[3, 3], &["a", "b"]).unwrap_err().to_string(),
+            mesh.unflatten("dp", &[2, 4], &["a"]).unwrap_err().to_string(),
+            mesh.unflatten("dp", &[2, 4], &["a", "a"]).unwrap_err().to_string(),
+        ];
+        Ok((
+            split.shape().to_vec(),
+            split.names().to_vec(),
+            split.coordinate().to_vec(),
+            intra,
+            inter,
+            errors,
+        ))
+    })
+    .unwrap();
+    for (r, (shape, names, coord, intra, inter, errors)) in out.iter().enumerate() {
+        assert_eq!(shape, &[2, 4]);
+        assert_eq!(names, &["inter", "intra"]);
+        assert_eq!(coord, &[r / 4, r % 4]);
+        let base = (r / 4 * 4) as i64;
+        assert_eq!(intra, &(base..base + 4).collect::<Vec<_>>());
+        assert_eq!(inter, &[(r % 4) as i64, (r % 4 + 4) as i64]);
+        assert!(errors[0].contains("multiply"), "{}", errors[0]);
+        assert!(errors[1].contains("one name per new dim"), "{}", errors[1]);
+        assert!(errors[2].contains("used twice"), "{}", errors[2]);
+    }
+}

@@ -1,6 +1,6 @@
 //! Resharding and freed parameters: which units are unsharded after forward and
 //! backward, manual `unshard`/`unshard_async`/`reshard`, and the unsharded value a
-//! forward used, freed after it.
+//! forward used, freed after it; resharding after forward to smaller groups (hpZ).
 
 use std::cell::RefCell;
 
@@ -173,4 +173,64 @@ fn freed_parameter_cannot_be_read() {
         Ok(())
     })
     .unwrap();
+}
+
+/// `reshard_after_forward_to: Some(2)` on 4 ranks (hpZ): after forward each
+/// block keeps half of its unsharded parameters (its pair's share), and
+/// backward gathers within the pair; training is bitwise the default's.
+#[test]
+fn reshard_after_forward_to_a_smaller_group() {
+    let hpz = FsdpConfig {
+        reshard_after_forward_to: Some(2),
+        ..FsdpConfig::default()
+    };
+    let default = crate::train(&crate::Job::fsdp(&[4], 8, 5, FsdpConfig::default()));
+    let paired = crate::train(&crate::Job::fsdp(&[4], 8, 5, hpz.clone()));
+    assert_eq!(paired.losses, default.losses);
+    // A block: 12·64² + 9·64 f32 unsharded; a pair member sends its half.
+    let block = (12 * 64 * 64 + 9 * 64) * 4;
+    let ag = OpKind::AllGather;
+    println!(
+        "backward all-gathers: {} B (whole dim, 4 ranks) vs {} B (pairs)",
+        default.bwd[1].bytes(ag),
+        paired.bwd[1].bytes(ag)
+    );
+    assert_eq!(paired.bwd[1].calls(ag), 2);
+    assert_eq!(paired.bwd[1].bytes(ag), 2 * block as u64 / 2);
+    assert_ne!(paired.bwd[1].bytes(ag), default.bwd[1].bytes(ag));
+    // Memory held after forward, and the blocks' state.
+    let toks = tokens();
+    let held = launch(4, move |ctx| -> TestResult<_> {
+        let mesh = DeviceMesh::new(ctx.into_comm(), &[4])?;
+        let mut out = Vec::new();
+        for cfg in [FsdpConfig::default(), hpz.clone()] {
+            let model = tiny_model(&mesh)?;
+            let units = model.fully_shard(&mesh, &cfg)?;
+            let x = batch(&toks, 0, 0..8, &mesh)?;
+            let before = tessera::dtensor::memory::stats().current_bytes;
+            let loss = model.loss(&x)?;
+            let after = tessera::dtensor::memory::stats().current_bytes;
+            out.push((after - before, units.blocks[0].gather_state()));
+            backward(&loss)?;
+        }
+        let bad = tiny_model(&mesh)?
+            .fully_shard(
+                &mesh,
+                &FsdpConfig {
+                    reshard_after_forward_to: Some(3),
+                    ..FsdpConfig::default()
+                },
+            )
+            .err()
+            .map(|e| e.to_string());
+        Ok((out, bad))
+    })
+    .unwrap()
+    .swap_remove(0);
+    let ((default_held, default_state), (paired_held, paired_state)) = (held.0[0], held.0[1]);
+    assert_eq!(paired_held - default_held, 2 * block / 2, "two blocks keep half each");
+    assert_eq!(default_state, tessera::fsdp::GatherState::Sharded);
+    assert_eq!(paired_state, tessera::fsdp::GatherState::Regrouped);
+    let bad = held.1.unwrap();
+    assert!(bad.contains("must divide the 4 ranks"), "{bad}");
 }
