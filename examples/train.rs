@@ -374,8 +374,9 @@ fn run(args: &Args) -> Result<(), BoxError> {
     // states in f32 before any activation.
     let unsharded = 16 * cfg.num_params();
     println!(
-        "done: loss {:.4} -> {:.4}; {:.0} tokens/s; peak tensor memory per rank {} (one unsharded rank needs {} \
-         for parameters, gradients and AdamW states alone)",
+        "done on mesh {:?}: loss {:.4} -> {:.4}; {:.0} tokens/s; peak tensor memory per rank {} (one unsharded rank \
+         needs {} for parameters, gradients and AdamW states alone)",
+        args.mesh,
         r0.losses[0],
         r0.losses[r0.losses.len() - 1],
         tokens_seen / total,
