@@ -57,7 +57,7 @@ use tessera_mesh::{DType, DeviceMesh, ReduceOp, Work};
 use crate::memory::Allocation;
 use crate::sharding::{padded_chunk_size, shard_size_and_offset, split_chain};
 use crate::spec::{Layout, PlacementsDisplay};
-use crate::{DTensor, Error, MeshDims, Placement, Result, ShardOrder, Tensor};
+use crate::{DTensor, Error, Placement, Result, Tensor};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Kind {
@@ -131,20 +131,6 @@ fn placement_error(kind: Kind, detail: String) -> Error {
     Error::Placement { op: kind.op(), detail }
 }
 
-/// The order for `placements` that keeps `like`'s entries for every tensor dim but
-/// 0, and splits dim 0 by `chain0`.
-fn order_with_dim0(placements: &[Placement], like: &ShardOrder, chain0: &[usize]) -> Result<ShardOrder> {
-    let mut entries: Vec<(usize, MeshDims)> = like
-        .entries()
-        .filter(|(d, _)| *d != 0)
-        .map(|(d, m)| (d, m.into()))
-        .collect();
-    if chain0.len() >= 2 {
-        entries.push((0, chain0.into()));
-    }
-    ShardOrder::new(placements, entries)
-}
-
 /// Checks the inputs and works out every output's layout and place in the bucket.
 fn plan(kind: Kind, inputs: &[DTensor], mesh_dim: usize, dtype: DType) -> Result<(Vec<Entry>, usize)> {
     let mut entries = Vec::with_capacity(inputs.len());
@@ -207,7 +193,7 @@ fn plan(kind: Kind, inputs: &[DTensor], mesh_dim: usize, dtype: DType) -> Result
                 let split = *split_chain(shape[0], mesh.shape(), &chain, coord)?
                     .last()
                     .expect("the chain holds mesh_dim");
-                let order = order_with_dim0(&out, &layout.order, &chain[..chain.len() - 1])?;
+                let order = layout.order.with_chain(&out, 0, &chain[..chain.len() - 1])?;
                 (order, split.logical_size, split.padded_chunk_size())
             }
             Kind::Scatter | Kind::AllReduce => {
@@ -234,7 +220,7 @@ fn plan(kind: Kind, inputs: &[DTensor], mesh_dim: usize, dtype: DType) -> Result
                     out[mesh_dim] = Placement::Shard(0);
                     let mut chain = layout.order.order_of(p, 0);
                     chain.push(mesh_dim);
-                    let order = order_with_dim0(&out, &layout.order, &chain)?;
+                    let order = layout.order.with_chain(&out, 0, &chain)?;
                     let rows = local[0];
                     let (mine, _) = shard_size_and_offset(rows, world, coord[mesh_dim]);
                     (order, mine, padded_chunk_size(rows, world))

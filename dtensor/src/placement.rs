@@ -277,6 +277,34 @@ impl ShardOrder {
         Ok(order)
     }
 
+    /// The order for `placements` that keeps this order's entries for every tensor
+    /// dim but `tensor_dim`, and splits `tensor_dim` by `chain` (outermost first):
+    /// what a step that adds or removes one split of a dim gives.
+    ///
+    /// ```
+    /// use tessera_dtensor::{Placement::*, ShardOrder};
+    ///
+    /// // FSDP adds Shard(0) on mesh dim 0 to a TP shard on mesh dim 1, splitting last.
+    /// let tp = ShardOrder::default_for(&[Replicate, Shard(0)]);
+    /// let p = [Shard(0), Shard(0)];
+    /// assert_eq!(tp.with_chain(&p, 0, &[1, 0]).unwrap(), ShardOrder::reversed_for(&p));
+    /// ```
+    ///
+    /// # Errors
+    /// As [`ShardOrder::new`]: `chain` is not the mesh dims that shard `tensor_dim`
+    /// in `placements`, or the kept entries do not describe `placements`.
+    pub fn with_chain(&self, placements: &[Placement], tensor_dim: usize, chain: &[usize]) -> Result<ShardOrder> {
+        let mut entries: SmallVec<[(usize, MeshDims); 2]> = self
+            .entries()
+            .filter(|(d, _)| *d != tensor_dim)
+            .map(|(d, m)| (d, m.into()))
+            .collect();
+        if chain.len() >= 2 {
+            entries.push((tensor_dim, chain.into()));
+        }
+        ShardOrder::new(placements, entries)
+    }
+
     /// The mesh dims that shard `tensor_dim` in `placements`, in split order (outermost
     /// split first): the entry for a multiply-sharded dim, the one mesh dim of a singly
     /// sharded dim, empty for a dim that is not sharded.

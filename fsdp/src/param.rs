@@ -100,16 +100,7 @@ impl FsdpParam {
                 placements[shard] = Placement::Shard(0);
                 let mut chain = unsharded.order.order_of(p, 0);
                 chain.push(shard);
-                let mut entries: Vec<(usize, Vec<usize>)> = unsharded
-                    .order
-                    .entries()
-                    .filter(|(d, _)| *d != 0)
-                    .map(|(d, m)| (d, m.to_vec()))
-                    .collect();
-                if chain.len() >= 2 {
-                    entries.push((0, chain.to_vec()));
-                }
-                let order = ShardOrder::new(&placements, entries)?;
+                let order = unsharded.order.with_chain(&placements, 0, &chain)?;
                 Layout::with_order(mesh.shape(), &placements, order, v.shape(), v.dtype())?
             }
             None => unsharded.clone(),

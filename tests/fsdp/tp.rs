@@ -165,15 +165,14 @@ fn hsdp_tp_2x2x2_matches_pytorch() {
     }
 }
 
-/// bf16 mixed precision over TP: within 1e-3 of the f32 run, and every all-gather
-/// (FSDP's and TP's logits) moves half the bytes.
-#[test]
-fn bf16_over_tp_follows_f32() {
+/// Trains `steps` on `mesh` in f32 and with bf16 mixed precision; checks the bf16
+/// losses are within 1e-3 of the f32 ones (and differ: the policy did something).
+fn bf16_and_f32(mesh: &'static [usize], names: &'static [&'static str], steps: usize) -> (Run, Run) {
     let job = |cfg| Job {
-        mesh: &[2, 2],
-        names: DP_TP,
+        mesh,
+        names,
         g: 8,
-        steps: 20,
+        steps,
         cfg,
     };
     let f32_run = train(&job(FsdpConfig::default()));
@@ -182,9 +181,16 @@ fn bf16_over_tp_follows_f32() {
         ..FsdpConfig::default()
     }));
     let d = max_abs_diff(&bf16_run.losses, &f32_run.losses);
-    println!("bf16 dp2 x tp2 vs f32: max |Δloss| = {d:.3e}");
-    assert!(d < 1e-3, "{:?}\nvs {:?}", bf16_run.losses, f32_run.losses);
-    assert!(d > 0.0, "bf16 changed nothing");
+    println!("bf16 {mesh:?} vs f32: max |Δloss| = {d:.3e} over {steps} steps");
+    assert!(d < 1e-3 && d > 0.0, "{:?}\nvs {:?}", bf16_run.losses, f32_run.losses);
+    (bf16_run, f32_run)
+}
+
+/// bf16 mixed precision over TP: within 1e-3 of the f32 run, and every all-gather
+/// (FSDP's and TP's logits) moves half the bytes.
+#[test]
+fn bf16_over_tp_follows_f32() {
+    let (bf16_run, f32_run) = bf16_and_f32(&[2, 2], DP_TP, 20);
     let ag = |r: &Run| r.fwd[1].bytes(OpKind::AllGather);
     assert_eq!(2 * ag(&bf16_run), ag(&f32_run));
 }
@@ -434,23 +440,29 @@ fn accumulated(
     .swap_remove(0)
 }
 
+/// Accumulation on `mesh` against FSDP alone on 2 ranks: the same gradients and
+/// clip norm, no reduce-scatter while sync is off, one per unit on the last.
+fn check_accumulation(mesh: &'static [usize], names: &'static [&'static str]) {
+    let (grads, first, last, norm) = accumulated(mesh, names);
+    let (dp_grads, _, _, dp_norm) = accumulated(&[2], &["dp"]);
+    let worst = grads
+        .iter()
+        .zip(&dp_grads)
+        .map(|(a, b)| max_abs_diff(a, b))
+        .fold(0.0, f64::max);
+    println!("accumulated gradients, {mesh:?} vs dp2: max |Δ| = {worst:.3e}; norms {norm} vs {dp_norm}");
+    assert!(worst < 1e-6);
+    assert!((norm - dp_norm).abs() < 1e-6 * dp_norm);
+    assert_eq!(first.calls(OpKind::ReduceScatter), 0, "sync off: no reduce-scatter");
+    assert_eq!(last.calls(OpKind::ReduceScatter), 3, "sync on: one per unit");
+}
+
 /// Gradient accumulation (`set_requires_gradient_sync(false)`) under FSDP over TP
 /// gives the gradients FSDP alone gives, reducing only on the last micro-batch;
 /// `clip_grad_norm`'s norm (one all-reduce spanning dp and tp) is the same.
 #[test]
 fn accumulation_and_clip_norm_match_fsdp_alone() {
-    let (tp_grads, first, last, tp_norm) = accumulated(&[2, 2], DP_TP);
-    let (dp_grads, _, _, dp_norm) = accumulated(&[2], &["dp"]);
-    let worst = tp_grads
-        .iter()
-        .zip(&dp_grads)
-        .map(|(a, b)| max_abs_diff(a, b))
-        .fold(0.0, f64::max);
-    println!("accumulated gradients, dp2 x tp2 vs dp2: max |Δ| = {worst:.3e}; norms {tp_norm} vs {dp_norm}");
-    assert!(worst < 1e-6);
-    assert!((tp_norm - dp_norm).abs() < 1e-6 * dp_norm);
-    assert_eq!(first.calls(OpKind::ReduceScatter), 0, "sync off: no reduce-scatter");
-    assert_eq!(last.calls(OpKind::ReduceScatter), 3, "sync on: one per unit");
+    check_accumulation(&[2, 2], DP_TP);
 }
 
 // ----- memory -------------------------------------------------------------------
@@ -549,31 +561,6 @@ fn wrong_order_and_wrong_meshes_are_named() {
 /// and bf16 mixed precision within 1e-3 of the f32 run.
 #[test]
 fn hsdp_tp_2x2x2_accumulation_clip_and_bf16() {
-    let (grads, first, last, norm) = accumulated(&[2, 2, 2], HSDP_TP);
-    let (dp_grads, _, _, dp_norm) = accumulated(&[2], &["dp"]);
-    let worst = grads
-        .iter()
-        .zip(&dp_grads)
-        .map(|(a, b)| max_abs_diff(a, b))
-        .fold(0.0, f64::max);
-    println!("accumulated gradients, 2x2x2 vs dp2: max |Δ| = {worst:.3e}; norms {norm} vs {dp_norm}");
-    assert!(worst < 1e-6);
-    assert!((norm - dp_norm).abs() < 1e-6 * dp_norm);
-    assert_eq!(first.calls(OpKind::ReduceScatter), 0);
-    assert_eq!(last.calls(OpKind::ReduceScatter), 3);
-    let job = |cfg| Job {
-        mesh: &[2, 2, 2],
-        names: HSDP_TP,
-        g: 8,
-        steps: 6,
-        cfg,
-    };
-    let f32_run = train(&job(FsdpConfig::default()));
-    let bf16_run = train(&job(FsdpConfig {
-        mp_policy: MixedPrecisionPolicy::bf16(),
-        ..FsdpConfig::default()
-    }));
-    let d = max_abs_diff(&bf16_run.losses, &f32_run.losses);
-    println!("bf16 2x2x2 vs f32: max |Δloss| = {d:.3e}");
-    assert!(d < 1e-3 && d > 0.0, "{:?}\nvs {:?}", bf16_run.losses, f32_run.losses);
+    check_accumulation(&[2, 2, 2], HSDP_TP);
+    bf16_and_f32(&[2, 2, 2], HSDP_TP, 6);
 }

@@ -44,15 +44,9 @@ fn member_layout(
         let mut chain = order.order_of(&p, 0);
         chain.retain(|m| *m != mesh_dim);
         chain.push(mesh_dim);
-        let mut entries: Vec<(usize, Vec<usize>)> = order
-            .entries()
-            .filter(|(d, _)| *d != 0)
-            .map(|(d, m)| (d, m.to_vec()))
-            .collect();
-        if chain.len() >= 2 {
-            entries.push((0, chain.to_vec()));
-        }
-        ShardOrder::new(&p, entries).expect("a permutation of dim 0's mesh dims")
+        order
+            .with_chain(&p, 0, &chain)
+            .expect("a permutation of dim 0's mesh dims")
     } else {
         order
     };
