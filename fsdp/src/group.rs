@@ -88,6 +88,43 @@ fn config(detail: String) -> Error {
     Error::Config { op: "fsdp", detail }
 }
 
+/// Keeps the gradients that arrived (`grads[k]` of parameter `index[k]`) in
+/// `kept` for a later all-reduce.
+fn keep(kept: &mut [Option<DTensor>], grads: Vec<DTensor>, index: &[usize], has_grad: &[bool]) -> Result<()> {
+    for ((g, &i), &has) in grads.into_iter().zip(index).zip(has_grad) {
+        if has {
+            add_into(&mut kept[i], g)?;
+        }
+    }
+    Ok(())
+}
+
+/// Adds the kept gradients into `grads` before their all-reduce (a parameter
+/// with a kept gradient has one now).
+fn fold_kept(
+    kept: &mut [Option<DTensor>],
+    grads: &mut [DTensor],
+    index: &[usize],
+    has_grad: &mut [bool],
+) -> Result<()> {
+    for ((g, &i), has) in grads.iter_mut().zip(index).zip(has_grad) {
+        if let Some(prev) = kept[i].take() {
+            *g = g.add(&prev)?;
+            *has = true;
+        }
+    }
+    Ok(())
+}
+
+/// Adds `g` to the gradient held in `slot` (or puts it there).
+fn add_into(slot: &mut Option<DTensor>, g: DTensor) -> Result<()> {
+    *slot = Some(match slot.take() {
+        Some(prev) => prev.add(&g)?,
+        None => g,
+    });
+    Ok(())
+}
+
 impl ParamGroup {
     pub(crate) fn new(
         params: Vec<FsdpParam>,
@@ -386,11 +423,7 @@ impl ParamGroup {
     pub(crate) fn add_grad(&self, i: usize, g: &DTensor, sync: bool) -> Result<bool> {
         let c = self.params[i].contribution(g, self.dims, self.reduce_dtype())?;
         let mut gs = self.grads.borrow_mut();
-        let slot = if sync { &mut gs.pending[i] } else { &mut gs.unsynced[i] };
-        *slot = Some(match slot.take() {
-            Some(prev) => prev.add(&c)?,
-            None => c,
-        });
+        add_into(if sync { &mut gs.pending[i] } else { &mut gs.unsynced[i] }, c)?;
         gs.arrived += 1;
         Ok(gs.arrived >= gs.expected)
     }
@@ -423,10 +456,7 @@ impl ParamGroup {
             let mut pending = std::mem::replace(&mut gs.pending, vec![None; n]);
             for (p, u) in pending.iter_mut().zip(gs.unsynced.iter_mut()) {
                 if let Some(u) = u.take() {
-                    *p = Some(match p.take() {
-                        Some(prev) => prev.add(&u)?,
-                        None => u,
-                    });
+                    add_into(p, u)?;
                 }
             }
             pending
@@ -464,18 +494,11 @@ impl ParamGroup {
             (Some(d), _) => Stage::Scatter(reduce_scatter_bucket(&grads, d)?),
             (None, Some(r)) => {
                 let mut kept = self.unreduced.borrow_mut();
-                for ((g, &i), has) in grads.iter_mut().zip(&index).zip(has_grad.iter_mut()) {
-                    if let Some(prev) = kept[i].take() {
-                        *g = g.add(&prev)?;
-                        *has = true;
-                    }
-                    if !all_reduce && *has {
-                        kept[i] = Some(g.clone());
-                    }
-                }
                 if !all_reduce {
+                    keep(&mut kept, grads, &index, &has_grad)?;
                     return Ok(None);
                 }
+                fold_kept(&mut kept, &mut grads, &index, &mut has_grad)?;
                 Stage::AllReduce(all_reduce_bucket(&grads, r)?)
             }
             (None, None) => {
@@ -539,22 +562,10 @@ impl Reduction {
                 if let Some(r) = replicate {
                     let mut kept = unreduced.borrow_mut();
                     if !all_reduce {
-                        for ((g, &i), has) in sharded.into_iter().zip(&index).zip(&has_grad) {
-                            if *has {
-                                kept[i] = Some(match kept[i].take() {
-                                    Some(prev) => prev.add(&g)?,
-                                    None => g,
-                                });
-                            }
-                        }
+                        keep(&mut kept, sharded, &index, &has_grad)?;
                         return Ok(None);
                     }
-                    for ((g, &i), has) in sharded.iter_mut().zip(&index).zip(has_grad.iter_mut()) {
-                        if let Some(prev) = kept[i].take() {
-                            *g = g.add(&prev)?;
-                            *has = true;
-                        }
-                    }
+                    fold_kept(&mut kept, &mut sharded, &index, &mut has_grad)?;
                     drop(kept);
                     return Ok(Some(Reduction {
                         stage: Stage::AllReduce(all_reduce_bucket(&sharded, r)?),

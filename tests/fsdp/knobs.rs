@@ -1,10 +1,11 @@
 //! FSDP2's knobs for gradient accumulation, each checked against the default
 //! run (same gradients) and by the collectives it saves (a knob that did nothing
-//! fails): `set_reshard_after_backward`, `set_requires_all_reduce`.
+//! fails): `set_reshard_after_backward`, `set_requires_all_reduce` (HSDP and
+//! replicated units).
 
 use tessera::autograd::backward;
 use tessera::autograd::nn::Module;
-use tessera::fsdp::FsdpConfig;
+use tessera::fsdp::{FsdpConfig, replicate};
 use tessera::mesh::{CommCounts, OpKind};
 use tessera::models::FsdpUnits;
 use tessera::{DeviceMesh, launch};
@@ -20,13 +21,24 @@ struct Micro {
 }
 
 /// Two micro-batches (rows 0..4, then 4..8 of step 0) of the tiny model under
-/// FSDP on `mesh`; `before(units, i)` runs before micro-batch `i`.
-fn micro(mesh: &'static [usize], before: fn(&FsdpUnits, usize)) -> Micro {
+/// FSDP on `mesh` (with `replicate`d units when `shard` is off); `before(units,
+/// i)` runs before micro-batch `i`.
+fn micro(mesh: &'static [usize], shard: bool, before: fn(&FsdpUnits, usize)) -> Micro {
     let toks = tokens();
     launch(mesh.iter().product(), move |ctx| -> TestResult<Micro> {
         let mesh = DeviceMesh::new(ctx.into_comm(), mesh)?;
         let model = tiny_model(&mesh)?;
-        let units = model.fully_shard(&mesh, &FsdpConfig::default())?;
+        let units = if shard {
+            model.fully_shard(&mesh, &FsdpConfig::default())?
+        } else {
+            let blocks = model
+                .layers
+                .iter()
+                .map(|b| replicate(b, &mesh, FsdpConfig::default()))
+                .collect::<Result<Vec<_>, _>>()?;
+            let root = replicate(&model, &mesh, FsdpConfig::default())?;
+            FsdpUnits { root, blocks }
+        };
         let mut out = Micro {
             fwd: Vec::new(),
             bwd: Vec::new(),
@@ -64,8 +76,8 @@ fn grad_diff(a: &Micro, b: &Micro) -> f64 {
 /// second forward gathers nothing; the gradients are the default run's.
 #[test]
 fn reshard_after_backward_off_skips_the_next_gathers() {
-    let default = micro(&[2], |u, i| u.root.set_requires_gradient_sync(i == 1));
-    let kept = micro(&[2], |u, i| {
+    let default = micro(&[2], true, |u, i| u.root.set_requires_gradient_sync(i == 1));
+    let kept = micro(&[2], true, |u, i| {
         u.root.set_requires_gradient_sync(i == 1);
         u.root.set_reshard_after_backward(i == 1);
     });
@@ -88,8 +100,8 @@ fn reshard_after_backward_off_skips_the_next_gathers() {
 /// are those of all-reducing every micro-batch.
 #[test]
 fn requires_all_reduce_off_defers_the_replica_all_reduce() {
-    let default = micro(&[2, 2], |_, _| {});
-    let deferred = micro(&[2, 2], |u, i| u.root.set_requires_all_reduce(i == 1));
+    let default = micro(&[2, 2], true, |_, _| {});
+    let deferred = micro(&[2, 2], true, |u, i| u.root.set_requires_all_reduce(i == 1));
     let (rs, ar) = (OpKind::ReduceScatter, OpKind::AllReduce);
     println!(
         "HSDP 2x2 backward all-reduces per micro-batch: default {} + {}, deferred {} + {}",
@@ -102,6 +114,20 @@ fn requires_all_reduce_off_defers_the_replica_all_reduce() {
     assert_eq!(deferred.bwd[0].calls(ar), 0);
     assert_eq!(deferred.bwd[0].calls(rs), 3);
     assert_eq!(deferred.bwd[1].calls(ar), 3);
+    let d = grad_diff(&default, &deferred);
+    assert!(d < 1e-6, "gradients differ by {d}");
+}
+
+/// Replicated (NO_SHARD) units with the all-reduce off for the first
+/// micro-batch: no communication then, one all-reduce per unit on the second;
+/// the gradients are those of all-reducing every micro-batch.
+#[test]
+fn requires_all_reduce_off_defers_a_replicated_units_all_reduce() {
+    let default = micro(&[2], false, |_, _| {});
+    let deferred = micro(&[2], false, |u, i| u.root.set_requires_all_reduce(i == 1));
+    assert_eq!(default.bwd[0].calls(OpKind::AllReduce), 3);
+    assert_eq!(deferred.bwd[0].total_calls(), 0);
+    assert_eq!(deferred.bwd[1].calls(OpKind::AllReduce), 3);
     let d = grad_diff(&default, &deferred);
     assert!(d < 1e-6, "gradients differ by {d}");
 }
