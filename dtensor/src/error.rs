@@ -75,6 +75,16 @@ pub enum Error {
         bytes: Option<u128>,
     },
 
+    /// A checkpoint that cannot be written or read: a missing, truncated or
+    /// corrupt index or chunk file, a tensor missing or of another shape or dtype.
+    #[error("checkpoint {path}: {detail}")]
+    Checkpoint {
+        /// The file or directory concerned.
+        path: String,
+        /// What was wrong (naming the tensor where there is one) and what to do.
+        detail: String,
+    },
+
     /// A communicator or mesh error.
     #[error(transparent)]
     Comm(#[from] tessera_mesh::Error),

@@ -26,6 +26,7 @@
 
 mod alloc;
 pub mod bucket;
+pub mod checkpoint;
 pub mod dist;
 mod dtensor;
 mod error;

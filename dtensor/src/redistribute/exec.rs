@@ -179,7 +179,7 @@ fn tiles_in_order(outer: &Region, parts: &[Region]) -> bool {
 
 /// Calls `f(src_offset, dst_offset, len)` for each contiguous row of `part`,
 /// where `src` is laid out as `a` and `dst` as `b` (both contain `part`).
-fn for_each_row(a: &Region, b: &Region, part: &Region, mut f: impl FnMut(usize, usize, usize)) {
+pub(crate) fn for_each_row(a: &Region, b: &Region, part: &Region, mut f: impl FnMut(usize, usize, usize)) {
     if part.numel() == 0 {
         return;
     }

@@ -16,7 +16,7 @@
 mod exec;
 mod plan;
 
-pub(crate) use exec::execute;
+pub(crate) use exec::{execute, for_each_row};
 pub use plan::{Plan, Step, StepKind, plan};
 
 /// The coordinates of the ranks a step along `mesh_dim` talks to, in the order of

@@ -404,7 +404,7 @@ mod tests {
         let mut cols = a.clone();
         cols.slice_collapse(s![.., 1..]);
         case!(cols, [2, 2], vec![2, 3, 5, 6]);
-        case!(ArrayD::<i64>::zeros(IxDyn(&[0, 4])), [0, 4], vec![]);
+        case!(ArrayD::<i64>::zeros(IxDyn(&[0, 4])), [0, 4], Vec::<i64>::new());
         case!(ndarray::arr0(9i64), [0usize; 0], vec![9]);
     }
 

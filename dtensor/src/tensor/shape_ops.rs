@@ -235,7 +235,7 @@ mod tests {
         case!([6], 0, 2, 3, [3], vec![2, 3, 4]);
         case!([3, 4], 0, 1, 2, [2, 4], vec![4, 5, 6, 7, 8, 9, 10, 11]);
         case!([3, 4], 1, 1, 2, [3, 2], vec![1, 2, 5, 6, 9, 10]);
-        case!([3, 4], 1, 4, 0, [3, 0], vec![]);
+        case!([3, 4], 1, 4, 0, [3, 0], Vec::<i64>::new());
         case!([2, 2, 3], 2, 2, 1, [2, 2, 1], vec![2, 5, 8, 11]);
         // A narrow of a narrow of a transpose.
         let t = iota(&[3, 4]).transpose(0, 1).unwrap().narrow(0, 1, 2).unwrap();
@@ -327,7 +327,7 @@ mod tests {
             [2, 3],
             vec![0, 1, 2, 3, 4, 5]
         );
-        case!([iota(&[0, 3]), iota(&[0, 3])], 0, [0, 3], vec![]);
+        case!([iota(&[0, 3]), iota(&[0, 3])], 0, [0, 3], Vec::<i64>::new());
         case!(
             [t.transpose(0, 1).unwrap(), iota(&[3, 1])],
             1,
@@ -399,7 +399,7 @@ mod tests {
         case!(t.clone(), [1, 6, 1], true, vec![0, 1, 2, 3, 4, 5]);
         case!(t.narrow(0, 1, 1).unwrap(), [3], true, vec![3, 4, 5]);
         case!(t.transpose(0, 1).unwrap(), [6], false, vec![0, 3, 1, 4, 2, 5]);
-        case!(iota(&[0, 3]), [3, 0], true, vec![]);
+        case!(iota(&[0, 3]), [3, 0], true, Vec::<i64>::new());
         case!(iota(&[1]), [0usize; 0], true, vec![0]);
     }
 }

@@ -1,0 +1,493 @@
+//! Sharded checkpoints of DTensors: [`save`] writes each rank's chunks (one
+//! replica of each) into a directory, [`Checkpoint::load`] reads any tensor back
+//! onto any mesh and placements, each rank reading only the byte ranges its
+//! piece overlaps.
+//!
+//! A checkpoint is a directory holding one safetensors file per writing rank
+//! (`rank00003.safetensors`: that rank's chunks, each named `tensor@offsets`)
+//! and `index.json` ([`Index`]): every tensor's global shape and dtype, and each
+//! chunk's offsets, extents, file and byte range. A save writes a hidden
+//! temporary directory, fsyncs every file and the directory, and then renames
+//! it into place (exchanging it with an older checkpoint of that name in one
+//! step, on Linux), so a save that fails or is killed leaves the previous
+//! checkpoint, never a half-written one.
+//!
+//! PyTorch: `torch.distributed.checkpoint` (`save`, `load`, its
+//! `FileSystemWriter` / `FileSystemReader` and the `.metadata` index).
+//!
+//! ```
+//! use tessera_dtensor::checkpoint::{save, Checkpoint};
+//! use tessera_dtensor::{distribute_tensor, DType, Layout, Placement::*, Tensor};
+//! use tessera_mesh::{launch, DeviceMesh};
+//!
+//! let dir = std::env::temp_dir().join(format!("tessera-doc-ckpt-{}", std::process::id()));
+//! let d = dir.clone();
+//! launch(2, move |ctx| {
+//!     let mesh = DeviceMesh::new(ctx.into_comm(), &[2])?;
+//!     let full = Tensor::arange(12, DType::F32)?.reshape(&[4, 3])?;
+//!     save(&d, &[("w", &distribute_tensor(&full, &mesh, &[Shard(0)])?)], Default::default())?;
+//!     // Back as column shards: each rank reads only its columns' bytes.
+//!     let ckpt = Checkpoint::open(&d)?;
+//!     let layout = Layout::new(mesh.shape(), &[Shard(1)], &[4, 3], DType::F32)?;
+//!     let w = ckpt.load("w", &mesh, layout)?;
+//!     assert_eq!(w.full_tensor()?, full);
+//!     Ok(())
+//! })
+//! .unwrap();
+//! std::fs::remove_dir_all(&dir).unwrap();
+//! ```
+
+mod files;
+mod index;
+
+use std::cell::{Cell, RefCell};
+use std::collections::{BTreeMap, HashMap};
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+
+use tessera_mesh::{Communicator, CommunicatorExt, DType, DeviceMesh};
+
+pub use index::{Chunk, Index, TensorEntry};
+
+use crate::redistribute::for_each_row;
+use crate::spec::{PlacementsDisplay, Region};
+use crate::{DTensor, Error, Layout, Result, Tensor};
+
+/// The index file of a checkpoint directory.
+pub const INDEX_FILE: &str = "index.json";
+
+fn ckpt_error(path: &Path, detail: String) -> Error {
+    Error::Checkpoint {
+        path: path.display().to_string(),
+        detail,
+    }
+}
+
+/// What one rank did in a [`save`].
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SaveReport {
+    /// Bytes of tensor data this rank wrote (0 for a rank whose chunks other
+    /// replicas wrote).
+    pub bytes_written: u64,
+    /// Chunks this rank wrote.
+    pub chunks: usize,
+}
+
+/// Every rank's `mine` made known to all, or, when any rank failed, the same
+/// error on every rank naming the first failed rank. Collective.
+fn agree(comm: &dyn Communicator, path: &Path, mine: Result<Vec<u8>>) -> Result<Vec<Vec<u8>>> {
+    let (ok, bytes) = match &mine {
+        Ok(b) => (1i64, b.clone()),
+        Err(e) => (0, e.to_string().into_bytes()),
+    };
+    let heads = comm.all_gather_vec(&[ok, bytes.len() as i64])?;
+    let longest = heads.chunks(2).map(|h| h[1] as usize).max().unwrap_or(0);
+    let mut padded = bytes;
+    padded.resize(longest, 0);
+    let all = comm.all_gather_vec(&padded)?;
+    let mut out = Vec::with_capacity(comm.size());
+    for (r, h) in heads.chunks(2).enumerate() {
+        let body = all[r * longest..r * longest + h[1] as usize].to_vec();
+        if h[0] == 0 {
+            if let Err(e) = mine {
+                return Err(e);
+            }
+            return Err(ckpt_error(
+                path,
+                format!("rank {r} failed: {}", String::from_utf8_lossy(&body)),
+            ));
+        }
+        out.push(body);
+    }
+    Ok(out)
+}
+
+/// Saves `tensors` (name, DTensor; all on one mesh, none `Partial`) as a
+/// sharded checkpoint directory `dir`, replacing a checkpoint already there.
+/// Each rank writes the chunks it holds; of replicas (ranks that differ only
+/// along `Replicate` mesh dims) the one at coordinate 0 writes. Collective over
+/// the tensors' mesh.
+///
+/// # Errors
+/// Every rank gets the same error when any rank fails: no tensors, two tensors
+/// of one name, tensors on different meshes, a `Partial` tensor (reduce it
+/// first), a file that cannot be written (naming it). The previous checkpoint
+/// at `dir` is then left as it was.
+pub fn save(
+    dir: impl AsRef<Path>,
+    tensors: &[(&str, &DTensor)],
+    metadata: BTreeMap<String, String>,
+) -> Result<SaveReport> {
+    let dir = dir.as_ref();
+    let Some((_, first)) = tensors.first() else {
+        return Err(ckpt_error(dir, "nothing to save: no tensors given".into()));
+    };
+    let mesh = first.mesh().clone();
+    let comm = mesh.comm();
+    let tmp = files::temp_dir_for(dir)?;
+    let lead = comm.rank() == 0;
+    let checked = check_tensors(dir, tensors, &mesh);
+    let made = checked.and_then(|()| if lead { files::fresh_dir(&tmp) } else { Ok(()) });
+    agree(comm, dir, made.map(|()| Vec::new()))?;
+    // Each rank's chunks, written to its own file.
+    let mut report = SaveReport::default();
+    let written = write_chunks(&tmp, tensors, &mesh, &mut report);
+    let listed = written.and_then(|c| serde_json::to_vec(&c).map_err(|e| ckpt_error(dir, e.to_string())));
+    let all = match agree(comm, dir, listed) {
+        Ok(all) => all,
+        Err(e) => {
+            if lead {
+                let _ = std::fs::remove_dir_all(&tmp);
+            }
+            return Err(e);
+        }
+    };
+    // Rank 0 writes the index and puts the directory in place.
+    let installed = if lead {
+        let r = write_index(&tmp, dir, tensors, &all, metadata);
+        if r.is_err() {
+            let _ = std::fs::remove_dir_all(&tmp);
+        }
+        r
+    } else {
+        Ok(())
+    };
+    agree(comm, dir, installed.map(|()| Vec::new()))?;
+    Ok(report)
+}
+
+fn check_tensors(dir: &Path, tensors: &[(&str, &DTensor)], mesh: &DeviceMesh) -> Result<()> {
+    for (i, (name, x)) in tensors.iter().enumerate() {
+        if tensors[..i].iter().any(|(n, _)| n == name) {
+            return Err(ckpt_error(dir, format!("two tensors are named {name:?}")));
+        }
+        if !x.mesh().same_as(mesh) {
+            return Err(ckpt_error(
+                dir,
+                format!(
+                    "tensor {name} lives on mesh {}, the first on {mesh}; save one mesh's tensors together",
+                    x.mesh()
+                ),
+            ));
+        }
+        if x.placements().iter().any(|p| p.is_partial()) {
+            return Err(ckpt_error(
+                dir,
+                format!(
+                    "tensor {name} is placed {}; a checkpoint holds values: reduce the Partial dims first",
+                    PlacementsDisplay(x.placements())
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// A chunk as a rank reports it to rank 0: (tensor, offsets, shape, file, key, begin, end).
+type Listed = (String, Vec<usize>, Vec<usize>, String, String, u64, u64);
+
+/// Writes this rank's chunks (those it is the first replica of) to one file in `tmp`.
+fn write_chunks(
+    tmp: &Path,
+    tensors: &[(&str, &DTensor)],
+    mesh: &DeviceMesh,
+    report: &mut SaveReport,
+) -> Result<Vec<Listed>> {
+    let coord = mesh.coordinate();
+    let mut mine: Vec<(String, Vec<usize>, &Tensor)> = Vec::new();
+    for (name, x) in tensors {
+        let writer = x
+            .placements()
+            .iter()
+            .zip(coord)
+            .all(|(p, &c)| !p.is_replicate() || c == 0);
+        let (offsets, _) = x.layout().local_region(coord)?;
+        if writer && x.to_local().numel() > 0 {
+            mine.push((name.to_string(), offsets, x.to_local()));
+        }
+    }
+    if mine.is_empty() {
+        return Ok(Vec::new());
+    }
+    let file = format!("rank{:05}.safetensors", mesh.rank());
+    let keyed: Vec<(String, &Tensor)> = mine.iter().map(|(n, o, t)| (format!("{n}@{}", join(o)), *t)).collect();
+    let ranges = files::write_safetensors(&tmp.join(&file), &keyed)?;
+    report.chunks = mine.len();
+    report.bytes_written = ranges.iter().map(|w| w.end - w.begin).sum();
+    Ok(mine
+        .into_iter()
+        .zip(ranges)
+        .map(|((n, o, t), w)| (n, o, t.shape().to_vec(), file.clone(), w.key, w.begin, w.end))
+        .collect())
+}
+
+fn join(v: &[usize]) -> String {
+    v.iter().map(usize::to_string).collect::<Vec<_>>().join(",")
+}
+
+/// Builds, checks and writes the index from every rank's chunk list, then
+/// installs `tmp` as `dir`.
+fn write_index(
+    tmp: &Path,
+    dir: &Path,
+    tensors: &[(&str, &DTensor)],
+    lists: &[Vec<u8>],
+    metadata: BTreeMap<String, String>,
+) -> Result<()> {
+    let mut entries: BTreeMap<String, TensorEntry> = tensors
+        .iter()
+        .map(|(n, x)| {
+            (
+                n.to_string(),
+                TensorEntry {
+                    shape: x.shape().to_vec(),
+                    dtype: index::dtype_name(x.dtype()).to_string(),
+                    chunks: Vec::new(),
+                },
+            )
+        })
+        .collect();
+    for list in lists {
+        let chunks: Vec<Listed> = serde_json::from_slice(list).map_err(|e| ckpt_error(dir, e.to_string()))?;
+        for (name, offsets, shape, file, key, begin, end) in chunks {
+            let t = entries
+                .get_mut(&name)
+                .ok_or_else(|| ckpt_error(dir, format!("a rank wrote unknown tensor {name}")))?;
+            t.chunks.push(Chunk {
+                offsets,
+                shape,
+                file,
+                key,
+                begin,
+                end,
+            });
+        }
+    }
+    let index = Index {
+        format: index::FORMAT.into(),
+        version: index::VERSION,
+        tensors: entries,
+        metadata,
+    };
+    index.validate(&dir.join(INDEX_FILE).display().to_string())?;
+    let text = serde_json::to_vec_pretty(&index).map_err(|e| ckpt_error(dir, e.to_string()))?;
+    files::write_synced(&tmp.join(INDEX_FILE), &text)?;
+    files::sync_dir(tmp)?;
+    files::install(tmp, dir)
+}
+
+/// A checkpoint directory opened for reading: its index, checked, and the
+/// chunk files it names, checked to exist and be long enough. Lives on one
+/// rank; opening reads only `index.json` and the files' sizes.
+pub struct Checkpoint {
+    dir: PathBuf,
+    index: Index,
+    files: RefCell<HashMap<String, File>>,
+    bytes_read: Cell<u64>,
+}
+
+impl std::fmt::Debug for Checkpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "Checkpoint({}, {} tensors)",
+            self.dir.display(),
+            self.index.tensors.len()
+        )
+    }
+}
+
+impl Checkpoint {
+    /// Opens the checkpoint at `dir`. Not collective.
+    ///
+    /// # Errors
+    /// [`Error::Checkpoint`] naming the file: no `index.json`, an index that is
+    /// not valid JSON of the format or fails [`Index::validate`], a chunk file
+    /// that is missing or shorter than the byte ranges the index gives it.
+    pub fn open(dir: impl AsRef<Path>) -> Result<Checkpoint> {
+        let dir = dir.as_ref().to_path_buf();
+        let path = dir.join(INDEX_FILE);
+        let text = std::fs::read(&path).map_err(|e| files::io_error(&path, "cannot read the index", e))?;
+        let index: Index = serde_json::from_slice(&text)
+            .map_err(|e| ckpt_error(&path, format!("not a valid checkpoint index: {e}")))?;
+        index.validate(&path.display().to_string())?;
+        let mut needed: BTreeMap<&str, (u64, &str)> = BTreeMap::new();
+        for (name, t) in &index.tensors {
+            for c in &t.chunks {
+                let e = needed.entry(c.file.as_str()).or_insert((0, name.as_str()));
+                if c.end > e.0 {
+                    *e = (c.end, name.as_str());
+                }
+            }
+        }
+        for (file, (end, name)) in needed {
+            let p = dir.join(file);
+            let len = std::fs::metadata(&p)
+                .map_err(|e| files::io_error(&p, &format!("missing chunk file of tensor {name}"), e))?
+                .len();
+            if len < end {
+                return Err(ckpt_error(
+                    &p,
+                    format!("truncated: {len} bytes, but tensor {name} has a chunk up to byte {end}"),
+                ));
+            }
+        }
+        Ok(Checkpoint {
+            dir,
+            index,
+            files: RefCell::new(HashMap::new()),
+            bytes_read: Cell::new(0),
+        })
+    }
+
+    /// The index.
+    pub fn index(&self) -> &Index {
+        &self.index
+    }
+
+    /// The metadata saved with the tensors.
+    pub fn metadata(&self) -> &BTreeMap<String, String> {
+        &self.index.metadata
+    }
+
+    /// Bytes of tensor data this handle has read so far.
+    pub fn bytes_read(&self) -> u64 {
+        self.bytes_read.get()
+    }
+
+    /// The entry of tensor `name`.
+    ///
+    /// # Errors
+    /// No tensor of that name (the error lists a few that exist).
+    pub fn entry(&self, name: &str) -> Result<&TensorEntry> {
+        self.index.tensors.get(name).ok_or_else(|| {
+            let some: Vec<&String> = self.index.tensors.keys().take(8).collect();
+            ckpt_error(
+                &self.dir,
+                format!(
+                    "no tensor {name} (it holds {} tensors, e.g. {some:?})",
+                    self.index.tensors.len()
+                ),
+            )
+        })
+    }
+
+    /// Reads tensor `name` as a DTensor of `layout` on `mesh`: this rank reads
+    /// only the bytes of the chunks its piece overlaps (the whole tensor only
+    /// when `layout` replicates it). Not collective.
+    ///
+    /// # Errors
+    /// A missing tensor; a layout whose global shape or dtype differs from the
+    /// saved one, or with `Partial` placements; a chunk file that cannot be read.
+    pub fn load(&self, name: &str, mesh: &DeviceMesh, layout: Layout) -> Result<DTensor> {
+        let t = self.entry(name)?;
+        let dtype = t.dtype()?;
+        if t.shape != layout.shape.as_slice() || dtype != layout.dtype {
+            return Err(ckpt_error(
+                &self.dir,
+                format!(
+                    "tensor {name} is saved as {:?} {dtype}; asked for {:?} {}",
+                    t.shape,
+                    &layout.shape[..],
+                    layout.dtype
+                ),
+            ));
+        }
+        if layout.has_partial() {
+            return Err(ckpt_error(
+                &self.dir,
+                format!(
+                    "tensor {name}: load into Shard or Replicate placements, not {}",
+                    PlacementsDisplay(&layout.placements)
+                ),
+            ));
+        }
+        let mine = layout.region(mesh.coordinate())?;
+        let size = dtype.size_in_bytes();
+        let mut bytes = vec![0u8; mine.numel() * size];
+        let mut covered = 0usize;
+        for c in &t.chunks {
+            let chunk = Region {
+                offset: c.offsets.clone(),
+                shape: c.shape.clone(),
+            };
+            let part = mine.intersect(&chunk);
+            if part.numel() == 0 {
+                continue;
+            }
+            covered += part.numel();
+            self.read_part(name, c, &chunk, &mine, &part, size, &mut bytes)?;
+        }
+        if covered != mine.numel() {
+            return Err(ckpt_error(
+                &self.dir,
+                format!(
+                    "tensor {name}: the chunks cover {covered} of the {} elements this rank needs",
+                    mine.numel()
+                ),
+            ));
+        }
+        let local = Tensor::from_buffer(buffer_from_bytes(dtype, &bytes)?, &mine.shape)?;
+        DTensor::from_local_with_layout(local, mesh, layout)
+    }
+
+    /// [`load`](Self::load) into `like`'s mesh and layout.
+    ///
+    /// # Errors
+    /// As `load`.
+    pub fn load_like(&self, name: &str, like: &DTensor) -> Result<DTensor> {
+        self.load(name, like.mesh(), like.layout().clone())
+    }
+
+    /// Reads the rows of `part` (inside `chunk`, laid out row-major in its file
+    /// range) into `out` (laid out as `mine`).
+    #[allow(clippy::too_many_arguments)]
+    fn read_part(
+        &self,
+        name: &str,
+        c: &Chunk,
+        chunk: &Region,
+        mine: &Region,
+        part: &Region,
+        size: usize,
+        out: &mut [u8],
+    ) -> Result<()> {
+        let path = self.dir.join(&c.file);
+        let mut files = self.files.borrow_mut();
+        let file = match files.get(&c.file) {
+            Some(f) => f,
+            None => {
+                let f = files::open_read(&path)?;
+                files.entry(c.file.clone()).or_insert(f)
+            }
+        };
+        let mut failed = None;
+        let mut read = 0u64;
+        for_each_row(chunk, mine, part, |src, dst, len| {
+            if failed.is_some() {
+                return;
+            }
+            let at = c.begin + (src * size) as u64;
+            let buf = &mut out[dst * size..(dst + len) * size];
+            match file.read_exact_at(buf, at) {
+                Ok(()) => read += buf.len() as u64,
+                Err(e) => failed = Some(e),
+            }
+        });
+        self.bytes_read.set(self.bytes_read.get() + read);
+        match failed {
+            Some(e) => Err(files::io_error(&path, &format!("cannot read tensor {name}"), e)),
+            None => Ok(()),
+        }
+    }
+}
+
+/// A buffer of `dtype` from its little-endian bytes.
+fn buffer_from_bytes(dtype: DType, bytes: &[u8]) -> Result<tessera_mesh::Buffer> {
+    let mut buf = tessera_mesh::Buffer::zeros(dtype, bytes.len() / dtype.size_in_bytes().max(1));
+    tessera_mesh::dispatch_buf!(BufMut, buf.as_buf_mut(), s, T => {
+        bytemuck::cast_slice_mut::<T, u8>(s).copy_from_slice(bytes)
+    });
+    Ok(buf)
+}
