@@ -17,11 +17,22 @@ pub(crate) fn io_error(path: &Path, what: &str, e: std::io::Error) -> Error {
     }
 }
 
-/// Where a chunk landed in its file: its key and absolute byte range.
+/// Where a chunk landed in its file: its key, absolute byte range and checksum.
 pub(crate) struct Written {
     pub(crate) key: String,
     pub(crate) begin: u64,
     pub(crate) end: u64,
+    pub(crate) checksum: String,
+}
+
+/// FNV-1a, 64-bit, over `bytes`, as 16 hex digits.
+pub(crate) fn checksum(bytes: &[u8]) -> String {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for &b in bytes {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    format!("{h:016x}")
 }
 
 /// Writes `chunks` (key, contiguous tensor) as one safetensors file at `path`,
@@ -56,9 +67,13 @@ pub(crate) fn write_safetensors(path: &Path, chunks: &[(String, &Tensor)]) -> Re
     };
     write(&mut w, &(text.len() as u64).to_le_bytes())?;
     write(&mut w, &text)?;
+    let mut sums = Vec::with_capacity(chunks.len());
     for (_, t) in chunks {
         let c = t.contiguous();
-        write(&mut w, c.as_buf()?.as_bytes())?;
+        let buf = c.as_buf()?;
+        let bytes = buf.as_bytes();
+        sums.push(checksum(bytes));
+        write(&mut w, bytes)?;
     }
     w.flush().map_err(|e| io_error(path, "cannot write", e))?;
     drop(w);
@@ -66,10 +81,12 @@ pub(crate) fn write_safetensors(path: &Path, chunks: &[(String, &Tensor)]) -> Re
     Ok(chunks
         .iter()
         .zip(ranges)
-        .map(|((key, _), (b, e))| Written {
+        .zip(sums)
+        .map(|(((key, _), (b, e)), checksum)| Written {
             key: key.clone(),
             begin: data_start + b,
             end: data_start + e,
+            checksum,
         })
         .collect())
 }

@@ -56,6 +56,9 @@ pub struct Chunk {
     pub begin: u64,
     /// See `begin`.
     pub end: u64,
+    /// FNV-1a (64-bit) of the chunk's bytes, as 16 hex digits: checked whenever
+    /// a load reads the whole chunk.
+    pub checksum: String,
 }
 
 /// The safetensors name of a dtype.

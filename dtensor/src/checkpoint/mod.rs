@@ -184,8 +184,8 @@ fn check_tensors(dir: &Path, tensors: &[(&str, &DTensor)], mesh: &DeviceMesh) ->
     Ok(())
 }
 
-/// A chunk as a rank reports it to rank 0: (tensor, offsets, shape, file, key, begin, end).
-type Listed = (String, Vec<usize>, Vec<usize>, String, String, u64, u64);
+/// A chunk as a rank reports it to rank 0: the tensor's name and the chunk.
+type Listed = (String, Chunk);
 
 /// Writes this rank's chunks (those it is the first replica of) to one file in `tmp`.
 fn write_chunks(
@@ -218,7 +218,18 @@ fn write_chunks(
     Ok(mine
         .into_iter()
         .zip(ranges)
-        .map(|((n, o, t), w)| (n, o, t.shape().to_vec(), file.clone(), w.key, w.begin, w.end))
+        .map(|((n, offsets, t), w)| {
+            let chunk = Chunk {
+                offsets,
+                shape: t.shape().to_vec(),
+                file: file.clone(),
+                key: w.key,
+                begin: w.begin,
+                end: w.end,
+                checksum: w.checksum,
+            };
+            (n, chunk)
+        })
         .collect())
 }
 
@@ -250,18 +261,11 @@ fn write_index(
         .collect();
     for list in lists {
         let chunks: Vec<Listed> = serde_json::from_slice(list).map_err(|e| ckpt_error(dir, e.to_string()))?;
-        for (name, offsets, shape, file, key, begin, end) in chunks {
+        for (name, chunk) in chunks {
             let t = entries
                 .get_mut(&name)
                 .ok_or_else(|| ckpt_error(dir, format!("a rank wrote unknown tensor {name}")))?;
-            t.chunks.push(Chunk {
-                offsets,
-                shape,
-                file,
-                key,
-                begin,
-                end,
-            });
+            t.chunks.push(chunk);
         }
     }
     let index = Index {
@@ -462,6 +466,26 @@ impl Checkpoint {
                 files.entry(c.file.clone()).or_insert(f)
             }
         };
+        if part == chunk {
+            // The whole chunk: one read, checked against its checksum.
+            let mut whole = vec![0u8; (c.end - c.begin) as usize];
+            file.read_exact_at(&mut whole, c.begin)
+                .map_err(|e| files::io_error(&path, &format!("cannot read tensor {name}"), e))?;
+            self.bytes_read.set(self.bytes_read.get() + whole.len() as u64);
+            if files::checksum(&whole) != c.checksum {
+                return Err(ckpt_error(
+                    &path,
+                    format!(
+                        "tensor {name}: chunk {} (bytes {}..{}) does not match its checksum: the file is corrupt",
+                        c.key, c.begin, c.end
+                    ),
+                ));
+            }
+            for_each_row(chunk, mine, part, |src, dst, len| {
+                out[dst * size..(dst + len) * size].copy_from_slice(&whole[src * size..(src + len) * size]);
+            });
+            return Ok(());
+        }
         let mut failed = None;
         let mut read = 0u64;
         for_each_row(chunk, mine, part, |src, dst, len| {
