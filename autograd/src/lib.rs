@@ -42,6 +42,9 @@ pub use backward::{backward, checkpoint};
 pub use error::{Error, Result};
 pub use ops::unbroadcast;
 pub use saved::{Saved, Slot};
-pub use state_dict::{load_state_dict, read_safetensors, save_state_dict_full, write_safetensors};
+pub use state_dict::{
+    LoadReport, load_checkpoint, load_state_dict, read_safetensors, save_checkpoint, save_state_dict_full,
+    write_safetensors,
+};
 pub use tape::{clear_tape, is_grad_enabled, no_grad, queue_callback, recorded_ops};
 pub use var::{Param, Var};

@@ -1,12 +1,17 @@
 //! Sharded checkpoints of DTensors (`tessera::dtensor::checkpoint`): saved on one
 //! mesh and layout, loaded onto any other (property test), each rank reading only
 //! its bytes and one replica writing each chunk; atomic replacement; and the
-//! errors of missing, truncated or corrupt files.
+//! errors of missing, truncated or corrupt files; model and optimizer checkpoints
+//! that resume a run bitwise on its mesh and within 1e-6 on others.
 //!
 //! Property cases: 48 by default, `PROPTEST_CASES` overrides.
 
+#[path = "../common/mod.rs"]
+mod common;
+
 mod dtensors;
 mod errors;
+mod resume;
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};

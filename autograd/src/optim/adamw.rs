@@ -1,6 +1,6 @@
 //! [`AdamW`]: Adam with decoupled weight decay.
 
-use tessera_dtensor::Layout;
+use tessera_dtensor::{DTensor, Layout};
 use tessera_mesh::DType;
 
 use super::{Optimizer, Ready, Real, StateVec, check_range, check_state_layout, check_unique, local_cow, with_local};
@@ -285,6 +285,51 @@ impl super::PerParam for AdamW {
 impl Optimizer for AdamW {
     fn step(&mut self) -> Result<()> {
         super::step_all(self)
+    }
+
+    fn state_names(&self) -> &'static [&'static str] {
+        &["exp_avg", "exp_avg_sq", "step"]
+    }
+
+    fn replicated_state_names(&self) -> &'static [&'static str] {
+        &["step"]
+    }
+
+    fn state_tensors(&self) -> Result<Vec<(usize, &'static str, DTensor)>> {
+        let mut out = Vec::new();
+        for (i, (p, slot)) in self.params.iter().zip(&self.state).enumerate() {
+            let Some(s) = slot else { continue };
+            out.push((i, "exp_avg", s.exp_avg.to_dtensor(p, &s.layout)?));
+            out.push((i, "exp_avg_sq", s.exp_avg_sq.to_dtensor(p, &s.layout)?));
+            out.push((i, "step", super::step_tensor(p.value().mesh(), s.step)?));
+        }
+        Ok(out)
+    }
+
+    fn load_state_tensors(&mut self, index: usize, tensors: &[(&str, DTensor)]) -> Result<()> {
+        let p = self.params.get(index).ok_or_else(|| Error::Config {
+            op: OP,
+            detail: format!("no parameter {index} (the optimizer has {})", self.params.len()),
+        })?;
+        super::only_known(OP, p, tensors, self.state_names())?;
+        let exp_avg = super::StateVec::from_dtensor(OP, p, "exp_avg", super::named(OP, p, tensors, "exp_avg")?)?;
+        let exp_avg_sq =
+            super::StateVec::from_dtensor(OP, p, "exp_avg_sq", super::named(OP, p, tensors, "exp_avg_sq")?)?;
+        let step = super::step_of(OP, p, super::named(OP, p, tensors, "step")?)?;
+        if exp_avg.dtype() != exp_avg_sq.dtype() {
+            return Err(Error::Config {
+                op: OP,
+                detail: format!("the moments of {} differ in dtype", p.name()),
+            });
+        }
+        self.state[index] = Some(Slot {
+            layout: p.value().layout().clone(),
+            dtype: exp_avg.dtype(),
+            step,
+            exp_avg,
+            exp_avg_sq,
+        });
+        Ok(())
     }
 
     fn params(&self) -> &[Param] {

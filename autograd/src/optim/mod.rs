@@ -88,6 +88,102 @@ pub trait Optimizer {
     /// # Errors
     /// A negative or NaN learning rate.
     fn set_lr(&mut self, lr: f64) -> Result<()>;
+
+    /// The names of the state a parameter holds once it has stepped
+    /// (`["exp_avg", "exp_avg_sq", "step"]` for AdamW).
+    fn state_names(&self) -> &'static [&'static str];
+
+    /// Those of [`state_names`](Self::state_names) that are not laid out as
+    /// their parameter but replicated (a step count); default none.
+    fn replicated_state_names(&self) -> &'static [&'static str] {
+        &[]
+    }
+
+    /// The per-parameter state as DTensors, `(parameter index, name, value)`:
+    /// buffers in their parameter's layout (and the state's dtype), step counts
+    /// as `i64` `[1]` replicated on the parameter's mesh. Parameters that have
+    /// not stepped have none. For checkpoints.
+    ///
+    /// PyTorch: `Optimizer.state_dict()["state"]`.
+    ///
+    /// # Errors
+    /// A parameter whose layout changed since its state was made.
+    fn state_tensors(&self) -> Result<Vec<(usize, &'static str, DTensor)>>;
+
+    /// Replaces the state of parameter `index` by `tensors` (every name of
+    /// [`state_names`](Self::state_names), as `state_tensors` gives them, in
+    /// the parameter's current layout).
+    ///
+    /// PyTorch: `Optimizer.load_state_dict`.
+    ///
+    /// # Errors
+    /// An index past the parameters, a missing or unknown name, a buffer in
+    /// another layout than the parameter's or not floating-point, a step that is
+    /// not one `i64`.
+    fn load_state_tensors(&mut self, index: usize, tensors: &[(&str, DTensor)]) -> Result<()>;
+}
+
+/// A step count as an `i64` `[1]` replicated on `mesh`.
+pub(crate) fn step_tensor(mesh: &tessera_mesh::DeviceMesh, step: u64) -> Result<DTensor> {
+    let r = vec![tessera_dtensor::Placement::Replicate; mesh.ndim()];
+    Ok(DTensor::from_local(
+        Tensor::from_vec(vec![step as i64], &[1])?,
+        mesh,
+        &r,
+        &[1],
+    )?)
+}
+
+/// The state tensor `name` of `tensors`, or an error naming the parameter.
+pub(crate) fn named<'a>(
+    op: &'static str,
+    param: &Param,
+    tensors: &'a [(&str, DTensor)],
+    name: &str,
+) -> Result<&'a DTensor> {
+    tensors
+        .iter()
+        .find(|(n, _)| *n == name)
+        .map(|(_, t)| t)
+        .ok_or_else(|| Error::Config {
+            op,
+            detail: format!("the state of {} has no {name}", param.name()),
+        })
+}
+
+/// Checks that `tensors` names only `known` states.
+pub(crate) fn only_known(op: &'static str, param: &Param, tensors: &[(&str, DTensor)], known: &[&str]) -> Result<()> {
+    match tensors.iter().find(|(n, _)| !known.contains(n)) {
+        Some((n, _)) => Err(Error::Config {
+            op,
+            detail: format!(
+                "the state of {} holds an unknown {n} (this optimizer keeps {known:?})",
+                param.name()
+            ),
+        }),
+        None => Ok(()),
+    }
+}
+
+/// A step count from its `i64` `[1]` tensor.
+pub(crate) fn step_of(op: &'static str, param: &Param, t: &DTensor) -> Result<u64> {
+    let v = t.to_local();
+    if t.dtype() != DType::I64 || t.shape() != [1] || v.numel() != 1 {
+        return Err(Error::Config {
+            op,
+            detail: format!(
+                "the step of {} must be one i64, got {:?} {}",
+                param.name(),
+                t.shape(),
+                t.dtype()
+            ),
+        });
+    }
+    let s = v.to_vec::<i64>()?[0];
+    u64::try_from(s).map_err(|_| Error::Config {
+        op,
+        detail: format!("the step of {} is {s}", param.name()),
+    })
 }
 
 /// The floating-point types optimizers compute in: `f32` (for `f32`, `bf16`, `f16`
@@ -300,6 +396,48 @@ pub(crate) struct StateVec {
 }
 
 impl StateVec {
+    /// The state over `param`'s local shard as a DTensor in `layout` (the
+    /// parameter's) with the state's dtype.
+    pub(crate) fn to_dtensor(&self, param: &Param, layout: &Layout) -> Result<DTensor> {
+        let value = param.value();
+        let layout = Layout {
+            dtype: self.data.dtype(),
+            ..layout.clone()
+        };
+        let local = Tensor::from_buffer(self.data.clone(), &layout.local_shape(value.mesh().coordinate())?)?;
+        Ok(DTensor::from_local_with_layout(local, value.mesh(), layout)?)
+    }
+
+    /// A state vector from a DTensor laid out as `param` is now (any float dtype).
+    ///
+    /// # Errors
+    /// Another layout than the parameter's, or a non-float dtype.
+    pub(crate) fn from_dtensor(op: &'static str, param: &Param, name: &str, t: &DTensor) -> Result<StateVec> {
+        let now = param.value();
+        if !same_placement(t.layout(), now.layout()) || !t.dtype().is_float() {
+            return Err(Error::Config {
+                op,
+                detail: format!(
+                    "the {name} state of {} is {} {}; the parameter is {} (load state in its layout, a float dtype)",
+                    param.name(),
+                    t.layout(),
+                    t.dtype(),
+                    now.layout()
+                ),
+            });
+        }
+        let data = t.to_local().to_buffer();
+        let bytes = data.len() * data.dtype().size_in_bytes();
+        Ok(StateVec {
+            data,
+            _charge: Allocation::charge(bytes),
+        })
+    }
+
+    pub(crate) fn dtype(&self) -> DType {
+        self.data.dtype()
+    }
+
     pub(crate) fn zeros(dtype: DType, len: usize) -> StateVec {
         StateVec {
             data: Buffer::zeros(dtype, len),

@@ -1,6 +1,6 @@
 //! [`Sgd`]: stochastic gradient descent with momentum.
 
-use tessera_dtensor::Layout;
+use tessera_dtensor::{DTensor, Layout};
 use tessera_mesh::DType;
 
 use super::{Optimizer, Ready, Real, StateVec, check_range, check_state_layout, check_unique, local_cow, with_local};
@@ -220,6 +220,43 @@ impl super::PerParam for Sgd {
 impl Optimizer for Sgd {
     fn step(&mut self) -> Result<()> {
         super::step_all(self)
+    }
+
+    fn state_names(&self) -> &'static [&'static str] {
+        &["momentum_buffer"]
+    }
+
+    fn state_tensors(&self) -> Result<Vec<(usize, &'static str, DTensor)>> {
+        let mut out = Vec::new();
+        for (i, (p, slot)) in self.params.iter().zip(&self.state).enumerate() {
+            if let Some(Slot {
+                layout, buf: Some(b), ..
+            }) = slot
+            {
+                out.push((i, "momentum_buffer", b.to_dtensor(p, layout)?));
+            }
+        }
+        Ok(out)
+    }
+
+    fn load_state_tensors(&mut self, index: usize, tensors: &[(&str, DTensor)]) -> Result<()> {
+        let p = self.params.get(index).ok_or_else(|| Error::Config {
+            op: OP,
+            detail: format!("no parameter {index} (the optimizer has {})", self.params.len()),
+        })?;
+        super::only_known(OP, p, tensors, self.state_names())?;
+        let b = super::StateVec::from_dtensor(
+            OP,
+            p,
+            "momentum_buffer",
+            super::named(OP, p, tensors, "momentum_buffer")?,
+        )?;
+        self.state[index] = Some(Slot {
+            layout: p.value().layout().clone(),
+            dtype: b.dtype(),
+            buf: Some(b),
+        });
+        Ok(())
     }
 
     fn params(&self) -> &[Param] {

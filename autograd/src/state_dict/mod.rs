@@ -28,6 +28,9 @@
 //! - [`load_state_dict`]: by name, any source layout, dtype conversion, every
 //!   mismatch listed; nothing changes on error.
 //! - [`save_state_dict_full`]: collective gathers, one writer, atomic.
+//! - [`save_checkpoint`] / [`load_checkpoint`]: sharded checkpoints of a model
+//!   and its optimizer (each rank writes and reads only its own chunks), loadable
+//!   onto any mesh and placements.
 //! - [`read_safetensors`], [`write_safetensors`]: whole files of local tensors.
 //! - [`write_atomic`]: any file, atomically; what the writers above use.
 //!
@@ -39,6 +42,7 @@
 
 mod atomic;
 mod read;
+mod sharded;
 
 use std::collections::BTreeSet;
 use std::path::Path;
@@ -54,6 +58,7 @@ use crate::{Error, Param, Result};
 use atomic::AtomicFile;
 pub use atomic::write_atomic;
 use read::{invalid, read_file};
+pub use sharded::{LoadReport, load_checkpoint, save_checkpoint};
 
 /// Reads every tensor of a safetensors file, in the file's order (by offset).
 ///
