@@ -25,19 +25,31 @@
 //! two dims. `--batch` stays rows per data-parallel rank: `--world-size 2 --tp 2
 //! --batch 8` trains every rank on the same 8 rows (pure TP, FSDP over one rank).
 //!
+//! `--checkpoint-dir DIR --checkpoint-every N` saves a sharded checkpoint of the
+//! model and AdamW every N steps (`DIR/step_000010/`, and `DIR/latest` naming the
+//! newest); `--resume DIR` (such a directory, or one checkpoint in it, saved on
+//! any mesh, TP or not) loads one and goes on: `--steps` counts the whole run,
+//! so a run resumed after step k trains steps k+1..N on the batches the
+//! uninterrupted run would use, and `--losses-out` lists those N−k losses.
+//! `--save-full PATH` writes the consolidated safetensors file at the end.
+//!
 //! Under `mpirun` the world size defaults to the number of processes, and only
 //! rank 0 prints and writes `--losses-out`.
 
 #[path = "common/mod.rs"]
 mod common;
 
+use std::collections::BTreeMap;
 use std::io::Write as _;
 use std::path::PathBuf;
 use std::time::Instant;
 
 use tessera::autograd::nn::Module;
 use tessera::autograd::optim::{AdamW, AdamWConfig, Optimizer};
-use tessera::autograd::{Var, backward, load_state_dict, read_safetensors};
+use tessera::autograd::state_dict::write_atomic;
+use tessera::autograd::{
+    Var, backward, load_checkpoint, load_state_dict, read_safetensors, save_checkpoint, save_state_dict_full,
+};
 use tessera::data::{DATA_SEED, batch};
 use tessera::dtensor::{Placement, Tensor, distribute_tensor, memory};
 use tessera::fsdp::{FsdpConfig, MixedPrecisionPolicy};
@@ -46,7 +58,8 @@ use tessera::{BoxError, CommunicatorExt, DType, DeviceMesh, is_lead_process, lau
 
 const USAGE: &str = "usage: train [--world-size N | --mesh RxS] [--tp T [--sequence-parallel]] [--steps N] [--batch ROWS_PER_RANK] [--dim N] \
 [--n-layers N] [--n-heads N] [--vocab N] [--seq N] [--lr F] [--mixed-precision bf16] [--no-reshard] [--init PATH] \
-[--tokens PATH] [--data-seed N] [--losses-out PATH]";
+[--tokens PATH] [--data-seed N] [--losses-out PATH] [--checkpoint-dir DIR --checkpoint-every N] [--resume DIR] \
+[--save-full PATH]";
 
 #[derive(Clone, Debug)]
 struct Args {
@@ -66,6 +79,10 @@ struct Args {
     tokens: Option<PathBuf>,
     data_seed: u64,
     losses_out: Option<PathBuf>,
+    checkpoint_dir: Option<PathBuf>,
+    checkpoint_every: usize,
+    resume: Option<PathBuf>,
+    save_full: Option<PathBuf>,
 }
 
 fn parse() -> Result<Args, String> {
@@ -85,6 +102,10 @@ fn parse() -> Result<Args, String> {
         tokens: None,
         data_seed: DATA_SEED,
         losses_out: None,
+        checkpoint_dir: None,
+        checkpoint_every: 0,
+        resume: None,
+        save_full: None,
     };
     let mut world_given = false;
     let mut it = std::env::args().skip(1);
@@ -136,6 +157,10 @@ fn parse() -> Result<Args, String> {
             "--tokens" => a.tokens = Some(value.into()),
             "--data-seed" => a.data_seed = value.parse().map_err(|_| format!("--data-seed: {value:?}"))?,
             "--losses-out" => a.losses_out = Some(value.into()),
+            "--checkpoint-dir" => a.checkpoint_dir = Some(value.into()),
+            "--checkpoint-every" => a.checkpoint_every = num(&value)?,
+            "--resume" => a.resume = Some(value.into()),
+            "--save-full" => a.save_full = Some(value.into()),
             other => return Err(format!("unknown flag {other}")),
         }
     }
@@ -160,6 +185,9 @@ fn parse() -> Result<Args, String> {
     }
     if a.world == 0 || a.batch == 0 || a.steps == 0 {
         return Err("--world-size (or the mesh), --batch and --steps must be at least 1".into());
+    }
+    if a.checkpoint_dir.is_some() != (a.checkpoint_every > 0) {
+        return Err("--checkpoint-dir and --checkpoint-every N (N ≥ 1) go together".into());
     }
     if a.sequence_parallel && a.tp == 0 {
         return Err("--sequence-parallel needs --tp T".into());
@@ -207,10 +235,33 @@ fn rows(args: &Args, file: Option<&Tensor>, step: usize) -> Result<Tensor, BoxEr
 }
 
 struct RankReport {
+    /// The step the run started from (0, or the resumed checkpoint's).
+    first_step: usize,
     losses: Vec<f64>,
     step_time_s: Vec<f64>,
     /// Every rank's peak tensor memory (gathered, so MPI's rank 0 knows them all).
     peak_bytes: Vec<usize>,
+    /// Per checkpoint saved: seconds, and bytes written by all ranks together.
+    saves: Vec<(f64, u64)>,
+    /// Bytes this rank read resuming.
+    resume_bytes: u64,
+}
+
+/// The checkpoint `--resume` names: a checkpoint directory, or a `--checkpoint-dir`
+/// whose `latest` file names the newest one.
+fn resume_dir(path: &std::path::Path) -> Result<PathBuf, BoxError> {
+    if path.join("index.json").exists() {
+        return Ok(path.to_path_buf());
+    }
+    let latest = path.join("latest");
+    let name = std::fs::read_to_string(&latest).map_err(|e| {
+        format!(
+            "--resume {}: neither a checkpoint (no index.json) nor a checkpoint directory ({}: {e})",
+            path.display(),
+            latest.display()
+        )
+    })?;
+    Ok(path.join(name.trim()))
 }
 
 fn main() {
@@ -329,15 +380,35 @@ fn run(args: &Args) -> Result<(), BoxError> {
                 eps: 1e-8,
                 weight_decay: 0.1,
             };
-            let mut opt = AdamW::new(params, adamw)?;
-            memory::reset_peak();
+            let mut opt = AdamW::new(params.clone(), adamw)?;
             let mut report = RankReport {
+                first_step: 0,
                 losses: Vec::new(),
                 step_time_s: Vec::new(),
                 peak_bytes: Vec::new(),
+                saves: Vec::new(),
+                resume_bytes: 0,
             };
+            if let Some(path) = &args.resume {
+                let dir = resume_dir(path)?;
+                let r = load_checkpoint(&dir, &params, Some(&mut opt))?;
+                report.first_step = r
+                    .metadata
+                    .get("step")
+                    .and_then(|s| s.parse().ok())
+                    .ok_or_else(|| format!("{}: no step in the checkpoint's metadata", dir.display()))?;
+                report.resume_bytes = r.bytes_read;
+                if report.first_step >= args.steps {
+                    return Err(format!(
+                        "--resume: the checkpoint is from step {}, --steps is {}: nothing left to train",
+                        report.first_step, args.steps
+                    )
+                    .into());
+                }
+            }
+            memory::reset_peak();
             let start = Instant::now();
-            for step in 0..args.steps {
+            for step in report.first_step..args.steps {
                 let t = Instant::now();
                 let x = distribute_tensor(&rows(&args, tokens.as_ref(), step)?, &mesh, &batch_placements)?;
                 let loss = model.loss(&Var::constant(x))?;
@@ -347,10 +418,27 @@ fn run(args: &Args) -> Result<(), BoxError> {
                 opt.zero_grad();
                 report.losses.push(value);
                 report.step_time_s.push(t.elapsed().as_secs_f64());
+                if let Some(dir) = &args.checkpoint_dir
+                    && (step + 1) % args.checkpoint_every == 0
+                {
+                    let t = Instant::now();
+                    let name = format!("step_{:06}", step + 1);
+                    let meta = BTreeMap::from([("step".to_string(), (step + 1).to_string())]);
+                    let saved = save_checkpoint(dir.join(&name), &params, Some(&opt), meta)?;
+                    let total: i64 = mesh.comm().all_gather_vec(&[saved.bytes_written as i64])?.iter().sum();
+                    if rank == 0 {
+                        write_atomic(&dir.join("latest"), name.as_bytes())?;
+                    }
+                    report.saves.push((t.elapsed().as_secs_f64(), total as u64));
+                }
                 if rank == 0 {
-                    let tok_s = (step + 1) as f64 * (g * cfg.seq) as f64 / start.elapsed().as_secs_f64();
+                    let done = step + 1 - report.first_step;
+                    let tok_s = done as f64 * (g * cfg.seq) as f64 / start.elapsed().as_secs_f64();
                     progress(step + 1, args.steps, value, tok_s);
                 }
+            }
+            if let Some(path) = &args.save_full {
+                save_state_dict_full(&params, path)?;
             }
             let peak = memory::stats().peak_bytes as i64;
             report.peak_bytes = mesh
@@ -368,7 +456,7 @@ fn run(args: &Args) -> Result<(), BoxError> {
     println!();
     let r0 = &reports[0];
     let total: f64 = r0.step_time_s.iter().sum();
-    let tokens_seen = (args.steps * g * cfg.seq) as f64;
+    let tokens_seen = ((args.steps - r0.first_step) * g * cfg.seq) as f64;
     let peak = r0.peak_bytes.iter().copied().max().unwrap_or(0);
     // One unsharded rank holds every parameter, its gradient and two AdamW
     // states in f32 before any activation.
@@ -383,6 +471,29 @@ fn run(args: &Args) -> Result<(), BoxError> {
         human(peak),
         human(unsharded)
     );
+    if let Some(path) = &args.resume {
+        println!(
+            "resumed from {} after step {}: {} read per rank (rank 0)",
+            path.display(),
+            r0.first_step,
+            human(r0.resume_bytes as usize)
+        );
+    }
+    if !r0.saves.is_empty() {
+        let n = r0.saves.len();
+        let secs: f64 = r0.saves.iter().map(|s| s.0).sum();
+        println!(
+            "checkpoints: {n} saved in {}, {:.3} s each on average, {} written per save by all ranks together",
+            args.checkpoint_dir
+                .as_ref()
+                .map_or(String::new(), |d| d.display().to_string()),
+            secs / n as f64,
+            human(r0.saves[n - 1].1 as usize)
+        );
+    }
+    if let Some(path) = &args.save_full {
+        println!("wrote the consolidated state dict {}", path.display());
+    }
     if let Some(path) = &args.losses_out {
         let json = serde_json::json!({
             "loss": r0.losses,
