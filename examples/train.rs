@@ -427,7 +427,7 @@ fn run(args: &Args) -> Result<(), BoxError> {
                     let saved = save_checkpoint(dir.join(&name), &params, Some(&opt), meta)?;
                     let total: i64 = mesh.comm().all_gather_vec(&[saved.bytes_written as i64])?.iter().sum();
                     if rank == 0 {
-                        write_atomic(&dir.join("latest"), name.as_bytes())?;
+                        write_atomic(dir.join("latest"), name.as_bytes())?;
                     }
                     report.saves.push((t.elapsed().as_secs_f64(), total as u64));
                 }
