@@ -117,10 +117,15 @@ pub fn write_safetensors(path: impl AsRef<Path>, tensors: &[(String, Tensor)]) -
 
 /// Loads a safetensors file into `params` by name: each parameter gets this rank's
 /// piece of the file's tensor in the parameter's current layout (placements, shard
-/// order, mesh), converted to the parameter's dtype. Not collective (every rank
-/// reads the file); the file may come from any mesh or from PyTorch.
+/// order, mesh), converted to the parameter's dtype; the file may come from any
+/// mesh or from PyTorch. Collective over the parameters' mesh: rank 0 reads and
+/// checks the file once, and every rank receives its pieces from it (one
+/// all-to-all per tensor, in which only rank 0 sends), so no other rank reads the
+/// file or holds a whole tensor it does not replicate. (Parameters on several
+/// meshes: every rank reads the file instead.)
 ///
-/// Everything is checked before any parameter changes, so on error nothing has.
+/// Everything is checked before any parameter changes, so on error nothing has;
+/// every rank gets the same error.
 ///
 /// PyTorch: `model.load_state_dict(safetensors.torch.load_file(path))` with
 /// `strict=True`, or `torch.distributed.checkpoint.state_dict.set_model_state_dict`
@@ -136,9 +141,90 @@ pub fn write_safetensors(path: impl AsRef<Path>, tensors: &[(String, Tensor)]) -
 pub fn load_state_dict(params: &[Param], path: impl AsRef<Path>) -> Result<()> {
     let path = path.as_ref();
     check_unique_names(params.iter().map(|p| p.name()))?;
-    let bytes = read_file(path)?;
-    let st = parse(path, &bytes)?;
+    let Some(mesh) = params.first().map(|p| p.value().mesh().clone()) else {
+        return load_on_every_rank(params, path);
+    };
+    if params.iter().any(|p| !p.value().mesh().same_as(&mesh)) {
+        return load_on_every_rank(params, path);
+    }
+    let comm = mesh.comm();
+    let lead = comm.rank() == 0;
+    // Rank 0 reads and checks the file; every rank learns the verdict.
+    let read = if lead {
+        read_file(path).and_then(|bytes| {
+            check_file(params, path, &parse(path, &bytes)?)?;
+            Ok(bytes)
+        })
+    } else {
+        Ok(Vec::new())
+    };
+    let verdict = share_verdict(comm, read.as_ref().err().map(ToString::to_string))?;
+    if let Some(msg) = verdict {
+        return Err(match read {
+            Err(e) => e,
+            Ok(_) => Error::StateDict(msg),
+        });
+    }
+    let bytes = read?;
+    let st = if lead { Some(parse(path, &bytes)?) } else { None };
+    let coords = tessera_dtensor::sharding::mesh_coords(mesh.shape());
+    let mut values = Vec::with_capacity(params.len());
+    for p in params {
+        let value = p.value();
+        let layout = value.layout();
+        let regions: Vec<(Vec<usize>, Vec<usize>)> = coords
+            .iter()
+            .map(|c| layout.local_region(c))
+            .collect::<tessera_dtensor::Result<_>>()?;
+        let counts: Vec<usize> = regions.iter().map(|(_, s)| s.iter().product()).collect();
+        let me = comm.rank();
+        let send = match &st {
+            Some(st) => {
+                let view = st.tensor(p.name()).map_err(|e| corrupt(path, e))?;
+                let full = decode(path, p.name(), &view)?.cast(value.dtype())?;
+                let mut pieces = Vec::with_capacity(regions.len());
+                for (offset, shape) in &regions {
+                    let mut t = full.clone();
+                    for (d, (&o, &n)) in offset.iter().zip(shape).enumerate() {
+                        t = t.narrow(d, o, n)?;
+                    }
+                    pieces.push(t.contiguous().reshape(&[counts[pieces.len()]])?);
+                }
+                Tensor::cat(&pieces, 0)?.to_buffer()
+            }
+            None => Buffer::zeros(value.dtype(), 0),
+        };
+        let send_counts: Vec<usize> = if lead { counts.clone() } else { vec![0; counts.len()] };
+        let mut recv_counts = vec![0; counts.len()];
+        recv_counts[0] = counts[me];
+        let mut recv = Buffer::zeros(value.dtype(), counts[me]);
+        comm.all_to_all_v(send.as_buf(), &send_counts, recv.as_buf_mut(), &recv_counts)?;
+        let local = Tensor::from_buffer(recv, &regions[me].1)?;
+        values.push(DTensor::from_local_with_layout(local, value.mesh(), layout.clone())?);
+    }
+    for (p, v) in params.iter().zip(values) {
+        p.set_value(v);
+    }
+    Ok(())
+}
 
+/// Every rank of `comm` learns whether rank 0 failed, and its message.
+fn share_verdict(comm: &dyn tessera_mesh::Communicator, failed: Option<String>) -> Result<Option<String>> {
+    let msg = failed.unwrap_or_default().into_bytes();
+    let mut head = [i64::from(comm.rank() == 0 && !msg.is_empty()), msg.len() as i64];
+    comm.broadcast_slice(&mut head, 0)?;
+    if head[0] == 0 {
+        return Ok(None);
+    }
+    let mut body = msg;
+    body.resize(head[1] as usize, 0);
+    comm.broadcast_slice(&mut body, 0)?;
+    Ok(Some(String::from_utf8_lossy(&body).into_owned()))
+}
+
+/// Checks a file against `params`: every name present once, nothing else, shapes
+/// equal and dtypes convertible.
+fn check_file(params: &[Param], path: &Path, st: &SafeTensors<'_>) -> Result<()> {
     let in_file: BTreeSet<&str> = st.names().into_iter().map(|s| s.as_str()).collect();
     let wanted: BTreeSet<&str> = params.iter().map(|p| p.name()).collect();
     let missing: Vec<&str> = params
@@ -167,7 +253,6 @@ pub fn load_state_dict(params: &[Param], path: impl AsRef<Path>) -> Result<()> {
     }
 
     let mut problems = Vec::new();
-    let mut views = Vec::with_capacity(params.len());
     for p in params {
         let view = st.tensor(p.name()).map_err(|e| corrupt(path, e))?;
         let value = p.value();
@@ -181,15 +266,25 @@ pub fn load_state_dict(params: &[Param], path: impl AsRef<Path>) -> Result<()> {
         } else if let Err(e) = convertible(view.dtype(), value.dtype()) {
             problems.push(format!("{}: {e}", p.name()));
         }
-        views.push((value, view));
     }
     if !problems.is_empty() {
         return Err(Error::StateDict(format!("{}: {}", path.display(), problems.join("; "))));
     }
+    Ok(())
+}
+
+/// [`load_state_dict`] for parameters on several meshes: every rank reads the file.
+fn load_on_every_rank(params: &[Param], path: &Path) -> Result<()> {
+    let bytes = read_file(path)?;
+    let st = parse(path, &bytes)?;
+
+    check_file(params, path, &st)?;
 
     let mut values = Vec::with_capacity(params.len());
-    for (p, (value, view)) in params.iter().zip(&views) {
-        let full = decode(path, p.name(), view)?.cast(value.dtype())?;
+    for p in params {
+        let value = p.value();
+        let view = st.tensor(p.name()).map_err(|e| corrupt(path, e))?;
+        let full = decode(path, p.name(), &view)?.cast(value.dtype())?;
         let d = distribute_tensor_with_order(&full, value.mesh(), value.placements(), value.layout().order.clone())?;
         // A shard is a view of the full tensor: copy it so the full one is freed.
         let local = if d.to_local().numel() < full.numel() {

@@ -144,9 +144,13 @@ fn round_trip_on_one_and_two_ranks() {
                 assert!(mesh.stats().total_calls() > before || world == 1);
                 // No barrier needed: the file is in place when save returns.
                 let loaded = zeros_like_sample(&mesh, &load_pl)?;
-                let before = mesh.stats().total_calls();
+                let before = mesh.stats();
                 load_state_dict(&loaded, &path)?;
-                assert_eq!(mesh.stats().total_calls(), before, "loading communicates");
+                // Rank 0 reads: one broadcast of its verdict, then one
+                // all-to-all per tensor hands every rank its piece.
+                let calls = mesh.stats() - before;
+                assert_eq!(calls.calls(tessera_mesh::OpKind::Broadcast), 1);
+                assert_eq!(calls.calls(tessera_mesh::OpKind::AllToAll), loaded.len() as u64);
                 for ((p, (name, t)), pl) in loaded.iter().zip(sample()).zip(load_pl) {
                     assert_eq!(p.name(), name);
                     assert_eq!(p.value().placements(), pl);
