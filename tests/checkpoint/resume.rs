@@ -187,3 +187,56 @@ fn resuming_without_optimizer_state_differs() {
     });
     assert!(max_abs_diff(&rest, &whole[3..]) > 1e-4);
 }
+
+/// Background saves while training goes on: one after step 3, another after
+/// step 5 (which first waits for the first). Each checkpoint holds the state of
+/// its step, not of the steps that ran while it was written: resuming from
+/// either continues bitwise as the uninterrupted run.
+#[test]
+fn async_saves_snapshot_their_step() {
+    use tessera::autograd::state_dict::AsyncCheckpointer;
+    let (a, b) = (scratch("async-a"), scratch("async-b"));
+    let (_ca, _cb) = (Cleanup(a.clone()), Cleanup(b.clone()));
+    let whole = run(leg(FSDP2, Opt::AdamW, 0, 6));
+    let (da, db) = (a.clone(), b.clone());
+    let toks = tokens();
+    let reports = launch(2, move |ctx| {
+        let mesh = DeviceMesh::with_names(ctx.into_comm(), &[2], &["dp"])?;
+        let model = tiny_model(&mesh)?;
+        model.fully_shard(&mesh, &FsdpConfig::default())?;
+        let params = model.parameters();
+        let mut opt = AdamW::new(params.clone(), adamw())?;
+        let mut ckpt = AsyncCheckpointer::new();
+        let mut waited = Vec::new();
+        for step in 0..6 {
+            let rows = toks.narrow(0, step, 1)?.narrow(1, 0, 8)?.reshape(&[8, 33])?;
+            let loss = model.loss(&Var::constant(distribute_tensor(&rows, &mesh, &[Placement::Shard(0)])?))?;
+            backward(&loss)?;
+            opt.step()?;
+            opt.zero_grad();
+            let meta = |s: usize| BTreeMap::from([("step".to_string(), s.to_string())]);
+            if step + 1 == 3 {
+                waited.push(ckpt.save(&da, &params, Some(&opt), meta(3))?.is_some());
+                assert!(ckpt.is_saving());
+            }
+            if step + 1 == 5 {
+                waited.push(ckpt.save(&db, &params, Some(&opt), meta(5))?.is_some());
+            }
+        }
+        waited.push(ckpt.wait()?.is_some());
+        Ok(waited)
+    })
+    .unwrap();
+    // The second save waited for the first; the final wait finished the second.
+    assert_eq!(reports[0], [false, true, true]);
+    let from_a = run(Leg {
+        load: Some(a.clone()),
+        ..leg(FSDP2, Opt::AdamW, 3, 6)
+    });
+    assert_eq!(from_a, whole[3..]);
+    let from_b = run(Leg {
+        load: Some(b.clone()),
+        ..leg(FSDP2, Opt::AdamW, 5, 6)
+    });
+    assert_eq!(from_b, whole[5..]);
+}

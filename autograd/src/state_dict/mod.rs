@@ -58,7 +58,7 @@ use crate::{Error, Param, Result};
 use atomic::AtomicFile;
 pub use atomic::write_atomic;
 use read::{invalid, read_file};
-pub use sharded::{LoadReport, load_checkpoint, save_checkpoint};
+pub use sharded::{AsyncCheckpointer, LoadReport, load_checkpoint, save_checkpoint, save_checkpoint_async};
 
 /// Reads every tensor of a safetensors file, in the file's order (by offset).
 ///

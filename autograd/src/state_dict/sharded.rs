@@ -5,7 +5,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 
-use tessera_dtensor::checkpoint::{Checkpoint, SaveReport, save};
+use tessera_dtensor::checkpoint::{AsyncSave, Checkpoint, SaveReport, async_save, save};
 use tessera_dtensor::{DTensor, Layout, Placement};
 
 use crate::optim::Optimizer;
@@ -35,6 +35,13 @@ pub fn save_checkpoint(
     optimizer: Option<&dyn Optimizer>,
     metadata: BTreeMap<String, String>,
 ) -> Result<SaveReport> {
+    let tensors = state_of(params, optimizer)?;
+    let refs: Vec<(&str, &DTensor)> = tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
+    Ok(save(dir, &refs, metadata)?)
+}
+
+/// The tensors of a model and optimizer checkpoint, by key.
+fn state_of(params: &[Param], optimizer: Option<&dyn Optimizer>) -> Result<Vec<(String, DTensor)>> {
     let mut tensors: Vec<(String, DTensor)> = params.iter().map(|p| (p.name().to_string(), p.value())).collect();
     if let Some(opt) = optimizer {
         let names = opt.params();
@@ -42,8 +49,75 @@ pub fn save_checkpoint(
             tensors.push((state_key(names[i].name(), state), t));
         }
     }
+    Ok(tensors)
+}
+
+/// [`save_checkpoint`] in the background ([`async_save`]): the state is staged
+/// now, at a step boundary, and written while training goes on; the returned
+/// handle's `wait` completes it (collectively).
+///
+/// PyTorch: `torch.distributed.checkpoint.async_save`.
+///
+/// # Errors
+/// As [`save_checkpoint`], for what can be checked before writing.
+pub fn save_checkpoint_async(
+    dir: impl AsRef<Path>,
+    params: &[Param],
+    optimizer: Option<&dyn Optimizer>,
+    metadata: BTreeMap<String, String>,
+) -> Result<AsyncSave> {
+    let tensors = state_of(params, optimizer)?;
     let refs: Vec<(&str, &DTensor)> = tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
-    Ok(save(dir, &refs, metadata)?)
+    Ok(async_save(dir, &refs, metadata)?)
+}
+
+/// Background checkpoints, one at a time: a save first waits for the one in
+/// flight. Lives on its rank's thread.
+#[derive(Debug, Default)]
+pub struct AsyncCheckpointer {
+    pending: Option<AsyncSave>,
+}
+
+impl AsyncCheckpointer {
+    /// A checkpointer with nothing in flight.
+    pub fn new() -> AsyncCheckpointer {
+        AsyncCheckpointer::default()
+    }
+
+    /// Waits for the save in flight, if any, then starts saving `params` and
+    /// `optimizer` to `dir` in the background. Collective. Returns the report
+    /// of the save it waited for.
+    ///
+    /// # Errors
+    /// The previous save's error, or this one's as [`save_checkpoint_async`].
+    pub fn save(
+        &mut self,
+        dir: impl AsRef<Path>,
+        params: &[Param],
+        optimizer: Option<&dyn Optimizer>,
+        metadata: BTreeMap<String, String>,
+    ) -> Result<Option<SaveReport>> {
+        let previous = self.wait()?;
+        self.pending = Some(save_checkpoint_async(dir, params, optimizer, metadata)?);
+        Ok(previous)
+    }
+
+    /// Waits for the save in flight and completes it. Collective when one is in
+    /// flight.
+    ///
+    /// # Errors
+    /// As [`save_checkpoint`].
+    pub fn wait(&mut self) -> Result<Option<SaveReport>> {
+        match self.pending.take() {
+            Some(s) => Ok(Some(s.wait()?)),
+            None => Ok(None),
+        }
+    }
+
+    /// Whether a save is in flight.
+    pub fn is_saving(&self) -> bool {
+        self.pending.is_some()
+    }
 }
 
 /// What [`load_checkpoint`] read.
