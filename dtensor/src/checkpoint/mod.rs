@@ -158,7 +158,7 @@ pub fn async_save(
 /// writer but leaves the checkpoint unfinished (the previous one stays).
 pub struct AsyncSave {
     staged: Option<Staged>,
-    writer: Option<std::thread::JoinHandle<Result<(Vec<Listed>, SaveReport)>>>,
+    writer: Option<std::thread::JoinHandle<Result<Written>>>,
 }
 
 impl std::fmt::Debug for AsyncSave {
@@ -268,7 +268,7 @@ impl Staged {
 
     /// Shares every rank's chunk list; rank 0 writes the index and installs the
     /// directory. Collective.
-    fn finish(self, written: Result<(Vec<Listed>, SaveReport)>) -> Result<SaveReport> {
+    fn finish(self, written: Result<Written>) -> Result<SaveReport> {
         let Staged {
             dir,
             tmp,
@@ -308,7 +308,7 @@ impl Staged {
 
 impl Chunks {
     /// Writes the chunks to one file in `tmp` (none when there are none).
-    fn write(&self, tmp: &Path) -> Result<(Vec<Listed>, SaveReport)> {
+    fn write(&self, tmp: &Path) -> Result<Written> {
         if self.list.is_empty() {
             return Ok((Vec::new(), SaveReport::default()));
         }
@@ -372,6 +372,9 @@ fn check_tensors(dir: &Path, tensors: &[(&str, &DTensor)], mesh: &DeviceMesh) ->
 
 /// A chunk as a rank reports it to rank 0: the tensor's name and the chunk.
 type Listed = (String, Chunk);
+
+/// What a rank's writer produced: its chunks and its report.
+type Written = (Vec<Listed>, SaveReport);
 
 fn join(v: &[usize]) -> String {
     v.iter().map(usize::to_string).collect::<Vec<_>>().join(",")
