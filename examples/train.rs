@@ -31,7 +31,9 @@
 //! any mesh, TP or not) loads one and goes on: `--steps` counts the whole run,
 //! so a run resumed after step k trains steps k+1..N on the batches the
 //! uninterrupted run would use, and `--losses-out` lists those N−k losses.
-//! `--save-full PATH` writes the consolidated safetensors file at the end.
+//! `--async-save` writes them in the background while training goes on (one at
+//! a time; `latest` moves once a checkpoint is complete). `--save-full PATH`
+//! writes the consolidated safetensors file at the end.
 //!
 //! Under `mpirun` the world size defaults to the number of processes, and only
 //! rank 0 prints and writes `--losses-out`.
@@ -46,11 +48,12 @@ use std::time::Instant;
 
 use tessera::autograd::nn::Module;
 use tessera::autograd::optim::{AdamW, AdamWConfig, Optimizer};
-use tessera::autograd::state_dict::write_atomic;
+use tessera::autograd::state_dict::{AsyncCheckpointer, write_atomic};
 use tessera::autograd::{
     Var, backward, load_checkpoint, load_state_dict, read_safetensors, save_checkpoint, save_state_dict_full,
 };
 use tessera::data::{DATA_SEED, batch};
+use tessera::dtensor::checkpoint::SaveReport;
 use tessera::dtensor::{Placement, Tensor, distribute_tensor, memory};
 use tessera::fsdp::{FsdpConfig, MixedPrecisionPolicy};
 use tessera::models::{Transformer, TransformerConfig};
@@ -58,7 +61,7 @@ use tessera::{BoxError, CommunicatorExt, DType, DeviceMesh, is_lead_process, lau
 
 const USAGE: &str = "usage: train [--world-size N | --mesh RxS] [--tp T [--sequence-parallel]] [--steps N] [--batch ROWS_PER_RANK] [--dim N] \
 [--n-layers N] [--n-heads N] [--vocab N] [--seq N] [--lr F] [--mixed-precision bf16] [--no-reshard] [--init PATH] \
-[--tokens PATH] [--data-seed N] [--losses-out PATH] [--checkpoint-dir DIR --checkpoint-every N] [--resume DIR] \
+[--tokens PATH] [--data-seed N] [--losses-out PATH] [--checkpoint-dir DIR --checkpoint-every N [--async-save]] [--resume DIR] \
 [--save-full PATH]";
 
 #[derive(Clone, Debug)]
@@ -81,6 +84,7 @@ struct Args {
     losses_out: Option<PathBuf>,
     checkpoint_dir: Option<PathBuf>,
     checkpoint_every: usize,
+    async_save: bool,
     resume: Option<PathBuf>,
     save_full: Option<PathBuf>,
 }
@@ -104,6 +108,7 @@ fn parse() -> Result<Args, String> {
         losses_out: None,
         checkpoint_dir: None,
         checkpoint_every: 0,
+        async_save: false,
         resume: None,
         save_full: None,
     };
@@ -120,6 +125,10 @@ fn parse() -> Result<Args, String> {
         }
         if flag == "--sequence-parallel" {
             a.sequence_parallel = true;
+            continue;
+        }
+        if flag == "--async-save" {
+            a.async_save = true;
             continue;
         }
         let value = it.next().ok_or_else(|| format!("{flag} needs a value"))?;
@@ -186,6 +195,9 @@ fn parse() -> Result<Args, String> {
     if a.world == 0 || a.batch == 0 || a.steps == 0 {
         return Err("--world-size (or the mesh), --batch and --steps must be at least 1".into());
     }
+    if a.async_save && a.checkpoint_dir.is_none() {
+        return Err("--async-save needs --checkpoint-dir and --checkpoint-every".into());
+    }
     if a.checkpoint_dir.is_some() != (a.checkpoint_every > 0) {
         return Err("--checkpoint-dir and --checkpoint-every N (N ≥ 1) go together".into());
     }
@@ -241,10 +253,31 @@ struct RankReport {
     step_time_s: Vec<f64>,
     /// Every rank's peak tensor memory (gathered, so MPI's rank 0 knows them all).
     peak_bytes: Vec<usize>,
-    /// Per checkpoint saved: seconds, and bytes written by all ranks together.
-    saves: Vec<(f64, u64)>,
-    /// Bytes this rank read resuming.
+    /// Per checkpoint: the seconds training waited for it (the whole save, or
+    /// for a background one its staging and the end of the one before).
+    save_s: Vec<f64>,
+    /// Per completed checkpoint: bytes all ranks wrote together.
+    saved_bytes: Vec<u64>,
+    /// Bytes this rank read resuming, and the seconds it took.
     resume_bytes: u64,
+    resume_s: f64,
+}
+
+/// Records a completed checkpoint `name` in `dir`: `latest` names it (rank 0
+/// writes) and the report gets the bytes all ranks wrote. Collective.
+fn finish_save(
+    mesh: &DeviceMesh,
+    dir: &std::path::Path,
+    name: &str,
+    saved: &SaveReport,
+    report: &mut RankReport,
+) -> Result<(), BoxError> {
+    let total: i64 = mesh.comm().all_gather_vec(&[saved.bytes_written as i64])?.iter().sum();
+    if mesh.comm().rank() == 0 {
+        write_atomic(dir.join("latest"), name.as_bytes())?;
+    }
+    report.saved_bytes.push(total as u64);
+    Ok(())
 }
 
 /// The checkpoint `--resume` names: a checkpoint directory, or a `--checkpoint-dir`
@@ -386,12 +419,16 @@ fn run(args: &Args) -> Result<(), BoxError> {
                 losses: Vec::new(),
                 step_time_s: Vec::new(),
                 peak_bytes: Vec::new(),
-                saves: Vec::new(),
+                save_s: Vec::new(),
+                saved_bytes: Vec::new(),
                 resume_bytes: 0,
+                resume_s: 0.0,
             };
             if let Some(path) = &args.resume {
+                let t = Instant::now();
                 let dir = resume_dir(path)?;
                 let r = load_checkpoint(&dir, &params, Some(&mut opt))?;
+                report.resume_s = t.elapsed().as_secs_f64();
                 report.first_step = r
                     .metadata
                     .get("step")
@@ -406,6 +443,9 @@ fn run(args: &Args) -> Result<(), BoxError> {
                     .into());
                 }
             }
+            let mut background = AsyncCheckpointer::new();
+            // The background save in flight: its checkpoint's name.
+            let mut pending: Option<String> = None;
             memory::reset_peak();
             let start = Instant::now();
             for step in report.first_step..args.steps {
@@ -424,18 +464,26 @@ fn run(args: &Args) -> Result<(), BoxError> {
                     let t = Instant::now();
                     let name = format!("step_{:06}", step + 1);
                     let meta = BTreeMap::from([("step".to_string(), (step + 1).to_string())]);
-                    let saved = save_checkpoint(dir.join(&name), &params, Some(&opt), meta)?;
-                    let total: i64 = mesh.comm().all_gather_vec(&[saved.bytes_written as i64])?.iter().sum();
-                    if rank == 0 {
-                        write_atomic(dir.join("latest"), name.as_bytes())?;
+                    // A completed checkpoint: this one, or (in the background) the one before.
+                    let done = if args.async_save {
+                        let previous = background.save(dir.join(&name), &params, Some(&opt), meta)?;
+                        previous.zip(pending.replace(name))
+                    } else {
+                        Some((save_checkpoint(dir.join(&name), &params, Some(&opt), meta)?, name))
+                    };
+                    report.save_s.push(t.elapsed().as_secs_f64());
+                    if let Some((saved, finished)) = done {
+                        finish_save(&mesh, dir, &finished, &saved, &mut report)?;
                     }
-                    report.saves.push((t.elapsed().as_secs_f64(), total as u64));
                 }
                 if rank == 0 {
                     let done = step + 1 - report.first_step;
                     let tok_s = done as f64 * (g * cfg.seq) as f64 / start.elapsed().as_secs_f64();
                     progress(step + 1, args.steps, value, tok_s);
                 }
+            }
+            if let (Some(dir), Some(saved), Some(name)) = (&args.checkpoint_dir, background.wait()?, pending.take()) {
+                finish_save(&mesh, dir, &name, &saved, &mut report)?;
             }
             if let Some(path) = &args.save_full {
                 save_state_dict_full(&params, path)?;
@@ -473,22 +521,25 @@ fn run(args: &Args) -> Result<(), BoxError> {
     );
     if let Some(path) = &args.resume {
         println!(
-            "resumed from {} after step {}: {} read per rank (rank 0)",
+            "resumed from {} after step {} in {:.3} s: {} read by rank 0",
             path.display(),
             r0.first_step,
+            r0.resume_s,
             human(r0.resume_bytes as usize)
         );
     }
-    if !r0.saves.is_empty() {
-        let n = r0.saves.len();
-        let secs: f64 = r0.saves.iter().map(|s| s.0).sum();
+    if let Some(bytes) = r0.saved_bytes.last() {
+        let n = r0.save_s.len();
+        let secs: f64 = r0.save_s.iter().sum();
         println!(
-            "checkpoints: {n} saved in {}, {:.3} s each on average, {} written per save by all ranks together",
+            "checkpoints: {n} saved in {}{}, training waited {:.3} s per save on average; {} written per save by \
+             all ranks together",
             args.checkpoint_dir
                 .as_ref()
                 .map_or(String::new(), |d| d.display().to_string()),
+            if args.async_save { " in the background" } else { "" },
             secs / n as f64,
-            human(r0.saves[n - 1].1 as usize)
+            human(*bytes as usize)
         );
     }
     if let Some(path) = &args.save_full {
