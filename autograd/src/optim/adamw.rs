@@ -307,10 +307,7 @@ impl Optimizer for AdamW {
     }
 
     fn load_state_tensors(&mut self, index: usize, tensors: &[(&str, DTensor)]) -> Result<()> {
-        let p = self.params.get(index).ok_or_else(|| Error::Config {
-            op: OP,
-            detail: format!("no parameter {index} (the optimizer has {})", self.params.len()),
-        })?;
+        let p = super::param_at(OP, &self.params, index)?;
         super::only_known(OP, p, tensors, self.state_names())?;
         let exp_avg = super::StateVec::from_dtensor(OP, p, "exp_avg", super::named(OP, p, tensors, "exp_avg")?)?;
         let exp_avg_sq =

@@ -134,6 +134,14 @@ pub(crate) fn step_tensor(mesh: &tessera_mesh::DeviceMesh, step: u64) -> Result<
     )?)
 }
 
+/// Parameter `index` of `params`, or an error naming the count.
+pub(crate) fn param_at(op: &'static str, params: &[Param], index: usize) -> Result<&Param> {
+    params.get(index).ok_or_else(|| Error::Config {
+        op,
+        detail: format!("no parameter {index} (the optimizer has {})", params.len()),
+    })
+}
+
 /// The state tensor `name` of `tensors`, or an error naming the parameter.
 pub(crate) fn named<'a>(
     op: &'static str,

@@ -240,10 +240,7 @@ impl Optimizer for Sgd {
     }
 
     fn load_state_tensors(&mut self, index: usize, tensors: &[(&str, DTensor)]) -> Result<()> {
-        let p = self.params.get(index).ok_or_else(|| Error::Config {
-            op: OP,
-            detail: format!("no parameter {index} (the optimizer has {})", self.params.len()),
-        })?;
+        let p = super::param_at(OP, &self.params, index)?;
         super::only_known(OP, p, tensors, self.state_names())?;
         let b = super::StateVec::from_dtensor(
             OP,

@@ -1,0 +1,362 @@
+//! Writing a checkpoint: each rank's chunks to its own file, then the index and
+//! the rename, collectively; in the foreground or on a background thread.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use tessera_mesh::{Communicator, CommunicatorExt, DType, DeviceMesh};
+
+use super::index::{self, Chunk, Index, TensorEntry};
+use super::{INDEX_FILE, SaveReport, ckpt_error, files};
+use crate::spec::PlacementsDisplay;
+use crate::{DTensor, Result, Tensor};
+
+/// Every rank's `mine` made known to all, or, when any rank failed, the same
+/// error on every rank naming the first failed rank. Collective.
+fn agree(comm: &dyn Communicator, path: &Path, mine: Result<Vec<u8>>) -> Result<Vec<Vec<u8>>> {
+    let (ok, bytes) = match &mine {
+        Ok(b) => (1i64, b.clone()),
+        Err(e) => (0, e.to_string().into_bytes()),
+    };
+    let heads = comm.all_gather_vec(&[ok, bytes.len() as i64])?;
+    let longest = heads.chunks(2).map(|h| h[1] as usize).max().unwrap_or(0);
+    let mut padded = bytes;
+    padded.resize(longest, 0);
+    let all = comm.all_gather_vec(&padded)?;
+    let mut out = Vec::with_capacity(comm.size());
+    for (r, h) in heads.chunks(2).enumerate() {
+        let body = all[r * longest..r * longest + h[1] as usize].to_vec();
+        if h[0] == 0 {
+            if let Err(e) = mine {
+                return Err(e);
+            }
+            return Err(ckpt_error(
+                path,
+                format!("rank {r} failed: {}", String::from_utf8_lossy(&body)),
+            ));
+        }
+        out.push(body);
+    }
+    Ok(out)
+}
+
+/// Saves `tensors` (name, DTensor; all on one mesh, none `Partial`) as a
+/// sharded checkpoint directory `dir`, replacing a checkpoint already there.
+/// Each rank writes the chunks it holds; of replicas (ranks that differ only
+/// along `Replicate` mesh dims) the one at coordinate 0 writes. Collective over
+/// the tensors' mesh.
+///
+/// # Errors
+/// Every rank gets the same error when any rank fails: no tensors, two tensors
+/// of one name, tensors on different meshes, a `Partial` tensor (reduce it
+/// first), a file that cannot be written (naming it). The previous checkpoint
+/// at `dir` is then left as it was.
+pub fn save(
+    dir: impl AsRef<Path>,
+    tensors: &[(&str, &DTensor)],
+    metadata: BTreeMap<String, String>,
+) -> Result<SaveReport> {
+    let staged = Staged::new(dir.as_ref(), tensors, metadata)?;
+    let written = staged.chunks.write(&staged.tmp);
+    staged.finish(written)
+}
+
+/// [`save`] in the background: stages the tensors now (their local pieces, by
+/// reference: tensors are immutable, so later optimizer steps, which make new
+/// ones, do not change what is saved; the staged pieces stay alive until
+/// written), writes this rank's file on a background thread while training goes
+/// on, and [`AsyncSave::wait`] completes the checkpoint (the index and the
+/// rename, collectively). Collective over the tensors' mesh, as is `wait`.
+///
+/// PyTorch: `torch.distributed.checkpoint.async_save`.
+///
+/// # Errors
+/// As [`save`], for what can be checked before writing; the rest from `wait`.
+pub fn async_save(
+    dir: impl AsRef<Path>,
+    tensors: &[(&str, &DTensor)],
+    metadata: BTreeMap<String, String>,
+) -> Result<AsyncSave> {
+    let staged = Staged::new(dir.as_ref(), tensors, metadata)?;
+    let chunks = staged.chunks.clone();
+    let tmp = staged.tmp.clone();
+    let writer = std::thread::Builder::new()
+        .name("tessera-checkpoint".into())
+        .spawn(move || chunks.write(&tmp))
+        .map_err(|e| files::io_error(&staged.dir, "cannot start the writer thread", e))?;
+    Ok(AsyncSave {
+        staged: Some(staged),
+        writer: Some(writer),
+    })
+}
+
+/// A checkpoint being written in the background ([`async_save`]). Lives on its
+/// rank's thread; dropping it without [`wait`](Self::wait) waits for the
+/// writer but leaves the checkpoint unfinished (the previous one stays).
+pub struct AsyncSave {
+    staged: Option<Staged>,
+    writer: Option<std::thread::JoinHandle<Result<Written>>>,
+}
+
+impl std::fmt::Debug for AsyncSave {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.staged {
+            Some(s) => write!(f, "AsyncSave({})", s.dir.display()),
+            None => f.write_str("AsyncSave(done)"),
+        }
+    }
+}
+
+impl AsyncSave {
+    /// Whether this rank's file is written (so `wait` will not block on it).
+    pub fn is_written(&self) -> bool {
+        self.writer.as_ref().is_none_or(std::thread::JoinHandle::is_finished)
+    }
+
+    /// Waits for this rank's file, then completes the checkpoint with the other
+    /// ranks. Collective.
+    ///
+    /// # Errors
+    /// As [`save`]: every rank gets the same error.
+    pub fn wait(mut self) -> Result<SaveReport> {
+        let staged = self.staged.take().expect("an AsyncSave is waited for once");
+        let written = match self.writer.take().map(std::thread::JoinHandle::join) {
+            Some(Ok(r)) => r,
+            Some(Err(_)) => Err(ckpt_error(&staged.dir, "the writer thread panicked".into())),
+            None => Err(ckpt_error(&staged.dir, "no writer thread".into())),
+        };
+        staged.finish(written)
+    }
+}
+
+impl Drop for AsyncSave {
+    fn drop(&mut self) {
+        if let Some(w) = self.writer.take() {
+            let _ = w.join();
+        }
+    }
+}
+
+/// A save between its collective start and its collective end.
+struct Staged {
+    dir: PathBuf,
+    tmp: PathBuf,
+    mesh: DeviceMesh,
+    /// Every tensor's name, global shape and dtype (for the index).
+    tensors: Vec<(String, Vec<usize>, DType)>,
+    chunks: Chunks,
+    metadata: BTreeMap<String, String>,
+}
+
+/// This rank's chunks (those it is the first replica of): name, offsets, local
+/// piece. Plain data, so a background thread can write them.
+#[derive(Clone)]
+struct Chunks {
+    file: String,
+    list: Vec<(String, Vec<usize>, Tensor)>,
+}
+
+impl Staged {
+    /// Checks the tensors, makes the temporary directory, picks this rank's chunks.
+    fn new(dir: &Path, tensors: &[(&str, &DTensor)], metadata: BTreeMap<String, String>) -> Result<Staged> {
+        let Some((_, first)) = tensors.first() else {
+            return Err(ckpt_error(dir, "nothing to save: no tensors given".into()));
+        };
+        let mesh = first.mesh().clone();
+        let comm = mesh.comm();
+        let tmp = files::temp_dir_for(dir)?;
+        let checked = check_tensors(dir, tensors, &mesh);
+        let made = checked.and_then(|()| {
+            if comm.rank() == 0 {
+                files::fresh_dir(&tmp)
+            } else {
+                Ok(())
+            }
+        });
+        agree(comm, dir, made.map(|()| Vec::new()))?;
+        let coord = mesh.coordinate();
+        let mut list = Vec::new();
+        for (name, x) in tensors {
+            let writer = x
+                .placements()
+                .iter()
+                .zip(coord)
+                .all(|(p, &c)| !p.is_replicate() || c == 0);
+            let (offsets, _) = x.layout().local_region(coord)?;
+            if writer && x.to_local().numel() > 0 {
+                list.push((name.to_string(), offsets, x.to_local().clone()));
+            }
+        }
+        Ok(Staged {
+            dir: dir.to_path_buf(),
+            tmp,
+            tensors: tensors
+                .iter()
+                .map(|(n, x)| (n.to_string(), x.shape().to_vec(), x.dtype()))
+                .collect(),
+            chunks: Chunks {
+                file: format!("rank{:05}.safetensors", mesh.rank()),
+                list,
+            },
+            mesh,
+            metadata,
+        })
+    }
+
+    /// Shares every rank's chunk list; rank 0 writes the index and installs the
+    /// directory. Collective.
+    fn finish(self, written: Result<Written>) -> Result<SaveReport> {
+        let Staged {
+            dir,
+            tmp,
+            mesh,
+            tensors,
+            metadata,
+            ..
+        } = self;
+        let comm = mesh.comm();
+        let lead = comm.rank() == 0;
+        let (listed, report) = match written {
+            Ok((l, r)) => (serde_json::to_vec(&l).map_err(|e| ckpt_error(&dir, e.to_string())), r),
+            Err(e) => (Err(e), SaveReport::default()),
+        };
+        let all = match agree(comm, &dir, listed) {
+            Ok(all) => all,
+            Err(e) => {
+                if lead {
+                    let _ = std::fs::remove_dir_all(&tmp);
+                }
+                return Err(e);
+            }
+        };
+        let installed = if lead {
+            let r = write_index(&tmp, &dir, &tensors, &all, metadata);
+            if r.is_err() {
+                let _ = std::fs::remove_dir_all(&tmp);
+            }
+            r
+        } else {
+            Ok(())
+        };
+        agree(comm, &dir, installed.map(|()| Vec::new()))?;
+        Ok(report)
+    }
+}
+
+impl Chunks {
+    /// Writes the chunks to one file in `tmp` (none when there are none).
+    fn write(&self, tmp: &Path) -> Result<Written> {
+        if self.list.is_empty() {
+            return Ok((Vec::new(), SaveReport::default()));
+        }
+        let keyed: Vec<(String, &Tensor)> = self
+            .list
+            .iter()
+            .map(|(n, o, t)| (format!("{n}@{}", join(o)), t))
+            .collect();
+        let ranges = files::write_safetensors(&tmp.join(&self.file), &keyed)?;
+        let report = SaveReport {
+            chunks: self.list.len(),
+            bytes_written: ranges.iter().map(|w| w.end - w.begin).sum(),
+        };
+        let listed = self
+            .list
+            .iter()
+            .zip(ranges)
+            .map(|((n, offsets, t), w)| {
+                let chunk = Chunk {
+                    offsets: offsets.clone(),
+                    shape: t.shape().to_vec(),
+                    file: self.file.clone(),
+                    key: w.key,
+                    begin: w.begin,
+                    end: w.end,
+                    checksum: w.checksum,
+                };
+                (n.clone(), chunk)
+            })
+            .collect();
+        Ok((listed, report))
+    }
+}
+
+fn check_tensors(dir: &Path, tensors: &[(&str, &DTensor)], mesh: &DeviceMesh) -> Result<()> {
+    for (i, (name, x)) in tensors.iter().enumerate() {
+        if tensors[..i].iter().any(|(n, _)| n == name) {
+            return Err(ckpt_error(dir, format!("two tensors are named {name:?}")));
+        }
+        if !x.mesh().same_as(mesh) {
+            return Err(ckpt_error(
+                dir,
+                format!(
+                    "tensor {name} lives on mesh {}, the first on {mesh}; save one mesh's tensors together",
+                    x.mesh()
+                ),
+            ));
+        }
+        if x.placements().iter().any(|p| p.is_partial()) {
+            return Err(ckpt_error(
+                dir,
+                format!(
+                    "tensor {name} is placed {}; a checkpoint holds values: reduce the Partial dims first",
+                    PlacementsDisplay(x.placements())
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// A chunk as a rank reports it to rank 0: the tensor's name and the chunk.
+type Listed = (String, Chunk);
+
+/// What a rank's writer produced: its chunks and its report.
+type Written = (Vec<Listed>, SaveReport);
+
+fn join(v: &[usize]) -> String {
+    v.iter().map(usize::to_string).collect::<Vec<_>>().join(",")
+}
+
+/// Builds, checks and writes the index from every rank's chunk list, then
+/// installs `tmp` as `dir`.
+fn write_index(
+    tmp: &Path,
+    dir: &Path,
+    tensors: &[(String, Vec<usize>, DType)],
+    lists: &[Vec<u8>],
+    metadata: BTreeMap<String, String>,
+) -> Result<()> {
+    let mut entries: BTreeMap<String, TensorEntry> = tensors
+        .iter()
+        .map(|(n, shape, dtype)| {
+            (
+                n.clone(),
+                TensorEntry {
+                    shape: shape.clone(),
+                    dtype: index::dtype_name(*dtype).to_string(),
+                    chunks: Vec::new(),
+                },
+            )
+        })
+        .collect();
+    for list in lists {
+        let chunks: Vec<Listed> = serde_json::from_slice(list).map_err(|e| ckpt_error(dir, e.to_string()))?;
+        for (name, chunk) in chunks {
+            let t = entries
+                .get_mut(&name)
+                .ok_or_else(|| ckpt_error(dir, format!("a rank wrote unknown tensor {name}")))?;
+            t.chunks.push(chunk);
+        }
+    }
+    let index = Index {
+        format: index::FORMAT.into(),
+        version: index::VERSION,
+        tensors: entries,
+        metadata,
+    };
+    index.validate(&dir.join(INDEX_FILE).display().to_string())?;
+    let text = serde_json::to_vec_pretty(&index).map_err(|e| ckpt_error(dir, e.to_string()))?;
+    files::write_synced(&tmp.join(INDEX_FILE), &text)?;
+    files::sync_dir(tmp)?;
+    files::install(tmp, dir)
+}
