@@ -135,7 +135,7 @@ pub(crate) fn step_tensor(mesh: &tessera_mesh::DeviceMesh, step: u64) -> Result<
 }
 
 /// Parameter `index` of `params`, or an error naming the count.
-pub(crate) fn param_at(op: &'static str, params: &[Param], index: usize) -> Result<&Param> {
+pub(crate) fn param_at<'a>(op: &'static str, params: &'a [Param], index: usize) -> Result<&'a Param> {
     params.get(index).ok_or_else(|| Error::Config {
         op,
         detail: format!("no parameter {index} (the optimizer has {})", params.len()),
