@@ -1,6 +1,6 @@
 //! Model and optimizer checkpoints: a run stopped after step k and resumed from
 //! its checkpoint continues bitwise as the uninterrupted run on the same mesh,
-//! and within 1e-6 on another mesh (FSDP, FSDP over TP, one rank); AdamW's moments
+//! and within 1e-6 on another mesh (FSDP, FSDP over TP, HSDP over TP, one rank); AdamW's moments
 //! and step counts and SGD's momentum come back with the parameters.
 
 use std::collections::BTreeMap;
@@ -89,6 +89,7 @@ fn run(leg: Leg) -> Vec<f64> {
 const FSDP2: (&[usize], &[&str]) = (&[2], &["dp"]);
 const ONE: (&[usize], &[&str]) = (&[1], &["dp"]);
 const FSDP_TP: (&[usize], &[&str]) = (&[2, 2], &["dp", "tp"]);
+const HSDP_TP: (&[usize], &[&str]) = (&[2, 2, 2], &["dp_replicate", "dp_shard", "tp"]);
 
 fn leg(on: (&'static [usize], &'static [&'static str]), opt: Opt, from: usize, to: usize) -> Leg {
     Leg {
@@ -141,7 +142,7 @@ fn check(
 
 #[test]
 fn adamw_resumes_bitwise_and_across_meshes() {
-    check(Opt::AdamW, FSDP2, &[FSDP2, FSDP_TP, ONE]);
+    check(Opt::AdamW, FSDP2, &[FSDP2, FSDP_TP, HSDP_TP, ONE]);
 }
 
 #[test]
