@@ -1,0 +1,150 @@
+//! The threads backend's collectives against a single-thread memcpy of the same
+//! bytes, measured in the same run.
+//!
+//! ```text
+//! cargo run --release --example bench_collectives -- [--json PATH] [--iters N]
+//! ```
+//!
+//! For world sizes 2 and 4 and sizes 1, 16 and 64 MiB (the all-gather's output,
+//! the reduce-scatter's input, the all-reduce's buffer), each iteration runs the
+//! blocking collective on f32 buffers after a barrier; its time is the slowest
+//! rank's. The baseline copies the same number of bytes (the collective's output
+//! bytes: what one rank must at least write) with one thread, `copy_from_slice`
+//! between two warm buffers. `gbps` is the collective's output bytes per second;
+//! `ratio_vs_memcpy` is the memcpy's median time over the collective's (1.0: as
+//! fast as one memcpy of its output). Target: all_gather and reduce_scatter at
+//! least 0.8 at 16 MiB on 2 ranks.
+//!
+//! `--json PATH` writes records `{op, world, bytes, median_s, gbps, ratio_vs_memcpy}`.
+
+#[path = "common/mod.rs"]
+mod common;
+
+use std::time::Instant;
+
+use common::{Json, median};
+use tessera::{BoxError, CommunicatorExt, ReduceOp, launch};
+
+const USAGE: &str = "usage: bench_collectives [--json PATH] [--iters N]";
+const SIZES_MIB: [usize; 3] = [1, 16, 64];
+const WORLDS: [usize; 2] = [2, 4];
+const OPS: [&str; 3] = ["all_gather", "reduce_scatter", "all_reduce"];
+
+fn main() {
+    let args = match common::parse_args(std::env::args().skip(1), 0) {
+        Ok(a) => a,
+        Err(e) if e == common::HELP => {
+            println!("{USAGE}");
+            return;
+        }
+        Err(e) => {
+            eprintln!("bench_collectives: {e}\n{USAGE}");
+            std::process::exit(2);
+        }
+    };
+    if let Err(e) = run(&args) {
+        eprintln!("bench_collectives: {e}");
+        std::process::exit(1);
+    }
+}
+
+/// Iterations for a buffer of `mib` MiB (`--iters` overrides).
+fn iters_for(mib: usize, given: usize) -> usize {
+    if given > 0 {
+        given
+    } else {
+        match mib {
+            0..=1 => 60,
+            2..=16 => 20,
+            _ => 10,
+        }
+    }
+}
+
+/// Median seconds of a single-thread copy of `bytes` bytes.
+fn memcpy_median(bytes: usize, iters: usize) -> f64 {
+    let src: Vec<u8> = (0..bytes).map(|i| i as u8).collect();
+    let mut dst = vec![0u8; bytes];
+    let mut times = Vec::with_capacity(iters);
+    for i in 0..iters + 2 {
+        let t = Instant::now();
+        dst.copy_from_slice(std::hint::black_box(&src));
+        std::hint::black_box(&mut dst);
+        if i >= 2 {
+            times.push(t.elapsed().as_secs_f64());
+        }
+    }
+    median(&times)
+}
+
+/// The median (slowest rank per iteration) seconds of `op` on `world` ranks over
+/// f32 buffers of `mib` MiB.
+fn collective_median(op: &'static str, world: usize, mib: usize, iters: usize) -> Result<f64, BoxError> {
+    let per_rank = launch(world, move |ctx| {
+        let comm = ctx.comm();
+        let total = mib * (1 << 20) / 4;
+        let block = total / world;
+        let full: Vec<f32> = (0..total).map(|i| (i % 97) as f32).collect();
+        let part: Vec<f32> = full[..block].to_vec();
+        let (mut out_full, mut out_part) = (vec![0f32; total], vec![0f32; block]);
+        let mut times = Vec::with_capacity(iters);
+        for i in 0..iters + 2 {
+            comm.barrier()?;
+            let t = Instant::now();
+            match op {
+                "all_gather" => comm.all_gather((&part[..]).into(), (&mut out_full[..]).into())?,
+                "reduce_scatter" => {
+                    comm.reduce_scatter((&full[..]).into(), (&mut out_part[..]).into(), ReduceOp::Sum)?
+                }
+                _ => comm.all_reduce_into((&full[..]).into(), (&mut out_full[..]).into(), ReduceOp::Sum)?,
+            }
+            if i >= 2 {
+                times.push(t.elapsed().as_secs_f64());
+            }
+        }
+        let mut slowest = times.clone();
+        comm.all_reduce_slice(&mut slowest, ReduceOp::Max)?;
+        Ok(slowest)
+    })?;
+    Ok(median(&per_rank[0]))
+}
+
+fn run(args: &common::BenchArgs) -> Result<(), BoxError> {
+    println!(
+        "{:<15} {:>5} {:>9} {:>12} {:>9} {:>12} {:>10}",
+        "op", "world", "MiB", "median ms", "GB/s", "memcpy ms", "vs memcpy"
+    );
+    let mut records = Vec::new();
+    for world in WORLDS {
+        for mib in SIZES_MIB {
+            let iters = iters_for(mib, args.iters);
+            for op in OPS {
+                let bytes = mib << 20;
+                // What a rank must at least write: the gathered or reduced output.
+                let out_bytes = if op == "reduce_scatter" { bytes / world } else { bytes };
+                let ours = collective_median(op, world, mib, iters)?;
+                let copy = memcpy_median(out_bytes, iters);
+                let gbps = out_bytes as f64 / ours / 1e9;
+                let ratio = copy / ours;
+                println!(
+                    "{op:<15} {world:>5} {mib:>9} {:>12.3} {gbps:>9.2} {:>12.3} {ratio:>10.2}",
+                    ours * 1e3,
+                    copy * 1e3
+                );
+                records.push(Json::Obj(vec![
+                    ("op".into(), Json::Str(op.into())),
+                    ("world".into(), Json::Int(world as u64)),
+                    ("bytes".into(), Json::Int(bytes as u64)),
+                    ("median_s".into(), Json::Num(ours)),
+                    ("gbps".into(), Json::Num(gbps)),
+                    ("ratio_vs_memcpy".into(), Json::Num(ratio)),
+                ]));
+            }
+        }
+    }
+    if let Some(path) = &args.json {
+        common::write_atomic(path, &Json::Arr(records).render())?;
+        println!("wrote {}", path.display());
+    }
+    Ok(())
+}
