@@ -3,7 +3,7 @@
 //!
 //! ```text
 //! cargo run --release --example bench_fsdp -- [--json PATH] [--steps N] [--config bench|tiny]
-//!     [--mixed-precision bf16]
+//!     [--mixed-precision bf16] [--profile]
 //! ```
 //!
 //! A step is forward (`model.loss` on the token rows), backward, `AdamW::step`
@@ -38,6 +38,12 @@
 //! tiny config's); a mode whose steps shared the machine with more than 0.2 cores
 //! of other work is flagged.
 //!
+//! `--profile` also prints, per mode and phase, where rank 0's time went:
+//! GEMM, element-wise, reductions, the fused NN kernels, communication (the
+//! collectives, their packing and the wait for peers), allocation and the
+//! optimizer (exclusive times from `tessera::dtensor::profile`, medians over
+//! the timed steps), and what no timer covered ("other").
+//!
 //! `--json PATH` writes one record per mode, `{mode, world, median_step_s,
 //! peak_bytes_per_rank, ...}`, atomically. PyTorch 2.15 FSDP2 (gloo) times on
 //! this machine are shown for comparison; they are reference figures, not
@@ -55,6 +61,7 @@ use tessera::autograd::nn::Module;
 use tessera::autograd::optim::{AdamW, AdamWConfig, Optimizer};
 use tessera::autograd::{Var, backward};
 use tessera::data::{DATA_SEED, batch};
+use tessera::dtensor::profile::{self, Kind, Profile};
 use tessera::dtensor::{Placement, Tensor, distribute_tensor, memory};
 use tessera::fsdp::{FsdpConfig, MixedPrecisionPolicy};
 use tessera::models::{Transformer, TransformerConfig};
@@ -82,7 +89,8 @@ const USAGE: &str = "usage: bench_fsdp [--json PATH] [--steps N] [--config bench
   --steps N                timed steps per mode (default 10; 2 warm-ups come first)
   --config bench|tiny      bench: dim 256, 4 layers, 8 heads, vocab 4096, seq 128 (default);
                            tiny: dim 64, 2 layers, 4 heads, vocab 256, seq 32
-  --mixed-precision bf16   bf16 compute and gathers, f32 gradient reduction (both modes)";
+  --mixed-precision bf16   bf16 compute and gathers, f32 gradient reduction (both modes)
+  --profile                print where each phase's time went, by kind of work";
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Mode {
@@ -115,6 +123,7 @@ struct Args {
     /// PyTorch 2.15 FSDP2 ms per step: (one process, W=2), same global batch.
     pytorch_ms: (f64, f64),
     bf16: bool,
+    profile: bool,
 }
 
 /// What one rank measured.
@@ -128,6 +137,8 @@ struct RankReport {
     peak_bytes: usize,
     first_loss: f64,
     last_loss: f64,
+    /// Per timed step and phase (forward, backward, optimizer): rank 0's profile.
+    profiles: Vec<[Profile; 3]>,
 }
 
 /// One mode's summary.
@@ -141,6 +152,8 @@ struct Summary {
     peak_bytes: usize,
     first_loss: f64,
     last_loss: f64,
+    /// Rank 0's profiles per timed step and phase (`--profile`).
+    profiles: Vec<[Profile; 3]>,
 }
 
 fn main() -> ExitCode {
@@ -173,7 +186,13 @@ fn parse(args: impl IntoIterator<Item = String>) -> Result<Args, String> {
         model: BENCH,
         pytorch_ms: (233.0, 316.8),
         bf16: false,
+        profile: false,
     };
+    let mut args: Vec<String> = args.into_iter().collect();
+    if let Some(i) = args.iter().position(|a| a == "--profile") {
+        args.remove(i);
+        out.profile = true;
+    }
     common::parse_flags(args, |flag, value| {
         match flag {
             "--json" => out.json = Some(common::json_path(&value("a file path")?)?),
@@ -229,9 +248,14 @@ fn run(args: &Args) -> Result<(), BoxError> {
             peak_bytes: reports.iter().map(|r| r.peak_bytes).max().unwrap_or(0),
             first_loss: reports[0].first_loss,
             last_loss: reports[0].last_loss,
+            profiles: reports[0].profiles.clone(),
         });
     }
-    report(args, &summaries)
+    report(args, &summaries)?;
+    if args.profile {
+        print_profiles(&summaries);
+    }
+    Ok(())
 }
 
 /// Sets up one rank of `mode` and times its steps.
@@ -274,7 +298,9 @@ fn bench_rank(comm: Box<dyn tessera::Communicator>, mode: Mode, args: &Args) -> 
         peak_bytes: 0,
         first_loss: f64::NAN,
         last_loss: f64::NAN,
+        profiles: Vec::new(),
     };
+    profile::enable(args.profile);
     let mut cpu_start = None;
     for step in 0..WARMUP + args.steps {
         // Every rank builds the global rows; `distribute_tensor` keeps its own.
@@ -285,14 +311,18 @@ fn bench_rank(comm: Box<dyn tessera::Communicator>, mode: Mode, args: &Args) -> 
         if step == WARMUP {
             cpu_start = cpu_seconds().map(|c| (c, Instant::now()));
         }
+        profile::take();
         let t0 = Instant::now();
         let loss = model.loss(&rows)?;
         let t1 = Instant::now();
+        let p_fwd = profile::take();
         backward(&loss)?;
         let t2 = Instant::now();
+        let p_bwd = profile::take();
         opt.step()?;
         opt.zero_grad();
         let t3 = Instant::now();
+        let p_opt = profile::take();
         let value = loss.value().full_tensor()?.to_f64_vec()[0];
         if !value.is_finite() {
             return Err(format!("{} step {step}: the loss is {value}", mode.name()).into());
@@ -306,6 +336,7 @@ fn bench_rank(comm: Box<dyn tessera::Communicator>, mode: Mode, args: &Args) -> 
             r.forward_s.push((t1 - t0).as_secs_f64());
             r.backward_s.push((t2 - t1).as_secs_f64());
             r.optim_s.push((t3 - t2).as_secs_f64());
+            r.profiles.push([p_fwd, p_bwd, p_opt]);
         }
     }
     // Every rank has finished its last step once this barrier passes.
@@ -320,6 +351,36 @@ fn bench_rank(comm: Box<dyn tessera::Communicator>, mode: Mode, args: &Args) -> 
     }
     r.peak_bytes = memory::stats().peak_bytes;
     Ok(r)
+}
+
+/// Prints, per mode and phase, the median milliseconds per step of each kind of
+/// work on rank 0, and the rest of the phase's median ("other").
+fn print_profiles(s: &[Summary]) {
+    println!();
+    println!("where rank 0's time goes (ms per step, medians over the timed steps; exclusive times):");
+    let mut head = format!("{:<8} {:<9} {:>8}", "mode", "phase", "total");
+    for k in Kind::ALL {
+        head += &format!(" {:>13}", k.name());
+    }
+    println!("{head} {:>8}", "other");
+    for m in s {
+        let totals = [m.forward_s, m.backward_s, m.optim_s];
+        for (i, phase) in ["forward", "backward", "optimizer"].into_iter().enumerate() {
+            let mut line = format!("{:<8} {phase:<9} {:>8.1}", m.mode.name(), totals[i] * 1e3);
+            let mut covered = 0.0;
+            for k in Kind::ALL {
+                let t = median(
+                    &m.profiles
+                        .iter()
+                        .map(|p| p[i].time(k).as_secs_f64())
+                        .collect::<Vec<_>>(),
+                );
+                covered += t;
+                line += &format!(" {:>13.1}", t * 1e3);
+            }
+            println!("{line} {:>8.1}", (totals[i] - covered).max(0.0) * 1e3);
+        }
+    }
 }
 
 /// Average busy cores over an interval: this process's threads, and everything else

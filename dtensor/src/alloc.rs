@@ -130,6 +130,7 @@ pub(crate) fn checked_len(op: &'static str, shape: &[usize], dtype: DType) -> Re
 /// # Errors
 /// [`Error::OutOfMemory`] as for [`zeroed`].
 pub(crate) fn zeros_buffer(op: &'static str, shape: &[usize], dtype: DType) -> Result<Buffer> {
+    let _t = crate::profile::scope(crate::profile::Kind::Allocation);
     crate::ops::any_dispatch!(op, dtype, T => Ok(T::into_buffer(zeroed::<T>(op, shape)?)))
 }
 
@@ -180,6 +181,7 @@ const HUGE: usize = 2 << 20;
 /// [`Error::OutOfMemory`] naming `op`, the shape, dtype and bytes when the counts
 /// overflow or the allocator refuses the memory.
 pub(crate) fn zeroed<T: Element>(op: &'static str, shape: &[usize]) -> Result<Vec<T>> {
+    let _t = crate::profile::scope(crate::profile::Kind::Allocation);
     let n = checked_len(op, shape, T::DTYPE)?;
     let v = try_zeroed::<T>(n).ok_or_else(|| out_of_memory(op, shape, T::DTYPE))?;
     advise_huge(&v);

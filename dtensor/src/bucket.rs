@@ -342,6 +342,7 @@ fn start(
 /// An input on another mesh or not placed as above, a mesh dim past the mesh
 /// (each naming the input); a failed cast or collective.
 pub fn all_gather_bucket(inputs: &[DTensor], mesh_dim: usize, dtype: DType) -> Result<BucketWork> {
+    let _t = crate::profile::scope(crate::profile::Kind::Communication);
     let (entries, block) = plan(Kind::Gather, inputs, mesh_dim, dtype)?;
     start(Kind::Gather, inputs, mesh_dim, dtype, entries, block)
 }
@@ -355,6 +356,7 @@ pub fn all_gather_bucket(inputs: &[DTensor], mesh_dim: usize, dtype: DType) -> R
 /// or a scalar; a mesh dim past the mesh; a failed collective.
 pub fn reduce_scatter_bucket(inputs: &[DTensor], mesh_dim: usize) -> Result<BucketWork> {
     let dtype = inputs.first().map_or(DType::F32, DTensor::dtype);
+    let _t = crate::profile::scope(crate::profile::Kind::Communication);
     let (entries, block) = plan(Kind::Scatter, inputs, mesh_dim, dtype)?;
     start(Kind::Scatter, inputs, mesh_dim, dtype, entries, block)
 }
@@ -366,6 +368,7 @@ pub fn reduce_scatter_bucket(inputs: &[DTensor], mesh_dim: usize) -> Result<Buck
 /// As [`reduce_scatter_bucket`] (scalars are fine).
 pub fn all_reduce_bucket(inputs: &[DTensor], mesh_dim: usize) -> Result<BucketWork> {
     let dtype = inputs.first().map_or(DType::F32, DTensor::dtype);
+    let _t = crate::profile::scope(crate::profile::Kind::Communication);
     let (entries, block) = plan(Kind::AllReduce, inputs, mesh_dim, dtype)?;
     start(Kind::AllReduce, inputs, mesh_dim, dtype, entries, block)
 }
@@ -381,6 +384,7 @@ impl BucketWork {
     /// # Errors
     /// The collective's failure (a peer that failed, a mismatch between ranks).
     pub fn wait(self) -> Result<Vec<DTensor>> {
+        let _t = crate::profile::scope(crate::profile::Kind::Communication);
         let BucketWork {
             kind,
             mesh,

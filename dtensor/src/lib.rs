@@ -33,6 +33,7 @@ mod error;
 pub mod memory;
 pub mod ops;
 mod placement;
+pub mod profile;
 pub mod redistribute;
 pub mod rng;
 pub mod sharding;

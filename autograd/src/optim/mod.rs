@@ -299,6 +299,7 @@ pub(crate) trait PerParam {
 /// One optimizer step: check every parameter that has a gradient, then update
 /// each, computing in f64 for f64 parameters and in f32 otherwise.
 pub(crate) fn step_all<O: PerParam>(opt: &mut O) -> Result<()> {
+    let _t = tessera_dtensor::profile::scope(tessera_dtensor::profile::Kind::Optimizer);
     let mut ready = Vec::new();
     for (i, p) in opt.param_list().iter().enumerate() {
         if let Some(r) = ready_param(O::OP, i, p)? {

@@ -92,7 +92,10 @@ pub fn dispatch(
         inputs: &after,
         coord: mesh.coordinate(),
     };
-    let local = kernel(&locals, &ctx)?;
+    let local = {
+        let _t = crate::profile::scope(crate::profile::Kind::of_op(op));
+        kernel(&locals, &ctx)?
+    };
     let out = &choice.candidate.output;
     let layout = Layout::with_order(mesh.shape(), out, ShardOrder::default_for(out), out_shape, out_dtype)?;
     let spec = DTensorSpec::new(mesh, layout)?;

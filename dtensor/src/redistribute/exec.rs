@@ -23,6 +23,7 @@ const OP: &str = "redistribute";
 /// Runs `plan` on `local` (this rank's tensor of `plan.src`), returning the local
 /// tensor of `plan.dst()`.
 pub(crate) fn execute(local: &Tensor, mesh: &DeviceMesh, plan: &Plan) -> Result<Tensor> {
+    let _t = crate::profile::scope(crate::profile::Kind::Communication);
     let coord = mesh.coordinate();
     let mut t = local.clone();
     for (before, step) in plan.transitions() {

@@ -1,0 +1,236 @@
+//! Where a rank's time goes, by kind of work: opt-in timers around the local
+//! kernels of DTensor ops, the redistributions and bucket collectives, buffer
+//! allocation and the optimizers' updates.
+//!
+//! Timing is off until [`enable`]; off, a scope costs one relaxed atomic load.
+//! Scopes nest and count exclusive time: an allocation inside a GEMM counts as
+//! allocation, not GEMM. Totals are per thread (a rank's thread under the
+//! threads backend); [`take`] returns and resets the calling thread's.
+//!
+//! ```
+//! use tessera_dtensor::profile::{self, Kind};
+//! use tessera_dtensor::{DType, Tensor};
+//!
+//! profile::enable(true);
+//! let a = Tensor::ones(&[64, 64], DType::F32).unwrap();
+//! {
+//!     let _t = profile::scope(Kind::Gemm);
+//!     a.matmul(&a).unwrap();
+//! }
+//! let p = profile::take();
+//! assert_eq!(p.count(Kind::Gemm), 1);
+//! profile::enable(false);
+//! ```
+
+use std::cell::RefCell;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+static ENABLED: AtomicBool = AtomicBool::new(false);
+
+/// A kind of work.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Kind {
+    /// Matrix multiplications (the local GEMMs of `matmul`).
+    Gemm,
+    /// Element-wise, shape and indexing ops (add, mul, GELU, casts, views, copies).
+    Elementwise,
+    /// Reductions (sum, mean, max, argmax).
+    Reduction,
+    /// The fused neural-network kernels (softmax, layer norm, embedding, cross
+    /// entropy, and their backward).
+    Nn,
+    /// Collectives and the packing around them (redistribute, bucket collectives),
+    /// including the wait for peers.
+    Communication,
+    /// Fresh buffers (zeroing, page faults).
+    Allocation,
+    /// Optimizer updates.
+    Optimizer,
+}
+
+impl Kind {
+    /// Every kind, in display order.
+    pub const ALL: [Kind; 7] = [
+        Kind::Gemm,
+        Kind::Elementwise,
+        Kind::Reduction,
+        Kind::Nn,
+        Kind::Communication,
+        Kind::Allocation,
+        Kind::Optimizer,
+    ];
+
+    /// A short name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Kind::Gemm => "gemm",
+            Kind::Elementwise => "elementwise",
+            Kind::Reduction => "reduction",
+            Kind::Nn => "nn",
+            Kind::Communication => "communication",
+            Kind::Allocation => "allocation",
+            Kind::Optimizer => "optimizer",
+        }
+    }
+
+    fn index(self) -> usize {
+        Kind::ALL.iter().position(|&k| k == self).unwrap_or(0)
+    }
+
+    /// The kind of a DTensor op's local kernel, by the op's name.
+    pub fn of_op(op: &str) -> Kind {
+        match op {
+            "matmul" | "linear" | "bmm" => Kind::Gemm,
+            "sum" | "mean" | "max" | "min" | "argmax" | "sum_to_shape" => Kind::Reduction,
+            o if o.contains("softmax")
+                || o.contains("layer_norm")
+                || o.contains("embedding")
+                || o.contains("cross_entropy")
+                || o.contains("causal") =>
+            {
+                Kind::Nn
+            }
+            _ => Kind::Elementwise,
+        }
+    }
+}
+
+/// Time and calls per kind, on one thread.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Profile {
+    time: [Duration; 7],
+    count: [u64; 7],
+}
+
+impl Profile {
+    /// Exclusive time spent in `kind`.
+    pub fn time(&self, kind: Kind) -> Duration {
+        self.time[kind.index()]
+    }
+
+    /// Scopes of `kind` entered.
+    pub fn count(&self, kind: Kind) -> u64 {
+        self.count[kind.index()]
+    }
+
+    /// Time in all kinds.
+    pub fn total(&self) -> Duration {
+        self.time.iter().sum()
+    }
+}
+
+impl std::ops::AddAssign for Profile {
+    fn add_assign(&mut self, o: Profile) {
+        for i in 0..self.time.len() {
+            self.time[i] += o.time[i];
+            self.count[i] += o.count[i];
+        }
+    }
+}
+
+struct Frame {
+    kind: Kind,
+    start: Instant,
+    /// Time of the scopes nested in this one.
+    inner: Duration,
+}
+
+#[derive(Default)]
+struct State {
+    totals: Profile,
+    stack: Vec<Frame>,
+}
+
+thread_local! {
+    static STATE: RefCell<State> = RefCell::new(State::default());
+}
+
+/// Turns timing on or off for every thread.
+pub fn enable(on: bool) {
+    ENABLED.store(on, Ordering::Relaxed);
+}
+
+/// Whether timing is on.
+pub fn enabled() -> bool {
+    ENABLED.load(Ordering::Relaxed)
+}
+
+/// The calling thread's totals since the last `take`, reset.
+pub fn take() -> Profile {
+    STATE.with(|s| std::mem::take(&mut s.borrow_mut().totals))
+}
+
+/// Times the rest of the enclosing block as `kind` (exclusive of nested scopes).
+#[must_use = "the scope times until it is dropped"]
+pub fn scope(kind: Kind) -> Scope {
+    if !enabled() {
+        return Scope { active: false };
+    }
+    let pushed = STATE
+        .try_with(|s| {
+            s.borrow_mut().stack.push(Frame {
+                kind,
+                start: Instant::now(),
+                inner: Duration::ZERO,
+            })
+        })
+        .is_ok();
+    Scope { active: pushed }
+}
+
+/// A running timer; see [`scope`].
+pub struct Scope {
+    active: bool,
+}
+
+impl Drop for Scope {
+    fn drop(&mut self) {
+        if !self.active {
+            return;
+        }
+        let _ = STATE.try_with(|s| {
+            let mut s = s.borrow_mut();
+            let Some(f) = s.stack.pop() else { return };
+            let all = f.start.elapsed();
+            let i = f.kind.index();
+            s.totals.time[i] += all.saturating_sub(f.inner);
+            s.totals.count[i] += 1;
+            if let Some(parent) = s.stack.last_mut() {
+                parent.inner += all;
+            }
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Nested scopes count exclusive time; off, nothing is counted.
+    #[test]
+    fn nested_scopes_are_exclusive() {
+        enable(true);
+        take();
+        {
+            let _outer = scope(Kind::Gemm);
+            std::thread::sleep(Duration::from_millis(20));
+            let _inner = scope(Kind::Allocation);
+            std::thread::sleep(Duration::from_millis(30));
+        }
+        let p = take();
+        assert_eq!((p.count(Kind::Gemm), p.count(Kind::Allocation)), (1, 1));
+        assert!(p.time(Kind::Allocation) >= Duration::from_millis(30));
+        assert!(p.time(Kind::Gemm) >= Duration::from_millis(20));
+        assert!(
+            p.time(Kind::Gemm) < Duration::from_millis(30),
+            "{:?}",
+            p.time(Kind::Gemm)
+        );
+        enable(false);
+        {
+            let _t = scope(Kind::Nn);
+        }
+        assert_eq!(take(), Profile::default());
+    }
+}
