@@ -32,7 +32,8 @@
 //! so a run resumed after step k trains steps k+1..N on the batches the
 //! uninterrupted run would use, and `--losses-out` lists those N−k losses.
 //! `--async-save` writes them in the background while training goes on (one at
-//! a time; `latest` moves once a checkpoint is complete). `--save-full PATH`
+//! a time; `latest` moves once a checkpoint is complete); `--keep-checkpoints K`
+//! removes all but the newest K complete ones. `--save-full PATH`
 //! writes the consolidated safetensors file at the end.
 //!
 //! Under `mpirun` the world size defaults to the number of processes, and only
@@ -61,7 +62,7 @@ use tessera::{BoxError, CommunicatorExt, DType, DeviceMesh, is_lead_process, lau
 
 const USAGE: &str = "usage: train [--world-size N | --mesh RxS] [--tp T [--sequence-parallel]] [--steps N] [--batch ROWS_PER_RANK] [--dim N] \
 [--n-layers N] [--n-heads N] [--vocab N] [--seq N] [--lr F] [--mixed-precision bf16] [--no-reshard] [--init PATH] \
-[--tokens PATH] [--data-seed N] [--losses-out PATH] [--checkpoint-dir DIR --checkpoint-every N [--async-save]] [--resume DIR] \
+[--tokens PATH] [--data-seed N] [--losses-out PATH] [--checkpoint-dir DIR --checkpoint-every N [--async-save] [--keep-checkpoints K]] [--resume DIR] \
 [--save-full PATH]";
 
 #[derive(Clone, Debug)]
@@ -85,6 +86,8 @@ struct Args {
     checkpoint_dir: Option<PathBuf>,
     checkpoint_every: usize,
     async_save: bool,
+    /// Completed checkpoints to keep (0: all).
+    keep: usize,
     resume: Option<PathBuf>,
     save_full: Option<PathBuf>,
 }
@@ -109,6 +112,7 @@ fn parse() -> Result<Args, String> {
         checkpoint_dir: None,
         checkpoint_every: 0,
         async_save: false,
+        keep: 0,
         resume: None,
         save_full: None,
     };
@@ -168,6 +172,7 @@ fn parse() -> Result<Args, String> {
             "--losses-out" => a.losses_out = Some(value.into()),
             "--checkpoint-dir" => a.checkpoint_dir = Some(value.into()),
             "--checkpoint-every" => a.checkpoint_every = num(&value)?,
+            "--keep-checkpoints" => a.keep = num(&value)?,
             "--resume" => a.resume = Some(value.into()),
             "--save-full" => a.save_full = Some(value.into()),
             other => return Err(format!("unknown flag {other}")),
@@ -194,6 +199,9 @@ fn parse() -> Result<Args, String> {
     }
     if a.world == 0 || a.batch == 0 || a.steps == 0 {
         return Err("--world-size (or the mesh), --batch and --steps must be at least 1".into());
+    }
+    if a.keep > 0 && a.checkpoint_dir.is_none() {
+        return Err("--keep-checkpoints needs --checkpoint-dir and --checkpoint-every".into());
     }
     if a.async_save && a.checkpoint_dir.is_none() {
         return Err("--async-save needs --checkpoint-dir and --checkpoint-every".into());
@@ -270,11 +278,24 @@ fn finish_save(
     dir: &std::path::Path,
     name: &str,
     saved: &SaveReport,
+    keep: usize,
     report: &mut RankReport,
 ) -> Result<(), BoxError> {
     let total: i64 = mesh.comm().all_gather_vec(&[saved.bytes_written as i64])?.iter().sum();
     if mesh.comm().rank() == 0 {
         write_atomic(dir.join("latest"), name.as_bytes())?;
+        if keep > 0 {
+            // Step directories sort by step; `latest` now names the newest.
+            let mut steps: Vec<String> = std::fs::read_dir(dir)?
+                .filter_map(|e| e.ok())
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| n.starts_with("step_") && n.as_str() <= name)
+                .collect();
+            steps.sort();
+            for old in &steps[..steps.len().saturating_sub(keep)] {
+                std::fs::remove_dir_all(dir.join(old))?;
+            }
+        }
     }
     report.saved_bytes.push(total as u64);
     Ok(())
@@ -473,7 +494,7 @@ fn run(args: &Args) -> Result<(), BoxError> {
                     };
                     report.save_s.push(t.elapsed().as_secs_f64());
                     if let Some((saved, finished)) = done {
-                        finish_save(&mesh, dir, &finished, &saved, &mut report)?;
+                        finish_save(&mesh, dir, &finished, &saved, args.keep, &mut report)?;
                     }
                 }
                 if rank == 0 {
@@ -483,7 +504,7 @@ fn run(args: &Args) -> Result<(), BoxError> {
                 }
             }
             if let (Some(dir), Some(saved), Some(name)) = (&args.checkpoint_dir, background.wait()?, pending.take()) {
-                finish_save(&mesh, dir, &name, &saved, &mut report)?;
+                finish_save(&mesh, dir, &name, &saved, args.keep, &mut report)?;
             }
             if let Some(path) = &args.save_full {
                 save_state_dict_full(&params, path)?;
