@@ -48,19 +48,6 @@ fn main() {
     }
 }
 
-/// Iterations for a buffer of `mib` MiB (`--iters` overrides).
-fn iters_for(mib: usize, given: usize) -> usize {
-    if given > 0 {
-        given
-    } else {
-        match mib {
-            0..=1 => 60,
-            2..=16 => 20,
-            _ => 10,
-        }
-    }
-}
-
 /// Median seconds of a single-thread copy of `bytes` bytes.
 fn memcpy_median(bytes: usize, iters: usize) -> f64 {
     let src: Vec<u8> = (0..bytes).map(|i| i as u8).collect();
@@ -117,7 +104,7 @@ fn run(args: &common::BenchArgs) -> Result<(), BoxError> {
     let mut records = Vec::new();
     for world in WORLDS {
         for mib in SIZES_MIB {
-            let iters = iters_for(mib, args.iters);
+            let iters = common::iters_for(mib, args.iters);
             for op in OPS {
                 let bytes = mib << 20;
                 // What a rank must at least write: the gathered or reduced output.

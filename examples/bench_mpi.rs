@@ -56,19 +56,6 @@ fn main() {
     }
 }
 
-/// Iterations for a buffer of `mib` MiB (`--iters` overrides).
-fn iters_for(mib: usize, given: usize) -> usize {
-    if given > 0 {
-        given
-    } else {
-        match mib {
-            0..=1 => 60,
-            2..=16 => 20,
-            _ => 10,
-        }
-    }
-}
-
 /// One rank of one world size: prints `RESULT op ranks bytes raw_s tessera_s` lines on rank 0.
 fn rank(iters: usize) -> Result<(), BoxError> {
     let (universe, level) = tessera::mesh::mpi::initialize_with_threading(tessera::mesh::mpi::Threading::Multiple)
@@ -88,7 +75,7 @@ fn rank(iters: usize) -> Result<(), BoxError> {
             let (mut out_full, mut out_part) = (vec![0f32; block * n], vec![0f32; block]);
             for op in OPS {
                 let mut times = (Vec::new(), Vec::new());
-                let iters = iters_for(mib, iters);
+                let iters = common::iters_for(mib, iters);
                 for i in 0..iters + 2 {
                     raw.barrier();
                     let t = Instant::now();

@@ -111,6 +111,20 @@ fn check_writable_dir(path: &Path) -> Result<(), String> {
     Ok(())
 }
 
+/// Timed iterations for a collective on a buffer of `mib` MiB (`given`, from
+/// `--iters`, overrides when nonzero).
+pub fn iters_for(mib: usize, given: usize) -> usize {
+    if given > 0 {
+        given
+    } else {
+        match mib {
+            0..=1 => 60,
+            2..=16 => 20,
+            _ => 10,
+        }
+    }
+}
+
 /// The median of `xs` (the mean of the middle two for an even count); NaN when empty.
 pub fn median(xs: &[f64]) -> f64 {
     if xs.is_empty() {

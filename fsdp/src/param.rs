@@ -122,11 +122,7 @@ impl FsdpParam {
             return Ok(());
         };
         let value = self.param.value();
-        let local = value.to_local();
-        let rows = local.shape()[0];
-        let (len, start) = shard_size_and_offset(rows, mesh.shape()[shard], mesh.coordinate()[shard]);
-        let mine = local.narrow(0, start, len)?;
-        let mine = Tensor::from_buffer(mine.to_buffer(), mine.shape())?;
+        let mine = rows_of(value.to_local(), mesh.shape()[shard], mesh.coordinate()[shard])?;
         self.param
             .set_value(DTensor::from_local_with_layout(mine, mesh, self.sharded.clone())?);
         Ok(())
@@ -279,15 +275,20 @@ impl Regroup {
     /// The post-forward piece of the unsharded value `v` of parameter `i`: the
     /// rows of its local tensor this rank keeps in its group (a copy).
     pub(crate) fn piece(&self, i: usize, v: &DTensor) -> Result<DTensor> {
-        let local = v.to_local();
         let (n, k) = (self.mesh.shape()[self.inner], self.mesh.coordinate()[self.inner]);
-        let (len, start) = shard_size_and_offset(local.shape()[0], n, k);
-        let mine = local.narrow(0, start, len)?;
-        let mine = Tensor::from_buffer(mine.to_buffer(), mine.shape())?;
+        let mine = rows_of(v.to_local(), n, k)?;
         Ok(DTensor::from_local_with_layout(
             mine,
             &self.mesh,
             self.layouts[i].clone(),
         )?)
     }
+}
+
+/// Piece `k` of `n` of `local`'s dim 0 (torch.chunk's split), as a copy, so that
+/// dropping `local` frees the rest.
+fn rows_of(local: &Tensor, n: usize, k: usize) -> Result<Tensor> {
+    let (len, start) = shard_size_and_offset(local.shape()[0], n, k);
+    let mine = local.narrow(0, start, len)?;
+    Ok(Tensor::from_buffer(mine.to_buffer(), mine.shape())?)
 }

@@ -13,7 +13,7 @@ use tessera::dtensor::{Placement, distribute_tensor};
 use tessera::fsdp::FsdpConfig;
 use tessera::{DeviceMesh, launch};
 
-use crate::common::{adamw, tiny_model, tokens};
+use crate::common::{adamw, max_abs_diff, tiny_model, tokens};
 use crate::{Cleanup, scratch};
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -101,11 +101,6 @@ fn leg(on: (&'static [usize], &'static [&'static str]), opt: Opt, from: usize, t
         load: None,
         save: None,
     }
-}
-
-fn max_abs_diff(a: &[f64], b: &[f64]) -> f64 {
-    assert_eq!(a.len(), b.len());
-    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max)
 }
 
 /// Stops after step 3 of 6 on `saved_on`, resumes on each of `resumed_on`.

@@ -52,3 +52,9 @@ pub fn adamw() -> AdamWConfig {
         weight_decay: 0.1,
     }
 }
+
+/// The largest `|a − b|` (the lengths must agree).
+pub fn max_abs_diff(a: &[f64], b: &[f64]) -> f64 {
+    assert_eq!(a.len(), b.len(), "lengths differ");
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max)
+}

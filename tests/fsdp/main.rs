@@ -57,6 +57,7 @@ mod wrapping;
 
 use std::ops::Range;
 
+pub use common::max_abs_diff;
 use common::{adamw, tiny_model, tokens};
 use tessera::autograd::nn::Module;
 use tessera::autograd::optim::{AdamW, Optimizer};
@@ -84,12 +85,6 @@ pub fn batch(toks: &Tensor, step: usize, rows: Range<usize>, mesh: &DeviceMesh) 
 /// The value of the scalar `v` (its full tensor's first element).
 pub fn scalar(v: &Var) -> TestResult<f64> {
     Ok(v.value().full_tensor()?.to_f64_vec()[0])
-}
-
-/// The largest `|a − b|` (the lengths must agree).
-pub fn max_abs_diff(a: &[f64], b: &[f64]) -> f64 {
-    assert_eq!(a.len(), b.len(), "lengths differ");
-    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max)
 }
 
 /// A mesh of `shape` over the rank's world communicator (named when `names` is given).

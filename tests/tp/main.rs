@@ -18,6 +18,7 @@ use tessera::mesh::CommCounts;
 use tessera::models::Transformer;
 use tessera::{DeviceMesh, launch};
 
+pub use common::max_abs_diff;
 use common::{adamw, tiny_model, tokens};
 
 /// One TP training run: per step the loss and the communication of forward and
@@ -76,10 +77,4 @@ pub fn step_counted(
     backward(&loss)?;
     let bwd = mesh.stats() - mid;
     Ok((loss.value().full_tensor()?.to_f64_vec()[0], mid - before, bwd))
-}
-
-/// The largest `|a − b|`.
-pub fn max_abs_diff(a: &[f64], b: &[f64]) -> f64 {
-    assert_eq!(a.len(), b.len());
-    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max)
 }
