@@ -1,4 +1,5 @@
-//! Redistribute benchmark: an f32 4096×4096 tensor on a 2×2 mesh of in-process ranks.
+//! Redistribute benchmark: an f32 4096×4096 tensor on a 2×2 mesh and an f32
+//! 256×256×256 tensor on a 2×2×2 mesh, of in-process ranks.
 //!
 //! ```text
 //! cargo run --release --example bench_redistribute -- [--json PATH] [--iters N]
@@ -9,6 +10,10 @@
 //! the baselines below. An iteration's time is the slowest rank's (every rank's
 //! times come back from `launch` at the end); the table shows the median. Bytes
 //! per rank come from `mesh.stats()` and are checked against the plan's `bytes()`.
+//! Beside them, `mean_B` is the mean over ranks of the bytes sent and `oracle_B` the
+//! fewest any sequence of per-dim or flattened-group steps can send (mean per rank,
+//! from the exhaustive search of `dtensor::testing::oracle`), with the collectives
+//! of each.
 //!
 //! The baseline is the plan's collectives, same sizes, same communicators, called
 //! directly on flat `Vec<f32>` buffers prepared outside timing: `ratio` is the
@@ -31,11 +36,15 @@ use std::time::Instant;
 
 use common::{Json, max_over_ranks, median};
 use tessera::dtensor::redistribute::{Plan, StepKind};
-use tessera::dtensor::{DType, Placement, PlacementsDisplay, Tensor, distribute_tensor};
+use tessera::dtensor::testing::oracle::Oracle;
+use tessera::dtensor::{DType, Layout, Placement, PlacementsDisplay, Tensor, distribute_tensor};
+use tessera::mesh::Element;
 use tessera::{BoxError, CommunicatorExt, DeviceMesh, ReduceOp, launch};
 
-const SHAPE: [usize; 2] = [4096, 4096];
-const MESH: [usize; 2] = [2, 2];
+const MESH_2D: &[usize] = &[2, 2];
+const SHAPE_2D: &[usize] = &[4096, 4096];
+const MESH_3D: &[usize] = &[2, 2, 2];
+const SHAPE_3D: &[usize] = &[256, 256, 256];
 const WARMUP: usize = 2;
 const DEFAULT_ITERS: usize = 10;
 const SEED: u64 = 42;
@@ -46,8 +55,10 @@ const USAGE: &str = "usage: bench_redistribute [--json PATH] [--iters N]
 
 /// One redistribution to time, with PyTorch 2.15 (gloo, 4 ranks) where known.
 struct Case {
-    src: [Placement; 2],
-    dst: [Placement; 2],
+    mesh: &'static [usize],
+    shape: &'static [usize],
+    src: Vec<Placement>,
+    dst: Vec<Placement>,
     pytorch_ms: Option<f64>,
 }
 
@@ -60,7 +71,20 @@ impl Case {
 fn cases() -> Vec<Case> {
     use Placement::{Replicate as R, Shard as S};
     let p = Placement::Partial(ReduceOp::Sum);
-    let case = |src, dst, pytorch_ms| Case { src, dst, pytorch_ms };
+    let case = |src: [Placement; 2], dst: [Placement; 2], pytorch_ms| Case {
+        mesh: MESH_2D,
+        shape: SHAPE_2D,
+        src: src.to_vec(),
+        dst: dst.to_vec(),
+        pytorch_ms,
+    };
+    let case3 = |src: [Placement; 3], dst: [Placement; 3]| Case {
+        mesh: MESH_3D,
+        shape: SHAPE_3D,
+        src: src.to_vec(),
+        dst: dst.to_vec(),
+        pytorch_ms: None,
+    };
     vec![
         // One mesh dim (dim 0); the other stays Replicate.
         case([S(0), R], [R, R], Some(194.0)),
@@ -72,6 +96,13 @@ fn cases() -> Vec<Case> {
         case([S(0), S(1)], [R, R], Some(329.0)),
         case([S(0), S(0)], [S(1), S(1)], None),
         case([p, p], [R, R], None),
+        // 2×2×2: flattened groups and whole-mesh steps.
+        case3([S(1), R, S(0)], [R, S(0), S(0)]),
+        case3([p, R, p], [R, R, R]),
+        case3([p, S(0), p], [R, R, R]),
+        case3([S(0), S(1), S(2)], [R, R, R]),
+        case3([S(0), S(0), S(1)], [S(1), S(0), S(0)]),
+        case3([p, p, p], [R, R, S(0)]),
     ]
 }
 
@@ -86,6 +117,7 @@ struct RankCase {
     /// Bytes this rank sent in one run of the baseline (stats delta).
     base_bytes: u64,
     plan: String,
+    collectives: u32,
     baseline: String,
 }
 
@@ -103,9 +135,13 @@ enum Coll {
 /// One baseline operation on flat buffers (`AllReduce` works in place on `recv`).
 struct BaseOp {
     coll: Coll,
-    mesh_dim: Option<usize>,
+    /// The step's mesh dims, and the mesh over them (its communicator is the step's).
+    group: Vec<usize>,
+    on: DeviceMesh,
     send: Vec<f32>,
     recv: Vec<f32>,
+    /// Elements to and from each rank of the group, for an all_to_all.
+    counts: Option<(Vec<usize>, Vec<usize>)>,
 }
 
 fn main() -> ExitCode {
@@ -131,32 +167,71 @@ fn main() -> ExitCode {
 
 fn run(args: &common::BenchArgs) -> Result<(), BoxError> {
     let cases = Arc::new(cases());
-    let n: usize = MESH.iter().product();
     println!(
-        "redistribute of f32 {:?} on a {:?} mesh ({n} ranks, threads backend), {} iterations after {WARMUP} warm-ups",
-        SHAPE, MESH, args.iters
+        "redistribute of f32 {SHAPE_2D:?} on a {MESH_2D:?} mesh and f32 {SHAPE_3D:?} on {MESH_3D:?} (threads backend), \
+         {} iterations after {WARMUP} warm-ups",
+        args.iters
     );
-    let per_rank = launch(n, {
-        let (cases, iters) = (cases.clone(), args.iters);
-        move |ctx| {
-            let mesh = DeviceMesh::new(ctx.into_comm(), &MESH)?;
-            let full = Tensor::randn(&SHAPE, DType::F32, SEED)?;
-            cases
-                .iter()
-                .map(|c| bench_case(&mesh, &full, c, iters))
-                .collect::<Result<Vec<_>, _>>()
+    // Per case, every rank's measurements (one launch per mesh).
+    let mut per_case: Vec<Vec<RankCase>> = (0..cases.len()).map(|_| Vec::new()).collect();
+    for (mesh_shape, shape) in [(MESH_2D, SHAPE_2D), (MESH_3D, SHAPE_3D)] {
+        let mine: Vec<usize> = (0..cases.len()).filter(|&i| cases[i].mesh == mesh_shape).collect();
+        let per_rank = launch(mesh_shape.iter().product(), {
+            let (cases, iters, mine) = (cases.clone(), args.iters, mine.clone());
+            move |ctx| {
+                let mesh = DeviceMesh::new(ctx.into_comm(), mesh_shape)?;
+                let full = Tensor::randn(shape, DType::F32, SEED)?;
+                mine.iter()
+                    .map(|&i| bench_case(&mesh, &full, &cases[i], iters))
+                    .collect::<Result<Vec<_>, _>>()
+            }
+        })?;
+        for rank in per_rank {
+            for (&i, r) in mine.iter().zip(rank) {
+                per_case[i].push(r);
+            }
         }
-    })?;
+    }
+    // The oracle's fewest bytes (mean per rank) and collectives, per case.
+    let mut oracles = std::collections::HashMap::new();
+    let oracle_best =
+        |case: &Case, oracles: &mut std::collections::HashMap<_, Oracle>| -> Result<(f64, u32), BoxError> {
+            let n: usize = case.mesh.iter().product();
+            let oracle = match oracles.entry((case.mesh, case.shape)) {
+                std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+                std::collections::hash_map::Entry::Vacant(e) => {
+                    e.insert(Oracle::new(case.mesh, case.shape, DType::F32, &[ReduceOp::Sum])?)
+                }
+            };
+            let src = Layout::new(case.mesh, &case.src, case.shape, DType::F32)?;
+            let dst = Layout::new(case.mesh, &case.dst, case.shape, DType::F32)?;
+            let at = oracle
+                .layouts()
+                .position(|l| *l == dst)
+                .ok_or("target not among the oracle's layouts")?;
+            let best = oracle.cheapest_from(&src)[at].ok_or("the oracle cannot reach the target")?;
+            Ok((best.bytes_per_rank(n), best.collectives))
+        };
 
     let mut records = Vec::new();
     println!();
     println!(
-        "{:<28} {:>10} {:>14} {:>13} {:>13} {:>7} {:>11} {:>10}",
-        "case", "median_s", "bytes_per_rank", "coll_median_s", "coll+alloc_s", "ratio", "pytorch_ms", "vs_pytorch"
+        "{:<34} {:>10} {:>14} {:>10} {:>10} {:>7} {:>13} {:>13} {:>7} {:>11} {:>10}",
+        "case",
+        "median_s",
+        "bytes_per_rank",
+        "mean_B",
+        "oracle_B",
+        "coll",
+        "coll_median_s",
+        "coll+alloc_s",
+        "ratio",
+        "pytorch_ms",
+        "vs_pytorch"
     );
     let mut notes = Vec::new();
     for (i, case) in cases.iter().enumerate() {
-        let ranks: Vec<&RankCase> = per_rank.iter().map(|r| &r[i]).collect();
+        let ranks: Vec<&RankCase> = per_case[i].iter().collect();
         let col = |f: fn(&RankCase) -> &Vec<f64>| {
             median(&max_over_ranks(&ranks.iter().map(|r| f(r).clone()).collect::<Vec<_>>()))
         };
@@ -164,6 +239,9 @@ fn run(args: &common::BenchArgs) -> Result<(), BoxError> {
         let base = col(|r| &r.base_times);
         let alloc = col(|r| &r.alloc_times);
         let bytes = ranks.iter().map(|r| r.bytes).max().unwrap_or(0);
+        let mean = ranks.iter().map(|r| r.bytes as f64).sum::<f64>() / ranks.len() as f64;
+        let (oracle_bytes, oracle_colls) = oracle_best(case, &mut oracles)?;
+        let colls = ranks[0].collectives;
         let ratio = if base > 0.0 { med / base } else { f64::NAN };
         let speedup = case.pytorch_ms.map(|p| p / (med * 1e3));
         let name = case.name();
@@ -182,10 +260,13 @@ fn run(args: &common::BenchArgs) -> Result<(), BoxError> {
             }
         }
         println!(
-            "{:<28} {:>10.4} {:>14} {:>13.4} {:>13.4} {:>7.2} {:>11} {:>10}",
+            "{:<34} {:>10.4} {:>14} {:>10.0} {:>10.0} {:>7} {:>13.4} {:>13.4} {:>7.2} {:>11} {:>10}",
             name,
             med,
             bytes,
+            mean,
+            oracle_bytes,
+            format!("{colls}/{oracle_colls}"),
             base,
             alloc,
             ratio,
@@ -195,7 +276,12 @@ fn run(args: &common::BenchArgs) -> Result<(), BoxError> {
         records.push(Json::Obj(vec![
             ("case".into(), Json::Str(name)),
             ("median_s".into(), Json::Num(med)),
+            ("mesh".into(), Json::Str(format!("{:?}", case.mesh))),
             ("bytes_per_rank".into(), Json::Int(bytes)),
+            ("mean_bytes_per_rank".into(), Json::Num(mean)),
+            ("oracle_mean_bytes_per_rank".into(), Json::Num(oracle_bytes)),
+            ("plan_collectives".into(), Json::Int(colls as u64)),
+            ("oracle_collectives".into(), Json::Int(oracle_colls as u64)),
             ("collective_median_s".into(), Json::Num(base)),
             ("collective_alloc_median_s".into(), Json::Num(alloc)),
             ("ratio".into(), Json::Num(ratio)),
@@ -207,11 +293,14 @@ fn run(args: &common::BenchArgs) -> Result<(), BoxError> {
     }
     println!();
     println!("plans (rank 0) and baselines:");
-    for r in per_rank.first().into_iter().flatten() {
+    for r in per_case.iter().filter_map(|ranks| ranks.first()) {
         println!("{}\n  baseline: {}", r.plan, r.baseline);
     }
     println!(
         "\nratio = median_s / coll_median_s; an R->S(d) step has no collective, its baseline is a memcpy of the slice."
+    );
+    println!(
+        "mean_B: bytes sent, mean over ranks; oracle_B: the fewest any plan can send; coll: plan/oracle collectives."
     );
     println!("pytorch_ms: PyTorch 2.15, gloo, 4 ranks (reference numbers, not measured here).");
     for n in &notes {
@@ -246,15 +335,15 @@ fn bench_case(mesh: &DeviceMesh, full: &Tensor, case: &Case, iters: usize) -> Re
     let mut ops = baseline_ops(&plan, mesh)?;
     let baseline = describe(&ops);
     let before = mesh.stats();
-    run_ops(&mut ops, mesh, false)?;
+    run_ops(&mut ops, false)?;
     let base_bytes = (mesh.stats() - before).total_bytes();
 
     // Interleaved, so that load from elsewhere on the machine hits all three alike.
     let (mut times, mut base_times, mut alloc_times) = (Vec::new(), Vec::new(), Vec::new());
     for it in 0..WARMUP + iters {
         let t = timed(mesh, || Ok(x.redistribute(&case.dst)?))?;
-        let b = timed(mesh, || run_ops(&mut ops, mesh, false))?;
-        let a = timed(mesh, || run_ops(&mut ops, mesh, true))?;
+        let b = timed(mesh, || run_ops(&mut ops, false))?;
+        let a = timed(mesh, || run_ops(&mut ops, true))?;
         if it >= WARMUP {
             times.push(t);
             base_times.push(b);
@@ -269,6 +358,7 @@ fn bench_case(mesh: &DeviceMesh, full: &Tensor, case: &Case, iters: usize) -> Re
         plan_bytes: plan.bytes(),
         base_bytes,
         plan: plan.to_string(),
+        collectives: plan.collectives() as u32,
         baseline,
     })
 }
@@ -292,15 +382,18 @@ fn baseline_ops(plan: &Plan, mesh: &DeviceMesh) -> Result<Vec<BaseOp>, BoxError>
     for (before, step) in plan.transitions() {
         let n_in: usize = before.local_shape(coord)?.iter().product();
         let n_out: usize = step.after.local_shape(coord)?.iter().product();
-        let group = step.mesh_dim.map_or(mesh.size(), |m| mesh.shape()[m]);
+        let group = step.group_size();
+        let mut counts = None;
         let (coll, send, recv, even) = match step.kind {
-            StepKind::AllGather { .. } => (Coll::AllGather, n_in, n_out, n_out == n_in * group),
+            StepKind::AllGather => (Coll::AllGather, n_in, n_out, n_out == n_in * group),
             StepKind::ReduceScatter { .. } => (Coll::ReduceScatter, n_in, n_out, n_in == n_out * group),
-            StepKind::AllReduce { .. } | StepKind::AllReduceMesh { .. } => (Coll::AllReduce, 0, n_in, true),
-            StepKind::AllToAll { .. } | StepKind::AllToAllMesh => {
-                (Coll::AllToAll, n_in, n_out, n_in == n_out && n_in.is_multiple_of(group))
+            StepKind::AllReduce { .. } => (Coll::AllReduce, 0, n_in, true),
+            StepKind::AllToAll => {
+                let c = exchange_counts(before, &step.after, &step.mesh_dims, coord)?;
+                counts = Some(c);
+                (Coll::AllToAll, n_in, n_out, true)
             }
-            StepKind::Slice { .. } => (Coll::Memcpy, n_out, n_out, true),
+            StepKind::Slice => (Coll::Memcpy, n_out, n_out, true),
             other => return Err(format!("no baseline for plan step {other:?}").into()),
         };
         if !even {
@@ -311,6 +404,11 @@ fn baseline_ops(plan: &Plan, mesh: &DeviceMesh) -> Result<Vec<BaseOp>, BoxError>
             )
             .into());
         }
+        let on = match &step.mesh_dims[..] {
+            [m] => mesh.dim(*m)?,
+            dims if dims.len() == mesh.ndim() => mesh.clone(),
+            dims => mesh.slice_dims(dims)?,
+        };
         // Ones, written here so every page is touched before timing; an all_reduce
         // works in place, so its buffer is then zeroed to stay finite over any number
         // of iterations.
@@ -320,12 +418,43 @@ fn baseline_ops(plan: &Plan, mesh: &DeviceMesh) -> Result<Vec<BaseOp>, BoxError>
         }
         ops.push(BaseOp {
             coll,
-            mesh_dim: step.mesh_dim,
+            group: step.mesh_dims.to_vec(),
+            on,
             send: vec![1.0; send],
             recv,
+            counts,
         });
     }
     Ok(ops)
+}
+
+/// Elements this rank sends to and receives from each rank of `group` when going
+/// from `before` to `after` (the group's ranks row-major over its mesh dims).
+fn exchange_counts(
+    before: &Layout,
+    after: &Layout,
+    group: &[usize],
+    coord: &[usize],
+) -> Result<(Vec<usize>, Vec<usize>), BoxError> {
+    let overlap = |(ao, ash): &(Vec<usize>, Vec<usize>), (bo, bsh): &(Vec<usize>, Vec<usize>)| -> usize {
+        (0..ao.len())
+            .map(|d| (ao[d] + ash[d]).min(bo[d] + bsh[d]).saturating_sub(ao[d].max(bo[d])))
+            .product()
+    };
+    let (mine_before, mine_after) = (before.local_region(coord)?, after.local_region(coord)?);
+    let sizes: Vec<usize> = group.iter().map(|&m| before.mesh_shape[m]).collect();
+    let (mut send, mut recv) = (Vec::new(), Vec::new());
+    for k in 0..sizes.iter().product() {
+        let mut peer = coord.to_vec();
+        let mut rest = k;
+        for (&m, &n) in group.iter().zip(&sizes).rev() {
+            peer[m] = rest % n;
+            rest /= n;
+        }
+        send.push(overlap(&mine_before, &after.local_region(&peer)?));
+        recv.push(overlap(&before.local_region(&peer)?, &mine_after));
+    }
+    Ok((send, recv))
 }
 
 /// `all_gather(8388608 f32, mesh dim 0)`, ... for the report.
@@ -343,7 +472,10 @@ fn describe(ops: &[BaseOp]) -> String {
                 Coll::AllToAll => ("all_to_all", op.send.len()),
                 Coll::Memcpy => ("memcpy", op.send.len()),
             };
-            let on = op.mesh_dim.map_or("whole mesh".into(), |m| format!("mesh dim {m}"));
+            let on = match &op.group[..] {
+                [m] => format!("mesh dim {m}"),
+                dims => format!("mesh dims {dims:?}"),
+            };
             format!("{name}({len} f32 in, {on})")
         })
         .collect();
@@ -354,13 +486,10 @@ fn describe(ops: &[BaseOp]) -> String {
 /// allocated inside the caller's timing, as redistribute allocates its outputs
 /// (zeroed, or for an all_reduce a copy of the input); those buffers are returned
 /// so that they are freed outside it.
-fn run_ops(ops: &mut [BaseOp], mesh: &DeviceMesh, fresh: bool) -> Result<Vec<Vec<f32>>, BoxError> {
+fn run_ops(ops: &mut [BaseOp], fresh: bool) -> Result<Vec<Vec<f32>>, BoxError> {
     let mut outputs = Vec::new();
     for op in ops.iter_mut() {
-        let comm = match op.mesh_dim {
-            Some(m) => mesh.dim_comm(m)?,
-            None => mesh.comm(),
-        };
+        let comm = op.on.comm();
         if fresh {
             // An all_reduce works in place, so out of place it starts from a copy
             // of its input; every other output starts as fresh zeroed memory.
@@ -377,7 +506,10 @@ fn run_ops(ops: &mut [BaseOp], mesh: &DeviceMesh, fresh: bool) -> Result<Vec<Vec
             Coll::AllGather => comm.all_gather_slice(&op.send, recv)?,
             Coll::ReduceScatter => comm.reduce_scatter_slice(&op.send, recv, ReduceOp::Sum)?,
             Coll::AllReduce => comm.all_reduce_slice(recv, ReduceOp::Sum)?,
-            Coll::AllToAll => comm.all_to_all_slice(&op.send, recv)?,
+            Coll::AllToAll => match &op.counts {
+                Some((sc, rc)) => comm.all_to_all_v(f32::buf(&op.send), sc, f32::buf_mut(recv), rc)?,
+                None => comm.all_to_all_slice(&op.send, recv)?,
+            },
             Coll::Memcpy => recv.copy_from_slice(&op.send),
         }
         black_box(recv);

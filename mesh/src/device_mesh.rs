@@ -451,12 +451,35 @@ impl DeviceMesh {
     /// No dims, unknown or repeated dims, dims out of mesh order, or a failed split.
     pub fn slice(&self, dims: &[&str]) -> Result<DeviceMesh> {
         let idx: Vec<usize> = dims.iter().map(|d| self.dim_index(*d)).collect::<Result<_>>()?;
-        if idx.is_empty() || !idx.windows(2).all(|w| w[0] < w[1]) {
+        self.slice_dims(&idx)
+    }
+
+    /// [`slice`](Self::slice) by dim index: the sub-mesh of dims `idx` (distinct,
+    /// in mesh order), collective the first time as `slice` is.
+    ///
+    /// ```
+    /// use tessera_mesh::{launch, DeviceMesh};
+    ///
+    /// let sizes = launch(8, |ctx| {
+    ///     let mesh = DeviceMesh::new(ctx.into_comm(), &[2, 2, 2])?;
+    ///     let outer = mesh.slice_dims(&[0, 2])?;
+    ///     Ok((outer.shape().to_vec(), outer.comm().size()))
+    /// })
+    /// .unwrap();
+    /// assert!(sizes.iter().all(|s| *s == (vec![2, 2], 4)));
+    /// ```
+    ///
+    /// # Errors
+    /// As [`slice`](Self::slice).
+    pub fn slice_dims(&self, idx: &[usize]) -> Result<DeviceMesh> {
+        if idx.is_empty() || !idx.windows(2).all(|w| w[0] < w[1]) || idx.iter().any(|&d| d >= self.ndim()) {
             return Err(Error::Mesh(format!(
-                "slice takes distinct mesh dims in mesh order; got {dims:?} of {:?}",
+                "slice takes distinct mesh dims in mesh order; got {idx:?} of a {}-D mesh {:?}",
+                self.ndim(),
                 self.names()
             )));
         }
+        let idx = idx.to_vec();
         if idx.len() == 1 {
             return self.dim(idx[0]);
         }

@@ -345,9 +345,10 @@ fn add_scalar_on_partial_scalar_is_one_all_reduce() {
     expect("add_scalar [P,P]", &[2, 2], &[(&x, &[P, P])], &ar(1), &[R, R], &want, f);
 }
 
-/// A partial tensor of rank ≥ 1 is reduced by exactly one collective per partial
-/// mesh dim: a reduce_scatter, the least-bytes candidate dispatch picks (half the
-/// bytes of an all_reduce), so the output is sharded.
+/// A partial tensor of rank ≥ 1 is reduced by exactly one collective: a
+/// reduce_scatter (over the flattened group when several mesh dims are partial),
+/// the least-bytes candidate dispatch picks (half the bytes of an all_reduce), so
+/// the output is sharded.
 #[test]
 fn add_scalar_on_partial_tensor_is_one_reduce_scatter() {
     let x = randn(&[5, 3], 18);
@@ -377,7 +378,7 @@ fn add_scalar_on_partial_tensor_is_one_reduce_scatter() {
         "add_scalar [P,P]",
         &[2, 2],
         &[(&x, &[P, P])],
-        &rs(2),
+        &rs(1),
         &[S(0), S(0)],
         &want,
         f,
@@ -479,5 +480,35 @@ fn reshape_merging_an_evenly_sharded_batch_dim_is_local() {
         let moved: u64 = OpKind::ALL.iter().map(|&k| c.op.calls(k)).sum();
         assert!(moved > 0, "an uneven merge redistributes ({})", c.op);
         assert!(c.full.allclose(&odd.reshape(&[9, 2]).unwrap(), 0.0, 0.0));
+    }
+}
+
+/// A pending sum plus a replicated bias stays pending: dispatch partitions the bias
+/// (no communication) instead of all-reducing the sum, so the reduction waits for
+/// the output's next layout. Into a row shard that is one reduce_scatter, half the
+/// bytes of the all_reduce the add would otherwise have run.
+#[test]
+fn partial_plus_replicated_bias_defers_the_reduction() {
+    let (x, w, b) = (randn(&[8, 6], 21), randn(&[6, 4], 22), randn(&[4], 23));
+    let want = x.matmul(&w).unwrap().add(&b).unwrap();
+    let f = |t: &[DTensor]| t[0].matmul(&t[1])?.add(&t[2]);
+    let ins = [(&x, &[S(1)][..]), (&w, &[S(0)][..]), (&b, &[R][..])];
+    expect("S(1)×S(0) + R", &[4], &ins, NONE, &[P], &want, f);
+    let ins2 = [(&x, &[S(1), R][..]), (&w, &[S(0), R][..]), (&b, &[R, R][..])];
+    expect("[S(1),R]×[S(0),R] + R", &[2, 2], &ins2, NONE, &[P, R], &want, f);
+    // Then to rows: one reduce_scatter of the 8×4 f64 output, (3/4)·256 bytes,
+    // where reducing at the add would have all-reduced 2·(3/4)·256.
+    let to_rows = |t: &[DTensor]| t[0].matmul(&t[1])?.add(&t[2])?.redistribute(&[S(0)]);
+    for c in expect(
+        "… then S(0)",
+        &[4],
+        &ins,
+        &[(OpKind::ReduceScatter, 1)],
+        &[S(0)],
+        &want,
+        to_rows,
+    ) {
+        assert_eq!(c.op.bytes(OpKind::ReduceScatter), 192, "coord {:?}: {}", c.coord, c.op);
+        assert_eq!(c.op.total_bytes(), 192, "coord {:?}: {}", c.coord, c.op);
     }
 }

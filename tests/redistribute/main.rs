@@ -8,5 +8,6 @@
 mod bucket;
 mod errors;
 mod harness;
+mod oracle;
 mod props;
 mod tables;

@@ -12,10 +12,7 @@ use tessera::mesh::OpKind;
 
 use crate::harness::on_mesh;
 
-use StepKind::{
-    AllGather as Ag, AllReduce as Ar, AllReduceMesh as ArMesh, AllToAll as A2a, AllToAllMesh, Partition,
-    ReduceScatter as Rs, Slice,
-};
+use StepKind::{AllGather as Ag, AllReduce as Ar, AllToAll as A2a, Partition, ReduceScatter as Rs, Slice};
 
 const SUM: Placement = Partial(ReduceOp::Sum);
 const AVG: Placement = Partial(ReduceOp::Avg);
@@ -34,7 +31,7 @@ fn f64_layout(mesh: &[usize], shape: &[usize], p: &[Placement], order: fn(&[Plac
     Layout::with_order(mesh, p, order(p), shape, DType::F64).unwrap()
 }
 
-/// `name: mesh, shape: src (order) -> dst (order) @ coord => [(mesh dim, kind, bytes), ...];`
+/// `name: mesh, shape: src (order) -> dst (order) @ coord => [(mesh dims, kind, bytes), ...];`
 macro_rules! plans {
     ($($name:ident: $mesh:tt, $shape:tt: $src:tt, $so:ident -> $dst:tt, $do:ident @ $coord:tt
         => [$($step:expr),* $(,)?];)*) => {$(
@@ -43,9 +40,9 @@ macro_rules! plans {
             let src = f64_layout(&$mesh, &$shape, &$src, $so);
             let dst = f64_layout(&$mesh, &$shape, &$dst, $do);
             let p = plan(&src, &dst, &$coord).unwrap();
-            let got: Vec<(Option<usize>, StepKind, u64)> =
-                p.steps.iter().map(|s| (s.mesh_dim, s.kind, s.bytes)).collect();
-            let want: Vec<(Option<usize>, StepKind, u64)> = vec![$($step),*];
+            let got: Vec<(Vec<usize>, StepKind, u64)> =
+                p.steps.iter().map(|s| (s.mesh_dims.to_vec(), s.kind, s.bytes)).collect();
+            let want: Vec<(Vec<usize>, StepKind, u64)> = vec![$($step),*];
             assert_eq!(got, want, "\n{p}");
             assert_eq!(p.dst(), &dst);
             assert_eq!(p.bytes(), want.iter().map(|s| s.2).sum::<u64>());
@@ -56,75 +53,76 @@ macro_rules! plans {
 
 plans! {
     // 1-D mesh of 4, [8, 6] f64 = 384 bytes.
-    one_s_to_r: [4], [8, 6]: [S(0)], default -> [R], default @ [1] => [(Some(0), Ag { dim: 0 }, 288)];
-    one_p_to_s: [4], [8, 6]: [SUM], default -> [S(0)], default @ [1] => [(Some(0), Rs { op: SUM_OP, dim: 0 }, 288)];
-    one_p_to_r: [4], [8, 6]: [SUM], default -> [R], default @ [1] => [(Some(0), Ar { op: SUM_OP }, 576)];
-    one_avg_to_r: [4], [8, 6]: [AVG], default -> [R], default @ [2] => [(Some(0), Ar { op: ReduceOp::Avg }, 576)];
-    one_max_to_s1: [4], [8, 6]: [MAX], default -> [S(1)], default @ [3] => [(Some(0), Rs { op: ReduceOp::Max, dim: 1 }, 288)];
+    one_s_to_r: [4], [8, 6]: [S(0)], default -> [R], default @ [1] => [(vec![0], Ag, 288)];
+    one_p_to_s: [4], [8, 6]: [SUM], default -> [S(0)], default @ [1] => [(vec![0], Rs { op: SUM_OP }, 288)];
+    one_p_to_r: [4], [8, 6]: [SUM], default -> [R], default @ [1] => [(vec![0], Ar { op: SUM_OP }, 576)];
+    one_avg_to_r: [4], [8, 6]: [AVG], default -> [R], default @ [2] => [(vec![0], Ar { op: ReduceOp::Avg }, 576)];
+    one_max_to_s1: [4], [8, 6]: [MAX], default -> [S(1)], default @ [3] => [(vec![0], Rs { op: ReduceOp::Max }, 288)];
     // Rows 2..4 of 8 → columns 2..4 of 6: keeps a 2×2 block, sends 8 elements.
-    one_s0_to_s1: [4], [8, 6]: [S(0)], default -> [S(1)], default @ [1] => [(Some(0), A2a { from: 0, to: 1 }, 64)];
+    one_s0_to_s1: [4], [8, 6]: [S(0)], default -> [S(1)], default @ [1] => [(vec![0], A2a, 64)];
     // Columns split 2, 2, 2, 0: the last rank keeps nothing and sends all 12 elements.
-    one_s0_to_s1_empty: [4], [8, 6]: [S(0)], default -> [S(1)], default @ [3] => [(Some(0), A2a { from: 0, to: 1 }, 96)];
-    one_r_to_s: [4], [8, 6]: [R], default -> [S(1)], default @ [1] => [(Some(0), Slice { dim: 1 }, 0)];
-    one_r_to_p: [4], [8, 6]: [R], default -> [SUM], default @ [1] => [(Some(0), Partition { op: SUM_OP }, 0)];
+    one_s0_to_s1_empty: [4], [8, 6]: [S(0)], default -> [S(1)], default @ [3] => [(vec![0], A2a, 96)];
+    one_r_to_s: [4], [8, 6]: [R], default -> [S(1)], default @ [1] => [(vec![0], Slice, 0)];
+    one_r_to_p: [4], [8, 6]: [R], default -> [SUM], default @ [1] => [(vec![0], Partition { op: SUM_OP }, 0)];
     one_same: [4], [8, 6]: [S(0)], default -> [S(0)], default @ [1] => [];
     // Uneven: 13 over 4 is 4, 4, 4, 1; all_gather output 104 bytes → ⌊104·3/4⌋ = 78.
-    one_uneven_gather: [4], [13]: [S(0)], default -> [R], default @ [3] => [(Some(0), Ag { dim: 0 }, 78)];
-    one_uneven_scatter: [4], [13]: [SUM], default -> [S(0)], default @ [0] => [(Some(0), Rs { op: SUM_OP, dim: 0 }, 78)];
-    one_mesh_of_3: [3], [7, 2]: [S(0)], default -> [R], default @ [2] => [(Some(0), Ag { dim: 0 }, 74)];
+    one_uneven_gather: [4], [13]: [S(0)], default -> [R], default @ [3] => [(vec![0], Ag, 78)];
+    one_uneven_scatter: [4], [13]: [SUM], default -> [S(0)], default @ [0] => [(vec![0], Rs { op: SUM_OP }, 78)];
+    one_mesh_of_3: [3], [7, 2]: [S(0)], default -> [R], default @ [2] => [(vec![0], Ag, 74)];
 
     // 2-D mesh 2×2, [4, 6] f64 = 192 bytes.
-    // Different tensor dims: no split is inside another; the planner gathers the
-    // innermost tensor dim first, while the data is small (the same bytes as the
-    // other order on this even shape: 48 + 96), so the last gather needs no copy.
+    // Different tensor dims: one all_gather over the whole mesh, (3/4)·192 (the
+    // same bytes as two per-dim gathers, 48 + 96, in one collective).
     two_s0s1_to_rr: [2, 2], [4, 6]: [S(0), S(1)], default -> [R, R], default @ [0, 0]
-        => [(Some(1), Ag { dim: 1 }, 48), (Some(0), Ag { dim: 0 }, 96)];
+        => [(vec![0, 1], Ag, 144)];
     // Partial on both mesh dims: one all_reduce over the whole mesh, 2·(3/4)·192.
     two_pp_to_rr: [2, 2], [4, 6]: [SUM, SUM], default -> [R, R], default @ [1, 0]
-        => [(None, ArMesh { op: SUM_OP }, 288)];
-    // One tensor dim split twice: the innermost split (mesh dim 1) goes first.
+        => [(vec![0, 1], Ar { op: SUM_OP }, 288)];
+    // One tensor dim split twice, in either order: one all_gather over the mesh.
     two_s0s0_to_rr: [2, 2], [4, 6]: [S(0), S(0)], default -> [R, R], default @ [0, 1]
-        => [(Some(1), Ag { dim: 0 }, 48), (Some(0), Ag { dim: 0 }, 96)];
+        => [(vec![0, 1], Ag, 144)];
     two_s0s0_reversed_to_rr: [2, 2], [4, 6]: [S(0), S(0)], reversed -> [R, R], default @ [0, 1]
-        => [(Some(0), Ag { dim: 0 }, 48), (Some(1), Ag { dim: 0 }, 96)];
+        => [(vec![0, 1], Ag, 144)];
     // Row 1 of 4 → column 1 of 4: keeps one element, sends 3.
     two_s0s0_to_s1s1: [2, 2], [4, 4]: [S(0), S(0)], default -> [S(1), S(1)], default @ [0, 1]
-        => [(None, AllToAllMesh, 24)];
+        => [(vec![0, 1], A2a, 24)];
     // Reordering the splits of one dim is one all_to_all over the mesh too: (0, 1) holds
     // rows 2..4 (block 1 of 4) and needs rows 4..6 (block 2): all 6 elements move.
     two_reorder: [2, 2], [8, 3]: [S(0), S(0)], default -> [S(0), S(0)], reversed @ [0, 1]
-        => [(None, AllToAllMesh, 48)];
+        => [(vec![0, 1], A2a, 48)];
     // (0, 1) holds rows 0..2 × columns 3..6 and needs rows 2..4 × columns 0..3: all 6 move.
     two_s0s1_to_s1s0: [2, 2], [4, 6]: [S(0), S(1)], default -> [S(1), S(0)], default @ [0, 1]
-        => [(None, AllToAllMesh, 48)];
+        => [(vec![0, 1], A2a, 48)];
     two_s0s1_to_s1s0_keeps: [2, 2], [4, 6]: [S(0), S(1)], default -> [S(1), S(0)], default @ [0, 0]
-        => [(None, AllToAllMesh, 0)];
+        => [(vec![0, 1], A2a, 0)];
     two_rr_to_s0s1: [2, 2], [4, 6]: [R, R], default -> [S(0), S(1)], default @ [1, 1]
-        => [(Some(0), Slice { dim: 0 }, 0), (Some(1), Slice { dim: 1 }, 0)];
+        => [(vec![0], Slice, 0), (vec![1], Slice, 0)];
     // Slice first, then all_reduce the half left: 96 bytes, 2·(1/2)·96.
     two_pr_to_rs: [2, 2], [4, 6]: [SUM, R], default -> [R, S(0)], default @ [0, 1]
-        => [(Some(1), Slice { dim: 0 }, 0), (Some(0), Ar { op: SUM_OP }, 96)];
+        => [(vec![1], Slice, 0), (vec![0], Ar { op: SUM_OP }, 96)];
     two_pp_to_s0s1: [2, 2], [4, 6]: [SUM, AVG], default -> [S(0), S(1)], default @ [1, 0]
-        => [(Some(0), Rs { op: SUM_OP, dim: 0 }, 96), (Some(1), Rs { op: ReduceOp::Avg, dim: 1 }, 48)];
+        => [(vec![0], Rs { op: SUM_OP }, 96), (vec![1], Rs { op: ReduceOp::Avg }, 48)];
     two_s_to_ss: [2, 2], [4, 6]: [S(0), R], default -> [S(0), S(0)], default @ [1, 1]
-        => [(Some(1), Slice { dim: 0 }, 0)];
+        => [(vec![1], Slice, 0)];
     two_one_dim_a2a: [2, 2], [4, 6]: [S(0), R], default -> [S(1), R], default @ [1, 0]
-        => [(Some(0), A2a { from: 0, to: 1 }, 48)];
+        => [(vec![0], A2a, 48)];
 
     // 3-D mesh 2×2×2, [8, 2] f64 = 128 bytes.
+    // (7/8)·128 in one all_gather, as 16 + 32 + 64 in three.
     three_sss_to_rrr: [2, 2, 2], [8, 2]: [S(0), S(0), S(0)], default -> [R, R, R], default @ [0, 0, 0]
-        => [(Some(2), Ag { dim: 0 }, 16), (Some(1), Ag { dim: 0 }, 32), (Some(0), Ag { dim: 0 }, 64)];
+        => [(vec![0, 1, 2], Ag, 112)];
+    // Mesh dims 0 and 1 flattened: (3/4)·128.
     three_ss_reversed_to_rrr: [2, 2, 2], [8, 2]: [S(0), S(0), R], reversed -> [R, R, R], default @ [0, 1, 0]
-        => [(Some(0), Ag { dim: 0 }, 32), (Some(1), Ag { dim: 0 }, 64)];
+        => [(vec![0, 1], Ag, 96)];
     three_rps_to_srs: [2, 2, 2], [8, 2]: [R, SUM, S(1)], default -> [S(0), R, S(1)], default @ [1, 0, 1]
-        => [(Some(0), Slice { dim: 0 }, 0), (Some(1), Ar { op: SUM_OP }, 32)];
+        => [(vec![0], Slice, 0), (vec![1], Ar { op: SUM_OP }, 32)];
     three_ppp_to_rrs: [2, 2, 2], [8, 2]: [SUM, SUM, SUM], default -> [R, R, S(0)], default @ [0, 0, 0]
-        => [(Some(2), Rs { op: SUM_OP, dim: 0 }, 64), (Some(0), Ar { op: SUM_OP }, 64), (Some(1), Ar { op: SUM_OP }, 64)];
+        => [(vec![2], Rs { op: SUM_OP }, 64), (vec![0, 1], Ar { op: SUM_OP }, 96)];
     // (0, 0, 1) holds rows 0..2 × column 1 and needs rows 2..4 × column 0: 2 elements move.
     three_all_shard: [2, 2, 2], [8, 2]: [S(0), S(0), S(1)], default -> [S(1), S(0), S(0)], default @ [0, 0, 1]
-        => [(None, AllToAllMesh, 16)];
+        => [(vec![0, 1, 2], A2a, 16)];
     three_all_shard_keeps: [2, 2, 2], [8, 2]: [S(0), S(0), S(1)], default -> [S(1), S(0), S(0)], default @ [0, 0, 0]
-        => [(None, AllToAllMesh, 0)];
+        => [(vec![0, 1, 2], A2a, 0)];
 }
 
 #[test]

@@ -27,22 +27,29 @@ pub(crate) fn execute(local: &Tensor, mesh: &DeviceMesh, plan: &Plan) -> Result<
     let coord = mesh.coordinate();
     let mut t = local.clone();
     for (before, step) in plan.transitions() {
-        let comm = match step.mesh_dim {
-            Some(m) => mesh.dim_comm(m)?,
-            None => mesh.comm(),
-        };
         // A one-rank group moves nothing: this rank's piece is the same before
         // and after, so no collective (and no synchronization) is issued.
         if step.kind.collective().is_some() && step.collective().is_none() {
             debug_assert_eq!(before.region(coord)?, step.after.region(coord)?);
             continue;
         }
+        // One mesh dim talks over its own communicator; several over the
+        // sub-mesh of those dims (split once per mesh, then reused).
+        let sub;
+        let comm = match &step.mesh_dims[..] {
+            [m] => mesh.dim_comm(*m)?,
+            dims if dims.len() == mesh.ndim() => mesh.comm(),
+            dims => {
+                sub = mesh.slice_dims(dims)?;
+                sub.comm()
+            }
+        };
         let ex = Exchange {
             comm,
             before,
             after: &step.after,
             coord,
-            mesh_dim: step.mesh_dim,
+            group: &step.mesh_dims,
         };
         t = crate::ops::any_dispatch!("redistribute", t.dtype(), T => ex.run::<T>(&t, step.kind)?);
     }
@@ -55,12 +62,12 @@ struct Exchange<'a> {
     before: &'a Layout,
     after: &'a Layout,
     coord: &'a [usize],
-    mesh_dim: Option<usize>,
+    group: &'a [usize],
 }
 
 impl Exchange<'_> {
     fn regions(&self, layout: &Layout) -> Result<Vec<Region>> {
-        group_coords(&layout.mesh_shape, self.coord, self.mesh_dim)
+        group_coords(&layout.mesh_shape, self.coord, self.group)
             .iter()
             .map(|c| layout.region(c))
             .collect()
@@ -74,13 +81,13 @@ impl Exchange<'_> {
         checked_len(OP, &mine_after.shape, T::DTYPE)?;
         let t = t.contiguous();
         let src: &[T] = t.as_slice()?;
-        let me = group_index(&self.before.mesh_shape, self.coord, self.mesh_dim);
+        let me = group_index(&self.before.mesh_shape, self.coord, self.group);
         let out: Vec<T> = match kind {
-            StepKind::Slice { .. } => pack(src, &mine_before, std::slice::from_ref(&mine_after))?.into_owned(),
+            StepKind::Slice => pack(src, &mine_before, std::slice::from_ref(&mine_after))?.into_owned(),
             StepKind::Partition { op } => {
-                // INVARIANT: partitions are planned along one mesh dim.
-                let m = self.mesh_dim.expect("partition along a mesh dim");
-                if self.coord[m] == 0 {
+                // Partitions are planned along one mesh dim; along several, the
+                // value stays on the group's first rank.
+                if self.group.iter().all(|&m| self.coord[m] == 0) {
                     return Ok(t);
                 }
                 return match op {
@@ -89,12 +96,12 @@ impl Exchange<'_> {
                     _ => Ok(t),
                 };
             }
-            StepKind::AllReduce { op } | StepKind::AllReduceMesh { op } => {
+            StepKind::AllReduce { op } => {
                 let mut out = buffer_for::<T>(src.len(), &mine_after)?;
                 self.comm.all_reduce_into(T::buf(src), T::buf_mut(&mut out), op)?;
                 out
             }
-            StepKind::AllGather { .. } => {
+            StepKind::AllGather => {
                 let pieces = self.regions(self.before)?;
                 let counts: Vec<usize> = pieces.iter().map(Region::numel).collect();
                 let mut recv = buffer_for::<T>(counts.iter().sum(), &mine_after)?;
@@ -110,7 +117,7 @@ impl Exchange<'_> {
                     .reduce_scatter_v(T::buf(&send), T::buf_mut(&mut recv), &counts, op)?;
                 recv
             }
-            StepKind::AllToAll { .. } | StepKind::AllToAllMesh => {
+            StepKind::AllToAll => {
                 let outgoing: Vec<Region> = self
                     .regions(self.after)?
                     .iter()

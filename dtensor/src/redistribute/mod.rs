@@ -10,6 +10,9 @@
 //! | `R → P` | local partition |
 //! | `S(i) → S(j)` | all_to_all |
 //!
+//! A step may also work along several mesh dims at once, as one collective over
+//! their flattened group (see [`plan`]).
+//!
 //! Uneven shards move through variable-count collectives, so no padding is sent and
 //! none is ever visible outside.
 
@@ -19,26 +22,24 @@ mod plan;
 pub(crate) use exec::{execute, for_each_row};
 pub use plan::{Plan, Step, StepKind, plan};
 
-/// The coordinates of the ranks a step along `mesh_dim` talks to, in the order of
-/// that step's communicator: along one mesh dim, or (for `None`) the whole mesh,
-/// row-major.
-pub(crate) fn group_coords(mesh_shape: &[usize], coord: &[usize], mesh_dim: Option<usize>) -> Vec<Vec<usize>> {
-    match mesh_dim {
-        Some(m) => (0..mesh_shape[m])
-            .map(|k| {
-                let mut c = coord.to_vec();
-                c[m] = k;
-                c
-            })
-            .collect(),
-        None => crate::sharding::mesh_coords(mesh_shape),
-    }
+/// The coordinates of the ranks a step along the mesh dims `group` talks to, in
+/// the order of that group's communicator: row-major over the group's dims, the
+/// other coordinates this rank's.
+pub(crate) fn group_coords(mesh_shape: &[usize], coord: &[usize], group: &[usize]) -> Vec<Vec<usize>> {
+    let sizes: Vec<usize> = group.iter().map(|&m| mesh_shape[m]).collect();
+    crate::sharding::mesh_coords(&sizes)
+        .into_iter()
+        .map(|sub| {
+            let mut c = coord.to_vec();
+            for (&m, v) in group.iter().zip(sub) {
+                c[m] = v;
+            }
+            c
+        })
+        .collect()
 }
 
 /// This rank's index in the group of [`group_coords`].
-pub(crate) fn group_index(mesh_shape: &[usize], coord: &[usize], mesh_dim: Option<usize>) -> usize {
-    match mesh_dim {
-        Some(m) => coord[m],
-        None => coord.iter().zip(mesh_shape).fold(0, |acc, (&c, &n)| acc * n + c),
-    }
+pub(crate) fn group_index(mesh_shape: &[usize], coord: &[usize], group: &[usize]) -> usize {
+    group.iter().fold(0, |acc, &m| acc * mesh_shape[m] + coord[m])
 }

@@ -1,86 +1,77 @@
-//! The redistribute planner: a pure function from two layouts to the list of
-//! per-mesh-dim steps that turns one into the other.
+//! The redistribute planner: a pure function from two layouts to the cheapest list
+//! of steps that turns one into the other.
 //!
-//! The state of a layout, for planning, is its placements plus, per tensor dim,
-//! the stack of mesh dims that split it (outermost first). A mesh dim can leave a
-//! stack only from the top (the innermost split), and enters one on top. For each
-//! tensor dim the common prefix of the current and target stacks stays; what lies
-//! above it in the current stack is removed innermost first, what lies above it in
-//! the target stack is added in order. Each round the planner takes the cheapest
-//! applicable move, in this order:
+//! A layout, for planning, is its placements plus, per tensor dim, the stack of
+//! mesh dims that split it (outermost first). A step works along a *group* of mesh
+//! dims: one mesh dim, or several at once as one flattened communicator (all of
+//! them: the whole mesh). The steps a group can take, with every member changing:
 //!
-//! 1. `R → S(d)`: a local slice (shrinks the data, free);
-//! 2. `P → S(d)`: reduce_scatter (shrinks the data);
-//! 3. `S(i) → S(j)`: all_to_all, when the mesh dim leaves the top of `i` and is
-//!    next to enter `j` (never a detour through Replicate);
-//! 4. `P → R`: all_reduce;
-//! 5. `S(d) → R`: all_gather of the innermost split that must go (grows the data,
-//!    so last);
-//! 6. `R → P`: a local partition.
+//! | members before → after | step | communication |
+//! |---|---|---|
+//! | `R → S(d)` (one dim) | local slice | none |
+//! | `R → P` (one dim) | local partition | none |
+//! | all `P(op) → R` | all_reduce over the group | `2(n−1)/n` of the data |
+//! | all `P(op) → S(..)` | reduce_scatter over the group | `(n−1)/n` of the data |
+//! | all `S(..) → R` | all_gather over the group | `(n−1)/n` of the result |
+//! | all `S(..) → S(..)` or `R` | all_to_all over the group | what leaves each rank |
 //!
-//! Each round makes progress (a removal can always gather; once nothing needs
-//! removing, the next mesh dim to add is Replicate or Partial), so planning ends.
-//! Among gathers, those whose target is Replicate go first, and of them the one
-//! along the innermost tensor dim (its strided copy into place then runs on the
-//! smaller data; a gather along the outermost dim needs no copy at all).
+//! A member leaves a stack only from its top (a split with other splits inside it
+//! cannot change without them) and enters on top. A collective over several mesh
+//! dims replaces a run of per-dim ones when that moves fewer bytes (`[P, R, P] →
+//! [R, R, R]` is one all_reduce over dims 0 and 2: `2(N−1)/N` of the data rather
+//! than `Σ 2(nᵢ−1)/nᵢ`) or the same bytes in fewer collectives.
 //!
-//! Two whole-mesh steps replace several per-dim ones: when both layouts shard on
-//! every mesh dim and the rounds would take more than one step, one all_to_all over
-//! the whole mesh (every element moves at most once, straight to its owner); and
-//! when every mesh dim reduces the same pending op to Replicate in a row, one
-//! all_reduce over the whole mesh (`2(N−1)/N` of the data instead of `Σ 2(nᵢ−1)/nᵢ`).
+//! The planner is Dijkstra's search over those steps, minimizing, in order: the
+//! bytes all ranks send together (the stats convention of `tessera_mesh`, summed
+//! over the mesh; exact with uneven shards), the number of collectives, then the
+//! number of steps. Every rank plans the same steps (the cost does not depend on
+//! the rank); each rank's [`Step::bytes`] are its own. The exhaustive oracle in
+//! `tessera_dtensor::testing::oracle` checks on every pair of layouts of small
+//! meshes that no sequence of such steps moves fewer bytes, or the same bytes in
+//! fewer collectives. Routes are cached per process by (source, target), so the
+//! search runs once per pair however many rank threads plan it.
+//!
+//! PyTorch: `torch.distributed.tensor._redistribute` (whose planner is greedy per
+//! mesh dim, with no flattened-group steps).
 
+use std::cmp::Reverse;
+use std::collections::hash_map::Entry;
+use std::collections::{BinaryHeap, HashMap, HashSet};
 use std::fmt;
+use std::sync::{Arc, Mutex, OnceLock};
 
 use smallvec::SmallVec;
 use tessera_mesh::{OpKind, ReduceOp};
 
+use crate::sharding::shard_size_and_offset;
 use crate::spec::{Layout, PlacementsDisplay};
 use crate::{Error, MeshDims, Placement, Result, ShardOrder};
 
-/// What one step does.
+/// What one step does along its group of mesh dims.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum StepKind {
-    /// `Shard(dim) → Replicate`: all_gather along the mesh dim.
-    AllGather {
-        /// The tensor dim gathered.
-        dim: usize,
-    },
-    /// `Partial(op) → Shard(dim)`: reduce_scatter along the mesh dim.
+    /// `Shard → Replicate` on every member: all_gather over the group.
+    AllGather,
+    /// `Partial(op) → Shard` on every member: reduce_scatter over the group.
     ReduceScatter {
         /// The pending reduction.
         op: ReduceOp,
-        /// The tensor dim scattered.
-        dim: usize,
     },
-    /// `Partial(op) → Replicate`: all_reduce along the mesh dim.
+    /// `Partial(op) → Replicate` on every member: all_reduce over the group.
     AllReduce {
         /// The pending reduction.
         op: ReduceOp,
     },
-    /// `Shard(from) → Shard(to)`: all_to_all along the mesh dim.
-    AllToAll {
-        /// The tensor dim sharded before.
-        from: usize,
-        /// The tensor dim sharded after.
-        to: usize,
-    },
-    /// An all_to_all over the whole mesh between two all-shard layouts.
-    AllToAllMesh,
-    /// `Partial(op) → Replicate` on every mesh dim at once: one all_reduce over the
-    /// whole mesh (moves `2(N−1)/N` instead of the sum of `2(nᵢ−1)/nᵢ`).
-    AllReduceMesh {
-        /// The pending reduction (the same on every mesh dim).
-        op: ReduceOp,
-    },
-    /// `Replicate → Shard(dim)`: keep this rank's slice, no communication.
-    Slice {
-        /// The tensor dim sliced.
-        dim: usize,
-    },
-    /// `Replicate → Partial(op)`: the value on one rank and the reduction's identity
-    /// elsewhere (sum, product), or the value everywhere (avg, max, min). No communication.
+    /// `Shard → Shard` (or `Replicate`) on every member, some shard moving to
+    /// another tensor dim or position: all_to_all over the group (each element
+    /// moves at most once, straight to the ranks that need it).
+    AllToAll,
+    /// `Replicate → Shard` on one mesh dim: keep this rank's slice, no communication.
+    Slice,
+    /// `Replicate → Partial(op)` on one mesh dim: the value on one rank and the
+    /// reduction's identity elsewhere (sum, product), or the value everywhere (avg,
+    /// max, min). No communication.
     Partition {
         /// The reduction made pending.
         op: ReduceOp,
@@ -88,23 +79,36 @@ pub enum StepKind {
 }
 
 impl StepKind {
-    /// The collective this step issues, if any.
+    /// The collective this step issues on a group of more than one rank, if any.
     pub fn collective(&self) -> Option<OpKind> {
         match self {
-            StepKind::AllGather { .. } => Some(OpKind::AllGather),
+            StepKind::AllGather => Some(OpKind::AllGather),
             StepKind::ReduceScatter { .. } => Some(OpKind::ReduceScatter),
-            StepKind::AllReduce { .. } | StepKind::AllReduceMesh { .. } => Some(OpKind::AllReduce),
-            StepKind::AllToAll { .. } | StepKind::AllToAllMesh => Some(OpKind::AllToAll),
-            StepKind::Slice { .. } | StepKind::Partition { .. } => None,
+            StepKind::AllReduce { .. } => Some(OpKind::AllReduce),
+            StepKind::AllToAll => Some(OpKind::AllToAll),
+            StepKind::Slice | StepKind::Partition { .. } => None,
+        }
+    }
+
+    fn name(&self) -> &'static str {
+        match self {
+            StepKind::AllGather => "all_gather",
+            StepKind::ReduceScatter { .. } => "reduce_scatter",
+            StepKind::AllReduce { .. } => "all_reduce",
+            StepKind::AllToAll => "all_to_all",
+            StepKind::Slice => "local slice",
+            StepKind::Partition { .. } => "local partition",
         }
     }
 }
 
-/// One step of a plan: a change on one mesh dim (or the whole mesh).
+/// One step of a plan: a change along one mesh dim or a flattened group of them.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Step {
-    /// The mesh dim the step works along; `None` for [`StepKind::AllToAllMesh`].
-    pub mesh_dim: Option<usize>,
+    /// The mesh dims the step works along, in mesh order: one for a per-dim step,
+    /// several for a collective over their flattened group (row-major over them),
+    /// every mesh dim for the whole mesh.
+    pub mesh_dims: MeshDims,
     /// What it does.
     pub kind: StepKind,
     /// The layout after the step.
@@ -114,12 +118,9 @@ pub struct Step {
 }
 
 impl Step {
-    /// Ranks in the step's group: the mesh dim's size, or the whole mesh's.
+    /// Ranks in the step's group: the product of its mesh dims' sizes.
     pub fn group_size(&self) -> usize {
-        match self.mesh_dim {
-            Some(m) => self.after.mesh_shape[m],
-            None => self.after.mesh_shape.iter().product(),
-        }
+        self.mesh_dims.iter().map(|&m| self.after.mesh_shape[m]).product()
     }
 
     /// The collective this step issues: its kind's, unless the group has one rank
@@ -174,22 +175,16 @@ impl fmt::Display for Plan {
         }
         writeln!(f, " ({} collectives, {} bytes/rank):", self.collectives(), self.bytes())?;
         for (i, (before, s)) in self.transitions().enumerate() {
-            let what = match s.kind {
-                StepKind::AllGather { .. } => "all_gather",
-                StepKind::ReduceScatter { .. } => "reduce_scatter",
-                StepKind::AllReduce { .. } | StepKind::AllReduceMesh { .. } => "all_reduce",
-                StepKind::AllToAll { .. } | StepKind::AllToAllMesh => "all_to_all",
-                StepKind::Slice { .. } => "local slice",
-                StepKind::Partition { .. } => "local partition",
-            };
-            let on = match s.mesh_dim {
-                Some(m) => format!("mesh dim {m}"),
-                None => "whole mesh".to_string(),
+            let on = match &s.mesh_dims[..] {
+                [m] => format!("mesh dim {m}"),
+                dims if dims.len() == s.after.mesh_shape.len() => "whole mesh".to_string(),
+                dims => format!("mesh dims {dims:?}"),
             };
             write!(
                 f,
-                "  {}. {what} on {on}: {} -> {}, {} bytes",
+                "  {}. {} on {on}: {} -> {}, {} bytes",
                 i + 1,
+                s.kind.name(),
                 PlacementsDisplay(&before.placements),
                 PlacementsDisplay(&s.after.placements),
                 s.bytes
@@ -203,10 +198,10 @@ impl fmt::Display for Plan {
 }
 
 /// The planning state: placements and, per tensor dim, its split stack.
-#[derive(Clone, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
 struct State {
     placements: SmallVec<[Placement; 4]>,
-    stacks: Vec<MeshDims>,
+    stacks: SmallVec<[MeshDims; 4]>,
 }
 
 impl State {
@@ -231,6 +226,370 @@ impl State {
             ..like.clone()
         })
     }
+
+    /// Where mesh dim `m` splits: its tensor dim and depth in that dim's stack.
+    fn position(&self, m: usize) -> Option<(usize, usize)> {
+        let d = self.placements[m].shard_dim()?;
+        self.stacks[d].iter().position(|&x| x == m).map(|i| (d, i))
+    }
+
+    /// Ranks holding each element: the product of the sizes of the mesh dims that
+    /// do not shard (replicated or partial).
+    fn replicas(&self, sizes: &[usize]) -> u128 {
+        (0..sizes.len())
+            .filter(|&m| !self.placements[m].is_shard())
+            .map(|m| sizes[m] as u128)
+            .product()
+    }
+
+    /// The (offset, length) of tensor dim `d` that the rank at `coord` holds.
+    fn extent(&self, shape: &[usize], sizes: &[usize], coord: &[usize], d: usize) -> (usize, usize) {
+        self.stacks[d].iter().fold((0, shape[d]), |(off, len), &m| {
+            let (l, o) = shard_size_and_offset(len, sizes[m], coord[m]);
+            (off + o, l)
+        })
+    }
+}
+
+/// A plan's cost, compared in field order.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord)]
+struct Cost {
+    /// Bytes sent by all ranks together, times the mesh size (so every `(n−1)/n`
+    /// share is a whole number).
+    bytes: u128,
+    collectives: u32,
+    steps: u32,
+}
+
+impl std::ops::Add for Cost {
+    type Output = Cost;
+    fn add(self, o: Cost) -> Cost {
+        Cost {
+            bytes: self.bytes + o.bytes,
+            collectives: self.collectives + o.collectives,
+            steps: self.steps + o.steps,
+        }
+    }
+}
+
+/// One move of the search: the group, what it does, and the state after.
+type Move = (MeshDims, StepKind, State);
+
+/// The fixed facts of one search.
+struct Search<'a> {
+    shape: &'a [usize],
+    sizes: &'a [usize],
+    ranks: u128,
+    numel: u128,
+    esize: u128,
+    /// The pending reductions the layouts hold (the only ones a partition makes:
+    /// a partition joins a pending reduction into a wider group, or makes the target's).
+    ops: SmallVec<[ReduceOp; 2]>,
+    /// Every mesh coordinate, row-major.
+    coords: Vec<Vec<usize>>,
+    /// The tensor dims a step may shard (every one: which dim a detour shards
+    /// matters to the bytes when splits are uneven).
+    dims: SmallVec<[usize; 4]>,
+}
+
+impl Search<'_> {
+    /// Every move from `s`.
+    fn moves(&self, s: &State) -> Vec<Move> {
+        let nm = self.sizes.len();
+        let mut out = Vec::new();
+        for m in 0..nm {
+            if s.placements[m] != Placement::Replicate {
+                continue;
+            }
+            for &d in &self.dims {
+                let mut t = s.clone();
+                t.placements[m] = Placement::Shard(d);
+                t.stacks[d].push(m);
+                out.push((SmallVec::from_slice(&[m]), StepKind::Slice, t));
+            }
+            for &op in &self.ops {
+                let mut t = s.clone();
+                t.placements[m] = Placement::Partial(op);
+                out.push((SmallVec::from_slice(&[m]), StepKind::Partition { op }, t));
+            }
+        }
+        for mask in 1usize..(1 << nm) {
+            let group: MeshDims = (0..nm).filter(|m| mask >> m & 1 == 1).collect();
+            let first = s.placements[group[0]];
+            if let Placement::Partial(op) = first {
+                if group.iter().any(|&m| s.placements[m] != first) {
+                    continue;
+                }
+                let mut t = s.clone();
+                group.iter().for_each(|&m| t.placements[m] = Placement::Replicate);
+                out.push((group.clone(), StepKind::AllReduce { op }, t));
+                for t in self.reassign(s, &group, false) {
+                    out.push((group.clone(), StepKind::ReduceScatter { op }, t));
+                }
+            } else if group.iter().all(|&m| s.placements[m].is_shard()) {
+                for t in self.exchanges(s, &group) {
+                    let kind = if group.iter().all(|&m| t.placements[m] == Placement::Replicate) {
+                        StepKind::AllGather
+                    } else {
+                        StepKind::AllToAll
+                    };
+                    out.push((group.clone(), kind, t));
+                }
+            }
+        }
+        out
+    }
+
+    /// Every state an all_gather or all_to_all over `group` (all shards in `s`)
+    /// reaches, with every member changing: each member ends `Replicate` or
+    /// splitting a tensor dim, while the other mesh dims keep their place in their
+    /// stacks. When a kept split sits above a member (in `s` or after), whether
+    /// the group's ranks still hold all each needs is checked rank by rank.
+    fn exchanges(&self, s: &State, group: &[usize]) -> Vec<State> {
+        let mut base = s.clone();
+        for stack in &mut base.stacks {
+            stack.retain(|m| !group.contains(m));
+        }
+        group.iter().for_each(|&m| base.placements[m] = Placement::Replicate);
+        // Each kept split's (index, mesh dim) in `s`.
+        let kept: Vec<Vec<(usize, usize)>> = s
+            .stacks
+            .iter()
+            .map(|st| {
+                st.iter()
+                    .enumerate()
+                    .filter(|(_, m)| !group.contains(m))
+                    .map(|(i, &m)| (i, m))
+                    .collect()
+            })
+            .collect();
+        let above = |st: &MeshDims| {
+            let first = st.iter().position(|m| group.contains(m));
+            first.is_some_and(|f| st[f..].iter().any(|m| !group.contains(m)))
+        };
+        let tangled_before = s.stacks.iter().any(above);
+        let mut out = Vec::new();
+        'next: for mut t in self.reassign(&base, group, true) {
+            // `reassign` put the members on top of the kept splits; move the kept
+            // ones back to their indices, the members filling the gaps in order.
+            for (d, keep) in kept.iter().enumerate() {
+                let members: MeshDims = t.stacks[d].iter().copied().filter(|m| group.contains(m)).collect();
+                let len = keep.len() + members.len();
+                if keep.last().is_some_and(|&(i, _)| i >= len) {
+                    continue 'next;
+                }
+                let mut fill = members.into_iter();
+                let mut k = keep.iter().peekable();
+                t.stacks[d] = (0..len)
+                    .map(|i| match k.peek() {
+                        Some(&&(at, m)) if at == i => {
+                            k.next();
+                            m
+                        }
+                        _ => fill.next().expect("as many members as gaps"),
+                    })
+                    .collect();
+            }
+            // A member that ends where it was belongs to a smaller group.
+            if group.iter().any(|&m| t.position(m) == s.position(m)) {
+                continue;
+            }
+            if (tangled_before || t.stacks.iter().any(above)) && !self.covers(s, &t, group) {
+                continue;
+            }
+            out.push(t);
+        }
+        out
+    }
+
+    /// Whether every rank's region in `t` lies in the regions its `group` holds in `s`
+    /// (which are disjoint: every member shards).
+    fn covers(&self, s: &State, t: &State, group: &[usize]) -> bool {
+        let nd = self.shape.len();
+        let region = |st: &State, c: &[usize]| -> SmallVec<[(usize, usize); 4]> {
+            (0..nd).map(|d| st.extent(self.shape, self.sizes, c, d)).collect()
+        };
+        let overlap = |a: &[(usize, usize)], b: &[(usize, usize)]| -> u128 {
+            a.iter()
+                .zip(b)
+                .map(|(&(oa, la), &(ob, lb))| ((oa + la).min(ob + lb).saturating_sub(oa.max(ob))) as u128)
+                .product()
+        };
+        self.coords.iter().all(|c| {
+            let need = region(t, c);
+            let want: u128 = need.iter().map(|&(_, l)| l as u128).product();
+            let held: u128 = super::group_coords(self.sizes, c, group)
+                .iter()
+                .map(|q| overlap(&region(s, q), &need))
+                .sum();
+            held == want
+        })
+    }
+
+    /// Every way to place `group`'s members on top of `base`'s stacks (or, with
+    /// `replicate`, leave them `Replicate`), each result once.
+    fn reassign(&self, base: &State, group: &[usize], replicate: bool) -> Vec<State> {
+        fn place(s: &State, group: &[usize], i: usize, dims: &[usize], replicate: bool, out: &mut Vec<State>) {
+            let Some(&m) = group.get(i) else {
+                out.push(s.clone());
+                return;
+            };
+            if replicate {
+                let mut t = s.clone();
+                t.placements[m] = Placement::Replicate;
+                place(&t, group, i + 1, dims, replicate, out);
+            }
+            for &d in dims {
+                // The members placed on `d` so far sit on top of its stack; `m`
+                // can go below, between or above them.
+                let top = s.stacks[d].len();
+                let placed = s.stacks[d].iter().rev().take_while(|x| group[..i].contains(x)).count();
+                for at in top - placed..=top {
+                    let mut t = s.clone();
+                    t.placements[m] = Placement::Shard(d);
+                    t.stacks[d].insert(at, m);
+                    place(&t, group, i + 1, dims, replicate, out);
+                }
+            }
+        }
+        let mut out = Vec::new();
+        place(base, group, 0, &self.dims, replicate, &mut out);
+        out
+    }
+
+    /// The cost of one move from `s` to `t`.
+    fn cost(&self, s: &State, (group, kind, t): &Move) -> Cost {
+        let n: u128 = group.iter().map(|&m| self.sizes[m] as u128).product();
+        let step = Cost {
+            bytes: 0,
+            collectives: 0,
+            steps: 1,
+        };
+        if n == 1 || kind.collective().is_none() {
+            return step;
+        }
+        let data = |st: &State| self.numel * st.replicas(self.sizes) * self.esize;
+        let share = (n - 1) * (self.ranks / n);
+        let bytes = match kind {
+            StepKind::AllReduce { .. } => 2 * share * data(s),
+            StepKind::ReduceScatter { .. } => share * data(s),
+            StepKind::AllGather => share * data(t),
+            // Each rank sends what the group's ranks need of its piece, less what it keeps.
+            _ => {
+                let needers: u128 = group
+                    .iter()
+                    .filter(|&&m| t.placements[m] == Placement::Replicate)
+                    .map(|&m| self.sizes[m] as u128)
+                    .product();
+                self.ranks * (data(s) * needers - self.kept(s, t) * self.esize)
+            }
+        };
+        Cost {
+            bytes,
+            collectives: 1,
+            steps: 1,
+        }
+    }
+
+    /// Elements every rank holds both in `s` and in `t`, summed over the mesh.
+    fn kept(&self, s: &State, t: &State) -> u128 {
+        self.coords
+            .iter()
+            .map(|c| {
+                (0..self.shape.len())
+                    .map(|d| {
+                        let (a, la) = s.extent(self.shape, self.sizes, c, d);
+                        let (b, lb) = t.extent(self.shape, self.sizes, c, d);
+                        ((a + la).min(b + lb).saturating_sub(a.max(b))) as u128
+                    })
+                    .product::<u128>()
+            })
+            .sum()
+    }
+
+    /// The cheapest route from `src` to every state it reaches: Dijkstra's search
+    /// over [`moves`](Self::moves), run to the end (a dispatch asks for the routes
+    /// from one input layout to every candidate's, and each comes from one tree).
+    fn explore(&self, src: State) -> Tree {
+        let mut nodes: Vec<Node> = vec![(src.clone(), Cost::default(), None)];
+        let mut index: HashMap<State, usize> = HashMap::from([(src, 0)]);
+        let mut done: HashSet<usize> = HashSet::new();
+        let mut heap = BinaryHeap::from([Reverse((Cost::default(), 0usize))]);
+        while let Some(Reverse((cost, i))) = heap.pop() {
+            if !done.insert(i) {
+                continue;
+            }
+            let here = nodes[i].0.clone();
+            for mv in self.moves(&here) {
+                let c = cost + self.cost(&here, &mv);
+                let (group, kind, t) = mv;
+                match index.entry(t) {
+                    Entry::Occupied(e) => {
+                        let j = *e.get();
+                        if c < nodes[j].1 {
+                            nodes[j].1 = c;
+                            nodes[j].2 = Some((i, group, kind));
+                            heap.push(Reverse((c, j)));
+                        }
+                    }
+                    Entry::Vacant(e) => {
+                        let j = nodes.len();
+                        nodes.push((e.key().clone(), c, Some((i, group, kind))));
+                        e.insert(j);
+                        heap.push(Reverse((c, j)));
+                    }
+                }
+            }
+        }
+        Tree { nodes, index }
+    }
+}
+
+/// A search node: its state, its cost from the root, and the move from its parent.
+type Node = (State, Cost, Option<(usize, MeshDims, StepKind)>);
+
+/// Every state one source reaches, each with its cheapest route.
+struct Tree {
+    nodes: Vec<Node>,
+    index: HashMap<State, usize>,
+}
+
+impl Tree {
+    /// The moves from the root to `dst`, `None` when it is not reached.
+    fn route_to(&self, dst: &State) -> Option<Vec<Move>> {
+        let mut at = *self.index.get(dst)?;
+        let mut route = Vec::new();
+        while let Some((parent, group, kind)) = self.nodes[at].2.clone() {
+            route.push((group, kind, self.nodes[at].0.clone()));
+            at = parent;
+        }
+        route.reverse();
+        Some(route)
+    }
+}
+
+/// Search trees, by source layout and the pending reductions partitions may make.
+type Trees = HashMap<(Layout, SmallVec<[ReduceOp; 2]>), Arc<Tree>>;
+
+fn trees() -> &'static Mutex<Trees> {
+    static TREES: OnceLock<Mutex<Trees>> = OnceLock::new();
+    TREES.get_or_init(Mutex::default)
+}
+
+/// The most trees the process keeps.
+const TREES_LEN: usize = 256;
+
+/// The most routes the process keeps.
+const CACHE_LEN: usize = 4096;
+
+/// A route: each step's group, kind and layout after.
+type Route = Arc<[(MeshDims, StepKind, Layout)]>;
+
+/// Routes found, by (source, target) layout, shared by every rank thread of the
+/// process (they plan the same pairs).
+fn routes() -> &'static Mutex<HashMap<(Layout, Layout), Route>> {
+    static ROUTES: OnceLock<Mutex<HashMap<(Layout, Layout), Route>>> = OnceLock::new();
+    ROUTES.get_or_init(Mutex::default)
 }
 
 /// Plans the redistribution from `src` to `dst`, reporting the bytes that the rank at
@@ -242,6 +601,45 @@ impl State {
 /// (neither has a meaning: a shard is not a pending sum, and pending reductions
 /// cannot be converted without reducing).
 pub fn plan(src: &Layout, dst: &Layout, coord: &[usize]) -> Result<Plan> {
+    check(src, dst)?;
+    let key = (src.clone(), dst.clone());
+    // A poisoned lock only means another thread panicked while holding it; the
+    // map itself is always whole (one insert or clear at a time).
+    let cached = routes().lock().unwrap_or_else(|e| e.into_inner()).get(&key).cloned();
+    let route = match cached {
+        Some(route) => route,
+        None => {
+            let route = find_route(src, dst)?;
+            let mut r = routes().lock().unwrap_or_else(|e| e.into_inner());
+            if r.len() >= CACHE_LEN {
+                r.clear();
+            }
+            r.insert(key, route.clone());
+            route
+        }
+    };
+
+    let mut steps = Vec::with_capacity(route.len());
+    let mut before = src;
+    for (group, kind, after) in route.iter() {
+        let bytes = step_bytes(before, after, group, *kind, coord)?;
+        steps.push(Step {
+            mesh_dims: group.clone(),
+            kind: *kind,
+            after: after.clone(),
+            bytes,
+        });
+        before = after;
+    }
+    Ok(Plan {
+        src: src.clone(),
+        steps,
+    })
+}
+
+/// The layouts must be on one mesh with one shape and dtype, and each mesh dim's
+/// change must have a meaning.
+fn check(src: &Layout, dst: &Layout) -> Result<()> {
     let err = |detail: String| Error::Placement {
         op: "redistribute",
         detail,
@@ -278,203 +676,86 @@ pub fn plan(src: &Layout, dst: &Layout, coord: &[usize]) -> Result<Plan> {
             _ => {}
         }
     }
-    let target = State::of(dst);
-    let mut cur = State::of(src);
-    let mut steps = Vec::new();
-    let mut before = src.clone();
-    while cur != target {
-        let (mesh_dim, kind) = next_move(&cur, &target);
-        apply(&mut cur, mesh_dim, kind);
-        let after = cur.layout(src)?;
-        let bytes = step_bytes(&before, &after, Some(mesh_dim), kind, coord)?;
-        steps.push(Step {
-            mesh_dim: Some(mesh_dim),
-            kind,
-            after: after.clone(),
-            bytes,
-        });
-        before = after;
-    }
-    let all_shard = |l: &Layout| l.placements.iter().all(|p| p.is_shard());
-    if steps.len() > 1 && all_shard(src) && all_shard(dst) {
-        let after = dst.clone();
-        let bytes = step_bytes(src, &after, None, StepKind::AllToAllMesh, coord)?;
-        steps = vec![Step {
-            mesh_dim: None,
-            kind: StepKind::AllToAllMesh,
-            after,
-            bytes,
-        }];
-    }
-    merge_all_reduces(src, &mut steps, coord)?;
-    Ok(Plan {
-        src: src.clone(),
-        steps,
-    })
-}
-
-/// Replaces a run of all_reduces with one op, covering every mesh dim, by one
-/// all_reduce over the whole mesh.
-fn merge_all_reduces(src: &Layout, steps: &mut Vec<Step>, coord: &[usize]) -> Result<()> {
-    let ndim = src.mesh_shape.len();
-    if ndim < 2 {
-        return Ok(());
-    }
-    for start in 0..steps.len() {
-        let StepKind::AllReduce { op } = steps[start].kind else {
-            continue;
-        };
-        let run = steps[start..]
-            .iter()
-            .take_while(|s| s.kind == StepKind::AllReduce { op })
-            .count();
-        if run == ndim {
-            let before = if start == 0 {
-                src.clone()
-            } else {
-                steps[start - 1].after.clone()
-            };
-            let after = steps[start + run - 1].after.clone();
-            let kind = StepKind::AllReduceMesh { op };
-            let bytes = step_bytes(&before, &after, None, kind, coord)?;
-            let merged = Step {
-                mesh_dim: None,
-                kind,
-                after,
-                bytes,
-            };
-            steps.splice(start..start + run, [merged]);
-            return Ok(());
-        }
-    }
     Ok(())
 }
 
-/// Where each tensor dim's current and target stacks first differ.
-fn prefix(cur: &[usize], tgt: &[usize]) -> usize {
-    cur.iter().zip(tgt).take_while(|(a, b)| a == b).count()
-}
-
-/// The next move, by the priority in the module docs.
-fn next_move(cur: &State, tgt: &State) -> (usize, StepKind) {
-    let nd = cur.stacks.len();
-    let p: Vec<usize> = (0..nd).map(|d| prefix(&cur.stacks[d], &tgt.stacks[d])).collect();
-    let removals_done = |d: usize| cur.stacks[d].len() == p[d];
-    // Can mesh dim m enter tensor dim d's stack now?
-    let can_enter = |m: usize, d: usize| removals_done(d) && tgt.stacks[d].get(p[d]) == Some(&m);
-    // Does mesh dim m sit on top of d's stack, above the common prefix?
-    let must_leave_top = |m: usize, d: usize| !removals_done(d) && cur.stacks[d].last() == Some(&m);
-    let nm = cur.placements.len();
-    let find = |f: &dyn Fn(usize, Placement, Placement) -> Option<StepKind>| {
-        (0..nm).find_map(|m| f(m, cur.placements[m], tgt.placements[m]).map(|k| (m, k)))
+/// Searches the cheapest route and turns its states into layouts.
+fn find_route(src: &Layout, dst: &Layout) -> Result<Route> {
+    let shape: Vec<usize> = src.shape.to_vec();
+    let sizes: Vec<usize> = src.mesh_shape.to_vec();
+    let mut ops: SmallVec<[ReduceOp; 2]> = SmallVec::new();
+    for (_, op) in src.partial_ops().chain(dst.partial_ops()) {
+        if !ops.contains(&op) {
+            ops.push(op);
+        }
+    }
+    // One order for the tree cache's key.
+    ops.sort_by_key(|op| *op as u8);
+    let dims: SmallVec<[usize; 4]> = (0..shape.len()).collect();
+    let search = Search {
+        shape: &shape,
+        sizes: &sizes,
+        ranks: sizes.iter().map(|&n| n as u128).product(),
+        numel: shape.iter().map(|&n| n as u128).product(),
+        esize: src.dtype.size_in_bytes() as u128,
+        ops,
+        coords: crate::sharding::mesh_coords(&sizes),
+        dims,
     };
-    let rules: [&dyn Fn(usize, Placement, Placement) -> Option<StepKind>; 4] = [
-        &|m, a, b| match (a, b) {
-            (Placement::Replicate, Placement::Shard(d)) if can_enter(m, d) => Some(StepKind::Slice { dim: d }),
-            _ => None,
-        },
-        &|m, a, b| match (a, b) {
-            (Placement::Partial(op), Placement::Shard(d)) if can_enter(m, d) => {
-                Some(StepKind::ReduceScatter { op, dim: d })
+    let key = (src.clone(), search.ops.clone());
+    let cached = trees().lock().unwrap_or_else(|e| e.into_inner()).get(&key).cloned();
+    let tree = match cached {
+        Some(tree) => tree,
+        None => {
+            let tree = Arc::new(search.explore(State::of(src)));
+            let mut t = trees().lock().unwrap_or_else(|e| e.into_inner());
+            if t.len() >= TREES_LEN {
+                t.clear();
             }
-            _ => None,
-        },
-        &|m, a, b| match (a, b) {
-            (Placement::Shard(i), Placement::Shard(j)) if i != j && must_leave_top(m, i) && can_enter(m, j) => {
-                Some(StepKind::AllToAll { from: i, to: j })
-            }
-            _ => None,
-        },
-        &|_, a, b| match (a, b) {
-            (Placement::Partial(op), Placement::Replicate) => Some(StepKind::AllReduce { op }),
-            _ => None,
-        },
-    ];
-    for rule in rules {
-        if let Some(mv) = find(rule) {
-            return mv;
+            t.insert(key, tree.clone());
+            tree
         }
-    }
-    // Gathers grow the data: first those whose target is Replicate, and among them
-    // the one along the innermost tensor dim (its copy into place is the strided
-    // one, cheapest while the data is small; a later gather along an outer dim
-    // needs no copy at all).
-    let gather = |to_replicate: bool| {
-        (0..nm)
-            .filter_map(|m| match (cur.placements[m], tgt.placements[m]) {
-                (Placement::Shard(d), b) if must_leave_top(m, d) && (b == Placement::Replicate) == to_replicate => {
-                    Some((m, d))
-                }
-                _ => None,
-            })
-            .max_by_key(|&(m, d)| (d, std::cmp::Reverse(m)))
     };
-    if let Some((m, d)) = gather(true).or_else(|| gather(false)) {
-        return (m, StepKind::AllGather { dim: d });
-    }
-    // Only partitions are left (see the module docs for why).
-    match find(&|_, a, b| match (a, b) {
-        (Placement::Replicate, Placement::Partial(op)) => Some(StepKind::Partition { op }),
-        _ => None,
-    }) {
-        Some(mv) => mv,
-        // INVARIANT: `cur != tgt` and every other difference has a rule above.
-        None => unreachable!("redistribute planner found no move"),
-    }
+    let route = tree.route_to(&State::of(dst)).ok_or_else(|| Error::Placement {
+        op: "redistribute",
+        detail: format!(
+            "no plan from {} to {}",
+            PlacementsDisplay(&src.placements),
+            PlacementsDisplay(&dst.placements)
+        ),
+    })?;
+    route
+        .into_iter()
+        .map(|(group, kind, state)| Ok((group, kind, state.layout(src)?)))
+        .collect()
 }
 
-fn apply(s: &mut State, m: usize, kind: StepKind) {
-    let to = match kind {
-        StepKind::AllGather { dim } => {
-            s.stacks[dim].pop();
-            Placement::Replicate
-        }
-        StepKind::AllReduce { .. } => Placement::Replicate,
-        StepKind::ReduceScatter { dim, .. } | StepKind::Slice { dim } => {
-            s.stacks[dim].push(m);
-            Placement::Shard(dim)
-        }
-        StepKind::AllToAll { from, to } => {
-            s.stacks[from].pop();
-            s.stacks[to].push(m);
-            Placement::Shard(to)
-        }
-        StepKind::Partition { op } => Placement::Partial(op),
-        StepKind::AllToAllMesh | StepKind::AllReduceMesh { .. } => return,
-    };
-    s.placements[m] = to;
-}
-
-/// Bytes the rank at `coord` sends in one step (see `tessera_mesh::stats`).
+/// Bytes the rank at `coord` sends in one step along `group` (see `tessera_mesh::stats`).
 pub(crate) fn step_bytes(
     before: &Layout,
     after: &Layout,
-    mesh_dim: Option<usize>,
+    group: &[usize],
     kind: StepKind,
     coord: &[usize],
 ) -> Result<u64> {
     let esize = before.dtype.size_in_bytes();
-    let n = mesh_dim.map_or(before.mesh_shape.iter().product(), |m| before.mesh_shape[m]);
+    let n = group.iter().map(|&m| before.mesh_shape[m]).product();
     let bytes = match kind {
-        StepKind::AllGather { .. } => OpKind::AllGather.bytes_sent(n, after.region(coord)?.numel() * esize),
+        StepKind::AllGather => OpKind::AllGather.bytes_sent(n, after.region(coord)?.numel() * esize),
         StepKind::ReduceScatter { .. } => OpKind::ReduceScatter.bytes_sent(n, before.region(coord)?.numel() * esize),
-        StepKind::AllReduce { .. } | StepKind::AllReduceMesh { .. } => {
-            OpKind::AllReduce.bytes_sent(n, before.region(coord)?.numel() * esize)
-        }
-        StepKind::AllToAll { .. } | StepKind::AllToAllMesh => {
+        StepKind::AllReduce { .. } => OpKind::AllReduce.bytes_sent(n, before.region(coord)?.numel() * esize),
+        StepKind::AllToAll => {
             let mine = before.region(coord)?;
+            let me = super::group_index(&before.mesh_shape, coord, group);
             let mut off_rank = 0;
-            for (q, peer) in super::group_coords(&before.mesh_shape, coord, mesh_dim)
-                .iter()
-                .enumerate()
-            {
-                if q != super::group_index(&before.mesh_shape, coord, mesh_dim) {
+            for (q, peer) in super::group_coords(&before.mesh_shape, coord, group).iter().enumerate() {
+                if q != me {
                     off_rank += mine.intersect(&after.region(peer)?).numel();
                 }
             }
             (off_rank * esize) as u64
         }
-        StepKind::Slice { .. } | StepKind::Partition { .. } => 0,
+        StepKind::Slice | StepKind::Partition { .. } => 0,
     };
     Ok(bytes)
 }

@@ -83,10 +83,14 @@ pub struct Choice {
     pub cost: u64,
 }
 
-/// Picks the candidate whose input redistributions cost the fewest bytes (ties: the
-/// earliest). Candidates whose placements do not fit an input (a shard dim past its
-/// rank, a reduction its dtype lacks, a partial placement the input does not
-/// already have) are skipped. `op` names the op in errors.
+/// Picks the candidate whose input redistributions cost the fewest bytes (ties:
+/// fewer steps, then the earliest). Candidates whose placements do not fit an input
+/// (a shard dim past its rank, a reduction its dtype lacks, a shard or another
+/// pending reduction made partial) are skipped. A replicated input may be made
+/// `Partial` (a local partition, no bytes): `x P + bias R` runs as `P + P → P`, so
+/// the reduction waits for the output's next layout (a reduce_scatter into a
+/// sequence shard moves half an all_reduce's bytes) instead of running at once.
+/// `op` names the op in errors.
 ///
 /// # Errors
 /// No candidate fits the inputs.
@@ -100,14 +104,6 @@ pub fn choose(op: &'static str, inputs: &[&Layout], candidates: &[Candidate]) ->
         let mut plans = Vec::with_capacity(inputs.len());
         let (mut cost, mut steps) = (0, 0);
         for (l, target) in inputs.iter().zip(&c.inputs) {
-            // Making a value partial is for internal use (it never saves work here).
-            if l.placements
-                .iter()
-                .zip(target)
-                .any(|(a, b)| !a.is_partial() && b.is_partial())
-            {
-                continue 'next;
-            }
             let Ok(dst) = Layout::with_order(
                 &l.mesh_shape,
                 target,
@@ -193,11 +189,25 @@ mod tests {
     }
 
     #[test]
-    fn never_makes_values_partial() {
+    fn makes_a_replicated_operand_partial_only_to_defer_a_reduction() {
+        // Nothing pending: a partition would be a step for nothing.
         let cands = einsum("mk,kn->mn", 1).unwrap();
         let (a, b) = (layout(&[R], &[8, 16]), layout(&[R], &[16, 4]));
         let c = choose("matmul", &[&a, &b], &cands).unwrap();
         assert!(c.candidate.inputs.iter().all(|p| !p[0].is_partial()));
+        // A pending sum plus a replicated bias: the bias is partitioned (no bytes)
+        // and the sum stays pending, rather than all-reducing x now.
+        let add = pointwise(&[&[8, 4], &[4]], &[8, 4], 1, Linearity::Additive);
+        let (x, bias) = (layout(&[Partial(Sum)], &[8, 4]), layout(&[R], &[4]));
+        let c = choose("add", &[&x, &bias], &add).unwrap();
+        assert_eq!(c.candidate.output.to_vec(), vec![Partial(Sum)]);
+        assert_eq!(c.candidate.inputs[1].to_vec(), vec![Partial(Sum)]);
+        assert_eq!(c.cost, 0);
+        // A shard is never made partial.
+        let (x, bias) = (layout(&[S(0)], &[8, 4]), layout(&[S(0)], &[8, 4]));
+        let add = pointwise(&[&[8, 4], &[8, 4]], &[8, 4], 1, Linearity::Additive);
+        let c = choose("add", &[&x, &bias], &add).unwrap();
+        assert_eq!(c.candidate.output.to_vec(), vec![S(0)]);
     }
 
     #[test]

@@ -11,9 +11,13 @@
 //!   [`partial_local`] (per-rank partial values whose reduction is the full tensor).
 //! - [`collective_bound`]: the most bytes a rank may send in one collective, from the
 //!   local shapes before and after it.
+//! - [`oracle`]: every layout of a small mesh and every one-collective step between
+//!   them, for the cheapest plans by exhaustive search.
 //!
 //! Every strategy builds valid layouts by construction (no rejection), and shrinks
 //! toward small meshes, small shapes, `f64`, and the default shard order.
+
+pub mod oracle;
 
 use std::fmt;
 
@@ -421,7 +425,7 @@ fn mix(seed: u64, a: u64, b: u64) -> u64 {
 /// | all_gather | `(n−1)/n · b` of the local output |
 /// | reduce_scatter | `(n−1)/n · b` of the local input |
 /// | all_reduce | `2 (n−1)/n · b` of the local buffer |
-/// | all_to_all | max(`(n−1)/n · b` of the local input, the local input this rank does not keep) |
+/// | all_to_all | max(`(n−1)/n · b` of the local input, `c · b` less what this rank keeps), `c` the product of the sizes of the mesh dims that go from `Shard` to `Replicate` |
 ///
 /// Other kinds (no collective, broadcast, barrier) get 0.
 ///
@@ -445,8 +449,16 @@ pub fn collective_bound(before: &Layout, after: &Layout, kind: OpKind, n: usize,
                     hi.saturating_sub(lo)
                 })
                 .product();
+            // Mesh dims that go from a shard to Replicate: each of the local
+            // input's elements goes to that many ranks.
+            let copies: usize = (0..before.mesh_shape.len())
+                .filter(|&m| before.placements[m].is_shard() && after.placements[m].is_replicate())
+                .map(|m| before.mesh_shape[m])
+                .product();
             let local = bytes(&in_shape);
-            OpKind::AllToAll.bytes_sent(n, local).max((local - kept * esize) as u64)
+            OpKind::AllToAll
+                .bytes_sent(n, local)
+                .max((local * copies - kept * esize) as u64)
         }
         _ => 0,
     })
