@@ -287,9 +287,6 @@ struct Search<'a> {
     ops: SmallVec<[ReduceOp; 2]>,
     /// Every mesh coordinate, row-major.
     coords: Vec<Vec<usize>>,
-    /// The tensor dims a step may shard (every one: which dim a detour shards
-    /// matters to the bytes when splits are uneven).
-    dims: SmallVec<[usize; 4]>,
 }
 
 impl Search<'_> {
@@ -301,7 +298,9 @@ impl Search<'_> {
             if s.placements[m] != Placement::Replicate {
                 continue;
             }
-            for &d in &self.dims {
+            // Every tensor dim, not only those either layout shards: which dim a
+            // detour shards matters to the bytes when splits are uneven.
+            for d in 0..self.shape.len() {
                 let mut t = s.clone();
                 t.placements[m] = Placement::Shard(d);
                 t.stacks[d].push(m);
@@ -405,25 +404,21 @@ impl Search<'_> {
     /// Whether every rank's region in `t` lies in the regions its `group` holds in `s`
     /// (which are disjoint: every member shards).
     fn covers(&self, s: &State, t: &State, group: &[usize]) -> bool {
-        let nd = self.shape.len();
-        let region = |st: &State, c: &[usize]| -> SmallVec<[(usize, usize); 4]> {
-            (0..nd).map(|d| st.extent(self.shape, self.sizes, c, d)).collect()
-        };
-        let overlap = |a: &[(usize, usize)], b: &[(usize, usize)]| -> u128 {
-            a.iter()
-                .zip(b)
-                .map(|(&(oa, la), &(ob, lb))| ((oa + la).min(ob + lb).saturating_sub(oa.max(ob))) as u128)
-                .product()
-        };
         self.coords.iter().all(|c| {
-            let need = region(t, c);
-            let want: u128 = need.iter().map(|&(_, l)| l as u128).product();
+            let need = self.region(t, c);
             let held: u128 = super::group_coords(self.sizes, c, group)
                 .iter()
-                .map(|q| overlap(&region(s, q), &need))
+                .map(|q| overlap(&self.region(s, q), &need))
                 .sum();
-            held == want
+            held == overlap(&need, &need)
         })
+    }
+
+    /// The (offset, length) per tensor dim that the rank at `coord` holds in `st`.
+    fn region(&self, st: &State, coord: &[usize]) -> SmallVec<[(usize, usize); 4]> {
+        (0..self.shape.len())
+            .map(|d| st.extent(self.shape, self.sizes, coord, d))
+            .collect()
     }
 
     /// Every way to place `group`'s members on top of `base`'s stacks (or, with
@@ -453,7 +448,8 @@ impl Search<'_> {
             }
         }
         let mut out = Vec::new();
-        place(base, group, 0, &self.dims, replicate, &mut out);
+        let dims: Vec<usize> = (0..self.shape.len()).collect();
+        place(base, group, 0, &dims, replicate, &mut out);
         out
     }
 
@@ -495,15 +491,7 @@ impl Search<'_> {
     fn kept(&self, s: &State, t: &State) -> u128 {
         self.coords
             .iter()
-            .map(|c| {
-                (0..self.shape.len())
-                    .map(|d| {
-                        let (a, la) = s.extent(self.shape, self.sizes, c, d);
-                        let (b, lb) = t.extent(self.shape, self.sizes, c, d);
-                        ((a + la).min(b + lb).saturating_sub(a.max(b))) as u128
-                    })
-                    .product::<u128>()
-            })
+            .map(|c| overlap(&self.region(s, c), &self.region(t, c)))
             .sum()
     }
 
@@ -543,6 +531,14 @@ impl Search<'_> {
         }
         Tree { nodes, index }
     }
+}
+
+/// Elements in both boxes, each given as (offset, length) per dim.
+fn overlap(a: &[(usize, usize)], b: &[(usize, usize)]) -> u128 {
+    a.iter()
+        .zip(b)
+        .map(|(&(oa, la), &(ob, lb))| ((oa + la).min(ob + lb).saturating_sub(oa.max(ob))) as u128)
+        .product()
 }
 
 /// A search node: its state, its cost from the root, and the move from its parent.
@@ -691,7 +687,6 @@ fn find_route(src: &Layout, dst: &Layout) -> Result<Route> {
     }
     // One order for the tree cache's key.
     ops.sort_by_key(|op| *op as u8);
-    let dims: SmallVec<[usize; 4]> = (0..shape.len()).collect();
     let search = Search {
         shape: &shape,
         sizes: &sizes,
@@ -700,7 +695,6 @@ fn find_route(src: &Layout, dst: &Layout) -> Result<Route> {
         esize: src.dtype.size_in_bytes() as u128,
         ops,
         coords: crate::sharding::mesh_coords(&sizes),
-        dims,
     };
     let key = (src.clone(), search.ops.clone());
     let cached = trees().lock().unwrap_or_else(|e| e.into_inner()).get(&key).cloned();
