@@ -28,15 +28,17 @@
 //! the rank); each rank's [`Step::bytes`] are its own. The exhaustive oracle in
 //! `tessera_dtensor::testing::oracle` checks on every pair of layouts of small
 //! meshes that no sequence of such steps moves fewer bytes, or the same bytes in
-//! fewer collectives. Routes are cached per process by (source, target), so the
-//! search runs once per pair however many rank threads plan it.
+//! fewer collectives. The search from a source grows only as far as the targets
+//! asked of it need (states settle in cost order), and is kept per process and
+//! shared by every shape alike up to evenly split dims; routes are cached by
+//! (source, target), so rank threads planning the same pair search once.
 //!
 //! PyTorch: `torch.distributed.tensor._redistribute` (whose planner is greedy per
 //! mesh dim, with no flattened-group steps).
 
 use std::cmp::Reverse;
 use std::collections::hash_map::Entry;
-use std::collections::{BinaryHeap, HashMap, HashSet};
+use std::collections::{BinaryHeap, HashMap};
 use std::fmt;
 use std::sync::{Arc, Mutex, OnceLock};
 
@@ -254,8 +256,9 @@ impl State {
 /// A plan's cost, compared in field order.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord)]
 struct Cost {
-    /// Bytes sent by all ranks together, times the mesh size (so every `(n−1)/n`
-    /// share is a whole number).
+    /// Elements of the search's shape sent by all ranks together, times the mesh
+    /// size (so every `(n−1)/n` share is a whole number): the bytes up to one
+    /// factor, the same for every route (see [`Search::new`]).
     bytes: u128,
     collectives: u32,
     steps: u32,
@@ -276,20 +279,50 @@ impl std::ops::Add for Cost {
 type Move = (MeshDims, StepKind, State);
 
 /// The fixed facts of one search.
-struct Search<'a> {
-    shape: &'a [usize],
-    sizes: &'a [usize],
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+struct Search {
+    /// The tensor's shape, each dim that every split divides evenly standing as
+    /// the mesh size (see [`Search::new`]).
+    shape: Vec<usize>,
+    sizes: Vec<usize>,
     ranks: u128,
     numel: u128,
-    esize: u128,
     /// The pending reductions the layouts hold (the only ones a partition makes:
-    /// a partition joins a pending reduction into a wider group, or makes the target's).
+    /// a partition joins a pending reduction into a wider group, or makes the target's),
+    /// in one order.
     ops: SmallVec<[ReduceOp; 2]>,
     /// Every mesh coordinate, row-major.
     coords: Vec<Vec<usize>>,
 }
 
-impl Search<'_> {
+impl Search {
+    /// The search for redistributing tensors of `shape` over a mesh of `sizes`,
+    /// partitions making only `ops`.
+    ///
+    /// A tensor dim whose size is a nonzero multiple of the mesh size splits
+    /// evenly under every stack of mesh dims (their sizes' product divides the
+    /// mesh size), so each rank's extent of it, every overlap, and so every
+    /// step's bytes scale with its size: one factor for every route. The search
+    /// runs such a dim as the mesh size itself, and every shape (and dtype) alike
+    /// in the other dims shares one search tree: the parameters of a model, with
+    /// many shapes and a few layouts, plan in a few trees.
+    fn new(shape: &[usize], sizes: &[usize], mut ops: SmallVec<[ReduceOp; 2]>) -> Search {
+        let ranks = sizes.iter().product::<usize>().max(1);
+        let shape: Vec<usize> = shape
+            .iter()
+            .map(|&n| if n > 0 && n % ranks == 0 { ranks } else { n })
+            .collect();
+        ops.sort_by_key(|op| *op as u8);
+        Search {
+            ranks: ranks as u128,
+            numel: shape.iter().map(|&n| n as u128).product(),
+            coords: crate::sharding::mesh_coords(sizes),
+            shape,
+            sizes: sizes.to_vec(),
+            ops,
+        }
+    }
+
     /// Every move from `s`.
     fn moves(&self, s: &State) -> Vec<Move> {
         let nm = self.sizes.len();
@@ -406,7 +439,7 @@ impl Search<'_> {
     fn covers(&self, s: &State, t: &State, group: &[usize]) -> bool {
         self.coords.iter().all(|c| {
             let need = self.region(t, c);
-            let held: u128 = super::group_coords(self.sizes, c, group)
+            let held: u128 = super::group_coords(&self.sizes, c, group)
                 .iter()
                 .map(|q| overlap(&self.region(s, q), &need))
                 .sum();
@@ -417,7 +450,7 @@ impl Search<'_> {
     /// The (offset, length) per tensor dim that the rank at `coord` holds in `st`.
     fn region(&self, st: &State, coord: &[usize]) -> SmallVec<[(usize, usize); 4]> {
         (0..self.shape.len())
-            .map(|d| st.extent(self.shape, self.sizes, coord, d))
+            .map(|d| st.extent(&self.shape, &self.sizes, coord, d))
             .collect()
     }
 
@@ -464,7 +497,7 @@ impl Search<'_> {
         if n == 1 || kind.collective().is_none() {
             return step;
         }
-        let data = |st: &State| self.numel * st.replicas(self.sizes) * self.esize;
+        let data = |st: &State| self.numel * st.replicas(&self.sizes);
         let share = (n - 1) * (self.ranks / n);
         let bytes = match kind {
             StepKind::AllReduce { .. } => 2 * share * data(s),
@@ -477,7 +510,7 @@ impl Search<'_> {
                     .filter(|&&m| t.placements[m] == Placement::Replicate)
                     .map(|&m| self.sizes[m] as u128)
                     .product();
-                self.ranks * (data(s) * needers - self.kept(s, t) * self.esize)
+                self.ranks * (data(s) * needers - self.kept(s, t))
             }
         };
         Cost {
@@ -494,43 +527,6 @@ impl Search<'_> {
             .map(|c| overlap(&self.region(s, c), &self.region(t, c)))
             .sum()
     }
-
-    /// The cheapest route from `src` to every state it reaches: Dijkstra's search
-    /// over [`moves`](Self::moves), run to the end (a dispatch asks for the routes
-    /// from one input layout to every candidate's, and each comes from one tree).
-    fn explore(&self, src: State) -> Tree {
-        let mut nodes: Vec<Node> = vec![(src.clone(), Cost::default(), None)];
-        let mut index: HashMap<State, usize> = HashMap::from([(src, 0)]);
-        let mut done: HashSet<usize> = HashSet::new();
-        let mut heap = BinaryHeap::from([Reverse((Cost::default(), 0usize))]);
-        while let Some(Reverse((cost, i))) = heap.pop() {
-            if !done.insert(i) {
-                continue;
-            }
-            let here = nodes[i].0.clone();
-            for mv in self.moves(&here) {
-                let c = cost + self.cost(&here, &mv);
-                let (group, kind, t) = mv;
-                match index.entry(t) {
-                    Entry::Occupied(e) => {
-                        let j = *e.get();
-                        if c < nodes[j].1 {
-                            nodes[j].1 = c;
-                            nodes[j].2 = Some((i, group, kind));
-                            heap.push(Reverse((c, j)));
-                        }
-                    }
-                    Entry::Vacant(e) => {
-                        let j = nodes.len();
-                        nodes.push((e.key().clone(), c, Some((i, group, kind))));
-                        e.insert(j);
-                        heap.push(Reverse((c, j)));
-                    }
-                }
-            }
-        }
-        Tree { nodes, index }
-    }
 }
 
 /// Elements in both boxes, each given as (offset, length) per dim.
@@ -544,16 +540,36 @@ fn overlap(a: &[(usize, usize)], b: &[(usize, usize)]) -> u128 {
 /// A search node: its state, its cost from the root, and the move from its parent.
 type Node = (State, Cost, Option<(usize, MeshDims, StepKind)>);
 
-/// Every state one source reaches, each with its cheapest route.
+/// Dijkstra's search from one source, grown on demand: a query settles states in
+/// cost order only until its target is settled, and the next query from the same
+/// source goes on from there. A settled state's route is the cheapest (no later
+/// state costs less), so routes do not depend on the order of queries.
 struct Tree {
+    search: Search,
     nodes: Vec<Node>,
     index: HashMap<State, usize>,
+    settled: Vec<bool>,
+    /// Reached states not yet settled, by cost (stale entries skipped on pop).
+    frontier: BinaryHeap<Reverse<(Cost, usize)>>,
 }
 
 impl Tree {
-    /// The moves from the root to `dst`, `None` when it is not reached.
-    fn route_to(&self, dst: &State) -> Option<Vec<Move>> {
-        let mut at = *self.index.get(dst)?;
+    fn new(search: Search, src: State) -> Tree {
+        Tree {
+            search,
+            nodes: vec![(src.clone(), Cost::default(), None)],
+            index: HashMap::from([(src, 0)]),
+            settled: vec![false],
+            frontier: BinaryHeap::from([Reverse((Cost::default(), 0))]),
+        }
+    }
+
+    /// The moves from the root to `dst`, `None` when it is not reachable.
+    fn route_to(&mut self, dst: &State) -> Option<Vec<Move>> {
+        while !self.index.get(dst).is_some_and(|&j| self.settled[j]) {
+            self.settle_next()?;
+        }
+        let mut at = self.index[dst];
         let mut route = Vec::new();
         while let Some((parent, group, kind)) = self.nodes[at].2.clone() {
             route.push((group, kind, self.nodes[at].0.clone()));
@@ -562,10 +578,45 @@ impl Tree {
         route.reverse();
         Some(route)
     }
+
+    /// Settles the cheapest state on the frontier and reaches its moves' states;
+    /// `None` once every reachable state is settled.
+    fn settle_next(&mut self) -> Option<()> {
+        let i = loop {
+            let Reverse((_, i)) = self.frontier.pop()?;
+            if !self.settled[i] {
+                break i;
+            }
+        };
+        self.settled[i] = true;
+        let (here, cost) = (self.nodes[i].0.clone(), self.nodes[i].1);
+        for mv in self.search.moves(&here) {
+            let c = cost + self.search.cost(&here, &mv);
+            let (group, kind, t) = mv;
+            match self.index.entry(t) {
+                Entry::Occupied(e) => {
+                    let j = *e.get();
+                    if c < self.nodes[j].1 {
+                        self.nodes[j].1 = c;
+                        self.nodes[j].2 = Some((i, group, kind));
+                        self.frontier.push(Reverse((c, j)));
+                    }
+                }
+                Entry::Vacant(e) => {
+                    let j = self.nodes.len();
+                    self.nodes.push((e.key().clone(), c, Some((i, group, kind))));
+                    self.settled.push(false);
+                    e.insert(j);
+                    self.frontier.push(Reverse((c, j)));
+                }
+            }
+        }
+        Some(())
+    }
 }
 
-/// Search trees, by source layout and the pending reductions partitions may make.
-type Trees = HashMap<(Layout, SmallVec<[ReduceOp; 2]>), Arc<Tree>>;
+/// Search trees, by search and source state.
+type Trees = HashMap<(Search, State), Arc<Mutex<Tree>>>;
 
 fn trees() -> &'static Mutex<Trees> {
     static TREES: OnceLock<Mutex<Trees>> = OnceLock::new();
@@ -677,40 +728,35 @@ fn check(src: &Layout, dst: &Layout) -> Result<()> {
 
 /// Searches the cheapest route and turns its states into layouts.
 fn find_route(src: &Layout, dst: &Layout) -> Result<Route> {
-    let shape: Vec<usize> = src.shape.to_vec();
-    let sizes: Vec<usize> = src.mesh_shape.to_vec();
     let mut ops: SmallVec<[ReduceOp; 2]> = SmallVec::new();
     for (_, op) in src.partial_ops().chain(dst.partial_ops()) {
         if !ops.contains(&op) {
             ops.push(op);
         }
     }
-    // One order for the tree cache's key.
-    ops.sort_by_key(|op| *op as u8);
-    let search = Search {
-        shape: &shape,
-        sizes: &sizes,
-        ranks: sizes.iter().map(|&n| n as u128).product(),
-        numel: shape.iter().map(|&n| n as u128).product(),
-        esize: src.dtype.size_in_bytes() as u128,
-        ops,
-        coords: crate::sharding::mesh_coords(&sizes),
-    };
-    let key = (src.clone(), search.ops.clone());
-    let cached = trees().lock().unwrap_or_else(|e| e.into_inner()).get(&key).cloned();
-    let tree = match cached {
-        Some(tree) => tree,
-        None => {
-            let tree = Arc::new(search.explore(State::of(src)));
-            let mut t = trees().lock().unwrap_or_else(|e| e.into_inner());
-            if t.len() >= TREES_LEN {
-                t.clear();
-            }
-            t.insert(key, tree.clone());
-            tree
+    let search = Search::new(&src.shape, &src.mesh_shape, ops);
+    let from = State::of(src);
+    // A poisoned lock means another thread panicked while holding it. The map is
+    // always whole (one insert or clear at a time); a tree may have stopped halfway
+    // through settling a state, so it starts again.
+    let tree = {
+        let mut t = trees().lock().unwrap_or_else(|e| e.into_inner());
+        if t.len() >= TREES_LEN {
+            t.clear();
         }
+        t.entry((search.clone(), from.clone()))
+            .or_insert_with(|| Arc::new(Mutex::new(Tree::new(search.clone(), from.clone()))))
+            .clone()
     };
-    let route = tree.route_to(&State::of(dst)).ok_or_else(|| Error::Placement {
+    let mut grown = tree.lock().unwrap_or_else(|e| {
+        let mut g = e.into_inner();
+        *g = Tree::new(search, from);
+        tree.clear_poison();
+        g
+    });
+    let route = grown.route_to(&State::of(dst));
+    drop(grown);
+    let route = route.ok_or_else(|| Error::Placement {
         op: "redistribute",
         detail: format!(
             "no plan from {} to {}",
