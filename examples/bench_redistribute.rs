@@ -35,8 +35,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use common::{Json, max_over_ranks, median};
-use tessera::dtensor::redistribute::{Plan, StepKind};
-use tessera::dtensor::testing::oracle::Oracle;
+use tessera::dtensor::redistribute::{Plan, StepKind, plan};
+use tessera::dtensor::testing::oracle::{Oracle, all_layouts};
 use tessera::dtensor::{DType, Layout, Placement, PlacementsDisplay, Tensor, distribute_tensor};
 use tessera::mesh::Element;
 use tessera::{BoxError, CommunicatorExt, DeviceMesh, ReduceOp, launch};
@@ -104,6 +104,58 @@ fn cases() -> Vec<Case> {
         case3([S(0), S(0), S(1)], [S(1), S(0), S(0)]),
         case3([p, p, p], [R, R, S(0)]),
     ]
+}
+
+/// Sources timed by [`planning`].
+const PLAN_SAMPLES: usize = 9;
+
+/// The planner's own time, median over [`PLAN_SAMPLES`] sources: the first plan
+/// from a source to a near target (one slice), to a far one (whole-mesh
+/// all_to_all), from a new source to every layout of its shape in turn (the
+/// search settled to the end, as a dispatch among many candidates may), and a
+/// plan already made (the route cache). Each sample's shape has an odd first dim,
+/// so no two share a search tree and every first plan searches afresh.
+fn planning() -> Result<Vec<(String, f64)>, BoxError> {
+    use Placement::{Replicate as R, Shard as S};
+    let (src, near, far) = ([S(0), S(1), R], [S(0), S(1), S(2)], [S(3), S(2), S(0)]);
+    let mut times: [Vec<f64>; 4] = Default::default();
+    let mut layouts = 0;
+    for k in 0..PLAN_SAMPLES {
+        let shape = |j: usize| [5 + 2 * (2 * k + j), 3, 7, 4];
+        let ms = |f: &mut dyn FnMut() -> Result<(), BoxError>| -> Result<f64, BoxError> {
+            let t = Instant::now();
+            f()?;
+            Ok(t.elapsed().as_secs_f64() * 1e3)
+        };
+        let layout = |p: &[Placement], shape: &[usize]| Layout::new(MESH_3D, p, shape, DType::F32);
+        let (a, b) = (shape(0), shape(1));
+        let coord = [0, 0, 0];
+        times[0].push(ms(&mut || {
+            Ok(black_box(plan(&layout(&src, &a)?, &layout(&near, &a)?, &coord)).map(drop)?)
+        })?);
+        times[1].push(ms(&mut || {
+            Ok(black_box(plan(&layout(&src, &a)?, &layout(&far, &a)?, &coord)).map(drop)?)
+        })?);
+        times[3].push(ms(&mut || {
+            Ok(black_box(plan(&layout(&src, &a)?, &layout(&far, &a)?, &coord)).map(drop)?)
+        })?);
+        let every = all_layouts(MESH_3D, &b, DType::F32, &[])?;
+        let from = layout(&src, &b)?;
+        layouts = every.len();
+        times[2].push(ms(&mut || {
+            for dst in &every {
+                black_box(plan(&from, dst, &coord))?;
+            }
+            Ok(())
+        })?);
+    }
+    let queries = [
+        "first plan, near target (a slice)".to_string(),
+        "first plan, far target (an all_to_all)".to_string(),
+        format!("first plans to every layout ({layouts}), in turn"),
+        "the same plan again (cached)".to_string(),
+    ];
+    Ok(queries.into_iter().zip(&times).map(|(q, t)| (q, median(t))).collect())
 }
 
 /// What one rank measured for one case.
@@ -306,6 +358,18 @@ fn run(args: &common::BenchArgs) -> Result<(), BoxError> {
     for n in &notes {
         println!("{n}");
     }
+    println!();
+    println!(
+        "planning, f32 4-D tensor on {MESH_3D:?} from [S(0),S(1),R] ({PLAN_SAMPLES} sources, each with a shape of its own):"
+    );
+    println!("{:<44} {:>12}", "query", "median_ms");
+    for (query, ms) in planning()? {
+        println!("{query:<44} {ms:>12.3}");
+        records.push(Json::Obj(vec![
+            ("planning".into(), Json::Str(query)),
+            ("median_ms".into(), Json::Num(ms)),
+        ]));
+    }
     if let Some(path) = &args.json {
         common::write_atomic(path, &(Json::Arr(records).render() + "\n"))?;
         println!("wrote {}", path.display());
@@ -389,9 +453,12 @@ fn baseline_ops(plan: &Plan, mesh: &DeviceMesh) -> Result<Vec<BaseOp>, BoxError>
             StepKind::ReduceScatter { .. } => (Coll::ReduceScatter, n_in, n_out, n_in == n_out * group),
             StepKind::AllReduce { .. } => (Coll::AllReduce, 0, n_in, true),
             StepKind::AllToAll => {
+                // An element a member sends to several ranks (one that ends
+                // `Replicate`) is packed once per receiver.
                 let c = exchange_counts(before, &step.after, &step.mesh_dims, coord)?;
+                let (send, recv) = (c.0.iter().sum(), c.1.iter().sum());
                 counts = Some(c);
-                (Coll::AllToAll, n_in, n_out, true)
+                (Coll::AllToAll, send, recv, true)
             }
             StepKind::Slice => (Coll::Memcpy, n_out, n_out, true),
             other => return Err(format!("no baseline for plan step {other:?}").into()),
