@@ -39,6 +39,15 @@ pub struct LaunchOptions {
     /// rank that has not returned once every other rank has. Default
     /// [`DEFAULT_TIMEOUT`]; [`LaunchOptions::from_env`] reads `TESSERA_TIMEOUT_S`.
     pub timeout: Duration,
+    /// Threads each rank's kernels may use (intra-op parallelism: GEMMs split
+    /// their output over them), read inside a rank by [`intra_op_threads`].
+    /// `None` (the default) divides the machine's cores among the ranks on it:
+    /// `cores / ranks` with the threads backend, `cores / local ranks` under MPI
+    /// (at least 1). [`LaunchOptions::from_env`] reads `TESSERA_THREADS_PER_RANK`.
+    ///
+    /// PyTorch: `torch.set_num_threads` in each rank (torchrun sets
+    /// `OMP_NUM_THREADS=1` when several ranks share a machine).
+    pub threads_per_rank: Option<usize>,
 }
 
 impl Default for LaunchOptions {
@@ -46,30 +55,104 @@ impl Default for LaunchOptions {
     fn default() -> Self {
         LaunchOptions {
             timeout: DEFAULT_TIMEOUT,
+            threads_per_rank: None,
         }
     }
 }
 
 impl LaunchOptions {
     /// The options [`launch`] uses: the defaults, with the timeout from
-    /// `TESSERA_TIMEOUT_S` (seconds, a decimal number such as `30` or `0.5`) when it
-    /// is set.
+    /// `TESSERA_TIMEOUT_S` (seconds, a decimal number such as `30` or `0.5`) and the
+    /// threads per rank from `TESSERA_THREADS_PER_RANK` (a whole number from 1 to
+    /// [`MAX_THREADS_PER_RANK`]) when they are set.
     ///
     /// # Errors
     /// [`Error::Launch`](crate::Error::Launch) naming the value when `TESSERA_TIMEOUT_S` is not a number of
-    /// seconds between [`MIN_TIMEOUT`] and [`MAX_TIMEOUT`].
+    /// seconds between [`MIN_TIMEOUT`] and [`MAX_TIMEOUT`], or `TESSERA_THREADS_PER_RANK`
+    /// not a whole number in range.
     pub fn from_env() -> Result<LaunchOptions> {
         let mut opts = LaunchOptions::default();
         if let Some(v) = std::env::var_os("TESSERA_TIMEOUT_S") {
             opts.timeout = parse_timeout(&v.to_string_lossy())?;
         }
+        if let Some(v) = std::env::var_os("TESSERA_THREADS_PER_RANK") {
+            opts.threads_per_rank = Some(parse_threads(&v.to_string_lossy())?);
+        }
         Ok(opts)
+    }
+
+    /// Sets the threads each rank's kernels may use (see
+    /// [`threads_per_rank`](Self::threads_per_rank)).
+    pub fn threads_per_rank(mut self, threads: usize) -> Self {
+        self.threads_per_rank = Some(threads.clamp(1, MAX_THREADS_PER_RANK));
+        self
+    }
+
+    /// The threads per rank for `ranks_here` ranks on this machine: the option,
+    /// or the cores divided among them (at least 1).
+    pub(crate) fn threads_for(&self, ranks_here: usize) -> usize {
+        self.threads_per_rank
+            .unwrap_or_else(|| (cores() / ranks_here.max(1)).max(1))
     }
 
     /// Sets the collective timeout.
     pub fn timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
         self
+    }
+}
+
+/// The most threads per rank `TESSERA_THREADS_PER_RANK` may set.
+pub const MAX_THREADS_PER_RANK: usize = 1024;
+
+/// Cores this process may run on.
+fn cores() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
+/// Parses a `TESSERA_THREADS_PER_RANK` value: a whole number in 1..=[`MAX_THREADS_PER_RANK`].
+fn parse_threads(v: &str) -> Result<usize> {
+    match v.trim().parse::<usize>() {
+        Ok(n) if (1..=MAX_THREADS_PER_RANK).contains(&n) => Ok(n),
+        _ => Err(crate::Error::Launch(format!(
+            "TESSERA_THREADS_PER_RANK={v:?} is not a whole number from 1 to {MAX_THREADS_PER_RANK} \
+             (unset means the cores divided among the ranks on this machine)"
+        ))),
+    }
+}
+
+thread_local! {
+    /// This thread's intra-op threads, 0 outside a rank.
+    static INTRA_OP: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+/// Threads the calling rank's kernels may use: the launch's
+/// [`threads_per_rank`](LaunchOptions::threads_per_rank) inside a rank (so ranks ×
+/// threads = cores by default), every core outside one.
+///
+/// PyTorch: `torch.get_num_threads`.
+pub fn intra_op_threads() -> usize {
+    match INTRA_OP.with(|c| c.get()) {
+        0 => cores(),
+        n => n,
+    }
+}
+
+/// Sets the calling thread's [`intra_op_threads`] for as long as the guard lives
+/// (a rank's thread, or the process under MPI).
+pub(crate) fn enter_intra_op(threads: usize) -> IntraOpGuard {
+    let before = INTRA_OP.with(|c| c.replace(threads.max(1)));
+    IntraOpGuard { before }
+}
+
+/// Restores the thread's intra-op threads when dropped.
+pub(crate) struct IntraOpGuard {
+    before: usize,
+}
+
+impl Drop for IntraOpGuard {
+    fn drop(&mut self) {
+        INTRA_OP.with(|c| c.set(self.before));
     }
 }
 

@@ -47,8 +47,8 @@ pub use device_mesh::{DeviceMesh, DimRef};
 pub use dtype::{Buf, BufMut, Buffer, DType, Element};
 pub use error::{Error, Result};
 pub use launcher::{
-    BoxError, DEFAULT_TIMEOUT, LaunchOptions, MAX_TIMEOUT, MIN_TIMEOUT, MpiEnv, RankCtx, is_lead_process, launch,
-    launch_with, mpi_env,
+    BoxError, DEFAULT_TIMEOUT, LaunchOptions, MAX_THREADS_PER_RANK, MAX_TIMEOUT, MIN_TIMEOUT, MpiEnv, RankCtx,
+    intra_op_threads, is_lead_process, launch, launch_with, mpi_env,
 };
 /// The `mpi` crate the MPI backend is built on, for raw MPI calls beside Tessera's
 /// (feature `mpi`). Initialise MPI through it before the first [`launch`] to own

@@ -4,3 +4,4 @@ mod collectives;
 mod failures;
 mod hangs;
 mod mesh;
+mod waiting;

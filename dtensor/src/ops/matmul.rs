@@ -6,14 +6,18 @@ use super::elementwise::broadcast_shapes;
 use super::{Float, not_float, output, same_dtype};
 use crate::{Error, Result, Tensor};
 
-/// The single-threaded GEMM that runs [`Tensor::matmul`].
+/// The GEMM that runs [`Tensor::matmul`].
 ///
 /// Both take arbitrary strides, so transposed and narrowed views multiply
 /// without a copy. Measured by `examples/bench_gemm` on the project's machine
 /// (Xeon with AVX-512, one thread, f32, square 512 to 2048): `gemm` with its
 /// AVX-512 kernels reaches about 165 GFLOP/s against `matrixmultiply`'s 130;
 /// with AVX2/FMA only, `gemm` reaches 95, so [`auto`](Self::auto) picks
-/// `matrixmultiply` on CPUs without AVX-512.
+/// `matrixmultiply` on CPUs without AVX-512 when the rank has one thread.
+///
+/// `gemm` splits a product of at least [`PARALLEL_MIN_FLOPS`] over the rank's
+/// [`intra_op_threads`](tessera_mesh::intra_op_threads); `matrixmultiply` runs
+/// on the calling thread.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum GemmKernel {
     /// The `gemm` crate (pure Rust; runtime-detected AVX-512 or AVX2/FMA
@@ -26,13 +30,31 @@ pub enum GemmKernel {
 
 impl GemmKernel {
     /// The faster kernel on this CPU: [`Gemm`](Self::Gemm) where AVX-512 is
-    /// available, [`MatrixMultiply`](Self::MatrixMultiply) otherwise.
+    /// available or the rank has several threads, [`MatrixMultiply`](Self::MatrixMultiply)
+    /// otherwise.
     pub fn auto() -> GemmKernel {
         #[cfg(target_arch = "x86_64")]
         if std::arch::is_x86_feature_detected!("avx512f") {
             return GemmKernel::Gemm;
         }
+        if tessera_mesh::intra_op_threads() > 1 {
+            return GemmKernel::Gemm;
+        }
         GemmKernel::MatrixMultiply
+    }
+}
+
+/// The smallest product (`2·m·k·n` flops) that [`GemmKernel::Gemm`] splits over
+/// several threads: below it, waking the threads costs more than they save.
+pub const PARALLEL_MIN_FLOPS: usize = 1 << 26;
+
+/// The `gemm` crate's parallelism for an `m×k · k×n` product on this rank.
+fn parallelism(m: usize, k: usize, n: usize) -> gemm::Parallelism {
+    let threads = tessera_mesh::intra_op_threads();
+    if threads > 1 && 2usize.saturating_mul(m).saturating_mul(k).saturating_mul(n) >= PARALLEL_MIN_FLOPS {
+        gemm::Parallelism::Rayon(threads)
+    } else {
+        gemm::Parallelism::None
     }
 }
 
@@ -85,7 +107,7 @@ macro_rules! impl_gemm {
                             false,
                             false,
                             false,
-                            gemm::Parallelism::None,
+                            parallelism(m, k, n),
                         ),
                     }
                 }

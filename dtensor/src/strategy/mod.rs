@@ -14,6 +14,10 @@
 
 mod rules;
 
+use std::collections::HashMap;
+use std::hash::{DefaultHasher, Hash, Hasher};
+use std::sync::{Arc, Mutex, OnceLock};
+
 use smallvec::SmallVec;
 
 use crate::redistribute::{Plan, plan};
@@ -92,9 +96,67 @@ pub struct Choice {
 /// sequence shard moves half an all_reduce's bytes) instead of running at once.
 /// `op` names the op in errors.
 ///
+/// The choice is a pure function of the layouts and candidates, so the process
+/// keeps it: the same dispatch again (every training step) costs a hash and a
+/// lookup, not a plan per candidate.
+///
 /// # Errors
 /// No candidate fits the inputs.
-pub fn choose(op: &'static str, inputs: &[&Layout], candidates: &[Candidate]) -> Result<Choice> {
+pub fn choose(op: &'static str, inputs: &[&Layout], candidates: &[Candidate]) -> Result<Arc<Choice>> {
+    let key = {
+        let mut h = DefaultHasher::new();
+        inputs.hash(&mut h);
+        candidates.hash(&mut h);
+        h.finish()
+    };
+    let hit = |c: &Made| c.inputs.iter().eq(inputs.iter().copied()) && c.candidates[..] == *candidates;
+    if let Some(made) = lock(choices())
+        .get(&key)
+        .and_then(|bucket| bucket.iter().find(|c| hit(c)))
+    {
+        return Ok(made.choice.clone());
+    }
+    let choice = Arc::new(choose_uncached(op, inputs, candidates)?);
+    let mut map = lock(choices());
+    if map.len() >= CHOICES_LEN {
+        map.clear();
+    }
+    map.entry(key).or_default().push(Made {
+        inputs: inputs.iter().map(|&l| l.clone()).collect(),
+        candidates: candidates.to_vec(),
+        choice: choice.clone(),
+    });
+    Ok(choice)
+}
+
+/// One choice made, with what it was made from.
+struct Made {
+    inputs: SmallVec<[Layout; 3]>,
+    candidates: Vec<Candidate>,
+    choice: Arc<Choice>,
+}
+
+/// Choices made, by a hash of (input layouts, candidates), each bucket checked for
+/// equality on lookup (so a hit clones nothing). A choice is a pure function of
+/// its inputs' layouts and the candidates, and a training step makes the same few
+/// hundred again every step: planning each candidate's redistributions again cost
+/// most of a small model's step.
+fn choices() -> &'static Mutex<HashMap<u64, Vec<Made>>> {
+    static CHOICES: OnceLock<Mutex<HashMap<u64, Vec<Made>>>> = OnceLock::new();
+    CHOICES.get_or_init(Mutex::default)
+}
+
+/// The most hashes of choices the process keeps.
+const CHOICES_LEN: usize = 4096;
+
+/// Locks the cache, whole even if a thread panicked holding it (one insert or
+/// clear at a time).
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// [`choose`] without the cache.
+fn choose_uncached(op: &'static str, inputs: &[&Layout], candidates: &[Candidate]) -> Result<Choice> {
     let zero: SmallVec<[usize; 4]> = inputs
         .first()
         .map_or_else(SmallVec::new, |l| SmallVec::from_elem(0, l.mesh_shape.len()));
@@ -150,6 +212,32 @@ mod tests {
 
     fn layout(p: &[Placement], shape: &[usize]) -> Layout {
         Layout::new(&[4], p, shape, DType::F32).unwrap()
+    }
+
+    #[test]
+    fn a_choice_is_made_once_per_layouts_and_candidates() {
+        let cands = einsum("mk,kn->mn", 1).unwrap();
+        // A shape no other test uses, so the first call here makes the choice.
+        let (a, b) = (layout(&[S(1)], &[24, 20]), layout(&[S(0)], &[20, 12]));
+        let first = choose("matmul", &[&a, &b], &cands).unwrap();
+        let again = choose("matmul", &[&a.clone(), &b.clone()], &cands).unwrap();
+        assert!(
+            Arc::ptr_eq(&first, &again),
+            "the same layouts and candidates chose again"
+        );
+        // Other layouts, or other candidates, are other choices.
+        let rows = layout(&[S(0)], &[24, 20]);
+        let other = choose("matmul", &[&rows, &b], &cands).unwrap();
+        assert!(!Arc::ptr_eq(&first, &other));
+        assert_eq!(other.plans[0].src, rows);
+        let replicated = cands
+            .iter()
+            .find(|c| c.inputs.iter().flatten().all(|&p| p == R))
+            .unwrap();
+        let narrowed = choose("matmul", &[&a, &b], std::slice::from_ref(replicated)).unwrap();
+        assert!(!Arc::ptr_eq(&first, &narrowed));
+        assert_eq!(&narrowed.candidate, replicated);
+        assert_ne!(&first.candidate, replicated);
     }
 
     #[test]

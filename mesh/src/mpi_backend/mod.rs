@@ -228,6 +228,12 @@ where
     );
     let ctx = RankCtx::new(Box::new(MpiComm::world(rt)?), crate::context::next_job());
     status::set_closure_returned(false);
+    // Ranks on this machine: OpenMPI names them; other launchers count as one.
+    let local: usize = std::env::var("OMPI_COMM_WORLD_LOCAL_SIZE")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1);
+    let _intra = crate::launcher::enter_intra_op(opts.threads_for(local));
     match catch_unwind(AssertUnwindSafe(|| f(ctx))) {
         Ok(Ok(out)) => {
             status::set_closure_returned(true);

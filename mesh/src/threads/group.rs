@@ -2,8 +2,8 @@
 //! arrive/withdraw entry barrier before each collective's data phase and the
 //! committed barrier points after it.
 
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering, fence};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use super::activity::Deadlock;
@@ -32,7 +32,58 @@ pub(crate) struct Group {
     phase: Phases,
     /// Collectives each rank has entered.
     seqs: Vec<Padded<AtomicU64>>,
+    /// Where ranks past their spin sleep until the barrier completes.
+    parking: Parking,
 }
+
+/// Where a rank waiting at a barrier sleeps once its short spin is over, until
+/// the arrival that completes the barrier wakes it: a waiting rank gives its core
+/// to the ranks still working. With more ranks than cores a spinning (or
+/// yielding) waiter takes time from the very rank it waits for.
+#[derive(Default)]
+struct Parking {
+    lock: Mutex<()>,
+    wake: Condvar,
+    /// Threads inside [`sleep`](Self::sleep); the completing arrival takes the
+    /// lock and notifies only when some are.
+    sleepers: AtomicUsize,
+}
+
+impl Parking {
+    /// Sleeps until woken or `limit` passes, unless `passed()` already holds.
+    /// The caller rechecks what it waits for either way (a wake-up may be
+    /// spurious, and the limit lets it check for failures).
+    fn sleep(&self, passed: impl Fn() -> bool, limit: Duration) {
+        let guard = lock(&self.lock);
+        self.sleepers.fetch_add(1, Ordering::SeqCst);
+        // Pairs with the fence in `wake`: either this load sees the completed
+        // barrier, or `wake` sees this sleeper (and, taking the lock, notifies
+        // only once this thread waits on the condvar).
+        fence(Ordering::SeqCst);
+        if !passed() {
+            let _ = self.wake.wait_timeout(guard, limit).unwrap_or_else(|e| e.into_inner());
+        }
+        self.sleepers.fetch_sub(1, Ordering::SeqCst);
+    }
+
+    /// Wakes every sleeper; called after the barrier completed.
+    fn wake(&self) {
+        fence(Ordering::SeqCst);
+        if self.sleepers.load(Ordering::SeqCst) > 0 {
+            let _guard = lock(&self.lock);
+            self.wake.notify_all();
+        }
+    }
+}
+
+/// How long a parked waiter sleeps before it looks again for failures (a poisoned
+/// job, a peer that left, the timeout) even if nothing wakes it.
+const PARK_LIMIT: Duration = Duration::from_millis(2);
+
+/// How long a waiter yields its core before parking when the job has no more
+/// ranks than the machine has cores (a collective's peers then usually arrive
+/// within microseconds, sooner than a wake-up from a parked sleep).
+const YIELD_FOR: Duration = Duration::from_micros(50);
 
 impl Group {
     pub(crate) fn new(world: Arc<World>, members: Vec<usize>) -> Arc<Group> {
@@ -46,6 +97,7 @@ impl Group {
             arrivals: Padded::default(),
             phase: Arc::new((0..n).map(|_| Padded::default()).collect()),
             seqs: (0..n).map(|_| Padded::default()).collect(),
+            parking: Parking::default(),
         })
     }
 
@@ -126,7 +178,10 @@ impl Group {
                 .0
                 .compare_exchange_weak(s, next, Ordering::AcqRel, Ordering::Acquire)
             {
-                Ok(_) if c + 1 == n => return (my_phase, None),
+                Ok(_) if c + 1 == n => {
+                    self.parking.wake();
+                    return (my_phase, None);
+                }
                 Ok(_) => return (my_phase, Some(g)),
                 Err(actual) => s = actual,
             }
@@ -206,7 +261,18 @@ impl Group {
                     });
                 }
             }
-            backoff(start);
+            self.wait(start, generation);
+        }
+    }
+
+    /// One wait of a rank past its spin for the barrier of `generation`: a yield
+    /// of its core for the first [`YIELD_FOR`] when every rank has a core of its
+    /// own, otherwise a sleep until the barrier completes (or [`PARK_LIMIT`]).
+    fn wait(&self, start: Instant, generation: u64) {
+        if !self.world.oversubscribed && start.elapsed() < YIELD_FOR {
+            std::thread::yield_now();
+        } else {
+            self.parking.sleep(|| self.passed(generation), PARK_LIMIT);
         }
     }
 
@@ -278,15 +344,6 @@ impl Group {
     }
 }
 
-/// Waits politely: yields for the first 2 ms, then sleeps in short steps.
-fn backoff(start: Instant) {
-    if start.elapsed() < Duration::from_millis(2) {
-        std::thread::yield_now();
-    } else {
-        std::thread::sleep(Duration::from_micros(50));
-    }
-}
-
 /// Ends a registered wait when dropped.
 struct WaitGuard<'w> {
     world: &'w World,
@@ -330,7 +387,7 @@ impl Committed<'_> {
                 if i < 128 {
                     std::hint::spin_loop();
                 } else {
-                    backoff(start);
+                    self.group.wait(start, generation);
                 }
             }
         }

@@ -85,6 +85,7 @@ where
     let world = World::new(job, world_size, opts.timeout);
     let group = Group::new(world.clone(), (0..world_size).collect());
     let f = Arc::new(f);
+    let threads = opts.threads_for(world_size);
     let (tx, rx) = mpsc::channel::<(usize, Result<T, BoxError>)>();
     let mut handles = Vec::with_capacity(world_size);
     for rank in 0..world_size {
@@ -93,6 +94,7 @@ where
             .name(format!("tessera-rank-{rank}"))
             .stack_size(16 << 20)
             .spawn(move || {
+                let _intra = crate::launcher::enter_intra_op(threads);
                 let out = run_rank(&*f, w, g, job, rank);
                 // The receiver is gone only if `launch` gave up on this rank.
                 let _ = tx.send((rank, out));

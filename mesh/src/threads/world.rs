@@ -54,6 +54,9 @@ pub(crate) type PendingSplit = ((u64, u64, u32), Arc<Group>, usize);
 pub(crate) struct World {
     pub(crate) job: u64,
     pub(crate) timeout: Duration,
+    /// More ranks than the machine has cores: a waiting rank parks at once
+    /// after its spin rather than yielding first.
+    pub(crate) oversubscribed: bool,
     poisoned: AtomicBool,
     poison: Mutex<Option<Poison>>,
     exited: Vec<AtomicBool>,
@@ -77,6 +80,7 @@ impl World {
         Arc::new(World {
             job,
             timeout,
+            oversubscribed: std::thread::available_parallelism().map_or(true, |n| size > n.get()),
             poisoned: AtomicBool::new(false),
             poison: Mutex::new(None),
             exited: (0..size).map(|_| AtomicBool::new(false)).collect(),
