@@ -352,6 +352,39 @@ pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
 mod tests {
     use super::*;
 
+    #[test]
+    fn threads_per_rank_values() {
+        assert_eq!(parse_threads("3").unwrap(), 3);
+        assert_eq!(parse_threads(" 1 ").unwrap(), 1);
+        for bad in ["0", "-1", "two", "1.5", "", "1025"] {
+            let e = parse_threads(bad).unwrap_err().to_string();
+            assert!(
+                e.contains("TESSERA_THREADS_PER_RANK") && e.contains(&format!("{bad:?}")),
+                "{e}"
+            );
+        }
+        let opts = LaunchOptions::default();
+        assert_eq!(opts.threads_for(1), cores());
+        assert_eq!(
+            opts.threads_for(cores() * 4),
+            1,
+            "more ranks than cores: one thread each"
+        );
+        assert_eq!(opts.clone().threads_per_rank(5).threads_for(64), 5);
+        assert_eq!(opts.threads_per_rank(0).threads_per_rank, Some(1));
+    }
+
+    #[test]
+    fn ranks_see_their_threads() {
+        let inside = crate::launch_with(&LaunchOptions::default().threads_per_rank(3), 2, |_| {
+            Ok(intra_op_threads())
+        });
+        assert_eq!(inside.unwrap(), vec![3, 3]);
+        let default = crate::launch_with(&LaunchOptions::default(), 2, |_| Ok(intra_op_threads())).unwrap();
+        assert_eq!(default, vec![(cores() / 2).max(1); 2]);
+        assert_eq!(intra_op_threads(), cores(), "outside a rank: every core");
+    }
+
     fn env(vars: &[(&str, &str)]) -> Option<MpiEnv> {
         let vars: Vec<(String, String)> = vars.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
         mpi_env_from(|k| vars.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone()))

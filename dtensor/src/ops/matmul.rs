@@ -308,6 +308,42 @@ mod tests {
     use super::*;
     use crate::ops::testutil::{assert_close, sample, tol};
 
+    #[test]
+    fn large_products_split_over_the_ranks_threads() {
+        let opts = tessera_mesh::LaunchOptions::default();
+        let seen = tessera_mesh::launch_with(&opts.clone().threads_per_rank(2), 1, |_| {
+            Ok((parallelism(1024, 256, 256), parallelism(16, 16, 16)))
+        })
+        .unwrap();
+        assert!(matches!(seen[0].0, gemm::Parallelism::Rayon(2)), "{:?}", seen[0].0);
+        assert!(
+            matches!(seen[0].1, gemm::Parallelism::None),
+            "a small product stays on the calling thread"
+        );
+        let one = tessera_mesh::launch_with(&opts.threads_per_rank(1), 1, |_| Ok(parallelism(1024, 256, 256))).unwrap();
+        assert!(
+            matches!(one[0], gemm::Parallelism::None),
+            "one thread per rank: {:?}",
+            one[0]
+        );
+    }
+
+    #[test]
+    fn a_split_product_equals_the_single_threaded_one() {
+        let (a, b) = (sample(&[512, 256], DType::F32, 11), sample(&[256, 384], DType::F32, 12));
+        let product = |threads: usize| {
+            let (a, b) = (a.clone(), b.clone());
+            let opts = tessera_mesh::LaunchOptions::default().threads_per_rank(threads);
+            tessera_mesh::launch_with(&opts, 1, move |_| Ok(a.matmul_with(&b, GemmKernel::Gemm)?)).unwrap()
+        };
+        let (one, two) = (product(1), product(2));
+        assert_eq!(
+            one[0].to_f64_vec(),
+            two[0].to_f64_vec(),
+            "each output element sums in the same order"
+        );
+    }
+
     /// The naive product in f64 with torch.matmul's shape rules.
     fn reference(a: &Tensor, b: &Tensor) -> (Vec<usize>, Vec<f64>) {
         let promote = |t: &Tensor, left: bool| match (t.rank(), left) {
