@@ -17,8 +17,9 @@ fn thread_cpu() -> Duration {
 
 /// Rank 1 waits a second at a barrier for rank 0. Spinning or yielding, that
 /// second costs about a second of CPU; sleeping in short steps (wake, look,
-/// sleep again every 50 µs) costs tens of milliseconds; parked until the barrier
-/// completes, a few milliseconds (a look for failures every 2 ms).
+/// sleep again every 50 µs) cost 225 ms when measured; parked until the barrier
+/// completes, a few milliseconds (a look for failures every 2 ms; up to 16 ms
+/// seen with the test suite loading both cores). The bound sits between.
 #[test]
 fn a_rank_waiting_at_a_barrier_sleeps() {
     const LATE: Duration = Duration::from_secs(1);
@@ -41,7 +42,7 @@ fn a_rank_waiting_at_a_barrier_sleeps() {
         "rank 1 waited only {waited:?} for a peer {LATE:?} late"
     );
     assert!(
-        used < Duration::from_millis(15),
+        used < Duration::from_millis(60),
         "rank 1 used {used:?} of CPU while waiting {waited:?} at a barrier: it should sleep, not spin"
     );
 }
