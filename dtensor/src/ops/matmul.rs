@@ -140,6 +140,57 @@ fn rows_fold(t: &Tensor, last: usize) -> bool {
     true
 }
 
+// SAFETY: an operand is only read, from storage its tensor keeps borrowed for
+// the whole product, including by the threads of a split batch.
+unsafe impl<T> Send for Mat<T> {}
+// SAFETY: as for Send.
+unsafe impl<T> Sync for Mat<T> {}
+
+/// How many threads a batch of `count` `m×k · k×n` products runs on: 1 unless the
+/// rank has several threads and each product is too small for the GEMM's own
+/// split ([`PARALLEL_MIN_FLOPS`]) while the batch is large enough for one.
+fn batch_threads(threads: usize, count: usize, [m, k, n]: [usize; 3]) -> usize {
+    let flops = |entries: usize| 2 * entries as u128 * m as u128 * k as u128 * n as u128;
+    let min = PARALLEL_MIN_FLOPS as u128;
+    if threads > 1 && count > 1 && flops(1) < min && flops(count) >= min {
+        threads.min(count)
+    } else {
+        1
+    }
+}
+
+/// The output's base pointer, shared by the threads that write its disjoint blocks.
+#[derive(Clone, Copy)]
+struct OutPtr<T>(*mut T);
+
+impl<T> OutPtr<T> {
+    /// The element `offset` past the base (a method, so closures capture the
+    /// whole `Send` wrapper rather than its raw-pointer field).
+    ///
+    /// # Safety
+    /// `offset` must be inside the output's allocation.
+    unsafe fn block(self, offset: usize) -> *mut T {
+        // SAFETY: the caller keeps `offset` inside the allocation.
+        unsafe { self.0.add(offset) }
+    }
+}
+
+// SAFETY: each thread writes only its own batch entries' blocks (disjoint), and
+// the scope ends before the output is read or freed.
+unsafe impl<T> Send for OutPtr<T> {}
+// SAFETY: as for Send: shared only to compute disjoint block addresses.
+unsafe impl<T> Sync for OutPtr<T> {}
+
+/// The batch index of entry `i` (row-major over `batch`).
+fn unravel(mut i: usize, batch: &[usize]) -> Vec<usize> {
+    let mut index = vec![0; batch.len()];
+    for d in (0..batch.len()).rev() {
+        index[d] = i % batch[d];
+        i /= batch[d];
+    }
+    index
+}
+
 /// `a · b` for rank >= 2 operands of a GEMM type, shapes already checked.
 fn matmul_typed<T: Gemm>(a: &Tensor, b: &Tensor, batch: &[usize], kernel: GemmKernel) -> Result<Tensor> {
     let (ra, rb) = (a.rank(), b.rank());
@@ -162,8 +213,8 @@ fn matmul_typed<T: Gemm>(a: &Tensor, b: &Tensor, batch: &[usize], kernel: GemmKe
         rs: t.strides()[r - 2] as isize,
         cs: t.strides()[r - 1] as isize,
     };
-    let (mut am, bm) = (mat(av.as_ptr(), a, ra), mat(bv.as_ptr(), b, rb));
-    let c = out.as_mut_ptr();
+    let (am, bm) = (mat(av.as_ptr(), a, ra), mat(bv.as_ptr(), b, rb));
+    let c = OutPtr(out.as_mut_ptr());
     // One tall GEMM when `b` is one matrix and `a`'s batch folds into its rows
     // (a linear layer on [batch, seq, features]).
     let b_single = b.shape()[..rb - 2].iter().all(|&d| d == 1);
@@ -172,7 +223,7 @@ fn matmul_typed<T: Gemm>(a: &Tensor, b: &Tensor, batch: &[usize], kernel: GemmKe
         // its storage (checked by `rows_fold`; views keep the storage borrowed);
         // `b` is one k×n matrix; `out` has capacity for count·m rows of n elements.
         unsafe {
-            T::gemm(kernel, [count * m, k, n], am, bm, c, n as isize);
+            T::gemm(kernel, [count * m, k, n], am, bm, c.0, n as isize);
             // SAFETY: the GEMM wrote all count·m·n elements (m, n, k > 0, beta = 0).
             out.set_len(len);
         }
@@ -191,26 +242,45 @@ fn matmul_typed<T: Gemm>(a: &Tensor, b: &Tensor, batch: &[usize], kernel: GemmKe
             })
             .sum::<usize>() as isize
     };
-    let mut index = vec![0usize; batch.len()];
-    for i in 0..count {
-        let mut bi = bm;
-        am.ptr = av.as_ptr().wrapping_offset(offset(a, ra, &index));
-        bi.ptr = bv.as_ptr().wrapping_offset(offset(b, rb, &index));
-        // SAFETY: `index` is inside `batch`, so every element each operand's
-        // strides reach from its batch offset is an element of that tensor,
-        // inside its borrowed storage; the output block `i` is m×n inside the
-        // capacity of `out`, disjoint from the operands (fresh allocation).
-        unsafe { T::gemm(kernel, [m, k, n], am, bi, c.add(i * m * n), n as isize) };
-        for d in (0..batch.len()).rev() {
-            index[d] += 1;
-            if index[d] < batch[d] {
-                break;
+    // Batch entries `range`, one GEMM each, on the calling thread.
+    let entries = |range: std::ops::Range<usize>| {
+        let mut index = unravel(range.start, batch);
+        for i in range {
+            let (mut ai, mut bi) = (am, bm);
+            ai.ptr = av.as_ptr().wrapping_offset(offset(a, ra, &index));
+            bi.ptr = bv.as_ptr().wrapping_offset(offset(b, rb, &index));
+            // SAFETY: `index` is inside `batch`, so every element each operand's
+            // strides reach from its batch offset is an element of that tensor,
+            // inside its borrowed storage; the output block `i` is m×n inside the
+            // capacity of `out`, disjoint from the operands (fresh allocation) and
+            // from every other entry's block.
+            unsafe { T::gemm(kernel, [m, k, n], ai, bi, c.block(i * m * n), n as isize) };
+            for d in (0..batch.len()).rev() {
+                index[d] += 1;
+                if index[d] < batch[d] {
+                    break;
+                }
+                index[d] = 0;
             }
-            index[d] = 0;
         }
+    };
+    // Entries too small to split one by one (attention's per-head products) are
+    // split among the rank's threads in contiguous runs.
+    let threads = batch_threads(tessera_mesh::intra_op_threads(), count, [m, k, n]);
+    if threads > 1 {
+        let per = count.div_ceil(threads);
+        rayon::scope(|s| {
+            for t in 1..threads {
+                let entries = &entries;
+                s.spawn(move |_| entries(t * per..((t + 1) * per).min(count)));
+            }
+            entries(0..per.min(count));
+        });
+    } else {
+        entries(0..count);
     }
-    // SAFETY: the loop wrote the m×n block of each of the `count` batch entries,
-    // every element of the `len` reserved.
+    // SAFETY: the entries wrote the m×n block of each of the `count` batch
+    // entries, every element of the `len` reserved.
     unsafe { out.set_len(len) };
     output(out, &shape)
 }
@@ -326,6 +396,35 @@ mod tests {
             "one thread per rank: {:?}",
             one[0]
         );
+    }
+
+    #[test]
+    fn small_batched_products_split_by_entry() {
+        // Attention's per-head products: 64 entries of 1 MFLOP.
+        assert_eq!(batch_threads(2, 64, [128, 32, 128]), 2);
+        assert_eq!(batch_threads(1, 64, [128, 32, 128]), 1, "one thread");
+        assert_eq!(batch_threads(4, 3, [512, 64, 512]), 3, "no more threads than entries");
+        assert_eq!(batch_threads(2, 4, [8, 8, 8]), 1, "too little work in all");
+        assert_eq!(batch_threads(2, 4, [1024, 256, 256]), 1, "each entry splits itself");
+    }
+
+    #[test]
+    fn a_split_batch_equals_the_single_threaded_one() {
+        let (a, b) = (
+            sample(&[4, 64, 64, 32], DType::F32, 13),
+            sample(&[64, 32, 64], DType::F32, 14),
+        );
+        assert_eq!(batch_threads(2, 256, [64, 32, 64]), 2, "the case must split");
+        let product = |threads: usize| {
+            let (a, b) = (a.clone(), b.clone());
+            let opts = tessera_mesh::LaunchOptions::default().threads_per_rank(threads);
+            tessera_mesh::launch_with(&opts, 1, move |_| Ok(a.matmul(&b)?)).unwrap()
+        };
+        let (one, two) = (product(1), product(2));
+        assert_eq!(one[0].to_f64_vec(), two[0].to_f64_vec());
+        let (shape, want) = reference(&a, &b);
+        assert_eq!(two[0].shape(), &shape[..]);
+        assert_close(&two[0], &want, 1e-5, "split batch (f32 sums of 32 products)");
     }
 
     #[test]
