@@ -203,6 +203,7 @@ mod tests {
 
     use super::*;
     use crate::ops::testutil::{assert_close, sample, tol};
+    use crate::ops::unravel;
 
     /// Row-major index of `out_idx` in a tensor of `shape` broadcast to `out`.
     fn bidx(shape: &[usize], out: &[usize], out_idx: &[usize]) -> usize {
@@ -213,15 +214,6 @@ mod tests {
             i = i * s + k;
         }
         i
-    }
-
-    fn unravel(mut i: usize, shape: &[usize]) -> Vec<usize> {
-        let mut idx = vec![0; shape.len()];
-        for d in (0..shape.len()).rev() {
-            idx[d] = i % shape[d];
-            i /= shape[d];
-        }
-        idx
     }
 
     /// The naive broadcast reference in f64.

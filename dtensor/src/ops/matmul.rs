@@ -3,7 +3,7 @@
 use tessera_mesh::DType;
 
 use super::elementwise::broadcast_shapes;
-use super::{Float, not_float, output, same_dtype};
+use super::{Float, not_float, output, same_dtype, unravel};
 use crate::{Error, Result, Tensor};
 
 /// The GEMM that runs [`Tensor::matmul`].
@@ -180,16 +180,6 @@ impl<T> OutPtr<T> {
 unsafe impl<T> Send for OutPtr<T> {}
 // SAFETY: as for Send: shared only to compute disjoint block addresses.
 unsafe impl<T> Sync for OutPtr<T> {}
-
-/// The batch index of entry `i` (row-major over `batch`).
-fn unravel(mut i: usize, batch: &[usize]) -> Vec<usize> {
-    let mut index = vec![0; batch.len()];
-    for d in (0..batch.len()).rev() {
-        index[d] = i % batch[d];
-        i /= batch[d];
-    }
-    index
-}
 
 /// `a · b` for rank >= 2 operands of a GEMM type, shapes already checked.
 fn matmul_typed<T: Gemm>(a: &Tensor, b: &Tensor, batch: &[usize], kernel: GemmKernel) -> Result<Tensor> {

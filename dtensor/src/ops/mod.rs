@@ -245,6 +245,16 @@ macro_rules! any_dispatch {
 pub(crate) use any_dispatch;
 
 /// The error for a float-only op given an integer tensor.
+/// The index of element `i` of `shape` (row-major).
+pub(crate) fn unravel(mut i: usize, shape: &[usize]) -> Vec<usize> {
+    let mut index = vec![0; shape.len()];
+    for d in (0..shape.len()).rev() {
+        index[d] = i % shape[d];
+        i /= shape[d];
+    }
+    index
+}
+
 pub(crate) fn not_float(op: &'static str, dtype: DType) -> Error {
     Error::InvalidArgument {
         op,
