@@ -30,6 +30,7 @@ pub mod checkpoint;
 pub mod dist;
 mod dtensor;
 mod error;
+mod memo;
 pub mod memory;
 pub mod ops;
 mod placement;

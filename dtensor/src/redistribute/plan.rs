@@ -40,11 +40,12 @@ use std::cmp::Reverse;
 use std::collections::hash_map::Entry;
 use std::collections::{BinaryHeap, HashMap};
 use std::fmt;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 
 use smallvec::SmallVec;
 use tessera_mesh::{OpKind, ReduceOp};
 
+use crate::memo::Memo;
 use crate::sharding::shard_size_and_offset;
 use crate::spec::{Layout, PlacementsDisplay};
 use crate::{Error, MeshDims, Placement, Result, ShardOrder};
@@ -615,29 +616,15 @@ impl Tree {
     }
 }
 
-/// Search trees, by search and source state.
-type Trees = HashMap<(Search, State), Arc<Mutex<Tree>>>;
-
-fn trees() -> &'static Mutex<Trees> {
-    static TREES: OnceLock<Mutex<Trees>> = OnceLock::new();
-    TREES.get_or_init(Mutex::default)
-}
-
-/// The most trees the process keeps.
-const TREES_LEN: usize = 256;
-
-/// The most routes the process keeps.
-const CACHE_LEN: usize = 4096;
+/// Search trees, by search and source state (at most 256).
+static TREES: Memo<(Search, State), Arc<Mutex<Tree>>> = Memo::new(256);
 
 /// A route: each step's group, kind and layout after.
 type Route = Arc<[(MeshDims, StepKind, Layout)]>;
 
 /// Routes found, by (source, target) layout, shared by every rank thread of the
-/// process (they plan the same pairs).
-fn routes() -> &'static Mutex<HashMap<(Layout, Layout), Route>> {
-    static ROUTES: OnceLock<Mutex<HashMap<(Layout, Layout), Route>>> = OnceLock::new();
-    ROUTES.get_or_init(Mutex::default)
-}
+/// process (they plan the same pairs; at most 4096).
+static ROUTES: Memo<(Layout, Layout), Route> = Memo::new(4096);
 
 /// Plans the redistribution from `src` to `dst`, reporting the bytes that the rank at
 /// `coord` sends.
@@ -650,18 +637,11 @@ fn routes() -> &'static Mutex<HashMap<(Layout, Layout), Route>> {
 pub fn plan(src: &Layout, dst: &Layout, coord: &[usize]) -> Result<Plan> {
     check(src, dst)?;
     let key = (src.clone(), dst.clone());
-    // A poisoned lock only means another thread panicked while holding it; the
-    // map itself is always whole (one insert or clear at a time).
-    let cached = routes().lock().unwrap_or_else(|e| e.into_inner()).get(&key).cloned();
-    let route = match cached {
+    let route = match ROUTES.get(&key) {
         Some(route) => route,
         None => {
             let route = find_route(src, dst)?;
-            let mut r = routes().lock().unwrap_or_else(|e| e.into_inner());
-            if r.len() >= CACHE_LEN {
-                r.clear();
-            }
-            r.insert(key, route.clone());
+            ROUTES.with_room().insert(key, route.clone());
             route
         }
     };
@@ -736,18 +716,13 @@ fn find_route(src: &Layout, dst: &Layout) -> Result<Route> {
     }
     let search = Search::new(&src.shape, &src.mesh_shape, ops);
     let from = State::of(src);
-    // A poisoned lock means another thread panicked while holding it. The map is
-    // always whole (one insert or clear at a time); a tree may have stopped halfway
-    // through settling a state, so it starts again.
-    let tree = {
-        let mut t = trees().lock().unwrap_or_else(|e| e.into_inner());
-        if t.len() >= TREES_LEN {
-            t.clear();
-        }
-        t.entry((search.clone(), from.clone()))
-            .or_insert_with(|| Arc::new(Mutex::new(Tree::new(search.clone(), from.clone()))))
-            .clone()
-    };
+    let tree = TREES
+        .with_room()
+        .entry((search.clone(), from.clone()))
+        .or_insert_with(|| Arc::new(Mutex::new(Tree::new(search.clone(), from.clone()))))
+        .clone();
+    // A poisoned tree lock means another thread panicked while growing it, maybe
+    // halfway through settling a state: the tree starts again.
     let mut grown = tree.lock().unwrap_or_else(|e| {
         let mut g = e.into_inner();
         *g = Tree::new(search, from);

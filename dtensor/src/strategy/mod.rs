@@ -14,12 +14,12 @@
 
 mod rules;
 
-use std::collections::HashMap;
 use std::hash::{DefaultHasher, Hash, Hasher};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::Arc;
 
 use smallvec::SmallVec;
 
+use crate::memo::Memo;
 use crate::redistribute::{Plan, plan};
 use crate::spec::{Layout, Placements, PlacementsDisplay};
 use crate::{Placement, Result, ShardOrder};
@@ -110,18 +110,15 @@ pub fn choose(op: &'static str, inputs: &[&Layout], candidates: &[Candidate]) ->
         h.finish()
     };
     let hit = |c: &Made| c.inputs.iter().eq(inputs.iter().copied()) && c.candidates[..] == *candidates;
-    if let Some(made) = lock(choices())
+    if let Some(made) = CHOICES
+        .lock()
         .get(&key)
         .and_then(|bucket| bucket.iter().find(|c| hit(c)))
     {
         return Ok(made.choice.clone());
     }
     let choice = Arc::new(choose_uncached(op, inputs, candidates)?);
-    let mut map = lock(choices());
-    if map.len() >= CHOICES_LEN {
-        map.clear();
-    }
-    map.entry(key).or_default().push(Made {
+    CHOICES.with_room().entry(key).or_default().push(Made {
         inputs: inputs.iter().map(|&l| l.clone()).collect(),
         candidates: candidates.to_vec(),
         choice: choice.clone(),
@@ -137,23 +134,11 @@ struct Made {
 }
 
 /// Choices made, by a hash of (input layouts, candidates), each bucket checked for
-/// equality on lookup (so a hit clones nothing). A choice is a pure function of
-/// its inputs' layouts and the candidates, and a training step makes the same few
-/// hundred again every step: planning each candidate's redistributions again cost
-/// most of a small model's step.
-fn choices() -> &'static Mutex<HashMap<u64, Vec<Made>>> {
-    static CHOICES: OnceLock<Mutex<HashMap<u64, Vec<Made>>>> = OnceLock::new();
-    CHOICES.get_or_init(Mutex::default)
-}
-
-/// The most hashes of choices the process keeps.
-const CHOICES_LEN: usize = 4096;
-
-/// Locks the cache, whole even if a thread panicked holding it (one insert or
-/// clear at a time).
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
+/// equality on lookup (so a hit clones nothing; at most 4096 hashes). A choice is
+/// a pure function of its inputs' layouts and the candidates, and a training step
+/// makes the same few hundred again every step: planning each candidate's
+/// redistributions again cost most of a small model's step.
+static CHOICES: Memo<u64, Vec<Made>> = Memo::new(4096);
 
 /// [`choose`] without the cache.
 fn choose_uncached(op: &'static str, inputs: &[&Layout], candidates: &[Candidate]) -> Result<Choice> {
