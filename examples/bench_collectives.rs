@@ -20,6 +20,7 @@
 #[path = "common/mod.rs"]
 mod common;
 
+use std::process::ExitCode;
 use std::time::Instant;
 
 use common::{Json, median};
@@ -30,22 +31,13 @@ const SIZES_MIB: [usize; 3] = [1, 16, 64];
 const WORLDS: [usize; 2] = [2, 4];
 const OPS: [&str; 3] = ["all_gather", "reduce_scatter", "all_reduce"];
 
-fn main() {
-    let args = match common::parse_args(std::env::args().skip(1), 0) {
-        Ok(a) => a,
-        Err(e) if e == common::HELP => {
-            println!("{USAGE}");
-            return;
-        }
-        Err(e) => {
-            eprintln!("bench_collectives: {e}\n{USAGE}");
-            std::process::exit(2);
-        }
-    };
-    if let Err(e) = run(&args) {
-        eprintln!("bench_collectives: {e}");
-        std::process::exit(1);
-    }
+fn main() -> ExitCode {
+    common::bench_main(
+        "bench_collectives",
+        USAGE,
+        common::parse_args(std::env::args().skip(1), 0),
+        run,
+    )
 }
 
 /// Median seconds of a single-thread copy of `bytes` bytes.

@@ -157,24 +157,7 @@ struct Summary {
 }
 
 fn main() -> ExitCode {
-    let args = match parse(std::env::args().skip(1)) {
-        Ok(a) => a,
-        Err(msg) if msg == common::HELP => {
-            println!("{USAGE}");
-            return ExitCode::SUCCESS;
-        }
-        Err(msg) => {
-            eprintln!("bench_fsdp: {msg}\n{USAGE}");
-            return ExitCode::from(2);
-        }
-    };
-    match run(&args) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("bench_fsdp: error: {e}");
-            ExitCode::FAILURE
-        }
-    }
+    common::bench_main("bench_fsdp", USAGE, parse(std::env::args().skip(1)), run)
 }
 
 /// Parses the flags (also `--flag=value`); `--help` gives [`common::HELP`].

@@ -144,24 +144,12 @@ fn time(a: &Tensor, b: &Tensor, iters: usize) -> Result<[f64; 2], BoxError> {
 }
 
 fn main() -> ExitCode {
-    let args = match common::parse_args(std::env::args().skip(1), DEFAULT_ITERS) {
-        Ok(a) => a,
-        Err(msg) if msg == common::HELP => {
-            println!("{USAGE}");
-            return ExitCode::SUCCESS;
-        }
-        Err(msg) => {
-            eprintln!("bench_gemm: {msg}\n{USAGE}");
-            return ExitCode::FAILURE;
-        }
-    };
-    match run(&args) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("bench_gemm: {e}");
-            ExitCode::FAILURE
-        }
-    }
+    common::bench_main(
+        "bench_gemm",
+        USAGE,
+        common::parse_args(std::env::args().skip(1), DEFAULT_ITERS),
+        run,
+    )
 }
 
 fn run(args: &common::BenchArgs) -> Result<(), BoxError> {

@@ -22,6 +22,7 @@
 mod common;
 
 use std::process::Command;
+use std::process::ExitCode;
 use std::time::Instant;
 
 use common::{Json, median};
@@ -34,26 +35,16 @@ const USAGE: &str = "usage: bench_mpi [--json PATH] [--iters N]";
 const SIZES_MIB: [usize; 3] = [1, 16, 64];
 const OPS: [&str; 3] = ["all_gather", "reduce_scatter", "all_reduce"];
 
-fn main() {
-    let args = match common::parse_args(std::env::args().skip(1), 0) {
-        Ok(a) => a,
-        Err(e) if e == common::HELP => {
-            println!("{USAGE}");
-            return;
-        }
-        Err(e) => {
-            eprintln!("bench_mpi: {e}\n{USAGE}");
-            std::process::exit(2);
-        }
-    };
-    let result = match mpi_env() {
-        Some(_) => rank(args.iters),
-        None => driver(&args),
-    };
-    if let Err(e) = result {
-        eprintln!("bench_mpi: {e}");
-        std::process::exit(1);
-    }
+fn main() -> ExitCode {
+    common::bench_main(
+        "bench_mpi",
+        USAGE,
+        common::parse_args(std::env::args().skip(1), 0),
+        |args| match mpi_env() {
+            Some(_) => rank(args.iters),
+            None => driver(args),
+        },
+    )
 }
 
 /// One rank of one world size: prints `RESULT op ranks bytes raw_s tessera_s` lines on rank 0.

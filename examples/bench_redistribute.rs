@@ -117,37 +117,30 @@ const PLAN_SAMPLES: usize = 9;
 /// so no two share a search tree and every first plan searches afresh.
 fn planning() -> Result<Vec<(String, f64)>, BoxError> {
     use Placement::{Replicate as R, Shard as S};
-    let (src, near, far) = ([S(0), S(1), R], [S(0), S(1), S(2)], [S(3), S(2), S(0)]);
+    let ms = |since: Instant| since.elapsed().as_secs_f64() * 1e3;
+    let layout = |p: &[Placement], shape: &[usize]| Layout::new(MESH_3D, p, shape, DType::F32);
+    let coord = [0, 0, 0];
     let mut times: [Vec<f64>; 4] = Default::default();
     let mut layouts = 0;
     for k in 0..PLAN_SAMPLES {
         let shape = |j: usize| [5 + 2 * (2 * k + j), 3, 7, 4];
-        let ms = |f: &mut dyn FnMut() -> Result<(), BoxError>| -> Result<f64, BoxError> {
-            let t = Instant::now();
-            f()?;
-            Ok(t.elapsed().as_secs_f64() * 1e3)
-        };
-        let layout = |p: &[Placement], shape: &[usize]| Layout::new(MESH_3D, p, shape, DType::F32);
         let (a, b) = (shape(0), shape(1));
-        let coord = [0, 0, 0];
-        times[0].push(ms(&mut || {
-            Ok(black_box(plan(&layout(&src, &a)?, &layout(&near, &a)?, &coord)).map(drop)?)
-        })?);
-        times[1].push(ms(&mut || {
-            Ok(black_box(plan(&layout(&src, &a)?, &layout(&far, &a)?, &coord)).map(drop)?)
-        })?);
-        times[3].push(ms(&mut || {
-            Ok(black_box(plan(&layout(&src, &a)?, &layout(&far, &a)?, &coord)).map(drop)?)
-        })?);
+        let from = layout(&[S(0), S(1), R], &a)?;
+        let (near, far) = (layout(&[S(0), S(1), S(2)], &a)?, layout(&[S(3), S(2), S(0)], &a)?);
+        // The first two search afresh; the last repeats the second.
+        for (slot, dst) in [(0, &near), (1, &far), (3, &far)] {
+            let t = Instant::now();
+            black_box(plan(&from, dst, &coord))?;
+            times[slot].push(ms(t));
+        }
         let every = all_layouts(MESH_3D, &b, DType::F32, &[])?;
-        let from = layout(&src, &b)?;
+        let from = layout(&[S(0), S(1), R], &b)?;
         layouts = every.len();
-        times[2].push(ms(&mut || {
-            for dst in &every {
-                black_box(plan(&from, dst, &coord))?;
-            }
-            Ok(())
-        })?);
+        let t = Instant::now();
+        for dst in &every {
+            black_box(plan(&from, dst, &coord))?;
+        }
+        times[2].push(ms(t));
     }
     let queries = [
         "first plan, near target (a slice)".to_string(),
@@ -197,24 +190,12 @@ struct BaseOp {
 }
 
 fn main() -> ExitCode {
-    let args = match common::parse_args(std::env::args().skip(1), DEFAULT_ITERS) {
-        Ok(a) => a,
-        Err(msg) if msg == common::HELP => {
-            println!("{USAGE}");
-            return ExitCode::SUCCESS;
-        }
-        Err(msg) => {
-            eprintln!("bench_redistribute: {msg}\n{USAGE}");
-            return ExitCode::from(2);
-        }
-    };
-    match run(&args) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("bench_redistribute: error: {e}");
-            ExitCode::FAILURE
-        }
-    }
+    common::bench_main(
+        "bench_redistribute",
+        USAGE,
+        common::parse_args(std::env::args().skip(1), DEFAULT_ITERS),
+        run,
+    )
 }
 
 fn run(args: &common::BenchArgs) -> Result<(), BoxError> {

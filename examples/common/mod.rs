@@ -19,6 +19,36 @@ pub struct BenchArgs {
 /// What `parse_args` returns when the user asked for `--help`.
 pub const HELP: &str = "help";
 
+/// A benchmark's `main` around its parsed flags: `--help` prints `usage` (exit 0);
+/// a bad flag prints the message and `usage` (exit 2); otherwise it runs `run`
+/// and prints its error, if any, as `name: error: ...` (exit 1).
+pub fn bench_main<A, E: std::fmt::Display>(
+    name: &str,
+    usage: &str,
+    parsed: Result<A, String>,
+    run: impl FnOnce(&A) -> Result<(), E>,
+) -> std::process::ExitCode {
+    use std::process::ExitCode;
+    let args = match parsed {
+        Ok(a) => a,
+        Err(msg) if msg == HELP => {
+            println!("{usage}");
+            return ExitCode::SUCCESS;
+        }
+        Err(msg) => {
+            eprintln!("{name}: {msg}\n{usage}");
+            return ExitCode::from(2);
+        }
+    };
+    match run(&args) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("{name}: error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
 /// Parses `--json PATH`, `--iters N` (also `--flag=value`) and `--help`.
 ///
 /// # Errors
