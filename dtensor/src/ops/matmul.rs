@@ -48,10 +48,15 @@ impl GemmKernel {
 /// several threads: below it, waking the threads costs more than they save.
 pub const PARALLEL_MIN_FLOPS: usize = 1 << 26;
 
+/// Flops of `entries` products `m×k · k×n`.
+fn flops(entries: usize, [m, k, n]: [usize; 3]) -> u128 {
+    2 * entries as u128 * m as u128 * k as u128 * n as u128
+}
+
 /// The `gemm` crate's parallelism for an `m×k · k×n` product on this rank.
 fn parallelism(m: usize, k: usize, n: usize) -> gemm::Parallelism {
     let threads = tessera_mesh::intra_op_threads();
-    if threads > 1 && 2usize.saturating_mul(m).saturating_mul(k).saturating_mul(n) >= PARALLEL_MIN_FLOPS {
+    if threads > 1 && flops(1, [m, k, n]) >= PARALLEL_MIN_FLOPS as u128 {
         gemm::Parallelism::Rayon(threads)
     } else {
         gemm::Parallelism::None
@@ -149,10 +154,9 @@ unsafe impl<T> Sync for Mat<T> {}
 /// How many threads a batch of `count` `m×k · k×n` products runs on: 1 unless the
 /// rank has several threads and each product is too small for the GEMM's own
 /// split ([`PARALLEL_MIN_FLOPS`]) while the batch is large enough for one.
-fn batch_threads(threads: usize, count: usize, [m, k, n]: [usize; 3]) -> usize {
-    let flops = |entries: usize| 2 * entries as u128 * m as u128 * k as u128 * n as u128;
+fn batch_threads(threads: usize, count: usize, mkn: [usize; 3]) -> usize {
     let min = PARALLEL_MIN_FLOPS as u128;
-    if threads > 1 && count > 1 && flops(1) < min && flops(count) >= min {
+    if threads > 1 && count > 1 && flops(1, mkn) < min && flops(count, mkn) >= min {
         threads.min(count)
     } else {
         1
