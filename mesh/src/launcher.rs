@@ -105,9 +105,11 @@ impl LaunchOptions {
 /// The most threads per rank `TESSERA_THREADS_PER_RANK` may set.
 pub const MAX_THREADS_PER_RANK: usize = 1024;
 
-/// Cores this process may run on.
-fn cores() -> usize {
-    std::thread::available_parallelism().map_or(1, |n| n.get())
+/// Cores this process may run on, read once: `available_parallelism` reads the
+/// cgroup's CPU quota from files on every call, and kernels ask on every product.
+pub(crate) fn cores() -> usize {
+    static CORES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *CORES.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
 }
 
 /// Parses a `TESSERA_THREADS_PER_RANK` value: a whole number in 1..=[`MAX_THREADS_PER_RANK`].

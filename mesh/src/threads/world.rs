@@ -80,7 +80,7 @@ impl World {
         Arc::new(World {
             job,
             timeout,
-            oversubscribed: std::thread::available_parallelism().map_or(true, |n| size > n.get()),
+            oversubscribed: size > crate::launcher::cores(),
             poisoned: AtomicBool::new(false),
             poison: Mutex::new(None),
             exited: (0..size).map(|_| AtomicBool::new(false)).collect(),
