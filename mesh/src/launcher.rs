@@ -40,7 +40,7 @@ pub struct LaunchOptions {
     /// [`DEFAULT_TIMEOUT`]; [`LaunchOptions::from_env`] reads `TESSERA_TIMEOUT_S`.
     pub timeout: Duration,
     /// Threads each rank's kernels may use (intra-op parallelism: GEMMs split
-    /// their output over them), read inside a rank by [`intra_op_threads`].
+    /// their output over them), read inside a rank by [`intra_op_threads`](crate::intra_op_threads).
     /// `None` (the default) divides the machine's cores among the ranks on it:
     /// `cores / ranks` with the threads backend, `cores / local ranks` under MPI
     /// (at least 1). [`LaunchOptions::from_env`] reads `TESSERA_THREADS_PER_RANK`.
@@ -92,7 +92,7 @@ impl LaunchOptions {
     /// or the cores divided among them (at least 1).
     pub(crate) fn threads_for(&self, ranks_here: usize) -> usize {
         self.threads_per_rank
-            .unwrap_or_else(|| (cores() / ranks_here.max(1)).max(1))
+            .unwrap_or_else(|| (crate::intra_op::cores() / ranks_here.max(1)).max(1))
     }
 
     /// Sets the collective timeout.
@@ -105,13 +105,6 @@ impl LaunchOptions {
 /// The most threads per rank `TESSERA_THREADS_PER_RANK` may set.
 pub const MAX_THREADS_PER_RANK: usize = 1024;
 
-/// Cores this process may run on, read once: `available_parallelism` reads the
-/// cgroup's CPU quota from files on every call, and kernels ask on every product.
-pub(crate) fn cores() -> usize {
-    static CORES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *CORES.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
-}
-
 /// Parses a `TESSERA_THREADS_PER_RANK` value: a whole number in 1..=[`MAX_THREADS_PER_RANK`].
 fn parse_threads(v: &str) -> Result<usize> {
     match v.trim().parse::<usize>() {
@@ -120,41 +113,6 @@ fn parse_threads(v: &str) -> Result<usize> {
             "TESSERA_THREADS_PER_RANK={v:?} is not a whole number from 1 to {MAX_THREADS_PER_RANK} \
              (unset means the cores divided among the ranks on this machine)"
         ))),
-    }
-}
-
-thread_local! {
-    /// This thread's intra-op threads, 0 outside a rank.
-    static INTRA_OP: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
-}
-
-/// Threads the calling rank's kernels may use: the launch's
-/// [`threads_per_rank`](LaunchOptions::threads_per_rank) inside a rank (so ranks ×
-/// threads = cores by default), every core outside one.
-///
-/// PyTorch: `torch.get_num_threads`.
-pub fn intra_op_threads() -> usize {
-    match INTRA_OP.with(|c| c.get()) {
-        0 => cores(),
-        n => n,
-    }
-}
-
-/// Sets the calling thread's [`intra_op_threads`] for as long as the guard lives
-/// (a rank's thread, or the process under MPI).
-pub(crate) fn enter_intra_op(threads: usize) -> IntraOpGuard {
-    let before = INTRA_OP.with(|c| c.replace(threads.max(1)));
-    IntraOpGuard { before }
-}
-
-/// Restores the thread's intra-op threads when dropped.
-pub(crate) struct IntraOpGuard {
-    before: usize,
-}
-
-impl Drop for IntraOpGuard {
-    fn drop(&mut self) {
-        INTRA_OP.with(|c| c.set(self.before));
     }
 }
 
@@ -353,6 +311,7 @@ pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::intra_op::{cores, intra_op_threads};
 
     #[test]
     fn threads_per_rank_values() {

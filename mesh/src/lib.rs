@@ -37,6 +37,7 @@ mod error;
 mod launcher;
 #[cfg(feature = "mpi")]
 mod mpi_backend;
+pub mod intra_op;
 pub mod stats;
 #[cfg(feature = "testing")]
 pub mod testing;
@@ -48,8 +49,9 @@ pub use dtype::{Buf, BufMut, Buffer, DType, Element};
 pub use error::{Error, Result};
 pub use launcher::{
     BoxError, DEFAULT_TIMEOUT, LaunchOptions, MAX_THREADS_PER_RANK, MAX_TIMEOUT, MIN_TIMEOUT, MpiEnv, RankCtx,
-    intra_op_threads, is_lead_process, launch, launch_with, mpi_env,
+    is_lead_process, launch, launch_with, mpi_env,
 };
+pub use intra_op::{intra_op_threads, parallel_for};
 /// The `mpi` crate the MPI backend is built on, for raw MPI calls beside Tessera's
 /// (feature `mpi`). Initialise MPI through it before the first [`launch`] to own
 /// its `Universe` (at `Threading::Multiple`); otherwise `launch` initialises MPI

@@ -15,13 +15,14 @@ use crate::{Error, Result, Tensor};
 /// with AVX2/FMA only, `gemm` reaches 95, so [`auto`](Self::auto) picks
 /// `matrixmultiply` on CPUs without AVX-512 when the rank has one thread.
 ///
-/// `gemm` splits a product of at least [`PARALLEL_MIN_FLOPS`] over the rank's
-/// [`intra_op_threads`](tessera_mesh::intra_op_threads); `matrixmultiply` runs
-/// on the calling thread.
+/// A product of at least [`PARALLEL_MIN_FLOPS`] is split into blocks of output
+/// rows (or columns), one per [`intra_op_threads`](tessera_mesh::intra_op_threads),
+/// each block one call of the kernel on the rank's team
+/// ([`parallel_for`](tessera_mesh::parallel_for)).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum GemmKernel {
     /// The `gemm` crate (pure Rust; runtime-detected AVX-512 or AVX2/FMA
-    /// kernels), with `Parallelism::None`.
+    /// kernels).
     Gemm,
     /// The `matrixmultiply` crate (pure Rust; AVX2/FMA kernels), which
     /// ndarray's `dot` uses.
@@ -44,22 +45,45 @@ impl GemmKernel {
     }
 }
 
-/// The smallest product (`2·m·k·n` flops) that [`GemmKernel::Gemm`] splits over
-/// several threads: below it, waking the threads costs more than they save.
-pub const PARALLEL_MIN_FLOPS: usize = 1 << 26;
+/// The smallest product (`2·m·k·n` flops) that is split over the rank's
+/// threads: below it, handing out the parts costs more than they save.
+pub const PARALLEL_MIN_FLOPS: usize = 1 << 23;
+
+/// Rows (or columns) per block of a split product are a multiple of this, the
+/// height of the `gemm` crate's AVX-512 f32 micro-kernel tile, so no block ends
+/// in a partial tile that a whole product would not have.
+const SPLIT_ALIGN: usize = 16;
 
 /// Flops of `entries` products `m×k · k×n`.
 fn flops(entries: usize, [m, k, n]: [usize; 3]) -> u128 {
     2 * entries as u128 * m as u128 * k as u128 * n as u128
 }
 
-/// The `gemm` crate's parallelism for an `m×k · k×n` product on this rank.
-fn parallelism(m: usize, k: usize, n: usize) -> gemm::Parallelism {
-    let threads = tessera_mesh::intra_op_threads();
-    if threads > 1 && flops(1, [m, k, n]) >= PARALLEL_MIN_FLOPS as u128 {
-        gemm::Parallelism::Rayon(threads)
-    } else {
-        gemm::Parallelism::None
+/// How one `m×k · k×n` product is split over `threads` threads: blocks of
+/// `block` output rows (`by_rows`) or columns, `parts` of them; one part when
+/// the product is too small to split.
+#[derive(Debug, PartialEq, Eq)]
+struct Split {
+    by_rows: bool,
+    block: usize,
+    parts: usize,
+}
+
+fn split(threads: usize, [m, k, n]: [usize; 3]) -> Split {
+    let by_rows = m >= n;
+    let len = if by_rows { m } else { n };
+    if threads <= 1 || flops(1, [m, k, n]) < PARALLEL_MIN_FLOPS as u128 || len < 2 * SPLIT_ALIGN {
+        return Split {
+            by_rows,
+            block: len,
+            parts: 1,
+        };
+    }
+    let block = len.div_ceil(threads).next_multiple_of(SPLIT_ALIGN);
+    Split {
+        by_rows,
+        block,
+        parts: len.div_ceil(block),
     }
 }
 
@@ -112,7 +136,7 @@ macro_rules! impl_gemm {
                             false,
                             false,
                             false,
-                            parallelism(m, k, n),
+                            gemm::Parallelism::None,
                         ),
                     }
                 }
@@ -151,16 +175,44 @@ unsafe impl<T> Send for Mat<T> {}
 // SAFETY: as for Send.
 unsafe impl<T> Sync for Mat<T> {}
 
-/// How many threads a batch of `count` `m×k · k×n` products runs on: 1 unless the
-/// rank has several threads and each product is too small for the GEMM's own
-/// split ([`PARALLEL_MIN_FLOPS`]) while the batch is large enough for one.
+/// How many parts a batch of `count` `m×k · k×n` products runs in: 1 unless the
+/// rank has several threads and each product is too small to split itself
+/// ([`split`]) while the batch is large enough to be worth splitting.
 fn batch_threads(threads: usize, count: usize, mkn: [usize; 3]) -> usize {
     let min = PARALLEL_MIN_FLOPS as u128;
-    if threads > 1 && count > 1 && flops(1, mkn) < min && flops(count, mkn) >= min {
+    if threads > 1 && count > 1 && split(threads, mkn).parts == 1 && flops(count, mkn) >= min {
         threads.min(count)
     } else {
         1
     }
+}
+
+/// `c = a · b` for one `m×k · k×n` product, split over the rank's threads in
+/// blocks of rows or columns when it is large enough ([`split`]).
+///
+/// # Safety
+/// As [`Gemm::gemm`], with `c` an [`OutPtr`] to the product's first element.
+unsafe fn gemm_split<T: Gemm>(kernel: GemmKernel, [m, k, n]: [usize; 3], a: Mat<T>, b: Mat<T>, c: OutPtr<T>, rsc: isize) {
+    let Split { by_rows, block, parts } = split(tessera_mesh::intra_op_threads(), [m, k, n]);
+    let part = |p: usize| {
+        let start = p * block;
+        let (mut a, mut b, mut mkn) = (a, b, [m, k, n]);
+        let offset = if by_rows {
+            mkn[0] = block.min(m - start);
+            a.ptr = a.ptr.wrapping_offset(start as isize * a.rs);
+            start * rsc as usize
+        } else {
+            mkn[2] = block.min(n - start);
+            b.ptr = b.ptr.wrapping_offset(start as isize * b.cs);
+            start
+        };
+        // SAFETY: the block's rows (columns) are a sub-range of the product's,
+        // so each operand's block lies inside what the caller guarantees readable
+        // and the output block inside what it guarantees writable; blocks of
+        // different parts are disjoint.
+        unsafe { T::gemm(kernel, mkn, a, b, c.block(offset), rsc) };
+    };
+    tessera_mesh::parallel_for(parts, part);
 }
 
 /// The output's base pointer, shared by the threads that write its disjoint blocks.
@@ -179,8 +231,8 @@ impl<T> OutPtr<T> {
     }
 }
 
-// SAFETY: each thread writes only its own batch entries' blocks (disjoint), and
-// the scope ends before the output is read or freed.
+// SAFETY: each thread writes only its own blocks (disjoint), and
+// `parallel_for` returns before the output is read or freed.
 unsafe impl<T> Send for OutPtr<T> {}
 // SAFETY: as for Send: shared only to compute disjoint block addresses.
 unsafe impl<T> Sync for OutPtr<T> {}
@@ -217,7 +269,7 @@ fn matmul_typed<T: Gemm>(a: &Tensor, b: &Tensor, batch: &[usize], kernel: GemmKe
         // its storage (checked by `rows_fold`; views keep the storage borrowed);
         // `b` is one k×n matrix; `out` has capacity for count·m rows of n elements.
         unsafe {
-            T::gemm(kernel, [count * m, k, n], am, bm, c.0, n as isize);
+            gemm_split(kernel, [count * m, k, n], am, bm, c, n as isize);
             // SAFETY: the GEMM wrote all count·m·n elements (m, n, k > 0, beta = 0).
             out.set_len(len);
         }
@@ -248,7 +300,7 @@ fn matmul_typed<T: Gemm>(a: &Tensor, b: &Tensor, batch: &[usize], kernel: GemmKe
             // inside its borrowed storage; the output block `i` is m×n inside the
             // capacity of `out`, disjoint from the operands (fresh allocation) and
             // from every other entry's block.
-            unsafe { T::gemm(kernel, [m, k, n], ai, bi, c.block(i * m * n), n as isize) };
+            unsafe { gemm_split(kernel, [m, k, n], ai, bi, OutPtr(c.block(i * m * n)), n as isize) };
             for d in (0..batch.len()).rev() {
                 index[d] += 1;
                 if index[d] < batch[d] {
@@ -260,19 +312,9 @@ fn matmul_typed<T: Gemm>(a: &Tensor, b: &Tensor, batch: &[usize], kernel: GemmKe
     };
     // Entries too small to split one by one (attention's per-head products) are
     // split among the rank's threads in contiguous runs.
-    let threads = batch_threads(tessera_mesh::intra_op_threads(), count, [m, k, n]);
-    if threads > 1 {
-        let per = count.div_ceil(threads);
-        rayon::scope(|s| {
-            for t in 1..threads {
-                let entries = &entries;
-                s.spawn(move |_| entries(t * per..((t + 1) * per).min(count)));
-            }
-            entries(0..per.min(count));
-        });
-    } else {
-        entries(0..count);
-    }
+    let parts = batch_threads(tessera_mesh::intra_op_threads(), count, [m, k, n]);
+    let per = count.div_ceil(parts);
+    tessera_mesh::parallel_for(parts, |p| entries(p * per..((p + 1) * per).min(count)));
     // SAFETY: the entries wrote the m×n block of each of the `count` batch
     // entries, every element of the `len` reserved.
     unsafe { out.set_len(len) };
@@ -374,22 +416,25 @@ mod tests {
 
     #[test]
     fn large_products_split_over_the_ranks_threads() {
-        let opts = tessera_mesh::LaunchOptions::default();
-        let seen = tessera_mesh::launch_with(&opts.clone().threads_per_rank(2), 1, |_| {
-            Ok((parallelism(1024, 256, 256), parallelism(16, 16, 16)))
-        })
-        .unwrap();
-        assert!(matches!(seen[0].0, gemm::Parallelism::Rayon(2)), "{:?}", seen[0].0);
-        assert!(
-            matches!(seen[0].1, gemm::Parallelism::None),
-            "a small product stays on the calling thread"
+        let rows = |block, parts| Split {
+            by_rows: true,
+            block,
+            parts,
+        };
+        assert_eq!(split(2, [1024, 256, 256]), rows(512, 2));
+        assert_eq!(split(3, [1000, 256, 256]), rows(336, 3), "blocks of whole tiles");
+        assert_eq!(
+            split(2, [256, 1024, 4096]),
+            Split {
+                by_rows: false,
+                block: 2048,
+                parts: 2
+            },
+            "wide: by columns"
         );
-        let one = tessera_mesh::launch_with(&opts.threads_per_rank(1), 1, |_| Ok(parallelism(1024, 256, 256))).unwrap();
-        assert!(
-            matches!(one[0], gemm::Parallelism::None),
-            "one thread per rank: {:?}",
-            one[0]
-        );
+        assert_eq!(split(1, [1024, 256, 256]).parts, 1, "one thread");
+        assert_eq!(split(2, [16, 16, 16]).parts, 1, "too small");
+        assert_eq!(split(8, [40, 100_000, 8]), rows(16, 3), "no block under a tile");
     }
 
     #[test]
@@ -397,7 +442,7 @@ mod tests {
         // Attention's per-head products: 64 entries of 1 MFLOP.
         assert_eq!(batch_threads(2, 64, [128, 32, 128]), 2);
         assert_eq!(batch_threads(1, 64, [128, 32, 128]), 1, "one thread");
-        assert_eq!(batch_threads(4, 3, [512, 64, 512]), 3, "no more threads than entries");
+        assert_eq!(batch_threads(4, 3, [256, 32, 256]), 3, "no more threads than entries");
         assert_eq!(batch_threads(2, 4, [8, 8, 8]), 1, "too little work in all");
         assert_eq!(batch_threads(2, 4, [1024, 256, 256]), 1, "each entry splits itself");
     }
@@ -423,18 +468,26 @@ mod tests {
 
     #[test]
     fn a_split_product_equals_the_single_threaded_one() {
-        let (a, b) = (sample(&[512, 256], DType::F32, 11), sample(&[256, 384], DType::F32, 12));
-        let product = |threads: usize| {
-            let (a, b) = (a.clone(), b.clone());
-            let opts = tessera_mesh::LaunchOptions::default().threads_per_rank(threads);
-            tessera_mesh::launch_with(&opts, 1, move |_| Ok(a.matmul_with(&b, GemmKernel::Gemm)?)).unwrap()
-        };
-        let (one, two) = (product(1), product(2));
-        assert_eq!(
-            one[0].to_f64_vec(),
-            two[0].to_f64_vec(),
-            "each output element sums in the same order"
-        );
+        // By rows, by columns, and by rows of an uneven last block.
+        for (sa, sb) in [([512, 256], [256, 384]), ([96, 256], [256, 1024]), ([520, 192], [192, 200])] {
+            let (a, b) = (sample(&sa, DType::F32, 11), sample(&sb, DType::F32, 12));
+            assert!(split(3, [sa[0], sa[1], sb[1]]).parts > 1, "{sa:?} x {sb:?} must split");
+            for kernel in [GemmKernel::Gemm, GemmKernel::MatrixMultiply] {
+                let product = |threads: usize| {
+                    let (a, b) = (a.clone(), b.clone());
+                    let opts = tessera_mesh::LaunchOptions::default().threads_per_rank(threads);
+                    tessera_mesh::launch_with(&opts, 1, move |_| Ok(a.matmul_with(&b, kernel)?)).unwrap()
+                };
+                let (one, three) = (product(1), product(3));
+                assert_eq!(
+                    one[0].to_f64_vec(),
+                    three[0].to_f64_vec(),
+                    "{sa:?} x {sb:?} {kernel:?}: each output element sums in the same order"
+                );
+                let (_, want) = reference(&a, &b);
+                assert_close(&three[0], &want, 4.0 * sa[1] as f64 * tol(DType::F32), "split product");
+            }
+        }
     }
 
     /// The naive product in f64 with torch.matmul's shape rules.

@@ -233,7 +233,7 @@ where
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(1);
-    let _intra = crate::launcher::enter_intra_op(opts.threads_for(local));
+    let _intra = crate::intra_op::enter_intra_op(opts.threads_for(local), local);
     match catch_unwind(AssertUnwindSafe(|| f(ctx))) {
         Ok(Ok(out)) => {
             status::set_closure_returned(true);

@@ -94,7 +94,7 @@ where
             .name(format!("tessera-rank-{rank}"))
             .stack_size(16 << 20)
             .spawn(move || {
-                let _intra = crate::launcher::enter_intra_op(threads);
+                let _intra = crate::intra_op::enter_intra_op(threads, world_size);
                 let out = run_rank(&*f, w, g, job, rank);
                 // The receiver is gone only if `launch` gave up on this rank.
                 let _ = tx.send((rank, out));

@@ -80,7 +80,7 @@ impl World {
         Arc::new(World {
             job,
             timeout,
-            oversubscribed: size > crate::launcher::cores(),
+            oversubscribed: size > crate::intra_op::cores(),
             poisoned: AtomicBool::new(false),
             poison: Mutex::new(None),
             exited: (0..size).map(|_| AtomicBool::new(false)).collect(),
