@@ -257,7 +257,7 @@ fn helper(s: &Shared, id: usize) {
         let mut spins = 0u32;
         while s.epoch.load(Ordering::Acquire) == seen {
             spins = spins.wrapping_add(1);
-            if s.spin && (spins % 64 != 0 || start.elapsed() < SPIN) {
+            if s.spin && (!spins.is_multiple_of(64) || start.elapsed() < SPIN) {
                 std::hint::spin_loop();
                 continue;
             }
