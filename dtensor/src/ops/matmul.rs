@@ -386,7 +386,8 @@ impl Tensor {
             DType::F32 => matmul_typed::<f32>(&a, &b, &batch, kernel)?,
             DType::F64 => matmul_typed::<f64>(&a, &b, &batch, kernel)?,
             DType::BF16 | DType::F16 => {
-                let (a32, b32) = (a.cast(DType::F32)?, b.cast(DType::F32)?);
+                // Weights arrive transposed (x · Wᵀ): converted where they lie.
+                let (a32, b32) = (a.cast_keeping_strides(DType::F32)?, b.cast_keeping_strides(DType::F32)?);
                 matmul_typed::<f32>(&a32, &b32, &batch, kernel)?.cast(self.dtype())?
             }
             other => return Err(not_float("matmul", other)),

@@ -3,8 +3,10 @@
 use ndarray::{ArrayD, ArrayViewD, IxDyn, ShapeBuilder};
 use tessera_mesh::{Buf, Buffer, DType, Element};
 
+use super::layout::Layout;
+use super::storage::Storage;
 use super::Tensor;
-use super::storage::{Scalar, convert, typed, with_buffer};
+use super::storage::{Scalar, convert, convert_extend, typed, with_buffer};
 use crate::{Error, Result};
 
 impl Tensor {
@@ -55,25 +57,46 @@ impl Tensor {
         if dtype == self.dtype() {
             return Ok(self.clone());
         }
-        let mut out = crate::alloc::zeros_buffer("cast", self.shape(), dtype)?;
-        let layout = self.layout();
         let span = self.is_contiguous().then(|| self.span());
-        with_buffer!(self.data(), src, S => {
-            with_buffer!(&mut out, dst, D => match &span {
+        Ok(Tensor::from_storage_data(self.converted(dtype, span)?, self.shape()))
+    }
+
+    /// [`cast`](Self::cast) that keeps the strides of a dense view (a transpose
+    /// or permutation of contiguous data): its storage is converted in memory
+    /// order, one vectorizable pass, where `cast` would gather it element by
+    /// element into row-major order. Other views go through `cast`.
+    ///
+    /// PyTorch: `Tensor.to(dtype)`, whose default `memory_format=torch.preserve_format`
+    /// keeps the strides of such tensors too.
+    pub(crate) fn cast_keeping_strides(&self, dtype: DType) -> Result<Tensor> {
+        let layout = self.layout();
+        let span = match layout.dense_span() {
+            Some(span) if dtype != self.dtype() && !self.is_contiguous() => span,
+            _ => return self.cast(dtype),
+        };
+        let dense = Layout {
+            offset: 0,
+            ..layout.clone()
+        };
+        let out = self.converted(dtype, Some(span))?;
+        Ok(Tensor::from_parts(std::sync::Arc::new(Storage::new(out)), dense))
+    }
+
+    /// This tensor's elements converted to `dtype` in new storage: the storage
+    /// range `span` in memory order, or (`None`) every element in row-major
+    /// order. Filled by appending: the new storage is written once, never
+    /// zeroed first.
+    fn converted(&self, dtype: DType, span: Option<std::ops::Range<usize>>) -> Result<Buffer> {
+        let layout = self.layout();
+        Ok(with_buffer!(self.data(), src, S => crate::ops::any_dispatch!("cast", dtype, D => {
+            let mut out = crate::alloc::with_capacity::<D>("cast", self.shape())?;
+            match &span {
                 // The common case (mixed precision) in a loop the compiler can vectorize.
-                Some(span) => {
-                    for (d, &x) in dst.iter_mut().zip(&src[span.clone()]) {
-                        *d = convert::<S, D>(x);
-                    }
-                }
-                None => {
-                    for (d, i) in dst.iter_mut().zip(layout.offsets()) {
-                        *d = convert::<S, D>(src[i]);
-                    }
-                }
-            })
-        });
-        Ok(Tensor::from_storage_data(out, self.shape()))
+                Some(span) => convert_extend(&src[span.clone()], &mut out),
+                None => out.extend(layout.offsets().map(|i| convert::<S, D>(src[i]))),
+            }
+            D::into_buffer(out)
+        })))
     }
 
     /// The elements in row-major logical order (copied from any layout).
@@ -283,6 +306,26 @@ mod tests {
         assert_eq!(c.to_vec::<f32>().unwrap(), vec![0.0, 3.0, 1.0, 4.0, 2.0, 5.0]);
         let row = t.narrow(0, 1, 1).unwrap().cast(DType::U8).unwrap();
         assert_eq!((row.shape(), row.to_vec::<u8>().unwrap()), (&[1, 3][..], vec![3, 4, 5]));
+    }
+
+    #[test]
+    fn a_cast_keeping_strides_keeps_a_dense_views_strides() {
+        let t = Tensor::arange(24, DType::F32).unwrap().reshape(&[2, 3, 4]).unwrap();
+        let base = t.narrow(1, 1, 2).unwrap();
+        for (view, keeps) in [
+            (t.transpose(0, 2).unwrap(), true),
+            (t.permute(&[1, 2, 0]).unwrap(), true),
+            (t.narrow(0, 1, 1).unwrap().transpose(1, 2).unwrap(), true),
+            (base.transpose(0, 1).unwrap(), false),
+            (t.clone(), true),
+        ] {
+            let c = view.cast_keeping_strides(DType::BF16).unwrap();
+            assert_eq!(c.shape(), view.shape());
+            assert_eq!(c.dtype(), DType::BF16);
+            assert_eq!(c.to_f64_vec(), view.to_f64_vec(), "{:?}", view.strides());
+            assert_eq!(c.strides() == view.strides(), keeps, "{:?}", view.strides());
+            assert!(keeps || c.is_contiguous());
+        }
     }
 
     #[test]

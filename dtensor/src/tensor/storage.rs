@@ -133,6 +133,36 @@ pub(crate) fn convert<S: Scalar, D: Scalar>(s: S) -> D {
     }
 }
 
+/// [`convert`] over a slice, appended to `dst` (`dst.push(convert(x))` for each
+/// `x`), in loops of integer bit operations (which vectorize) for the
+/// mixed-precision pairs `bf16 → f32` (exact: the bits shifted) and `f32 → bf16`
+/// (round to nearest even, NaN kept quiet), with the same values as `convert`.
+pub(crate) fn convert_extend<S: Scalar, D: Scalar>(src: &[S], dst: &mut Vec<D>) {
+    match (S::DTYPE, D::DTYPE) {
+        (DType::BF16, DType::F32) => {
+            let src: &[u16] = bytemuck::cast_slice(src);
+            dst.extend(src.iter().map(|&s| bytemuck::cast::<u32, D>(u32::from(s) << 16)));
+        }
+        (DType::F32, DType::BF16) => {
+            let src: &[u32] = bytemuck::cast_slice(src);
+            dst.extend(src.iter().map(|&s| bytemuck::cast::<u16, D>(bf16_bits(s))));
+        }
+        _ => dst.extend(src.iter().map(|&s| convert::<S, D>(s))),
+    }
+}
+
+/// The `bf16` nearest to the `f32` with bits `x` (ties to even), as bits; a NaN
+/// stays a (quiet) NaN of the same sign.
+#[inline(always)]
+fn bf16_bits(x: u32) -> u16 {
+    let nan = x & 0x7fff_ffff > 0x7f80_0000;
+    // Adding just under half a unit of the last kept bit, plus that bit, carries
+    // into it exactly when the dropped bits exceed half, or equal it and it is odd.
+    // Only a NaN's bits can wrap, and then `rounded` is not used.
+    let rounded = x.wrapping_add(0x7fff + ((x >> 16) & 1)) >> 16;
+    if nan { ((x >> 16) | 0x40) as u16 } else { rounded as u16 }
+}
+
 /// Converts a fill value for a constructor: floats take any value; integers
 /// take finite values in range and truncate toward zero.
 pub(crate) fn fill_value<T: Scalar>(op: &'static str, v: f64) -> Result<T> {
@@ -169,6 +199,46 @@ pub(crate) use with_buffer;
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn slice_conversions_match_the_element_conversion() {
+        // Every bf16 to f32.
+        let all: Vec<bf16> = (0..=u16::MAX).map(bf16::from_bits).collect();
+        let mut wide: Vec<f32> = Vec::new();
+        convert_extend(&all, &mut wide);
+        assert_eq!(wide.len(), all.len());
+        for (&b, &w) in all.iter().zip(&wide) {
+            let want: f32 = convert(b);
+            if b.is_nan() {
+                // The bits shifted keep a signalling NaN's payload as it is.
+                assert!(w.is_nan() && w.is_sign_negative() == b.is_sign_negative(), "{b:?}");
+            } else {
+                assert_eq!(w.to_bits(), want.to_bits(), "{b:?}");
+            }
+        }
+        // f32 to bf16: every 251st bit pattern (all exponents, NaNs and
+        // infinities), and each bf16 neighbourhood's ties and near-ties.
+        let mut xs: Vec<f32> = (0..=u32::MAX).step_by(251).map(f32::from_bits).collect();
+        for &w in &wide {
+            let b = w.to_bits();
+            for d in [0x7fffu32, 0x8000, 0x8001, 0x1_8000, 0x1_7fff] {
+                xs.push(f32::from_bits(b.wrapping_add(d)));
+            }
+        }
+        xs.extend([f32::MAX, f32::MIN, f32::INFINITY, f32::NEG_INFINITY, f32::NAN, -f32::NAN, 0.0, -0.0]);
+        let mut narrow = vec![bf16::ONE];
+        convert_extend(&xs, &mut narrow);
+        assert_eq!(narrow.remove(0), bf16::ONE, "appended after what was there");
+        assert_eq!(narrow.len(), xs.len());
+        for (&x, &n) in xs.iter().zip(&narrow) {
+            let want: bf16 = convert(x);
+            if x.is_nan() {
+                assert!(n.is_nan() && n.is_sign_negative() == x.is_sign_negative(), "{x:?} -> {n:?}");
+            } else {
+                assert_eq!(n.to_bits(), want.to_bits(), "{x:?} ({:#x})", x.to_bits());
+            }
+        }
+    }
 
     #[test]
     fn conversions() {
