@@ -103,7 +103,10 @@ pub fn parallel_for(parts: usize, f: impl Fn(usize) + Sync) {
     TEAM.with(|cell| {
         let mut team = cell.borrow_mut();
         let spin = SPIN_OK.with(Cell::get);
-        if team.as_ref().is_none_or(|t| t.threads != threads || t.shared.spin != spin) {
+        if team
+            .as_ref()
+            .is_none_or(|t| t.threads != threads || t.shared.spin != spin)
+        {
             // Dropping the old team (threads changed) stops its helpers first.
             *team = None;
             *team = Some(Team::start(threads - 1, spin));
@@ -204,7 +207,8 @@ impl Team {
         // The helpers read the job only between the epoch bump and their `done`
         // increment, and this function waits for every increment before `job`
         // goes out of scope.
-        s.job.store((&raw const job).cast_mut().cast::<Job<'static>>(), Ordering::Relaxed);
+        s.job
+            .store((&raw const job).cast_mut().cast::<Job<'static>>(), Ordering::Relaxed);
         s.done.store(0, Ordering::Relaxed);
         s.epoch.fetch_add(1, Ordering::SeqCst);
         for (flag, (thread, _)) in s.sleeping.iter().zip(&self.helpers) {
@@ -384,7 +388,9 @@ mod tests {
                     }
                 });
             }
-            let stat = std::path::Path::new("/proc").join(helper.into_inner().unwrap().unwrap()).join("stat");
+            let stat = std::path::Path::new("/proc")
+                .join(helper.into_inner().unwrap().unwrap())
+                .join("stat");
             let (before, wall) = (thread_cpu(&stat), Instant::now());
             for _ in 0..500 {
                 parallel_for(2, |_| {});

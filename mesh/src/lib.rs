@@ -34,10 +34,10 @@ pub mod context;
 mod device_mesh;
 mod dtype;
 mod error;
+pub mod intra_op;
 mod launcher;
 #[cfg(feature = "mpi")]
 mod mpi_backend;
-pub mod intra_op;
 pub mod stats;
 #[cfg(feature = "testing")]
 pub mod testing;
@@ -47,11 +47,11 @@ pub use comm::{Communicator, CommunicatorExt, ReduceOp, Work};
 pub use device_mesh::{DeviceMesh, DimRef};
 pub use dtype::{Buf, BufMut, Buffer, DType, Element};
 pub use error::{Error, Result};
+pub use intra_op::{intra_op_threads, parallel_for};
 pub use launcher::{
     BoxError, DEFAULT_TIMEOUT, LaunchOptions, MAX_THREADS_PER_RANK, MAX_TIMEOUT, MIN_TIMEOUT, MpiEnv, RankCtx,
     is_lead_process, launch, launch_with, mpi_env,
 };
-pub use intra_op::{intra_op_threads, parallel_for};
 /// The `mpi` crate the MPI backend is built on, for raw MPI calls beside Tessera's
 /// (feature `mpi`). Initialise MPI through it before the first [`launch`] to own
 /// its `Universe` (at `Threading::Multiple`); otherwise `launch` initialises MPI

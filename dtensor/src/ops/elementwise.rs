@@ -2,7 +2,7 @@
 
 use ndarray::{ArrayViewMutD, IxDyn, Zip};
 
-use super::{Float, Real, elements, float_dispatch, output, same_dtype};
+use super::{Float, Real, elements, float_dispatch, output, par_collect, same_dtype};
 use crate::{Error, Result, Tensor};
 
 /// A binary element-wise operation, computed in the [`Real`] type of its dtype.
@@ -71,47 +71,61 @@ fn repeat_period(small: &[usize], shape: &[usize]) -> Option<usize> {
 fn binary<Op: Binary>(op: &'static str, a: &Tensor, b: &Tensor) -> Result<Tensor> {
     same_dtype(op, a, b)?;
     let shape = broadcast_shapes(op, a.shape(), b.shape())?;
-    float_dispatch!(op, a.dtype(), T => binary_typed::<T, Op>(a, b, &shape))
+    float_dispatch!(op, a.dtype(), T => binary_typed::<T, Op>(op, a, b, &shape))
 }
 
-fn binary_typed<T: Float, Op: Binary>(a: &Tensor, b: &Tensor, shape: &[usize]) -> Result<Tensor> {
+fn binary_typed<T: Float, Op: Binary>(op: &'static str, a: &Tensor, b: &Tensor, shape: &[usize]) -> Result<Tensor> {
     let f = |x: T, y: T| T::from_acc(Op::apply(x.to_acc(), y.to_acc()));
     if shape.contains(&0) {
         return output(Vec::<T>::new(), shape);
     }
     let dense = |t: &Tensor| t.is_contiguous() && t.shape() == shape;
+    let n: usize = shape.iter().product();
     let out: Vec<T> = if dense(a) && dense(b) {
         let (x, y) = (a.as_slice::<T>()?, b.as_slice::<T>()?);
-        x.iter().zip(y).map(|(&x, &y)| f(x, y)).collect()
+        let pair = |r: std::ops::Range<usize>| x[r.clone()].iter().zip(&y[r]).map(|(&x, &y)| f(x, y));
+        par_collect(op, n, 1, pair, || pair(0..n).collect())?
     } else if dense(a)
         && b.is_contiguous()
         && let Some(period) = repeat_period(b.shape(), shape)
     {
         // `b` repeats along leading dims: a scalar, a bias, a row of weights.
         let (x, y) = (a.as_slice::<T>()?, b.as_slice::<T>()?);
-        if let [y] = *y {
-            x.iter().map(|&x| f(x, y)).collect()
-        } else {
-            let mut out = Vec::with_capacity(x.len());
-            for row in x.chunks_exact(period) {
-                out.extend(row.iter().zip(y).map(|(&x, &y)| f(x, y)));
+        let rows = |r: std::ops::Range<usize>| {
+            x[r].chunks_exact(period)
+                .flat_map(move |row| row.iter().zip(y).map(move |(&x, &y)| f(x, y)))
+        };
+        par_collect(op, n, period, rows, || {
+            if let [y] = *y {
+                x.iter().map(|&x| f(x, y)).collect()
+            } else {
+                let mut out = Vec::with_capacity(x.len());
+                for row in x.chunks_exact(period) {
+                    out.extend(row.iter().zip(y).map(|(&x, &y)| f(x, y)));
+                }
+                out
             }
-            out
-        }
+        })?
     } else if dense(b)
         && a.is_contiguous()
         && let Some(period) = repeat_period(a.shape(), shape)
     {
         let (x, y) = (a.as_slice::<T>()?, b.as_slice::<T>()?);
-        if let [x] = *x {
-            y.iter().map(|&y| f(x, y)).collect()
-        } else {
-            let mut out = Vec::with_capacity(y.len());
-            for row in y.chunks_exact(period) {
-                out.extend(x.iter().zip(row).map(|(&x, &y)| f(x, y)));
+        let rows = |r: std::ops::Range<usize>| {
+            y[r].chunks_exact(period)
+                .flat_map(move |row| x.iter().zip(row).map(move |(&x, &y)| f(x, y)))
+        };
+        par_collect(op, n, period, rows, || {
+            if let [x] = *x {
+                y.iter().map(|&y| f(x, y)).collect()
+            } else {
+                let mut out = Vec::with_capacity(y.len());
+                for row in y.chunks_exact(period) {
+                    out.extend(x.iter().zip(row).map(|(&x, &y)| f(x, y)));
+                }
+                out
             }
-            out
-        }
+        })?
     } else {
         // Strided or broadcast in the middle: ndarray walks both views.
         let (av, bv) = (a.view::<T>()?, b.view::<T>()?);
@@ -139,7 +153,8 @@ fn binary_scalar<Op: Binary>(op: &'static str, a: &Tensor, s: f64) -> Result<Ten
     float_dispatch!(op, a.dtype(), T => {
         let s = <T as Float>::Acc::real(s);
         let x = elements::<T>(a)?;
-        let out: Vec<T> = x.iter().map(|&x| T::from_acc(Op::apply(x.to_acc(), s))).collect();
+        let g = |x: &T| T::from_acc(Op::apply(x.to_acc(), s));
+        let out = par_collect(op, x.len(), 1, |r| x[r].iter().map(g), || x.iter().map(g).collect())?;
         output(out, a.shape())
     })
 }

@@ -43,13 +43,26 @@ pub(crate) fn erfc<R: Real>(x: R) -> R {
     }
 }
 
-/// `out[i] = f(x[i], y[i])` over the common length, with the loop compiled
-/// for the baseline target, for AVX2 (eight `f32` lanes instead of four) and
-/// for AVX-512 (sixteen), the widest that the CPU has taken. `f` uses no FMA,
-/// so all three give the same bits.
+/// `out[i] = f(x[i], y[i])` over `out` (which `x` and `y` are at least as
+/// long as), with the loop compiled for the baseline target, for AVX2 (eight
+/// `f32` lanes instead of four) and for AVX-512 (sixteen), the widest that the
+/// CPU has taken, and split over the rank's threads when long enough
+/// ([`par_rows`](super::par_rows)). `f` uses no FMA, so all three give the same
+/// bits.
 #[inline(always)]
-pub(crate) fn zip_map<A: Copy, B: Copy, C>(x: &[A], y: &[B], out: &mut [C], f: impl Fn(A, B) -> C) {
-    zip_map_on(Simd::best(), x, y, out, f);
+pub(crate) fn zip_map<A: Copy + Sync, B: Copy + Sync, C: Send>(
+    x: &[A],
+    y: &[B],
+    out: &mut [C],
+    f: impl Fn(A, B) -> C + Sync + Copy,
+) {
+    let simd = Simd::best();
+    super::par_rows(out, 1, |start, out| {
+        let end = start + out.len();
+        // By value (a copy): through a reference the call would not inline into
+        // the vectorized loop.
+        zip_map_on(simd, &x[start..end], &y[start..end], out, f);
+    });
 }
 
 /// The instruction sets that [`zip_map`] compiles its loop for.

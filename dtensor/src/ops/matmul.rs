@@ -192,7 +192,14 @@ fn batch_threads(threads: usize, count: usize, mkn: [usize; 3]) -> usize {
 ///
 /// # Safety
 /// As [`Gemm::gemm`], with `c` an [`OutPtr`] to the product's first element.
-unsafe fn gemm_split<T: Gemm>(kernel: GemmKernel, [m, k, n]: [usize; 3], a: Mat<T>, b: Mat<T>, c: OutPtr<T>, rsc: isize) {
+unsafe fn gemm_split<T: Gemm>(
+    kernel: GemmKernel,
+    [m, k, n]: [usize; 3],
+    a: Mat<T>,
+    b: Mat<T>,
+    c: OutPtr<T>,
+    rsc: isize,
+) {
     let Split { by_rows, block, parts } = split(tessera_mesh::intra_op_threads(), [m, k, n]);
     let part = |p: usize| {
         let start = p * block;
@@ -470,7 +477,11 @@ mod tests {
     #[test]
     fn a_split_product_equals_the_single_threaded_one() {
         // By rows, by columns, and by rows of an uneven last block.
-        for (sa, sb) in [([512, 256], [256, 384]), ([96, 256], [256, 1024]), ([520, 192], [192, 200])] {
+        for (sa, sb) in [
+            ([512, 256], [256, 384]),
+            ([96, 256], [256, 1024]),
+            ([520, 192], [192, 200]),
+        ] {
             let (a, b) = (sample(&sa, DType::F32, 11), sample(&sb, DType::F32, 12));
             assert!(split(3, [sa[0], sa[1], sb[1]]).parts > 1, "{sa:?} x {sb:?} must split");
             for kernel in [GemmKernel::Gemm, GemmKernel::MatrixMultiply] {

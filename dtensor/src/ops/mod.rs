@@ -16,8 +16,12 @@
 //! ```
 //!
 //! Every kernel is written once, generic over the element type, and dispatches
-//! on the dtype once per call. Kernels run on the calling thread (each rank is a
-//! thread already). Numerics:
+//! on the dtype once per call. Large products and large element-wise and
+//! row-wise kernels (softmax, layer norm and their gradients) split their output
+//! over the rank's [`intra_op_threads`](tessera_mesh::intra_op_threads), in
+//! blocks of whole rows, so that every element is computed by the same code in
+//! the same order whatever the split: results do not depend on the thread
+//! count. Numerics:
 //!
 //! - `f32` and `f64` compute in their own precision; `bf16` and `f16` compute in
 //!   `f32` and round once per output element (PyTorch's "opmath" rule).
@@ -293,8 +297,131 @@ pub(crate) fn elements<T: Element>(t: &Tensor) -> Result<Cow<'_, [T]>> {
     }
 }
 
+/// Fewest elements of output per thread that a kernel splits over the rank's
+/// threads: below it, handing out the parts costs more than they save.
+pub(crate) const PAR_MIN_ELEMENTS: usize = 1 << 15;
+
+/// How many threads [`par_rows`] splits an output of `len` elements over (1:
+/// not split).
+pub(crate) fn par_parts(len: usize) -> usize {
+    (len / PAR_MIN_ELEMENTS).clamp(1, tessera_mesh::intra_op_threads())
+}
+
+/// A vector of `len` elements where `block(range)` yields the elements of
+/// `range` (a block of whole `row`-element rows): split over the rank's threads
+/// by [`par_rows`] (into a recycled or zeroed buffer) when [`par_parts`] says
+/// so, else `serial()` on this thread (which must yield the same elements).
+pub(crate) fn par_collect<T: Element, I: Iterator<Item = T>>(
+    op: &'static str,
+    len: usize,
+    row: usize,
+    block: impl Fn(std::ops::Range<usize>) -> I + Sync,
+    serial: impl FnOnce() -> Vec<T>,
+) -> Result<Vec<T>> {
+    if par_parts(len) <= 1 {
+        return Ok(serial());
+    }
+    let mut out = crate::alloc::reused(op, &[len])?;
+    par_rows(&mut out, row, |start, out| {
+        let end = start + out.len();
+        for (o, v) in out.iter_mut().zip(block(start..end)) {
+            *o = v;
+        }
+    });
+    Ok(out)
+}
+
+/// Runs `f(start, block)` over blocks of `out` that hold whole rows of `row`
+/// elements (`start` is the block's first element), one block per thread on
+/// the rank's [`intra_op_threads`](tessera_mesh::intra_op_threads) when each
+/// gets at least [`PAR_MIN_ELEMENTS`], else one block on this thread.
+pub(crate) fn par_rows<C: Send>(out: &mut [C], row: usize, f: impl Fn(usize, &mut [C]) + Sync) {
+    let rows = out.len().checked_div(row).unwrap_or(0);
+    let parts = par_parts(out.len()).min(rows);
+    if parts <= 1 {
+        f(0, out);
+        return;
+    }
+    let per = rows.div_ceil(parts) * row;
+    let blocks: Vec<std::sync::Mutex<&mut [C]>> = out.chunks_mut(per).map(std::sync::Mutex::new).collect();
+    tessera_mesh::parallel_for(blocks.len(), |i| {
+        let mut block = blocks[i].lock().unwrap_or_else(|e| e.into_inner());
+        f(i * per, &mut block);
+    });
+}
+
 /// A new contiguous tensor of `shape` holding `data` (whose length is the
 /// shape's product by construction).
 pub(crate) fn output<T: Element>(data: Vec<T>, shape: &[usize]) -> Result<Tensor> {
     Tensor::from_vec(data, shape)
+}
+
+#[cfg(test)]
+mod par_tests {
+    use tessera_mesh::DType;
+
+    use super::testutil::sample;
+    use super::*;
+
+    /// Large element-wise and row-wise kernels split over a rank's threads give
+    /// the one-thread result bit for bit (each element is computed by the same
+    /// code in the same order in every block).
+    #[test]
+    fn split_kernels_equal_the_one_thread_ones() {
+        // 256 rows of 1024: 2^18 elements, split over 3 threads.
+        let (rows, d) = (256, 1024);
+        assert!(rows * d / PAR_MIN_ELEMENTS >= 3, "the case must split over 3 threads");
+        for dtype in [DType::F32, DType::BF16] {
+            let (x, g) = (sample(&[rows, d], dtype, 1), sample(&[rows, d], dtype, 2));
+            let (bias, w) = (sample(&[d], dtype, 3), sample(&[d], dtype, 4));
+            let run = |threads: usize| {
+                let (x, g, bias, w) = (x.clone(), g.clone(), bias.clone(), w.clone());
+                let opts = tessera_mesh::LaunchOptions::default().threads_per_rank(threads);
+                let out = tessera_mesh::launch_with(&opts, 1, move |_| {
+                    let y = x.softmax(1)?;
+                    Ok(vec![
+                        x.add(&g)?,
+                        x.add(&bias)?,
+                        bias.mul(&x)?,
+                        x.mul_scalar(0.37)?,
+                        x.gelu()?,
+                        g.gelu_backward(&x)?,
+                        y.clone(),
+                        x.log_softmax(1)?,
+                        g.softmax_backward(&y, 1)?,
+                        g.layer_norm_backward(&x, Some(&w), 1e-5)?,
+                        x.softmax(0)?,
+                    ])
+                });
+                out.unwrap().remove(0)
+            };
+            let (one, three) = (run(1), run(3));
+            for (i, (a, b)) in one.iter().zip(&three).enumerate() {
+                let bits = |t: &Tensor| t.to_f64_vec().iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(a), bits(b), "{dtype} kernel {i}");
+            }
+        }
+    }
+
+    #[test]
+    fn blocks_hold_whole_rows() {
+        let opts = tessera_mesh::LaunchOptions::default().threads_per_rank(4);
+        let blocks = tessera_mesh::launch_with(&opts, 1, |_| {
+            // 14,100 rows of 7: just over 3 threads' worth.
+            let mut out = vec![0u32; 7 * 14_100];
+            let seen = std::sync::Mutex::new(Vec::new());
+            par_rows(&mut out, 7, |start, block| {
+                block.fill(1);
+                seen.lock().unwrap().push((start, block.len()));
+            });
+            let mut seen = seen.into_inner().unwrap();
+            seen.sort();
+            Ok((seen, out.iter().all(|&v| v == 1)))
+        })
+        .unwrap();
+        let (seen, all) = &blocks[0];
+        assert!(all, "every element is in a block");
+        assert_eq!(seen.len(), 3, "{seen:?}");
+        assert!(seen.iter().all(|&(s, len)| s % 7 == 0 && (len % 7 == 0)), "{seen:?}");
+    }
 }

@@ -32,12 +32,12 @@ pub(crate) fn filled(op: &'static str, d: usize, v: f64) -> Result<Vec<f64>> {
 
 /// Row-wise `f(g_row, x_row, out_row)` over `dim` (moved last) of two tensors of
 /// one shape, returning a tensor of that shape (contiguous).
-fn zip_rows<T: Float>(
+fn zip_rows<T: Float, S: Default>(
     op: &'static str,
     g: &Tensor,
     x: &Tensor,
     dim: usize,
-    mut f: impl FnMut(&[T], &[T], &mut [T]),
+    f: impl Fn(&[T], &[T], &mut [T], &mut S) + Sync,
 ) -> Result<Tensor> {
     let last = g.rank() - 1;
     let (gs, xs) = if dim == last {
@@ -50,13 +50,14 @@ fn zip_rows<T: Float>(
     // Every element is written below: a recycled buffer needs no zeroing.
     let mut out: Vec<T> = crate::alloc::reused(op, gs.shape())?;
     if len > 0 {
-        for ((g, x), o) in gv
-            .chunks_exact(len)
-            .zip(xv.chunks_exact(len))
-            .zip(out.chunks_exact_mut(len))
-        {
-            f(g, x, o);
-        }
+        // Blocks of rows over the rank's threads, each with its own scratch `S`.
+        super::par_rows(&mut out, len, |start, block| {
+            let mut scratch = S::default();
+            let rows = gv[start..].chunks_exact(len).zip(xv[start..].chunks_exact(len));
+            for ((g, x), o) in rows.zip(block.chunks_exact_mut(len)) {
+                f(g, x, o, &mut scratch);
+            }
+        });
     }
     let out = output(out, gs.shape())?;
     if dim == last {
@@ -81,7 +82,7 @@ impl Tensor {
         const OP: &str = "softmax_backward";
         same_shape(OP, self, y, "the softmax output")?;
         check_dim(OP, dim, self.rank())?;
-        float_dispatch!(OP, self.dtype(), T => zip_rows::<T>(OP, self, y, dim, |g, y, o| {
+        float_dispatch!(OP, self.dtype(), T => zip_rows::<T, ()>(OP, self, y, dim, |g, y, o, _| {
             let dot = T::from_f64(dot_f64(g, y)).to_acc();
             zip_map(g, y, o, #[inline(always)] |g, y| {
                 T::from_acc(y.to_acc() * T::from_acc(g.to_acc() - dot).to_acc())
@@ -121,15 +122,15 @@ impl Tensor {
                 Some(w) => elements::<T>(w)?.iter().map(|v| v.to_f64()).collect(),
                 None => filled(OP, d, 1.0)?,
             };
-            let mut gw = filled(OP, d, 0.0)?;
-            zip_rows::<T>(OP, self, x, x.rank() - 1, |g, x, o| {
+            zip_rows::<T, Vec<f64>>(OP, self, x, x.rank() - 1, |g, x, o, gw| {
+                gw.resize(d, 0.0);
                 let (mean, rstd) = row_stats(x, eps);
                 for ((a, &g), &w) in gw.iter_mut().zip(g).zip(&w) {
                     *a = g.to_f64() * w;
                 }
                 let m1 = gw.iter().sum::<f64>() / d as f64;
                 let m2 = gw.iter().zip(x).map(|(&a, &x)| a * (x.to_f64() - mean) * rstd).sum::<f64>() / d as f64;
-                for ((o, &a), &x) in o.iter_mut().zip(&gw).zip(x) {
+                for ((o, &a), &x) in o.iter_mut().zip(gw.iter()).zip(x) {
                     let xhat = (x.to_f64() - mean) * rstd;
                     *o = T::from_f64((a - m1 - xhat * m2) * rstd);
                 }

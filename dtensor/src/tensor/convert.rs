@@ -3,9 +3,9 @@
 use ndarray::{ArrayD, ArrayViewD, IxDyn, ShapeBuilder};
 use tessera_mesh::{Buf, Buffer, DType, Element};
 
+use super::Tensor;
 use super::layout::Layout;
 use super::storage::Storage;
-use super::Tensor;
 use super::storage::{Scalar, convert, convert_extend, typed, with_buffer};
 use crate::{Error, Result};
 
@@ -88,15 +88,17 @@ impl Tensor {
     /// zeroed first.
     fn converted(&self, dtype: DType, span: Option<std::ops::Range<usize>>) -> Result<Buffer> {
         let layout = self.layout();
-        Ok(with_buffer!(self.data(), src, S => crate::ops::any_dispatch!("cast", dtype, D => {
-            let mut out = crate::alloc::with_capacity::<D>("cast", self.shape())?;
-            match &span {
-                // The common case (mixed precision) in a loop the compiler can vectorize.
-                Some(span) => convert_extend(&src[span.clone()], &mut out),
-                None => out.extend(layout.offsets().map(|i| convert::<S, D>(src[i]))),
-            }
-            D::into_buffer(out)
-        })))
+        Ok(
+            with_buffer!(self.data(), src, S => crate::ops::any_dispatch!("cast", dtype, D => {
+                let mut out = crate::alloc::with_capacity::<D>("cast", self.shape())?;
+                match &span {
+                    // The common case (mixed precision) in a loop the compiler can vectorize.
+                    Some(span) => convert_extend(&src[span.clone()], &mut out),
+                    None => out.extend(layout.offsets().map(|i| convert::<S, D>(src[i]))),
+                }
+                D::into_buffer(out)
+            })),
+        )
     }
 
     /// The elements in row-major logical order (copied from any layout).

@@ -225,7 +225,16 @@ mod tests {
                 xs.push(f32::from_bits(b.wrapping_add(d)));
             }
         }
-        xs.extend([f32::MAX, f32::MIN, f32::INFINITY, f32::NEG_INFINITY, f32::NAN, -f32::NAN, 0.0, -0.0]);
+        xs.extend([
+            f32::MAX,
+            f32::MIN,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::NAN,
+            -f32::NAN,
+            0.0,
+            -0.0,
+        ]);
         let mut narrow = vec![bf16::ONE];
         convert_extend(&xs, &mut narrow);
         assert_eq!(narrow.remove(0), bf16::ONE, "appended after what was there");
@@ -233,7 +242,10 @@ mod tests {
         for (&x, &n) in xs.iter().zip(&narrow) {
             let want: bf16 = convert(x);
             if x.is_nan() {
-                assert!(n.is_nan() && n.is_sign_negative() == x.is_sign_negative(), "{x:?} -> {n:?}");
+                assert!(
+                    n.is_nan() && n.is_sign_negative() == x.is_sign_negative(),
+                    "{x:?} -> {n:?}"
+                );
             } else {
                 assert_eq!(n.to_bits(), want.to_bits(), "{x:?} ({:#x})", x.to_bits());
             }

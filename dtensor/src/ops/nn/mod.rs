@@ -24,7 +24,12 @@ pub enum Reduction {
 /// Runs `f` on every row of `dim` (moved last), returning a tensor of the
 /// input's shape: the rows of a contiguous tensor in place when `dim` is last,
 /// otherwise through one transposed copy each way.
-fn map_rows<T: Float>(op: &'static str, t: &Tensor, dim: usize, mut f: impl FnMut(&[T], &mut [T])) -> Result<Tensor> {
+fn map_rows<T: Float, S: Default>(
+    op: &'static str,
+    t: &Tensor,
+    dim: usize,
+    f: impl Fn(&[T], &mut [T], &mut S) + Sync,
+) -> Result<Tensor> {
     let last = t.rank() - 1;
     let src = if dim == last {
         t.clone()
@@ -36,9 +41,13 @@ fn map_rows<T: Float>(op: &'static str, t: &Tensor, dim: usize, mut f: impl FnMu
     // Every element is written below: a recycled buffer needs no zeroing.
     let mut out: Vec<T> = crate::alloc::reused(op, src.shape())?;
     if len > 0 {
-        for (row, o) in x.chunks_exact(len).zip(out.chunks_exact_mut(len)) {
-            f(row, o);
-        }
+        // Blocks of rows over the rank's threads, each with its own scratch `S`.
+        super::par_rows(&mut out, len, |start, block| {
+            let mut scratch = S::default();
+            for (row, o) in x[start..].chunks_exact(len).zip(block.chunks_exact_mut(len)) {
+                f(row, o, &mut scratch);
+            }
+        });
     }
     let out = output(out, src.shape())?;
     if dim == last {
@@ -157,10 +166,9 @@ impl Tensor {
         check_dim("softmax", dim, self.rank())?;
         float_dispatch!("softmax", self.dtype(), T => {
             // The exponentials in the compute type, so that half types round once.
-            let mut e = Vec::new();
-            map_rows::<T>("softmax", self, dim, |row, out| {
-                let inv = 1.0 / row_exp_sum(row, &mut e).1;
-                for (o, &v) in out.iter_mut().zip(&e) {
+            map_rows::<T, Vec<_>>("softmax", self, dim, |row, out, e| {
+                let inv = 1.0 / row_exp_sum(row, e).1;
+                for (o, &v) in out.iter_mut().zip(e.iter()) {
                     *o = <T as Float>::from_f64(v.widen() * inv);
                 }
             })
@@ -175,9 +183,8 @@ impl Tensor {
     pub fn log_softmax(&self, dim: usize) -> Result<Tensor> {
         check_dim("log_softmax", dim, self.rank())?;
         float_dispatch!("log_softmax", self.dtype(), T => {
-            let mut e = Vec::new();
-            map_rows::<T>("log_softmax", self, dim, |row, out| {
-                let (max, sum) = row_exp_sum(row, &mut e);
+            map_rows::<T, Vec<_>>("log_softmax", self, dim, |row, out, e| {
+                let (max, sum) = row_exp_sum(row, e);
                 let lse = sum.ln();
                 for (o, &x) in out.iter_mut().zip(row) {
                     *o = <T as Float>::from_f64((x.to_acc() - max).widen() - lse);
