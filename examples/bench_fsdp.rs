@@ -3,7 +3,7 @@
 //!
 //! ```text
 //! cargo run --release --example bench_fsdp -- [--json PATH] [--steps N] [--config bench|tiny]
-//!     [--mixed-precision bf16] [--profile]
+//!     [--mixed-precision bf16] [--threads N] [--profile]
 //! ```
 //!
 //! A step is forward (`model.loss` on the token rows), backward, `AdamW::step`
@@ -44,8 +44,12 @@
 //! optimizer (exclusive times from `tessera::dtensor::profile`, medians over
 //! the timed steps), and what no timer covered ("other").
 //!
-//! `--json PATH` writes one record per mode, `{mode, world, median_step_s,
-//! peak_bytes_per_rank, ...}`, atomically. PyTorch 2.15 FSDP2 (gloo) times on
+//! `--threads N` gives each rank N threads for its kernels (default: the cores
+//! divided among the ranks, or `TESSERA_THREADS_PER_RANK`); the table's
+//! `threads` column shows what the ranks ran with.
+//!
+//! `--json PATH` writes one record per mode, `{mode, world, threads_per_rank,
+//! precision, median_step_s, peak_bytes_per_rank, ...}`, atomically. PyTorch 2.15 FSDP2 (gloo) times on
 //! this machine are shown for comparison; they are reference figures, not
 //! measured here.
 
@@ -65,7 +69,7 @@ use tessera::dtensor::profile::{self, Kind, Profile};
 use tessera::dtensor::{Placement, Tensor, distribute_tensor, memory};
 use tessera::fsdp::{FsdpConfig, MixedPrecisionPolicy};
 use tessera::models::{Transformer, TransformerConfig};
-use tessera::{BoxError, DType, DeviceMesh, launch};
+use tessera::{BoxError, DType, DeviceMesh, LaunchOptions, launch_with};
 
 const WARMUP: usize = 2;
 const DEFAULT_STEPS: usize = 10;
@@ -90,6 +94,7 @@ const USAGE: &str = "usage: bench_fsdp [--json PATH] [--steps N] [--config bench
   --config bench|tiny      bench: dim 256, 4 layers, 8 heads, vocab 4096, seq 128 (default);
                            tiny: dim 64, 2 layers, 4 heads, vocab 256, seq 32
   --mixed-precision bf16   bf16 compute and gathers, f32 gradient reduction (both modes)
+  --threads N              threads per rank for its kernels (default: cores / ranks)
   --profile                print where each phase's time went, by kind of work";
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -123,6 +128,8 @@ struct Args {
     /// PyTorch 2.15 FSDP2 ms per step: (one process, W=2), same global batch.
     pytorch_ms: (f64, f64),
     bf16: bool,
+    /// `--threads`: threads per rank, else the launch's default.
+    threads: Option<usize>,
     profile: bool,
 }
 
@@ -139,6 +146,8 @@ struct RankReport {
     last_loss: f64,
     /// Per timed step and phase (forward, backward, optimizer): rank 0's profile.
     profiles: Vec<[Profile; 3]>,
+    /// The threads this rank's kernels ran on.
+    threads: usize,
 }
 
 /// One mode's summary.
@@ -154,6 +163,8 @@ struct Summary {
     last_loss: f64,
     /// Rank 0's profiles per timed step and phase (`--profile`).
     profiles: Vec<[Profile; 3]>,
+    /// Threads per rank.
+    threads: usize,
 }
 
 fn main() -> ExitCode {
@@ -169,6 +180,7 @@ fn parse(args: impl IntoIterator<Item = String>) -> Result<Args, String> {
         model: BENCH,
         pytorch_ms: (233.0, 316.8),
         bf16: false,
+        threads: None,
         profile: false,
     };
     let mut args: Vec<String> = args.into_iter().collect();
@@ -189,6 +201,7 @@ fn parse(args: impl IntoIterator<Item = String>) -> Result<Args, String> {
                 "bf16" => out.bf16 = true,
                 other => return Err(format!("--mixed-precision takes bf16, got {other:?}")),
             },
+            "--threads" => out.threads = Some(common::positive(flag, &value("a positive integer")?)?),
             other => return Err(format!("unknown argument {other:?}")),
         }
         Ok(())
@@ -214,7 +227,11 @@ fn run(args: &Args) -> Result<(), BoxError> {
     );
     let mut summaries = Vec::new();
     for mode in [Mode::Single, Mode::Fsdp] {
-        let reports = launch(mode.world(), {
+        let mut opts = LaunchOptions::from_env()?;
+        if let Some(threads) = args.threads {
+            opts = opts.threads_per_rank(threads);
+        }
+        let reports = launch_with(&opts, mode.world(), {
             let args = args.clone();
             move |ctx| bench_rank(ctx.into_comm(), mode, &args)
         })?;
@@ -232,6 +249,7 @@ fn run(args: &Args) -> Result<(), BoxError> {
             first_loss: reports[0].first_loss,
             last_loss: reports[0].last_loss,
             profiles: reports[0].profiles.clone(),
+            threads: reports[0].threads,
         });
     }
     report(args, &summaries)?;
@@ -282,6 +300,7 @@ fn bench_rank(comm: Box<dyn tessera::Communicator>, mode: Mode, args: &Args) -> 
         first_loss: f64::NAN,
         last_loss: f64::NAN,
         profiles: Vec::new(),
+        threads: tessera::mesh::intra_op_threads(),
     };
     profile::enable(args.profile);
     let mut cpu_start = None;
@@ -407,9 +426,10 @@ fn report(args: &Args, s: &[Summary]) -> Result<(), BoxError> {
     let mib = |b: usize| b as f64 / (1u64 << 20) as f64;
     println!();
     println!(
-        "{:<7} {:>5} {:>10} {:>8} {:>8} {:>9} {:>11} {:>13} {:>14} {:>11} {:>11} {:>11}",
+        "{:<7} {:>5} {:>7} {:>10} {:>8} {:>8} {:>9} {:>11} {:>13} {:>14} {:>11} {:>11} {:>11}",
         "mode",
         "world",
+        "threads",
         "median_ms",
         "fwd_ms",
         "bwd_ms",
@@ -425,9 +445,10 @@ fn report(args: &Args, s: &[Summary]) -> Result<(), BoxError> {
     for (x, pt) in [(single, pt_single), (fsdp, pt_fsdp)] {
         let ms = x.median_s * 1e3;
         println!(
-            "{:<7} {:>5} {:>10.1} {:>8.1} {:>8.1} {:>9.1} {:>11} {:>13} {:>14.1} {:>11.5} {:>11.1} {:>10.2}x",
+            "{:<7} {:>5} {:>7} {:>10.1} {:>8.1} {:>8.1} {:>9.1} {:>11} {:>13} {:>14.1} {:>11.5} {:>11.1} {:>10.2}x",
             x.mode.name(),
             x.mode.world(),
+            x.threads,
             ms,
             x.forward_s * 1e3,
             x.backward_s * 1e3,
@@ -442,6 +463,7 @@ fn report(args: &Args, s: &[Summary]) -> Result<(), BoxError> {
         records.push(Json::Obj(vec![
             ("mode".into(), Json::Str(x.mode.name().into())),
             ("world".into(), Json::Int(x.mode.world() as u64)),
+            ("threads_per_rank".into(), Json::Int(x.threads as u64)),
             ("median_step_s".into(), Json::Num(x.median_s)),
             ("peak_bytes_per_rank".into(), Json::Int(x.peak_bytes as u64)),
             ("config".into(), Json::Str(args.config_name.into())),
