@@ -67,6 +67,34 @@ fn repeat_period(small: &[usize], shape: &[usize]) -> Option<usize> {
     shape.ends_with(tail).then(|| tail.iter().product())
 }
 
+/// `g(full[i], small[i % period])` for every element of `full`, where `small`
+/// (`period` elements) repeats along `full`'s leading dims: a scalar, a bias, a
+/// row of weights. Split over the rank's threads in whole periods when large.
+fn repeating<T: Float>(
+    op: &'static str,
+    full: &[T],
+    small: &[T],
+    period: usize,
+    g: impl Fn(T, T) -> T + Sync + Copy,
+) -> Result<Vec<T>> {
+    let rows = |r: std::ops::Range<usize>| {
+        full[r]
+            .chunks_exact(period)
+            .flat_map(move |row| row.iter().zip(small).map(move |(&x, &y)| g(x, y)))
+    };
+    par_collect(op, full.len(), period, rows, || {
+        if let [y] = *small {
+            full.iter().map(|&x| g(x, y)).collect()
+        } else {
+            let mut out = Vec::with_capacity(full.len());
+            for row in full.chunks_exact(period) {
+                out.extend(row.iter().zip(small).map(|(&x, &y)| g(x, y)));
+            }
+            out
+        }
+    })
+}
+
 /// `op(a, b)` broadcast, for tensors of one float dtype.
 fn binary<Op: Binary>(op: &'static str, a: &Tensor, b: &Tensor) -> Result<Tensor> {
     same_dtype(op, a, b)?;
@@ -91,41 +119,13 @@ fn binary_typed<T: Float, Op: Binary>(op: &'static str, a: &Tensor, b: &Tensor, 
     {
         // `b` repeats along leading dims: a scalar, a bias, a row of weights.
         let (x, y) = (a.as_slice::<T>()?, b.as_slice::<T>()?);
-        let rows = |r: std::ops::Range<usize>| {
-            x[r].chunks_exact(period)
-                .flat_map(move |row| row.iter().zip(y).map(move |(&x, &y)| f(x, y)))
-        };
-        par_collect(op, n, period, rows, || {
-            if let [y] = *y {
-                x.iter().map(|&x| f(x, y)).collect()
-            } else {
-                let mut out = Vec::with_capacity(x.len());
-                for row in x.chunks_exact(period) {
-                    out.extend(row.iter().zip(y).map(|(&x, &y)| f(x, y)));
-                }
-                out
-            }
-        })?
+        repeating(op, x, y, period, f)?
     } else if dense(b)
         && a.is_contiguous()
         && let Some(period) = repeat_period(a.shape(), shape)
     {
         let (x, y) = (a.as_slice::<T>()?, b.as_slice::<T>()?);
-        let rows = |r: std::ops::Range<usize>| {
-            y[r].chunks_exact(period)
-                .flat_map(move |row| x.iter().zip(row).map(move |(&x, &y)| f(x, y)))
-        };
-        par_collect(op, n, period, rows, || {
-            if let [x] = *x {
-                y.iter().map(|&y| f(x, y)).collect()
-            } else {
-                let mut out = Vec::with_capacity(y.len());
-                for row in y.chunks_exact(period) {
-                    out.extend(x.iter().zip(row).map(|(&x, &y)| f(x, y)));
-                }
-                out
-            }
-        })?
+        repeating(op, y, x, period, move |y, x| f(x, y))?
     } else {
         // Strided or broadcast in the middle: ndarray walks both views.
         let (av, bv) = (a.view::<T>()?, b.view::<T>()?);
