@@ -18,7 +18,7 @@ use std::cell::{Cell, RefCell};
 use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
 use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
-use std::thread::{JoinHandle, Thread};
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 /// How long a helper spins for the next job before it parks.
@@ -160,7 +160,7 @@ struct Shared {
 /// A rank's helper threads.
 struct Team {
     shared: Arc<Shared>,
-    helpers: Vec<(Thread, JoinHandle<()>)>,
+    helpers: Vec<JoinHandle<()>>,
     /// The intra-op threads it was started for.
     threads: usize,
 }
@@ -181,11 +181,10 @@ impl Team {
         let helpers = (0..n)
             .map_while(|id| {
                 let s = shared.clone();
-                let h = std::thread::Builder::new()
+                std::thread::Builder::new()
                     .name(format!("{name}-op{}", id + 1))
                     .spawn(move || helper(&s, id))
-                    .ok()?;
-                Some((h.thread().clone(), h))
+                    .ok()
             })
             .collect();
         Team {
@@ -211,9 +210,9 @@ impl Team {
             .store((&raw const job).cast_mut().cast::<Job<'static>>(), Ordering::Relaxed);
         s.done.store(0, Ordering::Relaxed);
         s.epoch.fetch_add(1, Ordering::SeqCst);
-        for (flag, (thread, _)) in s.sleeping.iter().zip(&self.helpers) {
+        for (flag, h) in s.sleeping.iter().zip(&self.helpers) {
             if flag.swap(false, Ordering::SeqCst) {
-                thread.unpark();
+                h.thread().unpark();
             }
         }
         IN_JOB.with(|c| c.set(true));
@@ -239,10 +238,10 @@ impl Drop for Team {
     fn drop(&mut self) {
         self.shared.stop.store(true, Ordering::SeqCst);
         self.shared.epoch.fetch_add(1, Ordering::SeqCst);
-        for (thread, _) in &self.helpers {
-            thread.unpark();
+        for h in &self.helpers {
+            h.thread().unpark();
         }
-        for (_, handle) in self.helpers.drain(..) {
+        for handle in self.helpers.drain(..) {
             // A helper catches its parts' panics, so it cannot end in one.
             let _ = handle.join();
         }
