@@ -42,7 +42,8 @@
 //! GEMM, element-wise, reductions, the fused NN kernels, communication (the
 //! collectives, their packing and the wait for peers), allocation and the
 //! optimizer (exclusive times from `tessera::dtensor::profile`, medians over
-//! the timed steps), and what no timer covered ("other").
+//! the timed steps), and what no timer covered ("other"); then, per phase, the
+//! ops whose local kernels took the most time (`tessera::dtensor::profile::take_ops`).
 //!
 //! `--threads N` gives each rank N threads for its kernels (default: the cores
 //! divided among the ranks, or `TESSERA_THREADS_PER_RANK`); the table's
@@ -65,7 +66,7 @@ use tessera::autograd::nn::Module;
 use tessera::autograd::optim::{AdamW, AdamWConfig, Optimizer};
 use tessera::autograd::{Var, backward};
 use tessera::data::{DATA_SEED, batch};
-use tessera::dtensor::profile::{self, Kind, Profile};
+use tessera::dtensor::profile::{self, Kind, OpTime, Profile};
 use tessera::dtensor::{Placement, Tensor, distribute_tensor, memory};
 use tessera::fsdp::{FsdpConfig, MixedPrecisionPolicy};
 use tessera::models::{Transformer, TransformerConfig};
@@ -146,6 +147,8 @@ struct RankReport {
     last_loss: f64,
     /// Per timed step and phase (forward, backward, optimizer): rank 0's profile.
     profiles: Vec<[Profile; 3]>,
+    /// Per phase: the op kernels' time summed over the timed steps.
+    ops: [Vec<OpTime>; 3],
     /// The threads this rank's kernels ran on.
     threads: usize,
 }
@@ -163,6 +166,8 @@ struct Summary {
     last_loss: f64,
     /// Rank 0's profiles per timed step and phase (`--profile`).
     profiles: Vec<[Profile; 3]>,
+    /// Rank 0's op kernels per phase, summed over the timed steps.
+    ops: [Vec<OpTime>; 3],
     /// Threads per rank.
     threads: usize,
 }
@@ -249,12 +254,14 @@ fn run(args: &Args) -> Result<(), BoxError> {
             first_loss: reports[0].first_loss,
             last_loss: reports[0].last_loss,
             profiles: reports[0].profiles.clone(),
+            ops: reports[0].ops.clone(),
             threads: reports[0].threads,
         });
     }
     report(args, &summaries)?;
     if args.profile {
         print_profiles(&summaries);
+        print_top_ops(&summaries, 12);
     }
     Ok(())
 }
@@ -300,6 +307,7 @@ fn bench_rank(comm: Box<dyn tessera::Communicator>, mode: Mode, args: &Args) -> 
         first_loss: f64::NAN,
         last_loss: f64::NAN,
         profiles: Vec::new(),
+        ops: Default::default(),
         threads: tessera::mesh::intra_op_threads(),
     };
     profile::enable(args.profile);
@@ -314,17 +322,21 @@ fn bench_rank(comm: Box<dyn tessera::Communicator>, mode: Mode, args: &Args) -> 
             cpu_start = cpu_seconds().map(|c| (c, Instant::now()));
         }
         profile::take();
+        profile::take_ops();
         let t0 = Instant::now();
         let loss = model.loss(&rows)?;
         let t1 = Instant::now();
         let p_fwd = profile::take();
+        let o_fwd = profile::take_ops();
         backward(&loss)?;
         let t2 = Instant::now();
         let p_bwd = profile::take();
+        let o_bwd = profile::take_ops();
         opt.step()?;
         opt.zero_grad();
         let t3 = Instant::now();
         let p_opt = profile::take();
+        let o_opt = profile::take_ops();
         let value = loss.value().full_tensor()?.to_f64_vec()[0];
         if !value.is_finite() {
             return Err(format!("{} step {step}: the loss is {value}", mode.name()).into());
@@ -339,6 +351,9 @@ fn bench_rank(comm: Box<dyn tessera::Communicator>, mode: Mode, args: &Args) -> 
             r.backward_s.push((t2 - t1).as_secs_f64());
             r.optim_s.push((t3 - t2).as_secs_f64());
             r.profiles.push([p_fwd, p_bwd, p_opt]);
+            for (sum, step) in r.ops.iter_mut().zip([o_fwd, o_bwd, o_opt]) {
+                add_ops(sum, &step);
+            }
         }
     }
     // Every rank has finished its last step once this barrier passes.
@@ -381,6 +396,49 @@ fn print_profiles(s: &[Summary]) {
                 line += &format!(" {:>13.1}", t * 1e3);
             }
             println!("{line} {:>8.1}", (totals[i] - covered).max(0.0) * 1e3);
+        }
+    }
+}
+
+/// Adds one step's op times into a running sum, by op name.
+fn add_ops(sum: &mut Vec<OpTime>, step: &[OpTime]) {
+    for o in step {
+        match sum.iter_mut().find(|s| s.op == o.op) {
+            Some(s) => {
+                s.time += o.time;
+                s.count += o.count;
+            }
+            None => sum.push(*o),
+        }
+    }
+}
+
+/// Prints, per mode and phase, the ops whose local kernels took the most time on
+/// rank 0 (mean ms per timed step, and kernels per step).
+fn print_top_ops(s: &[Summary], top: usize) {
+    println!();
+    println!("rank 0's costliest op kernels (ms per step, exclusive; calls per step):");
+    for m in s {
+        let steps = m.profiles.len().max(1) as f64;
+        for (i, phase) in ["forward", "backward", "optimizer"].into_iter().enumerate() {
+            let mut ops = m.ops[i].clone();
+            if ops.is_empty() {
+                continue;
+            }
+            ops.sort_by_key(|o| std::cmp::Reverse(o.time));
+            let line: Vec<String> = ops
+                .iter()
+                .take(top)
+                .map(|o| {
+                    format!(
+                        "{} {:.1} ({:.0})",
+                        o.op,
+                        o.time.as_secs_f64() * 1e3 / steps,
+                        o.count as f64 / steps
+                    )
+                })
+                .collect();
+            println!("{:<8} {phase:<9} {}", m.mode.name(), line.join(", "));
         }
     }
 }

@@ -131,6 +131,8 @@ impl std::ops::AddAssign for Profile {
 
 struct Frame {
     kind: Kind,
+    /// The DTensor op whose local kernel this scope times ([`op_scope`]).
+    op: Option<&'static str>,
     start: Instant,
     /// Time of the scopes nested in this one.
     inner: Duration,
@@ -139,7 +141,22 @@ struct Frame {
 #[derive(Default)]
 struct State {
     totals: Profile,
+    /// Exclusive time and calls per op name, in first-seen order.
+    ops: Vec<OpTime>,
     stack: Vec<Frame>,
+}
+
+/// Exclusive time and calls of one DTensor op's local kernels (see [`take_ops`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct OpTime {
+    /// The op's name, as given to `dispatch` (`"matmul"`, `"softmax"`, ...).
+    pub op: &'static str,
+    /// Its kind.
+    pub kind: Kind,
+    /// Exclusive time in its local kernels.
+    pub time: Duration,
+    /// Kernels run.
+    pub count: u64,
 }
 
 thread_local! {
@@ -161,9 +178,27 @@ pub fn take() -> Profile {
     STATE.with(|s| std::mem::take(&mut s.borrow_mut().totals))
 }
 
+/// The calling thread's time per op since the last `take_ops`, reset, in the
+/// order the ops first ran. Only the local kernels of DTensor ops count here
+/// (see [`op_scope`]); their sum is at most the [`Profile`]'s time in their kinds.
+pub fn take_ops() -> Vec<OpTime> {
+    STATE.with(|s| std::mem::take(&mut s.borrow_mut().ops))
+}
+
 /// Times the rest of the enclosing block as `kind` (exclusive of nested scopes).
 #[must_use = "the scope times until it is dropped"]
 pub fn scope(kind: Kind) -> Scope {
+    push(kind, None)
+}
+
+/// Times the rest of the enclosing block as the local kernel of DTensor op `op`:
+/// counted under [`Kind::of_op`] and, by name, in [`take_ops`].
+#[must_use = "the scope times until it is dropped"]
+pub fn op_scope(op: &'static str) -> Scope {
+    push(Kind::of_op(op), Some(op))
+}
+
+fn push(kind: Kind, op: Option<&'static str>) -> Scope {
     if !enabled() {
         return Scope { active: false };
     }
@@ -171,6 +206,7 @@ pub fn scope(kind: Kind) -> Scope {
         .try_with(|s| {
             s.borrow_mut().stack.push(Frame {
                 kind,
+                op,
                 start: Instant::now(),
                 inner: Duration::ZERO,
             })
@@ -193,9 +229,24 @@ impl Drop for Scope {
             let mut s = s.borrow_mut();
             let Some(f) = s.stack.pop() else { return };
             let all = f.start.elapsed();
+            let own = all.saturating_sub(f.inner);
             let i = f.kind.index();
-            s.totals.time[i] += all.saturating_sub(f.inner);
+            s.totals.time[i] += own;
             s.totals.count[i] += 1;
+            if let Some(op) = f.op {
+                match s.ops.iter_mut().find(|o| o.op == op) {
+                    Some(o) => {
+                        o.time += own;
+                        o.count += 1;
+                    }
+                    None => s.ops.push(OpTime {
+                        op,
+                        kind: f.kind,
+                        time: own,
+                        count: 1,
+                    }),
+                }
+            }
             if let Some(parent) = s.stack.last_mut() {
                 parent.inner += all;
             }
@@ -205,11 +256,17 @@ impl Drop for Scope {
 
 #[cfg(test)]
 mod tests {
+    use std::sync::Mutex;
+
     use super::*;
+
+    /// Timing is switched on and off for every thread: one test at a time.
+    static SERIAL: Mutex<()> = Mutex::new(());
 
     /// Nested scopes count exclusive time; off, nothing is counted.
     #[test]
     fn nested_scopes_are_exclusive() {
+        let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
         enable(true);
         take();
         {
@@ -232,5 +289,33 @@ mod tests {
             let _t = scope(Kind::Nn);
         }
         assert_eq!(take(), Profile::default());
+    }
+
+    /// Op scopes count under their op's kind and, by name, in `take_ops`.
+    #[test]
+    fn op_scopes_are_counted_by_name() {
+        let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+        enable(true);
+        take();
+        take_ops();
+        for _ in 0..2 {
+            let _t = op_scope("softmax");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        {
+            let _t = op_scope("matmul");
+            let _a = scope(Kind::Allocation);
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let ops = take_ops();
+        let p = take();
+        enable(false);
+        let names: Vec<(&str, Kind, u64)> = ops.iter().map(|o| (o.op, o.kind, o.count)).collect();
+        assert_eq!(names, [("softmax", Kind::Nn, 2), ("matmul", Kind::Gemm, 1)]);
+        assert!(ops[0].time >= Duration::from_millis(10));
+        // The allocation inside the matmul is not the matmul's.
+        assert!(ops[1].time < Duration::from_millis(5), "{:?}", ops[1].time);
+        assert_eq!(p.count(Kind::Nn), 2);
+        assert!(take_ops().is_empty());
     }
 }

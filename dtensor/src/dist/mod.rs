@@ -93,7 +93,7 @@ pub fn dispatch(
         coord: mesh.coordinate(),
     };
     let local = {
-        let _t = crate::profile::scope(crate::profile::Kind::of_op(op));
+        let _t = crate::profile::op_scope(op);
         kernel(&locals, &ctx)?
     };
     let out = &choice.candidate.output;
