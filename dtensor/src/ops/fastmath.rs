@@ -10,9 +10,10 @@
 //! Accuracy against `f64` libm over dense sweeps of 4·10⁶ points (the tests
 //! assert these bounds): [`exp_f32`] within 0.97 ulp on `[-104, 88.72]`
 //! (subnormal results counted in the subnormal spacing), asserted <= 1 ulp;
-//! [`erfc_f32`] within 2.53 ulp on `[-10, 10]`, asserted <= 3 ulp (libm's
-//! scalar `erfcf`, built on the same FreeBSD rational approximations, measures
-//! 3.03 ulp on the same sweep). Special values
+//! [`erfc_f32`] within 4.94 ulp on `[-10, 10]`, asserted <= 5 ulp (libm's
+//! scalar `erfcf` measures 3.03 ulp on the same sweep; the FreeBSD rational
+//! approximations that this kernel used before, 2.53 ulp, cost 1.4 times as
+//! much per element). Special values
 //! follow libm: NaN stays NaN, `exp(-inf) = 0`, `exp(+inf) = inf`,
 //! `erfc(-inf) = 2`, `erfc(+inf) = 0`.
 //!
@@ -200,85 +201,56 @@ pub(crate) fn exp_f32(x: f32) -> f32 {
     exp_hi_lo(x, 0.0)
 }
 
-/// `erfc(x)` in `f32`, branch-free: FreeBSD's `s_erff.c` rational
-/// approximations for every range, selected per element, with full relative
-/// precision in the positive tail (where `erfc` is tiny).
+/// `erfc(x)` in `f32`, branch-free, from two approximations computed for
+/// every element and selected per element:
+///
+/// - `|x| < 0.84375`: `erfc(x) = 1 - x·(1 + P(x²))`, `P` of degree 6 (fit
+///   error 1.2e-10), with FreeBSD's `s_erff.c` arrangement of the subtraction;
+/// - `|x| >= 0.84375`: `erfc(|x|) = t·exp(-|x|² + Q(s))` with
+///   `t = 1/(1 + |x|/2)` and `s` that `t` scaled to `[-1, 1]`, `Q` of degree 8
+///   (minimax fit error 6.8e-9 in `Q`, so relative in `erfc`). `-|x|²` is split
+///   into an exact high part and a small low part so that the exponent keeps
+///   full relative precision in the tail; `erfc(-z) = 2 - erfc(z)`.
+///
+/// One division and one `exp` per element: less than half the arithmetic of
+/// FreeBSD's three rational approximations (three divisions), which a
+/// branch-free loop had to compute for every element.
 #[inline(always)]
 pub(crate) fn erfc_f32(x: f32) -> f32 {
-    const ERX: f32 = 8.450_629e-1;
+    /// Where the tail approximation takes over.
+    const SPLIT: f32 = 0.843_75;
+    /// `t` over `[1/(1 + 10.1/2), 1/(1 + SPLIT/2)]` maps to `s = A·t + B` in `[-1, 1]`.
+    const A: f32 = 3.717_420_6;
+    const B: f32 = -1.614_449_7;
     let z = x.abs();
 
-    // |x| < 0.84375: erf(x) = x + x R(x²)/S(x²).
     let zz = x * x;
-    let r1 =
-        1.283_791_7e-1 + zz * (-3.250_421e-1 + zz * (-2.848_175e-2 + zz * (-5.770_270_3e-3 + zz * -2.376_301_7e-5)));
-    let s1 = 1.0
-        + zz * (3.979_172e-1
-            + zz * (6.502_225e-2 + zz * (5.081_306e-3 + zz * (1.324_947_4e-4 + zz * -3.960_228_2e-6))));
-    // 0.84375 <= |x| < 1.25: erfc(|x|) = 1 - erx - P(|x| - 1)/Q(|x| - 1).
-    let d = z - 1.0;
-    let p = -2.362_118_6e-3
-        + d * (4.148_561e-1
-            + d * (-3.722_078_8e-1
-                + d * (3.183_466_2e-1 + d * (-1.108_947e-1 + d * (3.547_830_5e-2 + d * -2.166_375_5e-3)))));
-    let q = 1.0
-        + d * (1.064_208_8e-1
-            + d * (5.403_979_4e-1
-                + d * (7.182_866e-2 + d * (1.261_712_2e-1 + d * (1.363_708_4e-2 + d * 1.198_45e-2)))));
-
-    // |x| >= 1.25: erfc(|x|) = e^(-z² - 0.5625 + R(1/x²)/S(1/x²)) / |x|, with
-    // the coefficients of [1.25, 1/0.35) or [1/0.35, 28).
-    let w = 1.0 / (z * z);
-    let a = z < 1.0 / 0.35;
-    let c = |ca: f32, cb: f32| if a { ca } else { cb };
-    let r3 = c(-9.864_944e-3, -9.864_943e-3)
-        + w * (c(-6.938_586e-1, -7.992_833e-1)
-            + w * (c(-1.055_862_6e1, -1.775_795_6e1)
-                + w * (c(-6.237_533e1, -1.606_363_8e2)
-                    + w * (c(-1.623_966_7e2, -6.375_665e2)
-                        + w * (c(-1.846_050_9e2, -1.025_095_1e3)
-                            + w * (c(-8.128_744e1, -4.835_192e2) + w * c(-9.814_329, 0.0)))))));
-    let s3 = 1.0
-        + w * (c(1.965_127_2e1, 3.033_806e1)
-            + w * (c(1.376_577_6e2, 3.257_925e2)
-                + w * (c(4.345_659e2, 1.536_729_6e3)
-                    + w * (c(6.453_873e2, 3.199_858e3)
-                        + w * (c(4.290_081_5e2, 2.553_050_3e3)
-                            + w * (c(1.086_35e2, 4.745_285_3e2)
-                                + w * (c(6.570_249_6, -2.244_095_2e1) + w * c(-6.042_441_4e-2, 0.0))))))));
-    // One division for the range that each element is in.
-    let (small_range, middle_range) = (z < 0.843_75, z < 1.25);
-    let num = if small_range {
-        r1
-    } else if middle_range {
-        p
-    } else {
-        r3
-    };
-    let den = if small_range {
-        s1
-    } else if middle_range {
-        q
-    } else {
-        s3
-    };
-    let y = num / den;
+    let y = 0.128_379_17
+        + zz * (-0.376_126_38
+            + zz * (0.112_837_52
+                + zz * (-0.026_862_817 + zz * (0.005_210_253 + zz * (-0.000_825_676_95 + zz * 8.897_333e-5)))));
     let small = if x < 0.25 {
         1.0 - (x + x * y)
     } else {
         0.5 - (x - 0.5 + x * y)
     };
-    let middle = 1.0 - ERX - y;
+
+    let t = 1.0 / (1.0 + 0.5 * z);
+    let s = t * A + B;
+    let q = -0.759_268_1
+        + s * (0.353_940_37
+            + s * (0.018_703_759
+                + s * (-0.006_272_742
+                    + s * (-0.001_259_322_6
+                        + s * (0.000_295_822_22 + s * (8.906_874e-5 + s * (-1.866_092_7e-5 + s * -5.524_274_5e-6)))))));
     // z with its low 13 bits cleared: zh² is exact, so the large part of the
     // exponent loses nothing; the rest rides along as a correction.
     let zh = f32::from_bits(z.to_bits() & 0xffff_e000);
-    let tail = exp_hi_lo(-zh * zh - 0.5625, (zh - z) * (zh + z) + y) / z;
-    // erfc underflows to 0 beyond 10.06; the cut also keeps inf out of the tail.
+    let tail = t * exp_hi_lo(-zh * zh, q - (z - zh) * (z + zh));
     let tail = if z < 10.1 { tail } else { 0.0 };
 
-    let big = if middle_range { middle } else { tail };
-    let big = if x < 0.0 { 2.0 - big } else { big };
-    if small_range {
+    let big = if x < 0.0 { 2.0 - tail } else { tail };
+    if z < SPLIT {
         small
     } else if x.is_nan() {
         x
@@ -330,7 +302,7 @@ mod tests {
     #[test]
     fn erfc_error_bound() {
         let (err, at) = sweep(-10.0, 10.0, 4_000_000, erfc_f32, libm::erfc);
-        assert!(err <= 3.0, "erfc_f32: {err} ulp at {at}");
+        assert!(err <= 5.0, "erfc_f32: {err} ulp at {at}");
         let (lib, at) = sweep(-10.0, 10.0, 4_000_000, libm::erfcf, libm::erfc);
         assert!(lib <= 3.5, "libm erfcf: {lib} ulp at {at}");
     }
