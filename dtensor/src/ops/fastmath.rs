@@ -109,45 +109,55 @@ impl Simd {
     }
 }
 
-/// [`zip_map`] on the loop compiled for `simd`, which the CPU must support
-/// (anything else is a panic: [`Simd::best`] and [`Simd::supported`] only give
-/// supported ones).
-#[inline(always)]
-pub(crate) fn zip_map_on<A: Copy, B: Copy, C>(simd: Simd, x: &[A], y: &[B], out: &mut [C], f: impl Fn(A, B) -> C) {
+impl Simd {
+    /// Runs `f` compiled for this instruction set, which the CPU must support
+    /// (anything else is a panic: [`Simd::best`] and [`Simd::supported`] only
+    /// give supported ones). `f` must be `#[inline(always)]` for its loops to
+    /// be compiled for the wider vectors; so must everything it calls that
+    /// should be.
     #[inline(always)]
-    fn body<A: Copy, B: Copy, C>(x: &[A], y: &[B], out: &mut [C], f: impl Fn(A, B) -> C) {
-        for ((o, &a), &b) in out.iter_mut().zip(x).zip(y) {
-            *o = f(a, b);
-        }
-    }
-    match simd {
-        Simd::Baseline => body(x, y, out, f),
-        #[cfg(target_arch = "x86_64")]
-        Simd::Avx2 => {
-            #[target_feature(enable = "avx2")]
-            fn avx2<A: Copy, B: Copy, C>(x: &[A], y: &[B], out: &mut [C], f: impl Fn(A, B) -> C) {
-                body(x, y, out, f);
+    pub(crate) fn run<R>(self, f: impl FnOnce() -> R) -> R {
+        match self {
+            Simd::Baseline => f(),
+            #[cfg(target_arch = "x86_64")]
+            Simd::Avx2 => {
+                #[target_feature(enable = "avx2")]
+                fn avx2<R>(f: impl FnOnce() -> R) -> R {
+                    f()
+                }
+                assert!(std::arch::is_x86_feature_detected!("avx2"), "Simd::run: no AVX2");
+                // SAFETY: the CPU supports AVX2 (asserted just above), the only
+                // requirement of calling a function compiled with that feature.
+                unsafe { avx2(f) }
             }
-            assert!(std::arch::is_x86_feature_detected!("avx2"), "zip_map: no AVX2");
-            // SAFETY: the CPU supports AVX2 (asserted just above), the only
-            // requirement of calling a function compiled with that feature.
-            unsafe { avx2(x, y, out, f) }
-        }
-        #[cfg(target_arch = "x86_64")]
-        Simd::Avx512 => {
-            #[target_feature(enable = "avx512f")]
-            fn avx512<A: Copy, B: Copy, C>(x: &[A], y: &[B], out: &mut [C], f: impl Fn(A, B) -> C) {
-                body(x, y, out, f);
+            #[cfg(target_arch = "x86_64")]
+            Simd::Avx512 => {
+                #[target_feature(enable = "avx512f")]
+                fn avx512<R>(f: impl FnOnce() -> R) -> R {
+                    f()
+                }
+                assert!(std::arch::is_x86_feature_detected!("avx512f"), "Simd::run: no AVX-512");
+                // SAFETY: the CPU supports AVX-512F (asserted just above), the only
+                // requirement of calling a function compiled with that feature.
+                unsafe { avx512(f) }
             }
-            assert!(std::arch::is_x86_feature_detected!("avx512f"), "zip_map: no AVX-512");
-            // SAFETY: the CPU supports AVX-512F (asserted just above), the only
-            // requirement of calling a function compiled with that feature.
-            unsafe { avx512(x, y, out, f) }
         }
     }
 }
 
-/// Inputs above this give `inf` (`ln f32::MAX` is 88.72284).
+/// [`zip_map`] on the loop compiled for `simd` (see [`Simd::run`]).
+#[inline(always)]
+pub(crate) fn zip_map_on<A: Copy, B: Copy, C>(simd: Simd, x: &[A], y: &[B], out: &mut [C], f: impl Fn(A, B) -> C) {
+    simd.run(
+        #[inline(always)]
+        move || {
+            for ((o, &a), &b) in out.iter_mut().zip(x).zip(y) {
+                *o = f(a, b);
+            }
+        },
+    );
+}
+
 const EXP_HI: f32 = 88.722_84;
 /// Inputs below this give 0 (`e^-103.972` is half the smallest subnormal).
 const EXP_LO: f32 = -103.972_08;

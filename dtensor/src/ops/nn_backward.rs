@@ -1,7 +1,7 @@
 //! Fused backward kernels of softmax, layer norm and cross entropy: one pass
 //! over each row instead of a chain of element-wise ops and their temporaries.
 
-use super::fastmath::zip_map;
+use super::fastmath::{Simd, zip_map};
 use super::nn::{ce_targets, row_exp_sum};
 use super::reduce::sum_map_f64;
 use super::{Float, Real, check_dim, elements, float_dispatch, output, same_dtype};
@@ -37,7 +37,7 @@ fn zip_rows<T: Float, S: Default>(
     g: &Tensor,
     x: &Tensor,
     dim: usize,
-    f: impl Fn(&[T], &[T], &mut [T], &mut S) + Sync,
+    f: impl Fn(&[T], &[T], &mut [T], &mut S) + Sync + Copy,
 ) -> Result<Tensor> {
     let last = g.rank() - 1;
     let (gs, xs) = if dim == last {
@@ -50,13 +50,20 @@ fn zip_rows<T: Float, S: Default>(
     // Every element is written below: a recycled buffer needs no zeroing.
     let mut out: Vec<T> = crate::alloc::reused(op, gs.shape())?;
     if len > 0 {
-        // Blocks of rows over the rank's threads, each with its own scratch `S`.
+        // Blocks of rows over the rank's threads, each with its own scratch `S`,
+        // compiled for the CPU's widest vectors (`f` by value, so that it inlines).
+        let (simd, gv, xv) = (Simd::best(), &gv[..], &xv[..]);
         super::par_rows(&mut out, len, |start, block| {
-            let mut scratch = S::default();
-            let rows = gv[start..].chunks_exact(len).zip(xv[start..].chunks_exact(len));
-            for ((g, x), o) in rows.zip(block.chunks_exact_mut(len)) {
-                f(g, x, o, &mut scratch);
-            }
+            simd.run(
+                #[inline(always)]
+                move || {
+                    let mut scratch = S::default();
+                    let rows = gv[start..].chunks_exact(len).zip(xv[start..].chunks_exact(len));
+                    for ((g, x), o) in rows.zip(block.chunks_exact_mut(len)) {
+                        f(g, x, o, &mut scratch);
+                    }
+                },
+            )
         });
     }
     let out = output(out, gs.shape())?;
@@ -82,7 +89,7 @@ impl Tensor {
         const OP: &str = "softmax_backward";
         same_shape(OP, self, y, "the softmax output")?;
         check_dim(OP, dim, self.rank())?;
-        float_dispatch!(OP, self.dtype(), T => zip_rows::<T, ()>(OP, self, y, dim, |g, y, o, _| {
+        float_dispatch!(OP, self.dtype(), T => zip_rows::<T, ()>(OP, self, y, dim, #[inline(always)] |g, y, o, _| {
             let dot = T::from_f64(dot_f64(g, y)).to_acc();
             zip_map(g, y, o, #[inline(always)] |g, y| {
                 T::from_acc(y.to_acc() * T::from_acc(g.to_acc() - dot).to_acc())
@@ -122,7 +129,7 @@ impl Tensor {
                 Some(w) => elements::<T>(w)?.iter().map(|v| v.to_f64()).collect(),
                 None => filled(OP, d, 1.0)?,
             };
-            zip_rows::<T, Vec<f64>>(OP, self, x, x.rank() - 1, |g, x, o, gw| {
+            zip_rows::<T, Vec<f64>>(OP, self, x, x.rank() - 1, #[inline(always)] |g, x, o, gw| {
                 gw.resize(d, 0.0);
                 let (mean, rstd) = row_stats(x, eps);
                 for ((a, &g), &w) in gw.iter_mut().zip(g).zip(&w) {
@@ -198,7 +205,7 @@ impl Tensor {
 
 /// `Σ g·y` in `f64` of the products rounded to the dtype (as `g.mul(y).sum()`
 /// computes it), with eight independent accumulators.
-#[inline]
+#[inline(always)]
 fn dot_f64<T: Float>(g: &[T], y: &[T]) -> f64 {
     let prod = |g: T, y: T| T::from_acc(g.to_acc() * y.to_acc()).to_f64();
     let mut acc = [0f64; 8];
@@ -231,7 +238,7 @@ fn need_rank(op: &'static str, t: &Tensor) -> Result<()> {
 
 /// The mean and `1 / sqrt(var + eps)` of a row in `f64`, two passes as the
 /// forward computes them.
-#[inline]
+#[inline(always)]
 fn row_stats<T: Float>(row: &[T], eps: f64) -> (f64, f64) {
     let d = row.len() as f64;
     let mean = sum_map_f64(row, |v| v.to_f64()) / d;

@@ -35,6 +35,7 @@ pub(crate) fn nan_max<R: Real>(a: R, b: R) -> R {
 
 /// The largest element of `row` in the compute type (−inf when empty, NaN if
 /// any is NaN), with eight independent lanes that compile to vector max.
+#[inline(always)]
 pub(crate) fn row_max<T: Float>(row: &[T]) -> T::Acc {
     let mut acc = [T::Acc::NEG_INFINITY; 8];
     let mut nan = false;

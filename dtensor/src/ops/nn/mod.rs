@@ -3,7 +3,7 @@
 
 use tessera_mesh::{DType, Element};
 
-use super::fastmath::{exp, zip_map};
+use super::fastmath::{Simd, exp, zip_map};
 use super::reduce::{row_max, sum_f64, sum_map_f64};
 use super::{Float, Real, any_dispatch, check_dim, elements, float_dispatch, output, same_dtype};
 use crate::{Error, Result, Tensor};
@@ -28,7 +28,7 @@ fn map_rows<T: Float, S: Default>(
     op: &'static str,
     t: &Tensor,
     dim: usize,
-    f: impl Fn(&[T], &mut [T], &mut S) + Sync,
+    f: impl Fn(&[T], &mut [T], &mut S) + Sync + Copy,
 ) -> Result<Tensor> {
     let last = t.rank() - 1;
     let src = if dim == last {
@@ -41,12 +41,19 @@ fn map_rows<T: Float, S: Default>(
     // Every element is written below: a recycled buffer needs no zeroing.
     let mut out: Vec<T> = crate::alloc::reused(op, src.shape())?;
     if len > 0 {
-        // Blocks of rows over the rank's threads, each with its own scratch `S`.
+        // Blocks of rows over the rank's threads, each with its own scratch `S`,
+        // compiled for the CPU's widest vectors (`f` by value, so that it inlines).
+        let (simd, x) = (Simd::best(), &x[..]);
         super::par_rows(&mut out, len, |start, block| {
-            let mut scratch = S::default();
-            for (row, o) in x[start..].chunks_exact(len).zip(block.chunks_exact_mut(len)) {
-                f(row, o, &mut scratch);
-            }
+            simd.run(
+                #[inline(always)]
+                move || {
+                    let mut scratch = S::default();
+                    for (row, o) in x[start..].chunks_exact(len).zip(block.chunks_exact_mut(len)) {
+                        f(row, o, &mut scratch);
+                    }
+                },
+            )
         });
     }
     let out = output(out, src.shape())?;
@@ -59,6 +66,7 @@ fn map_rows<T: Float, S: Default>(
 
 /// The row maximum and `Σ exp(x - max)` of a row (the sum in `f64`), leaving
 /// the exponentials in `e` (one vectorisable pass, then the sum).
+#[inline(always)]
 pub(super) fn row_exp_sum<T: Float>(row: &[T], e: &mut Vec<T::Acc>) -> (T::Acc, f64) {
     let max = row_max(row);
     e.clear();
@@ -166,7 +174,7 @@ impl Tensor {
         check_dim("softmax", dim, self.rank())?;
         float_dispatch!("softmax", self.dtype(), T => {
             // The exponentials in the compute type, so that half types round once.
-            map_rows::<T, Vec<_>>("softmax", self, dim, |row, out, e| {
+            map_rows::<T, Vec<_>>("softmax", self, dim, #[inline(always)] |row, out, e| {
                 let inv = 1.0 / row_exp_sum(row, e).1;
                 for (o, &v) in out.iter_mut().zip(e.iter()) {
                     *o = <T as Float>::from_f64(v.widen() * inv);
@@ -183,7 +191,7 @@ impl Tensor {
     pub fn log_softmax(&self, dim: usize) -> Result<Tensor> {
         check_dim("log_softmax", dim, self.rank())?;
         float_dispatch!("log_softmax", self.dtype(), T => {
-            map_rows::<T, Vec<_>>("log_softmax", self, dim, |row, out, e| {
+            map_rows::<T, Vec<_>>("log_softmax", self, dim, #[inline(always)] |row, out, e| {
                 let (max, sum) = row_exp_sum(row, e);
                 let lse = sum.ln();
                 for (o, &x) in out.iter_mut().zip(row) {
