@@ -311,18 +311,10 @@ fn embedding_backward(
                 ctx.coord,
             )?;
             let (rows, cols) = (shape[0], shape[1]);
-            let first = offset[0];
-            let idx = l[0].contiguous().to_vec::<i64>()?;
-            let grads = l[1].to_f64_vec();
-            let mut grad = vec![0.0f64; rows * cols];
-            for (k, &i) in idx.iter().enumerate() {
-                let Some(i) = (i as usize).checked_sub(first).filter(|&i| i < rows) else {
-                    continue;
-                };
-                let (dst, src) = (&mut grad[i * cols..(i + 1) * cols], &grads[k * cols..(k + 1) * cols]);
-                dst.iter_mut().zip(src).for_each(|(a, b)| *a += b);
-            }
-            Tensor::from_vec(grad, &[rows, cols])?.cast(l[1].dtype())
+            let n = l[0].numel();
+            let idx = l[0].reshape(&[n])?;
+            l[1].reshape(&[n, cols])?
+                .embedding_dense_backward(&idx, rows, offset[0])
         },
     )
 }

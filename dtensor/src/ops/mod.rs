@@ -336,8 +336,15 @@ pub(crate) fn par_collect<T: Element, I: Iterator<Item = T>>(
 /// the rank's [`intra_op_threads`](tessera_mesh::intra_op_threads) when each
 /// gets at least [`PAR_MIN_ELEMENTS`], else one block on this thread.
 pub(crate) fn par_rows<C: Send>(out: &mut [C], row: usize, f: impl Fn(usize, &mut [C]) + Sync) {
+    par_blocks(out, row, par_parts(out.len()), f);
+}
+
+/// [`par_rows`] over at most `parts` blocks: for outputs much smaller than the
+/// work behind them (one loss per row of logits), with `parts` from
+/// [`par_parts`] of the work's size.
+pub(crate) fn par_blocks<C: Send>(out: &mut [C], row: usize, parts: usize, f: impl Fn(usize, &mut [C]) + Sync) {
     let rows = out.len().checked_div(row).unwrap_or(0);
-    let parts = par_parts(out.len()).min(rows);
+    let parts = parts.min(rows);
     if parts <= 1 {
         f(0, out);
         return;
@@ -365,7 +372,8 @@ mod par_tests {
 
     /// Large element-wise and row-wise kernels split over a rank's threads give
     /// the one-thread result bit for bit (each element is computed by the same
-    /// code in the same order in every block).
+    /// code in the same order in every block; column sums such as layer norm's
+    /// weight gradient split by columns and keep their row order).
     #[test]
     fn split_kernels_equal_the_one_thread_ones() {
         // 256 rows of 1024: 2^18 elements, split over 3 threads.
@@ -379,6 +387,8 @@ mod par_tests {
                 let opts = tessera_mesh::LaunchOptions::default().threads_per_rank(threads);
                 let out = tessera_mesh::launch_with(&opts, 1, move |_| {
                     let y = x.softmax(1)?;
+                    let ln = x.layer_norm_with_stats(Some(&w), Some(&bias), 1e-5)?;
+                    let targets = Tensor::from_vec((0..rows as i64).map(|i| (i * 7) % d as i64).collect(), &[rows])?;
                     Ok(vec![
                         x.add(&g)?,
                         x.add(&bias)?,
@@ -391,6 +401,13 @@ mod par_tests {
                         g.softmax_backward(&y, 1)?,
                         g.layer_norm_backward(&x, Some(&w), 1e-5)?,
                         x.softmax(0)?,
+                        ln.0,
+                        ln.1,
+                        ln.2,
+                        g.layer_norm_weight_grad(&x, 1e-5)?,
+                        x.cross_entropy(&targets, nn::Reduction::None)?,
+                        x.cross_entropy(&targets, nn::Reduction::Mean)?,
+                        x.cross_entropy_backward(&targets, 0.25)?,
                     ])
                 });
                 out.unwrap().remove(0)

@@ -1,7 +1,9 @@
 //! Fused backward kernels of softmax, layer norm and cross entropy: one pass
 //! over each row instead of a chain of element-wise ops and their temporaries.
 
-use super::fastmath::{Simd, zip_map};
+use tessera_mesh::DType;
+
+use super::fastmath::{Simd, zip_map, zip_map_on};
 use super::nn::{ce_targets, row_exp_sum};
 use super::reduce::sum_map_f64;
 use super::{Float, Real, check_dim, elements, float_dispatch, output, same_dtype};
@@ -162,14 +164,92 @@ impl Tensor {
             let (gv, xv) = (elements::<T>(self)?, elements::<T>(x)?);
             let mut gw = filled(OP, d, 0.0)?;
             if d > 0 {
-                for (g, x) in gv.chunks_exact(d).zip(xv.chunks_exact(d)) {
-                    let (mean, rstd) = row_stats(x, eps);
-                    for ((a, &g), &x) in gw.iter_mut().zip(g).zip(x) {
-                        *a += g.to_f64() * ((x.to_f64() - mean) * rstd);
-                    }
-                }
+                let stats = all_row_stats(&xv, d, eps);
+                // Blocks of columns over the rank's threads: every column sums its
+                // rows in order, as on one thread.
+                let (simd, gv, xv) = (Simd::best(), &gv[..], &xv[..]);
+                super::par_blocks(&mut gw, 1, super::par_parts(gv.len()), |c0, cols| {
+                    simd.run(#[inline(always)] || {
+                        let rows = gv.chunks_exact(d).zip(xv.chunks_exact(d)).zip(&stats);
+                        for ((g, x), &(mean, rstd)) in rows {
+                            for ((a, &g), &x) in cols.iter_mut().zip(&g[c0..]).zip(&x[c0..]) {
+                                *a += g.to_f64() * ((x.to_f64() - mean) * rstd);
+                            }
+                        }
+                    })
+                });
             }
             output(gw.into_iter().map(T::from_f64).collect::<Vec<T>>(), &[d])
+        })
+    }
+
+    /// The gradient of [`embedding`](Self::embedding)'s table, or of its rows
+    /// `first..first + rows` (a shard of it), given the gradient `self`
+    /// (`[N, d]`) of the looked-up rows `indices` (`[N]`, `i64`): row `i` of the
+    /// result is the sum of the rows `k` of `self` with `indices[k] = first + i`,
+    /// taken in `f64` in index order and rounded once; untouched rows are zero
+    /// and indices outside the shard are skipped. `[rows, d]` in `self`'s dtype.
+    /// PyTorch: `torch.ops.aten.embedding_dense_backward` (without
+    /// `padding_idx` or `scale_grad_by_freq`).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when `self` is not 2-D or is an integer tensor;
+    /// [`Error::ShapeMismatch`] when `indices` is not `[N]`;
+    /// [`Error::DTypeMismatch`] when `indices` is not `i64`.
+    pub fn embedding_dense_backward(&self, indices: &Tensor, rows: usize, first: usize) -> Result<Tensor> {
+        const OP: &str = "embedding_backward";
+        if self.rank() != 2 {
+            return Err(Error::InvalidArgument {
+                op: OP,
+                detail: format!("the gradient must be [N, d], got shape {:?}", self.shape()),
+            });
+        }
+        if indices.dtype() != DType::I64 {
+            return Err(Error::DTypeMismatch {
+                op: OP,
+                expected: DType::I64,
+                got: indices.dtype(),
+            });
+        }
+        let (n, d) = (self.shape()[0], self.shape()[1]);
+        if indices.shape() != [n] {
+            return Err(Error::ShapeMismatch {
+                op: OP,
+                detail: format!("a [{n}, {d}] gradient needs [{n}] indices, got {:?}", indices.shape()),
+            });
+        }
+        let idx = elements::<i64>(indices)?;
+        // The shard's rows that some index names, in first-seen order: only those
+        // are summed (in f64), so that the table-sized output is written once.
+        let mut slot = vec![u32::MAX; rows];
+        let mut touched: Vec<usize> = Vec::new();
+        for &i in idx.iter() {
+            if let Some(r) = (i as usize).checked_sub(first).filter(|&r| r < rows && i >= 0)
+                && slot[r] == u32::MAX
+            {
+                slot[r] = touched.len() as u32;
+                touched.push(r);
+            }
+        }
+        float_dispatch!(OP, self.dtype(), T => {
+            let g = elements::<T>(self)?;
+            let mut acc = vec![0f64; touched.len() * d];
+            for (k, &i) in idx.iter().enumerate() {
+                let Some(r) = (i as usize).checked_sub(first).filter(|&r| r < rows && i >= 0) else {
+                    continue;
+                };
+                let s = slot[r] as usize;
+                for (a, &v) in acc[s * d..(s + 1) * d].iter_mut().zip(&g[k * d..(k + 1) * d]) {
+                    *a += v.to_f64();
+                }
+            }
+            let mut out = crate::alloc::zeroed::<T>(OP, &[rows, d])?;
+            for (s, &r) in touched.iter().enumerate() {
+                for (o, &a) in out[r * d..(r + 1) * d].iter_mut().zip(&acc[s * d..(s + 1) * d]) {
+                    *o = T::from_f64(a);
+                }
+            }
+            output(out, &[rows, d])
         })
     }
 
@@ -189,15 +269,22 @@ impl Tensor {
             let x = elements::<T>(self)?;
             // Every element is written below: a recycled buffer needs no zeroing.
             let mut out: Vec<T> = crate::alloc::reused("cross_entropy", &[n, c])?;
-            let mut e = Vec::with_capacity(c);
-            for ((row, o), &k) in x.chunks_exact(c.max(1)).zip(out.chunks_exact_mut(c.max(1))).zip(t.iter()) {
-                let inv = 1.0 / row_exp_sum(row, &mut e).1;
-                zip_map(&e, &e, o, #[inline(always)] |v, _| {
-                    T::from_f64(T::from_f64(v.widen() * inv).to_f64() * scale)
-                });
-                let k = k as usize;
-                o[k] = T::from_f64((T::from_f64(e[k].widen() * inv).to_f64() - 1.0) * scale);
-            }
+            // Blocks of rows over the rank's threads, each with its own scratch.
+            let (simd, x, c) = (Simd::best(), &x[..], c.max(1));
+            super::par_rows(&mut out, c, |start, block| {
+                simd.run(#[inline(always)] || {
+                    let mut e = Vec::with_capacity(c);
+                    let rows = x[start..].chunks_exact(c).zip(block.chunks_exact_mut(c));
+                    for ((row, o), &k) in rows.zip(&t[start / c..]) {
+                        let inv = 1.0 / row_exp_sum(row, &mut e).1;
+                        zip_map_on(simd, &e, &e, o, #[inline(always)] |v, _| {
+                            T::from_f64(T::from_f64(v.widen() * inv).to_f64() * scale)
+                        });
+                        let k = k as usize;
+                        o[k] = T::from_f64((T::from_f64(e[k].widen() * inv).to_f64() - 1.0) * scale);
+                    }
+                })
+            });
             output(out, &[n, c])
         })
     }
@@ -236,8 +323,26 @@ fn need_rank(op: &'static str, t: &Tensor) -> Result<()> {
     }
 }
 
-/// The mean and `1 / sqrt(var + eps)` of a row in `f64`, two passes as the
-/// forward computes them.
+/// [`row_stats`] of every `d`-element row of `xs`, in blocks of rows over the
+/// rank's threads.
+pub(super) fn all_row_stats<T: Float>(xs: &[T], d: usize, eps: f64) -> Vec<(f64, f64)> {
+    let mut stats = vec![(0.0, 0.0); xs.len().checked_div(d).unwrap_or(0)];
+    let simd = Simd::best();
+    super::par_blocks(&mut stats, 1, super::par_parts(xs.len()), |start, block| {
+        simd.run(
+            #[inline(always)]
+            || {
+                for (s, row) in block.iter_mut().zip(xs[start * d..].chunks_exact(d)) {
+                    *s = row_stats(row, eps);
+                }
+            },
+        )
+    });
+    stats
+}
+
+/// The mean and `1 / sqrt(var + eps)` of a row in `f64`: the mean, then the
+/// squared deviations from it (two passes: no cancellation).
 #[inline(always)]
 fn row_stats<T: Float>(row: &[T], eps: f64) -> (f64, f64) {
     let d = row.len() as f64;
@@ -433,6 +538,53 @@ mod tests {
             let got = op().to_vec::<f32>().unwrap();
             assert!(got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "{name}");
         }
+    }
+
+    /// The table gradient sums the rows of each index in f64 and rounds once;
+    /// a shard keeps its own rows only; untouched rows are zero.
+    #[test]
+    fn embedding_dense_backward_sums_rows_per_index() {
+        let (n, d, vocab) = (7, 3, 5);
+        let idx = [3i64, 1, 3, 0, 3, 4, 1];
+        let indices = Tensor::from_vec(idx.to_vec(), &[n]).unwrap();
+        for dtype in [DType::F32, DType::BF16, DType::F64] {
+            let g = sample(&[n, d], dtype, 11);
+            let gv = g.to_f64_vec();
+            // Reference: a dense f64 table, each row rounded to the dtype once.
+            let mut want = vec![0f64; vocab * d];
+            for (k, &i) in idx.iter().enumerate() {
+                for j in 0..d {
+                    want[i as usize * d + j] += gv[k * d + j];
+                }
+            }
+            let want = Tensor::from_vec(want, &[vocab, d]).unwrap().cast(dtype).unwrap();
+            let full = g.embedding_dense_backward(&indices, vocab, 0).unwrap();
+            assert_eq!((full.shape(), full.dtype()), (&[vocab, d][..], dtype));
+            assert_eq!(full.to_f64_vec(), want.to_f64_vec(), "{dtype}");
+            // Rows 2..5 of the table: indices 0 and 1 belong to another shard.
+            let shard = g.embedding_dense_backward(&indices, 3, 2).unwrap();
+            assert_eq!(shard.to_f64_vec(), want.to_f64_vec()[2 * d..], "{dtype} shard");
+        }
+        // Row 2 is never named: it stays zero.
+        let g = sample(&[n, d], DType::F32, 12);
+        let out = g.embedding_dense_backward(&indices, vocab, 0).unwrap().to_f64_vec();
+        assert!(out[2 * d..3 * d].iter().all(|&v| v == 0.0));
+        // Bad input is named.
+        let err = |r: Result<Tensor>| r.unwrap_err().to_string();
+        assert!(
+            err(g
+                .reshape(&[n * d])
+                .unwrap()
+                .embedding_dense_backward(&indices, vocab, 0))
+            .contains("[N, d]")
+        );
+        let short = Tensor::from_vec(vec![0i64; 2], &[2]).unwrap();
+        assert!(err(g.embedding_dense_backward(&short, vocab, 0)).contains("[7] indices"));
+        let float_idx = sample(&[n], DType::F32, 1);
+        assert!(matches!(
+            g.embedding_dense_backward(&float_idx, vocab, 0),
+            Err(Error::DTypeMismatch { .. })
+        ));
     }
 
     #[test]

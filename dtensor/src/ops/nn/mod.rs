@@ -4,7 +4,8 @@
 use tessera_mesh::{DType, Element};
 
 use super::fastmath::{Simd, exp, zip_map};
-use super::reduce::{row_max, sum_f64, sum_map_f64};
+use super::nn_backward::all_row_stats;
+use super::reduce::{row_max, sum_map_f64};
 use super::{Float, Real, any_dispatch, check_dim, elements, float_dispatch, output, same_dtype};
 use crate::{Error, Result, Tensor};
 
@@ -133,17 +134,24 @@ fn layer_norm_typed<T: Float>(
     let mut out: Vec<T> = crate::alloc::reused("layer_norm", x.shape())?;
     let (mut means, mut rstds) = (Vec::with_capacity(rows), Vec::with_capacity(rows));
     if d > 0 {
-        for (row, o) in xs.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
-            // Two passes (mean, then squared deviations): no cancellation.
-            let mean = sum_f64(row) / d as f64;
-            let var = sum_map_f64(row, |v| (v.to_f64() - mean).powi(2)) / d as f64;
-            let rstd = 1.0 / (var + eps).sqrt();
-            for (((o, &v), &w), &b) in o.iter_mut().zip(row).zip(&w).zip(&b) {
-                *o = <T as Float>::from_f64((v.to_f64() - mean) * rstd * w + b);
-            }
-            means.push(T::Acc::real(mean));
-            rstds.push(T::Acc::real(rstd));
-        }
+        let stats = all_row_stats(&xs, d, eps);
+        // Blocks of rows over the rank's threads.
+        let (simd, xs, w, b, stats) = (Simd::best(), &xs[..], &w[..], &b[..], &stats[..]);
+        super::par_rows(&mut out, d, |start, block| {
+            simd.run(
+                #[inline(always)]
+                || {
+                    let rows = xs[start..].chunks_exact(d).zip(&stats[start / d..]);
+                    for ((row, &(mean, rstd)), o) in rows.zip(block.chunks_exact_mut(d)) {
+                        for (((o, &v), &w), &b) in o.iter_mut().zip(row).zip(w).zip(b) {
+                            *o = <T as Float>::from_f64((v.to_f64() - mean) * rstd * w + b);
+                        }
+                    }
+                },
+            )
+        });
+        means.extend(stats.iter().map(|s| T::Acc::real(s.0)));
+        rstds.extend(stats.iter().map(|s| T::Acc::real(s.1)));
     }
     let mut stat_shape = x.shape().to_vec();
     if let Some(last) = stat_shape.last_mut() {
@@ -317,18 +325,30 @@ impl Tensor {
         let (n, c, t) = ce_targets(self, targets)?;
         float_dispatch!(OP, self.dtype(), T => {
             let x = elements::<T>(self)?;
-            let mut losses = Vec::with_capacity(n);
+            let loss_of = |i: usize, k: i64, e: &mut Vec<_>| ce_row::<T>(&x[i * c..(i + 1) * c], k as usize, e);
+            let mut losses = vec![0f64; n];
             let mut p = Vec::with_capacity(if probs { n * c } else { 0 });
-            let mut e = Vec::with_capacity(c);
-            for (i, &k) in t.iter().enumerate() {
-                let row = &x[i * c..(i + 1) * c];
-                let (max, sum) = row_exp_sum(row, &mut e);
-                losses.push(sum.ln() - (row[k as usize].to_acc() - max).widen());
-                if probs {
+            if probs {
+                let mut e = Vec::with_capacity(c);
+                for (i, &k) in t.iter().enumerate() {
+                    let (loss, sum) = loss_of(i, k, &mut e);
+                    losses[i] = loss;
                     // The softmax from the exponentials already at hand, as `softmax` does.
                     let inv = 1.0 / sum;
                     p.extend(e.iter().map(|&v| <T as Float>::from_f64(v.widen() * inv)));
                 }
+            } else {
+                // Blocks of rows over the rank's threads; every row's loss is the
+                // same at any split, and they are summed in row order below.
+                let simd = Simd::best();
+                super::par_blocks(&mut losses, 1, super::par_parts(n * c), |start, block| {
+                    simd.run(#[inline(always)] || {
+                        let mut e = Vec::with_capacity(c);
+                        for (j, l) in block.iter_mut().enumerate() {
+                            *l = loss_of(start + j, t[start + j], &mut e).0;
+                        }
+                    })
+                });
             }
             let loss = match reduction {
                 Reduction::Mean => output(vec![<T as Float>::from_f64(losses.iter().sum::<f64>() / n as f64)], &[])?,
@@ -368,6 +388,14 @@ impl Tensor {
             output(out, self.shape())
         })
     }
+}
+
+/// Cross entropy of one row of logits against class `k`, and the row's
+/// `Σ exp(x - max)` (its exponentials left in `e`).
+#[inline(always)]
+fn ce_row<T: Float>(row: &[T], k: usize, e: &mut Vec<T::Acc>) -> (f64, f64) {
+    let (max, sum) = row_exp_sum(row, e);
+    (sum.ln() - (row[k].to_acc() - max).widen(), sum)
 }
 
 /// Checks cross entropy's `[N, C]` float logits against `[N]` `i64` targets in
