@@ -408,6 +408,7 @@ mod par_tests {
                         x.cross_entropy(&targets, nn::Reduction::None)?,
                         x.cross_entropy(&targets, nn::Reduction::Mean)?,
                         x.cross_entropy_backward(&targets, 0.25)?,
+                        x.reshape(&[rows / 64, 64, d])?.causal_mask(-1e4)?,
                     ])
                 });
                 out.unwrap().remove(0)

@@ -376,14 +376,20 @@ impl Tensor {
         }
         let (t, s) = (self.shape()[self.rank() - 2], self.shape()[self.rank() - 1]);
         float_dispatch!("causal_mask", self.dtype(), T => {
-            let mut out = elements::<T>(self)?.into_owned();
+            let x = elements::<T>(self)?;
             let fill = <T as Float>::from_f64(fill);
-            if t * s > 0 {
-                for block in out.chunks_exact_mut(t * s) {
-                    for (i, row) in block.chunks_exact_mut(s).enumerate() {
-                        row.iter_mut().skip(i + 1).for_each(|x| *x = fill);
+            // Every element is written below: a recycled buffer needs no zeroing.
+            let mut out: Vec<T> = crate::alloc::reused("causal_mask", self.shape())?;
+            if s > 0 {
+                // Blocks of rows over the rank's threads; row `r` is query `r mod T`.
+                let x = &x[..];
+                super::par_rows(&mut out, s, |start, block| {
+                    for (j, (o, row)) in block.chunks_exact_mut(s).zip(x[start..].chunks_exact(s)).enumerate() {
+                        let keep = ((start / s + j) % t + 1).min(s);
+                        o[..keep].copy_from_slice(&row[..keep]);
+                        o[keep..].fill(fill);
                     }
-                }
+                });
             }
             output(out, self.shape())
         })
