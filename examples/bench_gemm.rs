@@ -24,7 +24,7 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 use common::{Json, median};
-use tessera::BoxError;
+use tessera::{BoxError, LaunchOptions, launch_with};
 use tessera::dtensor::ops::GemmKernel;
 use tessera::dtensor::{DType, Tensor};
 
@@ -152,7 +152,17 @@ fn main() -> ExitCode {
     )
 }
 
+/// Runs the cases on one in-process rank with one thread for its kernels:
+/// outside a rank, `matmul` splits large products over every core.
 fn run(args: &common::BenchArgs) -> Result<(), BoxError> {
+    let opts = LaunchOptions::default().threads_per_rank(1);
+    let args = args.clone();
+    launch_with(&opts, 1, move |_| run_cases(&args))?;
+    Ok(())
+}
+
+fn run_cases(args: &common::BenchArgs) -> Result<(), BoxError> {
+    assert_eq!(tessera::mesh::intra_op_threads(), 1, "the cases must run on one thread");
     let auto = GemmKernel::auto();
     println!(
         "one thread; GemmKernel::auto() = {auto:?}; median of {} samples",
