@@ -24,9 +24,9 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 use common::{Json, median};
-use tessera::{BoxError, LaunchOptions, launch_with};
 use tessera::dtensor::ops::GemmKernel;
 use tessera::dtensor::{DType, Tensor};
+use tessera::{BoxError, LaunchOptions, launch_with};
 
 const DEFAULT_ITERS: usize = 7;
 /// Wall time one sample aims for.

@@ -409,6 +409,10 @@ mod par_tests {
                         x.cross_entropy(&targets, nn::Reduction::Mean)?,
                         x.cross_entropy_backward(&targets, 0.25)?,
                         x.reshape(&[rows / 64, 64, d])?.causal_mask(-1e4)?,
+                        x.sum(&[0], false)?,
+                        x.sum(&[1], true)?,
+                        x.max(&[0], false)?,
+                        x.mean(&[1], false)?,
                     ])
                 });
                 out.unwrap().remove(0)

@@ -4,6 +4,7 @@
 use tessera_mesh::Element;
 
 use super::elementwise::broadcast_shapes;
+use super::fastmath::Simd;
 use super::{Float, Real, check_dim, elements, float_dispatch, output};
 use crate::{Error, Result, Tensor};
 
@@ -60,7 +61,7 @@ pub(crate) fn row_max<T: Float>(row: &[T]) -> T::Acc {
 /// One reduction: a running state per output element, fed in the order of
 /// the reduced elements.
 trait Reducer<T: Float> {
-    type State: Copy;
+    type State: Copy + Send;
     type Out: Element;
     fn init() -> Self::State;
     fn push(s: &mut Self::State, x: T);
@@ -196,15 +197,33 @@ fn reduce<T: Float, R: Reducer<T>>(op: &'static str, t: &Tensor, mask: &[bool], 
         Vec::new()
     } else if suffix {
         let x = elements::<T>(t)?;
-        x.chunks_exact(count).map(|row| R::finish(R::row(row), count)).collect()
+        // Blocks of rows over the rank's threads.
+        let mut acc = vec![R::init(); kept];
+        let x = &x[..];
+        super::par_blocks(&mut acc, 1, super::par_parts(x.len()), |start, block| {
+            for (s, row) in block.iter_mut().zip(x[start * count..].chunks_exact(count)) {
+                *s = R::row(row);
+            }
+        });
+        acc.into_iter().map(|s| R::finish(s, count)).collect()
     } else if prefix {
         let x = elements::<T>(t)?;
+        // Blocks of columns over the rank's threads, each column fed its rows in
+        // order as on one thread.
         let mut acc = vec![R::init(); kept];
-        for row in x.chunks_exact(kept) {
-            for (s, &v) in acc.iter_mut().zip(row) {
-                R::push(s, v);
-            }
-        }
+        let (simd, x) = (Simd::best(), &x[..]);
+        super::par_blocks(&mut acc, 1, super::par_parts(x.len()), |c0, cols| {
+            simd.run(
+                #[inline(always)]
+                || {
+                    for row in x.chunks_exact(kept) {
+                        for (s, &v) in cols.iter_mut().zip(&row[c0..]) {
+                            R::push(s, v);
+                        }
+                    }
+                },
+            )
+        });
         acc.into_iter().map(|s| R::finish(s, count)).collect()
     } else {
         // Move the reduced dims last (one copy), then reduce rows.
