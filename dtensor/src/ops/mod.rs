@@ -178,7 +178,14 @@ macro_rules! float {
 }
 float!(f32, f32, |x| x, |a| a);
 float!(f64, f64, |x| x, |a| a);
-float!(bf16, f32, bf16::to_f32, bf16::from_f32);
+// Both ways by integer arithmetic without a branch, as casts do: widening is a
+// shift (a NaN stays a NaN), rounding the same bits as `bf16::from_f32`.
+float!(
+    bf16,
+    f32,
+    |x: bf16| f32::from_bits(u32::from(x.to_bits()) << 16),
+    |a: f32| bf16::from_bits(crate::tensor::bf16_bits(a.to_bits()))
+);
 float!(f16, f32, f16::to_f32, f16::from_f32);
 
 /// Runs `$body` with `$T` bound to the element type of `$dtype` when it is a
@@ -361,6 +368,42 @@ pub(crate) fn par_blocks<C: Send>(out: &mut [C], row: usize, parts: usize, f: im
 /// shape's product by construction).
 pub(crate) fn output<T: Element>(data: Vec<T>, shape: &[usize]) -> Result<Tensor> {
     Tensor::from_vec(data, shape)
+}
+
+#[cfg(test)]
+mod float_tests {
+    use half::bf16;
+
+    use super::Float;
+
+    /// The branch-free bf16 conversions of the kernels give `half`'s bits:
+    /// widening every bf16 exactly (a NaN stays a NaN), rounding ties to even.
+    #[test]
+    fn bf16_conversions_match_half() {
+        for bits in 0..=u16::MAX {
+            let x = bf16::from_bits(bits);
+            let (ours, theirs) = (x.to_acc(), x.to_f32());
+            assert!(
+                ours.to_bits() == theirs.to_bits() || (ours.is_nan() && theirs.is_nan()),
+                "widening {bits:#06x}: {ours} against {theirs}"
+            );
+        }
+        // Every 4099th f32 bit pattern, plus the ties and near-ties of each bf16.
+        let sweep = (0..=u32::MAX).step_by(4099).chain((0..=u16::MAX).flat_map(|h| {
+            let b = u32::from(h) << 16;
+            [b | 0x8000, b | 0x7fff, b | 0x8001]
+        }));
+        for bits in sweep {
+            let a = f32::from_bits(bits);
+            let (ours, theirs) = (bf16::from_acc(a), bf16::from_f32(a));
+            assert!(
+                ours.to_bits() == theirs.to_bits() || (ours.is_nan() && theirs.is_nan()),
+                "rounding {bits:#010x}: {:#06x} against {:#06x}",
+                ours.to_bits(),
+                theirs.to_bits()
+            );
+        }
+    }
 }
 
 #[cfg(test)]

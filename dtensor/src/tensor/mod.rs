@@ -25,6 +25,7 @@ use std::sync::Arc;
 use tessera_mesh::{Buffer, DType};
 
 use layout::Layout;
+pub(crate) use storage::bf16_bits;
 use storage::{Storage, with_buffer};
 
 /// A tensor on one rank: shape, strides and a runtime [`DType`] over shared storage.

@@ -154,7 +154,7 @@ pub(crate) fn convert_extend<S: Scalar, D: Scalar>(src: &[S], dst: &mut Vec<D>) 
 /// The `bf16` nearest to the `f32` with bits `x` (ties to even), as bits; a NaN
 /// stays a (quiet) NaN of the same sign.
 #[inline(always)]
-fn bf16_bits(x: u32) -> u16 {
+pub(crate) fn bf16_bits(x: u32) -> u16 {
     let nan = x & 0x7fff_ffff > 0x7f80_0000;
     // Adding just under half a unit of the last kept bit, plus that bit, carries
     // into it exactly when the dropped bits exceed half, or equal it and it is odd.
