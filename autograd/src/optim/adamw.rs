@@ -115,10 +115,41 @@ impl<F: Real> Scalars<F> {
     }
 }
 
+/// Elements per thread below which [`kernel`] runs on the calling thread alone.
+const PAR_MIN_ELEMENTS: usize = 1 << 15;
+
+/// The blocks [`kernel`] splits `n` elements into.
+fn kernel_parts(n: usize) -> usize {
+    (n / PAR_MIN_ELEMENTS).clamp(1, tessera_mesh::intra_op_threads())
+}
+
 /// One AdamW step over local slices of equal length, on the widest loop that
-/// the CPU runs (see [`kernel_on`]).
+/// the CPU runs (see [`kernel_on`]), in blocks over the rank's threads when
+/// each gets at least [`PAR_MIN_ELEMENTS`] (every element is updated by the
+/// same code at any split, so the bits do not depend on it).
 fn kernel<F: Real>(s: &Scalars<F>, p: &mut [F], g: &[F], m: &mut [F], v: &mut [F]) {
-    kernel_on(Simd::best(), s, p, g, m, v);
+    let simd = Simd::best();
+    let n = p.len();
+    let parts = kernel_parts(n);
+    if parts <= 1 || g.len() < n || m.len() < n || v.len() < n {
+        // (Short slices are the body's to reject, on one thread.)
+        kernel_on(simd, s, p, g, m, v);
+        return;
+    }
+    let per = n.div_ceil(parts);
+    type Block<'a, F> = (&'a mut [F], &'a [F], &'a mut [F], &'a mut [F]);
+    let blocks: Vec<std::sync::Mutex<Block<'_, F>>> = p
+        .chunks_mut(per)
+        .zip(g.chunks(per))
+        .zip(m.chunks_mut(per))
+        .zip(v.chunks_mut(per))
+        .map(|(((p, g), m), v)| std::sync::Mutex::new((p, g, m, v)))
+        .collect();
+    tessera_mesh::parallel_for(blocks.len(), |i| {
+        let mut block = blocks[i].lock().unwrap_or_else(|e| e.into_inner());
+        let (p, g, m, v) = &mut *block;
+        kernel_on(simd, s, p, g, m, v);
+    });
 }
 
 /// The loops that [`kernel`] is compiled to: the baseline target, where each
@@ -388,6 +419,31 @@ mod tests {
         eps: 1e-8,
         weight_decay: 0.1,
     };
+
+    /// A parameter large enough to split over a rank's threads is updated to
+    /// the one-thread bits, uneven last block included.
+    #[test]
+    fn split_update_equals_the_one_thread_one() {
+        let n = 3 * PAR_MIN_ELEMENTS + 7;
+        let run = |threads: usize| {
+            let opts = tessera_mesh::LaunchOptions::default().threads_per_rank(threads);
+            let out = tessera_mesh::launch_with(&opts, 1, move |_| {
+                assert_eq!(kernel_parts(n), threads, "the case must split over every thread");
+                let x = |i: usize, t: f64| ((i as f64 * 0.37 + t).sin() * 0.5) as f32;
+                let mut p: Vec<f32> = (0..n).map(|i| x(i, 0.0)).collect();
+                let (mut m, mut v) = (vec![0f32; n], vec![0f32; n]);
+                for t in 1..=3 {
+                    let g: Vec<f32> = (0..n).map(|i| x(i, 0.11 * t as f64)).collect();
+                    kernel(&Scalars::new(&TINY, t), &mut p, &g, &mut m, &mut v);
+                }
+                Ok([p, m, v].concat().iter().map(|x| x.to_bits()).collect::<Vec<_>>())
+            });
+            out.unwrap().remove(0)
+        };
+        let (one, three) = (run(1), run(3));
+        assert_eq!(one.len(), 3 * n);
+        assert!(one == three, "the split update differs from the one-thread one");
+    }
 
     #[test]
     fn three_steps_match_the_formula() {
