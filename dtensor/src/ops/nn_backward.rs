@@ -1,10 +1,8 @@
 //! Fused backward kernels of softmax, layer norm and cross entropy: one pass
 //! over each row instead of a chain of element-wise ops and their temporaries.
 
-use tessera_mesh::DType;
-
 use super::fastmath::{Simd, zip_map, zip_map_on};
-use super::nn::{ce_targets, row_exp_sum};
+use super::nn::{ce_targets, index_vector, row_exp_sum};
 use super::reduce::sum_map_f64;
 use super::{Float, Real, check_dim, elements, float_dispatch, output, same_dtype};
 use crate::{Error, Result, Tensor};
@@ -204,40 +202,22 @@ impl Tensor {
                 detail: format!("the gradient must be [N, d], got shape {:?}", self.shape()),
             });
         }
-        if indices.dtype() != DType::I64 {
-            return Err(Error::DTypeMismatch {
-                op: OP,
-                expected: DType::I64,
-                got: indices.dtype(),
-            });
-        }
         let (n, d) = (self.shape()[0], self.shape()[1]);
-        if indices.shape() != [n] {
-            return Err(Error::ShapeMismatch {
-                op: OP,
-                detail: format!("a [{n}, {d}] gradient needs [{n}] indices, got {:?}", indices.shape()),
-            });
-        }
-        let idx = elements::<i64>(indices)?;
-        // The shard's rows that some index names, in first-seen order: only those
-        // are summed (in f64), so that the table-sized output is written once.
-        let mut slot = vec![u32::MAX; rows];
-        let mut touched: Vec<usize> = Vec::new();
-        for &i in idx.iter() {
-            if let Some(r) = (i as usize).checked_sub(first).filter(|&r| r < rows && i >= 0)
-                && slot[r] == u32::MAX
-            {
-                slot[r] = touched.len() as u32;
-                touched.push(r);
-            }
-        }
+        let idx = index_vector(OP, indices, n, || format!("a [{n}, {d}] gradient needs indices"))?;
         float_dispatch!(OP, self.dtype(), T => {
             let g = elements::<T>(self)?;
-            let mut acc = vec![0f64; touched.len() * d];
+            // The shard's rows that some index names, in first-seen order, each with
+            // its f64 sum: only those are summed, so the table is written once.
+            let (mut slot, mut touched, mut acc) = (vec![u32::MAX; rows], Vec::<usize>::new(), Vec::<f64>::new());
             for (k, &i) in idx.iter().enumerate() {
-                let Some(r) = (i as usize).checked_sub(first).filter(|&r| r < rows && i >= 0) else {
+                let Some(r) = (i as usize).checked_sub(first).filter(|&r| r < rows) else {
                     continue;
                 };
+                if slot[r] == u32::MAX {
+                    slot[r] = touched.len() as u32;
+                    touched.push(r);
+                    acc.resize(acc.len() + d, 0.0);
+                }
                 let s = slot[r] as usize;
                 for (a, &v) in acc[s * d..(s + 1) * d].iter_mut().zip(&g[k * d..(k + 1) * d]) {
                     *a += v.to_f64();
@@ -579,7 +559,7 @@ mod tests {
             .contains("[N, d]")
         );
         let short = Tensor::from_vec(vec![0i64; 2], &[2]).unwrap();
-        assert!(err(g.embedding_dense_backward(&short, vocab, 0)).contains("[7] indices"));
+        assert!(err(g.embedding_dense_backward(&short, vocab, 0)).contains("needs indices of shape [7]"));
         let float_idx = sample(&[n], DType::F32, 1);
         assert!(matches!(
             g.embedding_dense_backward(&float_idx, vocab, 0),

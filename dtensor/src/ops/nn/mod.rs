@@ -420,25 +420,8 @@ pub(super) fn ce_targets<'a>(
             ),
         });
     }
-    if targets.dtype() != DType::I64 {
-        return Err(Error::DTypeMismatch {
-            op: OP,
-            expected: DType::I64,
-            got: targets.dtype(),
-        });
-    }
     let (n, c) = (logits.shape()[0], logits.shape()[1]);
-    if targets.shape() != [n] {
-        return Err(Error::ShapeMismatch {
-            op: OP,
-            detail: format!(
-                "logits {:?} need targets of shape [{n}], got {:?}",
-                logits.shape(),
-                targets.shape()
-            ),
-        });
-    }
-    let t = elements::<i64>(targets)?;
+    let t = index_vector(OP, targets, n, || format!("logits {:?} need targets", logits.shape()))?;
     if let Some((row, &k)) = t.iter().enumerate().find(|&(_, &k)| k < 0 || k as u64 >= c as u64) {
         return Err(Error::InvalidArgument {
             op: OP,
@@ -446,6 +429,30 @@ pub(super) fn ce_targets<'a>(
         });
     }
     Ok((n, c, t))
+}
+
+/// The entries of `indices`, which must be an `i64` vector of `n`; `need` says
+/// what asks for them (`"logits [4, 9] need targets"`) in the shape error.
+pub(super) fn index_vector<'a>(
+    op: &'static str,
+    indices: &'a Tensor,
+    n: usize,
+    need: impl FnOnce() -> String,
+) -> Result<std::borrow::Cow<'a, [i64]>> {
+    if indices.dtype() != DType::I64 {
+        return Err(Error::DTypeMismatch {
+            op,
+            expected: DType::I64,
+            got: indices.dtype(),
+        });
+    }
+    if indices.shape() != [n] {
+        return Err(Error::ShapeMismatch {
+            op,
+            detail: format!("{} of shape [{n}], got {:?}", need(), indices.shape()),
+        });
+    }
+    elements::<i64>(indices)
 }
 
 /// The rows `idx` of a `[V, d]` table, concatenated.
