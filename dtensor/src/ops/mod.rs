@@ -456,6 +456,7 @@ mod par_tests {
                         x.sum(&[1], true)?,
                         x.max(&[0], false)?,
                         x.mean(&[1], false)?,
+                        x.reshape(&[rows / 64, 64, d])?.sum(&[1], false)?,
                     ])
                 });
                 out.unwrap().remove(0)

@@ -196,16 +196,7 @@ fn reduce<T: Float, R: Reducer<T>>(op: &'static str, t: &Tensor, mask: &[bool], 
     } else if kept == 0 {
         Vec::new()
     } else if suffix {
-        let x = elements::<T>(t)?;
-        // Blocks of rows over the rank's threads.
-        let mut acc = vec![R::init(); kept];
-        let x = &x[..];
-        super::par_blocks(&mut acc, 1, super::par_parts(x.len()), |start, block| {
-            for (s, row) in block.iter_mut().zip(x[start * count..].chunks_exact(count)) {
-                *s = R::row(row);
-            }
-        });
-        acc.into_iter().map(|s| R::finish(s, count)).collect()
+        reduce_rows::<T, R>(&elements::<T>(t)?, kept, count)
     } else if prefix {
         let x = elements::<T>(t)?;
         // Blocks of columns over the rank's threads, each column fed its rows in
@@ -232,10 +223,21 @@ fn reduce<T: Float, R: Reducer<T>>(op: &'static str, t: &Tensor, mask: &[bool], 
             .chain((0..shape.len()).filter(|&d| mask[d]))
             .collect();
         let moved = t.permute(&order)?.contiguous();
-        let x = moved.as_slice::<T>()?;
-        x.chunks_exact(count).map(|row| R::finish(R::row(row), count)).collect()
+        reduce_rows::<T, R>(moved.as_slice::<T>()?, kept, count)
     };
     output(out, &out_shape)
+}
+
+/// `R` over each of the `kept` rows of `count` elements of `x`, in blocks of
+/// rows over the rank's threads.
+fn reduce_rows<T: Float, R: Reducer<T>>(x: &[T], kept: usize, count: usize) -> Vec<R::Out> {
+    let mut acc = vec![R::init(); kept];
+    super::par_blocks(&mut acc, 1, super::par_parts(x.len()), |start, block| {
+        for (s, row) in block.iter_mut().zip(x[start * count..].chunks_exact(count)) {
+            *s = R::row(row);
+        }
+    });
+    acc.into_iter().map(|s| R::finish(s, count)).collect()
 }
 
 impl Tensor {
