@@ -107,9 +107,7 @@ impl Simd {
         }
         all
     }
-}
 
-impl Simd {
     /// Runs `f` compiled for this instruction set, which the CPU must support
     /// (anything else is a panic: [`Simd::best`] and [`Simd::supported`] only
     /// give supported ones). `f` must be `#[inline(always)]` for its loops to
@@ -158,6 +156,7 @@ pub(crate) fn zip_map_on<A: Copy, B: Copy, C>(simd: Simd, x: &[A], y: &[B], out:
     );
 }
 
+/// Inputs above this give `inf` (`ln f32::MAX` is 88.72284).
 const EXP_HI: f32 = 88.722_84;
 /// Inputs below this give 0 (`e^-103.972` is half the smallest subnormal).
 const EXP_LO: f32 = -103.972_08;
