@@ -352,7 +352,7 @@ fn bench_rank(comm: Box<dyn tessera::Communicator>, mode: Mode, args: &Args) -> 
             r.optim_s.push((t3 - t2).as_secs_f64());
             r.profiles.push([p_fwd, p_bwd, p_opt]);
             for (sum, step) in r.ops.iter_mut().zip([o_fwd, o_bwd, o_opt]) {
-                add_ops(sum, &step);
+                step.into_iter().for_each(|o| profile::add_op(sum, o));
             }
         }
     }
@@ -396,19 +396,6 @@ fn print_profiles(s: &[Summary]) {
                 line += &format!(" {:>13.1}", t * 1e3);
             }
             println!("{line} {:>8.1}", (totals[i] - covered).max(0.0) * 1e3);
-        }
-    }
-}
-
-/// Adds one step's op times into a running sum, by op name.
-fn add_ops(sum: &mut Vec<OpTime>, step: &[OpTime]) {
-    for o in step {
-        match sum.iter_mut().find(|s| s.op == o.op) {
-            Some(s) => {
-                s.time += o.time;
-                s.count += o.count;
-            }
-            None => sum.push(*o),
         }
     }
 }

@@ -185,6 +185,18 @@ pub fn take_ops() -> Vec<OpTime> {
     STATE.with(|s| std::mem::take(&mut s.borrow_mut().ops))
 }
 
+/// Adds `o` into `sum`: to the entry of the same op, else as a new last entry
+/// (to total [`take_ops`] over several steps).
+pub fn add_op(sum: &mut Vec<OpTime>, o: OpTime) {
+    match sum.iter_mut().find(|s| s.op == o.op) {
+        Some(s) => {
+            s.time += o.time;
+            s.count += o.count;
+        }
+        None => sum.push(o),
+    }
+}
+
 /// Times the rest of the enclosing block as `kind` (exclusive of nested scopes).
 #[must_use = "the scope times until it is dropped"]
 pub fn scope(kind: Kind) -> Scope {
@@ -234,18 +246,15 @@ impl Drop for Scope {
             s.totals.time[i] += own;
             s.totals.count[i] += 1;
             if let Some(op) = f.op {
-                match s.ops.iter_mut().find(|o| o.op == op) {
-                    Some(o) => {
-                        o.time += own;
-                        o.count += 1;
-                    }
-                    None => s.ops.push(OpTime {
+                add_op(
+                    &mut s.ops,
+                    OpTime {
                         op,
                         kind: f.kind,
                         time: own,
                         count: 1,
-                    }),
-                }
+                    },
+                );
             }
             if let Some(parent) = s.stack.last_mut() {
                 parent.inner += all;
