@@ -87,7 +87,8 @@ impl Kind {
                 || o.contains("layer_norm")
                 || o.contains("embedding")
                 || o.contains("cross_entropy")
-                || o.contains("causal") =>
+                || o.contains("causal")
+                || o.contains("attention") =>
             {
                 Kind::Nn
             }
@@ -298,6 +299,25 @@ mod tests {
             let _t = scope(Kind::Nn);
         }
         assert_eq!(take(), Profile::default());
+    }
+
+    #[test]
+    fn op_kinds_follow_the_op_names() {
+        let kinds = [
+            ("matmul", Kind::Gemm),
+            ("sum", Kind::Reduction),
+            ("softmax_backward", Kind::Nn),
+            ("attention_probs", Kind::Nn),
+            ("attention_probs_backward", Kind::Nn),
+            ("layer_norm_weight_grad", Kind::Nn),
+            ("cross_entropy", Kind::Nn),
+            ("causal_mask", Kind::Nn),
+            ("gelu", Kind::Elementwise),
+            ("mul_scalar", Kind::Elementwise),
+        ];
+        for (op, kind) in kinds {
+            assert_eq!(Kind::of_op(op), kind, "{op}");
+        }
     }
 
     /// Op scopes count under their op's kind and, by name, in `take_ops`.

@@ -77,9 +77,9 @@ impl Module for Attention {
         let (h, hd) = (self.n_heads, d / self.n_heads);
         let heads = |lin: &Linear| -> Result<Var> { lin.call(x)?.reshape(&[b, t, h, hd])?.permute(&[0, 2, 1, 3]) };
         let (q, k, v) = (heads(&self.wq)?, heads(&self.wk)?, heads(&self.wv)?);
-        let scores = q.matmul(&k.transpose(2, 3)?)?.mul_scalar(1.0 / (hd as f64).sqrt())?;
-        let probs = scores.causal_mask(f64::NEG_INFINITY)?.softmax(3)?;
-        let out = probs.matmul(&v)?.permute(&[0, 2, 1, 3])?.reshape(&[b, t, d])?;
+        // Scale 1/√hd, causal: bit for bit the chain matmul, mul_scalar, causal_mask, softmax, matmul.
+        let out = q.scaled_dot_product_attention(&k, &v, true, None)?;
+        let out = out.permute(&[0, 2, 1, 3])?.reshape(&[b, t, d])?;
         self.wo.call(&out)
     }
 }

@@ -253,6 +253,11 @@ grad! {
     causal_mask_zero: [signed(&[2, 4, 4])] => |v| v[0].causal_mask(0.0);
     causal_mask_wide: [signed(&[3, 5])] => |v| v[0].causal_mask(0.5);
     causal_softmax: [signed(&[2, 4, 4])] => |v| v[0].causal_mask(f64::NEG_INFINITY)?.softmax(2);
+    sdpa_causal: [signed(&[2, 2, 4, 3]), signed(&[2, 2, 4, 3]), signed(&[2, 2, 4, 5])] =>
+        |v| v[0].scaled_dot_product_attention(&v[1], &v[2], true, None);
+    sdpa_cross: [signed(&[3, 2, 3]), signed(&[3, 5, 3]), signed(&[3, 5, 2])] =>
+        |v| v[0].scaled_dot_product_attention(&v[1], &v[2], false, Some(0.7));
+    sdpa_self: [signed(&[2, 4, 3])] => |v| v[0].scaled_dot_product_attention(&v[0], &v[0], true, Some(1.3));
     layer_norm_affine: [signed(&[3, 5]), signed(&[5]), signed(&[5])] =>
         |v| v[0].layer_norm(Some(&v[1]), Some(&v[2]), 1e-5);
     layer_norm_plain: [signed(&[2, 3, 5])] => |v| v[0].layer_norm(None, None, 1e-5);

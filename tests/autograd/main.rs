@@ -6,6 +6,7 @@
 //! Property cases: 24 by default, `PROPTEST_CASES` overrides. Failures are saved
 //! under `target/proptest-regressions/` (out of git).
 
+mod attention;
 mod checkpointing;
 mod gradcheck;
 mod harness;

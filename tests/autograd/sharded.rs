@@ -1,8 +1,9 @@
 //! Gradients of sharded runs equal those of one rank seeing the full tensors.
 //!
-//! Five small models (an MLP with gelu, layer norm + linear, causal attention,
-//! embedding + cross entropy, and one using the remaining ops) run on meshes `[2]`,
-//! `[4]` and `[2, 2]` with the batch sharded (evenly, unevenly, with empty shards)
+//! Six small models (an MLP with gelu, layer norm + linear, causal attention as a
+//! chain of ops and as the fused op, embedding + cross entropy, and one using the
+//! remaining ops) run on meshes `[2]`, `[4]` and `[2, 2]` with the batch sharded
+//! (evenly, unevenly, with empty shards)
 //! and the parameters replicated or sharded; a sharded parameter is redistributed
 //! to replicated inside the forward, so its gradient comes home through the
 //! backward of that redistribute. Every rank's loss and every parameter's
@@ -79,6 +80,21 @@ const ATTENTION: Model = Model {
     },
 };
 
+/// The same attention through the fused op, two heads of 3 (heads as dim 1).
+const FUSED_ATTENTION: Model = Model {
+    name: "fused causal attention",
+    params: &[("wq", &[6, 6]), ("wk", &[6, 6]), ("wv", &[6, 6])],
+    data: |b| vec![uniform(&[b, 4, 6], 4)],
+    float_data: true,
+    loss: |p, d| {
+        let b = d[0].value().shape()[0];
+        let heads = |w: &Var| d[0].matmul(w)?.reshape(&[b, 4, 2, 3])?.permute(&[0, 2, 1, 3]);
+        let (q, k, v) = (heads(&p[0])?, heads(&p[1])?, heads(&p[2])?);
+        let out = q.scaled_dot_product_attention(&k, &v, true, None)?;
+        out.square()?.mean(&[0, 1, 2, 3], false)
+    },
+};
+
 const EMBEDDING_CE: Model = Model {
     name: "embedding + cross_entropy",
     params: &[("table", &[7, 5]), ("head", &[7, 5])],
@@ -118,7 +134,7 @@ const MISC: Model = Model {
     },
 };
 
-const MODELS: [&Model; 5] = [&MLP, &LN_LINEAR, &ATTENTION, &EMBEDDING_CE, &MISC];
+const MODELS: [&Model; 6] = [&MLP, &LN_LINEAR, &ATTENTION, &FUSED_ATTENTION, &EMBEDDING_CE, &MISC];
 
 /// One rank's results: the loss, and each parameter's full gradient and placements.
 struct RankOut {
@@ -281,6 +297,11 @@ fn layer_norm_and_linear() {
 #[test]
 fn causal_attention() {
     check_model(&ATTENTION);
+}
+
+#[test]
+fn fused_causal_attention() {
+    check_model(&FUSED_ATTENTION);
 }
 
 #[test]

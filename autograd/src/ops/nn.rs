@@ -135,6 +135,83 @@ impl Var {
         Ok(self.unary_op("causal_mask", self.value().causal_mask(fill)?, |g| g.causal_mask(0.0)))
     }
 
+    /// Scaled dot-product attention of queries `self` `[..., L, E]` over keys `k`
+    /// `[..., S, E]` and values `v` `[..., S, Ev]`: `softmax(q·kᵀ·scale (+ causal
+    /// mask))·v`, `[..., L, Ev]`, with `scale` `1/√E` unless given. One op on the
+    /// tape: the scale, the mask and the softmax run as one kernel
+    /// ([`Tensor::attention_probs`](tessera_dtensor::Tensor::attention_probs)), and
+    /// backward keeps `q`, `k`, `v` and the attention weights. Its values and
+    /// gradients are bit for bit those of the chain `q.matmul(kᵀ)`, `mul_scalar`,
+    /// `causal_mask(−∞)`, `softmax`, `matmul(v)`. Batch dims (and attention heads)
+    /// may be sharded; `L`, `S` and `E` are gathered.
+    ///
+    /// PyTorch: `torch.nn.functional.scaled_dot_product_attention(q, k, v,
+    /// is_causal=is_causal, scale=scale)` without `attn_mask`, dropout or GQA.
+    ///
+    /// # Errors
+    /// Ranks below 2 or unequal, batch dims that differ, `k` and `q` of different
+    /// head sizes, `v` with another key count than `k`, a non-finite or
+    /// non-positive `scale`, different dtypes or meshes.
+    pub fn scaled_dot_product_attention(&self, k: &Var, v: &Var, is_causal: bool, scale: Option<f64>) -> Result<Var> {
+        let (qs, ks, vs) = (self.value().shape(), k.value().shape(), v.value().shape());
+        let r = qs.len();
+        let bad = |why: String| tessera_dtensor::Error::ShapeMismatch {
+            op: "scaled_dot_product_attention",
+            detail: format!("q {qs:?}, k {ks:?}, v {vs:?}: {why}"),
+        };
+        if r < 2 || ks.len() != r || vs.len() != r {
+            return Err(bad("q, k and v need one rank ≥ 2 ([..., L, E], [..., S, E], [..., S, Ev])".into()).into());
+        }
+        if qs[..r - 2] != ks[..r - 2] || qs[..r - 2] != vs[..r - 2] {
+            return Err(bad("their batch dims must be equal".into()).into());
+        }
+        if qs[r - 1] != ks[r - 1] {
+            return Err(bad(format!("q's head size {} differs from k's {}", qs[r - 1], ks[r - 1])).into());
+        }
+        if ks[r - 2] != vs[r - 2] {
+            return Err(bad(format!("k has {} keys but v has {} values", ks[r - 2], vs[r - 2])).into());
+        }
+        let scale = scale.unwrap_or(1.0 / (qs[r - 1] as f64).sqrt());
+        if !(scale.is_finite() && scale > 0.0) {
+            return Err(tessera_dtensor::Error::InvalidArgument {
+                op: "scaled_dot_product_attention",
+                detail: format!("the scale must be finite and positive, got {scale}"),
+            }
+            .into());
+        }
+        let scores = self.value().matmul(&k.value().transpose(r - 2, r - 1)?)?;
+        let probs = scores.attention_probs(scale, is_causal)?;
+        let value = probs.matmul(v.value())?;
+        let (sq, sk, sv) = (self.saved(), k.saved(), v.saved());
+        let need = [self.requires_grad(), k.requires_grad(), v.requires_grad()];
+        Ok(Var::from_op(
+            "scaled_dot_product_attention",
+            value,
+            &[self, k, v],
+            move |g| {
+                let (q, k, v) = (sq.get()?, sk.get()?, sv.get()?);
+                // The chain's backward, step by step (so that the bits are the chain's).
+                let gv = if need[2] {
+                    Some(probs.transpose(r - 2, r - 1)?.matmul(g)?)
+                } else {
+                    None
+                };
+                if !(need[0] || need[1]) {
+                    return Ok(smallvec![None, None, gv]);
+                }
+                let gp = g.matmul(&v.transpose(r - 2, r - 1)?)?;
+                let gs = attention_probs_backward(&gp, &probs, scale, is_causal)?;
+                let gq = if need[0] { Some(gs.matmul(&k)?) } else { None };
+                let gk = if need[1] {
+                    Some(q.transpose(r - 2, r - 1)?.matmul(&gs)?.transpose(r - 2, r - 1)?)
+                } else {
+                    None
+                };
+                Ok(smallvec![gq, gk, gv])
+            },
+        ))
+    }
+
     /// Layer norm over the last dim with optional `[D]` weight and bias.
     ///
     /// # Errors
@@ -431,6 +508,29 @@ fn softmax_backward(g: &DTensor, y: &DTensor, dim: usize) -> tessera_dtensor::Re
     dispatch("softmax_backward", &[g, y], &cands, y.shape(), y.dtype(), |l, _| {
         l[0].softmax_backward(&l[1], dim)
     })
+}
+
+/// The scores' gradient of [`DTensor::attention_probs`] (see
+/// [`Tensor::attention_probs_backward`]), sharded like `probs` off its last two dims.
+fn attention_probs_backward(
+    g: &DTensor,
+    probs: &DTensor,
+    scale: f64,
+    is_causal: bool,
+) -> tessera_dtensor::Result<DTensor> {
+    let (r, s) = (Placement::Replicate, Placement::Shard);
+    let rank = probs.shape().len();
+    let mut options: Vec<DimOption> = vec![(smallvec![r, r], r)];
+    options.extend((0..rank - 2).map(|d| (smallvec![s(d), s(d)], s(d))));
+    let cands = product(&vec![options; probs.mesh().ndim()], 2);
+    dispatch(
+        "attention_probs_backward",
+        &[g, probs],
+        &cands,
+        probs.shape(),
+        probs.dtype(),
+        |l, _| l[0].attention_probs_backward(&l[1], scale, is_causal),
+    )
 }
 
 /// The input gradient of layer norm over the last dim (see

@@ -146,6 +146,31 @@ impl DTensor {
         })
     }
 
+    /// The attention weights of `[..., T, S]` scores (see [`Tensor::attention_probs`]):
+    /// softmax of `scale · self` over keys, causally masked when `is_causal`; the
+    /// last two dims replicated, batch shards (and TP's head shards) kept.
+    ///
+    /// # Errors
+    /// Rank < 2, a non-finite `scale`, integer inputs.
+    pub fn attention_probs(&self, scale: f64, is_causal: bool) -> Result<DTensor> {
+        let r = self.shape().len();
+        if r < 2 {
+            return Err(Error::InvalidArgument {
+                op: "attention_probs",
+                detail: format!("scores must have rank ≥ 2, got {:?}", self.shape()),
+            });
+        }
+        let cands = keep_shards_except(r, &[r - 2, r - 1], self.mesh().ndim());
+        dispatch(
+            "attention_probs",
+            &[self],
+            &cands,
+            self.shape(),
+            self.dtype(),
+            |l, _| l[0].attention_probs(scale, is_causal),
+        )
+    }
+
     /// Layer norm over the last dim with optional `[D]` affine weight and bias
     /// (replicated); the last dim is replicated, other shards kept.
     ///

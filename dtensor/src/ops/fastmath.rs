@@ -143,16 +143,22 @@ impl Simd {
     }
 }
 
+/// `out[i] = f(x[i], y[i])` as a plain loop, for row kernels that already run
+/// inside [`Simd::run`] (it inlines into their wide-vector code; calling
+/// [`zip_map`] once per short row would cost more in dispatch than the row's work).
+#[inline(always)]
+pub(crate) fn zip_map_inline<A: Copy, B: Copy, C>(x: &[A], y: &[B], out: &mut [C], f: impl Fn(A, B) -> C) {
+    for ((o, &a), &b) in out.iter_mut().zip(x).zip(y) {
+        *o = f(a, b);
+    }
+}
+
 /// [`zip_map`] on the loop compiled for `simd` (see [`Simd::run`]).
 #[inline(always)]
 pub(crate) fn zip_map_on<A: Copy, B: Copy, C>(simd: Simd, x: &[A], y: &[B], out: &mut [C], f: impl Fn(A, B) -> C) {
     simd.run(
         #[inline(always)]
-        move || {
-            for ((o, &a), &b) in out.iter_mut().zip(x).zip(y) {
-                *o = f(a, b);
-            }
-        },
+        move || zip_map_inline(x, y, out, f),
     );
 }
 

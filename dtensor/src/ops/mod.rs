@@ -452,6 +452,9 @@ mod par_tests {
                         x.cross_entropy(&targets, nn::Reduction::Mean)?,
                         x.cross_entropy_backward(&targets, 0.25)?,
                         x.reshape(&[rows / 64, 64, d])?.causal_mask(-1e4)?,
+                        // Blocks of 86 rows: a block starts mid-sequence (row 86 is query 22).
+                        x.reshape(&[rows / 64, 64, d])?.attention_probs(0.3, true)?,
+                        g.attention_probs_backward(&y, 0.3, true)?,
                         x.sum(&[0], false)?,
                         x.sum(&[1], true)?,
                         x.max(&[0], false)?,

@@ -1,8 +1,8 @@
 //! Fused backward kernels of softmax, layer norm and cross entropy: one pass
 //! over each row instead of a chain of element-wise ops and their temporaries.
 
-use super::fastmath::{Simd, zip_map, zip_map_on};
-use super::nn::{ce_targets, index_vector, row_exp_sum};
+use super::fastmath::{Simd, zip_map_inline, zip_map_on};
+use super::nn::{ce_targets, check_scores, index_vector, map_rows, row_exp_sum};
 use super::reduce::sum_map_f64;
 use super::{Float, Real, check_dim, elements, float_dispatch, output, same_dtype};
 use crate::{Error, Result, Tensor};
@@ -30,50 +30,6 @@ pub(crate) fn filled(op: &'static str, d: usize, v: f64) -> Result<Vec<f64>> {
     Ok(out)
 }
 
-/// Row-wise `f(g_row, x_row, out_row)` over `dim` (moved last) of two tensors of
-/// one shape, returning a tensor of that shape (contiguous).
-fn zip_rows<T: Float, S: Default>(
-    op: &'static str,
-    g: &Tensor,
-    x: &Tensor,
-    dim: usize,
-    f: impl Fn(&[T], &[T], &mut [T], &mut S) + Sync + Copy,
-) -> Result<Tensor> {
-    let last = g.rank() - 1;
-    let (gs, xs) = if dim == last {
-        (g.clone(), x.clone())
-    } else {
-        (g.transpose(dim, last)?, x.transpose(dim, last)?)
-    };
-    let (gv, xv) = (elements::<T>(&gs)?, elements::<T>(&xs)?);
-    let len = gs.shape()[last];
-    // Every element is written below: a recycled buffer needs no zeroing.
-    let mut out: Vec<T> = crate::alloc::reused(op, gs.shape())?;
-    if len > 0 {
-        // Blocks of rows over the rank's threads, each with its own scratch `S`,
-        // compiled for the CPU's widest vectors (`f` by value, so that it inlines).
-        let (simd, gv, xv) = (Simd::best(), &gv[..], &xv[..]);
-        super::par_rows(&mut out, len, |start, block| {
-            simd.run(
-                #[inline(always)]
-                move || {
-                    let mut scratch = S::default();
-                    let rows = gv[start..].chunks_exact(len).zip(xv[start..].chunks_exact(len));
-                    for ((g, x), o) in rows.zip(block.chunks_exact_mut(len)) {
-                        f(g, x, o, &mut scratch);
-                    }
-                },
-            )
-        });
-    }
-    let out = output(out, gs.shape())?;
-    if dim == last {
-        Ok(out)
-    } else {
-        Ok(out.transpose(dim, last)?.contiguous())
-    }
-}
-
 impl Tensor {
     /// The gradient of [`softmax`](Self::softmax) along `dim` with respect to its
     /// input, given the gradient `self` of its output `y`:
@@ -89,12 +45,43 @@ impl Tensor {
         const OP: &str = "softmax_backward";
         same_shape(OP, self, y, "the softmax output")?;
         check_dim(OP, dim, self.rank())?;
-        float_dispatch!(OP, self.dtype(), T => zip_rows::<T, ()>(OP, self, y, dim, #[inline(always)] |g, y, o, _| {
+        float_dispatch!(OP, self.dtype(), T => map_rows::<T, (), 2>(OP, [self, y], dim, #[inline(always)] |_, [g, y], o, _| {
             let dot = T::from_f64(dot_f64(g, y)).to_acc();
-            zip_map(g, y, o, #[inline(always)] |g, y| {
+            zip_map_inline(g, y, o, #[inline(always)] |g, y| {
                 T::from_acc(y.to_acc() * T::from_acc(g.to_acc() - dot).to_acc())
             });
         }))
+    }
+
+    /// The gradient of [`attention_probs`](Self::attention_probs) with respect
+    /// to its scores, given the gradient `self` of its output `probs`:
+    /// `scale · probs · (self − Σ_last self·probs)`, exactly 0 at masked keys.
+    /// Bit for bit `self.softmax_backward(probs, last)?.causal_mask(0)?.mul_scalar(scale)`
+    /// (the mask only when `is_causal`), in one pass per row.
+    /// PyTorch: the scores' gradient in the reference implementation of
+    /// `torch.nn.functional.scaled_dot_product_attention`.
+    ///
+    /// # Errors
+    /// [`Error::ShapeMismatch`] when the shapes differ; [`Error::DTypeMismatch`];
+    /// [`Error::InvalidArgument`] for rank < 2, a non-finite `scale` or integer tensors.
+    pub fn attention_probs_backward(&self, probs: &Tensor, scale: f64, is_causal: bool) -> Result<Tensor> {
+        const OP: &str = "attention_probs_backward";
+        same_shape(OP, self, probs, "probs")?;
+        check_scores(OP, probs, scale)?;
+        let (t, last) = (probs.shape()[probs.rank() - 2], probs.rank() - 1);
+        float_dispatch!(OP, self.dtype(), T => {
+            let s = <T as Float>::Acc::real(scale);
+            map_rows::<T, (), 2>(OP, [self, probs], last, #[inline(always)] |r, [g, y], o, _| {
+                let keep = if is_causal { (r % t + 1).min(g.len()) } else { g.len() };
+                let dot = T::from_f64(dot_f64(g, y)).to_acc();
+                zip_map_inline(&g[..keep], &y[..keep], &mut o[..keep], #[inline(always)] |g, y| {
+                    let d = T::from_acc(y.to_acc() * T::from_acc(g.to_acc() - dot).to_acc());
+                    T::from_acc(d.to_acc() * s)
+                });
+                // What `causal_mask(0)` then `mul_scalar` leave there (−0 for a negative scale).
+                o[keep..].fill(T::from_acc(T::from_f64(0.0).to_acc() * s));
+            })
+        })
     }
 
     /// The gradient of [`layer_norm`](Self::layer_norm) with respect to its input
@@ -129,7 +116,7 @@ impl Tensor {
                 Some(w) => elements::<T>(w)?.iter().map(|v| v.to_f64()).collect(),
                 None => filled(OP, d, 1.0)?,
             };
-            zip_rows::<T, Vec<f64>>(OP, self, x, x.rank() - 1, #[inline(always)] |g, x, o, gw| {
+            map_rows::<T, Vec<f64>, 2>(OP, [self, x], x.rank() - 1, #[inline(always)] |_, [g, x], o, gw| {
                 gw.resize(d, 0.0);
                 let (mean, rstd) = row_stats(x, eps);
                 for ((a, &g), &w) in gw.iter_mut().zip(g).zip(&w) {
@@ -503,6 +490,11 @@ mod tests {
                 Box::new(|| x.layer_norm(Some(&w), Some(&w), 1e-5).unwrap()),
             ),
             ("softmax_backward", Box::new(|| g.softmax_backward(&x, 2).unwrap())),
+            ("attention_probs", Box::new(|| x.attention_probs(0.5, true).unwrap())),
+            (
+                "attention_probs_backward",
+                Box::new(|| g.attention_probs_backward(&x, 0.5, true).unwrap()),
+            ),
             (
                 "layer_norm_backward",
                 Box::new(|| g.layer_norm_backward(&x, Some(&w), 1e-5).unwrap()),

@@ -3,7 +3,7 @@
 
 use tessera_mesh::{DType, Element};
 
-use super::fastmath::{Simd, exp, zip_map};
+use super::fastmath::{Simd, exp, zip_map_inline};
 use super::nn_backward::all_row_stats;
 use super::reduce::{row_max, sum_map_f64};
 use super::{Float, Real, any_dispatch, check_dim, elements, float_dispatch, output, same_dtype};
@@ -22,42 +22,52 @@ pub enum Reduction {
     None,
 }
 
-/// Runs `f` on every row of `dim` (moved last), returning a tensor of the
-/// input's shape: the rows of a contiguous tensor in place when `dim` is last,
-/// otherwise through one transposed copy each way.
-fn map_rows<T: Float, S: Default>(
+/// Runs `f(r, rows, out, scratch)` on every row `r` of `dim` (moved last) of
+/// the `N` inputs (one shape, checked by the caller), `rows` holding row `r` of
+/// each, returning a tensor of that shape: the rows of contiguous inputs in
+/// place when `dim` is last, otherwise through one transposed copy each way.
+/// Rows are numbered in the order of the moved tensor (row `r` of a
+/// `[..., T, S]` tensor along its last dim is query `r mod T`).
+pub(super) fn map_rows<T: Float, S: Default, const N: usize>(
     op: &'static str,
-    t: &Tensor,
+    inputs: [&Tensor; N],
     dim: usize,
-    f: impl Fn(&[T], &mut [T], &mut S) + Sync + Copy,
+    f: impl Fn(usize, [&[T]; N], &mut [T], &mut S) + Sync + Copy,
 ) -> Result<Tensor> {
-    let last = t.rank() - 1;
-    let src = if dim == last {
-        t.clone()
-    } else {
-        t.transpose(dim, last)?
+    let shape = inputs[0].shape();
+    let last = shape.len() - 1;
+    let moved = |t: &Tensor| {
+        if dim == last {
+            Ok(t.clone())
+        } else {
+            t.transpose(dim, last)
+        }
     };
-    let x = elements::<T>(&src)?;
-    let len = src.shape()[last];
+    let srcs = inputs.iter().map(|t| moved(t)).collect::<Result<Vec<_>>>()?;
+    let xs = srcs.iter().map(elements::<T>).collect::<Result<Vec<_>>>()?;
+    let src_shape = srcs[0].shape();
+    let len = src_shape[last];
     // Every element is written below: a recycled buffer needs no zeroing.
-    let mut out: Vec<T> = crate::alloc::reused(op, src.shape())?;
+    let mut out: Vec<T> = crate::alloc::reused(op, src_shape)?;
     if len > 0 {
         // Blocks of rows over the rank's threads, each with its own scratch `S`,
         // compiled for the CPU's widest vectors (`f` by value, so that it inlines).
-        let (simd, x) = (Simd::best(), &x[..]);
+        let (simd, xs) = (Simd::best(), &xs[..]);
         super::par_rows(&mut out, len, |start, block| {
             simd.run(
                 #[inline(always)]
                 move || {
                     let mut scratch = S::default();
-                    for (row, o) in x[start..].chunks_exact(len).zip(block.chunks_exact_mut(len)) {
-                        f(row, o, &mut scratch);
+                    for (j, o) in block.chunks_exact_mut(len).enumerate() {
+                        let at = start + j * len;
+                        let rows: [&[T]; N] = std::array::from_fn(|i| &xs[i][at..at + len]);
+                        f(start / len + j, rows, o, &mut scratch);
                     }
                 },
             )
         });
     }
-    let out = output(out, src.shape())?;
+    let out = output(out, src_shape)?;
     if dim == last {
         Ok(out)
     } else {
@@ -66,13 +76,14 @@ fn map_rows<T: Float, S: Default>(
 }
 
 /// The row maximum and `Σ exp(x - max)` of a row (the sum in `f64`), leaving
-/// the exponentials in `e` (one vectorisable pass, then the sum).
+/// the exponentials in `e` (one vectorisable pass, then the sum). For row
+/// kernels inside [`Simd::run`].
 #[inline(always)]
 pub(super) fn row_exp_sum<T: Float>(row: &[T], e: &mut Vec<T::Acc>) -> (T::Acc, f64) {
     let max = row_max(row);
     e.clear();
     e.resize(row.len(), T::Acc::ZERO);
-    zip_map(
+    zip_map_inline(
         row,
         row,
         e,
@@ -92,6 +103,23 @@ fn need_dims(op: &'static str, t: &Tensor, what: &str) -> Result<()> {
             detail: format!("a rank-0 tensor has no {what}; reshape it to [1] first"),
         })
     }
+}
+
+/// Errors unless `scores` is `[..., T, S]` and `scale` finite (the attention kernels).
+pub(super) fn check_scores(op: &'static str, scores: &Tensor, scale: f64) -> Result<()> {
+    if scores.rank() < 2 {
+        return Err(Error::InvalidArgument {
+            op,
+            detail: format!("scores must be [..., T, S], got shape {:?}", scores.shape()),
+        });
+    }
+    if !scale.is_finite() {
+        return Err(Error::InvalidArgument {
+            op,
+            detail: format!("the scale must be finite, got {scale}"),
+        });
+    }
+    Ok(())
 }
 
 /// Checks an optional `[D]` affine parameter of layer norm.
@@ -182,8 +210,44 @@ impl Tensor {
         check_dim("softmax", dim, self.rank())?;
         float_dispatch!("softmax", self.dtype(), T => {
             // The exponentials in the compute type, so that half types round once.
-            map_rows::<T, Vec<_>>("softmax", self, dim, #[inline(always)] |row, out, e| {
+            map_rows::<T, Vec<_>, 1>("softmax", [self], dim, #[inline(always)] |_, [row], out, e| {
                 let inv = 1.0 / row_exp_sum(row, e).1;
+                for (o, &v) in out.iter_mut().zip(e.iter()) {
+                    *o = <T as Float>::from_f64(v.widen() * inv);
+                }
+            })
+        })
+    }
+
+    /// The attention weights of scores `self` `[..., T, S]`: softmax over the last
+    /// dim of `scale · self`, with every key `j > i` of query `i` given weight 0
+    /// when `is_causal` (the top-left aligned mask of [`causal_mask`](Self::causal_mask)).
+    /// Bit for bit `self.mul_scalar(scale)?.causal_mask(-∞)?.softmax(last)` in one
+    /// pass per row, without the two intermediate tensors and without the
+    /// exponentials of masked keys. PyTorch: `attn_weight` in the reference
+    /// implementation of `torch.nn.functional.scaled_dot_product_attention`,
+    /// `softmax(q @ k.mT * scale + causal_bias, dim=-1)`.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for rank < 2, a non-finite `scale` or integer tensors.
+    pub fn attention_probs(&self, scale: f64, is_causal: bool) -> Result<Tensor> {
+        const OP: &str = "attention_probs";
+        check_scores(OP, self, scale)?;
+        let (t, last) = (self.shape()[self.rank() - 2], self.rank() - 1);
+        float_dispatch!(OP, self.dtype(), T => {
+            let s = <T as Float>::Acc::real(scale);
+            // Scratch: the scaled row (rounded to the dtype, as `mul_scalar` leaves
+            // it), then its exponentials in the compute type.
+            map_rows::<T, (Vec<T>, Vec<_>), 1>(OP, [self], last, #[inline(always)] |r, [row], out, (scaled, e)| {
+                let keep = if is_causal { (r % t + 1).min(row.len()) } else { row.len() };
+                scaled.clear();
+                scaled.extend(row[..keep].iter().map(|&x| T::from_acc(x.to_acc() * s)));
+                let max = row_max(scaled);
+                e.clear();
+                e.resize(row.len(), <T as Float>::Acc::ZERO);
+                zip_map_inline(scaled, scaled, &mut e[..keep], #[inline(always)] |x, _| exp(x.to_acc() - max));
+                // Masked keys add exact zeros, in the lanes the full row puts them.
+                let inv = 1.0 / sum_map_f64(e, |v| v.widen());
                 for (o, &v) in out.iter_mut().zip(e.iter()) {
                     *o = <T as Float>::from_f64(v.widen() * inv);
                 }
@@ -199,7 +263,7 @@ impl Tensor {
     pub fn log_softmax(&self, dim: usize) -> Result<Tensor> {
         check_dim("log_softmax", dim, self.rank())?;
         float_dispatch!("log_softmax", self.dtype(), T => {
-            map_rows::<T, Vec<_>>("log_softmax", self, dim, #[inline(always)] |row, out, e| {
+            map_rows::<T, Vec<_>, 1>("log_softmax", [self], dim, #[inline(always)] |_, [row], out, e| {
                 let (max, sum) = row_exp_sum(row, e);
                 let lse = sum.ln();
                 for (o, &x) in out.iter_mut().zip(row) {

@@ -318,3 +318,97 @@ fn nn_errors() {
         "causal_mask: scores must be [..., T, S], got shape [3]"
     );
 }
+
+/// The bits of a tensor's elements (widened to f64, so NaN payloads compare too).
+fn bits(t: &Tensor) -> Vec<u64> {
+    t.to_f64_vec().iter().map(|v| v.to_bits()).collect()
+}
+
+/// The fused attention kernels give the bits of the chains they replace:
+/// `mul_scalar`, `causal_mask(−∞)`, `softmax` forward; `softmax_backward`,
+/// `causal_mask(0)`, `mul_scalar` backward. Square and non-square scores, a
+/// transposed (non-contiguous) input, −∞ and NaN scores, a negative scale.
+#[test]
+fn attention_probs_equal_the_chain_they_fuse() {
+    let special = |dtype| {
+        let mut v = sample(&[2, 4, 4], DType::F64, 9).to_f64_vec();
+        v[1] = f64::NEG_INFINITY; // one masked-looking score in a kept place
+        v[16..20].fill(f64::NEG_INFINITY); // a whole row of −∞: NaN, as softmax gives
+        v[22] = f64::NAN;
+        Tensor::from_vec(v, &[2, 4, 4]).unwrap().cast(dtype).unwrap()
+    };
+    type Make = fn(DType) -> Tensor;
+    let cases: [(&str, Make); 7] = [
+        ("[2,3,5,5]", |d| sample(&[2, 3, 5, 5], d, 1).mul_scalar(4.0).unwrap()),
+        ("[4,7] more keys", |d| sample(&[4, 7], d, 2).mul_scalar(4.0).unwrap()),
+        ("[6,3] more queries", |d| sample(&[6, 3], d, 3).mul_scalar(4.0).unwrap()),
+        ("[3,40,40] long rows", |d| {
+            sample(&[3, 40, 40], d, 4).mul_scalar(4.0).unwrap()
+        }),
+        ("transposed", |d| sample(&[2, 6, 6], d, 5).transpose(1, 2).unwrap()),
+        ("[0,3,3] empty", |d| sample(&[0, 3, 3], d, 6)),
+        ("special values", special),
+    ];
+    for dtype in FLOATS {
+        for (name, make) in cases {
+            let x = make(dtype);
+            let last = x.rank() - 1;
+            let g = sample(x.shape(), dtype, 7);
+            for causal in [true, false] {
+                for scale in [0.35, -1.5] {
+                    let what = format!("{name} {dtype} causal {causal} scale {scale}");
+                    let scaled = x.mul_scalar(scale).unwrap();
+                    let masked = if causal {
+                        scaled.causal_mask(f64::NEG_INFINITY).unwrap()
+                    } else {
+                        scaled
+                    };
+                    let want = masked.softmax(last).unwrap();
+                    let got = x.attention_probs(scale, causal).unwrap();
+                    assert_eq!((got.shape(), got.dtype()), (x.shape(), dtype), "{what}");
+                    assert_eq!(bits(&got), bits(&want), "forward {what}");
+
+                    let d = g.softmax_backward(&want, last).unwrap();
+                    let d = if causal { d.causal_mask(0.0).unwrap() } else { d };
+                    let want_g = d.mul_scalar(scale).unwrap();
+                    let got_g = g.attention_probs_backward(&got, scale, causal).unwrap();
+                    assert_eq!(bits(&got_g), bits(&want_g), "backward {what}");
+                }
+            }
+        }
+    }
+    // Masked keys get exactly zero weight; kept ones sum to 1 per row.
+    let p = sample(&[3, 5, 5], DType::F32, 8).attention_probs(0.5, true).unwrap();
+    let p = p.to_f64_vec();
+    for (r, row) in p.chunks(5).enumerate() {
+        let i = r % 5;
+        assert!(row[i + 1..].iter().all(|&v| v == 0.0), "row {r}: {row:?}");
+        assert!((row.iter().sum::<f64>() - 1.0).abs() < 1e-6, "row {r}: {row:?}");
+    }
+}
+
+#[test]
+fn attention_probs_errors() {
+    let x = sample(&[2, 4], DType::F32, 1);
+    let msg = |r: Result<Tensor>| r.unwrap_err().to_string();
+    assert_eq!(
+        msg(sample(&[4], DType::F32, 1).attention_probs(1.0, true)),
+        "attention_probs: scores must be [..., T, S], got shape [4]"
+    );
+    assert_eq!(
+        msg(x.attention_probs(f64::INFINITY, true)),
+        "attention_probs: the scale must be finite, got inf"
+    );
+    assert!(msg(Tensor::zeros(&[2, 4], DType::I64).unwrap().attention_probs(1.0, true)).contains("attention_probs"));
+    assert_eq!(
+        msg(sample(&[2, 3], DType::F32, 1).attention_probs_backward(&x, 1.0, true)),
+        "attention_probs_backward: shape mismatch: gradient has shape [2, 3] but probs has [2, 4]; they must be equal"
+    );
+    assert_eq!(
+        msg(x.attention_probs_backward(&x, f64::NAN, false)),
+        "attention_probs_backward: the scale must be finite, got NaN"
+    );
+    assert!(
+        msg(x.cast(DType::BF16).unwrap().attention_probs_backward(&x, 1.0, true)).contains("attention_probs_backward")
+    );
+}
