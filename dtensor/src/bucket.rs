@@ -7,7 +7,9 @@
 //! pieces into one flat buffer (each tensor's piece padded to `ceil(rows / n)`
 //! rows, torch.chunk's size, so every rank sends the same number of elements),
 //! issues one asynchronous collective over `mesh_dim`'s communicator and returns
-//! a [`BucketWork`]; [`BucketWork::wait`] unpacks the results as DTensors. The
+//! a [`BucketWork`]; [`BucketWork::wait`] unpacks the results as DTensors (a
+//! gather's are views of the one received buffer, which the collective lays out
+//! tensor by tensor: [`Communicator::all_gather_segmented`](tessera_mesh::Communicator::all_gather_segmented)). The
 //! result of each input is what [`DTensor::redistribute_with_order`] gives for the
 //! same step (the tests check this), in one collective instead of one per tensor.
 //!
@@ -317,7 +319,9 @@ fn start(
         let comm = mesh.dim_comm(mesh_dim)?;
         let buf = send.into_buffer();
         let work = match kind {
-            Kind::Gather => comm.all_gather_async(buf),
+            // Segment order: each tensor's pieces from all ranks side by side, so
+            // that `wait` hands out views of the buffer instead of copying them out.
+            Kind::Gather => comm.all_gather_segmented_async(buf, entries.iter().map(|e| e.padded).collect()),
             Kind::Scatter => comm.reduce_scatter_async(buf, ReduceOp::Sum),
             Kind::AllReduce => comm.all_reduce_async(buf, ReduceOp::Sum),
         };
@@ -418,15 +422,12 @@ impl BucketWork {
         let mut out = Vec::with_capacity(entries.len());
         match kind {
             Kind::Gather => {
-                let rows = data.reshape(&[world, block])?;
+                // Tensor i's pieces fill `world · padded` elements from `world · offset`
+                // (padding only after the last real rows: torch.chunk's trailing
+                // chunks are the short ones), so its full local value is a view.
                 for e in entries {
                     let n: usize = e.local_shape.iter().product();
-                    let local = rows
-                        .narrow(1, e.offset, e.padded)?
-                        .contiguous()
-                        .reshape(&[world * e.padded])?
-                        .narrow(0, 0, n)?
-                        .reshape(&e.local_shape)?;
+                    let local = data.narrow(0, world * e.offset, n)?.reshape(&e.local_shape)?;
                     out.push(DTensor::from_local_with_layout(local, &mesh, e.layout)?);
                 }
             }

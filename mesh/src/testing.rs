@@ -144,6 +144,51 @@ pub fn check_blocking<T: TestElement>(comm: &dyn Communicator) {
     }
 }
 
+/// `all_gather_segmented`, blocking and asynchronous, against the rank-major
+/// gather reordered by segment: one segment (a plain gather), empty and uneven
+/// segments, one element each; and the local error for segments that do not
+/// tile the send buffer (every rank passes the same bad segments, so none
+/// enters the collective).
+pub fn check_segmented<T: TestElement>(comm: &dyn Communicator) {
+    let (r, n) = (comm.rank(), comm.size());
+    let cases: [&[usize]; 5] = [&[], &[13], &[3, 0, 7, 3], &[1; 6], &[0, 5, 0]];
+    for segments in cases {
+        let len: usize = segments.iter().sum();
+        let what = format!("all_gather_segmented {} {segments:?} rank {r}/{n}", T::DTYPE);
+        // Element i of the output: segment s of rank q, element j of it.
+        let mut want = Vec::with_capacity(len * n);
+        let mut from = 0;
+        for &seg in segments {
+            for q in 0..n {
+                want.extend((from..from + seg).map(|i| value(q, i)));
+            }
+            from += seg;
+        }
+        let send = input::<T>(r, len, value);
+        let mut got = vec![T::default(); len * n];
+        comm.all_gather_segmented(T::buf(&send), T::buf_mut(&mut got), segments)
+            .unwrap_or_else(|e| panic!("{what}: {e}"));
+        assert_close(&what, &got, |i| want[i]);
+        let got = comm
+            .all_gather_segmented_async(T::into_buffer(send), segments.to_vec())
+            .wait_vec::<T>()
+            .unwrap_or_else(|e| panic!("{what} async: {e}"));
+        assert_eq!(got.len(), len * n, "{what} async");
+        assert_close(&format!("{what} async"), &got, |i| want[i]);
+    }
+    let send = input::<T>(r, 5, value);
+    let mut out = vec![T::default(); 5 * n];
+    let err = comm
+        .all_gather_segmented(T::buf(&send), T::buf_mut(&mut out), &[2, 2])
+        .expect_err("segments of 4 elements for a send of 5");
+    assert!(err.to_string().contains("all_gather_segmented"), "{err}");
+    let err = comm
+        .all_gather_segmented_async(T::into_buffer(send), vec![6])
+        .wait()
+        .expect_err("segments of 6 elements for a send of 5");
+    assert!(err.to_string().contains("all_gather_segmented"), "{err}");
+}
+
 /// The asynchronous forms of `T`: several in flight at once, waited in any order,
 /// interleaved with a blocking collective (which must run after them).
 pub fn check_async<T: TestElement>(comm: &dyn Communicator) {
@@ -335,6 +380,7 @@ pub fn check_stats(comm: &dyn Communicator) {
 pub fn check_all(comm: &dyn Communicator) {
     for_all_types!(check_blocking, comm);
     for_all_types!(check_async, comm);
+    for_all_types!(check_segmented, comm);
     check_variable_all(comm);
     check_split(comm);
     check_stats(comm);
@@ -360,6 +406,7 @@ pub fn check_mesh(world: Box<dyn Communicator>, shape: &[usize]) {
         check_blocking::<f32>(comm);
         check_blocking::<bf16>(comm);
         check_async::<i64>(comm);
+        check_segmented::<f32>(comm);
         check_variable::<f32>(comm);
         check_variable::<i64>(comm);
     }

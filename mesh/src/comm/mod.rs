@@ -239,6 +239,43 @@ pub trait Communicator: Send {
         unpad(&got, recv_counts, block, recv)
     }
 
+    /// [`all_gather`](Self::all_gather) with the output grouped by segment: this
+    /// rank's view of every block as consecutive segments of `segments[i]`
+    /// elements (summing to `send.len()`), and `recv` holding segment 0 of every
+    /// rank in rank order, then segment 1 of every rank, and so on. With one
+    /// segment it is `all_gather`. The segments only lay out this rank's output
+    /// (the collective itself is an `all_gather`, counted as one): a bucket of
+    /// tensors gathered this way holds each tensor's pieces side by side, so the
+    /// gathered tensors are views of `recv`, with no copy out.
+    ///
+    /// PyTorch: FSDP2's all-gather followed by its copy-out
+    /// (`split_with_sizes_copy`), in one step.
+    ///
+    /// Default: `all_gather` into a scratch buffer, then one copy into segment
+    /// order (backends override it to write each segment in place).
+    ///
+    /// # Errors
+    /// [`Error::BadLength`] when the segments do not sum to `send.len()` or
+    /// `recv` does not hold `size · send.len()`; as [`all_gather`](Self::all_gather).
+    fn all_gather_segmented(&self, send: Buf<'_>, mut recv: BufMut<'_>, segments: &[usize]) -> Result<()> {
+        check_segments(self, &send, (recv.dtype(), recv.len()), segments)?;
+        let mut rank_major = Buffer::zeros(send.dtype(), recv.len());
+        self.all_gather(send, rank_major.as_buf_mut())?;
+        segment_major(&rank_major.as_buf(), &mut recv, segments, self.size())
+    }
+
+    /// Asynchronous [`all_gather_segmented`](Self::all_gather_segmented): returns
+    /// the gathered buffer in segment order.
+    ///
+    /// Default: runs the blocking form and returns a finished handle.
+    fn all_gather_segmented_async(&self, send: Buffer, segments: Vec<usize>) -> Work {
+        let mut recv = Buffer::zeros(send.dtype(), send.len() * self.size());
+        Work::ready(
+            self.all_gather_segmented(send.as_buf(), recv.as_buf_mut(), &segments)
+                .map(|_| recv),
+        )
+    }
+
     /// Asynchronous [`all_gather`](Self::all_gather): returns the gathered buffer.
     ///
     /// Default: runs the blocking form and returns a finished handle.

@@ -244,3 +244,61 @@ pub(super) fn unpad(src: &Buffer, counts: &[usize], block: usize, mut dst: BufMu
     });
     Ok(())
 }
+
+/// Local checks of [`Communicator::all_gather_segmented`]: the segments tile
+/// `send`, and the receive buffer (its dtype and length) holds `size · send.len()`
+/// elements of `send`'s dtype.
+pub(crate) fn check_segments<C: Communicator + ?Sized>(
+    c: &C,
+    send: &Buf<'_>,
+    (recv_dtype, recv_len): (DType, usize),
+    segments: &[usize],
+) -> Result<()> {
+    const OP: &str = "all_gather_segmented";
+    if send.dtype() != recv_dtype {
+        return Err(Error::DTypeMismatch {
+            op: OP,
+            send: send.dtype(),
+            recv: recv_dtype,
+        });
+    }
+    let total = segments.iter().try_fold(0usize, |a, &s| a.checked_add(s));
+    if total != Some(send.len()) {
+        return Err(Error::BadLength {
+            op: OP,
+            rank: c.rank(),
+            what: "send (the sum of the segments)",
+            expected: total.unwrap_or(usize::MAX),
+            got: send.len(),
+        });
+    }
+    let want = send.len().saturating_mul(c.size());
+    if recv_len != want {
+        return Err(Error::BadLength {
+            op: OP,
+            rank: c.rank(),
+            what: "recv (size · send)",
+            expected: want,
+            got: recv_len,
+        });
+    }
+    Ok(())
+}
+
+/// Copies the rank-major gather `src` (`n` blocks of `Σ segments`) into `dst` in
+/// segment order: segment 0 of every block, then segment 1 of every block, ...
+pub(crate) fn segment_major(src: &Buf<'_>, dst: &mut BufMut<'_>, segments: &[usize], n: usize) -> Result<()> {
+    let block: usize = segments.iter().sum();
+    crate::dispatch_buf!(Buf, src, s, T => {
+        let d: &mut [T] = typed_mut(dst)?;
+        let (mut from, mut at) = (0, 0);
+        for &len in segments {
+            for q in 0..n {
+                d[at..at + len].copy_from_slice(&s[q * block + from..q * block + from + len]);
+                at += len;
+            }
+            from += len;
+        }
+    });
+    Ok(())
+}

@@ -517,6 +517,30 @@ impl Communicator for MpiComm {
         })
     }
 
+    fn all_gather_segmented_async(&self, send: Buffer, segments: Vec<usize>) -> Work {
+        let n = self.size;
+        let (rank, len, dtype) = (self.rank, send.len(), send.dtype());
+        if let Err(e) = crate::comm::check_segments(self, &send.as_buf(), (dtype, len.saturating_mul(n)), &segments) {
+            return Work::ready(Err(e));
+        }
+        self.submit(OpKind::AllGather, len * dtype.size_in_bytes() * n, move |ex| {
+            ex.agree(dtype, len, 0, None)?;
+            let c = count("all_gather", rank, len)?;
+            count("all_gather", rank, len * n)?;
+            let mut rank_major = Buffer::zeros(dtype, len * n);
+            let (s, r, dt) = (
+                ptr(&send.as_buf()),
+                ptr_mut(&mut rank_major.as_buf_mut()),
+                datatype(dtype),
+            );
+            // SAFETY: `send` holds `c` elements and `rank_major` `n * c`, both owned by this job.
+            ex.run(|comm| unsafe { ffi::MPI_Allgather(s, c, dt, r, c, dt, comm) })?;
+            let mut recv = Buffer::zeros(dtype, len * n);
+            crate::comm::segment_major(&rank_major.as_buf(), &mut recv.as_buf_mut(), &segments, n)?;
+            Ok(recv)
+        })
+    }
+
     fn all_gather_async(&self, send: Buffer) -> Work {
         let n = self.size;
         let (rank, len, dtype) = (self.rank, send.len(), send.dtype());

@@ -104,6 +104,13 @@ impl Communicator for ThreadComm {
         kernels::all_gather(&self.group, self.rank, send, recv)
     }
 
+    fn all_gather_segmented(&self, send: Buf<'_>, recv: BufMut<'_>, segments: &[usize]) -> Result<()> {
+        crate::comm::check_segments(self, &send, (recv.dtype(), recv.len()), segments)?;
+        self.fence();
+        self.record(OpKind::AllGather, bytes(&send) * self.size());
+        kernels::all_gather_segmented(&self.group, self.rank, send, recv, segments)
+    }
+
     fn reduce_scatter(&self, send: Buf<'_>, recv: BufMut<'_>, op: ReduceOp) -> Result<()> {
         self.fence();
         self.record(OpKind::ReduceScatter, bytes(&send));
@@ -181,6 +188,19 @@ impl Communicator for ThreadComm {
         self.submit(move |g, r| {
             let mut recv = Buffer::zeros(send.dtype(), send.len() * n);
             kernels::all_gather(g, r, send.as_buf(), recv.as_buf_mut()).map(|_| recv)
+        })
+    }
+
+    fn all_gather_segmented_async(&self, send: Buffer, segments: Vec<usize>) -> Work {
+        let n = self.size();
+        let recv = (send.dtype(), send.len().saturating_mul(n));
+        if let Err(e) = crate::comm::check_segments(self, &send.as_buf(), recv, &segments) {
+            return Work::ready(Err(e));
+        }
+        self.record(OpKind::AllGather, bytes(&send.as_buf()) * n);
+        self.submit(move |g, r| {
+            let mut recv = Buffer::zeros(send.dtype(), send.len() * n);
+            kernels::all_gather_segmented(g, r, send.as_buf(), recv.as_buf_mut(), &segments).map(|_| recv)
         })
     }
 

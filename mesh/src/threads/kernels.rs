@@ -156,6 +156,40 @@ pub(crate) fn all_gather(g: &Group, r: usize, send: Buf<'_>, mut recv: BufMut<'_
     done.finish()
 }
 
+/// [`all_gather`] writing each peer's segments straight into segment order (the
+/// segments, checked by the caller to tile `send`, lay out only our output).
+pub(crate) fn all_gather_segmented(
+    g: &Group,
+    r: usize,
+    send: Buf<'_>,
+    mut recv: BufMut<'_>,
+    segments: &[usize],
+) -> Result<()> {
+    let mut d = send_desc(OpKind::AllGather, &send);
+    (d.recv_ptr, d.recv_len) = recv_parts(&mut recv);
+    d.recv_dtype = recv.dtype();
+    let (descs, done) = g.enter(r, d)?;
+    crate::dispatch_buf!(Buf, send, _s, T => {
+        let out = d.recv_ptr as *mut T;
+        let (mut from, mut at) = (0, 0);
+        for &len in segments {
+            for dq in descs.iter() {
+                // SAFETY: as in `all_gather` (validation checked that every peer sends
+                // `send_len` elements and that our output holds `n · send_len`); the
+                // segments tile `send_len`, so `from + len` is within every peer's
+                // buffer and the writes, `n · send_len` in all, stay in our output.
+                unsafe {
+                    let src = peer::<T>(dq.send_ptr, dq.send_len);
+                    write(out, at, &src[from..from + len]);
+                }
+                at += len;
+            }
+            from += len;
+        }
+    });
+    done.finish()
+}
+
 pub(crate) fn reduce_scatter(g: &Group, r: usize, send: Buf<'_>, mut recv: BufMut<'_>, op: ReduceOp) -> Result<()> {
     let mut d = send_desc(OpKind::ReduceScatter, &send);
     (d.recv_ptr, d.recv_len) = recv_parts(&mut recv);
