@@ -1,7 +1,7 @@
 //! Fused backward kernels of softmax, layer norm and cross entropy: one pass
 //! over each row instead of a chain of element-wise ops and their temporaries.
 
-use super::fastmath::{Simd, zip_map_inline, zip_map_on};
+use super::fastmath::{Simd, zip_map_inline};
 use super::nn::{ce_targets, check_scores, index_vector, map_rows, row_exp_sum};
 use super::reduce::sum_map_f64;
 use super::{Float, Real, check_dim, elements, float_dispatch, output, same_dtype};
@@ -244,7 +244,7 @@ impl Tensor {
                     let rows = x[start..].chunks_exact(c).zip(block.chunks_exact_mut(c));
                     for ((row, o), &k) in rows.zip(&t[start / c..]) {
                         let inv = 1.0 / row_exp_sum(row, &mut e).1;
-                        zip_map_on(simd, &e, &e, o, #[inline(always)] |v, _| {
+                        zip_map_inline(&e, &e, o, #[inline(always)] |v, _| {
                             T::from_f64(T::from_f64(v.widen() * inv).to_f64() * scale)
                         });
                         let k = k as usize;

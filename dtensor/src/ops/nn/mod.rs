@@ -389,18 +389,22 @@ impl Tensor {
         let (n, c, t) = ce_targets(self, targets)?;
         float_dispatch!(OP, self.dtype(), T => {
             let x = elements::<T>(self)?;
-            let loss_of = |i: usize, k: i64, e: &mut Vec<_>| ce_row::<T>(&x[i * c..(i + 1) * c], k as usize, e);
+            // `ce_row` (inline) runs inside `Simd::run` below, so that the row's
+            // exponentials are computed with the CPU's widest vectors.
+            let row = |i: usize| &x[i * c..(i + 1) * c];
             let mut losses = vec![0f64; n];
             let mut p = Vec::with_capacity(if probs { n * c } else { 0 });
             if probs {
-                let mut e = Vec::with_capacity(c);
-                for (i, &k) in t.iter().enumerate() {
-                    let (loss, sum) = loss_of(i, k, &mut e);
-                    losses[i] = loss;
-                    // The softmax from the exponentials already at hand, as `softmax` does.
-                    let inv = 1.0 / sum;
-                    p.extend(e.iter().map(|&v| <T as Float>::from_f64(v.widen() * inv)));
-                }
+                Simd::best().run(#[inline(always)] || {
+                    let mut e = Vec::with_capacity(c);
+                    for (i, &k) in t.iter().enumerate() {
+                        let (loss, sum) = ce_row::<T>(row(i), k as usize, &mut e);
+                        losses[i] = loss;
+                        // The softmax from the exponentials already at hand, as `softmax` does.
+                        let inv = 1.0 / sum;
+                        p.extend(e.iter().map(|&v| <T as Float>::from_f64(v.widen() * inv)));
+                    }
+                })
             } else {
                 // Blocks of rows over the rank's threads; every row's loss is the
                 // same at any split, and they are summed in row order below.
@@ -409,7 +413,7 @@ impl Tensor {
                     simd.run(#[inline(always)] || {
                         let mut e = Vec::with_capacity(c);
                         for (j, l) in block.iter_mut().enumerate() {
-                            *l = loss_of(start + j, t[start + j], &mut e).0;
+                            *l = ce_row::<T>(row(start + j), t[start + j] as usize, &mut e).0;
                         }
                     })
                 });
