@@ -150,13 +150,18 @@ pub(crate) trait Float: Element {
     fn to_acc(self) -> Self::Acc;
     /// Rounds once to this type.
     fn from_acc(a: Self::Acc) -> Self;
+    /// The value in `f64` (exact). Not `to_f64`: `half`'s types have inherent
+    /// methods of that name, which a call on a concrete `bf16` would pick.
     #[inline(always)]
-    fn to_f64(self) -> f64 {
+    fn wide(self) -> f64 {
         self.to_acc().widen()
     }
-    /// Rounds `v` to this type (half types through `f32`, as casts do).
+    /// Rounds `v` to this type (half types through `f32`, as casts do, by the
+    /// integer arithmetic of [`from_acc`](Self::from_acc)). Not `from_f64`: on a
+    /// concrete `bf16`, `half`'s inherent `from_f64` would be called instead,
+    /// which rounds differently (from the top half of the `f64`) and branches.
     #[inline(always)]
-    fn from_f64(v: f64) -> Self {
+    fn from_wide(v: f64) -> Self {
         Self::from_acc(Self::Acc::real(v))
     }
 }
@@ -375,6 +380,25 @@ mod float_tests {
     use half::bf16;
 
     use super::Float;
+
+    /// `from_wide` rounds as casts do (through `f32`), also where `half`'s
+    /// inherent `from_f64` (what `T::from_f64` named on a concrete `bf16`) rounds
+    /// otherwise: `1 + 2⁻⁷ + 2⁻⁸ − 2⁻²⁵` is `1 + 2⁻⁷ + 2⁻⁸` in `f32`, a tie that
+    /// rounds to even, up; `half` reads the top 20 mantissa bits and rounds down.
+    #[test]
+    fn from_wide_rounds_through_f32() {
+        let v = 1.0 + 2f64.powi(-7) + 2f64.powi(-8) - 2f64.powi(-25);
+        let through_f32 = bf16::from_f32(v as f32);
+        assert_eq!(through_f32, bf16::from_f32(1.0 + 2f32.powi(-6)));
+        assert_eq!(<bf16 as Float>::from_wide(v), through_f32);
+        assert_ne!(bf16::from_f64(v), through_f32, "half's own rounding differs here");
+        let cast = crate::Tensor::from_vec(vec![v], &[1])
+            .unwrap()
+            .cast(tessera_mesh::DType::BF16)
+            .unwrap();
+        assert_eq!(cast.to_vec::<bf16>().unwrap(), vec![through_f32]);
+        assert_eq!(<bf16 as Float>::wide(through_f32), 1.0 + 2f64.powi(-6));
+    }
 
     /// The branch-free bf16 conversions of the kernels give `half`'s bits:
     /// widening every bf16 exactly (a NaN stays a NaN), rounding ties to even.

@@ -46,7 +46,7 @@ impl Tensor {
         same_shape(OP, self, y, "the softmax output")?;
         check_dim(OP, dim, self.rank())?;
         float_dispatch!(OP, self.dtype(), T => map_rows::<T, (), 2>(OP, [self, y], dim, #[inline(always)] |_, [g, y], o, _| {
-            let dot = T::from_f64(dot_f64(g, y)).to_acc();
+            let dot = T::from_wide(dot_f64(g, y)).to_acc();
             zip_map_inline(g, y, o, #[inline(always)] |g, y| {
                 T::from_acc(y.to_acc() * T::from_acc(g.to_acc() - dot).to_acc())
             });
@@ -73,13 +73,13 @@ impl Tensor {
             let s = <T as Float>::Acc::real(scale);
             map_rows::<T, (), 2>(OP, [self, probs], last, #[inline(always)] |r, [g, y], o, _| {
                 let keep = if is_causal { (r % t + 1).min(g.len()) } else { g.len() };
-                let dot = T::from_f64(dot_f64(g, y)).to_acc();
+                let dot = T::from_wide(dot_f64(g, y)).to_acc();
                 zip_map_inline(&g[..keep], &y[..keep], &mut o[..keep], #[inline(always)] |g, y| {
                     let d = T::from_acc(y.to_acc() * T::from_acc(g.to_acc() - dot).to_acc());
                     T::from_acc(d.to_acc() * s)
                 });
                 // What `causal_mask(0)` then `mul_scalar` leave there (−0 for a negative scale).
-                o[keep..].fill(T::from_acc(T::from_f64(0.0).to_acc() * s));
+                o[keep..].fill(T::from_acc(T::from_wide(0.0).to_acc() * s));
             })
         })
     }
@@ -113,20 +113,20 @@ impl Tensor {
         }
         float_dispatch!(OP, self.dtype(), T => {
             let w: Vec<f64> = match weight {
-                Some(w) => elements::<T>(w)?.iter().map(|v| v.to_f64()).collect(),
+                Some(w) => elements::<T>(w)?.iter().map(|v| v.wide()).collect(),
                 None => filled(OP, d, 1.0)?,
             };
             map_rows::<T, Vec<f64>, 2>(OP, [self, x], x.rank() - 1, #[inline(always)] |_, [g, x], o, gw| {
                 gw.resize(d, 0.0);
                 let (mean, rstd) = row_stats(x, eps);
                 for ((a, &g), &w) in gw.iter_mut().zip(g).zip(&w) {
-                    *a = g.to_f64() * w;
+                    *a = g.wide() * w;
                 }
                 let m1 = gw.iter().sum::<f64>() / d as f64;
-                let m2 = gw.iter().zip(x).map(|(&a, &x)| a * (x.to_f64() - mean) * rstd).sum::<f64>() / d as f64;
+                let m2 = gw.iter().zip(x).map(|(&a, &x)| a * (x.wide() - mean) * rstd).sum::<f64>() / d as f64;
                 for ((o, &a), &x) in o.iter_mut().zip(gw.iter()).zip(x) {
-                    let xhat = (x.to_f64() - mean) * rstd;
-                    *o = T::from_f64((a - m1 - xhat * m2) * rstd);
+                    let xhat = (x.wide() - mean) * rstd;
+                    *o = T::from_wide((a - m1 - xhat * m2) * rstd);
                 }
             })
         })
@@ -158,13 +158,13 @@ impl Tensor {
                         let rows = gv.chunks_exact(d).zip(xv.chunks_exact(d)).zip(&stats);
                         for ((g, x), &(mean, rstd)) in rows {
                             for ((a, &g), &x) in cols.iter_mut().zip(&g[c0..]).zip(&x[c0..]) {
-                                *a += g.to_f64() * ((x.to_f64() - mean) * rstd);
+                                *a += g.wide() * ((x.wide() - mean) * rstd);
                             }
                         }
                     })
                 });
             }
-            output(gw.into_iter().map(T::from_f64).collect::<Vec<T>>(), &[d])
+            output(gw.into_iter().map(T::from_wide).collect::<Vec<T>>(), &[d])
         })
     }
 
@@ -207,13 +207,13 @@ impl Tensor {
                 }
                 let s = slot[r] as usize;
                 for (a, &v) in acc[s * d..(s + 1) * d].iter_mut().zip(&g[k * d..(k + 1) * d]) {
-                    *a += v.to_f64();
+                    *a += v.wide();
                 }
             }
             let mut out = crate::alloc::zeroed::<T>(OP, &[rows, d])?;
             for (s, &r) in touched.iter().enumerate() {
                 for (o, &a) in out[r * d..(r + 1) * d].iter_mut().zip(&acc[s * d..(s + 1) * d]) {
-                    *o = T::from_f64(a);
+                    *o = T::from_wide(a);
                 }
             }
             output(out, &[rows, d])
@@ -245,10 +245,10 @@ impl Tensor {
                     for ((row, o), &k) in rows.zip(&t[start / c..]) {
                         let inv = 1.0 / row_exp_sum(row, &mut e).1;
                         zip_map_inline(&e, &e, o, #[inline(always)] |v, _| {
-                            T::from_f64(T::from_f64(v.widen() * inv).to_f64() * scale)
+                            T::from_wide(T::from_wide(v.widen() * inv).wide() * scale)
                         });
                         let k = k as usize;
-                        o[k] = T::from_f64((T::from_f64(e[k].widen() * inv).to_f64() - 1.0) * scale);
+                        o[k] = T::from_wide((T::from_wide(e[k].widen() * inv).wide() - 1.0) * scale);
                     }
                 })
             });
@@ -261,7 +261,7 @@ impl Tensor {
 /// computes it), with eight independent accumulators.
 #[inline(always)]
 fn dot_f64<T: Float>(g: &[T], y: &[T]) -> f64 {
-    let prod = |g: T, y: T| T::from_acc(g.to_acc() * y.to_acc()).to_f64();
+    let prod = |g: T, y: T| T::from_acc(g.to_acc() * y.to_acc()).wide();
     let mut acc = [0f64; 8];
     let (gc, yc) = (g.chunks_exact(8), y.chunks_exact(8));
     let tail: f64 = gc
@@ -313,8 +313,8 @@ pub(super) fn all_row_stats<T: Float>(xs: &[T], d: usize, eps: f64) -> Vec<(f64,
 #[inline(always)]
 fn row_stats<T: Float>(row: &[T], eps: f64) -> (f64, f64) {
     let d = row.len() as f64;
-    let mean = sum_map_f64(row, |v| v.to_f64()) / d;
-    let var = sum_map_f64(row, |v| (v.to_f64() - mean).powi(2)) / d;
+    let mean = sum_map_f64(row, |v| v.wide()) / d;
+    let var = sum_map_f64(row, |v| (v.wide() - mean).powi(2)) / d;
     (mean, 1.0 / (var + eps).sqrt())
 }
 

@@ -11,7 +11,7 @@ use crate::{Error, Result, Tensor};
 /// Sum of `row` in `f64`, with eight independent accumulators (fast, and
 /// partly pairwise, so the error grows slower than a plain loop's).
 pub(crate) fn sum_f64<T: Float>(row: &[T]) -> f64 {
-    sum_map_f64(row, |x| x.to_f64())
+    sum_map_f64(row, |x| x.wide())
 }
 
 /// `Σ f(x)` over `row` in `f64`, with eight independent accumulators.
@@ -84,10 +84,10 @@ impl<T: Float> Reducer<T> for Sum {
     }
     #[inline(always)]
     fn push(s: &mut f64, x: T) {
-        *s += x.to_f64();
+        *s += x.wide();
     }
     fn finish(s: f64, _count: usize) -> T {
-        T::from_f64(s)
+        T::from_wide(s)
     }
     fn row(row: &[T]) -> f64 {
         sum_f64(row)
@@ -108,7 +108,7 @@ impl<T: Float> Reducer<T> for Mean {
     }
     fn finish(s: f64, count: usize) -> T {
         // 0 / 0 is NaN for an empty reduction, as in PyTorch.
-        T::from_f64(s / count as f64)
+        T::from_wide(s / count as f64)
     }
     fn row(row: &[T]) -> f64 {
         <Sum as Reducer<T>>::row(row)

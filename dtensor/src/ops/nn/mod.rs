@@ -152,7 +152,7 @@ fn layer_norm_typed<T: Float>(
     // The affine parameters in f64 (1 and 0 when absent: exact no-ops).
     let affine = |p: Option<&Tensor>, default: f64| -> Result<Vec<f64>> {
         Ok(match p {
-            Some(p) => elements::<T>(p)?.iter().map(|v| v.to_f64()).collect(),
+            Some(p) => elements::<T>(p)?.iter().map(|v| v.wide()).collect(),
             None => super::nn_backward::filled("layer_norm", d, default)?,
         })
     };
@@ -172,7 +172,7 @@ fn layer_norm_typed<T: Float>(
                     let rows = xs[start..].chunks_exact(d).zip(&stats[start / d..]);
                     for ((row, &(mean, rstd)), o) in rows.zip(block.chunks_exact_mut(d)) {
                         for (((o, &v), &w), &b) in o.iter_mut().zip(row).zip(w).zip(b) {
-                            *o = <T as Float>::from_f64((v.to_f64() - mean) * rstd * w + b);
+                            *o = <T as Float>::from_wide((v.wide() - mean) * rstd * w + b);
                         }
                     }
                 },
@@ -213,7 +213,7 @@ impl Tensor {
             map_rows::<T, Vec<_>, 1>("softmax", [self], dim, #[inline(always)] |_, [row], out, e| {
                 let inv = 1.0 / row_exp_sum(row, e).1;
                 for (o, &v) in out.iter_mut().zip(e.iter()) {
-                    *o = <T as Float>::from_f64(v.widen() * inv);
+                    *o = <T as Float>::from_wide(v.widen() * inv);
                 }
             })
         })
@@ -249,7 +249,7 @@ impl Tensor {
                 // Masked keys add exact zeros, in the lanes the full row puts them.
                 let inv = 1.0 / sum_map_f64(e, |v| v.widen());
                 for (o, &v) in out.iter_mut().zip(e.iter()) {
-                    *o = <T as Float>::from_f64(v.widen() * inv);
+                    *o = <T as Float>::from_wide(v.widen() * inv);
                 }
             })
         })
@@ -267,7 +267,7 @@ impl Tensor {
                 let (max, sum) = row_exp_sum(row, e);
                 let lse = sum.ln();
                 for (o, &x) in out.iter_mut().zip(row) {
-                    *o = <T as Float>::from_f64((x.to_acc() - max).widen() - lse);
+                    *o = <T as Float>::from_wide((x.to_acc() - max).widen() - lse);
                 }
             })
         })
@@ -402,7 +402,7 @@ impl Tensor {
                         losses[i] = loss;
                         // The softmax from the exponentials already at hand, as `softmax` does.
                         let inv = 1.0 / sum;
-                        p.extend(e.iter().map(|&v| <T as Float>::from_f64(v.widen() * inv)));
+                        p.extend(e.iter().map(|&v| <T as Float>::from_wide(v.widen() * inv)));
                     }
                 })
             } else {
@@ -419,9 +419,9 @@ impl Tensor {
                 });
             }
             let loss = match reduction {
-                Reduction::Mean => output(vec![<T as Float>::from_f64(losses.iter().sum::<f64>() / n as f64)], &[])?,
-                Reduction::Sum => output(vec![<T as Float>::from_f64(losses.iter().sum::<f64>())], &[])?,
-                Reduction::None => output(losses.into_iter().map(<T as Float>::from_f64).collect(), &[n])?,
+                Reduction::Mean => output(vec![<T as Float>::from_wide(losses.iter().sum::<f64>() / n as f64)], &[])?,
+                Reduction::Sum => output(vec![<T as Float>::from_wide(losses.iter().sum::<f64>())], &[])?,
+                Reduction::None => output(losses.into_iter().map(<T as Float>::from_wide).collect(), &[n])?,
             };
             let p = if probs { Some(output(p, &[n, c])?) } else { None };
             Ok((loss, p))
@@ -445,7 +445,7 @@ impl Tensor {
         let (t, s) = (self.shape()[self.rank() - 2], self.shape()[self.rank() - 1]);
         float_dispatch!("causal_mask", self.dtype(), T => {
             let x = elements::<T>(self)?;
-            let fill = <T as Float>::from_f64(fill);
+            let fill = <T as Float>::from_wide(fill);
             // Every element is written below: a recycled buffer needs no zeroing.
             let mut out: Vec<T> = crate::alloc::reused("causal_mask", self.shape())?;
             if s > 0 {
