@@ -150,8 +150,8 @@ impl Var {
     ///
     /// # Errors
     /// Ranks below 2 or unequal, batch dims that differ, `k` and `q` of different
-    /// head sizes, `v` with another key count than `k`, a non-finite or
-    /// non-positive `scale`, different dtypes or meshes.
+    /// head sizes, `v` with another key count than `k`, a non-finite `scale`,
+    /// different dtypes or meshes.
     pub fn scaled_dot_product_attention(&self, k: &Var, v: &Var, is_causal: bool, scale: Option<f64>) -> Result<Var> {
         let (qs, ks, vs) = (self.value().shape(), k.value().shape(), v.value().shape());
         let r = qs.len();
@@ -172,10 +172,10 @@ impl Var {
             return Err(bad(format!("k has {} keys but v has {} values", ks[r - 2], vs[r - 2])).into());
         }
         let scale = scale.unwrap_or(1.0 / (qs[r - 1] as f64).sqrt());
-        if !(scale.is_finite() && scale > 0.0) {
+        if !scale.is_finite() {
             return Err(tessera_dtensor::Error::InvalidArgument {
                 op: "scaled_dot_product_attention",
-                detail: format!("the scale must be finite and positive, got {scale}"),
+                detail: format!("the scale must be finite, got {scale}"),
             }
             .into());
         }
