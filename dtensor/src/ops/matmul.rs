@@ -1,5 +1,6 @@
 //! Matrix multiplication: 2-D, batched with broadcast batch dims, strided operands.
 
+use half::{bf16, f16};
 use tessera_mesh::DType;
 
 use super::elementwise::broadcast_shapes;
@@ -146,6 +147,182 @@ macro_rules! impl_gemm {
 }
 impl_gemm!(f32, matrixmultiply::sgemm);
 impl_gemm!(f64, matrixmultiply::dgemm);
+
+// Half-precision operands run the f32 GEMM with their conversions fused in.
+macro_rules! impl_gemm_half {
+    ($t:ty) => {
+        impl Gemm for $t {
+            unsafe fn gemm(kernel: GemmKernel, mkn: [usize; 3], a: Mat<$t>, b: Mat<$t>, c: *mut $t, rsc: isize) {
+                // SAFETY: forwarded unchanged from the caller's guarantees.
+                unsafe { gemm_half(kernel, mkn, a, b, c, rsc) }
+            }
+        }
+    };
+}
+impl_gemm_half!(bf16);
+impl_gemm_half!(f16);
+
+/// Bytes of the `f32` output panel that a half-precision product is computed
+/// in before it is rounded: small enough to stay in a core's L2 cache.
+const HALF_PANEL_BYTES: usize = 1 << 20;
+
+/// Scratch bytes a thread keeps between half-precision products; more is
+/// freed after the product that needed it.
+const HALF_SCRATCH_KEEP: usize = 32 << 20;
+
+thread_local! {
+    /// This thread's scratch for half-precision products: the two widened
+    /// operands and the `f32` output panel.
+    static HALF_SCRATCH: std::cell::RefCell<[Vec<f32>; 3]> = const {
+        std::cell::RefCell::new([Vec::new(), Vec::new(), Vec::new()])
+    };
+}
+
+/// `c = a · b` for `bf16` / `f16` operands, each output element the `f32`
+/// GEMM's sum of the widened operands rounded once: the same values as
+/// widening both operands, multiplying in `f32` and rounding the product, but
+/// without the `f32` copies in memory. The output is computed in panels of
+/// whole columns (or rows) along its longer dim, each in an L2-sized `f32`
+/// buffer that is rounded into `c` while it is hot; the operand that spans
+/// every panel is widened once, the other one panel at a time, into this
+/// thread's scratch (no allocation once it has grown).
+///
+/// PyTorch: `torch.matmul` on `bfloat16` CPU tensors (oneDNN's bf16 GEMM, f32
+/// accumulation).
+///
+/// # Safety
+/// As [`Gemm::gemm`].
+unsafe fn gemm_half<H: Float<Acc = f32>>(
+    kernel: GemmKernel,
+    [m, k, n]: [usize; 3],
+    a: Mat<H>,
+    b: Mat<H>,
+    c: *mut H,
+    rsc: isize,
+) {
+    let simd = super::fastmath::Simd::best();
+    HALF_SCRATCH.with(|scratch| {
+        let mut scratch = scratch.borrow_mut();
+        let [sa, sb, sc] = &mut *scratch;
+        let by_cols = n >= m;
+        let (long, short) = if by_cols { (n, m) } else { (m, n) };
+        let width = (HALF_PANEL_BYTES / 4 / short).next_multiple_of(SPLIT_ALIGN).min(long);
+        // SAFETY (all blocks below): a panel's rows (columns) are a sub-range
+        // of the product's, so each operand block lies inside what the caller
+        // guarantees readable; the output block inside what it guarantees
+        // writable. The f32 operands and panel are this thread's scratch,
+        // sized by `widen` and `grow` for what the GEMM reads and writes.
+        let whole = unsafe {
+            if by_cols {
+                widen(simd, a, m, k, sa)
+            } else {
+                widen(simd, b, k, n, sb)
+            }
+        };
+        for start in (0..long).step_by(width) {
+            let w = width.min(long - start);
+            let (rows, cols) = if by_cols { (m, w) } else { (w, n) };
+            let (wa, wb) = unsafe {
+                if by_cols {
+                    let panel = Mat {
+                        ptr: b.ptr.wrapping_offset(start as isize * b.cs),
+                        ..b
+                    };
+                    (whole, widen(simd, panel, k, w, sb))
+                } else {
+                    let panel = Mat {
+                        ptr: a.ptr.wrapping_offset(start as isize * a.rs),
+                        ..a
+                    };
+                    (widen(simd, panel, w, k, sa), whole)
+                }
+            };
+            let out = grow(sc, rows * cols);
+            let panel = out.as_mut_ptr();
+            let origin = if by_cols { start } else { start * rsc as usize };
+            unsafe {
+                <f32 as Gemm>::gemm(kernel, [rows, k, cols], wa, wb, panel, cols as isize);
+                simd.run(
+                    #[inline(always)]
+                    || {
+                        for (i, line) in out[..rows * cols].chunks_exact(cols).enumerate() {
+                            let dst = std::slice::from_raw_parts_mut(c.add(origin + i * rsc as usize), cols);
+                            for (d, &x) in dst.iter_mut().zip(line) {
+                                *d = H::from_acc(x);
+                            }
+                        }
+                    },
+                );
+            }
+        }
+        for v in [sa, sb, sc] {
+            if v.capacity() * 4 > HALF_SCRATCH_KEEP {
+                *v = Vec::new();
+            }
+        }
+    });
+}
+
+/// `v` with at least `len` elements (grown with zeros, never shrunk), as its
+/// first `len`.
+fn grow(v: &mut Vec<f32>, len: usize) -> &mut [f32] {
+    if v.len() < len {
+        v.resize(len, 0.0);
+    }
+    &mut v[..len]
+}
+
+/// The `rows × cols` matrix `src` widened to `f32` into `dst`, laid out
+/// row-major, or column-major when `src` is (a transposed view), so the copy
+/// reads and writes in runs.
+///
+/// # Safety
+/// Every element of `src` that its strides reach for `rows × cols` must be readable.
+unsafe fn widen<H: Float<Acc = f32>>(
+    simd: super::fastmath::Simd,
+    src: Mat<H>,
+    rows: usize,
+    cols: usize,
+    dst: &mut Vec<f32>,
+) -> Mat<f32> {
+    let column_major = src.rs == 1 && src.cs != 1;
+    let (lines, len, line_step, step) = if column_major {
+        (cols, rows, src.cs, src.rs)
+    } else {
+        (rows, cols, src.rs, src.cs)
+    };
+    let out = grow(dst, rows * cols);
+    simd.run(
+        #[inline(always)]
+        || {
+            for (l, line) in out.chunks_exact_mut(len.max(1)).take(lines).enumerate() {
+                let first = src.ptr.wrapping_offset(l as isize * line_step);
+                if step == 1 {
+                    // SAFETY: a line of `len` consecutive readable elements.
+                    let run = unsafe { std::slice::from_raw_parts(first, len) };
+                    for (d, &x) in line.iter_mut().zip(run) {
+                        *d = x.to_acc();
+                    }
+                } else {
+                    for (j, d) in line.iter_mut().enumerate() {
+                        // SAFETY: element `j` of the line is readable (caller).
+                        *d = unsafe { *first.wrapping_offset(j as isize * step) }.to_acc();
+                    }
+                }
+            }
+        },
+    );
+    let (rs, cs) = if column_major {
+        (1, rows as isize)
+    } else {
+        (cols as isize, 1)
+    };
+    Mat {
+        ptr: dst.as_ptr(),
+        rs,
+        cs,
+    }
+}
 
 /// The error for shapes that cannot be multiplied.
 fn mismatch(a: &Tensor, b: &Tensor, why: String) -> Error {
@@ -336,8 +513,11 @@ impl Tensor {
     /// views are read in place through their strides. Runs the
     /// [`GemmKernel::auto`] kernel on the calling thread.
     ///
-    /// `f32` and `f64` use the GEMM directly; `bf16` and `f16` are converted to
-    /// `f32`, multiplied, and rounded once per output element.
+    /// `f32` and `f64` use the GEMM directly; `bf16` and `f16` products are the
+    /// `f32` GEMM of the widened operands, rounded once per output element,
+    /// with the conversions fused into the product (operands widened a panel
+    /// at a time into per-thread scratch, output panels rounded while they are
+    /// in cache) instead of `f32` copies of the operands and the product.
     ///
     /// # Errors
     /// [`Error::ShapeMismatch`] naming both shapes when the inner dims differ
@@ -392,11 +572,8 @@ impl Tensor {
         let out = match self.dtype() {
             DType::F32 => matmul_typed::<f32>(&a, &b, &batch, kernel)?,
             DType::F64 => matmul_typed::<f64>(&a, &b, &batch, kernel)?,
-            DType::BF16 | DType::F16 => {
-                // Weights arrive transposed (x · Wᵀ): converted where they lie.
-                let (a32, b32) = (a.cast_keeping_strides(DType::F32)?, b.cast_keeping_strides(DType::F32)?);
-                matmul_typed::<f32>(&a32, &b32, &batch, kernel)?.cast(self.dtype())?
-            }
+            DType::BF16 => matmul_typed::<bf16>(&a, &b, &batch, kernel)?,
+            DType::F16 => matmul_typed::<f16>(&a, &b, &batch, kernel)?,
             other => return Err(not_float("matmul", other)),
         };
         // Drop the dims that the vectors' promotion added.
@@ -500,6 +677,107 @@ mod tests {
                 assert_close(&three[0], &want, 4.0 * sa[1] as f64 * tol(DType::F32), "split product");
             }
         }
+    }
+
+    /// The half-precision product as the f32 GEMM of the widened operands,
+    /// rounded once: what the fused path must equal bit for bit.
+    fn widened_product(a: &Tensor, b: &Tensor, kernel: GemmKernel) -> Vec<f64> {
+        let (a32, b32) = (a.cast(DType::F32).unwrap(), b.cast(DType::F32).unwrap());
+        let p = a32.matmul_with(&b32, kernel).unwrap().cast(a.dtype()).unwrap();
+        p.to_f64_vec()
+    }
+
+    #[test]
+    fn half_products_round_the_f32_product_once() {
+        // Panels by columns (n >= m) and by rows, one panel and several (an
+        // uneven last one: the f32 panel holds 2^18 elements), row-major,
+        // transposed, narrowed, strided and batched operands.
+        let t = |shape: &[usize], dtype, seed| sample(shape, dtype, seed).transpose(0, 1).unwrap();
+        for dtype in [DType::BF16, DType::F16] {
+            let cases: Vec<(Tensor, Tensor)> = vec![
+                (sample(&[64, 48], dtype, 1), sample(&[48, 96], dtype, 2)),
+                (sample(&[96, 48], dtype, 1), t(&[40, 48], dtype, 2)),
+                (sample(&[200, 64], dtype, 3), t(&[2100, 64], dtype, 4)),
+                (t(&[72, 2100], dtype, 5), sample(&[72, 200], dtype, 6)),
+                (
+                    sample(&[40, 80], dtype, 7).narrow(1, 8, 64).unwrap(),
+                    sample(&[64, 30], dtype, 8),
+                ),
+                // Neither stride 1: rows 2 apart, columns 100 apart.
+                (
+                    sample(&[64, 50, 2], dtype, 9)
+                        .narrow(2, 0, 1)
+                        .unwrap()
+                        .permute(&[2, 1, 0])
+                        .unwrap(),
+                    sample(&[64, 30], dtype, 10),
+                ),
+                (sample(&[3, 33, 17], dtype, 11), t(&[40, 17], dtype, 12)),
+                (sample(&[4, 128, 32], dtype, 13), sample(&[4, 32, 128], dtype, 14)),
+            ];
+            for (a, b) in &cases {
+                let [m, n] = [a.shape()[a.rank() - 2], b.shape()[b.rank() - 1]];
+                let long_panels = (HALF_PANEL_BYTES / 4 / m.min(n)).next_multiple_of(SPLIT_ALIGN);
+                let what = format!(
+                    "{:?} x {:?} {dtype} ({} panels)",
+                    a.shape(),
+                    b.shape(),
+                    m.max(n).div_ceil(long_panels)
+                );
+                for kernel in [GemmKernel::Gemm, GemmKernel::MatrixMultiply] {
+                    let got = a.matmul_with(b, kernel).unwrap();
+                    assert_eq!(got.dtype(), dtype, "{what}");
+                    assert_eq!(got.to_f64_vec(), widened_product(a, b, kernel), "{what} {kernel:?}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn half_products_split_over_threads_equal_the_single_threaded_one() {
+        let (a, b) = (
+            sample(&[520, 192], DType::BF16, 21),
+            sample(&[200, 192], DType::BF16, 22),
+        );
+        let b = b.transpose(0, 1).unwrap();
+        assert!(split(2, [520, 192, 200]).parts > 1, "the case must split");
+        let product = |threads: usize| {
+            let (a, b) = (a.clone(), b.clone());
+            let opts = tessera_mesh::LaunchOptions::default().threads_per_rank(threads);
+            tessera_mesh::launch_with(&opts, 1, move |_| Ok(a.matmul(&b)?)).unwrap()
+        };
+        let two = product(2);
+        assert_eq!(product(1)[0].to_f64_vec(), two[0].to_f64_vec());
+        assert_eq!(two[0].to_f64_vec(), widened_product(&a, &b, GemmKernel::auto()));
+    }
+
+    #[test]
+    fn half_product_scratch_is_kept_only_up_to_its_cap() {
+        let scratch = || HALF_SCRATCH.with(|s| s.borrow().iter().map(|v| v.capacity() * 4).collect::<Vec<_>>());
+        // Run on a fresh thread so other tests' products do not count.
+        std::thread::spawn(move || {
+            let (a, b) = (sample(&[64, 64], DType::BF16, 1), sample(&[64, 64], DType::BF16, 2));
+            a.matmul(&b).unwrap();
+            let kept = scratch();
+            assert!(
+                kept.iter().all(|&c| c > 0),
+                "a small product's scratch is kept for the next: {kept:?}"
+            );
+            // A widened operand of 4096 x 2304 f32 (36 MiB) is over the cap.
+            let (a, b) = (
+                sample(&[4096, 2304], DType::BF16, 3),
+                sample(&[2304, 16], DType::BF16, 4),
+            );
+            a.matmul(&b).unwrap();
+            let kept = scratch();
+            assert!(
+                kept.iter().all(|&c| c <= HALF_SCRATCH_KEEP),
+                "scratch over the cap is freed: {kept:?}"
+            );
+            assert!(kept[2] > 0, "the output panel, under the cap, is kept");
+        })
+        .join()
+        .unwrap();
     }
 
     /// The naive product in f64 with torch.matmul's shape rules.

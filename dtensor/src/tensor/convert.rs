@@ -4,8 +4,6 @@ use ndarray::{ArrayD, ArrayViewD, IxDyn, ShapeBuilder};
 use tessera_mesh::{Buf, Buffer, DType, Element};
 
 use super::Tensor;
-use super::layout::Layout;
-use super::storage::Storage;
 use super::storage::{Scalar, convert, convert_extend, typed, with_buffer};
 use crate::{Error, Result};
 
@@ -59,27 +57,6 @@ impl Tensor {
         }
         let span = self.is_contiguous().then(|| self.span());
         Ok(Tensor::from_storage_data(self.converted(dtype, span)?, self.shape()))
-    }
-
-    /// [`cast`](Self::cast) that keeps the strides of a dense view (a transpose
-    /// or permutation of contiguous data): its storage is converted in memory
-    /// order, one vectorizable pass, where `cast` would gather it element by
-    /// element into row-major order. Other views go through `cast`.
-    ///
-    /// PyTorch: `Tensor.to(dtype)`, whose default `memory_format=torch.preserve_format`
-    /// keeps the strides of such tensors too.
-    pub(crate) fn cast_keeping_strides(&self, dtype: DType) -> Result<Tensor> {
-        let layout = self.layout();
-        let span = match layout.dense_span() {
-            Some(span) if dtype != self.dtype() && !self.is_contiguous() => span,
-            _ => return self.cast(dtype),
-        };
-        let dense = Layout {
-            offset: 0,
-            ..layout.clone()
-        };
-        let out = self.converted(dtype, Some(span))?;
-        Ok(Tensor::from_parts(std::sync::Arc::new(Storage::new(out)), dense))
     }
 
     /// This tensor's elements converted to `dtype` in new storage: the storage
@@ -308,26 +285,6 @@ mod tests {
         assert_eq!(c.to_vec::<f32>().unwrap(), vec![0.0, 3.0, 1.0, 4.0, 2.0, 5.0]);
         let row = t.narrow(0, 1, 1).unwrap().cast(DType::U8).unwrap();
         assert_eq!((row.shape(), row.to_vec::<u8>().unwrap()), (&[1, 3][..], vec![3, 4, 5]));
-    }
-
-    #[test]
-    fn a_cast_keeping_strides_keeps_a_dense_views_strides() {
-        let t = Tensor::arange(24, DType::F32).unwrap().reshape(&[2, 3, 4]).unwrap();
-        let base = t.narrow(1, 1, 2).unwrap();
-        for (view, keeps) in [
-            (t.transpose(0, 2).unwrap(), true),
-            (t.permute(&[1, 2, 0]).unwrap(), true),
-            (t.narrow(0, 1, 1).unwrap().transpose(1, 2).unwrap(), true),
-            (base.transpose(0, 1).unwrap(), false),
-            (t.clone(), true),
-        ] {
-            let c = view.cast_keeping_strides(DType::BF16).unwrap();
-            assert_eq!(c.shape(), view.shape());
-            assert_eq!(c.dtype(), DType::BF16);
-            assert_eq!(c.to_f64_vec(), view.to_f64_vec(), "{:?}", view.strides());
-            assert_eq!(c.strides() == view.strides(), keeps, "{:?}", view.strides());
-            assert!(keeps || c.is_contiguous());
-        }
     }
 
     #[test]

@@ -117,24 +117,6 @@ impl Layout {
         Ok(out)
     }
 
-    /// The storage range of a dense view: one whose elements fill
-    /// `offset..offset + numel` exactly once in some order of its dims (a
-    /// contiguous tensor, or a transpose or permutation of one). `None` for
-    /// views with gaps (narrowed) or repeats (expanded).
-    pub(crate) fn dense_span(&self) -> Option<std::ops::Range<usize>> {
-        let n = self.numel();
-        let mut dims: Dims = (0..self.shape.len()).filter(|&d| self.shape[d] != 1).collect();
-        dims.sort_by_key(|&d| self.strides[d]);
-        let mut step = 1usize;
-        for d in dims {
-            if self.strides[d] != step {
-                return None;
-            }
-            step *= self.shape[d];
-        }
-        Some(self.offset..self.offset + n)
-    }
-
     /// The storage offsets of all elements in row-major logical order.
     pub(crate) fn offsets(&self) -> Offsets<'_> {
         Offsets {
