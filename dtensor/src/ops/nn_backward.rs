@@ -261,18 +261,41 @@ impl Tensor {
 /// computes it), with eight independent accumulators.
 #[inline(always)]
 fn dot_f64<T: Float>(g: &[T], y: &[T]) -> f64 {
-    let prod = |g: T, y: T| T::from_acc(g.to_acc() * y.to_acc()).wide();
-    let mut acc = [0f64; 8];
-    let (gc, yc) = (g.chunks_exact(8), y.chunks_exact(8));
-    let tail: f64 = gc
-        .remainder()
+    #[inline(always)]
+    fn prod<T: Float>(g: T, y: T) -> T::Acc {
+        T::from_acc(g.to_acc() * y.to_acc()).to_acc()
+    }
+    let whole = g.len().min(y.len()) / 8 * 8;
+    let tail: f64 = g[whole..]
         .iter()
-        .zip(yc.remainder())
-        .map(|(&g, &y)| prod(g, y))
+        .zip(&y[whole..])
+        .map(|(&g, &y)| prod(g, y).widen())
         .sum();
-    for (g, y) in gc.zip(yc) {
-        for ((a, &g), &y) in acc.iter_mut().zip(g).zip(y) {
-            *a += prod(g, y);
+    let mut acc = [0f64; 8];
+    #[inline(always)]
+    fn add<R: Real>(acc: &mut [f64; 8], p: &[R]) {
+        for (a, &p) in acc.iter_mut().zip(p) {
+            *a += p.widen();
+        }
+    }
+    if size_of::<T>() == size_of::<T::Acc>() {
+        // f32 and f64: no rounding, one loop.
+        for (g, y) in g[..whole].chunks_exact(8).zip(y[..whole].chunks_exact(8)) {
+            for ((a, &g), &y) in acc.iter_mut().zip(g).zip(y) {
+                *a += prod(g, y).widen();
+            }
+        }
+    } else {
+        // The half types' products are rounded in blocks by an element-wise
+        // loop, which vectorizes where the rounding inside the sum did not,
+        // then summed in the same order.
+        let mut products = [<T::Acc as Real>::ZERO; 64];
+        for (g, y) in g[..whole].chunks(64).zip(y[..whole].chunks(64)) {
+            let products = &mut products[..g.len()];
+            zip_map_inline(g, y, products, prod);
+            for p in products.chunks_exact(8) {
+                add(&mut acc, p);
+            }
         }
     }
     ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
@@ -325,6 +348,49 @@ mod tests {
     use super::*;
     use crate::ops::Reduction;
     use crate::ops::testutil::{assert_close, sample, tol};
+
+    #[test]
+    fn dot_sums_rounded_products_in_eight_lanes_then_the_tail() {
+        // The order the blocked half-type path must keep: lane i % 8 of the
+        // whole groups of 8, the lanes paired, then the tail in sequence.
+        fn scalar(p: &[f64]) -> f64 {
+            let whole = p.len() / 8 * 8;
+            let mut acc = [0f64; 8];
+            for (i, &v) in p[..whole].iter().enumerate() {
+                acc[i % 8] += v;
+            }
+            let tail: f64 = p[whole..].iter().sum();
+            ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
+        }
+        for len in [0, 5, 8, 63, 64, 65, 200, 1029] {
+            let g = sample(&[len], DType::F32, 1)
+                .mul_scalar(1e3)
+                .unwrap()
+                .to_vec::<f32>()
+                .unwrap();
+            let y = sample(&[len], DType::F32, 2).to_vec::<f32>().unwrap();
+            let (gh, yh): (Vec<half::bf16>, Vec<half::bf16>) = (
+                g.iter().map(|&v| half::bf16::from_f32(v)).collect(),
+                y.iter().map(|&v| half::bf16::from_f32(v)).collect(),
+            );
+            let rounded: Vec<f64> = gh
+                .iter()
+                .zip(&yh)
+                .map(|(a, b)| half::bf16::from_f32(a.to_f32() * b.to_f32()).to_f64())
+                .collect();
+            assert_eq!(
+                dot_f64(&gh, &yh).to_bits(),
+                scalar(&rounded).to_bits(),
+                "bf16, {len} elements"
+            );
+            let exact: Vec<f64> = g.iter().zip(&y).map(|(&a, &b)| f64::from(a * b)).collect();
+            assert_eq!(
+                dot_f64(&g, &y).to_bits(),
+                scalar(&exact).to_bits(),
+                "f32, {len} elements"
+            );
+        }
+    }
 
     const FLOATS: [DType; 4] = [DType::F32, DType::F64, DType::BF16, DType::F16];
 
