@@ -220,6 +220,8 @@ macro_rules! float_dispatch {
 }
 pub(crate) use float_dispatch;
 
+pub(crate) use fastmath::Simd;
+
 /// Runs `$body` with `$T` bound to the element type of `$dtype`, for every dtype
 /// (an error naming `$op` for dtypes added later).
 macro_rules! any_dispatch {

@@ -139,14 +139,21 @@ pub(crate) fn convert<S: Scalar, D: Scalar>(s: S) -> D {
 /// (round to nearest even, NaN kept quiet), with the same values as `convert`.
 pub(crate) fn convert_extend<S: Scalar, D: Scalar>(src: &[S], dst: &mut Vec<D>) {
     match (S::DTYPE, D::DTYPE) {
-        (DType::BF16, DType::F32) => {
-            let src: &[u16] = bytemuck::cast_slice(src);
-            dst.extend(src.iter().map(|&s| bytemuck::cast::<u32, D>(u32::from(s) << 16)));
-        }
-        (DType::F32, DType::BF16) => {
-            let src: &[u32] = bytemuck::cast_slice(src);
-            dst.extend(src.iter().map(|&s| bytemuck::cast::<u16, D>(bf16_bits(s))));
-        }
+        // Compiled for the widest vectors the CPU has.
+        (DType::BF16, DType::F32) => crate::ops::Simd::best().run(
+            #[inline(always)]
+            || {
+                let src: &[u16] = bytemuck::cast_slice(src);
+                dst.extend(src.iter().map(|&s| bytemuck::cast::<u32, D>(u32::from(s) << 16)));
+            },
+        ),
+        (DType::F32, DType::BF16) => crate::ops::Simd::best().run(
+            #[inline(always)]
+            || {
+                let src: &[u32] = bytemuck::cast_slice(src);
+                dst.extend(src.iter().map(|&s| bytemuck::cast::<u16, D>(bf16_bits(s))));
+            },
+        ),
         _ => dst.extend(src.iter().map(|&s| convert::<S, D>(s))),
     }
 }
