@@ -2,7 +2,7 @@
 
 use ndarray::{ArrayViewMutD, IxDyn, Zip};
 
-use super::{Float, Real, elements, float_dispatch, output, par_collect, same_dtype};
+use super::{Float, Real, Simd, elements, float_dispatch, output, par_collect, par_rows, same_dtype};
 use crate::{Error, Result, Tensor};
 
 /// A binary element-wise operation, computed in the [`Real`] type of its dtype.
@@ -77,22 +77,30 @@ fn repeating<T: Float>(
     period: usize,
     g: impl Fn(T, T) -> T + Sync + Copy,
 ) -> Result<Vec<T>> {
-    let rows = |r: std::ops::Range<usize>| {
-        full[r]
-            .chunks_exact(period)
-            .flat_map(move |row| row.iter().zip(small).map(move |(&x, &y)| g(x, y)))
-    };
-    par_collect(op, full.len(), period, rows, || {
-        if let [y] = *small {
-            full.iter().map(|&x| g(x, y)).collect()
-        } else {
-            let mut out = Vec::with_capacity(full.len());
-            for row in full.chunks_exact(period) {
-                out.extend(row.iter().zip(small).map(|(&x, &y)| g(x, y)));
-            }
-            out
-        }
-    })
+    let simd = Simd::best();
+    // Every element is written below: a recycled buffer needs no zeroing.
+    let mut out: Vec<T> = crate::alloc::reused(op, &[full.len()])?;
+    par_rows(&mut out, period, |start, out| {
+        let full = &full[start..start + out.len()];
+        // Plain loops over whole rows, compiled for the widest vectors.
+        simd.run(
+            #[inline(always)]
+            || {
+                if let [y] = *small {
+                    for (o, &x) in out.iter_mut().zip(full) {
+                        *o = g(x, y);
+                    }
+                } else {
+                    for (o, x) in out.chunks_exact_mut(period).zip(full.chunks_exact(period)) {
+                        for ((o, &x), &y) in o.iter_mut().zip(x).zip(small) {
+                            *o = g(x, y);
+                        }
+                    }
+                }
+            },
+        );
+    });
+    Ok(out)
 }
 
 /// `op(a, b)` broadcast, for tensors of one float dtype.

@@ -332,15 +332,22 @@ pub(crate) fn par_collect<T: Element, I: Iterator<Item = T>>(
     block: impl Fn(std::ops::Range<usize>) -> I + Sync,
     serial: impl FnOnce() -> Vec<T>,
 ) -> Result<Vec<T>> {
+    // Both loops are compiled for the widest vectors the CPU has.
+    let simd = Simd::best();
     if par_parts(len) <= 1 {
-        return Ok(serial());
+        return Ok(simd.run(serial));
     }
     let mut out = crate::alloc::reused(op, &[len])?;
     par_rows(&mut out, row, |start, out| {
         let end = start + out.len();
-        for (o, v) in out.iter_mut().zip(block(start..end)) {
-            *o = v;
-        }
+        simd.run(
+            #[inline(always)]
+            || {
+                for (o, v) in out.iter_mut().zip(block(start..end)) {
+                    *o = v;
+                }
+            },
+        );
     });
     Ok(out)
 }
