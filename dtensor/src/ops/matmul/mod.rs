@@ -1,0 +1,422 @@
+//! Matrix multiplication: 2-D, batched with broadcast batch dims, strided operands.
+
+use half::{bf16, f16};
+use tessera_mesh::DType;
+
+use super::elementwise::broadcast_shapes;
+use super::{Float, not_float, output, same_dtype, unravel};
+use crate::{Error, Result, Tensor};
+
+mod half_gemm;
+
+/// The GEMM that runs [`Tensor::matmul`].
+///
+/// Both take arbitrary strides, so transposed and narrowed views multiply
+/// without a copy. Measured by `examples/bench_gemm` on the project's machine
+/// (Xeon with AVX-512, one thread, f32, square 512 to 2048): `gemm` with its
+/// AVX-512 kernels reaches about 165 GFLOP/s against `matrixmultiply`'s 130;
+/// with AVX2/FMA only, `gemm` reaches 95, so [`auto`](Self::auto) picks
+/// `matrixmultiply` on CPUs without AVX-512 when the rank has one thread.
+///
+/// A product of at least [`PARALLEL_MIN_FLOPS`] is split into blocks of output
+/// rows (or columns), one per [`intra_op_threads`](tessera_mesh::intra_op_threads),
+/// each block one call of the kernel on the rank's team
+/// ([`parallel_for`](tessera_mesh::parallel_for)).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum GemmKernel {
+    /// The `gemm` crate (pure Rust; runtime-detected AVX-512 or AVX2/FMA
+    /// kernels).
+    Gemm,
+    /// The `matrixmultiply` crate (pure Rust; AVX2/FMA kernels), which
+    /// ndarray's `dot` uses.
+    MatrixMultiply,
+}
+
+impl GemmKernel {
+    /// The faster kernel on this CPU: [`Gemm`](Self::Gemm) where AVX-512 is
+    /// available or the rank has several threads, [`MatrixMultiply`](Self::MatrixMultiply)
+    /// otherwise.
+    pub fn auto() -> GemmKernel {
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            return GemmKernel::Gemm;
+        }
+        if tessera_mesh::intra_op_threads() > 1 {
+            return GemmKernel::Gemm;
+        }
+        GemmKernel::MatrixMultiply
+    }
+}
+
+/// The smallest product (`2·m·k·n` flops) that is split over the rank's
+/// threads: below it, handing out the parts costs more than they save.
+pub const PARALLEL_MIN_FLOPS: usize = 1 << 23;
+
+/// Rows (or columns) per block of a split product are a multiple of this, the
+/// height of the `gemm` crate's AVX-512 f32 micro-kernel tile, so no block ends
+/// in a partial tile that a whole product would not have.
+const SPLIT_ALIGN: usize = 16;
+
+/// Flops of `entries` products `m×k · k×n`.
+fn flops(entries: usize, [m, k, n]: [usize; 3]) -> u128 {
+    2 * entries as u128 * m as u128 * k as u128 * n as u128
+}
+
+/// How one `m×k · k×n` product is split over `threads` threads: blocks of
+/// `block` output rows (`by_rows`) or columns, `parts` of them; one part when
+/// the product is too small to split.
+#[derive(Debug, PartialEq, Eq)]
+struct Split {
+    by_rows: bool,
+    block: usize,
+    parts: usize,
+}
+
+fn split(threads: usize, [m, k, n]: [usize; 3]) -> Split {
+    let by_rows = m >= n;
+    let len = if by_rows { m } else { n };
+    if threads <= 1 || flops(1, [m, k, n]) < PARALLEL_MIN_FLOPS as u128 || len < 2 * SPLIT_ALIGN {
+        return Split {
+            by_rows,
+            block: len,
+            parts: 1,
+        };
+    }
+    let block = len.div_ceil(threads).next_multiple_of(SPLIT_ALIGN);
+    Split {
+        by_rows,
+        block,
+        parts: len.div_ceil(block),
+    }
+}
+
+/// One strided matrix operand: base pointer and (row, column) strides.
+#[derive(Clone, Copy)]
+struct Mat<T> {
+    ptr: *const T,
+    rs: isize,
+    cs: isize,
+}
+
+/// Element types with a native GEMM: `c = a · b` (c overwritten, never read).
+trait Gemm: Float {
+    /// # Safety
+    /// With `[m, k, n] = mkn` (all > 0): `a` (m×k) and `b` (k×n) must be
+    /// readable at every index their strides reach; `c` must be writable for
+    /// `m` rows of stride `rsc` and `n` columns of stride 1, and not overlap
+    /// `a` or `b`.
+    unsafe fn gemm(kernel: GemmKernel, mkn: [usize; 3], a: Mat<Self>, b: Mat<Self>, c: *mut Self, rsc: isize);
+}
+
+macro_rules! impl_gemm {
+    ($t:ty, $mm:path) => {
+        impl Gemm for $t {
+            unsafe fn gemm(kernel: GemmKernel, [m, k, n]: [usize; 3], a: Mat<$t>, b: Mat<$t>, c: *mut $t, rsc: isize) {
+                // SAFETY: the caller guarantees the bounds and disjointness that both
+                // kernels require; `c` is written without being read (beta = 0 for
+                // matrixmultiply, read_dst = false for gemm).
+                unsafe {
+                    match kernel {
+                        GemmKernel::MatrixMultiply => {
+                            $mm(m, k, n, 1.0, a.ptr, a.rs, a.cs, b.ptr, b.rs, b.cs, 0.0, c, rsc, 1)
+                        }
+                        GemmKernel::Gemm => gemm::gemm(
+                            m,
+                            n,
+                            k,
+                            c,
+                            1,
+                            rsc,
+                            false,
+                            a.ptr,
+                            a.cs,
+                            a.rs,
+                            b.ptr,
+                            b.cs,
+                            b.rs,
+                            0.0,
+                            1.0,
+                            false,
+                            false,
+                            false,
+                            gemm::Parallelism::None,
+                        ),
+                    }
+                }
+            }
+        }
+    };
+}
+impl_gemm!(f32, matrixmultiply::sgemm);
+impl_gemm!(f64, matrixmultiply::dgemm);
+
+/// The error for shapes that cannot be multiplied.
+fn mismatch(a: &Tensor, b: &Tensor, why: String) -> Error {
+    Error::ShapeMismatch {
+        op: "matmul",
+        detail: format!("cannot multiply {:?} by {:?}: {why}", a.shape(), b.shape()),
+    }
+}
+
+/// Whether dims `0..=last` of `t` are laid out as one dim of stride
+/// `t.strides()[last]` (so a batch of row blocks is one tall matrix).
+fn rows_fold(t: &Tensor, last: usize) -> bool {
+    let (shape, strides) = (t.shape(), t.strides());
+    let mut step = strides[last] as u128 * shape[last] as u128;
+    for d in (0..last).rev() {
+        if shape[d] != 1 && strides[d] as u128 != step {
+            return false;
+        }
+        step *= shape[d] as u128;
+    }
+    true
+}
+
+// SAFETY: an operand is only read, from storage its tensor keeps borrowed for
+// the whole product, including by the threads of a split batch.
+unsafe impl<T> Send for Mat<T> {}
+// SAFETY: as for Send.
+unsafe impl<T> Sync for Mat<T> {}
+
+/// How many parts a batch of `count` `m×k · k×n` products runs in: 1 unless the
+/// rank has several threads and each product is too small to split itself
+/// ([`split`]) while the batch is large enough to be worth splitting.
+fn batch_threads(threads: usize, count: usize, mkn: [usize; 3]) -> usize {
+    let min = PARALLEL_MIN_FLOPS as u128;
+    if threads > 1 && count > 1 && split(threads, mkn).parts == 1 && flops(count, mkn) >= min {
+        threads.min(count)
+    } else {
+        1
+    }
+}
+
+/// `c = a · b` for one `m×k · k×n` product, split over the rank's threads in
+/// blocks of rows or columns when it is large enough ([`split`]).
+///
+/// # Safety
+/// As [`Gemm::gemm`], with `c` an [`OutPtr`] to the product's first element.
+unsafe fn gemm_split<T: Gemm>(
+    kernel: GemmKernel,
+    [m, k, n]: [usize; 3],
+    a: Mat<T>,
+    b: Mat<T>,
+    c: OutPtr<T>,
+    rsc: isize,
+) {
+    let Split { by_rows, block, parts } = split(tessera_mesh::intra_op_threads(), [m, k, n]);
+    let part = |p: usize| {
+        let start = p * block;
+        let (mut a, mut b, mut mkn) = (a, b, [m, k, n]);
+        let offset = if by_rows {
+            mkn[0] = block.min(m - start);
+            a.ptr = a.ptr.wrapping_offset(start as isize * a.rs);
+            start * rsc as usize
+        } else {
+            mkn[2] = block.min(n - start);
+            b.ptr = b.ptr.wrapping_offset(start as isize * b.cs);
+            start
+        };
+        // SAFETY: the block's rows (columns) are a sub-range of the product's,
+        // so each operand's block lies inside what the caller guarantees readable
+        // and the output block inside what it guarantees writable; blocks of
+        // different parts are disjoint.
+        unsafe { T::gemm(kernel, mkn, a, b, c.block(offset), rsc) };
+    };
+    tessera_mesh::parallel_for(parts, part);
+}
+
+/// The output's base pointer, shared by the threads that write its disjoint blocks.
+#[derive(Clone, Copy)]
+struct OutPtr<T>(*mut T);
+
+impl<T> OutPtr<T> {
+    /// The element `offset` past the base (a method, so closures capture the
+    /// whole `Send` wrapper rather than its raw-pointer field).
+    ///
+    /// # Safety
+    /// `offset` must be inside the output's allocation.
+    unsafe fn block(self, offset: usize) -> *mut T {
+        // SAFETY: the caller keeps `offset` inside the allocation.
+        unsafe { self.0.add(offset) }
+    }
+}
+
+// SAFETY: each thread writes only its own blocks (disjoint), and
+// `parallel_for` returns before the output is read or freed.
+unsafe impl<T> Send for OutPtr<T> {}
+// SAFETY: as for Send: shared only to compute disjoint block addresses.
+unsafe impl<T> Sync for OutPtr<T> {}
+
+/// `a · b` for rank >= 2 operands of a GEMM type, shapes already checked.
+fn matmul_typed<T: Gemm>(a: &Tensor, b: &Tensor, batch: &[usize], kernel: GemmKernel) -> Result<Tensor> {
+    let (ra, rb) = (a.rank(), b.rank());
+    let (m, k, n) = (a.shape()[ra - 2], a.shape()[ra - 1], b.shape()[rb - 1]);
+    let mut shape = batch.to_vec();
+    shape.extend([m, n]);
+    // Small operands can make a product too large for memory ([m, 1] × [1, n]).
+    let len = crate::alloc::checked_len("matmul", &shape, T::DTYPE)?;
+    if len == 0 || k == 0 {
+        return output(crate::alloc::zeroed::<T>("matmul", &shape)?, &shape);
+    }
+    // Non-zero and checked above, so neither product overflows.
+    let count: usize = batch.iter().product();
+    // The GEMM overwrites every output element without reading it, so the
+    // output is not zeroed first (a memset as long as the product's write).
+    let mut out = crate::alloc::with_capacity::<T>("matmul", &shape)?;
+    let (av, bv) = (a.view::<T>()?, b.view::<T>()?);
+    let mat = |ptr: *const T, t: &Tensor, r: usize| Mat {
+        ptr,
+        rs: t.strides()[r - 2] as isize,
+        cs: t.strides()[r - 1] as isize,
+    };
+    let (am, bm) = (mat(av.as_ptr(), a, ra), mat(bv.as_ptr(), b, rb));
+    let c = OutPtr(out.as_mut_ptr());
+    // One tall GEMM when `b` is one matrix and `a`'s batch folds into its rows
+    // (a linear layer on [batch, seq, features]).
+    let b_single = b.shape()[..rb - 2].iter().all(|&d| d == 1);
+    if b_single && rows_fold(a, ra - 2) {
+        // SAFETY: `a` folds to a (count·m)×k matrix of row stride `am.rs` inside
+        // its storage (checked by `rows_fold`; views keep the storage borrowed);
+        // `b` is one k×n matrix; `out` has capacity for count·m rows of n elements.
+        unsafe {
+            gemm_split(kernel, [count * m, k, n], am, bm, c, n as isize);
+            // SAFETY: the GEMM wrote all count·m·n elements (m, n, k > 0, beta = 0).
+            out.set_len(len);
+        }
+        return output(out, &shape);
+    }
+    // Offsets of each batch entry, with size-1 (broadcast) dims fixed at 0.
+    let offset = |t: &Tensor, r: usize, index: &[usize]| -> isize {
+        let lead = batch.len() - (r - 2);
+        (0..r - 2)
+            .map(|d| {
+                if t.shape()[d] == 1 {
+                    0
+                } else {
+                    index[lead + d] * t.strides()[d]
+                }
+            })
+            .sum::<usize>() as isize
+    };
+    // Batch entries `range`, one GEMM each, on the calling thread.
+    let entries = |range: std::ops::Range<usize>| {
+        let mut index = unravel(range.start, batch);
+        for i in range {
+            let (mut ai, mut bi) = (am, bm);
+            ai.ptr = av.as_ptr().wrapping_offset(offset(a, ra, &index));
+            bi.ptr = bv.as_ptr().wrapping_offset(offset(b, rb, &index));
+            // SAFETY: `index` is inside `batch`, so every element each operand's
+            // strides reach from its batch offset is an element of that tensor,
+            // inside its borrowed storage; the output block `i` is m×n inside the
+            // capacity of `out`, disjoint from the operands (fresh allocation) and
+            // from every other entry's block.
+            unsafe { gemm_split(kernel, [m, k, n], ai, bi, OutPtr(c.block(i * m * n)), n as isize) };
+            for d in (0..batch.len()).rev() {
+                index[d] += 1;
+                if index[d] < batch[d] {
+                    break;
+                }
+                index[d] = 0;
+            }
+        }
+    };
+    // Entries too small to split one by one (attention's per-head products) are
+    // split among the rank's threads in contiguous runs.
+    let parts = batch_threads(tessera_mesh::intra_op_threads(), count, [m, k, n]);
+    let per = count.div_ceil(parts);
+    tessera_mesh::parallel_for(parts, |p| entries(p * per..((p + 1) * per).min(count)));
+    // SAFETY: the entries wrote the m×n block of each of the `count` batch
+    // entries, every element of the `len` reserved.
+    unsafe { out.set_len(len) };
+    output(out, &shape)
+}
+
+impl Tensor {
+    /// The matrix product with PyTorch's `torch.matmul` rules: `[m, k] × [k, n]
+    /// → [m, n]`; batched `[..., m, k] × [..., k, n]` with the batch dims
+    /// broadcast (`[2, 1, m, k] × [3, k, n] → [2, 3, m, n]`); a 1-D operand is
+    /// a vector (its dim is removed from the result). Transposed and narrowed
+    /// views are read in place through their strides. Runs the
+    /// [`GemmKernel::auto`] kernel on the calling thread.
+    ///
+    /// `f32` and `f64` use the GEMM directly; `bf16` and `f16` products are the
+    /// `f32` GEMM of the widened operands, rounded once per output element,
+    /// with the conversions fused into the product (operands widened a panel
+    /// at a time into per-thread scratch, output panels rounded while they are
+    /// in cache) instead of `f32` copies of the operands and the product.
+    ///
+    /// # Errors
+    /// [`Error::ShapeMismatch`] naming both shapes when the inner dims differ
+    /// or the batch dims do not broadcast; [`Error::DTypeMismatch`] for
+    /// different dtypes; [`Error::InvalidArgument`] for rank-0 or integer tensors;
+    /// [`Error::OutOfMemory`] when the product cannot be allocated.
+    pub fn matmul(&self, rhs: &Tensor) -> Result<Tensor> {
+        self.matmul_with(rhs, GemmKernel::auto())
+    }
+
+    /// [`matmul`](Self::matmul) with a chosen GEMM kernel (for benchmarks and
+    /// for comparing kernels).
+    ///
+    /// # Errors
+    /// As [`matmul`](Self::matmul).
+    pub fn matmul_with(&self, rhs: &Tensor, kernel: GemmKernel) -> Result<Tensor> {
+        same_dtype("matmul", self, rhs)?;
+        if self.rank() == 0 || rhs.rank() == 0 {
+            return Err(Error::InvalidArgument {
+                op: "matmul",
+                detail: format!(
+                    "cannot multiply {:?} by {:?}: both operands need at least one dim; use mul for scalars",
+                    self.shape(),
+                    rhs.shape()
+                ),
+            });
+        }
+        // Vectors become matrices: [k] is [1, k] on the left and [k, 1] on the right.
+        let a = if self.rank() == 1 {
+            self.reshape(&[1, self.numel()])?
+        } else {
+            self.clone()
+        };
+        let b = if rhs.rank() == 1 {
+            rhs.reshape(&[rhs.numel(), 1])?
+        } else {
+            rhs.clone()
+        };
+        let (ra, rb) = (a.rank(), b.rank());
+        let (ka, kb) = (a.shape()[ra - 1], b.shape()[rb - 2]);
+        if ka != kb {
+            return Err(mismatch(self, rhs, format!("inner dims {ka} and {kb} differ")));
+        }
+        let batch = broadcast_shapes("matmul", &a.shape()[..ra - 2], &b.shape()[..rb - 2]).map_err(|_| {
+            let why = format!(
+                "batch dims {:?} and {:?} do not broadcast",
+                &a.shape()[..ra - 2],
+                &b.shape()[..rb - 2]
+            );
+            mismatch(self, rhs, why)
+        })?;
+        let out = match self.dtype() {
+            DType::F32 => matmul_typed::<f32>(&a, &b, &batch, kernel)?,
+            DType::F64 => matmul_typed::<f64>(&a, &b, &batch, kernel)?,
+            DType::BF16 => matmul_typed::<bf16>(&a, &b, &batch, kernel)?,
+            DType::F16 => matmul_typed::<f16>(&a, &b, &batch, kernel)?,
+            other => return Err(not_float("matmul", other)),
+        };
+        // Drop the dims that the vectors' promotion added.
+        let mut shape = out.shape().to_vec();
+        if rhs.rank() == 1 {
+            shape.pop();
+        }
+        if self.rank() == 1 {
+            shape.remove(shape.len() - if rhs.rank() == 1 { 1 } else { 2 });
+        }
+        if shape.len() == out.rank() {
+            Ok(out)
+        } else {
+            out.reshape(&shape)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;
