@@ -46,10 +46,7 @@ impl Tensor {
         same_shape(OP, self, y, "the softmax output")?;
         check_dim(OP, dim, self.rank())?;
         float_dispatch!(OP, self.dtype(), T => map_rows::<T, (), 2>(OP, [self, y], dim, #[inline(always)] |_, [g, y], o, _| {
-            let dot = T::from_wide(dot_f64(g, y)).to_acc();
-            zip_map_inline(g, y, o, #[inline(always)] |g, y| {
-                T::from_acc(y.to_acc() * T::from_acc(g.to_acc() - dot).to_acc())
-            });
+            softmax_grad_row(g, y, o, #[inline(always)] |d| d);
         }))
     }
 
@@ -73,11 +70,7 @@ impl Tensor {
             let s = <T as Float>::Acc::real(scale);
             map_rows::<T, (), 2>(OP, [self, probs], last, #[inline(always)] |r, [g, y], o, _| {
                 let keep = if is_causal { (r % t + 1).min(g.len()) } else { g.len() };
-                let dot = T::from_wide(dot_f64(g, y)).to_acc();
-                zip_map_inline(&g[..keep], &y[..keep], &mut o[..keep], #[inline(always)] |g, y| {
-                    let d = T::from_acc(y.to_acc() * T::from_acc(g.to_acc() - dot).to_acc());
-                    T::from_acc(d.to_acc() * s)
-                });
+                softmax_grad_row(g, y, &mut o[..keep], #[inline(always)] |d| T::from_acc(d.to_acc() * s));
                 // What `causal_mask(0)` then `mul_scalar` leave there (−0 for a negative scale).
                 o[keep..].fill(T::from_acc(T::from_wide(0.0).to_acc() * s));
             })
@@ -257,6 +250,21 @@ impl Tensor {
     }
 }
 
+/// One row of the softmax gradient, `y · (g − Σ g·y)` rounded as the chain of
+/// ops rounds it, each element then passed through `then`, written to the first
+/// `out.len()` elements (the dot runs over the whole row).
+#[inline(always)]
+fn softmax_grad_row<T: Float>(g: &[T], y: &[T], out: &mut [T], then: impl Fn(T) -> T) {
+    let dot = T::from_wide(dot_f64(g, y)).to_acc();
+    zip_map_inline(
+        g,
+        y,
+        out,
+        #[inline(always)]
+        |g, y| then(T::from_acc(y.to_acc() * T::from_acc(g.to_acc() - dot).to_acc())),
+    );
+}
+
 /// `Σ g·y` in `f64` of the products rounded to the dtype (as `g.mul(y).sum()`
 /// computes it), with eight independent accumulators.
 #[inline(always)]
@@ -272,12 +280,6 @@ fn dot_f64<T: Float>(g: &[T], y: &[T]) -> f64 {
         .map(|(&g, &y)| prod(g, y).widen())
         .sum();
     let mut acc = [0f64; 8];
-    #[inline(always)]
-    fn add<R: Real>(acc: &mut [f64; 8], p: &[R]) {
-        for (a, &p) in acc.iter_mut().zip(p) {
-            *a += p.widen();
-        }
-    }
     if size_of::<T>() == size_of::<T::Acc>() {
         // f32 and f64: no rounding, one loop.
         for (g, y) in g[..whole].chunks_exact(8).zip(y[..whole].chunks_exact(8)) {
@@ -294,7 +296,9 @@ fn dot_f64<T: Float>(g: &[T], y: &[T]) -> f64 {
             let products = &mut products[..g.len()];
             zip_map_inline(g, y, products, prod);
             for p in products.chunks_exact(8) {
-                add(&mut acc, p);
+                for (a, &p) in acc.iter_mut().zip(p) {
+                    *a += p.widen();
+                }
             }
         }
     }

@@ -138,24 +138,21 @@ pub(crate) fn convert<S: Scalar, D: Scalar>(s: S) -> D {
 /// mixed-precision pairs `bf16 → f32` (exact: the bits shifted) and `f32 → bf16`
 /// (round to nearest even, NaN kept quiet), with the same values as `convert`.
 pub(crate) fn convert_extend<S: Scalar, D: Scalar>(src: &[S], dst: &mut Vec<D>) {
-    match (S::DTYPE, D::DTYPE) {
-        // Compiled for the widest vectors the CPU has.
-        (DType::BF16, DType::F32) => crate::ops::Simd::best().run(
-            #[inline(always)]
-            || {
+    // Compiled for the widest vectors the CPU has.
+    crate::ops::Simd::best().run(
+        #[inline(always)]
+        || match (S::DTYPE, D::DTYPE) {
+            (DType::BF16, DType::F32) => {
                 let src: &[u16] = bytemuck::cast_slice(src);
                 dst.extend(src.iter().map(|&s| bytemuck::cast::<u32, D>(u32::from(s) << 16)));
-            },
-        ),
-        (DType::F32, DType::BF16) => crate::ops::Simd::best().run(
-            #[inline(always)]
-            || {
+            }
+            (DType::F32, DType::BF16) => {
                 let src: &[u32] = bytemuck::cast_slice(src);
                 dst.extend(src.iter().map(|&s| bytemuck::cast::<u16, D>(bf16_bits(s))));
-            },
-        ),
-        _ => dst.extend(src.iter().map(|&s| convert::<S, D>(s))),
-    }
+            }
+            _ => dst.extend(src.iter().map(|&s| convert::<S, D>(s))),
+        },
+    )
 }
 
 /// The `bf16` nearest to the `f32` with bits `x` (ties to even), as bits; a NaN
