@@ -4,7 +4,7 @@ use smallvec::{SmallVec, smallvec};
 use tessera_dtensor::dist::dispatch;
 use tessera_dtensor::ops::Reduction;
 use tessera_dtensor::sharding::local_shape_and_offset;
-use tessera_dtensor::strategy::{Candidate, DimOption, product};
+use tessera_dtensor::strategy::{Candidate, DimOption, keep_shards_except_with, product};
 use tessera_dtensor::{DTensor, Layout, Placement, Placements, ReduceOp, ShardOrder, Tensor};
 
 use crate::{Result, Var};
@@ -497,14 +497,7 @@ fn cross_entropy_backward(
 /// `y · (g − Σ_dim g·y)`, the input gradient of a softmax with output `y`, in one
 /// pass per row; sharded like `y` off `dim`.
 fn softmax_backward(g: &DTensor, y: &DTensor, dim: usize) -> tessera_dtensor::Result<DTensor> {
-    let (r, s) = (Placement::Replicate, Placement::Shard);
-    let mut options: Vec<DimOption> = vec![(smallvec![r, r], r)];
-    options.extend(
-        (0..y.shape().len())
-            .filter(|&d| d != dim)
-            .map(|d| (smallvec![s(d), s(d)], s(d))),
-    );
-    let cands = product(&vec![options; y.mesh().ndim()], 2);
+    let cands = keep_shards_except_with(y.shape().len(), &[dim], 2, 0, y.mesh().ndim());
     dispatch("softmax_backward", &[g, y], &cands, y.shape(), y.dtype(), |l, _| {
         l[0].softmax_backward(&l[1], dim)
     })
@@ -518,11 +511,8 @@ fn attention_probs_backward(
     scale: f64,
     is_causal: bool,
 ) -> tessera_dtensor::Result<DTensor> {
-    let (r, s) = (Placement::Replicate, Placement::Shard);
     let rank = probs.shape().len();
-    let mut options: Vec<DimOption> = vec![(smallvec![r, r], r)];
-    options.extend((0..rank - 2).map(|d| (smallvec![s(d), s(d)], s(d))));
-    let cands = product(&vec![options; probs.mesh().ndim()], 2);
+    let cands = keep_shards_except_with(rank, &[rank - 2, rank - 1], 2, 0, probs.mesh().ndim());
     dispatch(
         "attention_probs_backward",
         &[g, probs],
@@ -537,16 +527,8 @@ fn attention_probs_backward(
 /// [`Tensor::layer_norm_backward`]), sharded like `x` off the last dim, with the
 /// weight replicated.
 fn layer_norm_backward(g: &DTensor, x: &DTensor, w: Option<&DTensor>, eps: f64) -> tessera_dtensor::Result<DTensor> {
-    let (r, s) = (Placement::Replicate, Placement::Shard);
     let last = x.shape().len() - 1;
-    let n = 2 + usize::from(w.is_some());
-    let mut options: Vec<DimOption> = vec![(smallvec![r; n], r)];
-    options.extend((0..last).map(|d| {
-        let mut ins: SmallVec<[Placement; 3]> = smallvec![s(d), s(d)];
-        ins.extend(w.map(|_| r));
-        (ins, s(d))
-    }));
-    let cands = product(&vec![options; x.mesh().ndim()], n);
+    let cands = keep_shards_except_with(last + 1, &[last], 2, usize::from(w.is_some()), x.mesh().ndim());
     let mut inputs: SmallVec<[&DTensor; 3]> = smallvec![g, x];
     inputs.extend(w);
     dispatch("layer_norm_backward", &inputs, &cands, x.shape(), x.dtype(), |l, _| {

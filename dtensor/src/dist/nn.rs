@@ -5,7 +5,7 @@ use tessera_mesh::{Communicator, CommunicatorExt, DType, DeviceMesh};
 
 use super::{dispatch, replicate_only};
 use crate::ops::Reduction;
-use crate::strategy::{Candidate, DimOption, einsum, keep_shards_except, product, reduction};
+use crate::strategy::{Candidate, DimOption, einsum, keep_shards_except, keep_shards_except_with, product, reduction};
 use crate::{DTensor, Error, Layout, Placement, Placements, ReduceOp, Result, ShardOrder, Tensor};
 
 const BATCH: &str = "abcdefgh";
@@ -187,15 +187,7 @@ impl DTensor {
         let mut inputs: SmallVec<[&DTensor; 3]> = smallvec![self];
         inputs.extend(weight);
         inputs.extend(bias);
-        let extra = inputs.len() - 1;
-        let cands: Vec<Candidate> = keep_shards_except(r, &[r - 1], self.mesh().ndim())
-            .into_iter()
-            .map(|mut c| {
-                let rep: SmallVec<[Placement; 4]> = smallvec![Placement::Replicate; self.mesh().ndim()];
-                c.inputs.extend(std::iter::repeat_n(rep, extra));
-                c
-            })
-            .collect();
+        let cands = keep_shards_except_with(r, &[r - 1], 1, inputs.len() - 1, self.mesh().ndim());
         dispatch("layer_norm", &inputs, &cands, self.shape(), self.dtype(), |l, _| {
             let w = weight.map(|_| &l[1]);
             let b = bias.map(|_| &l[1 + usize::from(weight.is_some())]);

@@ -24,7 +24,7 @@ use crate::redistribute::{Plan, plan};
 use crate::spec::{Layout, Placements, PlacementsDisplay};
 use crate::{Placement, Result, ShardOrder};
 
-pub use rules::{Linearity, einsum, keep_shards_except, pointwise, reduction};
+pub use rules::{Linearity, einsum, keep_shards_except, keep_shards_except_with, pointwise, reduction};
 
 /// One way to run an op: the placements each input must have and the placements of the output.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]

@@ -130,11 +130,34 @@ pub fn pointwise(shapes: &[&[usize]], out: &[usize], mesh_ndim: usize, linearity
 /// Candidates for a one-input op that needs dims `whole` unsplit (softmax along a
 /// dim, layer_norm over the last dims): other dims keep their shards; no `Partial`.
 pub fn keep_shards_except(rank: usize, whole: &[usize], mesh_ndim: usize) -> Vec<Candidate> {
-    let mut options = vec![replicate_all(1)];
-    for d in (0..rank).filter(|d| !whole.contains(d)) {
-        options.push((smallvec![Placement::Shard(d)], Placement::Shard(d)));
-    }
-    product(&vec![options; mesh_ndim], 1)
+    keep_shards_except_with(rank, whole, 1, 0, mesh_ndim)
+}
+
+/// [`keep_shards_except`] for `sharded` inputs of one shape that split alike (a
+/// gradient and the forward value or output it belongs to), followed by
+/// `replicated` inputs that every candidate replicates (layer norm's weight and
+/// bias); the output splits as the sharded inputs do.
+pub fn keep_shards_except_with(
+    rank: usize,
+    whole: &[usize],
+    sharded: usize,
+    replicated: usize,
+    mesh_ndim: usize,
+) -> Vec<Candidate> {
+    let n = sharded + replicated;
+    let shard = |d| -> DimOption {
+        let ins = (0..n).map(|i| {
+            if i < sharded {
+                Placement::Shard(d)
+            } else {
+                Placement::Replicate
+            }
+        });
+        (ins.collect(), Placement::Shard(d))
+    };
+    let mut options = vec![replicate_all(n)];
+    options.extend((0..rank).filter(|d| !whole.contains(d)).map(shard));
+    product(&vec![options; mesh_ndim], n)
 }
 
 /// Candidates for a reduction of an input of rank `rank` over `dims` with `op`
@@ -224,5 +247,14 @@ mod tests {
         let c = keep_shards_except(3, &[2], 2);
         assert!(has(&c, &[&[S(0), S(1)]], &[S(0), S(1)]));
         assert!(c.iter().all(|c| !c.inputs[0].contains(&S(2))));
+        // Two inputs split alike and one replicated: replicate or shard dim 0 on each of 2 mesh dims.
+        let c = keep_shards_except_with(3, &[1, 2], 2, 1, 2);
+        assert_eq!(c.len(), 4);
+        assert!(has(&c, &[&[S(0), R], &[S(0), R], &[R, R]], &[S(0), R]));
+        assert!(has(&c, &[&[S(0), S(0)], &[S(0), S(0)], &[R, R]], &[S(0), S(0)]));
+        assert!(
+            c.iter()
+                .all(|c| c.inputs[0] == c.inputs[1] && c.inputs[2].iter().all(|&p| p == R))
+        );
     }
 }
