@@ -285,19 +285,30 @@ pub(crate) fn check_segments<C: Communicator + ?Sized>(
     Ok(())
 }
 
+/// The copies that lay out an all-gather of `n` blocks of `Σ segments` elements
+/// in segment order (segment 0 of every block, then segment 1 of every block,
+/// ...), in output order: `(q, piece, at)` puts elements `piece` of block `q` at
+/// `at..at + piece.len()` of the output.
+pub(crate) fn segment_copies(
+    segments: &[usize],
+    n: usize,
+) -> impl Iterator<Item = (usize, std::ops::Range<usize>, usize)> + '_ {
+    let starts = segments.iter().scan(0, |from, &len| {
+        *from += len;
+        Some(*from - len..*from)
+    });
+    // Segment `piece` of every block fills `n · piece.len()` elements from `n · piece.start`.
+    starts.flat_map(move |piece| (0..n).map(move |q| (q, piece.clone(), n * piece.start + q * piece.len())))
+}
+
 /// Copies the rank-major gather `src` (`n` blocks of `Σ segments`) into `dst` in
-/// segment order: segment 0 of every block, then segment 1 of every block, ...
+/// segment order ([`segment_copies`]).
 pub(crate) fn segment_major(src: &Buf<'_>, dst: &mut BufMut<'_>, segments: &[usize], n: usize) -> Result<()> {
     let block: usize = segments.iter().sum();
     crate::dispatch_buf!(Buf, src, s, T => {
         let d: &mut [T] = typed_mut(dst)?;
-        let (mut from, mut at) = (0, 0);
-        for &len in segments {
-            for q in 0..n {
-                d[at..at + len].copy_from_slice(&s[q * block + from..q * block + from + len]);
-                at += len;
-            }
-            from += len;
+        for (q, piece, at) in segment_copies(segments, n) {
+            d[at..at + piece.len()].copy_from_slice(&s[q * block..][piece]);
         }
     });
     Ok(())

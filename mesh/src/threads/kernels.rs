@@ -171,20 +171,16 @@ pub(crate) fn all_gather_segmented(
     let (descs, done) = g.enter(r, d)?;
     crate::dispatch_buf!(Buf, send, _s, T => {
         let out = d.recv_ptr as *mut T;
-        let (mut from, mut at) = (0, 0);
-        for &len in segments {
-            for dq in descs.iter() {
-                // SAFETY: as in `all_gather` (validation checked that every peer sends
-                // `send_len` elements and that our output holds `n · send_len`); the
-                // segments tile `send_len`, so `from + len` is within every peer's
-                // buffer and the writes, `n · send_len` in all, stay in our output.
-                unsafe {
-                    let src = peer::<T>(dq.send_ptr, dq.send_len);
-                    write(out, at, &src[from..from + len]);
-                }
-                at += len;
+        for (q, piece, at) in crate::comm::segment_copies(segments, descs.len()) {
+            let dq = &descs[q];
+            // SAFETY: as in `all_gather` (validation checked that every peer sends
+            // `send_len` elements and that our output holds `n · send_len`); the
+            // segments tile `send_len`, so `piece` is within every peer's buffer and
+            // the writes, `n · send_len` in all, stay in our output.
+            unsafe {
+                let src = peer::<T>(dq.send_ptr, dq.send_len);
+                write(out, at, &src[piece]);
             }
-            from += len;
         }
     });
     done.finish()
