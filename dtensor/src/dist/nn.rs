@@ -133,17 +133,7 @@ impl DTensor {
     /// # Errors
     /// Rank < 2.
     pub fn causal_mask(&self, fill: f64) -> Result<DTensor> {
-        let r = self.shape().len();
-        if r < 2 {
-            return Err(Error::InvalidArgument {
-                op: "causal_mask",
-                detail: format!("scores must have rank ≥ 2, got {:?}", self.shape()),
-            });
-        }
-        let cands = keep_shards_except(r, &[r - 2, r - 1], self.mesh().ndim());
-        dispatch("causal_mask", &[self], &cands, self.shape(), self.dtype(), |l, _| {
-            l[0].causal_mask(fill)
-        })
+        self.per_query_and_key("causal_mask", |l| l.causal_mask(fill))
     }
 
     /// The attention weights of `[..., T, S]` scores (see [`Tensor::attention_probs`]):
@@ -153,22 +143,22 @@ impl DTensor {
     /// # Errors
     /// Rank < 2, a non-finite `scale`, integer inputs.
     pub fn attention_probs(&self, scale: f64, is_causal: bool) -> Result<DTensor> {
+        self.per_query_and_key("attention_probs", |l| l.attention_probs(scale, is_causal))
+    }
+
+    /// `kernel` on `[..., T, S]` scores whose last two dims it needs whole (the
+    /// queries' positions decide what each row keeps): those dims replicated,
+    /// batch (and head) shards kept, the output shaped like the input.
+    fn per_query_and_key(&self, op: &'static str, kernel: impl FnOnce(&Tensor) -> Result<Tensor>) -> Result<DTensor> {
         let r = self.shape().len();
         if r < 2 {
             return Err(Error::InvalidArgument {
-                op: "attention_probs",
+                op,
                 detail: format!("scores must have rank ≥ 2, got {:?}", self.shape()),
             });
         }
         let cands = keep_shards_except(r, &[r - 2, r - 1], self.mesh().ndim());
-        dispatch(
-            "attention_probs",
-            &[self],
-            &cands,
-            self.shape(),
-            self.dtype(),
-            |l, _| l[0].attention_probs(scale, is_causal),
-        )
+        dispatch(op, &[self], &cands, self.shape(), self.dtype(), |l, _| kernel(&l[0]))
     }
 
     /// Layer norm over the last dim with optional `[D]` affine weight and bias
