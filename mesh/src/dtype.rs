@@ -296,6 +296,60 @@ impl Buffer {
     }
 }
 
+/// An output buffer of `len` elements that a collective's kernel writes in full
+/// before anyone reads it: allocated without zeroing (for the multi-megabyte
+/// outputs of the asynchronous collectives, a zeroing pass costs about as much
+/// as the copy that then overwrites it), and handed out as a [`Buffer`] only
+/// once the kernel says every element is written.
+pub(crate) struct Filling {
+    /// Capacity `len`, length 0 until [`finish`](Self::finish).
+    buf: Buffer,
+    len: usize,
+}
+
+impl Filling {
+    /// Room for `len` elements of `dtype`, none written yet.
+    pub(crate) fn new(dtype: DType, len: usize) -> Filling {
+        let buf = match dtype {
+            DType::F32 => Buffer::F32(Vec::with_capacity(len)),
+            DType::F64 => Buffer::F64(Vec::with_capacity(len)),
+            DType::BF16 => Buffer::BF16(Vec::with_capacity(len)),
+            DType::F16 => Buffer::F16(Vec::with_capacity(len)),
+            DType::I64 => Buffer::I64(Vec::with_capacity(len)),
+            DType::U8 => Buffer::U8(Vec::with_capacity(len)),
+        };
+        Filling { buf, len }
+    }
+
+    /// The element type.
+    pub(crate) fn dtype(&self) -> DType {
+        self.buf.dtype()
+    }
+
+    /// Elements to be written.
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    /// The address of the first element (writes go through it; the
+    /// allocation does not move while `self` lives).
+    pub(crate) fn addr(&mut self) -> usize {
+        crate::dispatch_buf!(Buffer, &mut self.buf, v, _T => v.as_mut_ptr() as usize)
+    }
+
+    /// The written buffer.
+    ///
+    /// # Safety
+    /// All `len` elements must have been written through [`addr`](Self::addr).
+    pub(crate) unsafe fn finish(mut self) -> Buffer {
+        let len = self.len;
+        // SAFETY: the capacity is `len` (from `new`) and the caller guarantees
+        // that every element below it is initialised.
+        crate::dispatch_buf!(Buffer, &mut self.buf, v, _T => unsafe { v.set_len(len) });
+        self.buf
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -4,9 +4,10 @@
 use std::sync::Arc;
 
 use super::group::Group;
-use super::kernels;
+use super::kernels::{self, Out};
 use crate::comm::{Worker, all_to_all_v_bytes, nbytes as bytes};
 use crate::context::RankId;
+use crate::dtype::Filling;
 use crate::stats::CommStats;
 use crate::{Buf, BufMut, Buffer, Communicator, OpKind, ReduceOp, Result, Work};
 
@@ -98,23 +99,23 @@ impl Communicator for ThreadComm {
         "threads"
     }
 
-    fn all_gather(&self, send: Buf<'_>, recv: BufMut<'_>) -> Result<()> {
+    fn all_gather(&self, send: Buf<'_>, mut recv: BufMut<'_>) -> Result<()> {
         self.fence();
         self.record(OpKind::AllGather, bytes(&send) * self.size());
-        kernels::all_gather(&self.group, self.rank, send, recv)
+        kernels::all_gather(&self.group, self.rank, send, Out::of(&mut recv))
     }
 
-    fn all_gather_segmented(&self, send: Buf<'_>, recv: BufMut<'_>, segments: &[usize]) -> Result<()> {
+    fn all_gather_segmented(&self, send: Buf<'_>, mut recv: BufMut<'_>, segments: &[usize]) -> Result<()> {
         crate::comm::check_segments(self, &send, (recv.dtype(), recv.len()), segments)?;
         self.fence();
         self.record(OpKind::AllGather, bytes(&send) * self.size());
-        kernels::all_gather_segmented(&self.group, self.rank, send, recv, segments)
+        kernels::all_gather_segmented(&self.group, self.rank, send, Out::of(&mut recv), segments)
     }
 
-    fn reduce_scatter(&self, send: Buf<'_>, recv: BufMut<'_>, op: ReduceOp) -> Result<()> {
+    fn reduce_scatter(&self, send: Buf<'_>, mut recv: BufMut<'_>, op: ReduceOp) -> Result<()> {
         self.fence();
         self.record(OpKind::ReduceScatter, bytes(&send));
-        kernels::reduce_scatter(&self.group, self.rank, send, recv, op)
+        kernels::reduce_scatter(&self.group, self.rank, send, Out::of(&mut recv), op)
     }
 
     fn all_reduce(&self, buf: BufMut<'_>, op: ReduceOp) -> Result<()> {
@@ -129,10 +130,10 @@ impl Communicator for ThreadComm {
         kernels::all_reduce(&self.group, self.rank, Some(send), recv, op)
     }
 
-    fn all_to_all(&self, send: Buf<'_>, recv: BufMut<'_>) -> Result<()> {
+    fn all_to_all(&self, send: Buf<'_>, mut recv: BufMut<'_>) -> Result<()> {
         self.fence();
         self.record(OpKind::AllToAll, bytes(&send));
-        kernels::all_to_all(&self.group, self.rank, send, recv)
+        kernels::all_to_all(&self.group, self.rank, send, Out::of(&mut recv))
     }
 
     fn all_gather_v(&self, send: Buf<'_>, recv: BufMut<'_>, counts: &[usize]) -> Result<()> {
@@ -186,8 +187,10 @@ impl Communicator for ThreadComm {
         self.record(OpKind::AllGather, bytes(&send.as_buf()) * self.size());
         let n = self.size();
         self.submit(move |g, r| {
-            let mut recv = Buffer::zeros(send.dtype(), send.len() * n);
-            kernels::all_gather(g, r, send.as_buf(), recv.as_buf_mut()).map(|_| recv)
+            let mut recv = Filling::new(send.dtype(), send.len() * n);
+            kernels::all_gather(g, r, send.as_buf(), Out::filling(&mut recv))?;
+            // SAFETY: the kernel returned Ok, so it wrote every element.
+            Ok(unsafe { recv.finish() })
         })
     }
 
@@ -199,8 +202,10 @@ impl Communicator for ThreadComm {
         }
         self.record(OpKind::AllGather, bytes(&send.as_buf()) * n);
         self.submit(move |g, r| {
-            let mut recv = Buffer::zeros(send.dtype(), send.len() * n);
-            kernels::all_gather_segmented(g, r, send.as_buf(), recv.as_buf_mut(), &segments).map(|_| recv)
+            let mut recv = Filling::new(send.dtype(), send.len() * n);
+            kernels::all_gather_segmented(g, r, send.as_buf(), Out::filling(&mut recv), &segments)?;
+            // SAFETY: the kernel returned Ok, so it wrote every element.
+            Ok(unsafe { recv.finish() })
         })
     }
 
@@ -208,8 +213,10 @@ impl Communicator for ThreadComm {
         self.record(OpKind::ReduceScatter, bytes(&send.as_buf()));
         let n = self.size();
         self.submit(move |g, r| {
-            let mut recv = Buffer::zeros(send.dtype(), send.len() / n);
-            kernels::reduce_scatter(g, r, send.as_buf(), recv.as_buf_mut(), op).map(|_| recv)
+            let mut recv = Filling::new(send.dtype(), send.len() / n);
+            kernels::reduce_scatter(g, r, send.as_buf(), Out::filling(&mut recv), op)?;
+            // SAFETY: the kernel returned Ok, so it wrote every element.
+            Ok(unsafe { recv.finish() })
         })
     }
 
@@ -221,8 +228,10 @@ impl Communicator for ThreadComm {
     fn all_to_all_async(&self, send: Buffer) -> Work {
         self.record(OpKind::AllToAll, bytes(&send.as_buf()));
         self.submit(move |g, r| {
-            let mut recv = Buffer::zeros(send.dtype(), send.len());
-            kernels::all_to_all(g, r, send.as_buf(), recv.as_buf_mut()).map(|_| recv)
+            let mut recv = Filling::new(send.dtype(), send.len());
+            kernels::all_to_all(g, r, send.as_buf(), Out::filling(&mut recv))?;
+            // SAFETY: the kernel returned Ok, so it wrote every element.
+            Ok(unsafe { recv.finish() })
         })
     }
 

@@ -16,7 +16,8 @@ use half::{bf16, f16};
 
 use super::desc::Desc;
 use super::group::Group;
-use crate::{Buf, BufMut, Element, OpKind, ReduceOp, Result};
+use crate::dtype::Filling;
+use crate::{Buf, BufMut, DType, Element, OpKind, ReduceOp, Result};
 
 /// Elements reduced per block: a block of every peer's input and the accumulator
 /// stay in L1/L2 while they are combined.
@@ -138,10 +139,45 @@ fn recv_parts(recv: &mut BufMut<'_>) -> (usize, usize) {
     crate::dispatch_buf!(BufMut, recv, s, _T => (s.as_mut_ptr() as usize, s.len()))
 }
 
-pub(crate) fn all_gather(g: &Group, r: usize, send: Buf<'_>, mut recv: BufMut<'_>) -> Result<()> {
+/// Where a collective writes this rank's output: the first element's address,
+/// the length and the dtype, taken from a borrowed [`BufMut`] (blocking forms)
+/// or from a [`Filling`] (asynchronous forms, whose output is not zeroed first:
+/// these kernels write every element of it before they return `Ok`).
+#[derive(Clone, Copy)]
+pub(crate) struct Out {
+    addr: usize,
+    len: usize,
+    dtype: DType,
+}
+
+impl Out {
+    /// The output `recv` (which must outlive the collective).
+    pub(crate) fn of(recv: &mut BufMut<'_>) -> Out {
+        let (addr, len) = recv_parts(recv);
+        Out {
+            addr,
+            len,
+            dtype: recv.dtype(),
+        }
+    }
+
+    /// The output `recv` (which must outlive the collective).
+    pub(crate) fn filling(recv: &mut Filling) -> Out {
+        Out {
+            addr: recv.addr(),
+            len: recv.len(),
+            dtype: recv.dtype(),
+        }
+    }
+
+    fn publish(self, d: &mut Desc) {
+        (d.recv_ptr, d.recv_len, d.recv_dtype) = (self.addr, self.len, self.dtype);
+    }
+}
+
+pub(crate) fn all_gather(g: &Group, r: usize, send: Buf<'_>, recv: Out) -> Result<()> {
     let mut d = send_desc(OpKind::AllGather, &send);
-    (d.recv_ptr, d.recv_len) = recv_parts(&mut recv);
-    d.recv_dtype = recv.dtype();
+    recv.publish(&mut d);
     let (descs, done) = g.enter(r, d)?;
     let c = d.send_len;
     crate::dispatch_buf!(Buf, send, _s, T => {
@@ -158,16 +194,9 @@ pub(crate) fn all_gather(g: &Group, r: usize, send: Buf<'_>, mut recv: BufMut<'_
 
 /// [`all_gather`] writing each peer's segments straight into segment order (the
 /// segments, checked by the caller to tile `send`, lay out only our output).
-pub(crate) fn all_gather_segmented(
-    g: &Group,
-    r: usize,
-    send: Buf<'_>,
-    mut recv: BufMut<'_>,
-    segments: &[usize],
-) -> Result<()> {
+pub(crate) fn all_gather_segmented(g: &Group, r: usize, send: Buf<'_>, recv: Out, segments: &[usize]) -> Result<()> {
     let mut d = send_desc(OpKind::AllGather, &send);
-    (d.recv_ptr, d.recv_len) = recv_parts(&mut recv);
-    d.recv_dtype = recv.dtype();
+    recv.publish(&mut d);
     let (descs, done) = g.enter(r, d)?;
     crate::dispatch_buf!(Buf, send, _s, T => {
         let out = d.recv_ptr as *mut T;
@@ -186,10 +215,9 @@ pub(crate) fn all_gather_segmented(
     done.finish()
 }
 
-pub(crate) fn reduce_scatter(g: &Group, r: usize, send: Buf<'_>, mut recv: BufMut<'_>, op: ReduceOp) -> Result<()> {
+pub(crate) fn reduce_scatter(g: &Group, r: usize, send: Buf<'_>, recv: Out, op: ReduceOp) -> Result<()> {
     let mut d = send_desc(OpKind::ReduceScatter, &send);
-    (d.recv_ptr, d.recv_len) = recv_parts(&mut recv);
-    d.recv_dtype = recv.dtype();
+    recv.publish(&mut d);
     d.reduce = Some(op);
     let (descs, done) = g.enter(r, d)?;
     let c = d.recv_len;
@@ -233,10 +261,9 @@ pub(crate) fn all_reduce(g: &Group, r: usize, send: Option<Buf<'_>>, mut buf: Bu
     done.finish()
 }
 
-pub(crate) fn all_to_all(g: &Group, r: usize, send: Buf<'_>, mut recv: BufMut<'_>) -> Result<()> {
+pub(crate) fn all_to_all(g: &Group, r: usize, send: Buf<'_>, recv: Out) -> Result<()> {
     let mut d = send_desc(OpKind::AllToAll, &send);
-    (d.recv_ptr, d.recv_len) = recv_parts(&mut recv);
-    d.recv_dtype = recv.dtype();
+    recv.publish(&mut d);
     let (descs, done) = g.enter(r, d)?;
     let c = d.send_len / descs.len();
     crate::dispatch_buf!(Buf, send, _s, T => {
