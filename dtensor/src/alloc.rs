@@ -28,6 +28,7 @@
 //! dtype and bytes) when the memory cannot be had, instead of aborting the process.
 
 use std::cell::RefCell;
+use std::mem::MaybeUninit;
 
 use tessera_mesh::{Buffer, DType, Element};
 
@@ -59,6 +60,18 @@ pub(crate) fn recycle(buf: Buffer) {
     });
 }
 
+/// A cached buffer of `n` elements of `T`, taken out of this thread's cache.
+fn cached<T: Element>(n: usize) -> Option<Vec<T>> {
+    CACHE
+        .try_with(|c| {
+            let mut c = c.borrow_mut();
+            let i = c.iter().position(|b| b.dtype() == T::DTYPE && b.len() == n)?;
+            T::from_buffer(c.remove(i)).ok()
+        })
+        .ok()
+        .flatten()
+}
+
 /// A vector for a tensor of `shape` whose contents are unspecified (but valid
 /// values): a cached buffer of that exact size when there is one, else a fresh
 /// zeroed one. For outputs that the caller overwrites in full.
@@ -67,18 +80,43 @@ pub(crate) fn recycle(buf: Buffer) {
 /// [`Error::OutOfMemory`] as for [`zeroed`].
 pub(crate) fn reused<T: Element>(op: &'static str, shape: &[usize]) -> Result<Vec<T>> {
     let n = checked_len(op, shape, T::DTYPE)?;
-    let hit = CACHE
-        .try_with(|c| {
-            let mut c = c.borrow_mut();
-            let i = c.iter().position(|b| b.dtype() == T::DTYPE && b.len() == n)?;
-            T::from_buffer(c.remove(i)).ok()
-        })
-        .ok()
-        .flatten();
-    match hit {
+    match cached::<T>(n) {
         Some(v) => Ok(v),
         None => zeroed(op, shape),
     }
+}
+
+/// A vector for a tensor of `shape` whose every element `write` sets: a cached
+/// buffer of that exact size when there is one (as [`reused`]), else a fresh one
+/// that is not zeroed first (a zeroing pass costs about as much as the writes).
+///
+/// # Safety
+/// `write` must write every element of the slice it is given (whatever it
+/// holds may be uninitialised), or panic.
+///
+/// # Errors
+/// [`Error::OutOfMemory`] as for [`zeroed`].
+pub(crate) unsafe fn written<T: Element>(
+    op: &'static str,
+    shape: &[usize],
+    write: impl FnOnce(&mut [MaybeUninit<T>]),
+) -> Result<Vec<T>> {
+    let n = checked_len(op, shape, T::DTYPE)?;
+    let mut v = match cached::<T>(n) {
+        Some(mut v) => {
+            // Dropped elements are not read: a panic in `write` leaves a buffer
+            // that is freed without reading it.
+            // SAFETY: `T` is plain data (no drop), and its length is back to `n`
+            // only after `write` returned.
+            unsafe { v.set_len(0) };
+            v
+        }
+        None => with_capacity::<T>(op, shape)?,
+    };
+    write(&mut v.spare_capacity_mut()[..n]);
+    // SAFETY: the capacity is at least `n`, and `write` set every element below it.
+    unsafe { v.set_len(n) };
+    Ok(v)
 }
 
 /// The bytes a tensor of `shape` and `dtype` needs, or `None` when the count

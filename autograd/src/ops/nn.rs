@@ -299,9 +299,10 @@ impl Var {
                 ])
             }));
         }
-        let value = logits.cross_entropy(&t, reduction)?;
+        // The probabilities, not the logits, are kept for backward (the same bytes).
+        let (value, probs) = logits.cross_entropy_with_grad(&t, reduction)?;
         Ok(Var::from_op("cross_entropy", value, &[self, targets], move |g| {
-            Ok(smallvec![Some(cross_entropy_backward(&logits, &t, g, scale)?), None])
+            Ok(smallvec![Some(cross_entropy_backward(&probs, &t, g, scale)?), None])
         }))
     }
 }
@@ -462,9 +463,10 @@ fn class_parallel_ce_backward(
     )
 }
 
-/// `(softmax(logits) − onehot(targets)) · scale · g`, sharded like the logits' batch.
+/// `(probs − onehot(targets)) · scale · g`, the logits' gradient from the
+/// probabilities that the forward kept, sharded like their batch.
 fn cross_entropy_backward(
-    logits: &DTensor,
+    probs: &DTensor,
     targets: &DTensor,
     g: &DTensor,
     scale: f64,
@@ -474,13 +476,13 @@ fn cross_entropy_backward(
     let mut options: Vec<DimOption> = vec![(smallvec![r, r, r], r)];
     options.extend((0..tr).map(|k| (smallvec![s(k), s(k), r], s(k))));
     let cands = product(&vec![options; g.mesh().ndim()], 3);
-    let c = *logits.shape().last().unwrap_or(&0);
+    let c = *probs.shape().last().unwrap_or(&0);
     dispatch(
         "cross_entropy_backward",
-        &[logits, targets, g],
+        &[probs, targets, g],
         &cands,
-        logits.shape(),
-        logits.dtype(),
+        probs.shape(),
+        probs.dtype(),
         |l, _| {
             let n = l[1].numel();
             if n == 0 {
@@ -489,7 +491,7 @@ fn cross_entropy_backward(
             let flat = l[0].reshape(&[n, c])?;
             let t = l[1].contiguous().reshape(&[n])?;
             let gs = l[2].to_f64_vec()[0] * scale;
-            flat.cross_entropy_backward(&t, gs)?.reshape(l[0].shape())
+            flat.cross_entropy_backward_from_probs(&t, gs)?.reshape(l[0].shape())
         },
     )
 }

@@ -246,20 +246,69 @@ impl DTensor {
         if self.placements().iter().any(|p| p.is_shard_on(ls.len() - 1)) {
             return Ok(self.cross_entropy_class_parallel(targets, reduction)?.0);
         }
-        let (r, s) = (Placement::Replicate, Placement::Shard);
-        let mut options: Vec<DimOption> = vec![(smallvec![r, r], r)];
-        options.extend((0..ts.len()).map(|k| (smallvec![s(k), s(k)], Placement::Partial(ReduceOp::Sum))));
-        let cands = product(&vec![options; self.mesh().ndim()], 2);
-        dispatch("cross_entropy", &[self, targets], &cands, &[], self.dtype(), |l, _| {
-            let n = l[1].numel();
-            if n == 0 {
-                // No rows here: a zero partial sum (NaN for a mean over no rows at all).
-                return Tensor::zeros(&[], l[0].dtype())?.mul_scalar(scale);
-            }
-            let logits = l[0].reshape(&[n, c])?;
-            let t = l[1].reshape(&[n])?;
-            logits.cross_entropy(&t, Reduction::Sum)?.mul_scalar(scale)
-        })
+        dispatch(
+            "cross_entropy",
+            &[self, targets],
+            &ce_candidates(ts.len(), self.mesh().ndim()),
+            &[],
+            self.dtype(),
+            |l, _| {
+                let n = l[1].numel();
+                if n == 0 {
+                    // No rows here: a zero partial sum (NaN for a mean over no rows at all).
+                    return Tensor::zeros(&[], l[0].dtype())?.mul_scalar(scale);
+                }
+                let logits = l[0].reshape(&[n, c])?;
+                let t = l[1].reshape(&[n])?;
+                logits.cross_entropy(&t, Reduction::Sum)?.mul_scalar(scale)
+            },
+        )
+    }
+
+    /// [`cross_entropy`](Self::cross_entropy) with the class dim replicated, also
+    /// returning the softmax probabilities of the logits (logits' dtype, placed as
+    /// the logits were for the loss), from which the logits' gradient is one pass
+    /// ([`Tensor::cross_entropy_backward_from_probs`]): a training step's backward
+    /// then reads the probabilities instead of computing every exponential again.
+    ///
+    /// PyTorch: `F.cross_entropy` (whose backward recomputes the softmax).
+    ///
+    /// # Errors
+    /// As [`cross_entropy`](Self::cross_entropy), and logits sharded on their
+    /// class dim (use [`cross_entropy_class_parallel`](Self::cross_entropy_class_parallel)).
+    pub fn cross_entropy_with_grad(&self, targets: &DTensor, reduction: Reduction) -> Result<(DTensor, DTensor)> {
+        let scale = ce_scale(self, targets, reduction)?;
+        let (ls, ts) = (self.shape(), targets.shape());
+        let c = ls[ls.len() - 1];
+        if self.placements().iter().any(|p| p.is_shard_on(ls.len() - 1)) {
+            return Err(Error::Placement {
+                op: "cross_entropy",
+                detail: format!(
+                    "logits placed {} shard their class dim; their probabilities are never gathered: \
+                     use cross_entropy_class_parallel",
+                    crate::PlacementsDisplay(self.placements())
+                ),
+            });
+        }
+        let mut probs = None;
+        let loss = dispatch(
+            "cross_entropy",
+            &[self, targets],
+            &ce_candidates(ts.len(), self.mesh().ndim()),
+            &[],
+            self.dtype(),
+            |l, ctx| {
+                let n = l[1].numel();
+                let logits = l[0].reshape(&[n, c])?;
+                let (loss, p) = logits.cross_entropy_with_grad(&l[1].reshape(&[n])?, Reduction::Sum)?;
+                probs = Some((p.reshape(l[0].shape())?, ctx.inputs[0].clone()));
+                // No rows here: the sum is a zero partial sum (NaN for a mean over no rows at all).
+                loss.mul_scalar(scale)
+            },
+        )?;
+        // INVARIANT: dispatch ran the kernel, which set `probs`, before returning Ok.
+        let (p, layout) = probs.expect("the kernel ran");
+        Ok((loss, DTensor::from_local_with_layout(p, self.mesh(), layout)?))
     }
 
     /// Cross entropy of logits `[..., C]` whose class dim may be sharded, without
@@ -380,6 +429,16 @@ impl DTensor {
         log::debug!("{op}: no sharding strategy, replicating its inputs");
         dispatch(op, inputs, &cands, out_shape, out_dtype, |l, _| kernel(l))
     }
+}
+
+/// Cross entropy's candidates with the class dim replicated: per mesh dim, all
+/// replicated, or logits and targets split alike on a batch dim (of `target_rank`)
+/// for a partial sum.
+fn ce_candidates(target_rank: usize, mesh_ndim: usize) -> Vec<Candidate> {
+    let (r, s) = (Placement::Replicate, Placement::Shard);
+    let mut options: Vec<DimOption> = vec![(smallvec![r, r], r)];
+    options.extend((0..target_rank).map(|k| (smallvec![s(k), s(k)], Placement::Partial(ReduceOp::Sum))));
+    product(&vec![options; mesh_ndim], 2)
 }
 
 /// Checks cross entropy's logits and targets and returns the loss scale (one

@@ -484,6 +484,9 @@ mod par_tests {
                         x.cross_entropy(&targets, nn::Reduction::None)?,
                         x.cross_entropy(&targets, nn::Reduction::Mean)?,
                         x.cross_entropy_backward(&targets, 0.25)?,
+                        x.cross_entropy_with_grad(&targets, nn::Reduction::Sum)?.0,
+                        x.cross_entropy_with_grad(&targets, nn::Reduction::Sum)?.1,
+                        y.cross_entropy_backward_from_probs(&targets, 0.25)?,
                         x.reshape(&[rows / 64, 64, d])?.causal_mask(-1e4)?,
                         // Blocks of 86 rows: a block starts mid-sequence (row 86 is query 22).
                         x.reshape(&[rows / 64, 64, d])?.attention_probs(0.3, true)?,

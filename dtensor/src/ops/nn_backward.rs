@@ -1,6 +1,8 @@
 //! Fused backward kernels of softmax, layer norm and cross entropy: one pass
 //! over each row instead of a chain of element-wise ops and their temporaries.
 
+use std::mem::MaybeUninit;
+
 use super::fastmath::{Simd, zip_map_inline};
 use super::nn::{ce_targets, check_scores, index_vector, map_rows, row_exp_sum};
 use super::reduce::sum_map_f64;
@@ -245,6 +247,44 @@ impl Tensor {
                     }
                 })
             });
+            output(out, &[n, c])
+        })
+    }
+}
+
+impl Tensor {
+    /// [`cross_entropy_backward`](Self::cross_entropy_backward) from the
+    /// probabilities `self` (`[N, C]`) that
+    /// [`cross_entropy_with_grad`](Self::cross_entropy_with_grad) returned for
+    /// the logits, instead of the logits: `(self − onehot(targets)) · scale`,
+    /// bit for bit the same, without recomputing the exponentials (one pass
+    /// that reads and writes each element once).
+    ///
+    /// # Errors
+    /// As [`cross_entropy_with_grad`](Self::cross_entropy_with_grad), for the
+    /// probabilities in place of the logits.
+    pub fn cross_entropy_backward_from_probs(&self, targets: &Tensor, scale: f64) -> Result<Tensor> {
+        let (n, c, t) = ce_targets(self, targets)?;
+        float_dispatch!("cross_entropy", self.dtype(), T => {
+            let p = elements::<T>(self)?;
+            let (simd, p, c) = (Simd::best(), &p[..], c.max(1));
+            let write = |out: &mut [MaybeUninit<T>]| {
+                super::par_rows(out, c, |start, block| {
+                    simd.run(#[inline(always)] || {
+                        zip_map_inline(&p[start..], &p[start..], block, #[inline(always)] |v, _| {
+                            MaybeUninit::new(T::from_wide(v.wide() * scale))
+                        });
+                        let rows = block.chunks_exact_mut(c).zip(t[start / c..].iter().zip(p[start..].chunks_exact(c)));
+                        for (o, (&k, row)) in rows {
+                            let k = k as usize;
+                            o[k] = MaybeUninit::new(T::from_wide((row[k].wide() - 1.0) * scale));
+                        }
+                    })
+                })
+            };
+            // SAFETY: the blocks of `par_rows` tile the output, and the first loop
+            // writes each block's every element (`p` holds as many from `start`).
+            let out = unsafe { crate::alloc::written("cross_entropy", &[n, c], write)? };
             output(out, &[n, c])
         })
     }
@@ -519,6 +559,9 @@ mod tests {
                 want.iter_mut().for_each(|v| *v *= 0.37);
                 let got = logits.cross_entropy_backward(&targets, 0.37).unwrap();
                 assert_eq!((got.shape(), got.dtype()), (&[n, c][..], dtype));
+                // From the kept probabilities: the same bits without the exponentials.
+                let from_probs = probs.cross_entropy_backward_from_probs(&targets, 0.37).unwrap();
+                assert_eq!(from_probs.to_f64_vec(), got.to_f64_vec(), "{n}x{c} {dtype} from probs");
                 // Bit-identical to rounding the f64 chain once.
                 let want = Tensor::from_vec(want, &[n, c]).unwrap().cast(dtype).unwrap();
                 assert_eq!(got.to_f64_vec(), want.to_f64_vec(), "{n}x{c} {dtype}");
@@ -530,6 +573,12 @@ mod tests {
         let x = sample(&[2, 4], DType::F32, 1);
         assert_eq!(
             x.cross_entropy_backward(&Tensor::from_vec(vec![1i64, 4], &[2]).unwrap(), 1.0)
+                .unwrap_err()
+                .to_string(),
+            "cross_entropy: target 4 of row 1 is not a class of 0..4"
+        );
+        assert_eq!(
+            x.cross_entropy_backward_from_probs(&Tensor::from_vec(vec![1i64, 4], &[2]).unwrap(), 1.0)
                 .unwrap_err()
                 .to_string(),
             "cross_entropy: target 4 of row 1 is not a class of 0..4"
@@ -572,6 +621,14 @@ mod tests {
             (
                 "cross_entropy_backward",
                 Box::new(|| logits.cross_entropy_backward(&t, 0.5).unwrap()),
+            ),
+            (
+                "cross_entropy_with_grad",
+                Box::new(|| logits.cross_entropy_with_grad(&t, Reduction::Sum).unwrap().1),
+            ),
+            (
+                "cross_entropy_backward_from_probs",
+                Box::new(|| logits.cross_entropy_backward_from_probs(&t, 0.5).unwrap()),
             ),
         ];
         for (name, op) in ops {

@@ -1,6 +1,9 @@
 //! Neural-network ops: softmax, log-softmax, layer norm, embedding, cross
 //! entropy and the causal attention mask.
 
+use std::mem::MaybeUninit;
+use std::sync::atomic::{AtomicU64, Ordering};
+
 use tessera_mesh::{DType, Element};
 
 use super::fastmath::{Simd, exp, zip_map_inline};
@@ -393,22 +396,41 @@ impl Tensor {
             // exponentials are computed with the CPU's widest vectors.
             let row = |i: usize| &x[i * c..(i + 1) * c];
             let mut losses = vec![0f64; n];
-            let mut p = Vec::with_capacity(if probs { n * c } else { 0 });
-            if probs {
-                Simd::best().run(#[inline(always)] || {
-                    let mut e = Vec::with_capacity(c);
-                    for (i, &k) in t.iter().enumerate() {
-                        let (loss, sum) = ce_row::<T>(row(i), k as usize, &mut e);
-                        losses[i] = loss;
-                        // The softmax from the exponentials already at hand, as `softmax` does.
-                        let inv = 1.0 / sum;
-                        p.extend(e.iter().map(|&v| <T as Float>::from_wide(v.widen() * inv)));
-                    }
-                })
+            let simd = Simd::best();
+            let p = if probs {
+                // Blocks of rows over the rank's threads: each writes its rows'
+                // probabilities and, through `row_losses`, their losses.
+                let row_losses: Vec<AtomicU64> = (0..n).map(|_| AtomicU64::new(0)).collect();
+                let write = |p: &mut [MaybeUninit<T>]| {
+                    super::par_rows(p, c.max(1), |start, block| {
+                        simd.run(#[inline(always)] || {
+                            let mut e = Vec::with_capacity(c);
+                            let first = start / c.max(1);
+                            for (j, out) in block.chunks_exact_mut(c.max(1)).enumerate() {
+                                let i = first + j;
+                                let (loss, sum) = ce_row::<T>(row(i), t[i] as usize, &mut e);
+                                row_losses[i].store(loss.to_bits(), Ordering::Relaxed);
+                                // The softmax from the exponentials already at hand, as `softmax` does.
+                                let inv = 1.0 / sum;
+                                zip_map_inline(&e, &e, out, #[inline(always)] |v, _| {
+                                    MaybeUninit::new(<T as Float>::from_wide(v.widen() * inv))
+                                });
+                            }
+                        })
+                    })
+                };
+                // SAFETY: the blocks of `par_rows` tile the `n · c` elements, and each
+                // row's `c` elements are written (targets are in range, so `n > 0`
+                // means `c > 0`, and `e` holds one exponential per element).
+                let p = unsafe { crate::alloc::written(OP, &[n, c], write)? };
+                // `par_rows` returned: every row's loss is stored.
+                for (l, r) in losses.iter_mut().zip(&row_losses) {
+                    *l = f64::from_bits(r.load(Ordering::Relaxed));
+                }
+                Some(output(p, &[n, c])?)
             } else {
                 // Blocks of rows over the rank's threads; every row's loss is the
                 // same at any split, and they are summed in row order below.
-                let simd = Simd::best();
                 super::par_blocks(&mut losses, 1, super::par_parts(n * c), |start, block| {
                     simd.run(#[inline(always)] || {
                         let mut e = Vec::with_capacity(c);
@@ -417,13 +439,13 @@ impl Tensor {
                         }
                     })
                 });
-            }
+                None
+            };
             let loss = match reduction {
                 Reduction::Mean => output(vec![<T as Float>::from_wide(losses.iter().sum::<f64>() / n as f64)], &[])?,
                 Reduction::Sum => output(vec![<T as Float>::from_wide(losses.iter().sum::<f64>())], &[])?,
                 Reduction::None => output(losses.into_iter().map(<T as Float>::from_wide).collect(), &[n])?,
             };
-            let p = if probs { Some(output(p, &[n, c])?) } else { None };
             Ok((loss, p))
         })
     }
