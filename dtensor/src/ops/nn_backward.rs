@@ -111,17 +111,21 @@ impl Tensor {
                 Some(w) => elements::<T>(w)?.iter().map(|v| v.wide()).collect(),
                 None => filled(OP, d, 1.0)?,
             };
-            map_rows::<T, Vec<f64>, 2>(OP, [self, x], x.rank() - 1, #[inline(always)] |_, [g, x], o, gw| {
+            map_rows::<T, [Vec<f64>; 2], 2>(OP, [self, x], x.rank() - 1, #[inline(always)] |_, [g, x], o, [gw, xhat]| {
                 gw.resize(d, 0.0);
+                xhat.resize(d, 0.0);
                 let (mean, rstd) = row_stats(x, eps);
                 for ((a, &g), &w) in gw.iter_mut().zip(g).zip(&w) {
                     *a = g.wide() * w;
                 }
-                let m1 = gw.iter().sum::<f64>() / d as f64;
-                let m2 = gw.iter().zip(x).map(|(&a, &x)| a * (x.wide() - mean) * rstd).sum::<f64>() / d as f64;
-                for ((o, &a), &x) in o.iter_mut().zip(gw.iter()).zip(x) {
-                    let xhat = (x.wide() - mean) * rstd;
-                    *o = T::from_wide((a - m1 - xhat * m2) * rstd);
+                for (h, &x) in xhat.iter_mut().zip(x) {
+                    *h = (x.wide() - mean) * rstd;
+                }
+                // Sums in eight lanes (vector adds), not one chain of dependent adds.
+                let m1 = sum_map_f64(gw, |a| a) / d as f64;
+                let m2 = dot_f64::<f64>(gw, xhat) / d as f64;
+                for ((o, &a), &h) in o.iter_mut().zip(gw.iter()).zip(xhat.iter()) {
+                    *o = T::from_wide((a - m1 - h * m2) * rstd);
                 }
             })
         })
