@@ -243,8 +243,9 @@ impl Tensor {
             // it), then its exponentials in the compute type.
             map_rows::<T, (Vec<T>, Vec<_>), 1>(OP, [self], last, #[inline(always)] |r, [row], out, (scaled, e)| {
                 let keep = if is_causal { (r % t + 1).min(row.len()) } else { row.len() };
-                scaled.clear();
-                scaled.extend(row[..keep].iter().map(|&x| T::from_acc(x.to_acc() * s)));
+                scaled.resize(keep, T::default());
+                let scaled = &mut scaled[..keep];
+                zip_map_inline(&row[..keep], &row[..keep], scaled, #[inline(always)] |x, _| T::from_acc(x.to_acc() * s));
                 let max = row_max(scaled);
                 e.clear();
                 e.resize(row.len(), <T as Float>::Acc::ZERO);
