@@ -3,7 +3,7 @@
 
 use proptest::prelude::*;
 use tessera::dtensor::ops::Reduction;
-use tessera::dtensor::{DTensor, Tensor};
+use tessera::dtensor::{DTensor, Placement, Tensor};
 
 use crate::harness::{Op, check, config, float, index, plain, singles};
 use crate::op;
@@ -14,6 +14,17 @@ fn cross_entropy_oracle(x: &[Tensor], reduction: Reduction) -> tessera::dtensor:
     let c = s[s.len() - 1];
     let n = x[1].numel();
     x[0].reshape(&[n, c])?.cross_entropy(&x[1].reshape(&[n])?, reduction)
+}
+
+/// `x` with its last (class) dim gathered wherever a mesh dim shards it.
+fn class_whole(x: &DTensor) -> tessera::dtensor::Result<DTensor> {
+    let last = x.shape().len() - 1;
+    let target: Vec<Placement> = x
+        .placements()
+        .iter()
+        .map(|&p| if p.is_shard_on(last) { Placement::Replicate } else { p })
+        .collect();
+    x.redistribute(&target)
 }
 
 proptest! {
@@ -69,6 +80,31 @@ proptest! {
             }),
             Op::new("cross_entropy(sum)", |x| x[0].cross_entropy(&x[1], Reduction::Sum), |x| {
                 cross_entropy_oracle(x, Reduction::Sum)
+            }),
+        ])?;
+    }
+
+    /// Cross entropy with its probabilities (the class dim gathered first): the
+    /// loss and the probabilities as on one device, and the gradient from the
+    /// probabilities as the one from the logits.
+    #[test]
+    fn cross_entropy_with_grad(c in plain(vec![
+        vec![float(&[5, 3]), index(&[5], 3)],
+        vec![float(&[4, 6]), index(&[4], 6)],
+        vec![float(&[2, 3, 5]), index(&[2, 3], 5)],
+    ])) {
+        let oracle = |x: &[Tensor], reduction| {
+            let s = x[0].shape();
+            let n = x[1].numel();
+            let (loss, p) = x[0].reshape(&[n, s[s.len() - 1]])?.cross_entropy_with_grad(&x[1].reshape(&[n])?, reduction)?;
+            Ok::<_, tessera::dtensor::Error>((loss, p.reshape(s)?))
+        };
+        check(c, [
+            Op::new("cross_entropy_with_grad(mean).loss", |x| Ok(class_whole(&x[0])?.cross_entropy_with_grad(&x[1], Reduction::Mean)?.0), move |x| {
+                Ok(oracle(x, Reduction::Mean)?.0)
+            }),
+            Op::new("cross_entropy_with_grad(sum).probs", |x| Ok(class_whole(&x[0])?.cross_entropy_with_grad(&x[1], Reduction::Sum)?.1), move |x| {
+                Ok(oracle(x, Reduction::Sum)?.1)
             }),
         ])?;
     }
