@@ -240,29 +240,10 @@ impl DTensor {
     /// # Errors
     /// Shapes or dtypes that do not fit, targets out of range, `Reduction::None`.
     pub fn cross_entropy(&self, targets: &DTensor, reduction: Reduction) -> Result<DTensor> {
-        let scale = ce_scale(self, targets, reduction)?;
-        let (ls, ts) = (self.shape(), targets.shape());
-        let c = ls[ls.len() - 1];
-        if self.placements().iter().any(|p| p.is_shard_on(ls.len() - 1)) {
+        if self.placements().iter().any(|p| p.is_shard_on(self.shape().len() - 1)) {
             return Ok(self.cross_entropy_class_parallel(targets, reduction)?.0);
         }
-        dispatch(
-            "cross_entropy",
-            &[self, targets],
-            &ce_candidates(ts.len(), self.mesh().ndim()),
-            &[],
-            self.dtype(),
-            |l, _| {
-                let n = l[1].numel();
-                if n == 0 {
-                    // No rows here: a zero partial sum (NaN for a mean over no rows at all).
-                    return Tensor::zeros(&[], l[0].dtype())?.mul_scalar(scale);
-                }
-                let logits = l[0].reshape(&[n, c])?;
-                let t = l[1].reshape(&[n])?;
-                logits.cross_entropy(&t, Reduction::Sum)?.mul_scalar(scale)
-            },
-        )
+        Ok(self.cross_entropy_class_whole(targets, reduction, false)?.0)
     }
 
     /// [`cross_entropy`](Self::cross_entropy) with the class dim replicated, also
@@ -277,10 +258,7 @@ impl DTensor {
     /// As [`cross_entropy`](Self::cross_entropy), and logits sharded on their
     /// class dim (use [`cross_entropy_class_parallel`](Self::cross_entropy_class_parallel)).
     pub fn cross_entropy_with_grad(&self, targets: &DTensor, reduction: Reduction) -> Result<(DTensor, DTensor)> {
-        let scale = ce_scale(self, targets, reduction)?;
-        let (ls, ts) = (self.shape(), targets.shape());
-        let c = ls[ls.len() - 1];
-        if self.placements().iter().any(|p| p.is_shard_on(ls.len() - 1)) {
+        if self.placements().iter().any(|p| p.is_shard_on(self.shape().len() - 1)) {
             return Err(Error::Placement {
                 op: "cross_entropy",
                 detail: format!(
@@ -290,6 +268,24 @@ impl DTensor {
                 ),
             });
         }
+        let (loss, probs) = self.cross_entropy_class_whole(targets, reduction, true)?;
+        // INVARIANT: asked for them, `cross_entropy_class_whole` returns the probabilities.
+        Ok((loss, probs.expect("probabilities kept")))
+    }
+
+    /// Cross entropy of logits whose class dim no mesh dim shards: batch-sharded
+    /// logits and targets give `Partial(sum)` (scaled by the global count for a
+    /// mean); with `keep_probs`, also the probabilities, placed as the logits were
+    /// for the loss.
+    fn cross_entropy_class_whole(
+        &self,
+        targets: &DTensor,
+        reduction: Reduction,
+        keep_probs: bool,
+    ) -> Result<(DTensor, Option<DTensor>)> {
+        let scale = ce_scale(self, targets, reduction)?;
+        let (ls, ts) = (self.shape(), targets.shape());
+        let c = ls[ls.len() - 1];
         let mut probs = None;
         let loss = dispatch(
             "cross_entropy",
@@ -299,16 +295,20 @@ impl DTensor {
             self.dtype(),
             |l, ctx| {
                 let n = l[1].numel();
-                let logits = l[0].reshape(&[n, c])?;
-                let (loss, p) = logits.cross_entropy_with_grad(&l[1].reshape(&[n])?, Reduction::Sum)?;
-                probs = Some((p.reshape(l[0].shape())?, ctx.inputs[0].clone()));
+                let (logits, t) = (l[0].reshape(&[n, c])?, l[1].reshape(&[n])?);
                 // No rows here: the sum is a zero partial sum (NaN for a mean over no rows at all).
+                if !keep_probs {
+                    return logits.cross_entropy(&t, Reduction::Sum)?.mul_scalar(scale);
+                }
+                let (loss, p) = logits.cross_entropy_with_grad(&t, Reduction::Sum)?;
+                probs = Some((p.reshape(l[0].shape())?, ctx.inputs[0].clone()));
                 loss.mul_scalar(scale)
             },
         )?;
-        // INVARIANT: dispatch ran the kernel, which set `probs`, before returning Ok.
-        let (p, layout) = probs.expect("the kernel ran");
-        Ok((loss, DTensor::from_local_with_layout(p, self.mesh(), layout)?))
+        let probs = probs
+            .map(|(p, layout)| DTensor::from_local_with_layout(p, self.mesh(), layout))
+            .transpose()?;
+        Ok((loss, probs))
     }
 
     /// Cross entropy of logits `[..., C]` whose class dim may be sharded, without
