@@ -8,7 +8,8 @@
 //!   before they are touched (512 times fewer faults where the system allows it);
 //! - when a tensor's large storage is dropped on its rank's thread, the buffer goes
 //!   to a small per-thread cache, and exchange buffers that are overwritten in full
-//!   ([`reused`]) come from there first: no faults, no zeroing. The cache holds at
+//!   ([`reused`], [`written`]) come from there first: no faults, no zeroing
+//!   ([`written`] does not zero a fresh buffer either: its caller writes every element). The cache holds at
 //!   most [`CACHE_BUFFERS`] buffers and [`CACHE_BYTES`] bytes per thread and dies
 //!   with the thread; cached buffers are not tensor storage, so the memory tracker
 //!   does not count them;
@@ -23,7 +24,7 @@
 //! exists (constructors, casts, outputs that can outgrow their inputs such as
 //! matmul, broadcasting, embedding and reductions of empty tensors, and exchange
 //! buffers sized from a spec) are allocated here, fallibly: [`zeroed`],
-//! [`with_capacity`], [`reused`] and [`zeros_buffer`] check the element and byte
+//! [`with_capacity`], [`reused`], [`written`] and [`zeros_buffer`] check the element and byte
 //! counts for overflow and return [`Error::OutOfMemory`] (naming the op, shape,
 //! dtype and bytes) when the memory cannot be had, instead of aborting the process.
 
