@@ -187,10 +187,9 @@ impl Communicator for ThreadComm {
         self.record(OpKind::AllGather, bytes(&send.as_buf()) * self.size());
         let n = self.size();
         self.submit(move |g, r| {
-            let mut recv = Filling::new(send.dtype(), send.len() * n);
-            kernels::all_gather(g, r, send.as_buf(), Out::filling(&mut recv))?;
-            // SAFETY: the kernel returned Ok, so it wrote every element.
-            Ok(unsafe { recv.finish() })
+            filled(send.dtype(), send.len() * n, |out| {
+                kernels::all_gather(g, r, send.as_buf(), out)
+            })
         })
     }
 
@@ -202,10 +201,9 @@ impl Communicator for ThreadComm {
         }
         self.record(OpKind::AllGather, bytes(&send.as_buf()) * n);
         self.submit(move |g, r| {
-            let mut recv = Filling::new(send.dtype(), send.len() * n);
-            kernels::all_gather_segmented(g, r, send.as_buf(), Out::filling(&mut recv), &segments)?;
-            // SAFETY: the kernel returned Ok, so it wrote every element.
-            Ok(unsafe { recv.finish() })
+            filled(send.dtype(), send.len() * n, |out| {
+                kernels::all_gather_segmented(g, r, send.as_buf(), out, &segments)
+            })
         })
     }
 
@@ -213,10 +211,9 @@ impl Communicator for ThreadComm {
         self.record(OpKind::ReduceScatter, bytes(&send.as_buf()));
         let n = self.size();
         self.submit(move |g, r| {
-            let mut recv = Filling::new(send.dtype(), send.len() / n);
-            kernels::reduce_scatter(g, r, send.as_buf(), Out::filling(&mut recv), op)?;
-            // SAFETY: the kernel returned Ok, so it wrote every element.
-            Ok(unsafe { recv.finish() })
+            filled(send.dtype(), send.len() / n, |out| {
+                kernels::reduce_scatter(g, r, send.as_buf(), out, op)
+            })
         })
     }
 
@@ -228,10 +225,9 @@ impl Communicator for ThreadComm {
     fn all_to_all_async(&self, send: Buffer) -> Work {
         self.record(OpKind::AllToAll, bytes(&send.as_buf()));
         self.submit(move |g, r| {
-            let mut recv = Filling::new(send.dtype(), send.len());
-            kernels::all_to_all(g, r, send.as_buf(), Out::filling(&mut recv))?;
-            // SAFETY: the kernel returned Ok, so it wrote every element.
-            Ok(unsafe { recv.finish() })
+            filled(send.dtype(), send.len(), |out| {
+                kernels::all_to_all(g, r, send.as_buf(), out)
+            })
         })
     }
 
@@ -239,4 +235,14 @@ impl Communicator for ThreadComm {
         self.record(OpKind::Broadcast, bytes(&buf.as_buf()));
         self.submit(move |g, r| kernels::broadcast(g, r, buf.as_buf_mut(), root).map(|_| buf))
     }
+}
+
+/// A new output of `len` elements of `dtype` that `kernel` fills: allocated
+/// without zeroing, since every kernel given an [`Out`] writes each of its
+/// elements before it returns `Ok`; on an error the output is dropped unread.
+fn filled(dtype: crate::DType, len: usize, kernel: impl FnOnce(Out) -> Result<()>) -> Result<Buffer> {
+    let mut recv = Filling::new(dtype, len);
+    kernel(Out::filling(&mut recv))?;
+    // SAFETY: the kernel returned Ok, so it wrote every element.
+    Ok(unsafe { recv.finish() })
 }

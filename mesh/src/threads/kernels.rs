@@ -278,8 +278,7 @@ pub(crate) fn all_to_all(g: &Group, r: usize, send: Buf<'_>, recv: Out) -> Resul
 
 pub(crate) fn all_gather_v(g: &Group, r: usize, send: Buf<'_>, mut recv: BufMut<'_>, counts: &[usize]) -> Result<()> {
     let mut d = send_desc(OpKind::AllGather, &send);
-    (d.recv_ptr, d.recv_len) = recv_parts(&mut recv);
-    d.recv_dtype = recv.dtype();
+    Out::of(&mut recv).publish(&mut d);
     d.v = true;
     let (descs, _, done) = g.enter_v(r, d, counts, &[])?;
     crate::dispatch_buf!(Buf, send, _s, T => {
@@ -305,8 +304,7 @@ pub(crate) fn reduce_scatter_v(
     op: ReduceOp,
 ) -> Result<()> {
     let mut d = send_desc(OpKind::ReduceScatter, &send);
-    (d.recv_ptr, d.recv_len) = recv_parts(&mut recv);
-    d.recv_dtype = recv.dtype();
+    Out::of(&mut recv).publish(&mut d);
     d.reduce = Some(op);
     d.v = true;
     let (descs, _, done) = g.enter_v(r, d, counts, &[])?;
@@ -329,8 +327,7 @@ pub(crate) fn all_to_all_v(
     recv_counts: &[usize],
 ) -> Result<()> {
     let mut d = send_desc(OpKind::AllToAll, &send);
-    (d.recv_ptr, d.recv_len) = recv_parts(&mut recv);
-    d.recv_dtype = recv.dtype();
+    Out::of(&mut recv).publish(&mut d);
     d.v = true;
     let (descs, counts, done) = g.enter_v(r, d, send_counts, recv_counts)?;
     crate::dispatch_buf!(Buf, send, _s, T => {
