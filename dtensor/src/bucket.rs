@@ -20,8 +20,10 @@
 //!   left of dim 0: FSDP over tensor parallelism).
 //! - [`all_reduce_bucket`]: `Partial(sum)` → `Replicate` on `mesh_dim`.
 //!
-//! On a one-rank mesh dim nothing is communicated. The bytes of the send and
-//! receive buffers are charged to the rank's [memory](crate::memory) tracker
+//! On a one-rank mesh dim nothing is packed, copied or communicated: each
+//! output holds its input's local tensor (cast when a gather changes the dtype),
+//! so FSDP on a one-rank mesh costs what the plain model costs. The bytes of
+//! the send and receive buffers are charged to the rank's [memory](crate::memory) tracker
 //! while the collective is in flight.
 //!
 //! PyTorch: `foreach_all_gather` / `foreach_reduce` of FSDP2's
@@ -91,8 +93,11 @@ struct Entry {
 }
 
 enum Flight {
-    /// Nothing to communicate: the packed bucket is the result.
-    Local(Tensor),
+    /// An empty bucket.
+    Empty,
+    /// A one-rank mesh dim: nothing to pack or communicate; each input's local
+    /// tensor (cast to the bucket's dtype) is its output's.
+    Local(Vec<Tensor>),
     Comm {
         work: Work,
         /// The send and receive buffers while the collective runs.
@@ -277,10 +282,34 @@ fn start(
             block,
             world: 1,
             dtype,
-            flight: Flight::Local(Tensor::zeros(&[0], dtype)?),
+            flight: Flight::Empty,
         });
     };
     let world = mesh.shape()[mesh_dim];
+    if world == 1 {
+        // One rank holds every piece whole (no padding): the outputs are the
+        // inputs' local tensors, re-placed, so no byte is copied.
+        let locals = inputs
+            .iter()
+            .map(|x| {
+                let local = x.to_local();
+                if local.dtype() == dtype {
+                    Ok(local.clone())
+                } else {
+                    local.cast(dtype)
+                }
+            })
+            .collect::<Result<Vec<_>>>()?;
+        return Ok(BucketWork {
+            kind,
+            mesh: Some(mesh),
+            entries,
+            block,
+            world,
+            dtype,
+            flight: Flight::Local(locals),
+        });
+    }
     // Pack: a gather or all-reduce sends one block; a reduce-scatter sends one
     // block per rank, rank-major.
     let send = match kind {
@@ -306,27 +335,23 @@ fn start(
             Tensor::cat(&cols, 1)?.reshape(&[world * block])?
         }
     };
-    let flight = if world == 1 {
-        Flight::Local(send)
-    } else {
-        let size = dtype.size_in_bytes();
-        let (send_len, recv_len) = match kind {
-            Kind::Gather => (block, world * block),
-            Kind::Scatter => (world * block, block),
-            Kind::AllReduce => (block, 0),
-        };
-        let charge = Allocation::charge((send_len + recv_len) * size);
-        let comm = mesh.dim_comm(mesh_dim)?;
-        let buf = send.into_buffer();
-        let work = match kind {
-            // Segment order: each tensor's pieces from all ranks side by side, so
-            // that `wait` hands out views of the buffer instead of copying them out.
-            Kind::Gather => comm.all_gather_segmented_async(buf, entries.iter().map(|e| e.padded).collect()),
-            Kind::Scatter => comm.reduce_scatter_async(buf, ReduceOp::Sum),
-            Kind::AllReduce => comm.all_reduce_async(buf, ReduceOp::Sum),
-        };
-        Flight::Comm { work, _charge: charge }
+    let size = dtype.size_in_bytes();
+    let (send_len, recv_len) = match kind {
+        Kind::Gather => (block, world * block),
+        Kind::Scatter => (world * block, block),
+        Kind::AllReduce => (block, 0),
     };
+    let charge = Allocation::charge((send_len + recv_len) * size);
+    let comm = mesh.dim_comm(mesh_dim)?;
+    let buf = send.into_buffer();
+    let work = match kind {
+        // Segment order: each tensor's pieces from all ranks side by side, so
+        // that `wait` hands out views of the buffer instead of copying them out.
+        Kind::Gather => comm.all_gather_segmented_async(buf, entries.iter().map(|e| e.padded).collect()),
+        Kind::Scatter => comm.reduce_scatter_async(buf, ReduceOp::Sum),
+        Kind::AllReduce => comm.all_reduce_async(buf, ReduceOp::Sum),
+    };
+    let flight = Flight::Comm { work, _charge: charge };
     Ok(BucketWork {
         kind,
         mesh: Some(mesh),
@@ -403,7 +428,17 @@ impl BucketWork {
         };
         let recv_len = if kind == Kind::Gather { world * block } else { block };
         let data = match flight {
-            Flight::Local(t) => t,
+            Flight::Empty => return Ok(Vec::new()),
+            Flight::Local(locals) => {
+                return locals
+                    .into_iter()
+                    .zip(entries)
+                    .map(|(local, e)| {
+                        debug_assert_eq!(local.shape(), &e.local_shape[..], "{}", kind.op());
+                        DTensor::from_local_with_layout(local, &mesh, e.layout)
+                    })
+                    .collect();
+            }
             Flight::Comm { work, _charge } => {
                 let buf = work.wait()?;
                 if buf.dtype() != dtype || buf.len() != recv_len {

@@ -262,3 +262,57 @@ fn buffers_in_flight_are_charged() {
         assert_eq!(after, 0);
     }
 }
+
+/// On a one-rank mesh dim (here the first dim of a 1×2 mesh) the buckets pack
+/// and copy nothing: every output holds its input's local tensor (same storage,
+/// no bytes charged), re-placed; a gather to another dtype casts instead.
+#[test]
+fn one_rank_dim_moves_no_bytes() {
+    let out = on_mesh(&[1, 2], |m| {
+        let a = test_values(&[5, 3], DType::F32)?;
+        let b = test_values(&[4], DType::F32)?;
+        let shard = |t: &Tensor| {
+            let p = [Placement::Shard(0), Placement::Replicate];
+            distribute_tensor_with_order(t, m, &p, ShardOrder::default_for(&p))
+        };
+        let partial = |t: &Tensor| {
+            let p = [Placement::Partial(ReduceOp::Sum), Placement::Replicate];
+            DTensor::from_local(t.clone(), m, &p, t.shape())
+        };
+        let shards = [shard(&a)?, shard(&b)?];
+        let before = tessera::dtensor::memory::stats().current_bytes;
+        let gather = all_gather_bucket(&shards, 0, DType::F32)?;
+        let charged = tessera::dtensor::memory::stats().current_bytes - before;
+        let gathered = gather.wait()?;
+        let cast = all_gather_bucket(&shards, 0, DType::BF16)?.wait()?;
+        let grads = [partial(&a)?, partial(&b)?];
+        let scattered = reduce_scatter_bucket(&grads, 0)?.wait()?;
+        let reduced = all_reduce_bucket(&grads, 0)?.wait()?;
+        for (x, y) in shards.iter().zip(&gathered) {
+            assert!(y.to_local().shares_storage(x.to_local()));
+            assert_eq!(y.placements(), &[Placement::Replicate; 2]);
+        }
+        for (x, y) in grads.iter().zip(scattered.iter().chain(&reduced)) {
+            assert!(y.to_local().shares_storage(x.to_local()));
+        }
+        assert_eq!(scattered[0].placements(), &[Placement::Shard(0), Placement::Replicate]);
+        assert_eq!(reduced[1].placements(), &[Placement::Replicate; 2]);
+        assert_eq!(cast[0].dtype(), DType::BF16);
+        assert!(!cast[0].to_local().shares_storage(shards[0].to_local()));
+        Ok((
+            charged,
+            gathered[0].full_tensor()?,
+            cast[1].full_tensor()?,
+            scattered[0].full_tensor()?,
+        ))
+    })
+    .unwrap();
+    let a = test_values(&[5, 3], DType::F32).unwrap();
+    let b = test_values(&[4], DType::F32).unwrap();
+    for (charged, gathered, cast, scattered) in out {
+        assert_eq!(charged, 0);
+        assert_eq!(gathered, a);
+        assert_eq!(cast, b.cast(DType::BF16).unwrap());
+        assert_eq!(scattered, a);
+    }
+}
