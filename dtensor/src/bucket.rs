@@ -256,14 +256,18 @@ fn plan(kind: Kind, inputs: &[DTensor], mesh_dim: usize, dtype: DType) -> Result
     Ok((entries, block))
 }
 
-/// `t` flattened and zero-padded to `len` elements.
-fn flat_padded(t: &Tensor, len: usize) -> Result<Vec<Tensor>> {
-    let n = t.numel();
-    let mut out = vec![t.contiguous().reshape(&[n])?];
-    if len > n {
-        out.push(Tensor::zeros(&[len - n], t.dtype())?);
+/// `t`'s elements `[start, start + len)` in row-major order, zero-padded past
+/// its end: views of the flat `t` and of `zeros` (at least `len` long), so that
+/// one `cat` of such pieces copies each element once.
+fn padded_piece(flat: &Tensor, start: usize, len: usize, zeros: &Tensor, pieces: &mut Vec<Tensor>) -> Result<()> {
+    let real = flat.numel().saturating_sub(start).min(len);
+    if real > 0 {
+        pieces.push(flat.narrow(0, start, real)?);
     }
-    Ok(out)
+    if real < len {
+        pieces.push(zeros.narrow(0, 0, len - real)?);
+    }
+    Ok(())
 }
 
 fn start(
@@ -310,30 +314,41 @@ fn start(
             flight: Flight::Local(locals),
         });
     }
-    // Pack: a gather or all-reduce sends one block; a reduce-scatter sends one
-    // block per rank, rank-major.
-    let send = match kind {
-        Kind::Gather | Kind::AllReduce => {
-            let mut pieces = Vec::with_capacity(2 * inputs.len());
-            for (x, e) in inputs.iter().zip(&entries) {
-                let local = x.to_local();
-                let local = if local.dtype() == dtype {
-                    local.clone()
-                } else {
-                    local.cast(dtype)?
-                };
-                pieces.extend(flat_padded(&local, e.padded)?);
-            }
-            Tensor::cat(&pieces, 0)?
+    // Pack in one copy: a gather or all-reduce sends one block; a reduce-scatter
+    // sends one block per rank, rank-major (tensor i's rows for rank r at
+    // `r · block + offset_i`).
+    let flats = inputs
+        .iter()
+        .map(|x| {
+            let local = x.to_local();
+            let local = if local.dtype() == dtype {
+                local.clone()
+            } else {
+                local.cast(dtype)?
+            };
+            local.contiguous().reshape(&[local.numel()])
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let ranks = if kind == Kind::Scatter { world } else { 1 };
+    // The longest padding any piece needs (all of it after a tensor's last row).
+    let pad = flats
+        .iter()
+        .zip(&entries)
+        .map(|(f, e)| (ranks * e.padded).saturating_sub(f.numel()))
+        .max()
+        .unwrap_or(0);
+    let zeros = Tensor::zeros(&[pad], dtype)?;
+    let mut pieces = Vec::with_capacity(2 * ranks * inputs.len());
+    for r in 0..ranks {
+        for (flat, e) in flats.iter().zip(&entries) {
+            padded_piece(flat, r * e.padded, e.padded, &zeros, &mut pieces)?;
         }
-        Kind::Scatter => {
-            let mut cols = Vec::with_capacity(inputs.len());
-            for (x, e) in inputs.iter().zip(&entries) {
-                let flat = Tensor::cat(&flat_padded(x.to_local(), world * e.padded)?, 0)?;
-                cols.push(flat.reshape(&[world, e.padded])?);
-            }
-            Tensor::cat(&cols, 1)?.reshape(&[world * block])?
-        }
+    }
+    // No pieces: every tensor is empty.
+    let send = if pieces.is_empty() {
+        zeros
+    } else {
+        Tensor::cat(&pieces, 0)?
     };
     let size = dtype.size_in_bytes();
     let (send_len, recv_len) = match kind {
