@@ -134,7 +134,11 @@ impl DTensor {
         }
         let mut layout = self.layout().clone();
         layout.dtype = dtype;
-        DTensor::from_local_with_layout(self.to_local().cast(dtype)?, self.mesh(), layout)
+        let local = {
+            let _t = crate::profile::op_scope("cast");
+            self.to_local().cast(dtype)?
+        };
+        DTensor::from_local_with_layout(local, self.mesh(), layout)
     }
 
     /// Zeros with this tensor's layout (no communication; a partial layout holds
