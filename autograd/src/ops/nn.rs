@@ -202,8 +202,11 @@ impl Var {
                 let gp = g.matmul(&v.transpose(r - 2, r - 1)?)?;
                 let gs = attention_probs_backward(&gp, &probs, scale, is_causal)?;
                 let gq = if need[0] { Some(gs.matmul(&k)?) } else { None };
+                // (qᵀ·gs)ᵀ as gsᵀ·q: the same products summed in the same order, so
+                // the same bits, in a row-major result (no strided copy when the
+                // heads are merged back).
                 let gk = if need[1] {
-                    Some(q.transpose(r - 2, r - 1)?.matmul(&gs)?.transpose(r - 2, r - 1)?)
+                    Some(gs.transpose(r - 2, r - 1)?.matmul(&q)?)
                 } else {
                     None
                 };
