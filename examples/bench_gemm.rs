@@ -37,7 +37,8 @@ const USAGE: &str = "usage: bench_gemm [--json PATH] [--iters N]
   --iters N    timed samples per case and kernel (default 7; one warm-up call comes first)";
 
 /// One product: `a [batch.., m, k] × b [batch.., k, n]`, with `b` optionally a
-/// transposed view (as `x · Wᵀ` and `q · kᵀ` read it).
+/// transposed view (as `x · Wᵀ` and `q · kᵀ` read it) and `a` optionally one
+/// (as a weight gradient `dyᵀ · x` reads it).
 struct Case {
     name: &'static str,
     dtype: DType,
@@ -45,6 +46,7 @@ struct Case {
     m: usize,
     k: usize,
     n: usize,
+    a_transposed: bool,
     b_transposed: bool,
 }
 
@@ -56,7 +58,20 @@ fn cases() -> Vec<Case> {
         m: n,
         k: n,
         n,
+        a_transposed: false,
         b_transposed: false,
+    };
+    // The bench Transformer's output layer on one rank of FSDP W=2 (512 tokens,
+    // dim 256, vocab 4096): forward, input gradient, weight gradient.
+    let head = |name, [m, k, n]: [usize; 3], a_transposed, b_transposed| Case {
+        name,
+        dtype: DType::F32,
+        batch: 1,
+        m,
+        k,
+        n,
+        a_transposed,
+        b_transposed,
     };
     vec![
         sq("sgemm 512", 512),
@@ -85,6 +100,7 @@ fn cases() -> Vec<Case> {
             m: 256,
             k: 64,
             n: 256,
+            a_transposed: false,
             b_transposed: true,
         },
         Case {
@@ -94,6 +110,22 @@ fn cases() -> Vec<Case> {
             m: 32,
             k: 16,
             n: 32,
+            a_transposed: false,
+            b_transposed: true,
+        },
+        head("head x·Wᵀ [512,256]·[256,4096]", [512, 256, 4096], false, true),
+        head("head dy·W [512,4096]·[4096,256]", [512, 4096, 256], false, false),
+        head("head dyᵀ·x [4096,512]·[512,256]", [4096, 512, 256], true, false),
+        // The bench Transformer's attention scores (4 rows × 8 heads, seq 128,
+        // head size 32): q·kᵀ per head.
+        Case {
+            name: "q·kᵀ 32 × [128,32]·[32,128]",
+            dtype: DType::F32,
+            batch: 32,
+            m: 128,
+            k: 32,
+            n: 128,
+            a_transposed: false,
             b_transposed: true,
         },
     ]
@@ -101,7 +133,11 @@ fn cases() -> Vec<Case> {
 
 impl Case {
     fn operands(&self) -> Result<(Tensor, Tensor), BoxError> {
-        let a = Tensor::randn(&[self.batch, self.m, self.k], self.dtype, 1)?;
+        let a = if self.a_transposed {
+            Tensor::randn(&[self.batch, self.k, self.m], self.dtype, 1)?.transpose(1, 2)?
+        } else {
+            Tensor::randn(&[self.batch, self.m, self.k], self.dtype, 1)?
+        };
         let b = if self.b_transposed {
             Tensor::randn(&[self.batch, self.n, self.k], self.dtype, 2)?.transpose(1, 2)?
         } else {
@@ -196,6 +232,7 @@ fn run_cases(args: &common::BenchArgs) -> Result<(), BoxError> {
             ("m".into(), Json::Int(case.m as u64)),
             ("k".into(), Json::Int(case.k as u64)),
             ("n".into(), Json::Int(case.n as u64)),
+            ("a_transposed_view".into(), Json::Str(case.a_transposed.to_string())),
             ("b_transposed_view".into(), Json::Str(case.b_transposed.to_string())),
             ("matrixmultiply_median_s".into(), Json::Num(base)),
             ("gemm_median_s".into(), Json::Num(fast)),
