@@ -290,57 +290,59 @@ fn start(
         });
     };
     let world = mesh.shape()[mesh_dim];
-    if world == 1 {
+    let locals = inputs
+        .iter()
+        .map(|x| x.to_local().cast(dtype))
+        .collect::<Result<Vec<_>>>()?;
+    let flight = if world == 1 {
         // One rank holds every piece whole (no padding): the outputs are the
-        // inputs' local tensors, re-placed, so no byte is copied.
-        let locals = inputs
-            .iter()
-            .map(|x| {
-                let local = x.to_local();
-                if local.dtype() == dtype {
-                    Ok(local.clone())
-                } else {
-                    local.cast(dtype)
-                }
-            })
-            .collect::<Result<Vec<_>>>()?;
-        return Ok(BucketWork {
-            kind,
-            mesh: Some(mesh),
-            entries,
-            block,
-            world,
-            dtype,
-            flight: Flight::Local(locals),
-        });
-    }
+        // inputs' local tensors (cast), re-placed, so no byte is copied.
+        Flight::Local(locals)
+    } else {
+        communicate(kind, &mesh, mesh_dim, dtype, &locals, &entries, block)?
+    };
+    Ok(BucketWork {
+        kind,
+        mesh: Some(mesh),
+        entries,
+        block,
+        world,
+        dtype,
+        flight,
+    })
+}
+
+/// Packs the local tensors `locals` (of `dtype`) into one send buffer and
+/// issues the bucket's collective over `mesh_dim` (more than one rank).
+fn communicate(
+    kind: Kind,
+    mesh: &DeviceMesh,
+    mesh_dim: usize,
+    dtype: DType,
+    locals: &[Tensor],
+    entries: &[Entry],
+    block: usize,
+) -> Result<Flight> {
+    let world = mesh.shape()[mesh_dim];
     // Pack in one copy: a gather or all-reduce sends one block; a reduce-scatter
     // sends one block per rank, rank-major (tensor i's rows for rank r at
     // `r · block + offset_i`).
-    let flats = inputs
+    let flats = locals
         .iter()
-        .map(|x| {
-            let local = x.to_local();
-            let local = if local.dtype() == dtype {
-                local.clone()
-            } else {
-                local.cast(dtype)?
-            };
-            local.contiguous().reshape(&[local.numel()])
-        })
+        .map(|t| t.contiguous().reshape(&[t.numel()]))
         .collect::<Result<Vec<_>>>()?;
     let ranks = if kind == Kind::Scatter { world } else { 1 };
     // The longest padding any piece needs (all of it after a tensor's last row).
     let pad = flats
         .iter()
-        .zip(&entries)
+        .zip(entries)
         .map(|(f, e)| (ranks * e.padded).saturating_sub(f.numel()))
         .max()
         .unwrap_or(0);
     let zeros = Tensor::zeros(&[pad], dtype)?;
-    let mut pieces = Vec::with_capacity(2 * ranks * inputs.len());
+    let mut pieces = Vec::with_capacity(2 * ranks * locals.len());
     for r in 0..ranks {
-        for (flat, e) in flats.iter().zip(&entries) {
+        for (flat, e) in flats.iter().zip(entries) {
             padded_piece(flat, r * e.padded, e.padded, &zeros, &mut pieces)?;
         }
     }
@@ -366,16 +368,7 @@ fn start(
         Kind::Scatter => comm.reduce_scatter_async(buf, ReduceOp::Sum),
         Kind::AllReduce => comm.all_reduce_async(buf, ReduceOp::Sum),
     };
-    let flight = Flight::Comm { work, _charge: charge };
-    Ok(BucketWork {
-        kind,
-        mesh: Some(mesh),
-        entries,
-        block,
-        world,
-        dtype,
-        flight,
-    })
+    Ok(Flight::Comm { work, _charge: charge })
 }
 
 /// Gathers every input over `mesh_dim` in one all-gather, in `dtype`: each input
