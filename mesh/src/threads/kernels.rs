@@ -33,10 +33,14 @@ pub(crate) trait Reduce: Element {
     fn combine(op: ReduceOp, acc: &mut [Self::Acc], x: &[Self]);
     /// `acc[i] /= n` (Avg; only called for floats).
     fn divide(acc: &mut [Self::Acc], n: usize);
+    /// `out` itself as the accumulator, for types that accumulate in
+    /// themselves (then a reduction runs in its output, with no accumulator
+    /// copy); `None` for 16-bit floats.
+    fn as_acc(out: &mut [Self]) -> Option<&mut [Self::Acc]>;
 }
 
 macro_rules! reduce_float {
-    ($t:ty, $acc:ty, $to:expr, $from:expr) => {
+    ($t:ty, $acc:ty, $to:expr, $from:expr, $as_acc:expr) => {
         impl Reduce for $t {
             type Acc = $acc;
             #[inline]
@@ -60,13 +64,16 @@ macro_rules! reduce_float {
                 let n = n as $acc;
                 acc.iter_mut().for_each(|a| *a /= n);
             }
+            fn as_acc(out: &mut [$t]) -> Option<&mut [$acc]> {
+                $as_acc(out)
+            }
         }
     };
 }
-reduce_float!(f32, f32, |v| v, |a| a);
-reduce_float!(f64, f64, |v| v, |a| a);
-reduce_float!(bf16, f32, bf16::to_f32, bf16::from_f32);
-reduce_float!(f16, f32, f16::to_f32, f16::from_f32);
+reduce_float!(f32, f32, |v| v, |a| a, Some);
+reduce_float!(f64, f64, |v| v, |a| a, Some);
+reduce_float!(bf16, f32, bf16::to_f32, bf16::from_f32, |_| None);
+reduce_float!(f16, f32, f16::to_f32, f16::from_f32, |_| None);
 
 macro_rules! reduce_int {
     ($t:ty) => {
@@ -91,6 +98,9 @@ macro_rules! reduce_int {
             }
             fn divide(acc: &mut [$t], n: usize) {
                 acc.iter_mut().for_each(|a| *a /= n as $t);
+            }
+            fn as_acc(out: &mut [$t]) -> Option<&mut [$t]> {
+                Some(out)
             }
         }
     };
@@ -383,20 +393,50 @@ unsafe fn reduce_blocks<T: Reduce>(
     out: *mut T,
     at: usize,
 ) {
+    let src = |dq: &Desc, start: usize, b: usize| {
+        // SAFETY: per this function's contract.
+        unsafe { peer::<T>(ptr_of(dq) + (from + start) * size_of::<T>(), b) }
+    };
+    // Types that accumulate in themselves (f32, f64, integers) reduce in the
+    // output when no input region is the output (an in-place all-reduce's own
+    // block is): each block is rank 0's copied in, then the others combined
+    // into it while it is in cache; one pass over the output, no scratch.
+    let size = size_of::<T>();
+    let (lo, hi) = (out as usize + at * size, out as usize + (at + len) * size);
+    let aliased = descs.iter().any(|dq| {
+        let s = ptr_of(dq) + from * size;
+        s < hi && lo < s + len * size
+    });
+    if !aliased {
+        // SAFETY: per this function's contract `out[at..at + len]` is ours alone,
+        // and no region read below overlaps it (checked above).
+        let dst = unsafe { std::slice::from_raw_parts_mut(out.add(at), len) };
+        if let Some(dst) = T::as_acc(dst) {
+            for (i, acc) in dst.chunks_mut(BLOCK).enumerate() {
+                let (start, b) = (i * BLOCK, acc.len());
+                for (a, &x) in acc.iter_mut().zip(src(&descs[0], start, b)) {
+                    *a = x.to_acc();
+                }
+                for dq in &descs[1..] {
+                    T::combine(op, acc, src(dq, start, b));
+                }
+                if op == ReduceOp::Avg {
+                    T::divide(acc, descs.len());
+                }
+            }
+            return;
+        }
+    }
     let mut acc = [T::Acc::default(); BLOCK];
     let mut res = [T::default(); BLOCK];
     let mut start = 0;
     while start < len {
         let b = BLOCK.min(len - start);
-        let src = |dq: &Desc| {
-            // SAFETY: per this function's contract.
-            unsafe { peer::<T>(ptr_of(dq) + (from + start) * size_of::<T>(), b) }
-        };
-        for (a, &x) in acc[..b].iter_mut().zip(src(&descs[0])) {
+        for (a, &x) in acc[..b].iter_mut().zip(src(&descs[0], start, b)) {
             *a = x.to_acc();
         }
         for dq in &descs[1..] {
-            T::combine(op, &mut acc[..b], src(dq));
+            T::combine(op, &mut acc[..b], src(dq, start, b));
         }
         if op == ReduceOp::Avg {
             T::divide(&mut acc[..b], descs.len());
