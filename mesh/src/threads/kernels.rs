@@ -377,6 +377,20 @@ pub(crate) fn barrier(g: &Group, r: usize) -> Result<()> {
     g.enter(r, Desc::new(OpKind::Barrier))?.1.finish()
 }
 
+/// `acc = op(x₀, x₁, …)` element-wise over the ranks' slices `x_q = src(desc q)`,
+/// combined in rank order (divided by the number of ranks for `Avg`).
+fn combine_ranks<'a, T: Reduce + 'a>(acc: &mut [T::Acc], descs: &[Desc], op: ReduceOp, src: impl Fn(&Desc) -> &'a [T]) {
+    for (a, &x) in acc.iter_mut().zip(src(&descs[0])) {
+        *a = x.to_acc();
+    }
+    for dq in &descs[1..] {
+        T::combine(op, acc, src(dq));
+    }
+    if op == ReduceOp::Avg {
+        T::divide(acc, descs.len());
+    }
+}
+
 /// Reduces `len` elements starting at element `from` of every rank's buffer
 /// (`ptr_of` picks which published pointer) with `op`, writing to `out[at..]`,
 /// one cache-sized block at a time, ranks combined in rank order.
@@ -414,15 +428,7 @@ unsafe fn reduce_blocks<T: Reduce>(
         if let Some(dst) = T::as_acc(dst) {
             for (i, acc) in dst.chunks_mut(BLOCK).enumerate() {
                 let (start, b) = (i * BLOCK, acc.len());
-                for (a, &x) in acc.iter_mut().zip(src(&descs[0], start, b)) {
-                    *a = x.to_acc();
-                }
-                for dq in &descs[1..] {
-                    T::combine(op, acc, src(dq, start, b));
-                }
-                if op == ReduceOp::Avg {
-                    T::divide(acc, descs.len());
-                }
+                combine_ranks(acc, descs, op, |dq| src(dq, start, b));
             }
             return;
         }
@@ -432,15 +438,7 @@ unsafe fn reduce_blocks<T: Reduce>(
     let mut start = 0;
     while start < len {
         let b = BLOCK.min(len - start);
-        for (a, &x) in acc[..b].iter_mut().zip(src(&descs[0], start, b)) {
-            *a = x.to_acc();
-        }
-        for dq in &descs[1..] {
-            T::combine(op, &mut acc[..b], src(dq, start, b));
-        }
-        if op == ReduceOp::Avg {
-            T::divide(&mut acc[..b], descs.len());
-        }
+        combine_ranks(&mut acc[..b], descs, op, |dq| src(dq, start, b));
         for (o, &a) in res[..b].iter_mut().zip(&acc[..b]) {
             *o = T::from_acc(a);
         }
