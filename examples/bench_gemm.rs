@@ -51,83 +51,41 @@ struct Case {
 }
 
 fn cases() -> Vec<Case> {
-    let sq = |name, n| Case {
+    // An f32 product of `batch` entries `[m, k] × [k, n]`, operands transposed views or not.
+    let case = |name, batch, [m, k, n]: [usize; 3], a_transposed, b_transposed| Case {
         name,
         dtype: DType::F32,
-        batch: 1,
-        m: n,
-        k: n,
-        n,
-        a_transposed: false,
-        b_transposed: false,
-    };
-    // The bench Transformer's output layer on one rank of FSDP W=2 (512 tokens,
-    // dim 256, vocab 4096): forward, input gradient, weight gradient.
-    let head = |name, [m, k, n]: [usize; 3], a_transposed, b_transposed| Case {
-        name,
-        dtype: DType::F32,
-        batch: 1,
+        batch,
         m,
         k,
         n,
         a_transposed,
         b_transposed,
     };
+    let sq = |name, n| case(name, 1, [n, n, n], false, false);
     vec![
         sq("sgemm 512", 512),
         sq("sgemm 1024", 1024),
         sq("sgemm 2048", 2048),
         Case {
-            name: "dgemm 1024",
             dtype: DType::F64,
-            ..sq("", 1024)
+            ..sq("dgemm 1024", 1024)
         },
         Case {
-            name: "bf16 1024 (via f32)",
             dtype: DType::BF16,
-            ..sq("", 1024)
+            ..sq("bf16 1024 (via f32)", 1024)
         },
-        Case {
-            name: "sgemm 1024 x Bᵀ (view)",
-            b_transposed: true,
-            ..sq("", 1024)
-        },
+        case("sgemm 1024 x Bᵀ (view)", 1, [1024; 3], false, true),
         // The tiny reference model: a linear layer on 8×32 tokens, and per-head attention scores.
-        Case {
-            name: "linear [256,64]·Wᵀ[64,256]",
-            dtype: DType::F32,
-            batch: 1,
-            m: 256,
-            k: 64,
-            n: 256,
-            a_transposed: false,
-            b_transposed: true,
-        },
-        Case {
-            name: "q·kᵀ 32 × [32,16]·[16,32]",
-            dtype: DType::F32,
-            batch: 32,
-            m: 32,
-            k: 16,
-            n: 32,
-            a_transposed: false,
-            b_transposed: true,
-        },
-        head("head x·Wᵀ [512,256]·[256,4096]", [512, 256, 4096], false, true),
-        head("head dy·W [512,4096]·[4096,256]", [512, 4096, 256], false, false),
-        head("head dyᵀ·x [4096,512]·[512,256]", [4096, 512, 256], true, false),
-        // The bench Transformer's attention scores (4 rows × 8 heads, seq 128,
-        // head size 32): q·kᵀ per head.
-        Case {
-            name: "q·kᵀ 32 × [128,32]·[32,128]",
-            dtype: DType::F32,
-            batch: 32,
-            m: 128,
-            k: 32,
-            n: 128,
-            a_transposed: false,
-            b_transposed: true,
-        },
+        case("linear [256,64]·Wᵀ[64,256]", 1, [256, 64, 256], false, true),
+        case("q·kᵀ 32 × [32,16]·[16,32]", 32, [32, 16, 32], false, true),
+        // The bench Transformer's output layer on one rank of FSDP W=2 (512 tokens,
+        // dim 256, vocab 4096): forward, input gradient, weight gradient.
+        case("head x·Wᵀ [512,256]·[256,4096]", 1, [512, 256, 4096], false, true),
+        case("head dy·W [512,4096]·[4096,256]", 1, [512, 4096, 256], false, false),
+        case("head dyᵀ·x [4096,512]·[512,256]", 1, [4096, 512, 256], true, false),
+        // Its attention scores (4 rows × 8 heads, seq 128, head size 32): q·kᵀ per head.
+        case("q·kᵀ 32 × [128,32]·[32,128]", 32, [128, 32, 128], false, true),
     ]
 }
 
