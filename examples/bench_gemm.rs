@@ -9,6 +9,13 @@
 //! table shows the median of `N` samples per kernel (default 7, after one
 //! warm-up call each). GFLOP/s counts `2·m·n·k` per product.
 //!
+//! The `gemm cold` column times the `gemm` kernel with its operands evicted
+//! from the core's private caches first: before every timed call (one call per
+//! timing) the benchmark writes a 64 MiB buffer, untimed. Inside a training
+//! step the operands of most products were written long enough before (a
+//! saved activation, a freshly gathered weight) that this is the state they
+//! are in, so `cold/hot` is the share of the hot figure that a step can expect.
+//!
 //! The baseline is `matrixmultiply` (what ndarray's `dot` runs); `ratio` is the
 //! `gemm` crate's GFLOP/s over the baseline's (above 1 = `gemm` faster).
 //! `GemmKernel::auto()` picks `gemm` on CPUs with AVX-512 and `matrixmultiply`
@@ -118,6 +125,26 @@ fn sample(a: &Tensor, b: &Tensor, kernel: GemmKernel, reps: usize) -> Result<f64
     Ok(t.elapsed().as_secs_f64() / reps as f64)
 }
 
+/// Bytes written between the calls of a cold sample: many times the L2 of any
+/// core this runs on, so that neither operand is left in it.
+const EVICT_BYTES: usize = 64 << 20;
+
+/// Calls per cold sample (each timed alone, after an eviction).
+const COLD_CALLS: usize = 5;
+
+/// The median seconds of one `gemm` call with its operands evicted from the
+/// core's caches first (see the module docs), over `iters` samples of
+/// [`COLD_CALLS`] calls each.
+fn time_cold(a: &Tensor, b: &Tensor, iters: usize, evict: &mut [u8]) -> Result<f64, BoxError> {
+    let mut times = Vec::with_capacity(iters * COLD_CALLS);
+    for i in 0..iters * COLD_CALLS {
+        evict.fill(i as u8);
+        black_box(&mut *evict);
+        times.push(sample(a, b, GemmKernel::Gemm, 1)?);
+    }
+    Ok(median(&times))
+}
+
 /// The median seconds of one call with each kernel, `[matrixmultiply, gemm]`,
 /// over `iters` samples taken alternately (so that load from other processes
 /// falls on both alike).
@@ -163,14 +190,19 @@ fn run_cases(args: &common::BenchArgs) -> Result<(), BoxError> {
         args.iters
     );
     println!(
-        "{:<30} {:>16} {:>14} {:>8} {:>12}",
-        "case", "matrixmultiply", "gemm", "ratio", "max |diff|"
+        "{:<30} {:>16} {:>14} {:>8} {:>12} {:>10} {:>12}",
+        "case", "matrixmultiply", "gemm", "ratio", "max |diff|", "gemm cold", "cold/hot"
     );
-    println!("{:<30} {:>16} {:>14}", "", "GFLOP/s", "GFLOP/s");
+    println!(
+        "{:<30} {:>16} {:>14} {:>8} {:>12} {:>10}",
+        "", "GFLOP/s", "GFLOP/s", "", "", "GFLOP/s"
+    );
     let mut records = Vec::new();
+    let mut evict = vec![0u8; EVICT_BYTES];
     for case in cases() {
         let (a, b) = case.operands()?;
         let [base, fast] = time(&a, &b, args.iters)?;
+        let cold = time_cold(&a, &b, args.iters, &mut evict)?;
         // Both kernels must agree (up to summation order).
         let (x, y) = (
             a.matmul_with(&b, GemmKernel::MatrixMultiply)?.to_f64_vec(),
@@ -179,8 +211,10 @@ fn run_cases(args: &common::BenchArgs) -> Result<(), BoxError> {
         let diff = x.iter().zip(&y).map(|(p, q)| (p - q).abs()).fold(0.0, f64::max);
         let (g_base, g_fast) = (case.flops() / base / 1e9, case.flops() / fast / 1e9);
         let ratio = g_fast / g_base;
+        let g_cold = case.flops() / cold / 1e9;
+        let cold_ratio = g_cold / g_fast;
         println!(
-            "{:<30} {g_base:>16.1} {g_fast:>14.1} {ratio:>8.2} {diff:>12.1e}",
+            "{:<30} {g_base:>16.1} {g_fast:>14.1} {ratio:>8.2} {diff:>12.1e} {g_cold:>10.1} {cold_ratio:>12.2}",
             case.name
         );
         records.push(Json::Obj(vec![
@@ -197,12 +231,19 @@ fn run_cases(args: &common::BenchArgs) -> Result<(), BoxError> {
             ("matrixmultiply_gflops".into(), Json::Num(g_base)),
             ("gemm_gflops".into(), Json::Num(g_fast)),
             ("ratio".into(), Json::Num(ratio)),
+            ("gemm_cold_median_s".into(), Json::Num(cold)),
+            ("gemm_cold_gflops".into(), Json::Num(g_cold)),
+            ("cold_over_hot".into(), Json::Num(cold_ratio)),
             ("max_abs_diff".into(), Json::Num(diff)),
             ("auto".into(), Json::Str(format!("{auto:?}"))),
             ("iters".into(), Json::Int(args.iters as u64)),
         ]));
     }
     println!("\nratio = gemm GFLOP/s / matrixmultiply GFLOP/s (matrixmultiply is ndarray's dot).");
+    println!(
+        "gemm cold: operands evicted from the core's caches before each call ({} MiB written, untimed); cold/hot = gemm cold / gemm.",
+        EVICT_BYTES >> 20
+    );
     if let Some(path) = &args.json {
         common::write_atomic(path, &(Json::Arr(records).render() + "\n"))?;
         println!("wrote {}", path.display());
