@@ -6,19 +6,28 @@ use super::{Gemm, GemmKernel, Mat, SPLIT_ALIGN};
 use crate::ops::Float;
 use crate::ops::fastmath::Simd;
 
-// Half-precision operands run the f32 GEMM with their conversions fused in.
-macro_rules! impl_gemm_half {
-    ($t:ty) => {
-        impl Gemm for $t {
-            unsafe fn gemm(kernel: GemmKernel, mkn: [usize; 3], a: Mat<$t>, b: Mat<$t>, c: *mut $t, rsc: isize) {
-                // SAFETY: forwarded unchanged from the caller's guarantees.
-                unsafe { gemm_half(kernel, mkn, a, b, c, rsc) }
+// Half-precision operands run the f32 GEMM with their conversions fused in;
+// bf16 ones the dot-product kernel when it was chosen.
+impl Gemm for bf16 {
+    unsafe fn gemm(kernel: GemmKernel, mkn: [usize; 3], a: Mat<bf16>, b: Mat<bf16>, c: *mut bf16, rsc: isize) {
+        // SAFETY: forwarded unchanged from the caller's guarantees; `Bf16Dot`
+        // reaches here only where the CPU has it (`GemmKernel::check`).
+        unsafe {
+            #[cfg(target_arch = "x86_64")]
+            if kernel == GemmKernel::Bf16Dot {
+                return super::bf16_dot::gemm(mkn, a, b, c, rsc);
             }
+            gemm_half(kernel, mkn, a, b, c, rsc)
         }
-    };
+    }
 }
-impl_gemm_half!(bf16);
-impl_gemm_half!(f16);
+
+impl Gemm for f16 {
+    unsafe fn gemm(kernel: GemmKernel, mkn: [usize; 3], a: Mat<f16>, b: Mat<f16>, c: *mut f16, rsc: isize) {
+        // SAFETY: forwarded unchanged from the caller's guarantees.
+        unsafe { gemm_half(kernel, mkn, a, b, c, rsc) }
+    }
+}
 
 /// Bytes of the `f32` output panel that a half-precision product is computed
 /// in before it is rounded: small enough to stay in a core's L2 cache.

@@ -1,0 +1,286 @@
+//! `bf16` products on the CPU's bf16 dot-product instruction (`VDPBF16PS`,
+//! AVX512_BF16): each instruction multiplies 16 pairs of adjacent `bf16`
+//! elements of one operand by 16 pairs of the other and adds both products to
+//! 16 `f32` sums, twice the multiply-adds per instruction of the `f32` GEMM.
+//!
+//! Both operands are packed into pairs along `k` (one `u32` per pair): the
+//! left one in panels of [`MR`] rows (`[panel][pair][row]`), the right one in
+//! panels of [`NR`] columns (`[panel][pair][column]`), zero-padded at the
+//! edges (a zero pair adds nothing). A tile of `MR × NR` outputs keeps its sums
+//! in 24 vector registers for the whole of `k`, one pair after the other, then
+//! rounds each sum to `bf16` once. So an output element's sum runs over `k` in
+//! the same order whatever the product's size, split or tile position.
+//!
+//! The instruction differs from the widened `f32` GEMM in two ways: it adds the
+//! two products of a pair to the running sum one after the other (the sums are
+//! in another order than the `f32` kernel's, so results differ in the last
+//! bits, as between any two GEMMs), and it treats `bf16` subnormal inputs
+//! (magnitudes below 2⁻¹²⁶) as zero and flushes subnormal sums to zero.
+
+use std::arch::x86_64::{
+    __m512, __m512bh, _mm512_dpbf16_ps, _mm512_loadu_si512, _mm512_set1_epi32, _mm512_setzero_ps, _mm512_storeu_ps,
+};
+
+use half::bf16;
+
+use super::Mat;
+use crate::tensor::bf16_bits;
+
+/// Rows of a tile (a left-operand panel).
+pub(super) const MR: usize = 12;
+
+/// Columns of a tile (a right-operand panel): two vectors of 16 `f32` sums.
+pub(super) const NR: usize = 32;
+
+/// Bytes of the packed left operand worked on at once (rows of it, all of
+/// `k`): it stays in the core's L2 cache while every right-operand panel
+/// passes over it.
+const A_BLOCK_BYTES: usize = 192 << 10;
+
+/// Scratch bytes a thread keeps between products; more is freed after the
+/// product that needed it.
+pub(super) const SCRATCH_KEEP: usize = 32 << 20;
+
+thread_local! {
+    /// This thread's packed operands: the left block and the whole right one.
+    pub(super) static SCRATCH: std::cell::RefCell<[Vec<u32>; 2]> = const {
+        std::cell::RefCell::new([Vec::new(), Vec::new()])
+    };
+}
+
+/// Whether this CPU has the instructions (AVX-512F and AVX512_BF16), detected
+/// once.
+pub(super) fn detected() -> bool {
+    static DETECTED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *DETECTED.get_or_init(|| {
+        std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("avx512bf16")
+    })
+}
+
+/// `c = a · b` for `bf16` operands on the dot-product instruction, each output
+/// element its `f32` sum rounded to `bf16` once.
+///
+/// # Safety
+/// As [`Gemm::gemm`](super::Gemm::gemm), and [`detected`] must be true.
+pub(super) unsafe fn gemm([m, k, n]: [usize; 3], a: Mat<bf16>, b: Mat<bf16>, c: *mut bf16, rsc: isize) {
+    let bits = |x: Mat<bf16>| Mat {
+        ptr: x.ptr.cast::<u16>(),
+        rs: x.rs,
+        cs: x.cs,
+    };
+    let (a, b, c) = (bits(a), bits(b), c.cast::<u16>());
+    SCRATCH.with(|scratch| {
+        let mut scratch = scratch.borrow_mut();
+        let [sa, sb] = &mut *scratch;
+        let pairs = k.div_ceil(2);
+        // Rows of `a` per block: whole panels, at least one.
+        let block = ((A_BLOCK_BYTES / (pairs * 4 * MR)).max(1) * MR).min(m.next_multiple_of(MR));
+        // SAFETY (the whole block): `a` and `b` are readable wherever their
+        // strides reach for m×k and k×n (caller), which is all that the packing
+        // reads; the packed panels hold `pairs` pairs of MR rows or NR columns
+        // each, as `tile` reads them; `c` is writable for m rows of stride
+        // `rsc` and n columns (caller), and `store` writes only inside them;
+        // the instructions are present (caller).
+        unsafe {
+            pack_b(b, k, n, sb);
+            let mut sums = [[0.0f32; NR]; MR];
+            for r0 in (0..m).step_by(block) {
+                let rows = block.min(m - r0);
+                pack_a(a, r0, rows, k, sa);
+                for jp in 0..n.div_ceil(NR) {
+                    let cols = NR.min(n - jp * NR);
+                    let panel_b = sb.as_ptr().add(jp * pairs * NR);
+                    for ip in 0..rows.div_ceil(MR) {
+                        tile(pairs, sa.as_ptr().add(ip * pairs * MR), panel_b, &mut sums);
+                        let first = c.wrapping_offset((r0 + ip * MR) as isize * rsc + (jp * NR) as isize);
+                        store(&sums, MR.min(rows - ip * MR), cols, first, rsc);
+                    }
+                }
+            }
+        }
+        for v in [sa, sb] {
+            if v.capacity() * 4 > SCRATCH_KEEP {
+                *v = Vec::new();
+            }
+        }
+    });
+}
+
+/// The first `rows × cols` of `sums` rounded to `bf16` into `c` (row stride `rsc`).
+///
+/// # Safety
+/// `c` must be writable for `rows` rows of stride `rsc` and `cols` columns.
+#[inline(always)]
+unsafe fn store(sums: &[[f32; NR]; MR], rows: usize, cols: usize, c: *mut u16, rsc: isize) {
+    for (i, line) in sums.iter().enumerate().take(rows) {
+        // SAFETY: row `i < rows` of `c`, `cols` elements (caller).
+        let dst = unsafe { std::slice::from_raw_parts_mut(c.offset(i as isize * rsc), cols) };
+        for (d, &x) in dst.iter_mut().zip(line) {
+            *d = bf16_bits(x.to_bits());
+        }
+    }
+}
+
+/// `lo | hi << 16`: the pair that one `u32` lane of the instruction reads.
+#[inline(always)]
+fn pair(lo: u16, hi: u16) -> u32 {
+    u32::from(lo) | u32::from(hi) << 16
+}
+
+/// `out[j] = pair(x[j], y[j])`, or `pair(x[j], 0)` without `y` (an odd `k`'s last pair).
+#[inline(always)]
+fn interleave(out: &mut [u32], x: &[u16], y: Option<&[u16]>) {
+    match y {
+        Some(y) => {
+            for ((d, &lo), &hi) in out.iter_mut().zip(x).zip(y) {
+                *d = pair(lo, hi);
+            }
+        }
+        None => {
+            for (d, &lo) in out.iter_mut().zip(x) {
+                *d = pair(lo, 0);
+            }
+        }
+    }
+}
+
+/// `len` consecutive elements from `p`, or none when `present` is false.
+///
+/// # Safety
+/// When `present`, `p` must be readable for `len` elements.
+#[inline(always)]
+unsafe fn run<'a>(present: bool, p: *const u16, len: usize) -> Option<&'a [u16]> {
+    // SAFETY: the caller's guarantee.
+    present.then(|| unsafe { std::slice::from_raw_parts(p, len) })
+}
+
+/// Pair `q` of line `line` whose `k` elements run consecutively from `p`
+/// (possibly unaligned); its high half zero past `k`.
+///
+/// # Safety
+/// `p` must be readable for `k` elements, and `2·q < k`.
+#[inline(always)]
+unsafe fn pair_at(p: *const u16, q: usize, k: usize) -> u32 {
+    // SAFETY: elements 2q and (when < k) 2q+1 are readable (caller).
+    unsafe {
+        if 2 * q + 1 < k {
+            p.add(2 * q).cast::<u32>().read_unaligned()
+        } else {
+            pair(*p.add(2 * q), 0)
+        }
+    }
+}
+
+/// Rows `r0..r0 + rows` of the `? × k` matrix `a`, packed into panels of
+/// [`MR`] rows: `dst[panel][pair][row]`, zero past the last row.
+///
+/// # Safety
+/// Those rows of `a` must be readable for `k` columns.
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn pack_a(a: Mat<u16>, r0: usize, rows: usize, k: usize, dst: &mut Vec<u32>) {
+    let pairs = k.div_ceil(2);
+    dst.clear();
+    dst.resize(rows.div_ceil(MR) * pairs * MR, 0);
+    for (p, out) in dst.chunks_exact_mut(pairs * MR).enumerate() {
+        let valid = MR.min(rows - p * MR);
+        let first = a.ptr.wrapping_offset((r0 + p * MR) as isize * a.rs);
+        // SAFETY (all three): every element read is one of the panel's `valid`
+        // rows and `k` columns (caller).
+        if a.rs == 1 && a.cs != 1 {
+            // Column-major (a transposed view): columns 2q and 2q+1 are runs.
+            for (q, line) in out.chunks_exact_mut(MR).enumerate() {
+                let x = unsafe { run(true, first.wrapping_offset(2 * q as isize * a.cs), valid) }.unwrap_or(&[]);
+                let y = unsafe { run(2 * q + 1 < k, first.wrapping_offset((2 * q + 1) as isize * a.cs), valid) };
+                interleave(&mut line[..valid], x, y);
+            }
+        } else if a.cs == 1 {
+            // Row-major: each row's pairs are consecutive `u32`s.
+            for i in 0..valid {
+                let row = first.wrapping_offset(i as isize * a.rs);
+                for q in 0..pairs {
+                    out[q * MR + i] = unsafe { pair_at(row, q, k) };
+                }
+            }
+        } else {
+            for i in 0..valid {
+                for q in 0..pairs {
+                    let at = |col: usize| unsafe { *first.offset(i as isize * a.rs + col as isize * a.cs) };
+                    out[q * MR + i] = pair(at(2 * q), if 2 * q + 1 < k { at(2 * q + 1) } else { 0 });
+                }
+            }
+        }
+    }
+}
+
+/// The `k × n` matrix `b` packed into panels of [`NR`] columns:
+/// `dst[panel][pair][column]`, zero past the last column.
+///
+/// # Safety
+/// `b` must be readable for `k × n`.
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn pack_b(b: Mat<u16>, k: usize, n: usize, dst: &mut Vec<u32>) {
+    let pairs = k.div_ceil(2);
+    dst.clear();
+    dst.resize(n.div_ceil(NR) * pairs * NR, 0);
+    for (p, out) in dst.chunks_exact_mut(pairs * NR).enumerate() {
+        let valid = NR.min(n - p * NR);
+        let first = b.ptr.wrapping_offset((p * NR) as isize * b.cs);
+        // SAFETY (all three): every element read is one of the panel's `valid`
+        // columns and `k` rows (caller).
+        if b.cs == 1 {
+            // Row-major: rows 2q and 2q+1 are runs.
+            for (q, line) in out.chunks_exact_mut(NR).enumerate() {
+                let x = unsafe { run(true, first.wrapping_offset(2 * q as isize * b.rs), valid) }.unwrap_or(&[]);
+                let y = unsafe { run(2 * q + 1 < k, first.wrapping_offset((2 * q + 1) as isize * b.rs), valid) };
+                interleave(&mut line[..valid], x, y);
+            }
+        } else if b.rs == 1 {
+            // Column-major (a transposed weight): each column's pairs are consecutive `u32`s.
+            for j in 0..valid {
+                let col = first.wrapping_offset(j as isize * b.cs);
+                for q in 0..pairs {
+                    out[q * NR + j] = unsafe { pair_at(col, q, k) };
+                }
+            }
+        } else {
+            for j in 0..valid {
+                for q in 0..pairs {
+                    let at = |row: usize| unsafe { *first.offset(row as isize * b.rs + j as isize * b.cs) };
+                    out[q * NR + j] = pair(at(2 * q), if 2 * q + 1 < k { at(2 * q + 1) } else { 0 });
+                }
+            }
+        }
+    }
+}
+
+/// The `MR × NR` sums of one tile over `pairs` pairs: `a` a packed left panel,
+/// `b` a packed right panel.
+///
+/// # Safety
+/// `a` must be readable for `pairs · MR` and `b` for `pairs · NR` elements;
+/// the CPU must have AVX-512F and AVX512_BF16.
+#[target_feature(enable = "avx512f,avx512bf16")]
+unsafe fn tile(pairs: usize, a: *const u32, b: *const u32, out: &mut [[f32; NR]; MR]) {
+    let mut sums: [[__m512; 2]; MR] = [[_mm512_setzero_ps(); 2]; MR];
+    for q in 0..pairs {
+        // SAFETY: pair q of both panels is inside them (caller); an `__m512i`
+        // of 16 packed pairs is an `__m512bh` of 32 `bf16` (same size, any
+        // bits valid).
+        unsafe {
+            let b0: __m512bh = std::mem::transmute(_mm512_loadu_si512(b.add(q * NR).cast()));
+            let b1: __m512bh = std::mem::transmute(_mm512_loadu_si512(b.add(q * NR + 16).cast()));
+            for (i, s) in sums.iter_mut().enumerate() {
+                let ai: __m512bh = std::mem::transmute(_mm512_set1_epi32(*a.add(q * MR + i) as i32));
+                s[0] = _mm512_dpbf16_ps(s[0], ai, b0);
+                s[1] = _mm512_dpbf16_ps(s[1], ai, b1);
+            }
+        }
+    }
+    for (line, s) in out.iter_mut().zip(&sums) {
+        // SAFETY: a line holds NR = 32 floats: two vectors.
+        unsafe {
+            _mm512_storeu_ps(line.as_mut_ptr(), s[0]);
+            _mm512_storeu_ps(line.as_mut_ptr().add(16), s[1]);
+        }
+    }
+}
