@@ -22,6 +22,14 @@
 //! elsewhere. The times include allocating the output tensor, as every
 //! `matmul` call does. OpenBLAS is not a dependency (the default build needs no
 //! system library), so it is not measured here.
+//!
+//! A second table times `bf16` products of the bench Transformer's shapes three
+//! ways, alternately: the widened path (the `f32` `gemm` kernel with the
+//! conversions fused in), `GemmKernel::Bf16Dot` (the CPU's bf16 dot-product
+//! instruction, where the CPU has AVX512_BF16; the table says so otherwise),
+//! and `f32` operands of the same shape on `gemm`. Its JSON records have
+//! `dtype` `bf16` and the fields `via_f32_median_s`, `bf16_dot_median_s`,
+//! `f32_gemm_median_s`, `dot_over_via_f32`, `dot_over_f32`.
 
 #[path = "common/mod.rs"]
 mod common;
@@ -149,19 +157,113 @@ fn time_cold(a: &Tensor, b: &Tensor, iters: usize, evict: &mut [u8]) -> Result<f
 /// over `iters` samples taken alternately (so that load from other processes
 /// falls on both alike).
 fn time(a: &Tensor, b: &Tensor, iters: usize) -> Result<[f64; 2], BoxError> {
-    const KERNELS: [GemmKernel; 2] = [GemmKernel::MatrixMultiply, GemmKernel::Gemm];
-    let once = KERNELS.map(|k| sample(a, b, k, 1));
-    let mut reps = [1; 2];
-    for (r, t) in reps.iter_mut().zip(once) {
-        *r = ((SAMPLE_S / t?.max(1e-7)) as usize).clamp(1, 100_000);
+    let t = time_alternating(&[(a, b, GemmKernel::MatrixMultiply), (a, b, GemmKernel::Gemm)], iters)?;
+    Ok([t[0], t[1]])
+}
+
+/// The median seconds of one call of each `(a, b, kernel)`, over `iters`
+/// samples of each taken in turn.
+fn time_alternating(runs: &[(&Tensor, &Tensor, GemmKernel)], iters: usize) -> Result<Vec<f64>, BoxError> {
+    let mut reps = Vec::with_capacity(runs.len());
+    for &(a, b, kernel) in runs {
+        let once = sample(a, b, kernel, 1)?;
+        reps.push(((SAMPLE_S / once.max(1e-7)) as usize).clamp(1, 100_000));
     }
-    let mut samples = [Vec::with_capacity(iters), Vec::with_capacity(iters)];
+    let mut samples = vec![Vec::with_capacity(iters); runs.len()];
     for _ in 0..iters {
-        for i in 0..2 {
-            samples[i].push(sample(a, b, KERNELS[i], reps[i])?);
+        for ((&(a, b, kernel), &r), s) in runs.iter().zip(&reps).zip(&mut samples) {
+            s.push(sample(a, b, kernel, r)?);
         }
     }
-    Ok(samples.map(|s| median(&s)))
+    Ok(samples.iter().map(|s| median(s)).collect())
+}
+
+/// The bench Transformer's products (one rank of FSDP W=2: 512 tokens, dim 256,
+/// MLP 1024, vocab 4096, 8 heads of 32) and a square one, for the `bf16` table.
+fn bf16_cases() -> Vec<Case> {
+    let case = |name, batch, [m, k, n]: [usize; 3], a_transposed, b_transposed| Case {
+        name,
+        dtype: DType::BF16,
+        batch,
+        m,
+        k,
+        n,
+        a_transposed,
+        b_transposed,
+    };
+    vec![
+        case("square 1024", 1, [1024; 3], false, false),
+        case("linear x·Wᵀ [512,256]·[256,256]", 1, [512, 256, 256], false, true),
+        case("w1 x·Wᵀ [512,256]·[256,1024]", 1, [512, 256, 1024], false, true),
+        case("w2 dy·W [512,256]·[256,1024]", 1, [512, 256, 1024], false, false),
+        case("w1 dyᵀ·x [1024,512]·[512,256]", 1, [1024, 512, 256], true, false),
+        case("head x·Wᵀ [512,256]·[256,4096]", 1, [512, 256, 4096], false, true),
+        case("head dyᵀ·x [4096,512]·[512,256]", 1, [4096, 512, 256], true, false),
+        case("q·kᵀ 32 × [128,32]·[32,128]", 32, [128, 32, 128], false, true),
+        case("p·v 32 × [128,128]·[128,32]", 32, [128, 128, 32], false, false),
+    ]
+}
+
+/// The `bf16` table: the dot-product kernel against the widened path (the `f32`
+/// `gemm` kernel with the conversions fused in) and against `f32` operands of
+/// the same shape on `gemm`, timed alternately.
+fn run_bf16(args: &common::BenchArgs, records: &mut Vec<Json>) -> Result<(), BoxError> {
+    println!();
+    if !GemmKernel::bf16_dot_detected() {
+        println!("bf16 dot-product kernel: this CPU lacks AVX512_BF16; not measured");
+        return Ok(());
+    }
+    println!(
+        "{:<30} {:>12} {:>12} {:>10} {:>12} {:>10} {:>12}",
+        "bf16 case", "via f32", "bf16 dot", "dot/via", "f32 gemm", "dot/f32", "max |diff|"
+    );
+    println!(
+        "{:<30} {:>12} {:>12} {:>10} {:>12}",
+        "", "GFLOP/s", "GFLOP/s", "", "GFLOP/s"
+    );
+    for case in bf16_cases() {
+        let (a, b) = case.operands()?;
+        let (a32, b32) = (a.cast(DType::F32)?, b.cast(DType::F32)?);
+        let runs = [
+            (&a, &b, GemmKernel::Gemm),
+            (&a, &b, GemmKernel::Bf16Dot),
+            (&a32, &b32, GemmKernel::Gemm),
+        ];
+        let t = time_alternating(&runs, args.iters)?;
+        let [via, dot, f32] = [t[0], t[1], t[2]].map(|s| case.flops() / s / 1e9);
+        // The two bf16 paths round the same sums, added in another order.
+        let (x, y) = (
+            a.matmul_with(&b, GemmKernel::Gemm)?.to_f64_vec(),
+            a.matmul_with(&b, GemmKernel::Bf16Dot)?.to_f64_vec(),
+        );
+        let diff = x.iter().zip(&y).map(|(p, q)| (p - q).abs()).fold(0.0, f64::max);
+        println!(
+            "{:<30} {via:>12.1} {dot:>12.1} {:>10.2} {f32:>12.1} {:>10.2} {diff:>12.1e}",
+            case.name,
+            dot / via,
+            dot / f32
+        );
+        records.push(Json::Obj(vec![
+            ("case".into(), Json::Str(case.name.into())),
+            ("dtype".into(), Json::Str("bf16".into())),
+            ("batch".into(), Json::Int(case.batch as u64)),
+            ("m".into(), Json::Int(case.m as u64)),
+            ("k".into(), Json::Int(case.k as u64)),
+            ("n".into(), Json::Int(case.n as u64)),
+            ("via_f32_median_s".into(), Json::Num(t[0])),
+            ("bf16_dot_median_s".into(), Json::Num(t[1])),
+            ("f32_gemm_median_s".into(), Json::Num(t[2])),
+            ("dot_over_via_f32".into(), Json::Num(dot / via)),
+            ("dot_over_f32".into(), Json::Num(dot / f32)),
+            ("max_abs_diff".into(), Json::Num(diff)),
+            ("iters".into(), Json::Int(args.iters as u64)),
+        ]));
+    }
+    println!("via f32: bf16 operands widened into the f32 `gemm` kernel; bf16 dot: GemmKernel::Bf16Dot (VDPBF16PS);");
+    println!(
+        "f32 gemm: the same shape in f32; dot/via and dot/f32 are GFLOP/s ratios (above 1 = the dot kernel faster)."
+    );
+    Ok(())
 }
 
 fn main() -> ExitCode {
@@ -244,6 +346,7 @@ fn run_cases(args: &common::BenchArgs) -> Result<(), BoxError> {
         "gemm cold: operands evicted from the core's caches before each call ({} MiB written, untimed); cold/hot = gemm cold / gemm.",
         EVICT_BYTES >> 20
     );
+    run_bf16(args, &mut records)?;
     if let Some(path) = &args.json {
         common::write_atomic(path, &(Json::Arr(records).render() + "\n"))?;
         println!("wrote {}", path.display());

@@ -18,13 +18,14 @@
 //! (magnitudes below 2⁻¹²⁶) as zero and flushes subnormal sums to zero.
 
 use std::arch::x86_64::{
-    __m512, __m512bh, _mm512_dpbf16_ps, _mm512_loadu_si512, _mm512_set1_epi32, _mm512_setzero_ps, _mm512_storeu_ps,
+    __m256i, __m512, __m512bh, _mm256_mask_storeu_epi16, _mm256_storeu_si256, _mm512_add_epi32, _mm512_and_si512,
+    _mm512_castps_si512, _mm512_cmpgt_epu32_mask, _mm512_cvtepi32_epi16, _mm512_dpbf16_ps, _mm512_loadu_si512,
+    _mm512_mask_blend_epi32, _mm512_or_si512, _mm512_set1_epi32, _mm512_setzero_ps, _mm512_srli_epi32,
 };
 
 use half::bf16;
 
 use super::Mat;
-use crate::tensor::bf16_bits;
 
 /// Rows of a tile (a left-operand panel).
 pub(super) const MR: usize = 12;
@@ -73,6 +74,9 @@ pub(super) unsafe fn gemm([m, k, n]: [usize; 3], a: Mat<bf16>, b: Mat<bf16>, c: 
         let mut scratch = scratch.borrow_mut();
         let [sa, sb] = &mut *scratch;
         let pairs = k.div_ceil(2);
+        // A row-major `a` of even `k` is read in place: each row's pairs are
+        // consecutive `u32`s already. Otherwise it is packed a block at a time.
+        let direct = a.cs == 1 && k % 2 == 0;
         // Rows of `a` per block: whole panels, at least one.
         let block = ((A_BLOCK_BYTES / (pairs * 4 * MR)).max(1) * MR).min(m.next_multiple_of(MR));
         // SAFETY (the whole block): `a` and `b` are readable wherever their
@@ -83,17 +87,29 @@ pub(super) unsafe fn gemm([m, k, n]: [usize; 3], a: Mat<bf16>, b: Mat<bf16>, c: 
         // the instructions are present (caller).
         unsafe {
             pack_b(b, k, n, sb);
-            let mut sums = [[0.0f32; NR]; MR];
             for r0 in (0..m).step_by(block) {
                 let rows = block.min(m - r0);
-                pack_a(a, r0, rows, k, sa);
+                if !direct {
+                    pack_a(a, r0, rows, k, sa);
+                }
                 for jp in 0..n.div_ceil(NR) {
                     let cols = NR.min(n - jp * NR);
                     let panel_b = sb.as_ptr().add(jp * pairs * NR);
                     for ip in 0..rows.div_ceil(MR) {
-                        tile(pairs, sa.as_ptr().add(ip * pairs * MR), panel_b, &mut sums);
                         let first = c.wrapping_offset((r0 + ip * MR) as isize * rsc + (jp * NR) as isize);
-                        store(&sums, MR.min(rows - ip * MR), cols, first, rsc);
+                        let out = Out {
+                            ptr: first,
+                            rs: rsc,
+                            rows: MR.min(rows - ip * MR),
+                            cols,
+                        };
+                        if direct {
+                            let left = a.ptr.wrapping_offset((r0 + ip * MR) as isize * a.rs);
+                            tile::<true>(pairs, left, a.rs, panel_b, out);
+                        } else {
+                            let left = sa.as_ptr().add(ip * pairs * MR).cast::<u16>();
+                            tile::<false>(pairs, left, 0, panel_b, out);
+                        }
                     }
                 }
             }
@@ -106,17 +122,41 @@ pub(super) unsafe fn gemm([m, k, n]: [usize; 3], a: Mat<bf16>, b: Mat<bf16>, c: 
     });
 }
 
-/// The first `rows × cols` of `sums` rounded to `bf16` into `c` (row stride `rsc`).
+/// Where a tile's outputs go: the first `rows × cols` of its `MR × NR`, row
+/// stride `rs`.
+#[derive(Clone, Copy)]
+struct Out {
+    ptr: *mut u16,
+    rs: isize,
+    rows: usize,
+    cols: usize,
+}
+
+/// 16 `f32` sums rounded to `bf16` bit for bit as casts do (`bf16_bits`: (to
+/// to nearest, ties to even; a NaN stays a quiet NaN), into the first `lanes`
+/// (at most 16) elements at `dst`.
 ///
 /// # Safety
-/// `c` must be writable for `rows` rows of stride `rsc` and `cols` columns.
-#[inline(always)]
-unsafe fn store(sums: &[[f32; NR]; MR], rows: usize, cols: usize, c: *mut u16, rsc: isize) {
-    for (i, line) in sums.iter().enumerate().take(rows) {
-        // SAFETY: row `i < rows` of `c`, `cols` elements (caller).
-        let dst = unsafe { std::slice::from_raw_parts_mut(c.offset(i as isize * rsc), cols) };
-        for (d, &x) in dst.iter_mut().zip(line) {
-            *d = bf16_bits(x.to_bits());
+/// `dst` must be writable for `lanes` elements; the CPU must have AVX-512F, BW and VL.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+unsafe fn round_store(s: __m512, dst: *mut u16, lanes: usize) {
+    let x = _mm512_castps_si512(s);
+    let high = _mm512_srli_epi32::<16>(x);
+    // Just under half a unit of the last kept bit, plus that bit: carries
+    // into it exactly when the dropped bits exceed half, or equal it and it is odd.
+    let bias = _mm512_add_epi32(_mm512_set1_epi32(0x7fff), _mm512_and_si512(high, _mm512_set1_epi32(1)));
+    let rounded = _mm512_srli_epi32::<16>(_mm512_add_epi32(x, bias));
+    let magnitude = _mm512_and_si512(x, _mm512_set1_epi32(0x7fff_ffff));
+    let nan = _mm512_cmpgt_epu32_mask(magnitude, _mm512_set1_epi32(0x7f80_0000));
+    let quiet = _mm512_or_si512(high, _mm512_set1_epi32(0x40));
+    let bits = _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, rounded, quiet));
+    // SAFETY: `lanes` elements at `dst` are writable (caller).
+    unsafe {
+        if lanes == 16 {
+            _mm256_storeu_si256(dst.cast::<__m256i>(), bits);
+        } else {
+            _mm256_mask_storeu_epi16(dst.cast::<i16>(), (1u16 << lanes) - 1, bits);
         }
     }
 }
@@ -253,34 +293,53 @@ unsafe fn pack_b(b: Mat<u16>, k: usize, n: usize, dst: &mut Vec<u32>) {
     }
 }
 
-/// The `MR × NR` sums of one tile over `pairs` pairs: `a` a packed left panel,
-/// `b` a packed right panel.
+/// The `MR × NR` sums of one tile over `pairs` pairs, rounded to `bf16` into
+/// `out`; `b` is a packed right panel. The left rows are a packed panel at `a`
+/// (`DIRECT` false; `rs` unused), or, with `DIRECT`, `out.rows` rows of a
+/// row-major matrix at `a` with row stride `rs` (the missing rows of a last
+/// panel repeat its last row; their sums are not stored).
 ///
 /// # Safety
-/// `a` must be readable for `pairs · MR` and `b` for `pairs · NR` elements;
-/// the CPU must have AVX-512F and AVX512_BF16.
-#[target_feature(enable = "avx512f,avx512bf16")]
-unsafe fn tile(pairs: usize, a: *const u32, b: *const u32, out: &mut [[f32; NR]; MR]) {
+/// `a` must be readable for `pairs` pairs of each of its rows (packed: `pairs ·
+/// MR` `u32`s) and `b` for `pairs · NR` elements; `out` writable for its
+/// `rows × cols` (at least one of each, at most `MR × NR`); the CPU must have
+/// AVX-512F, BW, VL and AVX512_BF16.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+unsafe fn tile<const DIRECT: bool>(pairs: usize, a: *const u16, rs: isize, b: *const u32, out: Out) {
+    let row: [isize; MR] = std::array::from_fn(|i| {
+        if DIRECT {
+            i.min(out.rows - 1) as isize * rs
+        } else {
+            2 * i as isize
+        }
+    });
+    let step = if DIRECT { 2 } else { 2 * MR };
     let mut sums: [[__m512; 2]; MR] = [[_mm512_setzero_ps(); 2]; MR];
     for q in 0..pairs {
-        // SAFETY: pair q of both panels is inside them (caller); an `__m512i`
-        // of 16 packed pairs is an `__m512bh` of 32 `bf16` (same size, any
-        // bits valid).
+        // SAFETY: pair q of both panels, and of each left row, is inside them
+        // (caller); an `__m512i` of 16 packed pairs is an `__m512bh` of 32
+        // `bf16` (same size, any bits valid).
         unsafe {
             let b0: __m512bh = std::mem::transmute(_mm512_loadu_si512(b.add(q * NR).cast()));
             let b1: __m512bh = std::mem::transmute(_mm512_loadu_si512(b.add(q * NR + 16).cast()));
-            for (i, s) in sums.iter_mut().enumerate() {
-                let ai: __m512bh = std::mem::transmute(_mm512_set1_epi32(*a.add(q * MR + i) as i32));
+            let left = a.add(q * step);
+            for (s, &r) in sums.iter_mut().zip(&row) {
+                let pair = left.offset(r).cast::<u32>().read_unaligned();
+                let ai: __m512bh = std::mem::transmute(_mm512_set1_epi32(pair as i32));
                 s[0] = _mm512_dpbf16_ps(s[0], ai, b0);
                 s[1] = _mm512_dpbf16_ps(s[1], ai, b1);
             }
         }
     }
-    for (line, s) in out.iter_mut().zip(&sums) {
-        // SAFETY: a line holds NR = 32 floats: two vectors.
+    let (low, high) = (out.cols.min(16), out.cols.saturating_sub(16));
+    for (i, s) in sums.iter().enumerate().take(out.rows) {
+        // SAFETY: row i < rows of the output, `cols` elements (caller).
         unsafe {
-            _mm512_storeu_ps(line.as_mut_ptr(), s[0]);
-            _mm512_storeu_ps(line.as_mut_ptr().add(16), s[1]);
+            let row = out.ptr.offset(i as isize * out.rs);
+            round_store(s[0], row, low);
+            if high > 0 {
+                round_store(s[1], row.add(16), high);
+            }
         }
     }
 }

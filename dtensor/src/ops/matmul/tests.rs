@@ -573,8 +573,10 @@ fn bf16_dot_scratch_is_kept_only_up_to_its_cap() {
     // split and other tests' products do not count).
     let opts = tessera_mesh::LaunchOptions::default().threads_per_rank(1);
     tessera_mesh::launch_with(&opts, 1, move |_| {
-        let (a, b) = (sample(&[64, 64], DType::BF16, 1), sample(&[64, 64], DType::BF16, 2));
-        a.matmul_with(&b, GemmKernel::Bf16Dot).unwrap();
+        // A transposed left operand is packed (a row-major one of even k is read in place).
+        let a = sample(&[64, 64], DType::BF16, 1).transpose(0, 1).unwrap();
+        a.matmul_with(&sample(&[64, 64], DType::BF16, 2), GemmKernel::Bf16Dot)
+            .unwrap();
         let kept = scratch();
         assert!(
             kept.iter().all(|&c| c > 0),
