@@ -18,9 +18,11 @@
 //! (magnitudes below 2⁻¹²⁶) as zero and flushes subnormal sums to zero.
 
 use std::arch::x86_64::{
-    __m256i, __m512, __m512bh, _mm256_mask_storeu_epi16, _mm256_storeu_si256, _mm512_add_epi32, _mm512_and_si512,
-    _mm512_castps_si512, _mm512_cmpgt_epu32_mask, _mm512_cvtepi32_epi16, _mm512_dpbf16_ps, _mm512_loadu_si512,
-    _mm512_mask_blend_epi32, _mm512_or_si512, _mm512_set1_epi32, _mm512_setzero_ps, _mm512_srli_epi32,
+    __m256, __m256i, __m512, __m512bh, _mm256_loadu_ps, _mm256_mask_storeu_epi16, _mm256_permute2f128_ps,
+    _mm256_shuffle_ps, _mm256_storeu_ps, _mm256_storeu_si256, _mm256_unpackhi_ps, _mm256_unpacklo_ps, _mm512_add_epi32,
+    _mm512_and_si512, _mm512_castps_si512, _mm512_cmpgt_epu32_mask, _mm512_cvtepi32_epi16, _mm512_dpbf16_ps,
+    _mm512_loadu_si512, _mm512_mask_blend_epi32, _mm512_or_si512, _mm512_set1_epi32, _mm512_setzero_ps,
+    _mm512_srli_epi32,
 };
 
 use half::bf16;
@@ -184,6 +186,26 @@ fn interleave(out: &mut [u32], x: &[u16], y: Option<&[u16]>) {
     }
 }
 
+/// The first `len` elements of `v`, grown with zeros if it is shorter (their
+/// old values otherwise: the packing overwrites every element but the
+/// padding, which [`zero_padding`] clears).
+fn fit(v: &mut Vec<u32>, len: usize) -> &mut [u32] {
+    if v.len() < len {
+        v.resize(len, 0);
+    }
+    &mut v[..len]
+}
+
+/// Zeroes lanes `valid..width` of every line of a panel of lines of `width`
+/// (the rows or columns past the matrix's edge).
+fn zero_padding(panel: &mut [u32], width: usize, valid: usize) {
+    if valid < width {
+        for line in panel.chunks_exact_mut(width) {
+            line[valid..].fill(0);
+        }
+    }
+}
+
 /// `len` consecutive elements from `p`, or none when `present` is false.
 ///
 /// # Safety
@@ -219,10 +241,10 @@ unsafe fn pair_at(p: *const u16, q: usize, k: usize) -> u32 {
 #[target_feature(enable = "avx512f,avx512bw")]
 unsafe fn pack_a(a: Mat<u16>, r0: usize, rows: usize, k: usize, dst: &mut Vec<u32>) {
     let pairs = k.div_ceil(2);
-    dst.clear();
-    dst.resize(rows.div_ceil(MR) * pairs * MR, 0);
-    for (p, out) in dst.chunks_exact_mut(pairs * MR).enumerate() {
+    let panels = fit(dst, rows.div_ceil(MR) * pairs * MR);
+    for (p, out) in panels.chunks_exact_mut(pairs * MR).enumerate() {
         let valid = MR.min(rows - p * MR);
+        zero_padding(out, MR, valid);
         let first = a.ptr.wrapping_offset((r0 + p * MR) as isize * a.rs);
         // SAFETY (all three): every element read is one of the panel's `valid`
         // rows and `k` columns (caller).
@@ -260,10 +282,10 @@ unsafe fn pack_a(a: Mat<u16>, r0: usize, rows: usize, k: usize, dst: &mut Vec<u3
 #[target_feature(enable = "avx512f,avx512bw")]
 unsafe fn pack_b(b: Mat<u16>, k: usize, n: usize, dst: &mut Vec<u32>) {
     let pairs = k.div_ceil(2);
-    dst.clear();
-    dst.resize(n.div_ceil(NR) * pairs * NR, 0);
-    for (p, out) in dst.chunks_exact_mut(pairs * NR).enumerate() {
+    let panels = fit(dst, n.div_ceil(NR) * pairs * NR);
+    for (p, out) in panels.chunks_exact_mut(pairs * NR).enumerate() {
         let valid = NR.min(n - p * NR);
+        zero_padding(out, NR, valid);
         let first = b.ptr.wrapping_offset((p * NR) as isize * b.cs);
         // SAFETY (all three): every element read is one of the panel's `valid`
         // columns and `k` rows (caller).
@@ -275,10 +297,20 @@ unsafe fn pack_b(b: Mat<u16>, k: usize, n: usize, dst: &mut Vec<u32>) {
                 interleave(&mut line[..valid], x, y);
             }
         } else if b.rs == 1 {
-            // Column-major (a transposed weight): each column's pairs are consecutive `u32`s.
+            // Column-major (a transposed weight): each column's pairs are
+            // consecutive `u32`s; blocks of 8 columns × 8 whole pairs are turned
+            // in registers, the rest one pair at a time.
+            let (cols8, pairs8) = (valid / 8 * 8, k / 2 / 8 * 8);
+            for j in (0..cols8).step_by(8) {
+                for q in (0..pairs8).step_by(8) {
+                    let src = first.wrapping_offset(j as isize * b.cs + 2 * q as isize);
+                    unsafe { turn8(src, 2 * b.cs, out.as_mut_ptr().add(q * NR + j), NR) };
+                }
+            }
             for j in 0..valid {
                 let col = first.wrapping_offset(j as isize * b.cs);
-                for q in 0..pairs {
+                let from = if j < cols8 { pairs8 } else { 0 };
+                for q in from..pairs {
                     out[q * NR + j] = unsafe { pair_at(col, q, k) };
                 }
             }
@@ -290,6 +322,51 @@ unsafe fn pack_b(b: Mat<u16>, k: usize, n: usize, dst: &mut Vec<u32>) {
                 }
             }
         }
+    }
+}
+
+/// An 8 × 8 block of 32-bit values turned: row `t` of the block starts at
+/// byte `t · step` from `src` (unaligned), and its element `u` goes to
+/// `dst[u · ld + t]`. Shuffles move the bits without reading them as floats.
+///
+/// # Safety
+/// `src` readable for 8 rows of 32 bytes at that step; `dst` writable for 8
+/// rows of 8 elements at stride `ld`.
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn turn8(src: *const u16, step: isize, dst: *mut u32, ld: usize) {
+    let bytes = src.cast::<u8>();
+    // SAFETY: the 8 rows of 32 bytes are readable (caller).
+    let r: [__m256; 8] = std::array::from_fn(|t| unsafe { _mm256_loadu_ps(bytes.offset(t as isize * step).cast()) });
+    let t0 = _mm256_unpacklo_ps(r[0], r[1]);
+    let t1 = _mm256_unpackhi_ps(r[0], r[1]);
+    let t2 = _mm256_unpacklo_ps(r[2], r[3]);
+    let t3 = _mm256_unpackhi_ps(r[2], r[3]);
+    let t4 = _mm256_unpacklo_ps(r[4], r[5]);
+    let t5 = _mm256_unpackhi_ps(r[4], r[5]);
+    let t6 = _mm256_unpacklo_ps(r[6], r[7]);
+    let t7 = _mm256_unpackhi_ps(r[6], r[7]);
+    let s0 = _mm256_shuffle_ps::<0x44>(t0, t2);
+    let s1 = _mm256_shuffle_ps::<0xEE>(t0, t2);
+    let s2 = _mm256_shuffle_ps::<0x44>(t1, t3);
+    let s3 = _mm256_shuffle_ps::<0xEE>(t1, t3);
+    let s4 = _mm256_shuffle_ps::<0x44>(t4, t6);
+    let s5 = _mm256_shuffle_ps::<0xEE>(t4, t6);
+    let s6 = _mm256_shuffle_ps::<0x44>(t5, t7);
+    let s7 = _mm256_shuffle_ps::<0xEE>(t5, t7);
+    let rows = [
+        _mm256_permute2f128_ps::<0x20>(s0, s4),
+        _mm256_permute2f128_ps::<0x20>(s1, s5),
+        _mm256_permute2f128_ps::<0x20>(s2, s6),
+        _mm256_permute2f128_ps::<0x20>(s3, s7),
+        _mm256_permute2f128_ps::<0x31>(s0, s4),
+        _mm256_permute2f128_ps::<0x31>(s1, s5),
+        _mm256_permute2f128_ps::<0x31>(s2, s6),
+        _mm256_permute2f128_ps::<0x31>(s3, s7),
+    ];
+    for (u, v) in rows.into_iter().enumerate() {
+        // SAFETY: row u of the destination block is writable (caller).
+        unsafe { _mm256_storeu_ps(dst.add(u * ld).cast(), v) };
     }
 }
 
