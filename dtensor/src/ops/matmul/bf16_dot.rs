@@ -88,11 +88,17 @@ pub(super) unsafe fn gemm([m, k, n]: [usize; 3], a: Mat<bf16>, b: Mat<bf16>, c: 
         // `rsc` and n columns (caller), and `store` writes only inside them;
         // the instructions are present (caller).
         unsafe {
-            pack_b(b, k, n, sb);
+            // The right operand's lines are its columns: pack its transposed view.
+            let columns = Mat {
+                ptr: b.ptr,
+                rs: b.cs,
+                cs: b.rs,
+            };
+            pack::<NR>(columns, 0, n, k, sb);
             for r0 in (0..m).step_by(block) {
                 let rows = block.min(m - r0);
                 if !direct {
-                    pack_a(a, r0, rows, k, sa);
+                    pack::<MR>(a, r0, rows, k, sa);
                 }
                 for jp in 0..n.div_ceil(NR) {
                     let cols = NR.min(n - jp * NR);
@@ -233,92 +239,55 @@ unsafe fn pair_at(p: *const u16, q: usize, k: usize) -> u32 {
     }
 }
 
-/// Rows `r0..r0 + rows` of the `? × k` matrix `a`, packed into panels of
-/// [`MR`] rows: `dst[panel][pair][row]`, zero past the last row.
+/// Lines `first..first + lines` of the `? × k` matrix `m`, packed into panels
+/// of `W` lines: `dst[panel][pair][line]`, zero past the last line. The left
+/// operand's lines are its rows (`W` = [`MR`]); the right operand's are its
+/// columns (`W` = [`NR`], `m` its transposed view).
 ///
 /// # Safety
-/// Those rows of `a` must be readable for `k` columns.
+/// Those lines of `m` must be readable for `k` elements.
 #[target_feature(enable = "avx512f,avx512bw")]
-unsafe fn pack_a(a: Mat<u16>, r0: usize, rows: usize, k: usize, dst: &mut Vec<u32>) {
+unsafe fn pack<const W: usize>(m: Mat<u16>, first: usize, lines: usize, k: usize, dst: &mut Vec<u32>) {
     let pairs = k.div_ceil(2);
-    let panels = fit(dst, rows.div_ceil(MR) * pairs * MR);
-    for (p, out) in panels.chunks_exact_mut(pairs * MR).enumerate() {
-        let valid = MR.min(rows - p * MR);
-        zero_padding(out, MR, valid);
-        let first = a.ptr.wrapping_offset((r0 + p * MR) as isize * a.rs);
+    let panels = fit(dst, lines.div_ceil(W) * pairs * W);
+    for (p, out) in panels.chunks_exact_mut(pairs * W).enumerate() {
+        let valid = W.min(lines - p * W);
+        zero_padding(out, W, valid);
+        let start = m.ptr.wrapping_offset((first + p * W) as isize * m.rs);
         // SAFETY (all three): every element read is one of the panel's `valid`
-        // rows and `k` columns (caller).
-        if a.rs == 1 && a.cs != 1 {
-            // Column-major (a transposed view): columns 2q and 2q+1 are runs.
-            for (q, line) in out.chunks_exact_mut(MR).enumerate() {
-                let x = unsafe { run(true, first.wrapping_offset(2 * q as isize * a.cs), valid) }.unwrap_or(&[]);
-                let y = unsafe { run(2 * q + 1 < k, first.wrapping_offset((2 * q + 1) as isize * a.cs), valid) };
-                interleave(&mut line[..valid], x, y);
+        // lines and `k` elements (caller).
+        if m.rs == 1 && m.cs != 1 {
+            // Lines side by side (a column-major left operand, a row-major
+            // right one): elements 2q and 2q+1 of the panel's lines are runs.
+            for (q, slot) in out.chunks_exact_mut(W).enumerate() {
+                let x = unsafe { run(true, start.wrapping_offset(2 * q as isize * m.cs), valid) }.unwrap_or(&[]);
+                let y = unsafe { run(2 * q + 1 < k, start.wrapping_offset((2 * q + 1) as isize * m.cs), valid) };
+                interleave(&mut slot[..valid], x, y);
             }
-        } else if a.cs == 1 {
-            // Row-major: each row's pairs are consecutive `u32`s.
-            for i in 0..valid {
-                let row = first.wrapping_offset(i as isize * a.rs);
-                for q in 0..pairs {
-                    out[q * MR + i] = unsafe { pair_at(row, q, k) };
-                }
-            }
-        } else {
-            for i in 0..valid {
-                for q in 0..pairs {
-                    let at = |col: usize| unsafe { *first.offset(i as isize * a.rs + col as isize * a.cs) };
-                    out[q * MR + i] = pair(at(2 * q), if 2 * q + 1 < k { at(2 * q + 1) } else { 0 });
-                }
-            }
-        }
-    }
-}
-
-/// The `k × n` matrix `b` packed into panels of [`NR`] columns:
-/// `dst[panel][pair][column]`, zero past the last column.
-///
-/// # Safety
-/// `b` must be readable for `k × n`.
-#[target_feature(enable = "avx512f,avx512bw")]
-unsafe fn pack_b(b: Mat<u16>, k: usize, n: usize, dst: &mut Vec<u32>) {
-    let pairs = k.div_ceil(2);
-    let panels = fit(dst, n.div_ceil(NR) * pairs * NR);
-    for (p, out) in panels.chunks_exact_mut(pairs * NR).enumerate() {
-        let valid = NR.min(n - p * NR);
-        zero_padding(out, NR, valid);
-        let first = b.ptr.wrapping_offset((p * NR) as isize * b.cs);
-        // SAFETY (all three): every element read is one of the panel's `valid`
-        // columns and `k` rows (caller).
-        if b.cs == 1 {
-            // Row-major: rows 2q and 2q+1 are runs.
-            for (q, line) in out.chunks_exact_mut(NR).enumerate() {
-                let x = unsafe { run(true, first.wrapping_offset(2 * q as isize * b.rs), valid) }.unwrap_or(&[]);
-                let y = unsafe { run(2 * q + 1 < k, first.wrapping_offset((2 * q + 1) as isize * b.rs), valid) };
-                interleave(&mut line[..valid], x, y);
-            }
-        } else if b.rs == 1 {
-            // Column-major (a transposed weight): each column's pairs are
-            // consecutive `u32`s; blocks of 8 columns × 8 whole pairs are turned
-            // in registers, the rest one pair at a time.
-            let (cols8, pairs8) = (valid / 8 * 8, k / 2 / 8 * 8);
-            for j in (0..cols8).step_by(8) {
+        } else if m.cs == 1 {
+            // Each line's pairs are consecutive `u32`s (a row-major left
+            // operand of odd `k`, a transposed weight on the right): blocks of
+            // 8 lines × 8 whole pairs are turned in registers, the rest one
+            // pair at a time.
+            let (lines8, pairs8) = (valid / 8 * 8, k / 2 / 8 * 8);
+            for i in (0..lines8).step_by(8) {
                 for q in (0..pairs8).step_by(8) {
-                    let src = first.wrapping_offset(j as isize * b.cs + 2 * q as isize);
-                    unsafe { turn8(src, 2 * b.cs, out.as_mut_ptr().add(q * NR + j), NR) };
+                    let src = start.wrapping_offset(i as isize * m.rs + 2 * q as isize);
+                    unsafe { turn8(src, 2 * m.rs, out.as_mut_ptr().add(q * W + i), W) };
                 }
             }
-            for j in 0..valid {
-                let col = first.wrapping_offset(j as isize * b.cs);
-                let from = if j < cols8 { pairs8 } else { 0 };
+            for i in 0..valid {
+                let line = start.wrapping_offset(i as isize * m.rs);
+                let from = if i < lines8 { pairs8 } else { 0 };
                 for q in from..pairs {
-                    out[q * NR + j] = unsafe { pair_at(col, q, k) };
+                    out[q * W + i] = unsafe { pair_at(line, q, k) };
                 }
             }
         } else {
-            for j in 0..valid {
+            for i in 0..valid {
                 for q in 0..pairs {
-                    let at = |row: usize| unsafe { *first.offset(row as isize * b.rs + j as isize * b.cs) };
-                    out[q * NR + j] = pair(at(2 * q), if 2 * q + 1 < k { at(2 * q + 1) } else { 0 });
+                    let at = |c: usize| unsafe { *start.offset(i as isize * m.rs + c as isize * m.cs) };
+                    out[q * W + i] = pair(at(2 * q), if 2 * q + 1 < k { at(2 * q + 1) } else { 0 });
                 }
             }
         }
