@@ -67,16 +67,7 @@ struct Case {
 
 fn cases() -> Vec<Case> {
     // An f32 product of `batch` entries `[m, k] × [k, n]`, operands transposed views or not.
-    let case = |name, batch, [m, k, n]: [usize; 3], a_transposed, b_transposed| Case {
-        name,
-        dtype: DType::F32,
-        batch,
-        m,
-        k,
-        n,
-        a_transposed,
-        b_transposed,
-    };
+    let case = |name, batch, mkn, a_t, b_t| Case::new(name, DType::F32, batch, mkn, a_t, b_t);
     let sq = |name, n| case(name, 1, [n, n, n], false, false);
     vec![
         sq("sgemm 512", 512),
@@ -105,6 +96,27 @@ fn cases() -> Vec<Case> {
 }
 
 impl Case {
+    /// A product of `batch` entries `[m, k] × [k, n]` of `dtype`.
+    fn new(
+        name: &'static str,
+        dtype: DType,
+        batch: usize,
+        [m, k, n]: [usize; 3],
+        a_transposed: bool,
+        b_transposed: bool,
+    ) -> Case {
+        Case {
+            name,
+            dtype,
+            batch,
+            m,
+            k,
+            n,
+            a_transposed,
+            b_transposed,
+        }
+    }
+
     fn operands(&self) -> Result<(Tensor, Tensor), BoxError> {
         let a = if self.a_transposed {
             Tensor::randn(&[self.batch, self.k, self.m], self.dtype, 1)?.transpose(1, 2)?
@@ -181,16 +193,7 @@ fn time_alternating(runs: &[(&Tensor, &Tensor, GemmKernel)], iters: usize) -> Re
 /// The bench Transformer's products (one rank of FSDP W=2: 512 tokens, dim 256,
 /// MLP 1024, vocab 4096, 8 heads of 32) and a square one, for the `bf16` table.
 fn bf16_cases() -> Vec<Case> {
-    let case = |name, batch, [m, k, n]: [usize; 3], a_transposed, b_transposed| Case {
-        name,
-        dtype: DType::BF16,
-        batch,
-        m,
-        k,
-        n,
-        a_transposed,
-        b_transposed,
-    };
+    let case = |name, batch, mkn, a_t, b_t| Case::new(name, DType::BF16, batch, mkn, a_t, b_t);
     vec![
         case("square 1024", 1, [1024; 3], false, false),
         case("linear x·Wᵀ [512,256]·[256,256]", 1, [512, 256, 256], false, true),
