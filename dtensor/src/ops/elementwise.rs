@@ -1,5 +1,7 @@
 //! Binary element-wise ops with NumPy/PyTorch broadcasting, and their scalar forms.
 
+use std::mem::MaybeUninit;
+
 use ndarray::{ArrayViewMutD, IxDyn, Zip};
 
 use super::{Float, Real, Simd, elements, float_dispatch, output, par_collect, par_rows, same_dtype};
@@ -78,29 +80,32 @@ fn repeating<T: Float>(
     g: impl Fn(T, T) -> T + Sync + Copy,
 ) -> Result<Vec<T>> {
     let simd = Simd::best();
-    // Every element is written below: a recycled buffer needs no zeroing.
-    let mut out: Vec<T> = crate::alloc::reused(op, &[full.len()])?;
-    par_rows(&mut out, period, |start, out| {
-        let full = &full[start..start + out.len()];
-        // Plain loops over whole rows, compiled for the widest vectors.
-        simd.run(
-            #[inline(always)]
-            || {
-                if let [y] = *small {
-                    for (o, &x) in out.iter_mut().zip(full) {
-                        *o = g(x, y);
-                    }
-                } else {
-                    for (o, x) in out.chunks_exact_mut(period).zip(full.chunks_exact(period)) {
-                        for ((o, &x), &y) in o.iter_mut().zip(x).zip(small) {
-                            *o = g(x, y);
+    let fill = |out: &mut [MaybeUninit<T>]| {
+        par_rows(out, period, |start, out| {
+            let full = &full[start..start + out.len()];
+            // Plain loops over whole rows, compiled for the widest vectors.
+            simd.run(
+                #[inline(always)]
+                || {
+                    if let [y] = *small {
+                        for (o, &x) in out.iter_mut().zip(full) {
+                            *o = MaybeUninit::new(g(x, y));
+                        }
+                    } else {
+                        for (o, x) in out.chunks_exact_mut(period).zip(full.chunks_exact(period)) {
+                            for ((o, &x), &y) in o.iter_mut().zip(x).zip(small) {
+                                *o = MaybeUninit::new(g(x, y));
+                            }
                         }
                     }
-                }
-            },
-        );
-    });
-    Ok(out)
+                },
+            );
+        });
+    };
+    // SAFETY: `par_rows` hands out blocks of whole periods that tile the output,
+    // `full` holds as many elements as the output and `small` one period, so
+    // the loops above write every element.
+    unsafe { crate::alloc::written(op, &[full.len()], fill) }
 }
 
 /// `op(a, b)` broadcast, for tensors of one float dtype.

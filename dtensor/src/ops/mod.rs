@@ -323,8 +323,13 @@ pub(crate) fn par_parts(len: usize) -> usize {
 
 /// A vector of `len` elements where `block(range)` yields the elements of
 /// `range` (a block of whole `row`-element rows): split over the rank's threads
-/// by [`par_rows`] (into a recycled or zeroed buffer) when [`par_parts`] says
-/// so, else `serial()` on this thread (which must yield the same elements).
+/// by [`par_rows`] (into a recycled or fresh, not zeroed, buffer) when
+/// [`par_parts`] says so, else `serial()` on this thread (which must yield the
+/// same elements).
+///
+/// # Panics
+/// When `block(range)` yields fewer elements than `range` holds (a bug in the
+/// caller); the buffer is then freed unread.
 pub(crate) fn par_collect<T: Element, I: Iterator<Item = T>>(
     op: &'static str,
     len: usize,
@@ -337,19 +342,24 @@ pub(crate) fn par_collect<T: Element, I: Iterator<Item = T>>(
     if par_parts(len) <= 1 {
         return Ok(simd.run(serial));
     }
-    let mut out = crate::alloc::reused(op, &[len])?;
-    par_rows(&mut out, row, |start, out| {
-        let end = start + out.len();
-        simd.run(
-            #[inline(always)]
-            || {
-                for (o, v) in out.iter_mut().zip(block(start..end)) {
-                    *o = v;
-                }
-            },
-        );
-    });
-    Ok(out)
+    let fill = |out: &mut [std::mem::MaybeUninit<T>]| {
+        par_rows(out, row, |start, out| {
+            let end = start + out.len();
+            let written = simd.run(
+                #[inline(always)]
+                || {
+                    out.iter_mut()
+                        .zip(block(start..end))
+                        .map(|(o, v)| *o = std::mem::MaybeUninit::new(v))
+                        .count()
+                },
+            );
+            assert_eq!(written, end - start, "{op}: a block yielded too few elements");
+        });
+    };
+    // SAFETY: the blocks of `par_rows` tile the output, and each block's every
+    // element is written (asserted above: a short block panics instead).
+    unsafe { crate::alloc::written(op, &[len], fill) }
 }
 
 /// Runs `f(start, block)` over blocks of `out` that hold whole rows of `row`
@@ -496,6 +506,11 @@ mod par_tests {
                         x.max(&[0], false)?,
                         x.mean(&[1], false)?,
                         x.reshape(&[rows / 64, 64, d])?.sum(&[1], false)?,
+                        // Copies of views, split along their first dim: rows of
+                        // contiguous elements, and elements a row apart.
+                        x.reshape(&[rows / 64, 64, d])?.transpose(0, 1)?.contiguous(),
+                        x.transpose(0, 1)?.contiguous(),
+                        x.narrow(1, 3, d - 5)?.contiguous(),
                     ])
                 });
                 out.unwrap().remove(0)
@@ -506,6 +521,30 @@ mod par_tests {
                 assert_eq!(bits(a), bits(b), "{dtype} kernel {i}");
             }
         }
+    }
+
+    /// Copies of large views split over the rank's threads hold the viewed
+    /// elements in row-major order (checked by index arithmetic).
+    #[test]
+    fn split_copies_of_views_hold_the_viewed_elements() {
+        let (b, s, h) = (4, 96, 256);
+        let opts = tessera_mesh::LaunchOptions::default().threads_per_rank(3);
+        tessera_mesh::launch_with(&opts, 1, move |_| {
+            let data: Vec<f32> = (0..b * s * h).map(|i| i as f32).collect();
+            let x = Tensor::from_vec(data.clone(), &[b, s, h])?;
+            assert!(b * s * h / PAR_MIN_ELEMENTS >= 3, "the case must split over 3 threads");
+            // [s, b, h]: rows of h contiguous elements.
+            let t = x.transpose(0, 1)?.contiguous().to_vec::<f32>()?;
+            // [h, b, s]: elements h apart.
+            let u = x.permute(&[2, 0, 1])?.contiguous().to_vec::<f32>()?;
+            for (i, j, k) in (0..b).flat_map(|i| (0..s).flat_map(move |j| (0..h).map(move |k| (i, j, k)))) {
+                let want = data[(i * s + j) * h + k];
+                assert_eq!(t[(j * b + i) * h + k], want, "transpose at {i},{j},{k}");
+                assert_eq!(u[(k * b + i) * s + j], want, "permute at {i},{j},{k}");
+            }
+            Ok(())
+        })
+        .unwrap();
     }
 
     #[test]

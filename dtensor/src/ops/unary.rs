@@ -1,5 +1,7 @@
 //! Unary element-wise ops (activations and math functions), and GELU's backward.
 
+use std::mem::MaybeUninit;
+
 use super::elementwise::Binary;
 use super::fastmath::{erfc, exp, zip_map};
 use super::{Float, Real, elements, float_dispatch, output, same_dtype};
@@ -58,10 +60,11 @@ impl Binary for GeluBackwardOp {
 fn unary<Op: Unary>(op: &'static str, t: &Tensor) -> Result<Tensor> {
     float_dispatch!(op, t.dtype(), T => {
         let x = elements::<T>(t)?;
-        // Every element is written below: a recycled buffer needs no zeroing.
-        let mut out: Vec<T> = crate::alloc::reused(op, t.shape())?;
-        zip_map(&x, &x, &mut out, #[inline(always)] |x, _| T::from_acc(Op::apply(x.to_acc())));
-        output(out, t.shape())
+        let fill = |out: &mut [MaybeUninit<T>]| {
+            zip_map(&x, &x, out, #[inline(always)] |x, _| MaybeUninit::new(T::from_acc(Op::apply(x.to_acc()))));
+        };
+        // SAFETY: `zip_map` writes every element of the output (`x` is as long).
+        output(unsafe { crate::alloc::written(op, t.shape(), fill)? }, t.shape())
     })
 }
 
@@ -137,12 +140,14 @@ impl Tensor {
         same_dtype(OP, self, x)?;
         float_dispatch!(OP, self.dtype(), T => {
             let (g, x) = (elements::<T>(self)?, elements::<T>(x)?);
-            // Every element is written below: a recycled buffer needs no zeroing.
-            let mut out: Vec<T> = crate::alloc::reused(OP, self.shape())?;
-            zip_map(&g, &x, &mut out, #[inline(always)] |g, x| {
-                T::from_acc(GeluBackwardOp::apply(g.to_acc(), x.to_acc()))
-            });
-            output(out, self.shape())
+            let fill = |out: &mut [MaybeUninit<T>]| {
+                zip_map(&g, &x, out, #[inline(always)] |g, x| {
+                    MaybeUninit::new(T::from_acc(GeluBackwardOp::apply(g.to_acc(), x.to_acc())))
+                });
+            };
+            // SAFETY: `zip_map` writes every element of the output (`g` and `x`
+            // are as long: their shapes are equal).
+            output(unsafe { crate::alloc::written(OP, self.shape(), fill)? }, self.shape())
         })
     }
 }

@@ -1,5 +1,7 @@
 //! Shape, strides and offset: how a tensor sees its storage.
 
+use std::mem::MaybeUninit;
+
 use smallvec::SmallVec;
 
 use crate::{Error, Result};
@@ -127,32 +129,56 @@ impl Layout {
         }
     }
 
-    /// Copies the elements of this view of `data` into a new row-major vector.
-    pub(crate) fn gather<T: Copy>(&self, data: &[T]) -> Vec<T> {
+    /// Copies the elements of this view of `data` into a new row-major vector,
+    /// split along the first dim over the rank's threads when large
+    /// ([`par_rows`](crate::ops::par_rows)): each thread copies the rows that
+    /// the kernel before it most likely wrote on that thread, from its own cache.
+    pub(crate) fn gather<T: Copy + Send + Sync>(&self, data: &[T]) -> Vec<T> {
         let n = self.numel();
         if self.is_contiguous() {
             return data[self.offset..self.offset + n].to_vec();
         }
-        // Not contiguous, so not empty and of rank >= 1: copy rows of the last dim.
+        // Not contiguous, so not empty and of rank >= 1.
+        let inner = n / self.shape[0];
+        let mut out = Vec::with_capacity(n);
+        crate::ops::par_rows(&mut out.spare_capacity_mut()[..n], inner, |start, block| {
+            let mut part = self.clone();
+            part.shape[0] = block.len() / inner;
+            part.offset += start / inner * self.strides[0];
+            part.gather_into(data, block);
+        });
+        // SAFETY: the blocks of `par_rows` tile the `n` elements, and
+        // `gather_into` wrote every element of each (it asserts so).
+        unsafe { out.set_len(n) };
+        out
+    }
+
+    /// Writes the elements of this (non-contiguous, non-empty) view of `data`
+    /// into `out`, row-major; `out` holds exactly as many.
+    fn gather_into<T: Copy>(&self, data: &[T], out: &mut [MaybeUninit<T>]) {
+        // Copy rows of the last dim.
         let last = self.shape.len() - 1;
         let (row_len, row_stride) = (self.shape[last], self.strides[last]);
-        let mut out = Vec::with_capacity(n);
         let rows = Layout {
             shape: SmallVec::from_slice(&self.shape[..last]),
             strides: SmallVec::from_slice(&self.strides[..last]),
             offset: self.offset,
         };
-        if row_stride == 1 {
-            // Rows of contiguous elements (a narrowed or sliced tensor): one copy each.
-            for base in rows.offsets() {
-                out.extend_from_slice(&data[base..base + row_len]);
+        let mut written = 0;
+        for (o, base) in out.chunks_exact_mut(row_len).zip(rows.offsets()) {
+            if row_stride == 1 {
+                // Rows of contiguous elements (a narrowed or sliced tensor): one copy each.
+                for (o, &x) in o.iter_mut().zip(&data[base..base + row_len]) {
+                    *o = MaybeUninit::new(x);
+                }
+            } else {
+                for (i, o) in o.iter_mut().enumerate() {
+                    *o = MaybeUninit::new(data[base + i * row_stride]);
+                }
             }
-        } else {
-            for base in rows.offsets() {
-                out.extend((0..row_len).map(|i| data[base + i * row_stride]));
-            }
+            written += row_len;
         }
-        out
+        assert_eq!(written, out.len(), "gather: the view does not fill its output");
     }
 }
 
