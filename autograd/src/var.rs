@@ -219,6 +219,11 @@ impl Param {
         self.inner.value.borrow().clone()
     }
 
+    /// The value, mutably (an optimizer's in-place step).
+    pub(crate) fn value_mut(&self) -> std::cell::RefMut<'_, DTensor> {
+        self.inner.value.borrow_mut()
+    }
+
     /// Replaces the value (optimizers, loading). The placements may change (FSDP
     /// does that); the gradient keeps whatever placements it had.
     pub fn set_value(&self, value: DTensor) {

@@ -135,6 +135,13 @@ impl DTensor {
         &self.local
     }
 
+    /// This rank's local elements as a mutable slice, when this DTensor alone
+    /// holds its local storage (see [`Tensor::try_as_mut_slice`]); `None`
+    /// otherwise. The spec is unchanged: an in-place update of the local piece.
+    pub fn try_local_mut_slice<T: tessera_mesh::Element>(&mut self) -> Option<&mut [T]> {
+        self.local.try_as_mut_slice()
+    }
+
     /// The spec.
     pub fn spec(&self) -> &DTensorSpec {
         &self.spec

@@ -3,7 +3,7 @@
 use tessera_dtensor::{DTensor, Layout};
 use tessera_mesh::DType;
 
-use super::{Optimizer, Ready, Real, StateVec, check_range, check_state_layout, check_unique, local_cow, with_local};
+use super::{Optimizer, Ready, Real, StateVec, check_range, check_state_layout, check_unique, local_cow, update_local};
 use crate::{Error, Param, Result};
 
 const OP: &str = "AdamW";
@@ -285,30 +285,28 @@ impl super::PerParam for AdamW {
         Ok(())
     }
 
-    fn update<F: Real>(&mut self, r: &Ready) -> Result<()> {
+    fn update<F: Real>(&mut self, r: Ready) -> Result<()> {
         let p = &self.params[r.index];
         // INVARIANT: `prepare` created the slot for every ready parameter.
         let slot = self.state[r.index].as_mut().expect("state prepared");
-        let mut data = local_cow::<F>(r.value.to_local())?.into_owned();
+        let n = r.value.to_local().numel();
         let grad = local_cow::<F>(r.grad.to_local())?;
         let scalars = Scalars::<F>::new(&self.config, slot.step + 1);
         let m = slot.exp_avg.get::<F>(OP, p.name())?;
         let v = slot.exp_avg_sq.get::<F>(OP, p.name())?;
-        if grad.len() != data.len() || m.len() != data.len() || v.len() != data.len() {
+        if grad.len() != n || m.len() != n || v.len() != n {
             return Err(Error::Config {
                 op: OP,
                 detail: format!(
-                    "parameter {}: local sizes differ (value {}, gradient {}, state {})",
+                    "parameter {}: local sizes differ (value {n}, gradient {}, state {})",
                     p.name(),
-                    data.len(),
                     grad.len(),
                     m.len()
                 ),
             });
         }
-        kernel(&scalars, &mut data, &grad, m, v);
+        update_local::<F>(p, r.value, |data| kernel(&scalars, data, &grad, m, v))?;
         slot.step += 1;
-        p.set_value(with_local(&r.value, data)?);
         Ok(())
     }
 }
@@ -443,6 +441,47 @@ mod tests {
         let (one, three) = (run(1), run(3));
         assert_eq!(one.len(), 3 * n);
         assert!(one == three, "the split update differs from the one-thread one");
+    }
+
+    /// A parameter that alone holds its value's storage is stepped in place
+    /// (same buffer after the step); one whose value someone else still holds
+    /// is stepped on a copy, and the other holder keeps the old values. Both
+    /// give the same bits.
+    #[test]
+    fn a_step_is_in_place_only_where_nobody_else_sees_the_value() {
+        on_one_rank(|mesh| {
+            let init = [0.5f32, -1.0, 2.0];
+            let mut results = Vec::new();
+            for keep in [false, true] {
+                let p = Param::new("w", replicated(mesh, Tensor::from_vec(init.to_vec(), &[3])?));
+                let held = keep.then(|| p.value());
+                let addr = |p: &Param| p.value().to_local().as_slice::<f32>().map(|s| s.as_ptr() as usize);
+                let before = addr(&p)?;
+                let mut opt = AdamW::new(vec![p.clone()], TINY)?;
+                p.set_grad(Some(replicated(mesh, Tensor::from_vec(vec![0.1f32, -0.2, 0.3], &[3])?)));
+                opt.step()?;
+                assert_eq!(
+                    addr(&p)? == before,
+                    !keep,
+                    "in place exactly when nobody else holds the value"
+                );
+                if let Some(held) = held {
+                    assert_eq!(
+                        held.to_local().to_vec::<f32>()?,
+                        init,
+                        "the other holder's value changed"
+                    );
+                }
+                let got = p.value().to_local().to_vec::<f32>()?;
+                assert!(
+                    got.iter().zip(init).all(|(g, i)| g != &i),
+                    "the step did nothing: {got:?}"
+                );
+                results.push(got.iter().map(|x| x.to_bits()).collect::<Vec<_>>());
+            }
+            assert_eq!(results[0], results[1], "in place and on a copy differ");
+            Ok(())
+        });
     }
 
     #[test]

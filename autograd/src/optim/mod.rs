@@ -292,8 +292,10 @@ pub(crate) trait PerParam {
     /// Checks (and creates) a parameter's state; runs for every parameter before
     /// any is updated, so a failing step changes nothing.
     fn prepare(&mut self, r: &Ready) -> Result<()>;
-    /// Updates one parameter's local shard.
-    fn update<F: Real>(&mut self, r: &Ready) -> Result<()>;
+    /// Updates one parameter's local shard (`r` by value: its copy of the
+    /// value goes before the update, so that the parameter may hold it alone
+    /// and be updated in place, see [`update_local`]).
+    fn update<F: Real>(&mut self, r: Ready) -> Result<()>;
 }
 
 /// One optimizer step: check every parameter that has a gradient, then update
@@ -309,7 +311,7 @@ pub(crate) fn step_all<O: PerParam>(opt: &mut O) -> Result<()> {
     for r in &ready {
         opt.prepare(r)?;
     }
-    for r in &ready {
+    for r in ready {
         match r.dtype {
             DType::F64 => opt.update::<f64>(r)?,
             _ => opt.update::<f32>(r)?,
@@ -384,6 +386,25 @@ pub(crate) fn local_cow<F: Real>(t: &Tensor) -> Result<Cow<'_, [F]>> {
     } else {
         Ok(Cow::Owned(t.cast(F::DTYPE)?.to_vec::<F>()?))
     }
+}
+
+/// Runs `f` on parameter `p`'s local elements (in `F`, row-major) and keeps
+/// the result as its value: in place when `p` alone holds its value's storage,
+/// whole and already in `F` (no copy, no allocation); otherwise on a copy that
+/// becomes the new value (whoever still holds the old value sees it unchanged,
+/// e.g. FSDP's record of the shards it gathered). `value` is the copy of the
+/// value that [`ready_param`] took, dropped first.
+pub(crate) fn update_local<F: Real>(p: &Param, value: DTensor, f: impl FnOnce(&mut [F])) -> Result<()> {
+    drop(value);
+    let mut current = p.value_mut();
+    if let Some(data) = current.try_local_mut_slice::<F>() {
+        f(data);
+        return Ok(());
+    }
+    let mut data = local_cow::<F>(current.to_local())?.into_owned();
+    f(&mut data);
+    *current = with_local(&current, data)?;
+    Ok(())
 }
 
 /// `value` with its local tensor replaced by `data` (row-major, in `F`), rounded

@@ -3,7 +3,7 @@
 use tessera_dtensor::{DTensor, Layout};
 use tessera_mesh::DType;
 
-use super::{Optimizer, Ready, Real, StateVec, check_range, check_state_layout, check_unique, local_cow, with_local};
+use super::{Optimizer, Ready, Real, StateVec, check_range, check_state_layout, check_unique, local_cow, update_local};
 use crate::{Error, Param, Result};
 
 const OP: &str = "SGD";
@@ -179,20 +179,19 @@ impl super::PerParam for Sgd {
         Ok(())
     }
 
-    fn update<F: Real>(&mut self, r: &Ready) -> Result<()> {
+    fn update<F: Real>(&mut self, r: Ready) -> Result<()> {
         let c = self.config;
         let p = &self.params[r.index];
         // INVARIANT: `prepare` created the slot for every ready parameter.
         let slot = self.state[r.index].as_mut().expect("state prepared");
-        let mut data = local_cow::<F>(r.value.to_local())?.into_owned();
+        let n = r.value.to_local().numel();
         let grad = local_cow::<F>(r.grad.to_local())?;
-        if grad.len() != data.len() {
+        if grad.len() != n {
             return Err(Error::Config {
                 op: OP,
                 detail: format!(
-                    "parameter {}: local sizes differ (value {}, gradient {})",
+                    "parameter {}: local sizes differ (value {n}, gradient {})",
                     p.name(),
-                    data.len(),
                     grad.len()
                 ),
             });
@@ -206,13 +205,12 @@ impl super::PerParam for Sgd {
         };
         let buf = if c.momentum != 0.0 {
             let first = slot.buf.is_none();
-            let buf = slot.buf.get_or_insert_with(|| StateVec::zeros(r.dtype, data.len()));
+            let buf = slot.buf.get_or_insert_with(|| StateVec::zeros(r.dtype, n));
             Some((buf.get::<F>(OP, p.name())?, first))
         } else {
             None
         };
-        kernel(&scalars, &mut data, &grad, buf);
-        p.set_value(with_local(&r.value, data)?);
+        update_local::<F>(p, r.value, |data| kernel(&scalars, data, &grad, buf))?;
         Ok(())
     }
 }

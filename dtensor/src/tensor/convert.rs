@@ -137,6 +137,26 @@ impl Tensor {
         self.to_buffer()
     }
 
+    /// The elements as a mutable slice, when this tensor alone holds its
+    /// storage (no other tensor, view or clone shares it), spans all of it in
+    /// row-major order and has dtype `T`; `None` otherwise. Writing through it
+    /// is invisible to everyone else, since nobody else can see the storage: an
+    /// in-place update for the sole owner (an optimizer's step on a parameter),
+    /// where otherwise a copy would be made.
+    ///
+    /// PyTorch: in-place ops (`Tensor.add_` and friends) on a tensor without
+    /// other views.
+    pub fn try_as_mut_slice<T: Element>(&mut self) -> Option<&mut [T]> {
+        let whole = self.is_contiguous() && self.storage_offset() == 0 && self.numel() == self.data().len();
+        if !whole || self.dtype() != T::DTYPE {
+            return None;
+        }
+        let inner = std::sync::Arc::get_mut(&mut self.0)?;
+        let storage = std::sync::Arc::get_mut(&mut inner.storage)?;
+        // Same dtype (checked above), so the inner slice is a `[T]`: the cast never fails.
+        tessera_mesh::dispatch_buf!(BufMut, storage.data_mut().as_buf_mut(), s, _S => bytemuck::try_cast_slice_mut(s).ok())
+    }
+
     /// An ndarray view of the elements, with this tensor's strides, without copying.
     ///
     /// # Errors

@@ -30,6 +30,11 @@ impl Storage {
         &self.data
     }
 
+    /// The buffer, mutably (for the storage's sole owner).
+    pub(crate) fn data_mut(&mut self) -> &mut Buffer {
+        &mut self.data
+    }
+
     /// Moves the buffer out (the storage is left empty, and its charge goes
     /// when it drops).
     pub(crate) fn take_data(&mut self) -> Buffer {
