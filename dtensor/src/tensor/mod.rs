@@ -33,7 +33,9 @@ use storage::{Storage, with_buffer};
 /// Cheap to clone (an `Arc`). Tensors are immutable; views (`narrow`, `chunk`,
 /// `transpose`, `reshape` of contiguous data) share storage with the tensor
 /// they come from, and every op that computes new values allocates new storage,
-/// which the per-rank [memory tracker](crate::memory) counts.
+/// which the per-rank [memory tracker](crate::memory) counts. The one write,
+/// [`try_as_mut_slice`](Tensor::try_as_mut_slice), is granted only to a
+/// tensor that alone holds its storage, so no other handle ever sees a change.
 ///
 /// Every dtype of [`DType`] is supported; `U8` is raw bytes (flat communication
 /// buckets). Kernels are written once over [`Element`](tessera_mesh::Element).
