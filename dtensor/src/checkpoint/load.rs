@@ -40,7 +40,7 @@ impl Checkpoint {
     /// Opens the checkpoint at `dir`. Not collective.
     ///
     /// # Errors
-    /// [`Error::Checkpoint`] naming the file: no `index.json`, an index that is
+    /// [`Error::Checkpoint`](crate::Error::Checkpoint) naming the file: no `index.json`, an index that is
     /// not valid JSON of the format or fails [`Index::validate`], a chunk file
     /// that is missing or shorter than the byte ranges the index gives it.
     pub fn open(dir: impl AsRef<Path>) -> Result<Checkpoint> {

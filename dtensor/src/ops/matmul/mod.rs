@@ -20,7 +20,7 @@ mod half_gemm;
 /// with AVX2/FMA only, `gemm` reaches 95, so [`auto`](Self::auto) picks
 /// `matrixmultiply` on CPUs without AVX-512 when the rank has one thread.
 ///
-/// A product of at least [`PARALLEL_MIN_FLOPS`] is split into blocks of output
+/// A product of at least 2²³ flops (`2·m·k·n`) is split into blocks of output
 /// rows (or columns), one per [`intra_op_threads`](tessera_mesh::intra_op_threads),
 /// each block one call of the kernel on the rank's team
 /// ([`parallel_for`](tessera_mesh::parallel_for)).
