@@ -3,10 +3,11 @@
 //!
 //! FSDP moves a unit's parameters and gradients this way: one all-gather of the
 //! unit's shards before it computes, one reduce-scatter of its gradients after.
-//! Each function checks that every input is placed for the step, packs the local
-//! pieces into one flat buffer (each tensor's piece padded to `ceil(rows / n)`
-//! rows, torch.chunk's size, so every rank sends the same number of elements),
-//! issues one asynchronous collective over `mesh_dim`'s communicator and returns
+//! Each function checks that every input is placed for the step, lays the local
+//! pieces out as one send buffer (each tensor's piece padded to `ceil(rows / n)`
+//! rows, torch.chunk's size, so every rank sends the same number of elements)
+//! without copying them ([`Pieces`]: the threads backend reads them where they
+//! are, others pack them), issues one asynchronous collective over `mesh_dim`'s communicator and returns
 //! a [`BucketWork`]; [`BucketWork::wait`] unpacks the results as DTensors (a
 //! gather's are views of the one received buffer, which the collective lays out
 //! tensor by tensor: [`Communicator::all_gather_segmented`](tessera_mesh::Communicator::all_gather_segmented)). The
@@ -56,7 +57,7 @@
 //! .unwrap();
 //! ```
 
-use tessera_mesh::{DType, DeviceMesh, ReduceOp, Work};
+use tessera_mesh::{DType, DeviceMesh, HeldBuf, Pieces, ReduceOp, Work};
 
 use crate::memory::Allocation;
 use crate::sharding::{padded_chunk_size, shard_size_and_offset, split_chain};
@@ -256,18 +257,28 @@ fn plan(kind: Kind, inputs: &[DTensor], mesh_dim: usize, dtype: DType) -> Result
     Ok((entries, block))
 }
 
-/// `t`'s elements `[start, start + len)` in row-major order, zero-padded past
-/// its end: views of the flat `t` and of `zeros` (at least `len` long), so that
-/// one `cat` of such pieces copies each element once.
-fn padded_piece(flat: &Tensor, start: usize, len: usize, zeros: &Tensor, pieces: &mut Vec<Tensor>) -> Result<()> {
-    let real = flat.numel().saturating_sub(start).min(len);
-    if real > 0 {
-        pieces.push(flat.narrow(0, start, real)?);
+/// A contiguous tensor (a view of a bucket input) that a [`Pieces`] send reads
+/// where it is, keeping its storage alive until the collective is done.
+struct Held(Tensor);
+
+impl Held {
+    /// `t`'s elements `[start, start + len)` (row-major) zero-padded to `len`,
+    /// appended to `send`: a view of the flat contiguous `t` and a run of zeros.
+    fn push_padded(send: &mut Pieces, flat: &Tensor, start: usize, len: usize) -> Result<()> {
+        let real = flat.numel().saturating_sub(start).min(len);
+        if real > 0 {
+            send.push(Held(flat.narrow(0, start, real)?))?;
+        }
+        send.push_zeros(len - real);
+        Ok(())
     }
-    if real < len {
-        pieces.push(zeros.narrow(0, 0, len - real)?);
+}
+
+impl HeldBuf for Held {
+    fn held_buf(&self) -> tessera_mesh::Buf<'_> {
+        // INVARIANT: only narrowed views of contiguous flat tensors are held.
+        self.0.as_buf().expect("a held bucket piece is contiguous")
     }
-    Ok(())
 }
 
 fn start(
@@ -324,49 +335,38 @@ fn communicate(
     block: usize,
 ) -> Result<Flight> {
     let world = mesh.shape()[mesh_dim];
-    // Pack in one copy: a gather or all-reduce sends one block; a reduce-scatter
-    // sends one block per rank, rank-major (tensor i's rows for rank r at
-    // `r · block + offset_i`).
+    // The send buffer as pieces, each tensor's rows padded to `padded`: a gather
+    // or all-reduce sends one block; a reduce-scatter one block per rank,
+    // rank-major (tensor i's rows for rank r at `r · block + offset_i`). A
+    // backend that reads its peers' memory reads the pieces in place (no copy
+    // into a flat bucket); others pack them.
     let flats = locals
         .iter()
         .map(|t| t.contiguous().reshape(&[t.numel()]))
         .collect::<Result<Vec<_>>>()?;
     let ranks = if kind == Kind::Scatter { world } else { 1 };
-    // The longest padding any piece needs (all of it after a tensor's last row).
-    let pad = flats
-        .iter()
-        .zip(entries)
-        .map(|(f, e)| (ranks * e.padded).saturating_sub(f.numel()))
-        .max()
-        .unwrap_or(0);
-    let zeros = Tensor::zeros(&[pad], dtype)?;
-    let mut pieces = Vec::with_capacity(2 * ranks * locals.len());
+    let mut send = Pieces::new(dtype);
     for r in 0..ranks {
         for (flat, e) in flats.iter().zip(entries) {
-            padded_piece(flat, r * e.padded, e.padded, &zeros, &mut pieces)?;
+            Held::push_padded(&mut send, flat, r * e.padded, e.padded)?;
         }
     }
-    // No pieces: every tensor is empty.
-    let send = if pieces.is_empty() {
-        zeros
-    } else {
-        Tensor::cat(&pieces, 0)?
-    };
     let size = dtype.size_in_bytes();
-    let (send_len, recv_len) = match kind {
-        Kind::Gather => (block, world * block),
-        Kind::Scatter => (world * block, block),
-        Kind::AllReduce => (block, 0),
+    let recv_len = match kind {
+        Kind::Gather => world * block,
+        Kind::Scatter => block,
+        Kind::AllReduce => block,
     };
-    let charge = Allocation::charge((send_len + recv_len) * size);
+    // The output only: the send is views of the inputs, already counted.
+    let charge = Allocation::charge(recv_len * size);
     let comm = mesh.dim_comm(mesh_dim)?;
-    let buf = send.into_buffer();
     let work = match kind {
         // Segment order: each tensor's pieces from all ranks side by side, so
         // that `wait` hands out views of the buffer instead of copying them out.
-        Kind::Gather => comm.all_gather_segmented_async(buf, entries.iter().map(|e| e.padded).collect()),
-        Kind::Scatter => comm.reduce_scatter_async(buf, ReduceOp::Sum),
-        Kind::AllReduce => comm.all_reduce_async(buf, ReduceOp::Sum),
+        Kind::Gather => comm.all_gather_segmented_pieces_async(send, entries.iter().map(|e| e.padded).collect()),
+        Kind::Scatter => comm.reduce_scatter_pieces_async(send, ReduceOp::Sum),
+        // Reduced in place: the buffer is the output.
+        Kind::AllReduce => comm.all_reduce_async(send.pack(), ReduceOp::Sum),
     };
     Ok(Flight::Comm { work, _charge: charge })
 }

@@ -38,6 +38,7 @@ pub mod intra_op;
 mod launcher;
 #[cfg(feature = "mpi")]
 mod mpi_backend;
+mod pieces;
 pub mod stats;
 #[cfg(feature = "testing")]
 pub mod testing;
@@ -58,4 +59,5 @@ pub use launcher::{
 /// and finalises it at process exit.
 #[cfg(feature = "mpi")]
 pub use mpi;
+pub use pieces::{HeldBuf, Pieces};
 pub use stats::{CommCounts, CommStats, OpKind};

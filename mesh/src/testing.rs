@@ -189,6 +189,91 @@ pub fn check_segmented<T: TestElement>(comm: &dyn Communicator) {
     assert!(err.to_string().contains("all_gather_segmented"), "{err}");
 }
 
+/// The [`Pieces`](crate::Pieces) forms of the reduce-scatter and the segmented
+/// all-gather give the flat forms' results bit for bit (and count the same
+/// bytes): send buffers cut into held pieces and runs of zeros at places that
+/// fall inside the reduction's blocks and across the ranks' blocks, the flat
+/// equivalent holding the same elements; odd ranks send flat buffers while
+/// even ones send pieces, so a backend reading its peers in place must read
+/// both kinds.
+pub fn check_pieces<T: TestElement>(comm: &dyn Communicator) {
+    let (r, n) = (comm.rank(), comm.size());
+    // Per-rank block lengths of the reduce-scatter (the last crosses a
+    // reduction block of 2048 elements).
+    for block in [1usize, 7, 2500] {
+        let len = block * n;
+        // Cuts: [0, a) held, [a, b) zeros, [b, c) held, [c, len) held.
+        let (a, b) = (len / 3, len / 3 + len.div_ceil(5));
+        let c = (b + 1).min(len);
+        let flat: Vec<T> = (0..len)
+            .map(|i| {
+                if (a..b).contains(&i) {
+                    T::default()
+                } else {
+                    T::from_f64(value(r, i))
+                }
+            })
+            .collect();
+        let pieces = |flat: &[T]| {
+            let mut p = crate::Pieces::new(T::DTYPE);
+            p.push(T::into_buffer(flat[..a].to_vec())).expect("same dtype");
+            p.push_zeros(b - a);
+            p.push(T::into_buffer(flat[b..c].to_vec())).expect("same dtype");
+            p.push(T::into_buffer(flat[c..].to_vec())).expect("same dtype");
+            assert_eq!(p.len(), len);
+            p
+        };
+        for op in reductions_for(T::DTYPE) {
+            let what = format!("reduce_scatter pieces {} {op} block {block} rank {r}/{n}", T::DTYPE);
+            let want = comm
+                .reduce_scatter_async(T::into_buffer(flat.clone()), op)
+                .wait_vec::<T>()
+                .unwrap_or_else(|e| panic!("{what} (flat): {e}"));
+            let before = comm.stats().snapshot();
+            let work = if r % 2 == 0 {
+                comm.reduce_scatter_pieces_async(pieces(&flat), op)
+            } else {
+                comm.reduce_scatter_async(T::into_buffer(flat.clone()), op)
+            };
+            let got = work.wait_vec::<T>().unwrap_or_else(|e| panic!("{what}: {e}"));
+            let d = comm.stats().snapshot() - before;
+            assert_eq!(d.calls(OpKind::ReduceScatter), 1, "{what}");
+            assert_eq!(
+                d.bytes(OpKind::ReduceScatter),
+                OpKind::ReduceScatter.bytes_sent(n, len * T::DTYPE.size_in_bytes()),
+                "{what}"
+            );
+            let bits = |v: &[T]| v.iter().map(|x| bytemuck::bytes_of(x).to_vec()).collect::<Vec<_>>();
+            assert_eq!(bits(&got), bits(&want), "{what}");
+        }
+        // The gather: the same cuts over a send of `len` elements, segments cut
+        // elsewhere (an empty one, one across the run of zeros).
+        let segments = [a.min(2), 0, len - a.min(2)];
+        let what = format!("all_gather_segmented pieces {} len {len} rank {r}/{n}", T::DTYPE);
+        let want = comm
+            .all_gather_segmented_async(T::into_buffer(flat.clone()), segments.to_vec())
+            .wait_vec::<T>()
+            .unwrap_or_else(|e| panic!("{what} (flat): {e}"));
+        let work = if r % 2 == 0 {
+            comm.all_gather_segmented_pieces_async(pieces(&flat), segments.to_vec())
+        } else {
+            comm.all_gather_segmented_async(T::into_buffer(flat.clone()), segments.to_vec())
+        };
+        let got = work.wait_vec::<T>().unwrap_or_else(|e| panic!("{what}: {e}"));
+        assert_eq!(got.len(), len * n, "{what}");
+        let bits = |v: &[T]| v.iter().map(|x| bytemuck::bytes_of(x).to_vec()).collect::<Vec<_>>();
+        assert_eq!(bits(&got), bits(&want), "{what}");
+    }
+    // Segments that do not tile the pieces: the local error, on every rank.
+    let mut p = crate::Pieces::new(T::DTYPE);
+    p.push_zeros(5);
+    let err = comm
+        .all_gather_segmented_pieces_async(p, vec![2, 2])
+        .wait()
+        .expect_err("segments of 4 elements for pieces of 5");
+    assert!(err.to_string().contains("all_gather_segmented"), "{err}");
+}
+
 /// The asynchronous forms of `T`: several in flight at once, waited in any order,
 /// interleaved with a blocking collective (which must run after them).
 pub fn check_async<T: TestElement>(comm: &dyn Communicator) {
@@ -381,6 +466,7 @@ pub fn check_all(comm: &dyn Communicator) {
     for_all_types!(check_blocking, comm);
     for_all_types!(check_async, comm);
     for_all_types!(check_segmented, comm);
+    for_all_types!(check_pieces, comm);
     check_variable_all(comm);
     check_split(comm);
     check_stats(comm);

@@ -146,6 +146,22 @@ fn padded_variable_count_defaults_are_correct() {
     }
 }
 
+/// The provided [`Pieces`](tessera::mesh::Pieces) forms (packing first) pass the
+/// same contract as the threads backend's in-place reads.
+#[test]
+fn packed_pieces_defaults_are_correct() {
+    for n in [1, 2, 3] {
+        launch(n, |ctx| {
+            let comm = Defaults(ctx.into_comm());
+            testing::check_pieces::<f32>(&comm);
+            testing::check_pieces::<f64>(&comm);
+            testing::check_pieces::<i64>(&comm);
+            Ok(())
+        })
+        .unwrap_or_else(|e| panic!("world size {n}: {e}"));
+    }
+}
+
 /// `m[i][j]`: elements rank `i` sends to rank `j` (every diagonal entry nonzero, so
 /// counting the own segment, or the even-split formula, gives other numbers).
 fn a2a_counts(n: usize) -> Vec<Vec<usize>> {

@@ -1,7 +1,7 @@
 //! The [`Communicator`] trait: one process group and its collectives.
 
 use crate::stats::{CommStats, OpKind};
-use crate::{Buf, BufMut, Buffer, Element, Error, Result};
+use crate::{Buf, BufMut, Buffer, Element, Error, Pieces, Result};
 
 mod check;
 mod reduce_op;
@@ -258,7 +258,7 @@ pub trait Communicator: Send {
     /// [`Error::BadLength`] when the segments do not sum to `send.len()` or
     /// `recv` does not hold `size · send.len()`; as [`all_gather`](Self::all_gather).
     fn all_gather_segmented(&self, send: Buf<'_>, mut recv: BufMut<'_>, segments: &[usize]) -> Result<()> {
-        check_segments(self, &send, (recv.dtype(), recv.len()), segments)?;
+        check_segments(self, (send.dtype(), send.len()), (recv.dtype(), recv.len()), segments)?;
         let mut rank_major = Buffer::zeros(send.dtype(), recv.len());
         self.all_gather(send, rank_major.as_buf_mut())?;
         segment_major(&rank_major.as_buf(), &mut recv, segments, self.size())
@@ -290,6 +290,26 @@ pub trait Communicator: Send {
     fn reduce_scatter_async(&self, send: Buffer, op: ReduceOp) -> Work {
         let mut recv = Buffer::zeros(send.dtype(), send.len() / self.size().max(1));
         Work::ready(self.reduce_scatter(send.as_buf(), recv.as_buf_mut(), op).map(|_| recv))
+    }
+
+    /// [`all_gather_segmented_async`](Self::all_gather_segmented_async) of a
+    /// send buffer given as [`Pieces`]: the same collective, the same result,
+    /// counted the same. A backend that reads its peers' memory (threads) reads
+    /// the pieces where they are.
+    ///
+    /// Default: packs the pieces into one buffer first.
+    fn all_gather_segmented_pieces_async(&self, send: Pieces, segments: Vec<usize>) -> Work {
+        self.all_gather_segmented_async(send.pack(), segments)
+    }
+
+    /// [`reduce_scatter_async`](Self::reduce_scatter_async) of a send buffer
+    /// given as [`Pieces`]: the same collective, the same result (bit for bit),
+    /// counted the same. A backend that reads its peers' memory (threads) reads
+    /// the pieces where they are.
+    ///
+    /// Default: packs the pieces into one buffer first.
+    fn reduce_scatter_pieces_async(&self, send: Pieces, op: ReduceOp) -> Work {
+        self.reduce_scatter_async(send.pack(), op)
     }
 
     /// Asynchronous in-place [`all_reduce`](Self::all_reduce): returns the reduced buffer.

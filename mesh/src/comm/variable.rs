@@ -246,33 +246,33 @@ pub(super) fn unpad(src: &Buffer, counts: &[usize], block: usize, mut dst: BufMu
 }
 
 /// Local checks of [`Communicator::all_gather_segmented`]: the segments tile
-/// `send`, and the receive buffer (its dtype and length) holds `size · send.len()`
-/// elements of `send`'s dtype.
+/// the send buffer (its dtype and length), and the receive buffer holds
+/// `size · send_len` elements of the send dtype.
 pub(crate) fn check_segments<C: Communicator + ?Sized>(
     c: &C,
-    send: &Buf<'_>,
+    (send_dtype, send_len): (DType, usize),
     (recv_dtype, recv_len): (DType, usize),
     segments: &[usize],
 ) -> Result<()> {
     const OP: &str = "all_gather_segmented";
-    if send.dtype() != recv_dtype {
+    if send_dtype != recv_dtype {
         return Err(Error::DTypeMismatch {
             op: OP,
-            send: send.dtype(),
+            send: send_dtype,
             recv: recv_dtype,
         });
     }
     let total = segments.iter().try_fold(0usize, |a, &s| a.checked_add(s));
-    if total != Some(send.len()) {
+    if total != Some(send_len) {
         return Err(Error::BadLength {
             op: OP,
             rank: c.rank(),
             what: "send (the sum of the segments)",
             expected: total.unwrap_or(usize::MAX),
-            got: send.len(),
+            got: send_len,
         });
     }
-    let want = send.len().saturating_mul(c.size());
+    let want = send_len.saturating_mul(c.size());
     if recv_len != want {
         return Err(Error::BadLength {
             op: OP,

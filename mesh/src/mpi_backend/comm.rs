@@ -520,7 +520,12 @@ impl Communicator for MpiComm {
     fn all_gather_segmented_async(&self, send: Buffer, segments: Vec<usize>) -> Work {
         let n = self.size;
         let (rank, len, dtype) = (self.rank, send.len(), send.dtype());
-        if let Err(e) = crate::comm::check_segments(self, &send.as_buf(), (dtype, len.saturating_mul(n)), &segments) {
+        if let Err(e) = crate::comm::check_segments(
+            self,
+            (send.dtype(), send.len()),
+            (dtype, len.saturating_mul(n)),
+            &segments,
+        ) {
             return Work::ready(Err(e));
         }
         self.submit(OpKind::AllGather, len * dtype.size_in_bytes() * n, move |ex| {

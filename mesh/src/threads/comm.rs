@@ -4,12 +4,12 @@
 use std::sync::Arc;
 
 use super::group::Group;
-use super::kernels::{self, Out};
+use super::kernels::{self, Out, Source};
 use crate::comm::{Worker, all_to_all_v_bytes, nbytes as bytes};
 use crate::context::RankId;
 use crate::dtype::Filling;
 use crate::stats::CommStats;
-use crate::{Buf, BufMut, Buffer, Communicator, OpKind, ReduceOp, Result, Work};
+use crate::{Buf, BufMut, Buffer, Communicator, OpKind, Pieces, ReduceOp, Result, Work};
 
 /// This rank's communicator on one group of the threads backend.
 pub(crate) struct ThreadComm {
@@ -106,16 +106,16 @@ impl Communicator for ThreadComm {
     }
 
     fn all_gather_segmented(&self, send: Buf<'_>, mut recv: BufMut<'_>, segments: &[usize]) -> Result<()> {
-        crate::comm::check_segments(self, &send, (recv.dtype(), recv.len()), segments)?;
+        crate::comm::check_segments(self, (send.dtype(), send.len()), (recv.dtype(), recv.len()), segments)?;
         self.fence();
         self.record(OpKind::AllGather, bytes(&send) * self.size());
-        kernels::all_gather_segmented(&self.group, self.rank, send, Out::of(&mut recv), segments)
+        kernels::all_gather_segmented(&self.group, self.rank, Source::Flat(send), Out::of(&mut recv), segments)
     }
 
     fn reduce_scatter(&self, send: Buf<'_>, mut recv: BufMut<'_>, op: ReduceOp) -> Result<()> {
         self.fence();
         self.record(OpKind::ReduceScatter, bytes(&send));
-        kernels::reduce_scatter(&self.group, self.rank, send, Out::of(&mut recv), op)
+        kernels::reduce_scatter(&self.group, self.rank, Source::Flat(send), Out::of(&mut recv), op)
     }
 
     fn all_reduce(&self, buf: BufMut<'_>, op: ReduceOp) -> Result<()> {
@@ -196,13 +196,13 @@ impl Communicator for ThreadComm {
     fn all_gather_segmented_async(&self, send: Buffer, segments: Vec<usize>) -> Work {
         let n = self.size();
         let recv = (send.dtype(), send.len().saturating_mul(n));
-        if let Err(e) = crate::comm::check_segments(self, &send.as_buf(), recv, &segments) {
+        if let Err(e) = crate::comm::check_segments(self, (send.dtype(), send.len()), recv, &segments) {
             return Work::ready(Err(e));
         }
         self.record(OpKind::AllGather, bytes(&send.as_buf()) * n);
         self.submit(move |g, r| {
             filled(send.dtype(), send.len() * n, |out| {
-                kernels::all_gather_segmented(g, r, send.as_buf(), out, &segments)
+                kernels::all_gather_segmented(g, r, Source::Flat(send.as_buf()), out, &segments)
             })
         })
     }
@@ -212,7 +212,32 @@ impl Communicator for ThreadComm {
         let n = self.size();
         self.submit(move |g, r| {
             filled(send.dtype(), send.len() / n, |out| {
-                kernels::reduce_scatter(g, r, send.as_buf(), out, op)
+                kernels::reduce_scatter(g, r, Source::Flat(send.as_buf()), out, op)
+            })
+        })
+    }
+
+    fn all_gather_segmented_pieces_async(&self, send: Pieces, segments: Vec<usize>) -> Work {
+        let n = self.size();
+        let (dtype, len) = (send.dtype(), send.len());
+        if let Err(e) = crate::comm::check_segments(self, (dtype, len), (dtype, len.saturating_mul(n)), &segments) {
+            return Work::ready(Err(e));
+        }
+        self.record(OpKind::AllGather, len * dtype.size_in_bytes() * n);
+        self.submit(move |g, r| {
+            filled(dtype, len * n, |out| {
+                kernels::all_gather_segmented(g, r, Source::Pieces(&send), out, &segments)
+            })
+        })
+    }
+
+    fn reduce_scatter_pieces_async(&self, send: Pieces, op: ReduceOp) -> Work {
+        let (dtype, len) = (send.dtype(), send.len());
+        self.record(OpKind::ReduceScatter, len * dtype.size_in_bytes());
+        let n = self.size();
+        self.submit(move |g, r| {
+            filled(dtype, len / n, |out| {
+                kernels::reduce_scatter(g, r, Source::Pieces(&send), out, op)
             })
         })
     }

@@ -17,6 +17,10 @@ pub(crate) struct Desc {
     pub(crate) recv_dtype: DType,
     pub(crate) send_ptr: usize,
     pub(crate) send_len: usize,
+    /// When the send buffer is [`Pieces`](crate::Pieces): the address and length
+    /// of its run table (`(address, elements)`, address 0 for zeros), which
+    /// `send_ptr` then does not name.
+    pub(crate) runs: (usize, usize),
     pub(crate) recv_ptr: usize,
     pub(crate) recv_len: usize,
     pub(crate) root: usize,
@@ -37,6 +41,7 @@ impl Desc {
             recv_dtype: DType::U8,
             send_ptr: 0,
             send_len: 0,
+            runs: (0, 0),
             recv_ptr: 0,
             recv_len: 0,
             root: 0,

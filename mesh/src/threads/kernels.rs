@@ -17,7 +17,7 @@ use half::{bf16, f16};
 use super::desc::Desc;
 use super::group::Group;
 use crate::dtype::Filling;
-use crate::{Buf, BufMut, DType, Element, OpKind, ReduceOp, Result};
+use crate::{Buf, BufMut, Buffer, DType, Element, OpKind, Pieces, ReduceOp, Result};
 
 /// Elements reduced per block: a block of every peer's input and the accumulator
 /// stay in L1/L2 while they are combined.
@@ -136,6 +136,94 @@ unsafe fn write<T: Copy>(out: *mut T, at: usize, src: &[T]) {
     unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), out.add(at), src.len()) }
 }
 
+/// A rank's send buffer: one flat buffer, or [`Pieces`] that peers read in place.
+#[derive(Clone, Copy)]
+pub(crate) enum Source<'a> {
+    Flat(Buf<'a>),
+    Pieces(&'a Pieces),
+}
+
+/// The descriptor of a collective sending `send`; for [`Pieces`], `table` receives
+/// its run table (`(address, elements)`, address 0 for zeros), which the
+/// descriptor names and the caller keeps alive until the collective's last barrier.
+fn source_desc(kind: OpKind, send: Source<'_>, table: &mut Vec<(usize, usize)>) -> Desc {
+    match send {
+        Source::Flat(b) => send_desc(kind, &b),
+        Source::Pieces(p) => {
+            let mut d = Desc::new(kind);
+            d.dtype = p.dtype();
+            d.recv_dtype = p.dtype();
+            d.send_len = p.len();
+            // Held pieces are never empty (`Pieces::push` drops those), so their
+            // addresses are never 0.
+            table.extend(
+                p.runs()
+                    .map(|(b, n)| (b.map_or(0, |b| b.as_bytes().as_ptr() as usize), n)),
+            );
+            d.runs = (table.as_ptr() as usize, table.len());
+            d
+        }
+    }
+}
+
+/// The run of peer `dq`'s send buffer that holds element `pos` (`pos <
+/// send_len`): the address of that element (0 inside a run of zeros) and the
+/// elements left in the run from it. A flat buffer is one run.
+///
+/// # Safety
+/// `dq` was published in the current collective (its run table, if any, is alive).
+unsafe fn run_at(dq: &Desc, size: usize, pos: usize) -> (usize, usize) {
+    if dq.runs.0 == 0 {
+        return (dq.send_ptr + pos * size, dq.send_len - pos);
+    }
+    // SAFETY: the table was published with this descriptor and outlives the collective.
+    let table = unsafe { std::slice::from_raw_parts(dq.runs.0 as *const (usize, usize), dq.runs.1) };
+    let mut start = 0;
+    for &(addr, n) in table {
+        if pos < start + n {
+            let off = pos - start;
+            return (if addr == 0 { 0 } else { addr + off * size }, n - off);
+        }
+        start += n;
+    }
+    // INVARIANT: the runs add up to `send_len` (both come from one `Pieces`), and
+    // callers only ask for `pos < send_len` (validated against every peer).
+    unreachable!("element {pos} past a run table of {start} elements")
+}
+
+/// Zeros for the runs of zeros of [`Pieces`]: `BLOCK` elements of any dtype
+/// (all-zero bits are every dtype's zero).
+static ZEROS: [u64; BLOCK] = [0; BLOCK];
+
+/// `n <= BLOCK` zeros of `T`.
+fn zeros<T: Element>(n: usize) -> &'static [T] {
+    &bytemuck::cast_slice::<u64, T>(&ZEROS)[..n]
+}
+
+/// Copies elements `[from, from + len)` of peer `dq`'s send buffer (flat or
+/// runs) to `out[at..at + len]`.
+///
+/// # Safety
+/// As [`write`] for the destination; `dq` as in [`run_at`], with `from + len <=
+/// send_len`.
+unsafe fn copy_runs<T: Element>(dq: &Desc, from: usize, len: usize, out: *mut T, at: usize) {
+    let size = size_of::<T>();
+    let mut done = 0;
+    while done < len {
+        // SAFETY: per this function's contract.
+        let (addr, left) = unsafe { run_at(dq, size, from + done) };
+        let n = left.min(len - done);
+        if addr == 0 {
+            // SAFETY: in bounds and ours (the contract); all-zero bits are T's zero.
+            unsafe { std::ptr::write_bytes(out.add(at + done), 0, n) };
+        } else {
+            // SAFETY: the run holds `left >= n` elements from `addr`.
+            unsafe { write(out, at + done, peer::<T>(addr, n)) };
+        }
+        done += n;
+    }
+}
+
 fn send_desc(kind: OpKind, send: &Buf<'_>) -> Desc {
     let mut d = Desc::new(kind);
     d.dtype = send.dtype();
@@ -203,40 +291,53 @@ pub(crate) fn all_gather(g: &Group, r: usize, send: Buf<'_>, recv: Out) -> Resul
 }
 
 /// [`all_gather`] writing each peer's segments straight into segment order (the
-/// segments, checked by the caller to tile `send`, lay out only our output).
-pub(crate) fn all_gather_segmented(g: &Group, r: usize, send: Buf<'_>, recv: Out, segments: &[usize]) -> Result<()> {
-    let mut d = send_desc(OpKind::AllGather, &send);
+/// segments, checked by the caller to tile the send buffer, lay out only our
+/// output), reading each peer's send buffer in place whether flat or [`Pieces`].
+pub(crate) fn all_gather_segmented(g: &Group, r: usize, send: Source<'_>, recv: Out, segments: &[usize]) -> Result<()> {
+    let mut table = Vec::new();
+    let mut d = source_desc(OpKind::AllGather, send, &mut table);
     recv.publish(&mut d);
     let (descs, done) = g.enter(r, d)?;
-    crate::dispatch_buf!(Buf, send, _s, T => {
+    let probe = Buffer::zeros(d.dtype, 0);
+    crate::dispatch_buf!(Buf, probe.as_buf(), _s, T => {
         let out = d.recv_ptr as *mut T;
         for (q, piece, at) in crate::comm::segment_copies(segments, descs.len()) {
-            let dq = &descs[q];
             // SAFETY: as in `all_gather` (validation checked that every peer sends
             // `send_len` elements and that our output holds `n · send_len`); the
             // segments tile `send_len`, so `piece` is within every peer's buffer and
             // the writes, `n · send_len` in all, stay in our output.
-            unsafe {
-                let src = peer::<T>(dq.send_ptr, dq.send_len);
-                write(out, at, &src[piece]);
-            }
+            unsafe { copy_runs::<T>(&descs[q], piece.start, piece.len(), out, at) };
         }
     });
-    done.finish()
+    // The run table (if any) stays alive until every peer is past the barrier.
+    let result = done.finish();
+    drop(table);
+    result
 }
 
-pub(crate) fn reduce_scatter(g: &Group, r: usize, send: Buf<'_>, recv: Out, op: ReduceOp) -> Result<()> {
-    let mut d = send_desc(OpKind::ReduceScatter, &send);
+pub(crate) fn reduce_scatter(g: &Group, r: usize, send: Source<'_>, recv: Out, op: ReduceOp) -> Result<()> {
+    let mut table = Vec::new();
+    let mut d = source_desc(OpKind::ReduceScatter, send, &mut table);
     recv.publish(&mut d);
     d.reduce = Some(op);
     let (descs, done) = g.enter(r, d)?;
     let c = d.recv_len;
-    crate::dispatch_buf!(Buf, send, _s, T => {
-        // SAFETY: as in `all_gather`; we read block r of every peer's input and write
-        // only our own output.
-        unsafe { reduce_blocks::<T>(&descs, |dq| dq.send_ptr, r * c, c, op, d.recv_ptr as *mut T, 0) };
+    let probe = Buffer::zeros(d.dtype, 0);
+    crate::dispatch_buf!(Buf, probe.as_buf(), _s, T => {
+        let out = d.recv_ptr as *mut T;
+        if descs.iter().all(|dq| dq.runs.0 == 0) {
+            // SAFETY: as in `all_gather`; we read block r of every peer's input and
+            // write only our own output.
+            unsafe { reduce_blocks::<T>(&descs, |dq| dq.send_ptr, r * c, c, op, out, 0) };
+        } else {
+            // SAFETY: as above; the run tables were published in this collective.
+            unsafe { reduce_runs::<T>(&descs, r * c, c, op, out) };
+        }
     });
-    done.finish()
+    // The run table (if any) stays alive until every peer is past the barrier.
+    let result = done.finish();
+    drop(table);
+    result
 }
 
 /// All-reduce of `send` (in place when `send` is `None`) into `buf`.
@@ -388,6 +489,51 @@ fn combine_ranks<'a, T: Reduce + 'a>(acc: &mut [T::Acc], descs: &[Desc], op: Red
     }
     if op == ReduceOp::Avg {
         T::divide(acc, descs.len());
+    }
+}
+
+/// [`reduce_blocks`] for send buffers some of which are [`Pieces`]: elements
+/// `[from, from + len)` of every rank's send combined into the fresh output
+/// `out[..len]`, in chunks that never cross a run boundary of any rank (so each
+/// rank's part of a chunk is one slice, or zeros), ranks in rank order.
+///
+/// # Safety
+/// As [`reduce_blocks`]; `out` is a fresh output that no input aliases, and
+/// every descriptor as in [`run_at`].
+unsafe fn reduce_runs<T: Reduce>(descs: &[Desc], from: usize, len: usize, op: ReduceOp, out: *mut T) {
+    let size = size_of::<T>();
+    let src = |dq: &Desc, pos: usize, b: usize| -> &[T] {
+        // SAFETY: per this function's contract; the chunk lies within this run.
+        let (addr, _) = unsafe { run_at(dq, size, pos) };
+        if addr == 0 {
+            zeros::<T>(b)
+        } else {
+            // SAFETY: as above.
+            unsafe { peer::<T>(addr, b) }
+        }
+    };
+    let mut acc = [T::Acc::default(); BLOCK];
+    let mut res = [T::default(); BLOCK];
+    let mut start = 0;
+    while start < len {
+        let pos = from + start;
+        // SAFETY: per this function's contract.
+        let b = descs.iter().fold(BLOCK.min(len - start), |b, dq| {
+            b.min(unsafe { run_at(dq, size, pos) }.1)
+        });
+        // SAFETY: `out[start..start + b]` is ours and aliased by no input.
+        let dst = unsafe { std::slice::from_raw_parts_mut(out.add(start), b) };
+        if let Some(dst) = T::as_acc(dst) {
+            combine_ranks(dst, descs, op, |dq| src(dq, pos, b));
+        } else {
+            combine_ranks(&mut acc[..b], descs, op, |dq| src(dq, pos, b));
+            for (o, &a) in res[..b].iter_mut().zip(&acc[..b]) {
+                *o = T::from_acc(a);
+            }
+            // SAFETY: as above.
+            unsafe { write(out, start, &res[..b]) };
+        }
+        start += b;
     }
 }
 
