@@ -18,16 +18,15 @@
 //! (magnitudes below 2⁻¹²⁶) as zero and flushes subnormal sums to zero.
 
 use std::arch::x86_64::{
-    __m256, __m256i, __m512, __m512bh, _mm256_loadu_ps, _mm256_mask_storeu_epi16, _mm256_permute2f128_ps,
-    _mm256_shuffle_ps, _mm256_storeu_ps, _mm256_storeu_si256, _mm256_unpackhi_ps, _mm256_unpacklo_ps, _mm512_add_epi32,
-    _mm512_and_si512, _mm512_castps_si512, _mm512_cmpgt_epu32_mask, _mm512_cvtepi32_epi16, _mm512_dpbf16_ps,
-    _mm512_loadu_si512, _mm512_mask_blend_epi32, _mm512_or_si512, _mm512_set1_epi32, _mm512_setzero_ps,
-    _mm512_srli_epi32,
+    __m256i, __m512, __m512bh, _mm256_mask_storeu_epi16, _mm256_storeu_si256, _mm512_add_epi32, _mm512_and_si512,
+    _mm512_castps_si512, _mm512_cmpgt_epu32_mask, _mm512_cvtepi32_epi16, _mm512_dpbf16_ps, _mm512_loadu_si512,
+    _mm512_mask_blend_epi32, _mm512_or_si512, _mm512_set1_epi32, _mm512_setzero_ps, _mm512_srli_epi32,
 };
 
 use half::bf16;
 
 use super::Mat;
+use super::transpose::turn8;
 
 /// Rows of a tile (a left-operand panel).
 pub(super) const MR: usize = 12;
@@ -273,7 +272,7 @@ unsafe fn pack<const W: usize>(m: Mat<u16>, first: usize, lines: usize, k: usize
             for i in (0..lines8).step_by(8) {
                 for q in (0..pairs8).step_by(8) {
                     let src = start.wrapping_offset(i as isize * m.rs + 2 * q as isize);
-                    unsafe { turn8(src, 2 * m.rs, out.as_mut_ptr().add(q * W + i), W) };
+                    unsafe { turn8(src.cast(), 2 * m.rs, out.as_mut_ptr().add(q * W + i), W) };
                 }
             }
             for i in 0..valid {
@@ -291,51 +290,6 @@ unsafe fn pack<const W: usize>(m: Mat<u16>, first: usize, lines: usize, k: usize
                 }
             }
         }
-    }
-}
-
-/// An 8 × 8 block of 32-bit values turned: row `t` of the block starts at
-/// byte `t · step` from `src` (unaligned), and its element `u` goes to
-/// `dst[u · ld + t]`. Shuffles move the bits without reading them as floats.
-///
-/// # Safety
-/// `src` readable for 8 rows of 32 bytes at that step; `dst` writable for 8
-/// rows of 8 elements at stride `ld`.
-#[inline]
-#[target_feature(enable = "avx2")]
-unsafe fn turn8(src: *const u16, step: isize, dst: *mut u32, ld: usize) {
-    let bytes = src.cast::<u8>();
-    // SAFETY: the 8 rows of 32 bytes are readable (caller).
-    let r: [__m256; 8] = std::array::from_fn(|t| unsafe { _mm256_loadu_ps(bytes.offset(t as isize * step).cast()) });
-    let t0 = _mm256_unpacklo_ps(r[0], r[1]);
-    let t1 = _mm256_unpackhi_ps(r[0], r[1]);
-    let t2 = _mm256_unpacklo_ps(r[2], r[3]);
-    let t3 = _mm256_unpackhi_ps(r[2], r[3]);
-    let t4 = _mm256_unpacklo_ps(r[4], r[5]);
-    let t5 = _mm256_unpackhi_ps(r[4], r[5]);
-    let t6 = _mm256_unpacklo_ps(r[6], r[7]);
-    let t7 = _mm256_unpackhi_ps(r[6], r[7]);
-    let s0 = _mm256_shuffle_ps::<0x44>(t0, t2);
-    let s1 = _mm256_shuffle_ps::<0xEE>(t0, t2);
-    let s2 = _mm256_shuffle_ps::<0x44>(t1, t3);
-    let s3 = _mm256_shuffle_ps::<0xEE>(t1, t3);
-    let s4 = _mm256_shuffle_ps::<0x44>(t4, t6);
-    let s5 = _mm256_shuffle_ps::<0xEE>(t4, t6);
-    let s6 = _mm256_shuffle_ps::<0x44>(t5, t7);
-    let s7 = _mm256_shuffle_ps::<0xEE>(t5, t7);
-    let rows = [
-        _mm256_permute2f128_ps::<0x20>(s0, s4),
-        _mm256_permute2f128_ps::<0x20>(s1, s5),
-        _mm256_permute2f128_ps::<0x20>(s2, s6),
-        _mm256_permute2f128_ps::<0x20>(s3, s7),
-        _mm256_permute2f128_ps::<0x31>(s0, s4),
-        _mm256_permute2f128_ps::<0x31>(s1, s5),
-        _mm256_permute2f128_ps::<0x31>(s2, s6),
-        _mm256_permute2f128_ps::<0x31>(s3, s7),
-    ];
-    for (u, v) in rows.into_iter().enumerate() {
-        // SAFETY: row u of the destination block is writable (caller).
-        unsafe { _mm256_storeu_ps(dst.add(u * ld).cast(), v) };
     }
 }
 

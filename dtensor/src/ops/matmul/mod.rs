@@ -10,6 +10,7 @@ use crate::{Error, Result, Tensor};
 #[cfg(target_arch = "x86_64")]
 mod bf16_dot;
 mod half_gemm;
+mod transpose;
 
 /// The GEMM that runs [`Tensor::matmul`].
 ///
@@ -308,6 +309,34 @@ unsafe impl<T> Send for OutPtr<T> {}
 // SAFETY: as for Send: shared only to compute disjoint block addresses.
 unsafe impl<T> Sync for OutPtr<T> {}
 
+/// Rows of the left operand from which an `f32` product by a transposed
+/// right operand turns it over first ([`turned_rhs`]): below, the copy costs
+/// more than the packing it saves.
+const TURN_MIN_ROWS: usize = 64;
+
+/// A row-major copy of `b` when it is the transposed view of a row-major
+/// matrix (a linear layer's `Wᵀ`: unit row stride) in an `f32` product of at
+/// least [`TURN_MIN_ROWS`] rows on the `gemm` kernel, which would otherwise
+/// pack it element by element ([`transpose`]); `None` otherwise. The product's
+/// bits do not change: the kernel packs both layouts into the same panels.
+///
+/// # Errors
+/// [`Error::OutOfMemory`] when the copy cannot be allocated.
+fn turned_rhs<T: Gemm>(kernel: GemmKernel, rows: usize, [k, n]: [usize; 2], b: Mat<T>) -> Result<Option<Vec<T>>> {
+    let ld = b.cs as usize;
+    if T::DTYPE != DType::F32 || kernel != GemmKernel::Gemm || rows < TURN_MIN_ROWS || b.rs != 1 || b.cs < 1 || ld < k {
+        return Ok(None);
+    }
+    // SAFETY: `T` is `f32` (checked above), and the caller's view `b` reaches
+    // elements `kk + j·ld` for `kk < k`, `j < n`: all of the slice, inside the
+    // storage its tensor keeps borrowed.
+    let src = unsafe { std::slice::from_raw_parts(b.ptr.cast::<f32>(), (n - 1) * ld + k) };
+    let write = |dst: &mut [std::mem::MaybeUninit<f32>]| transpose::transpose(src, n, k, ld, dst);
+    // SAFETY: `transpose` writes every element of its `k·n` output.
+    let turned = unsafe { crate::alloc::written::<f32>("matmul", &[k, n], write)? };
+    Ok(T::from_buffer(tessera_mesh::Buffer::F32(turned)).ok())
+}
+
 /// `a · b` for rank >= 2 operands of a GEMM type, shapes already checked.
 fn matmul_typed<T: Gemm>(a: &Tensor, b: &Tensor, batch: &[usize], kernel: GemmKernel) -> Result<Tensor> {
     let (ra, rb) = (a.rank(), b.rank());
@@ -336,9 +365,16 @@ fn matmul_typed<T: Gemm>(a: &Tensor, b: &Tensor, batch: &[usize], kernel: GemmKe
     // (a linear layer on [batch, seq, features]).
     let b_single = b.shape()[..rb - 2].iter().all(|&d| d == 1);
     if b_single && rows_fold(a, ra - 2) {
+        let turned = turned_rhs(kernel, count * m, [k, n], bm)?;
+        let bm = turned.as_ref().map_or(bm, |t| Mat {
+            ptr: t.as_ptr(),
+            rs: n as isize,
+            cs: 1,
+        });
         // SAFETY: `a` folds to a (count·m)×k matrix of row stride `am.rs` inside
         // its storage (checked by `rows_fold`; views keep the storage borrowed);
-        // `b` is one k×n matrix; `out` has capacity for count·m rows of n elements.
+        // `b` is one k×n matrix (or its row-major copy, alive until the product
+        // returns); `out` has capacity for count·m rows of n elements.
         unsafe {
             gemm_split(kernel, [count * m, k, n], am, bm, c, n as isize);
             // SAFETY: the GEMM wrote all count·m·n elements (m, n, k > 0, beta = 0).
@@ -397,7 +433,10 @@ impl Tensor {
     /// → [m, n]`; batched `[..., m, k] × [..., k, n]` with the batch dims
     /// broadcast (`[2, 1, m, k] × [3, k, n] → [2, 3, m, n]`); a 1-D operand is
     /// a vector (its dim is removed from the result). Transposed and narrowed
-    /// views are read in place through their strides. Runs the
+    /// views are read in place through their strides, except a transposed
+    /// row-major right operand of an `f32` product of at least 64 rows (a
+    /// linear layer's `Wᵀ`), which is turned over into a row-major copy first
+    /// (the `gemm` kernel would pack it element by element). Runs the
     /// [`GemmKernel::auto`] kernel on the calling thread.
     ///
     /// `f32` and `f64` use the GEMM directly; `bf16` and `f16` products are the
