@@ -7,11 +7,12 @@
 //! pieces out as one send buffer (each tensor's piece padded to `ceil(rows / n)`
 //! rows, torch.chunk's size, so every rank sends the same number of elements)
 //! without copying them ([`Pieces`]: the threads backend reads them where they
-//! are, others pack them), issues one asynchronous collective over `mesh_dim`'s communicator and returns
-//! a [`BucketWork`]; [`BucketWork::wait`] unpacks the results as DTensors (a
-//! gather's are views of the one received buffer, which the collective lays out
-//! tensor by tensor: [`Communicator::all_gather_segmented`](tessera_mesh::Communicator::all_gather_segmented)). The
-//! result of each input is what [`DTensor::redistribute_with_order`] gives for the
+//! are, others pack them), issues one asynchronous collective over `mesh_dim`'s
+//! communicator and returns a [`BucketWork`]; [`BucketWork::wait`] unpacks the
+//! results as DTensors (a gather's are views of the one received buffer, which
+//! the collective lays out tensor by tensor:
+//! [`Communicator::all_gather_segmented`](tessera_mesh::Communicator::all_gather_segmented)).
+//! The result of each input is what [`DTensor::redistribute_with_order`] gives for the
 //! same step (the tests check this), in one collective instead of one per tensor.
 //!
 //! - [`all_gather_bucket`]: `Shard(0)` → `Replicate` on `mesh_dim`, where `mesh_dim`
@@ -352,12 +353,9 @@ fn communicate(
         }
     }
     let size = dtype.size_in_bytes();
-    let recv_len = match kind {
-        Kind::Gather => world * block,
-        Kind::Scatter => block,
-        Kind::AllReduce => block,
-    };
-    // The output only: the send is views of the inputs, already counted.
+    let recv_len = if kind == Kind::Gather { world * block } else { block };
+    // The output only: a gather's or reduce-scatter's send is views of the
+    // inputs, already counted; an all-reduce's packed send is its output.
     let charge = Allocation::charge(recv_len * size);
     let comm = mesh.dim_comm(mesh_dim)?;
     let work = match kind {
