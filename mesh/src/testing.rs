@@ -198,6 +198,7 @@ pub fn check_segmented<T: TestElement>(comm: &dyn Communicator) {
 /// both kinds.
 pub fn check_pieces<T: TestElement>(comm: &dyn Communicator) {
     let (r, n) = (comm.rank(), comm.size());
+    let bits = |v: &[T]| v.iter().map(|x| bytemuck::bytes_of(x).to_vec()).collect::<Vec<_>>();
     // Per-rank block lengths of the reduce-scatter (the last crosses a
     // reduction block of 2048 elements).
     for block in [1usize, 7, 2500] {
@@ -243,7 +244,6 @@ pub fn check_pieces<T: TestElement>(comm: &dyn Communicator) {
                 OpKind::ReduceScatter.bytes_sent(n, len * T::DTYPE.size_in_bytes()),
                 "{what}"
             );
-            let bits = |v: &[T]| v.iter().map(|x| bytemuck::bytes_of(x).to_vec()).collect::<Vec<_>>();
             assert_eq!(bits(&got), bits(&want), "{what}");
         }
         // The gather: the same cuts over a send of `len` elements, segments cut
@@ -261,7 +261,6 @@ pub fn check_pieces<T: TestElement>(comm: &dyn Communicator) {
         };
         let got = work.wait_vec::<T>().unwrap_or_else(|e| panic!("{what}: {e}"));
         assert_eq!(got.len(), len * n, "{what}");
-        let bits = |v: &[T]| v.iter().map(|x| bytemuck::bytes_of(x).to_vec()).collect::<Vec<_>>();
         assert_eq!(bits(&got), bits(&want), "{what}");
     }
     // Segments that do not tile the pieces: the local error, on every rank.

@@ -502,39 +502,23 @@ fn combine_ranks<'a, T: Reduce + 'a>(acc: &mut [T::Acc], descs: &[Desc], op: Red
 /// every descriptor as in [`run_at`].
 unsafe fn reduce_runs<T: Reduce>(descs: &[Desc], from: usize, len: usize, op: ReduceOp, out: *mut T) {
     let size = size_of::<T>();
-    let src = |dq: &Desc, pos: usize, b: usize| -> &[T] {
+    // The chunk at `start` stops at the next run boundary of any rank.
+    let chunk = |start: usize| {
+        descs.iter().fold(BLOCK.min(len - start), |b, dq| {
+            // SAFETY: per this function's contract (`from + start < send_len`).
+            b.min(unsafe { run_at(dq, size, from + start) }.1)
+        })
+    };
+    let src = |dq: &Desc, start: usize, b: usize| -> &[T] {
         // SAFETY: per this function's contract; the chunk lies within this run.
-        let (addr, _) = unsafe { run_at(dq, size, pos) };
-        if addr == 0 {
-            zeros::<T>(b)
-        } else {
+        match unsafe { run_at(dq, size, from + start) }.0 {
+            0 => zeros::<T>(b),
             // SAFETY: as above.
-            unsafe { peer::<T>(addr, b) }
+            addr => unsafe { peer::<T>(addr, b) },
         }
     };
-    let mut acc = [T::Acc::default(); BLOCK];
-    let mut res = [T::default(); BLOCK];
-    let mut start = 0;
-    while start < len {
-        let pos = from + start;
-        // SAFETY: per this function's contract.
-        let b = descs.iter().fold(BLOCK.min(len - start), |b, dq| {
-            b.min(unsafe { run_at(dq, size, pos) }.1)
-        });
-        // SAFETY: `out[start..start + b]` is ours and aliased by no input.
-        let dst = unsafe { std::slice::from_raw_parts_mut(out.add(start), b) };
-        if let Some(dst) = T::as_acc(dst) {
-            combine_ranks(dst, descs, op, |dq| src(dq, pos, b));
-        } else {
-            combine_ranks(&mut acc[..b], descs, op, |dq| src(dq, pos, b));
-            for (o, &a) in res[..b].iter_mut().zip(&acc[..b]) {
-                *o = T::from_acc(a);
-            }
-            // SAFETY: as above.
-            unsafe { write(out, start, &res[..b]) };
-        }
-        start += b;
-    }
+    // SAFETY: per this function's contract; no input aliases the fresh output.
+    unsafe { reduce_chunks(descs, op, out, 0, len, true, chunk, src) }
 }
 
 /// Reduces `len` elements starting at element `from` of every rank's buffer
@@ -557,39 +541,60 @@ unsafe fn reduce_blocks<T: Reduce>(
         // SAFETY: per this function's contract.
         unsafe { peer::<T>(ptr_of(dq) + (from + start) * size_of::<T>(), b) }
     };
-    // Types that accumulate in themselves (f32, f64, integers) reduce in the
-    // output when no input region is the output (an in-place all-reduce's own
-    // block is): each block is rank 0's copied in, then the others combined
-    // into it while it is in cache; one pass over the output, no scratch.
+    // The output is written while inputs are read only when no input region is
+    // the output (an in-place all-reduce's own block is).
     let size = size_of::<T>();
     let (lo, hi) = (out as usize + at * size, out as usize + (at + len) * size);
     let aliased = descs.iter().any(|dq| {
         let s = ptr_of(dq) + from * size;
         s < hi && lo < s + len * size
     });
-    if !aliased {
-        // SAFETY: per this function's contract `out[at..at + len]` is ours alone,
-        // and no region read below overlaps it (checked above).
-        let dst = unsafe { std::slice::from_raw_parts_mut(out.add(at), len) };
-        if let Some(dst) = T::as_acc(dst) {
-            for (i, acc) in dst.chunks_mut(BLOCK).enumerate() {
-                let (start, b) = (i * BLOCK, acc.len());
-                combine_ranks(acc, descs, op, |dq| src(dq, start, b));
-            }
-            return;
-        }
-    }
-    let mut acc = [T::Acc::default(); BLOCK];
-    let mut res = [T::default(); BLOCK];
+    let chunk = |start: usize| BLOCK.min(len - start);
+    // SAFETY: per this function's contract; `aliased` as checked above.
+    unsafe { reduce_chunks(descs, op, out, at, len, !aliased, chunk, src) }
+}
+
+/// The loop of [`reduce_blocks`] and [`reduce_runs`]: `out[at..at + len]` gets
+/// the ranks' inputs combined in rank order, one chunk at a time, `chunk(start)`
+/// elements (at most `BLOCK`) read as `src(desc, start, b)`. Types that
+/// accumulate in themselves (f32, f64, integers) reduce straight in the output
+/// when `direct`: each chunk is rank 0's copied in, then the others combined
+/// into it while it is in cache; one pass over the output, no scratch. Others
+/// (and any type when not `direct`) go through scratch.
+///
+/// # Safety
+/// `out[at..at + len]` is this rank's own and read by nobody else during this
+/// phase; with `direct`, no input region overlaps it; every slice `src` returns
+/// is live and not written during this phase.
+#[allow(clippy::too_many_arguments)]
+unsafe fn reduce_chunks<'a, T: Reduce + 'a>(
+    descs: &[Desc],
+    op: ReduceOp,
+    out: *mut T,
+    at: usize,
+    len: usize,
+    direct: bool,
+    chunk: impl Fn(usize) -> usize,
+    src: impl Fn(&Desc, usize, usize) -> &'a [T],
+) {
+    let mut scratch: Option<([T::Acc; BLOCK], [T; BLOCK])> = None;
     let mut start = 0;
     while start < len {
-        let b = BLOCK.min(len - start);
-        combine_ranks(&mut acc[..b], descs, op, |dq| src(dq, start, b));
-        for (o, &a) in res[..b].iter_mut().zip(&acc[..b]) {
-            *o = T::from_acc(a);
+        let b = chunk(start);
+        // SAFETY: `out[at + start..][..b]` is ours, and with `direct` no input
+        // overlaps it (the contract); without, no slice of it is made.
+        let dst = direct.then(|| unsafe { std::slice::from_raw_parts_mut(out.add(at + start), b) });
+        if let Some(dst) = dst.and_then(T::as_acc) {
+            combine_ranks(dst, descs, op, |dq| src(dq, start, b));
+        } else {
+            let (acc, res) = scratch.get_or_insert_with(|| ([T::Acc::default(); BLOCK], [T::default(); BLOCK]));
+            combine_ranks(&mut acc[..b], descs, op, |dq| src(dq, start, b));
+            for (o, &a) in res[..b].iter_mut().zip(&acc[..b]) {
+                *o = T::from_acc(a);
+            }
+            // SAFETY: per the contract.
+            unsafe { write(out, at + start, &res[..b]) };
         }
-        // SAFETY: per this function's contract.
-        unsafe { write(out, at + start, &res[..b]) };
         start += b;
     }
 }
