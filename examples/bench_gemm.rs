@@ -16,6 +16,11 @@
 //! saved activation, a freshly gathered weight) that this is the state they
 //! are in, so `cold/hot` is the share of the hot figure that a step can expect.
 //!
+//! In the `gemm` column, batched `f32` products small enough (attention's
+//! per-head `q·kᵀ`, depth up to 256 and sides up to 512) run the crate's own
+//! AVX-512 kernel for them (same bits as the `gemm` crate; `matmul/small.rs`)
+//! where the CPU has AVX-512F.
+//!
 //! The baseline is `matrixmultiply` (what ndarray's `dot` runs); `ratio` is the
 //! `gemm` crate's GFLOP/s over the baseline's (above 1 = `gemm` faster).
 //! `GemmKernel::auto()` picks `gemm` on CPUs with AVX-512 and `matrixmultiply`

@@ -81,7 +81,7 @@ impl Kind {
     /// The kind of a DTensor op's local kernel, by the op's name.
     pub fn of_op(op: &str) -> Kind {
         match op {
-            "matmul" | "linear" | "bmm" => Kind::Gemm,
+            "matmul" | "matmul_causal" | "linear" | "bmm" => Kind::Gemm,
             "sum" | "mean" | "max" | "min" | "argmax" | "sum_to_shape" => Kind::Reduction,
             o if o.contains("softmax")
                 || o.contains("layer_norm")
@@ -305,6 +305,7 @@ mod tests {
     fn op_kinds_follow_the_op_names() {
         let kinds = [
             ("matmul", Kind::Gemm),
+            ("matmul_causal", Kind::Gemm),
             ("sum", Kind::Reduction),
             ("softmax_backward", Kind::Nn),
             ("attention_probs", Kind::Nn),

@@ -2,7 +2,7 @@
 
 use smallvec::{SmallVec, smallvec};
 use tessera_dtensor::dist::dispatch;
-use tessera_dtensor::ops::Reduction;
+use tessera_dtensor::ops::{Causal, Reduction};
 use tessera_dtensor::sharding::local_shape_and_offset;
 use tessera_dtensor::strategy::{Candidate, DimOption, keep_shards_except_with, product};
 use tessera_dtensor::{DTensor, Layout, Placement, Placements, ReduceOp, ShardOrder, Tensor};
@@ -179,9 +179,14 @@ impl Var {
             }
             .into());
         }
-        let scores = self.value().matmul(&k.value().transpose(r - 2, r - 1)?)?;
+        // Causal: the products skip what the mask makes zero or unused (the
+        // masked scores are never read; masked weights are exact zeros).
+        let part = move |p: Causal| if is_causal { p } else { Causal::Dense };
+        let scores = self
+            .value()
+            .matmul_causal(&k.value().transpose(r - 2, r - 1)?, part(Causal::Scores))?;
         let probs = scores.attention_probs(scale, is_causal)?;
-        let value = probs.matmul(v.value())?;
+        let value = probs.matmul_causal(v.value(), part(Causal::Weights))?;
         let (sq, sk, sv) = (self.saved(), k.saved(), v.saved());
         let need = [self.requires_grad(), k.requires_grad(), v.requires_grad()];
         Ok(Var::from_op(
@@ -192,21 +197,32 @@ impl Var {
                 let (q, k, v) = (sq.get()?, sk.get()?, sv.get()?);
                 // The chain's backward, step by step (so that the bits are the chain's).
                 let gv = if need[2] {
-                    Some(probs.transpose(r - 2, r - 1)?.matmul(g)?)
+                    Some(
+                        probs
+                            .transpose(r - 2, r - 1)?
+                            .matmul_causal(g, part(Causal::WeightsTransposed))?,
+                    )
                 } else {
                     None
                 };
                 if !(need[0] || need[1]) {
                     return Ok(smallvec![None, None, gv]);
                 }
-                let gp = g.matmul(&v.transpose(r - 2, r - 1)?)?;
+                let gp = g.matmul_causal(&v.transpose(r - 2, r - 1)?, part(Causal::Scores))?;
                 let gs = attention_probs_backward(&gp, &probs, scale, is_causal)?;
-                let gq = if need[0] { Some(gs.matmul(&k)?) } else { None };
+                let gq = if need[0] {
+                    Some(gs.matmul_causal(&k, part(Causal::Weights))?)
+                } else {
+                    None
+                };
                 // (qᵀ·gs)ᵀ as gsᵀ·q: the same products summed in the same order, so
                 // the same bits, in a row-major result (no strided copy when the
                 // heads are merged back).
                 let gk = if need[1] {
-                    Some(gs.transpose(r - 2, r - 1)?.matmul(&q)?)
+                    Some(
+                        gs.transpose(r - 2, r - 1)?
+                            .matmul_causal(&q, part(Causal::WeightsTransposed))?,
+                    )
                 } else {
                     None
                 };

@@ -4,7 +4,7 @@ use smallvec::{SmallVec, smallvec};
 use tessera_mesh::{Communicator, CommunicatorExt, DType, DeviceMesh};
 
 use super::{dispatch, replicate_only};
-use crate::ops::Reduction;
+use crate::ops::{Causal, Reduction};
 use crate::strategy::{Candidate, DimOption, einsum, keep_shards_except, keep_shards_except_with, product, reduction};
 use crate::{DTensor, Error, Layout, Placement, Placements, ReduceOp, Result, ShardOrder, Tensor};
 
@@ -19,9 +19,43 @@ impl DTensor {
     /// # Errors
     /// Operands of rank < 2, mismatched inner dims or batch dims, different dtypes or meshes.
     pub fn matmul(&self, rhs: &DTensor) -> Result<DTensor> {
+        let (spec, out) = self.product_shapes("matmul", rhs)?;
+        let cands = einsum(&spec, self.mesh().ndim())?;
+        dispatch("matmul", &[self, rhs], &cands, &out, self.dtype(), |l, _| {
+            l[0].matmul(&l[1])
+        })
+    }
+
+    /// The [`Causal`] `part` of the matrix product of `[..., m, k]` and `[k, n]`
+    /// or `[..., k, n]` (see [`Tensor::matmul_causal`]): attention's products
+    /// without what the causal mask makes zero or unused. The mask follows each
+    /// row's and column's position, so the last two dims are replicated; batch
+    /// shards (and TP's head shards) are kept. [`Causal::Dense`] is
+    /// [`matmul`](Self::matmul), with all its strategies.
+    ///
+    /// # Errors
+    /// As [`matmul`](Self::matmul).
+    pub fn matmul_causal(&self, rhs: &DTensor, part: Causal) -> Result<DTensor> {
+        if part == Causal::Dense {
+            return self.matmul(rhs);
+        }
+        let (_, out) = self.product_shapes("matmul_causal", rhs)?;
+        let r = out.len();
+        // The right operand splits as the left one where it has the batch dims,
+        // and is replicated where it is one matrix.
+        let (sharded, replicated) = if rhs.shape().len() == r { (2, 0) } else { (1, 1) };
+        let cands = keep_shards_except_with(r, &[r - 2, r - 1], sharded, replicated, self.mesh().ndim());
+        dispatch("matmul_causal", &[self, rhs], &cands, &out, self.dtype(), |l, _| {
+            l[0].matmul_causal(&l[1], part)
+        })
+    }
+
+    /// The einsum spec and output shape of the product of `self` and `rhs`
+    /// ([`matmul`](Self::matmul)'s rules), or the error that names what does not fit.
+    fn product_shapes(&self, op: &'static str, rhs: &DTensor) -> Result<(String, Vec<usize>)> {
         let (a, b) = (self.shape(), rhs.shape());
         let bad = |why: &str| Error::ShapeMismatch {
-            op: "matmul",
+            op,
             detail: format!("{a:?} × {b:?}: {why}"),
         };
         if a.len() < 2 || b.len() < 2 {
@@ -35,7 +69,7 @@ impl DTensor {
         }
         if self.dtype() != rhs.dtype() {
             return Err(Error::DTypeMismatch {
-                op: "matmul",
+                op,
                 expected: self.dtype(),
                 got: rhs.dtype(),
             });
@@ -50,10 +84,7 @@ impl DTensor {
         };
         let mut out = a[..a.len() - 1].to_vec();
         out.push(b[b.len() - 1]);
-        let cands = einsum(&spec, self.mesh().ndim())?;
-        dispatch("matmul", &[self, rhs], &cands, &out, self.dtype(), |l, _| {
-            l[0].matmul(&l[1])
-        })
+        Ok((spec, out))
     }
 
     /// Sum over `dims`: a sharded reduced dim gives `Partial(sum)`.

@@ -51,7 +51,7 @@ use std::ops::{Add, Div, Mul, Neg, Sub};
 use half::{bf16, f16};
 use tessera_mesh::{DType, Element};
 
-pub use matmul::GemmKernel;
+pub use matmul::{Causal, GemmKernel};
 pub use nn::Reduction;
 
 use crate::{Error, Result, Tensor};

@@ -10,6 +10,8 @@ use crate::{Error, Result, Tensor};
 #[cfg(target_arch = "x86_64")]
 mod bf16_dot;
 mod half_gemm;
+#[cfg(target_arch = "x86_64")]
+mod small;
 mod transpose;
 
 /// The GEMM that runs [`Tensor::matmul`].
@@ -105,6 +107,31 @@ impl GemmKernel {
             detail: format!("cannot use GemmKernel::Bf16Dot: {why}; use GemmKernel::auto_for"),
         })
     }
+}
+
+/// Which part of a causal attention product [`Tensor::matmul_causal`]
+/// computes, for queries `i` that see keys `j <= i` (the top-left aligned mask
+/// of [`Tensor::causal_mask`]). The parts skip the products that the mask makes
+/// zero or unused: about half of each of attention's six products.
+///
+/// PyTorch: the block skipping inside `scaled_dot_product_attention(...,
+/// is_causal=True)`'s fused CPU kernels (`_scaled_dot_product_flash_attention_for_cpu`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Causal {
+    /// Every element: the dense product, as [`Tensor::matmul`].
+    Dense,
+    /// Scores (`q·kᵀ`, and `dO·vᵀ` in the backward), `[..., T, S]`: the
+    /// elements `[i, j]` with `j <= i` are the product's, the others zero.
+    Scores,
+    /// Weights times values (`p·v`, and `dS·k` in the backward): the left
+    /// operand `[..., T, S]` must be zero at `[i, j]` for `j > i` (attention's
+    /// weights and their gradients are), and most of those elements are not
+    /// read (all but the few in a tile that crosses the diagonal).
+    Weights,
+    /// Transposed weights times gradients (`pᵀ·dO`, `dSᵀ·q`): the left operand
+    /// `[..., S, T]` must be zero at `[j, i]` for `i < j`, and most of those
+    /// elements are not read.
+    WeightsTransposed,
 }
 
 /// The smallest product (`2·m·k·n` flops) that is split over the rank's
@@ -337,8 +364,40 @@ fn turned_rhs<T: Gemm>(kernel: GemmKernel, rows: usize, [k, n]: [usize; 2], b: M
     Ok(T::from_buffer(tessera_mesh::Buffer::F32(turned)).ok())
 }
 
-/// `a · b` for rank >= 2 operands of a GEMM type, shapes already checked.
-fn matmul_typed<T: Gemm>(a: &Tensor, b: &Tensor, batch: &[usize], kernel: GemmKernel) -> Result<Tensor> {
+/// One `m×k · k×n` product of a batch (or its [`Causal`] `part`): the small
+/// `f32` kernel where it fits (`small`), the `kernel` otherwise (dense, split
+/// over the rank's threads when large, with the zeros of [`Causal::Scores`]
+/// written after).
+///
+/// # Safety
+/// As [`gemm_split`].
+unsafe fn entry<T: Gemm>(kernel: GemmKernel, [m, k, n]: [usize; 3], a: Mat<T>, b: Mat<T>, c: OutPtr<T>, part: Causal) {
+    #[cfg(target_arch = "x86_64")]
+    if T::DTYPE == DType::F32 && kernel == GemmKernel::Gemm {
+        let cast = |x: Mat<T>| Mat {
+            ptr: x.ptr.cast::<f32>(),
+            rs: x.rs,
+            cs: x.cs,
+        };
+        if small::fits([m, k, n], cast(b)) {
+            // SAFETY: `T` is `f32` (checked); the caller's guarantees.
+            unsafe { small::product([m, k, n], cast(a), cast(b), c.0.cast(), n as isize, part) };
+            return;
+        }
+    }
+    // SAFETY: the caller's guarantees.
+    unsafe { gemm_split(kernel, [m, k, n], a, b, c, n as isize) };
+    if part == Causal::Scores {
+        for i in 0..m.min(n.saturating_sub(1)) {
+            // SAFETY: row i's columns i+1..n are inside the m×n output (caller).
+            unsafe { std::ptr::write_bytes(c.block(i * n + i + 1), 0, n - i - 1) };
+        }
+    }
+}
+
+/// `a · b` (or its causal `part`) for rank >= 2 operands of a GEMM type,
+/// shapes already checked.
+fn matmul_typed<T: Gemm>(a: &Tensor, b: &Tensor, batch: &[usize], kernel: GemmKernel, part: Causal) -> Result<Tensor> {
     let (ra, rb) = (a.rank(), b.rank());
     let (m, k, n) = (a.shape()[ra - 2], a.shape()[ra - 1], b.shape()[rb - 1]);
     let mut shape = batch.to_vec();
@@ -363,8 +422,9 @@ fn matmul_typed<T: Gemm>(a: &Tensor, b: &Tensor, batch: &[usize], kernel: GemmKe
     let c = OutPtr(out.as_mut_ptr());
     // One tall GEMM when `b` is one matrix and `a`'s batch folds into its rows
     // (a linear layer on [batch, seq, features]).
+    // (Not for a causal part: the mask starts over with each batch entry.)
     let b_single = b.shape()[..rb - 2].iter().all(|&d| d == 1);
-    if b_single && rows_fold(a, ra - 2) {
+    if part == Causal::Dense && b_single && rows_fold(a, ra - 2) {
         let turned = turned_rhs(kernel, count * m, [k, n], bm)?;
         let bm = turned.as_ref().map_or(bm, |t| Mat {
             ptr: t.as_ptr(),
@@ -407,7 +467,7 @@ fn matmul_typed<T: Gemm>(a: &Tensor, b: &Tensor, batch: &[usize], kernel: GemmKe
             // inside its borrowed storage; the output block `i` is m×n inside the
             // capacity of `out`, disjoint from the operands (fresh allocation) and
             // from every other entry's block.
-            unsafe { gemm_split(kernel, [m, k, n], ai, bi, OutPtr(c.block(i * m * n)), n as isize) };
+            unsafe { entry(kernel, [m, k, n], ai, bi, OutPtr(c.block(i * m * n)), part) };
             for d in (0..batch.len()).rev() {
                 index[d] += 1;
                 if index[d] < batch[d] {
@@ -462,6 +522,37 @@ impl Tensor {
     /// [`GemmKernel::Bf16Dot`] on other dtypes than `bf16` or on a CPU without
     /// AVX512_BF16.
     pub fn matmul_with(&self, rhs: &Tensor, kernel: GemmKernel) -> Result<Tensor> {
+        self.matmul_part(rhs, kernel, Causal::Dense)
+    }
+
+    /// The [`Causal`] `part` of the product of `self` `[..., m, k]` and `rhs`
+    /// `[..., k, n]` (batch dims broadcast as in [`matmul`](Self::matmul)):
+    /// attention's products without the work that a causal mask makes zero or
+    /// unused. Each computed element has the bits of the same element of
+    /// [`matmul`](Self::matmul), up to the sign of a zero result, for finite
+    /// operands (with the zeros that [`Causal::Weights`] and
+    /// [`Causal::WeightsTransposed`] require of `self`; other values there
+    /// give unspecified results).
+    ///
+    /// # Errors
+    /// As [`matmul`](Self::matmul); [`Error::InvalidArgument`] for a 1-D
+    /// operand with a part other than [`Causal::Dense`].
+    pub fn matmul_causal(&self, rhs: &Tensor, part: Causal) -> Result<Tensor> {
+        if part != Causal::Dense && (self.rank() < 2 || rhs.rank() < 2) {
+            return Err(Error::InvalidArgument {
+                op: "matmul_causal",
+                detail: format!(
+                    "{part:?} needs matrices ([..., m, k] and [..., k, n]), got {:?} and {:?}",
+                    self.shape(),
+                    rhs.shape()
+                ),
+            });
+        }
+        self.matmul_part(rhs, GemmKernel::auto_for(self.dtype()), part)
+    }
+
+    /// [`matmul_with`](Self::matmul_with) of a causal `part`.
+    fn matmul_part(&self, rhs: &Tensor, kernel: GemmKernel, part: Causal) -> Result<Tensor> {
         same_dtype("matmul", self, rhs)?;
         kernel.check(self.dtype())?;
         if self.rank() == 0 || rhs.rank() == 0 {
@@ -499,10 +590,10 @@ impl Tensor {
             mismatch(self, rhs, why)
         })?;
         let out = match self.dtype() {
-            DType::F32 => matmul_typed::<f32>(&a, &b, &batch, kernel)?,
-            DType::F64 => matmul_typed::<f64>(&a, &b, &batch, kernel)?,
-            DType::BF16 => matmul_typed::<bf16>(&a, &b, &batch, kernel)?,
-            DType::F16 => matmul_typed::<f16>(&a, &b, &batch, kernel)?,
+            DType::F32 => matmul_typed::<f32>(&a, &b, &batch, kernel, part)?,
+            DType::F64 => matmul_typed::<f64>(&a, &b, &batch, kernel, part)?,
+            DType::BF16 => matmul_typed::<bf16>(&a, &b, &batch, kernel, part)?,
+            DType::F16 => matmul_typed::<f16>(&a, &b, &batch, kernel, part)?,
             other => return Err(not_float("matmul", other)),
         };
         // Drop the dims that the vectors' promotion added.
