@@ -1,7 +1,8 @@
 //! Contractions and reductions: matmul (2-D, batched, batched with a 2-D right
-//! operand) and sum, mean, max over one and two dims.
+//! operand), its causal parts, and sum, mean, max over one and two dims.
 
 use proptest::prelude::*;
+use tessera::dtensor::ops::Causal;
 use tessera::dtensor::{DTensor, Tensor};
 
 use crate::harness::{Arg, Op, check, config, float, plain, singles};
@@ -19,6 +20,15 @@ const MATMUL_BATCHED: Shapes = &[
     (&[2, 3, 5], &[2, 5, 4]),
     (&[3, 5, 7], &[3, 7, 2]),
     (&[4, 2, 6], &[4, 6, 4]),
+];
+/// Attention-like `[b, t, e] × [b, e, s]` (scores) whose output `[b, t, s]`
+/// is also the left operand of the weights' products (`× [b, s, n]`, and
+/// transposed `× [b, t, n]`): the third operand is those right operands' (n
+/// columns and as many rows as each product needs, taken from `[b, 7, n]`).
+const ATTENTION: &[[&[usize]; 3]] = &[
+    [&[2, 5, 3], &[2, 3, 5], &[2, 7, 4]],
+    [&[3, 4, 2], &[3, 2, 6], &[3, 7, 3]],
+    [&[2, 6, 4], &[2, 4, 3], &[2, 7, 2]],
 ];
 const MATMUL_2D_RHS: Shapes = &[(&[2, 3, 5], &[5, 4]), (&[3, 5, 7], &[7, 3]), (&[4, 2, 6], &[6, 4])];
 
@@ -59,6 +69,26 @@ proptest! {
     #[test]
     fn matmul_batched_2d_rhs(c in plain(pairs(MATMUL_2D_RHS))) {
         check(c, [op!("matmul", |x| x[0].matmul(&x[1]))])?;
+    }
+
+    /// The causal parts of batched products against the same parts on the full
+    /// tensors (each as exact as the dense product on one device); the weights'
+    /// left operands are scores with their masked part zeroed, as attention's are.
+    #[test]
+    fn matmul_causal(c in plain(ATTENTION.iter().map(|s| s.iter().map(|d| float(d)).collect()).collect())) {
+        let (t, s) = (c.args[0].shape[1], c.args[1].shape[2]);
+        check(c, [
+            op!("scores", |x| x[0].matmul_causal(&x[1], Causal::Scores)),
+            op!("weights", |x| {
+                let w = x[0].matmul(&x[1])?.causal_mask(0.0)?;
+                w.matmul_causal(&x[2].narrow(1, 0, s)?, Causal::Weights)
+            }),
+            op!("weights transposed", |x| {
+                let w = x[0].matmul(&x[1])?.causal_mask(0.0)?.transpose(1, 2)?;
+                w.matmul_causal(&x[2].narrow(1, 0, t)?, Causal::WeightsTransposed)
+            }),
+            op!("dense", |x| x[0].matmul_causal(&x[1], Causal::Dense)),
+        ])?;
     }
 
     /// sum, mean and max over every one or two dims, with and without keepdim.
