@@ -46,9 +46,11 @@ pub(super) fn detected() -> bool {
 
 /// Whether an `m×k · k×n` product with right operand `b` fits this kernel:
 /// small enough, and `b` with unit column stride (read in place) or unit row
-/// stride (copied transposed).
+/// stride and columns that do not overlap (copied transposed; tensor views
+/// never overlap, this guards the copy's bounds).
 pub(super) fn fits([m, k, n]: [usize; 3], b: Mat<f32>) -> bool {
-    detected() && k <= MAX_DEPTH && m <= MAX_SIDE && n <= MAX_SIDE && (b.cs == 1 || b.rs == 1)
+    let readable = b.cs == 1 || (b.rs == 1 && b.cs >= k as isize);
+    detected() && k <= MAX_DEPTH && m <= MAX_SIDE && n <= MAX_SIDE && readable
 }
 
 thread_local! {

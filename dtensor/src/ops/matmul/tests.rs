@@ -727,6 +727,11 @@ fn small_products_have_the_gemm_crates_bits() {
         cs: 7,
     };
     assert!(!small::fits([8, 8, 8], wide), "no unit stride: the gemm crate");
+    let broadcast = Mat::<f32> { rs: 1, cs: 0, ..wide };
+    assert!(
+        !small::fits([8, 8, 8], broadcast),
+        "overlapping columns: the gemm crate"
+    );
     let b = Mat::<f32> { cs: 1, ..wide };
     assert!(!small::fits([8, small::MAX_DEPTH + 1, 8], b), "too deep");
     assert!(!small::fits([small::MAX_SIDE + 1, 8, 8], b), "too tall");
