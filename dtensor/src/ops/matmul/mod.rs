@@ -388,10 +388,20 @@ unsafe fn entry<T: Gemm>(kernel: GemmKernel, [m, k, n]: [usize; 3], a: Mat<T>, b
     // SAFETY: the caller's guarantees.
     unsafe { gemm_split(kernel, [m, k, n], a, b, c, n as isize) };
     if part == Causal::Scores {
-        for i in 0..m.min(n.saturating_sub(1)) {
-            // SAFETY: row i's columns i+1..n are inside the m×n output (caller).
-            unsafe { std::ptr::write_bytes(c.block(i * n + i + 1), 0, n - i - 1) };
-        }
+        // SAFETY: rows 0..m of the m×n output (caller).
+        unsafe { zero_above_diagonal(c.0, 0..m, n, n as isize) };
+    }
+}
+
+/// Zeros the elements `[i, j]` with `j > i` of rows `rows` of a row-major
+/// output with `n` columns and row stride `rsc` ([`Causal::Scores`]).
+///
+/// # Safety
+/// Those rows' `n` elements must be writable.
+unsafe fn zero_above_diagonal<T>(c: *mut T, rows: std::ops::Range<usize>, n: usize, rsc: isize) {
+    for i in rows.start..rows.end.min(n.saturating_sub(1)) {
+        // SAFETY: row i's columns i+1..n are inside the output (caller).
+        unsafe { std::ptr::write_bytes(c.offset(i as isize * rsc).add(i + 1), 0, n - i - 1) };
     }
 }
 

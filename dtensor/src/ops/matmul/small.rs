@@ -21,7 +21,7 @@
 
 use std::arch::x86_64::*;
 
-use super::{Causal, Mat};
+use super::{Causal, Mat, zero_above_diagonal};
 
 /// The deepest product this kernel takes: the `gemm` crate sums a depth of up
 /// to 512 in one chain per element for products of this size; beyond, its
@@ -122,12 +122,8 @@ unsafe fn tiles([m, k, n]: [usize; 3], a: Mat<f32>, b: *const f32, rsb: isize, c
         if part == Causal::Scores {
             // Above the diagonal: zeros (the columns no tile computed, and the
             // part of the diagonal tile right of each row's diagonal).
-            for i in i0..i0 + rows {
-                if i + 1 < n {
-                    // SAFETY: row i's columns i+1..n are inside the output.
-                    unsafe { std::ptr::write_bytes(c.offset(i as isize * rsc).add(i + 1), 0, n - i - 1) };
-                }
-            }
+            // SAFETY: the tile's rows are inside the output (caller).
+            unsafe { zero_above_diagonal(c, i0..i0 + rows, n, rsc) };
         }
     }
 }
