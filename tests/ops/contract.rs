@@ -1,8 +1,9 @@
 //! Contractions and reductions: matmul (2-D, batched, batched with a 2-D right
-//! operand), its causal parts, and sum, mean, max over one and two dims.
+//! operand), its causal parts, fused attention, and sum, mean, max over one
+//! and two dims.
 
 use proptest::prelude::*;
-use tessera::dtensor::ops::Causal;
+use tessera::dtensor::ops::{Attention, Causal};
 use tessera::dtensor::{DTensor, Tensor};
 
 use crate::harness::{Arg, Op, check, config, float, plain, singles};
@@ -29,6 +30,13 @@ const ATTENTION: &[[&[usize]; 3]] = &[
     [&[2, 5, 3], &[2, 3, 5], &[2, 7, 4]],
     [&[3, 4, 2], &[3, 2, 6], &[3, 7, 3]],
     [&[2, 6, 4], &[2, 4, 3], &[2, 7, 2]],
+];
+/// Fused attention's `q [b, h, l, e]`, `k [b, h, s, e]`, `v [b, h, s, ev]` and
+/// the output's gradient `[b, h, l, ev]`.
+const FUSED_ATTENTION: &[[&[usize]; 4]] = &[
+    [&[2, 3, 5, 4], &[2, 3, 5, 4], &[2, 3, 5, 2], &[2, 3, 5, 2]],
+    [&[3, 2, 4, 3], &[3, 2, 6, 3], &[3, 2, 6, 5], &[3, 2, 4, 5]],
+    [&[4, 2, 7, 2], &[4, 2, 3, 2], &[4, 2, 3, 3], &[4, 2, 7, 3]],
 ];
 const MATMUL_2D_RHS: Shapes = &[(&[2, 3, 5], &[5, 4]), (&[3, 5, 7], &[7, 3]), (&[4, 2, 6], &[6, 4])];
 
@@ -89,6 +97,26 @@ proptest! {
             }),
             op!("dense", |x| x[0].matmul_causal(&x[1], Causal::Dense)),
         ])?;
+    }
+
+    /// Fused attention (output, weights and the three gradients, causal or
+    /// not) on sharded inputs against the same kernels on the full tensors.
+    #[test]
+    fn attention(c in plain(FUSED_ATTENTION.iter().map(|s| s.iter().map(|d| float(d)).collect()).collect())) {
+        let mut ops = Vec::new();
+        for is_causal in [true, false] {
+            let attn = Attention { scale: 0.7, is_causal };
+            ops.push(op!(format!("output, causal {is_causal}"), [attn], |x| Ok(x[0].attention(&x[1], &x[2], attn)?.0)));
+            ops.push(op!(format!("weights, causal {is_causal}"), [attn], |x| Ok(x[0].attention(&x[1], &x[2], attn)?.1)));
+            for (j, name) in ["dq", "dk", "dv"].iter().enumerate() {
+                ops.push(op!(format!("{name}, causal {is_causal}"), [attn], |x| {
+                    let (_, probs) = x[0].attention(&x[1], &x[2], attn)?;
+                    let mut grads = x[3].attention_backward(&x[0], &x[1], &x[2], &probs, attn, [true; 3])?;
+                    Ok(grads[j].take().expect("asked for"))
+                }));
+            }
+        }
+        check(c, ops)?;
     }
 
     /// sum, mean and max over every one or two dims, with and without keepdim.

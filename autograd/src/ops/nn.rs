@@ -2,7 +2,7 @@
 
 use smallvec::{SmallVec, smallvec};
 use tessera_dtensor::dist::dispatch;
-use tessera_dtensor::ops::{Causal, Reduction};
+use tessera_dtensor::ops::{Attention, Reduction};
 use tessera_dtensor::sharding::local_shape_and_offset;
 use tessera_dtensor::strategy::{Candidate, DimOption, keep_shards_except_with, product};
 use tessera_dtensor::{DTensor, Layout, Placement, Placements, ReduceOp, ShardOrder, Tensor};
@@ -138,12 +138,12 @@ impl Var {
     /// Scaled dot-product attention of queries `self` `[..., L, E]` over keys `k`
     /// `[..., S, E]` and values `v` `[..., S, Ev]`: `softmax(q·kᵀ·scale (+ causal
     /// mask))·v`, `[..., L, Ev]`, with `scale` `1/√E` unless given. One op on the
-    /// tape: the scale, the mask and the softmax run as one kernel
-    /// ([`Tensor::attention_probs`](tessera_dtensor::Tensor::attention_probs)), and
-    /// backward keeps `q`, `k`, `v` and the attention weights. Its values and
-    /// gradients are bit for bit those of the chain `q.matmul(kᵀ)`, `mul_scalar`,
-    /// `causal_mask(−∞)`, `softmax`, `matmul(v)`. Batch dims (and attention heads)
-    /// may be sharded; `L`, `S` and `E` are gathered.
+    /// tape, one fused kernel per head each way ([`DTensor::attention`] and
+    /// [`DTensor::attention_backward`]: the scores and their gradient never
+    /// leave the core's cache); backward keeps `q`, `k`, `v` and the attention
+    /// weights. Its values and gradients are bit for bit those of the chain
+    /// `q.matmul(kᵀ)`, `mul_scalar`, `causal_mask(−∞)`, `softmax`, `matmul(v)`.
+    /// Batch dims (and attention heads) may be sharded; `L`, `S` and `E` are gathered.
     ///
     /// PyTorch: `torch.nn.functional.scaled_dot_product_attention(q, k, v,
     /// is_causal=is_causal, scale=scale)` without `attn_mask`, dropout or GQA.
@@ -153,40 +153,14 @@ impl Var {
     /// head sizes, `v` with another key count than `k`, a non-finite `scale`,
     /// different dtypes or meshes.
     pub fn scaled_dot_product_attention(&self, k: &Var, v: &Var, is_causal: bool, scale: Option<f64>) -> Result<Var> {
-        let (qs, ks, vs) = (self.value().shape(), k.value().shape(), v.value().shape());
-        let r = qs.len();
-        let bad = |why: String| tessera_dtensor::Error::ShapeMismatch {
-            op: "scaled_dot_product_attention",
-            detail: format!("q {qs:?}, k {ks:?}, v {vs:?}: {why}"),
+        let e = self.value().shape().last().copied().unwrap_or(0);
+        let attn = Attention {
+            scale: scale.unwrap_or(1.0 / (e as f64).sqrt()),
+            is_causal,
         };
-        if r < 2 || ks.len() != r || vs.len() != r {
-            return Err(bad("q, k and v need one rank ≥ 2 ([..., L, E], [..., S, E], [..., S, Ev])".into()).into());
-        }
-        if qs[..r - 2] != ks[..r - 2] || qs[..r - 2] != vs[..r - 2] {
-            return Err(bad("their batch dims must be equal".into()).into());
-        }
-        if qs[r - 1] != ks[r - 1] {
-            return Err(bad(format!("q's head size {} differs from k's {}", qs[r - 1], ks[r - 1])).into());
-        }
-        if ks[r - 2] != vs[r - 2] {
-            return Err(bad(format!("k has {} keys but v has {} values", ks[r - 2], vs[r - 2])).into());
-        }
-        let scale = scale.unwrap_or(1.0 / (qs[r - 1] as f64).sqrt());
-        if !scale.is_finite() {
-            return Err(tessera_dtensor::Error::InvalidArgument {
-                op: "scaled_dot_product_attention",
-                detail: format!("the scale must be finite, got {scale}"),
-            }
-            .into());
-        }
-        // Causal: the products skip what the mask makes zero or unused (the
-        // masked scores are never read; masked weights are exact zeros).
-        let part = move |p: Causal| if is_causal { p } else { Causal::Dense };
-        let scores = self
-            .value()
-            .matmul_causal(&k.value().transpose(r - 2, r - 1)?, part(Causal::Scores))?;
-        let probs = scores.attention_probs(scale, is_causal)?;
-        let value = probs.matmul_causal(v.value(), part(Causal::Weights))?;
+        let shapes = (self.value().shape(), k.value().shape(), v.value().shape());
+        attn.check("scaled_dot_product_attention", shapes.0, shapes.1, shapes.2)?;
+        let (value, probs) = self.value().attention(k.value(), v.value(), attn)?;
         let (sq, sk, sv) = (self.saved(), k.saved(), v.saved());
         let need = [self.requires_grad(), k.requires_grad(), v.requires_grad()];
         Ok(Var::from_op(
@@ -195,37 +169,7 @@ impl Var {
             &[self, k, v],
             move |g| {
                 let (q, k, v) = (sq.get()?, sk.get()?, sv.get()?);
-                // The chain's backward, step by step (so that the bits are the chain's).
-                let gv = if need[2] {
-                    Some(
-                        probs
-                            .transpose(r - 2, r - 1)?
-                            .matmul_causal(g, part(Causal::WeightsTransposed))?,
-                    )
-                } else {
-                    None
-                };
-                if !(need[0] || need[1]) {
-                    return Ok(smallvec![None, None, gv]);
-                }
-                let gp = g.matmul_causal(&v.transpose(r - 2, r - 1)?, part(Causal::Scores))?;
-                let gs = attention_probs_backward(&gp, &probs, scale, is_causal)?;
-                let gq = if need[0] {
-                    Some(gs.matmul_causal(&k, part(Causal::Weights))?)
-                } else {
-                    None
-                };
-                // (qᵀ·gs)ᵀ as gsᵀ·q: the same products summed in the same order, so
-                // the same bits, in a row-major result (no strided copy when the
-                // heads are merged back).
-                let gk = if need[1] {
-                    Some(
-                        gs.transpose(r - 2, r - 1)?
-                            .matmul_causal(&q, part(Causal::WeightsTransposed))?,
-                    )
-                } else {
-                    None
-                };
+                let [gq, gk, gv] = g.attention_backward(&q, &k, &v, &probs, attn, need)?;
                 Ok(smallvec![gq, gk, gv])
             },
         ))
@@ -522,26 +466,6 @@ fn softmax_backward(g: &DTensor, y: &DTensor, dim: usize) -> tessera_dtensor::Re
     dispatch("softmax_backward", &[g, y], &cands, y.shape(), y.dtype(), |l, _| {
         l[0].softmax_backward(&l[1], dim)
     })
-}
-
-/// The scores' gradient of [`DTensor::attention_probs`] (see
-/// [`Tensor::attention_probs_backward`]), sharded like `probs` off its last two dims.
-fn attention_probs_backward(
-    g: &DTensor,
-    probs: &DTensor,
-    scale: f64,
-    is_causal: bool,
-) -> tessera_dtensor::Result<DTensor> {
-    let rank = probs.shape().len();
-    let cands = keep_shards_except_with(rank, &[rank - 2, rank - 1], 2, 0, probs.mesh().ndim());
-    dispatch(
-        "attention_probs_backward",
-        &[g, probs],
-        &cands,
-        probs.shape(),
-        probs.dtype(),
-        |l, _| l[0].attention_probs_backward(&l[1], scale, is_causal),
-    )
 }
 
 /// The input gradient of layer norm over the last dim (see

@@ -4,7 +4,7 @@ use smallvec::{SmallVec, smallvec};
 use tessera_mesh::{Communicator, CommunicatorExt, DType, DeviceMesh};
 
 use super::{dispatch, replicate_only};
-use crate::ops::{Causal, Reduction};
+use crate::ops::{Attention, Causal, Reduction};
 use crate::strategy::{Candidate, DimOption, einsum, keep_shards_except, keep_shards_except_with, product, reduction};
 use crate::{DTensor, Error, Layout, Placement, Placements, ReduceOp, Result, ShardOrder, Tensor};
 
@@ -175,6 +175,110 @@ impl DTensor {
     /// Rank < 2, a non-finite `scale`, integer inputs.
     pub fn attention_probs(&self, scale: f64, is_causal: bool) -> Result<DTensor> {
         self.per_query_and_key("attention_probs", |l| l.attention_probs(scale, is_causal))
+    }
+
+    /// Fused scaled dot-product attention of queries `self` `[..., L, E]` over
+    /// keys `k` `[..., S, E]` and values `v` `[..., S, Ev]` (see
+    /// [`Tensor::attention`]): returns the output `[..., L, Ev]` and the
+    /// attention weights `[..., L, S]`, both placed alike. Batch shards (and
+    /// TP's head shards) are kept; the last two dims of every input are
+    /// replicated (each query needs every key).
+    ///
+    /// PyTorch: `torch.ops.aten._scaled_dot_product_attention_math` on DTensors.
+    ///
+    /// # Errors
+    /// As [`Tensor::attention`]; inputs on different meshes.
+    pub fn attention(&self, k: &DTensor, v: &DTensor, attn: Attention) -> Result<(DTensor, DTensor)> {
+        const OP: &str = "attention";
+        attn.check(OP, self.shape(), k.shape(), v.shape())?;
+        same_dtypes(OP, &[self, k, v])?;
+        let r = self.shape().len();
+        let cands = keep_shards_except_with(r, &[r - 2, r - 1], 3, 0, self.mesh().ndim());
+        let mut out_shape = self.shape().to_vec();
+        out_shape[r - 1] = v.shape()[r - 1];
+        let mut probs = None;
+        let out = dispatch(OP, &[self, k, v], &cands, &out_shape, self.dtype(), |l, _| {
+            let (out, p) = l[0].attention(&l[1], &l[2], attn)?;
+            probs = Some(p);
+            Ok(out)
+        })?;
+        let mut probs_shape = self.shape().to_vec();
+        probs_shape[r - 1] = k.shape()[r - 2];
+        // INVARIANT: the kernel ran (dispatch returned its output).
+        let probs = probs.expect("the kernel ran");
+        let probs = DTensor::from_local(probs, self.mesh(), out.placements(), &probs_shape)?;
+        Ok((out, probs))
+    }
+
+    /// The gradients of [`attention`](Self::attention) with respect to `q`, `k`
+    /// and `v` (those `need` asks for), given the gradient `self` of its output
+    /// and the weights `probs` it returned (see [`Tensor::attention_backward`]):
+    /// each placed as its input's batch dims are (batch and head shards kept,
+    /// the last two dims replicated).
+    ///
+    /// # Errors
+    /// As [`Tensor::attention_backward`]; inputs on different meshes.
+    pub fn attention_backward(
+        &self,
+        q: &DTensor,
+        k: &DTensor,
+        v: &DTensor,
+        probs: &DTensor,
+        attn: Attention,
+        need: [bool; 3],
+    ) -> Result<[Option<DTensor>; 3]> {
+        const OP: &str = "attention_backward";
+        attn.check(OP, q.shape(), k.shape(), v.shape())?;
+        same_dtypes(OP, &[self, q, k, v, probs])?;
+        let r = q.shape().len();
+        let batch = &q.shape()[..r - 2];
+        let (l, s, ev) = (q.shape()[r - 2], k.shape()[r - 2], v.shape()[r - 1]);
+        for (t, what, last) in [(self, "the output's gradient", ev), (probs, "probs", s)] {
+            let want = [batch, &[l, last]].concat();
+            if t.shape() != want {
+                return Err(Error::ShapeMismatch {
+                    op: OP,
+                    detail: format!("{what} has shape {:?}; these q, k and v need {want:?}", t.shape()),
+                });
+            }
+        }
+        // The first gradient asked for is the dispatched output, the others ride along.
+        let Some(first) = need.iter().position(|&n| n) else {
+            return Ok([None, None, None]);
+        };
+        let inputs = [q, k, v];
+        let cands = keep_shards_except_with(r, &[r - 2, r - 1], 5, 0, self.mesh().ndim());
+        let mut rest = None;
+        let out = dispatch(
+            OP,
+            &[self, q, k, v, probs],
+            &cands,
+            inputs[first].shape(),
+            self.dtype(),
+            |l, _| {
+                let mut grads = l[0].attention_backward(&l[1], &l[2], &l[3], &l[4], attn, need)?;
+                let out = grads[first].take();
+                rest = Some(grads);
+                // INVARIANT: `need[first]`, so the kernel returned that gradient.
+                Ok(out.expect("a gradient asked for"))
+            },
+        )?;
+        // INVARIANT: the kernel ran (dispatch returned its output).
+        let mut rest = rest.expect("the kernel ran");
+        let mut grads = [None, None, None];
+        for (j, grad) in rest.iter_mut().enumerate() {
+            grads[j] = match grad.take() {
+                Some(local) => Some(DTensor::from_local(
+                    local,
+                    self.mesh(),
+                    out.placements(),
+                    inputs[j].shape(),
+                )?),
+                None => None,
+            };
+        }
+        grads[first] = Some(out);
+        Ok(grads)
     }
 
     /// `kernel` on `[..., T, S]` scores whose last two dims it needs whole (the
@@ -622,4 +726,17 @@ fn masked_embedding(table: &Tensor, indices: &Tensor, offset: usize, vocab: usiz
     mask_shape.push(1);
     let looked = table.embedding(&Tensor::from_vec(local, indices.shape())?)?;
     looked.mul(&Tensor::from_vec(mask, &mask_shape)?.cast(table.dtype())?)
+}
+
+/// Errors unless every input has the first one's dtype.
+fn same_dtypes(op: &'static str, inputs: &[&DTensor]) -> Result<()> {
+    let expected = inputs[0].dtype();
+    match inputs.iter().find(|x| x.dtype() != expected) {
+        Some(x) => Err(Error::DTypeMismatch {
+            op,
+            expected,
+            got: x.dtype(),
+        }),
+        None => Ok(()),
+    }
 }

@@ -34,6 +34,7 @@
 //!   [`Tensor::embedding`]'s table accept every dtype.
 //! - Operands must have the same dtype: there is no type promotion.
 
+mod attention;
 mod elementwise;
 mod fastmath;
 mod matmul;
@@ -51,6 +52,7 @@ use std::ops::{Add, Div, Mul, Neg, Sub};
 use half::{bf16, f16};
 use tessera_mesh::{DType, Element};
 
+pub use attention::Attention;
 pub use matmul::{Causal, GemmKernel};
 pub use nn::Reduction;
 

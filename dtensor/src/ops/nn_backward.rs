@@ -4,7 +4,7 @@
 use std::mem::MaybeUninit;
 
 use super::fastmath::{Simd, zip_map_inline};
-use super::nn::{ce_targets, check_scores, index_vector, map_rows, row_exp_sum};
+use super::nn::{causal_keep, ce_targets, check_scores, index_vector, map_rows, row_exp_sum};
 use super::reduce::sum_map_f64;
 use super::{Float, Real, check_dim, elements, float_dispatch, output, same_dtype};
 use crate::{Error, Result, Tensor};
@@ -71,10 +71,7 @@ impl Tensor {
         float_dispatch!(OP, self.dtype(), T => {
             let s = <T as Float>::Acc::real(scale);
             map_rows::<T, (), 2>(OP, [self, probs], last, #[inline(always)] |r, [g, y], o, _| {
-                let keep = if is_causal { (r % t + 1).min(g.len()) } else { g.len() };
-                softmax_grad_row(g, y, &mut o[..keep], #[inline(always)] |d| T::from_acc(d.to_acc() * s));
-                // What `causal_mask(0)` then `mul_scalar` leave there (−0 for a negative scale).
-                o[keep..].fill(T::from_acc(T::from_wide(0.0).to_acc() * s));
+                attention_probs_grad_row(causal_keep(is_causal, r % t, g.len()), s, g, y, o);
             })
         })
     }
@@ -292,6 +289,23 @@ impl Tensor {
             output(out, &[n, c])
         })
     }
+}
+
+/// One row of [`Tensor::attention_probs_backward`]: the scores' gradient
+/// from the probabilities' gradient `g` and the probabilities `y`, over the
+/// first `keep` keys, and what the mask leaves after them. For row kernels
+/// inside [`Simd::run`].
+#[inline(always)]
+pub(super) fn attention_probs_grad_row<T: Float>(keep: usize, scale: T::Acc, g: &[T], y: &[T], o: &mut [T]) {
+    softmax_grad_row(
+        g,
+        y,
+        &mut o[..keep],
+        #[inline(always)]
+        |d| T::from_acc(d.to_acc() * scale),
+    );
+    // What `causal_mask(0)` then `mul_scalar` leave there (−0 for a negative scale).
+    o[keep..].fill(T::from_acc(T::from_wide(0.0).to_acc() * scale));
 }
 
 /// One row of the softmax gradient, `y · (g − Σ g·y)` rounded as the chain of

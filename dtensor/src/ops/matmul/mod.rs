@@ -178,14 +178,14 @@ fn split(threads: usize, [m, k, n]: [usize; 3]) -> Split {
 
 /// One strided matrix operand: base pointer and (row, column) strides.
 #[derive(Clone, Copy)]
-struct Mat<T> {
-    ptr: *const T,
-    rs: isize,
-    cs: isize,
+pub(super) struct Mat<T> {
+    pub(super) ptr: *const T,
+    pub(super) rs: isize,
+    pub(super) cs: isize,
 }
 
 /// Element types with a native GEMM: `c = a · b` (c overwritten, never read).
-trait Gemm: Float {
+pub(super) trait Gemm: Float {
     /// # Safety
     /// With `[m, k, n] = mkn` (all > 0): `a` (m×k) and `b` (k×n) must be
     /// readable at every index their strides reach; `c` must be writable for
@@ -316,7 +316,7 @@ unsafe fn gemm_split<T: Gemm>(
 
 /// The output's base pointer, shared by the threads that write its disjoint blocks.
 #[derive(Clone, Copy)]
-struct OutPtr<T>(*mut T);
+pub(super) struct OutPtr<T>(pub(super) *mut T);
 
 impl<T> OutPtr<T> {
     /// The element `offset` past the base (a method, so closures capture the
@@ -324,7 +324,7 @@ impl<T> OutPtr<T> {
     ///
     /// # Safety
     /// `offset` must be inside the output's allocation.
-    unsafe fn block(self, offset: usize) -> *mut T {
+    pub(super) unsafe fn block(self, offset: usize) -> *mut T {
         // SAFETY: the caller keeps `offset` inside the allocation.
         unsafe { self.0.add(offset) }
     }
@@ -371,7 +371,14 @@ fn turned_rhs<T: Gemm>(kernel: GemmKernel, rows: usize, [k, n]: [usize; 2], b: M
 ///
 /// # Safety
 /// As [`gemm_split`].
-unsafe fn entry<T: Gemm>(kernel: GemmKernel, [m, k, n]: [usize; 3], a: Mat<T>, b: Mat<T>, c: OutPtr<T>, part: Causal) {
+pub(super) unsafe fn entry<T: Gemm>(
+    kernel: GemmKernel,
+    [m, k, n]: [usize; 3],
+    a: Mat<T>,
+    b: Mat<T>,
+    c: OutPtr<T>,
+    part: Causal,
+) {
     #[cfg(target_arch = "x86_64")]
     if T::DTYPE == DType::F32 && kernel == GemmKernel::Gemm {
         let cast = |x: Mat<T>| Mat {

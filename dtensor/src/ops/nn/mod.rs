@@ -96,6 +96,55 @@ pub(super) fn row_exp_sum<T: Float>(row: &[T], e: &mut Vec<T::Acc>) -> (T::Acc, 
     (max, sum_map_f64(e, |v| v.widen()))
 }
 
+/// How many keys query `query` of a row of `len` keys sees: all of them, or
+/// those at positions `<= query` under a causal mask.
+#[inline(always)]
+pub(super) fn causal_keep(is_causal: bool, query: usize, len: usize) -> usize {
+    if is_causal { (query + 1).min(len) } else { len }
+}
+
+/// Per-thread scratch of [`attention_probs_row`]: the scaled row, then its exponentials.
+pub(super) type ProbsScratch<T> = (Vec<T>, Vec<<T as Float>::Acc>);
+
+/// One row of [`Tensor::attention_probs`]: `out` gets the softmax of `scale ·
+/// row` over its first `keep` keys and exact zeros after. For row kernels
+/// inside [`Simd::run`].
+#[inline(always)]
+pub(super) fn attention_probs_row<T: Float>(
+    keep: usize,
+    scale: T::Acc,
+    row: &[T],
+    out: &mut [T],
+    (scaled, e): &mut ProbsScratch<T>,
+) {
+    // The scaled row rounded to the dtype (as `mul_scalar` leaves it), then
+    // its exponentials in the compute type.
+    scaled.resize(keep, T::default());
+    let scaled = &mut scaled[..keep];
+    zip_map_inline(
+        &row[..keep],
+        &row[..keep],
+        scaled,
+        #[inline(always)]
+        |x, _| T::from_acc(x.to_acc() * scale),
+    );
+    let max = row_max(scaled);
+    e.clear();
+    e.resize(row.len(), T::Acc::ZERO);
+    zip_map_inline(
+        scaled,
+        scaled,
+        &mut e[..keep],
+        #[inline(always)]
+        |x, _| exp(x.to_acc() - max),
+    );
+    // Masked keys add exact zeros, in the lanes the full row puts them.
+    let inv = 1.0 / sum_map_f64(e, |v| v.widen());
+    for (o, &v) in out.iter_mut().zip(e.iter()) {
+        *o = T::from_wide(v.widen() * inv);
+    }
+}
+
 /// Errors unless `t` has rank >= 1 (ops over a dim or the last dim).
 fn need_dims(op: &'static str, t: &Tensor, what: &str) -> Result<()> {
     if t.rank() >= 1 {
@@ -241,20 +290,8 @@ impl Tensor {
             let s = <T as Float>::Acc::real(scale);
             // Scratch: the scaled row (rounded to the dtype, as `mul_scalar` leaves
             // it), then its exponentials in the compute type.
-            map_rows::<T, (Vec<T>, Vec<_>), 1>(OP, [self], last, #[inline(always)] |r, [row], out, (scaled, e)| {
-                let keep = if is_causal { (r % t + 1).min(row.len()) } else { row.len() };
-                scaled.resize(keep, T::default());
-                let scaled = &mut scaled[..keep];
-                zip_map_inline(&row[..keep], &row[..keep], scaled, #[inline(always)] |x, _| T::from_acc(x.to_acc() * s));
-                let max = row_max(scaled);
-                e.clear();
-                e.resize(row.len(), <T as Float>::Acc::ZERO);
-                zip_map_inline(scaled, scaled, &mut e[..keep], #[inline(always)] |x, _| exp(x.to_acc() - max));
-                // Masked keys add exact zeros, in the lanes the full row puts them.
-                let inv = 1.0 / sum_map_f64(e, |v| v.widen());
-                for (o, &v) in out.iter_mut().zip(e.iter()) {
-                    *o = <T as Float>::from_wide(v.widen() * inv);
-                }
+            map_rows::<T, ProbsScratch<T>, 1>(OP, [self], last, #[inline(always)] |r, [row], out, scratch| {
+                attention_probs_row(causal_keep(is_causal, r % t, row.len()), s, row, out, scratch);
             })
         })
     }

@@ -1,0 +1,537 @@
+//! Fused scaled dot-product attention: the forward and backward of
+//! `softmax(q·kᵀ·scale (+ causal mask))·v` one head at a time.
+//!
+//! The chain of ops (scores, [`Tensor::attention_probs`], the product by the
+//! values, and in the backward the scores' gradient) writes the scores and
+//! their gradient, `[..., T, S]` each, to memory only to read them back once.
+//! Here each batch entry (a head of a sequence) runs its whole attention while
+//! its operands are in the core's cache: its scores and their gradient live in
+//! one scratch matrix per thread, and only what the backward needs (the
+//! weights) and the results are written out. The products are the causal
+//! parts of [`Tensor::matmul_causal`] (or dense ones), each row of weights is
+//! computed by the code of [`Tensor::attention_probs`] and each row of the
+//! scores' gradient by that of [`Tensor::attention_probs_backward`], so the
+//! results have the chain's bits.
+
+use half::{bf16, f16};
+use tessera_mesh::DType;
+
+use super::fastmath::Simd;
+use super::matmul::{Causal, Gemm, GemmKernel, Mat, OutPtr, entry};
+use super::nn::{ProbsScratch, attention_probs_row, causal_keep};
+use super::nn_backward::attention_probs_grad_row;
+use super::{Real, not_float, output, same_dtype};
+use crate::{Error, Result, Tensor};
+
+/// The scale and mask of a fused scaled dot-product attention
+/// ([`Tensor::attention`], [`Tensor::attention_backward`]).
+///
+/// PyTorch: the `scale` and `is_causal` arguments of
+/// `torch.nn.functional.scaled_dot_product_attention`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Attention {
+    /// The factor of the scores `q·kᵀ` before the softmax (`1/√E` by
+    /// PyTorch's default). Must be finite.
+    pub scale: f64,
+    /// Whether query `i` sees only keys `j <= i` (the top-left aligned mask
+    /// of [`Tensor::causal_mask`]).
+    pub is_causal: bool,
+}
+
+impl Attention {
+    /// Errors unless queries, keys and values of shapes `q` `[..., L, E]`, `k`
+    /// `[..., S, E]` and `v` `[..., S, Ev]` fit one attention (one rank ≥ 2,
+    /// equal batch dims, head sizes and key counts that agree) and the scale is
+    /// finite; `op` names the caller in the error.
+    ///
+    /// # Errors
+    /// [`Error::ShapeMismatch`] naming the three shapes and what does not fit;
+    /// [`Error::InvalidArgument`] for a non-finite scale.
+    pub fn check(&self, op: &'static str, q: &[usize], k: &[usize], v: &[usize]) -> Result<()> {
+        let bad = |why: String| Error::ShapeMismatch {
+            op,
+            detail: format!("q {q:?}, k {k:?}, v {v:?}: {why}"),
+        };
+        let r = q.len();
+        if r < 2 || k.len() != r || v.len() != r {
+            return Err(bad(
+                "q, k and v need one rank ≥ 2 ([..., L, E], [..., S, E], [..., S, Ev])".into(),
+            ));
+        }
+        if q[..r - 2] != k[..r - 2] || q[..r - 2] != v[..r - 2] {
+            return Err(bad("their batch dims must be equal".into()));
+        }
+        if q[r - 1] != k[r - 1] {
+            return Err(bad(format!("q's head size {} differs from k's {}", q[r - 1], k[r - 1])));
+        }
+        if k[r - 2] != v[r - 2] {
+            return Err(bad(format!("k has {} keys but v has {} values", k[r - 2], v[r - 2])));
+        }
+        if !self.scale.is_finite() {
+            return Err(Error::InvalidArgument {
+                op,
+                detail: format!("the scale must be finite, got {}", self.scale),
+            });
+        }
+        Ok(())
+    }
+
+    /// `part` when causal, the dense product otherwise.
+    fn part(&self, part: Causal) -> Causal {
+        if self.is_causal { part } else { Causal::Dense }
+    }
+}
+
+impl Tensor {
+    /// Scaled dot-product attention of queries `self` `[..., L, E]` over keys
+    /// `k` `[..., S, E]` and values `v` `[..., S, Ev]`, one fused kernel per
+    /// batch entry: returns the output `softmax(q·kᵀ·scale (+ causal
+    /// mask))·v`, `[..., L, Ev]`, and the attention weights `[..., L, S]`
+    /// that [`attention_backward`](Self::attention_backward) needs. Bit for
+    /// bit the chain `q.matmul_causal(kᵀ, Scores)`,
+    /// [`attention_probs`](Self::attention_probs), `.matmul_causal(v, Weights)`
+    /// (dense products when not causal), without the scores tensor. Batch
+    /// entries run in parallel over the rank's threads.
+    ///
+    /// PyTorch: `torch.ops.aten._scaled_dot_product_attention_math(q, k, v,
+    /// is_causal=is_causal, scale=scale)`, which also returns the weights.
+    ///
+    /// # Errors
+    /// As [`Attention::check`]; [`Error::DTypeMismatch`] for different dtypes;
+    /// [`Error::InvalidArgument`] for integer tensors; [`Error::OutOfMemory`].
+    pub fn attention(&self, k: &Tensor, v: &Tensor, attn: Attention) -> Result<(Tensor, Tensor)> {
+        const OP: &str = "attention";
+        attn.check(OP, self.shape(), k.shape(), v.shape())?;
+        same_dtype(OP, self, k)?;
+        same_dtype(OP, self, v)?;
+        if self.shape().iter().chain(k.shape()).chain(v.shape()).any(|&d| d == 0) {
+            return chain_forward(self, k, v, attn);
+        }
+        match self.dtype() {
+            DType::F32 => forward::<f32>(self, k, v, attn),
+            DType::F64 => forward::<f64>(self, k, v, attn),
+            DType::BF16 => forward::<bf16>(self, k, v, attn),
+            DType::F16 => forward::<f16>(self, k, v, attn),
+            other => Err(not_float(OP, other)),
+        }
+    }
+
+    /// The gradients of [`attention`](Self::attention) with respect to `q`,
+    /// `k` and `v` (those that `need` asks for, `None` for the others), given
+    /// the gradient `self` of its output `[..., L, Ev]` and the weights
+    /// `probs` `[..., L, S]` it returned. Bit for bit the chain's backward:
+    /// `dV = probsᵀ·dO`, `dP = dO·vᵀ`, `dS =`
+    /// [`dP.attention_probs_backward(probs)`](Self::attention_probs_backward),
+    /// `dQ = dS·k`, `dK = dSᵀ·q` (their causal parts when causal), with `dP`
+    /// and `dS` one scratch matrix per thread instead of tensors.
+    ///
+    /// PyTorch: the backward of `torch.nn.functional.scaled_dot_product_attention`
+    /// (its math path's autograd).
+    ///
+    /// # Errors
+    /// As [`attention`](Self::attention); [`Error::ShapeMismatch`] when `self`
+    /// or `probs` does not have the shape the forward gives.
+    pub fn attention_backward(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        probs: &Tensor,
+        attn: Attention,
+        need: [bool; 3],
+    ) -> Result<[Option<Tensor>; 3]> {
+        const OP: &str = "attention_backward";
+        attn.check(OP, q.shape(), k.shape(), v.shape())?;
+        let r = q.rank();
+        let (batch, l, s, ev) = (
+            &q.shape()[..r - 2],
+            q.shape()[r - 2],
+            k.shape()[r - 2],
+            v.shape()[r - 1],
+        );
+        for (t, what, last) in [(self, "the output's gradient", ev), (probs, "probs", s)] {
+            let mut want = batch.to_vec();
+            want.extend([l, last]);
+            if t.shape() != want {
+                return Err(Error::ShapeMismatch {
+                    op: OP,
+                    detail: format!("{what} has shape {:?}; these q, k and v need {want:?}", t.shape()),
+                });
+            }
+        }
+        for t in [q, k, v, probs] {
+            same_dtype(OP, self, t)?;
+        }
+        if need == [false; 3] {
+            return Ok([None, None, None]);
+        }
+        if q.shape().iter().chain(k.shape()).chain(v.shape()).any(|&d| d == 0) {
+            return chain_backward(self, q, k, v, probs, attn, need);
+        }
+        match self.dtype() {
+            DType::F32 => backward::<f32>(self, q, k, v, probs, attn, need),
+            DType::F64 => backward::<f64>(self, q, k, v, probs, attn, need),
+            DType::BF16 => backward::<bf16>(self, q, k, v, probs, attn, need),
+            DType::F16 => backward::<f16>(self, q, k, v, probs, attn, need),
+            other => Err(not_float(OP, other)),
+        }
+    }
+}
+
+/// The forward as the chain of ops, for shapes with an empty dim.
+fn chain_forward(q: &Tensor, k: &Tensor, v: &Tensor, attn: Attention) -> Result<(Tensor, Tensor)> {
+    let r = q.rank();
+    let scores = q.matmul_causal(&k.transpose(r - 2, r - 1)?, attn.part(Causal::Scores))?;
+    let probs = scores.attention_probs(attn.scale, attn.is_causal)?;
+    let out = probs.matmul_causal(v, attn.part(Causal::Weights))?;
+    Ok((out, probs))
+}
+
+/// The backward as the chain of ops, for shapes with an empty dim.
+fn chain_backward(
+    g: &Tensor,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    probs: &Tensor,
+    attn: Attention,
+    need: [bool; 3],
+) -> Result<[Option<Tensor>; 3]> {
+    let r = q.rank();
+    let t = |x: &Tensor| x.transpose(r - 2, r - 1);
+    let gp = g.matmul_causal(&t(v)?, attn.part(Causal::Scores))?;
+    let gs = gp.attention_probs_backward(probs, attn.scale, attn.is_causal)?;
+    let gq = need[0]
+        .then(|| gs.matmul_causal(k, attn.part(Causal::Weights)))
+        .transpose()?;
+    let gk = need[1]
+        .then(|| t(&gs)?.matmul_causal(q, attn.part(Causal::WeightsTransposed)))
+        .transpose()?;
+    let gv = need[2]
+        .then(|| t(probs)?.matmul_causal(g, attn.part(Causal::WeightsTransposed)))
+        .transpose()?;
+    Ok([gq, gk, gv])
+}
+
+/// One operand of the fused kernels: its elements, and per batch entry the
+/// offset of its matrix and that matrix's (row, column) strides.
+struct Operand<'a, T> {
+    base: *const T,
+    offsets: Vec<isize>,
+    rs: isize,
+    cs: isize,
+    _view: std::marker::PhantomData<&'a T>,
+}
+
+impl<'a, T: Gemm> Operand<'a, T> {
+    fn new(t: &'a Tensor) -> Result<Operand<'a, T>> {
+        let r = t.rank();
+        let (shape, strides) = (t.shape(), t.strides());
+        let count: usize = shape[..r - 2].iter().product();
+        let mut offsets = Vec::with_capacity(count);
+        let mut index = vec![0; r - 2];
+        for _ in 0..count {
+            offsets.push(index.iter().zip(strides).map(|(i, s)| i * s).sum::<usize>() as isize);
+            for d in (0..r - 2).rev() {
+                index[d] += 1;
+                if index[d] < shape[d] {
+                    break;
+                }
+                index[d] = 0;
+            }
+        }
+        Ok(Operand {
+            base: t.view::<T>()?.as_ptr(),
+            offsets,
+            rs: strides[r - 2] as isize,
+            cs: strides[r - 1] as isize,
+            _view: std::marker::PhantomData,
+        })
+    }
+
+    /// Batch entry `i`'s matrix, or its transpose.
+    fn mat(&self, i: usize, transposed: bool) -> Mat<T> {
+        let (rs, cs) = if transposed {
+            (self.cs, self.rs)
+        } else {
+            (self.rs, self.cs)
+        };
+        Mat {
+            ptr: self.base.wrapping_offset(self.offsets[i]),
+            rs,
+            cs,
+        }
+    }
+}
+
+// SAFETY: an operand is only read, from storage its tensor keeps borrowed for
+// the whole kernel (the lifetime `'a`), including by the threads of the split.
+unsafe impl<T> Send for Operand<'_, T> {}
+// SAFETY: as for Send.
+unsafe impl<T> Sync for Operand<'_, T> {}
+
+/// A contiguous `[count, rows, cols]` matrix of a kernel: an output, or the
+/// scratch of each part of the split.
+struct Block<T> {
+    ptr: *mut T,
+    rows: usize,
+    cols: usize,
+}
+
+impl<T> Block<T> {
+    /// Matrix `i` as an output of a product.
+    fn out(&self, i: usize) -> OutPtr<T> {
+        OutPtr(self.ptr.wrapping_add(i * self.rows * self.cols))
+    }
+
+    /// Matrix `i` as an operand (or its transpose).
+    fn mat(&self, i: usize, transposed: bool) -> Mat<T> {
+        let (rs, cs) = if transposed {
+            (1, self.cols as isize)
+        } else {
+            (self.cols as isize, 1)
+        };
+        Mat {
+            ptr: self.out(i).0.cast_const(),
+            rs,
+            cs,
+        }
+    }
+
+    /// Matrix `i`'s elements.
+    ///
+    /// # Safety
+    /// They must be initialised, and no other reference to them alive.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn slice(&self, i: usize) -> &mut [T] {
+        // SAFETY: the caller's guarantees; callers pass `i` below the count the
+        // block was made for, so the matrix is inside its allocation.
+        unsafe { std::slice::from_raw_parts_mut(self.out(i).0, self.rows * self.cols) }
+    }
+}
+
+// SAFETY: the threads of a split write disjoint matrices of a block (each
+// part its own scratch, each batch entry its own output matrix), and
+// `parallel_for` returns before the block's buffer is read or freed.
+unsafe impl<T> Send for Block<T> {}
+// SAFETY: as for Send.
+unsafe impl<T> Sync for Block<T> {}
+
+/// The batch entries of a split into `parts` contiguous runs, and the split.
+fn runs(count: usize) -> (usize, usize) {
+    let parts = tessera_mesh::intra_op_threads().min(count).max(1);
+    (parts, count.div_ceil(parts))
+}
+
+fn forward<T: Gemm>(q: &Tensor, k: &Tensor, v: &Tensor, attn: Attention) -> Result<(Tensor, Tensor)> {
+    const OP: &str = "attention";
+    let r = q.rank();
+    let batch = &q.shape()[..r - 2];
+    let (l, e, s, ev) = (q.shape()[r - 2], q.shape()[r - 1], k.shape()[r - 2], v.shape()[r - 1]);
+    let count: usize = batch.iter().product();
+    let shape = |last: usize| [batch, &[l, last]].concat();
+    let (out_shape, probs_shape) = (shape(ev), shape(s));
+    let kernel = GemmKernel::auto_for(T::DTYPE);
+    let (qo, ko, vo) = (Operand::<T>::new(q)?, Operand::<T>::new(k)?, Operand::<T>::new(v)?);
+    let (parts, per) = runs(count);
+    let mut out = crate::alloc::with_capacity::<T>(OP, &out_shape)?;
+    // Rows are read as slices, so their buffers hold valid values from the start.
+    let mut probs = crate::alloc::reused::<T>(OP, &probs_shape)?;
+    let mut scores = crate::alloc::zeroed::<T>(OP, &[parts, l, s])?;
+    let outs = Block {
+        ptr: out.as_mut_ptr(),
+        rows: l,
+        cols: ev,
+    };
+    let weights = Block {
+        ptr: probs.as_mut_ptr(),
+        rows: l,
+        cols: s,
+    };
+    let scratch = Block {
+        ptr: scores.as_mut_ptr(),
+        rows: l,
+        cols: s,
+    };
+    let scale = T::Acc::real(attn.scale);
+    let simd = Simd::best();
+    tessera_mesh::parallel_for(parts, |p| {
+        let mut rows = ProbsScratch::<T>::default();
+        for i in p * per..((p + 1) * per).min(count) {
+            // SAFETY: entry `i` of every operand is a matrix of its tensor
+            // (`Operand`), `l×e`, `s×e` (read transposed) and `s×ev`; the
+            // scores go to this part's own scratch matrix, the weights and the
+            // output to entry `i`'s matrices of theirs, which no other part
+            // touches, and the products write every element of each.
+            unsafe {
+                entry(
+                    kernel,
+                    [l, e, s],
+                    qo.mat(i, false),
+                    ko.mat(i, true),
+                    scratch.out(p),
+                    attn.part(Causal::Scores),
+                );
+                let (sc, w) = (scratch.slice(p), weights.slice(i));
+                simd.run(
+                    #[inline(always)]
+                    || {
+                        for (row, (x, y)) in sc.chunks_exact(s).zip(w.chunks_exact_mut(s)).enumerate() {
+                            attention_probs_row(causal_keep(attn.is_causal, row, s), scale, x, y, &mut rows);
+                        }
+                    },
+                );
+                entry(
+                    kernel,
+                    [l, s, ev],
+                    weights.mat(i, false),
+                    vo.mat(i, false),
+                    outs.out(i),
+                    attn.part(Causal::Weights),
+                );
+            }
+        }
+    });
+    // SAFETY: the products wrote all `count·l·ev` elements of the output.
+    unsafe { out.set_len(count * l * ev) };
+    Ok((output(out, &out_shape)?, output(probs, &probs_shape)?))
+}
+
+fn backward<T: Gemm>(
+    g: &Tensor,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    probs: &Tensor,
+    attn: Attention,
+    need: [bool; 3],
+) -> Result<[Option<Tensor>; 3]> {
+    const OP: &str = "attention_backward";
+    let r = q.rank();
+    let batch = &q.shape()[..r - 2];
+    let (l, e, s, ev) = (q.shape()[r - 2], q.shape()[r - 1], k.shape()[r - 2], v.shape()[r - 1]);
+    let count: usize = batch.iter().product();
+    let kernel = GemmKernel::auto_for(T::DTYPE);
+    // The weights' rows are read as slices: contiguous (a no-op for the forward's).
+    let probs = probs.contiguous();
+    let (go, qo, ko, vo, po) = (
+        Operand::<T>::new(g)?,
+        Operand::<T>::new(q)?,
+        Operand::<T>::new(k)?,
+        Operand::<T>::new(v)?,
+        Operand::<T>::new(&probs)?,
+    );
+    let y = probs.view::<T>()?;
+    let y = y.as_slice().ok_or_else(|| Error::InvalidArgument {
+        op: OP,
+        detail: "internal error: contiguous weights without a slice".into(),
+    })?;
+    let (parts, per) = runs(count);
+    let shapes = [
+        [batch, &[l, e]].concat(),
+        [batch, &[s, e]].concat(),
+        [batch, &[s, ev]].concat(),
+    ];
+    let mut grads = Vec::with_capacity(3);
+    for (want, shape) in need.iter().zip(&shapes) {
+        grads.push(if *want {
+            crate::alloc::with_capacity::<T>(OP, shape)?
+        } else {
+            Vec::new()
+        });
+    }
+    let dims = [(l, e), (s, e), (s, ev)];
+    let [gq, gk, gv]: [Block<T>; 3] = std::array::from_fn(|j| Block {
+        ptr: grads[j].as_mut_ptr(),
+        rows: dims[j].0,
+        cols: dims[j].1,
+    });
+    let (need_q, need_k, need_v, need_s) = (need[0], need[1], need[2], need[0] || need[1]);
+    // Per part: the weights' gradient, then the scores'.
+    let mut scratch = crate::alloc::zeroed::<T>(OP, &[parts, 2, l, s])?;
+    let scratch = Block {
+        ptr: scratch.as_mut_ptr(),
+        rows: l,
+        cols: s,
+    };
+    let scale = T::Acc::real(attn.scale);
+    let simd = Simd::best();
+    tessera_mesh::parallel_for(parts, |p| {
+        for i in p * per..((p + 1) * per).min(count) {
+            // SAFETY: as in `forward`: entry `i` of every operand is a matrix
+            // of its tensor, each part writes only its own scratch matrices
+            // and entry `i`'s matrix of each gradient, and each product writes
+            // every element of its output.
+            unsafe {
+                if need_v {
+                    let wt = po.mat(i, true);
+                    entry(
+                        kernel,
+                        [s, l, ev],
+                        wt,
+                        go.mat(i, false),
+                        gv.out(i),
+                        attn.part(Causal::WeightsTransposed),
+                    );
+                }
+                if !need_s {
+                    continue;
+                }
+                let (dp, ds) = (2 * p, 2 * p + 1);
+                entry(
+                    kernel,
+                    [l, ev, s],
+                    go.mat(i, false),
+                    vo.mat(i, true),
+                    scratch.out(dp),
+                    attn.part(Causal::Scores),
+                );
+                let (x, z) = (scratch.slice(dp), scratch.slice(ds));
+                let w = &y[i * l * s..(i + 1) * l * s];
+                simd.run(
+                    #[inline(always)]
+                    || {
+                        let rows = x.chunks_exact(s).zip(w.chunks_exact(s)).zip(z.chunks_exact_mut(s));
+                        for (row, ((x, w), z)) in rows.enumerate() {
+                            attention_probs_grad_row(causal_keep(attn.is_causal, row, s), scale, x, w, z);
+                        }
+                    },
+                );
+                if need_q {
+                    entry(
+                        kernel,
+                        [l, s, e],
+                        scratch.mat(ds, false),
+                        ko.mat(i, false),
+                        gq.out(i),
+                        attn.part(Causal::Weights),
+                    );
+                }
+                if need_k {
+                    let st = scratch.mat(ds, true);
+                    entry(
+                        kernel,
+                        [s, l, e],
+                        st,
+                        qo.mat(i, false),
+                        gk.out(i),
+                        attn.part(Causal::WeightsTransposed),
+                    );
+                }
+            }
+        }
+    });
+    let mut out = [None, None, None];
+    for (j, (buf, shape)) in grads.into_iter().zip(&shapes).enumerate() {
+        if need[j] {
+            let mut buf = buf;
+            // SAFETY: the products wrote every element of each gradient asked for.
+            unsafe { buf.set_len(count * shape[r - 2] * shape[r - 1]) };
+            out[j] = Some(output(buf, shape)?);
+        }
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests;
