@@ -344,8 +344,9 @@ const TURN_MIN_ROWS: usize = 64;
 /// A row-major copy of `b` when it is the transposed view of a row-major
 /// matrix (a linear layer's `Wᵀ`: unit row stride) in an `f32` product of at
 /// least [`TURN_MIN_ROWS`] rows on the `gemm` kernel, which would otherwise
-/// pack it element by element ([`transpose`]); `None` otherwise. The product's
-/// bits do not change: the kernel packs both layouts into the same panels.
+/// pack it element by element; `None` otherwise. The copy ([`transpose`]) is
+/// split in blocks of its rows over the rank's threads. The product's bits do
+/// not change: the kernel packs both layouts into the same panels.
 ///
 /// # Errors
 /// [`Error::OutOfMemory`] when the copy cannot be allocated.
@@ -358,7 +359,12 @@ fn turned_rhs<T: Gemm>(kernel: GemmKernel, rows: usize, [k, n]: [usize; 2], b: M
     // elements `kk + j·ld` for `kk < k`, `j < n`: all of the slice, inside the
     // storage its tensor keeps borrowed.
     let src = unsafe { std::slice::from_raw_parts(b.ptr.cast::<f32>(), (n - 1) * ld + k) };
-    let write = |dst: &mut [std::mem::MaybeUninit<f32>]| transpose::transpose(src, n, k, ld, dst);
+    // Rows of the copy (columns of `b`) in blocks over the rank's threads.
+    let write = |dst: &mut [std::mem::MaybeUninit<f32>]| {
+        super::par_rows(dst, n, |start, block| {
+            transpose::transpose(&src[start / n..], n, block.len() / n, ld, block);
+        });
+    };
     // SAFETY: `transpose` writes every element of its `k·n` output.
     let turned = unsafe { crate::alloc::written::<f32>("matmul", &[k, n], write)? };
     Ok(T::from_buffer(tessera_mesh::Buffer::F32(turned)).ok())

@@ -605,45 +605,57 @@ fn bf16_dot_scratch_is_kept_only_up_to_its_cap() {
 /// here with ragged sizes, a row stride past its width, and a batch of rows
 /// folded into one product) is turned over first: the result is the f64
 /// product within f32 tolerance, and the product by a contiguous copy of the
-/// same operand bit for bit; too few rows keep the strided operand.
+/// same operand bit for bit; too few rows keep the strided operand. The second
+/// weight is large enough for the copy to be split over the rank's threads.
 #[test]
 fn products_by_transposed_weights_turn_them_over() {
-    let x = sample(&[3, 25, 13], DType::F32, 1);
-    let w = sample(&[21, 17], DType::F32, 2).narrow(1, 2, 13).unwrap();
-    let wt = w.transpose(0, 1).unwrap();
-    assert_eq!(
-        (wt.strides()[0], wt.strides()[1]),
-        (1, 17),
-        "a transposed, narrowed view"
-    );
-    let view = wt.view::<f32>().unwrap();
-    let mat = |t: &Tensor| Mat {
-        ptr: view.as_ptr(),
-        rs: t.strides()[0] as isize,
-        cs: t.strides()[1] as isize,
-    };
-    assert!(turned_rhs(GemmKernel::Gemm, 75, [13, 21], mat(&wt)).unwrap().is_some());
-    assert!(
-        turned_rhs(GemmKernel::Gemm, TURN_MIN_ROWS - 1, [13, 21], mat(&wt))
-            .unwrap()
-            .is_none()
-    );
-    assert!(
-        turned_rhs(GemmKernel::MatrixMultiply, 75, [13, 21], mat(&wt))
-            .unwrap()
-            .is_none()
-    );
-    let got = x.matmul_with(&wt, GemmKernel::Gemm).unwrap();
-    let (shape, want) = reference(&x, &wt);
-    assert_eq!(got.shape(), &shape[..]);
-    assert_close(&got, &want, 4.0 * 13.0 * tol(DType::F32), "x·Wᵀ turned over");
-    let copy = x.matmul_with(&wt.contiguous(), GemmKernel::Gemm).unwrap();
-    let bits = |t: &Tensor| {
-        t.to_vec::<f32>()
-            .unwrap()
-            .iter()
-            .map(|v| v.to_bits())
-            .collect::<Vec<_>>()
-    };
-    assert_eq!(bits(&got), bits(&copy));
+    // (x's shape, w's rows, w's width before narrowing to x's last dim)
+    let cases: [(&[usize], usize, usize); 2] = [(&[3, 25, 13], 21, 17), (&[2, 40, 256], 300, 260)];
+    for (case, (xs, rows, width)) in cases.into_iter().enumerate() {
+        let k = xs[2];
+        let x = sample(xs, DType::F32, 1);
+        let w = sample(&[rows, width], DType::F32, 2).narrow(1, 2, k).unwrap();
+        let wt = w.transpose(0, 1).unwrap();
+        assert_eq!(
+            (wt.strides()[0], wt.strides()[1]),
+            (1, width),
+            "a transposed, narrowed view"
+        );
+        let view = wt.view::<f32>().unwrap();
+        let mat = |t: &Tensor| Mat {
+            ptr: view.as_ptr(),
+            rs: t.strides()[0] as isize,
+            cs: t.strides()[1] as isize,
+        };
+        let m = xs[0] * xs[1];
+        assert!(turned_rhs(GemmKernel::Gemm, m, [k, rows], mat(&wt)).unwrap().is_some());
+        assert!(
+            turned_rhs(GemmKernel::Gemm, TURN_MIN_ROWS - 1, [k, rows], mat(&wt))
+                .unwrap()
+                .is_none()
+        );
+        assert!(
+            turned_rhs(GemmKernel::MatrixMultiply, m, [k, rows], mat(&wt))
+                .unwrap()
+                .is_none()
+        );
+        let got = x.matmul_with(&wt, GemmKernel::Gemm).unwrap();
+        let (shape, want) = reference(&x, &wt);
+        assert_eq!(got.shape(), &shape[..]);
+        assert_close(
+            &got,
+            &want,
+            4.0 * k as f64 * tol(DType::F32),
+            &format!("x·Wᵀ turned over, case {case}"),
+        );
+        let copy = x.matmul_with(&wt.contiguous(), GemmKernel::Gemm).unwrap();
+        let bits = |t: &Tensor| {
+            t.to_vec::<f32>()
+                .unwrap()
+                .iter()
+                .map(|v| v.to_bits())
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(bits(&got), bits(&copy), "case {case}");
+    }
 }
