@@ -6,9 +6,10 @@
 //!
 //! - on Linux, buffers of 2 MiB or more are advised to use transparent huge pages
 //!   before they are touched (512 times fewer faults where the system allows it);
-//! - when a tensor's large storage is dropped on its rank's thread, the buffer goes
-//!   to a small per-thread cache, and exchange buffers that are overwritten in full
-//!   ([`reused`], [`written`]) come from there first: no faults, no zeroing
+//! - when a tensor's storage of 256 KiB or more is dropped on its rank's thread,
+//!   the buffer goes to a small per-thread cache, and outputs and exchange buffers
+//!   that are overwritten in full ([`reused`], [`written`]) come from there first:
+//!   no faults, no zeroing
 //!   ([`written`] does not zero a fresh buffer either: its caller writes every element). The cache holds at
 //!   most [`CACHE_BUFFERS`] buffers and [`CACHE_BYTES`] bytes per thread and dies
 //!   with the thread; cached buffers are not tensor storage, so the memory tracker
@@ -36,7 +37,10 @@ use tessera_mesh::{Buffer, DType, Element};
 use crate::{Error, Result};
 
 /// Buffers kept per thread.
-pub(crate) const CACHE_BUFFERS: usize = 4;
+pub(crate) const CACHE_BUFFERS: usize = 16;
+/// The smallest buffer kept: below, a fresh buffer from `malloc`'s free lists
+/// costs less than looking one up.
+const CACHE_MIN_BYTES: usize = 256 << 10;
 /// Bytes kept per thread.
 pub(crate) const CACHE_BYTES: usize = 512 << 20;
 
@@ -47,7 +51,7 @@ thread_local! {
 /// Offers a dropped storage buffer to this thread's cache.
 pub(crate) fn recycle(buf: Buffer) {
     let bytes = buf.len() * buf.dtype().size_in_bytes();
-    if !(HUGE..=CACHE_BYTES).contains(&bytes) {
+    if !(CACHE_MIN_BYTES..=CACHE_BYTES).contains(&bytes) {
         return;
     }
     // The cache may be gone during thread exit; then the buffer is simply freed.
@@ -289,10 +293,15 @@ mod tests {
         let other: Vec<f32> = reused("t", &[n]).unwrap();
         assert_ne!(other.as_ptr(), ptr, "a buffer is handed out once");
         assert!(other.iter().all(|&x| x == 0.0), "a fresh buffer is zeroed");
-        // Small buffers are not cached.
-        let small = vec![1.0f32; 16];
+        // From 256 KiB (a layer norm's output) buffers are cached; smaller ones are not.
+        let mid = vec![2.0f32; CACHE_MIN_BYTES / 4];
+        let mid_ptr = mid.as_ptr();
+        recycle(Buffer::F32(mid));
+        let again: Vec<f32> = reused("t", &[CACHE_MIN_BYTES / 4]).unwrap();
+        assert_eq!(again.as_ptr(), mid_ptr, "a 256 KiB buffer comes back");
+        let small = vec![1.0f32; CACHE_MIN_BYTES / 4 - 1];
         recycle(Buffer::F32(small));
-        CACHE.with(|c| assert!(c.borrow().iter().all(|b| b.len() != 16)));
+        CACHE.with(|c| assert!(c.borrow().iter().all(|b| b.len() != CACHE_MIN_BYTES / 4 - 1)));
     }
 
     #[test]
