@@ -225,24 +225,10 @@ struct Operand<'a, T> {
 
 impl<'a, T: Gemm> Operand<'a, T> {
     fn new(t: &'a Tensor) -> Result<Operand<'a, T>> {
-        let r = t.rank();
-        let (shape, strides) = (t.shape(), t.strides());
-        let count: usize = shape[..r - 2].iter().product();
-        let mut offsets = Vec::with_capacity(count);
-        let mut index = vec![0; r - 2];
-        for _ in 0..count {
-            offsets.push(index.iter().zip(strides).map(|(i, s)| i * s).sum::<usize>() as isize);
-            for d in (0..r - 2).rev() {
-                index[d] += 1;
-                if index[d] < shape[d] {
-                    break;
-                }
-                index[d] = 0;
-            }
-        }
+        let (r, strides) = (t.rank(), t.strides());
         Ok(Operand {
             base: t.view::<T>()?.as_ptr(),
-            offsets,
+            offsets: entry_offsets(t.shape(), strides),
             rs: strides[r - 2] as isize,
             cs: strides[r - 1] as isize,
             _view: std::marker::PhantomData,
@@ -317,6 +303,101 @@ unsafe impl<T> Send for Block<T> {}
 // SAFETY: as for Send.
 unsafe impl<T> Sync for Block<T> {}
 
+/// An output of the kernels stored in the memory order of the input it
+/// belongs to (the forward's output and `dq` in `q`'s, `dk` in `k`'s, `dv` in
+/// `v`'s), so that heads read as a permuted view of `[b, t, h, e]` come back
+/// as such a view, and merging them back into `[b, t, h·e]` moves nothing.
+/// Inputs whose last dim is not their innermost give a contiguous output.
+///
+/// PyTorch: `torch.empty_like(x)` (`memory_format=torch.preserve_format`).
+struct Out<T> {
+    buf: Vec<T>,
+    /// `buf`'s elements (its heap buffer does not move with it).
+    base: *mut T,
+    /// The dims from outermost to innermost in memory.
+    order: Vec<usize>,
+    shape: Vec<usize>,
+    /// Per batch entry, the offset of its matrix.
+    offsets: Vec<isize>,
+    /// The matrices' row stride (their columns are contiguous).
+    rsc: isize,
+}
+
+impl<T: Gemm> Out<T> {
+    /// Room for an output of `shape` in the memory order of `like`.
+    fn like(op: &'static str, like: &Tensor, shape: &[usize]) -> Result<Out<T>> {
+        let r = shape.len();
+        let mut order: Vec<usize> = (0..r).collect();
+        // Outermost first: larger strides first, ties (size-1 dims) in dim order.
+        order.sort_by_key(|&d| std::cmp::Reverse(like.strides()[d]));
+        if order[r - 1] != r - 1 || like.shape()[r - 1] == 1 {
+            order = (0..r).collect();
+        }
+        let mut strides = vec![0; r];
+        let mut step = 1;
+        for &d in order.iter().rev() {
+            strides[d] = step;
+            step *= shape[d];
+        }
+        let mut buf = crate::alloc::with_capacity::<T>(op, shape)?;
+        Ok(Out {
+            base: buf.as_mut_ptr(),
+            buf,
+            offsets: entry_offsets(shape, &strides),
+            rsc: strides[r - 2] as isize,
+            order,
+            shape: shape.to_vec(),
+        })
+    }
+
+    /// Batch entry `i`'s matrix as the output of a product (its row stride is `rsc`).
+    fn out(&self, i: usize) -> OutPtr<T> {
+        OutPtr(self.base.wrapping_offset(self.offsets[i]))
+    }
+
+    /// The tensor, once every element has been written.
+    ///
+    /// # Safety
+    /// The products must have written every element.
+    unsafe fn finish(mut self) -> Result<Tensor> {
+        let stored: Vec<usize> = self.order.iter().map(|&d| self.shape[d]).collect();
+        let n = stored.iter().product();
+        // SAFETY: the caller's guarantee; the capacity is the shape's product.
+        unsafe { self.buf.set_len(n) };
+        let mut back = vec![0; self.order.len()];
+        for (j, &d) in self.order.iter().enumerate() {
+            back[d] = j;
+        }
+        output(self.buf, &stored)?.permute(&back)
+    }
+}
+
+// SAFETY: the threads of a split write disjoint matrices of an output (each
+// batch entry its own), and `parallel_for` returns before it is read or freed.
+unsafe impl<T> Send for Out<T> {}
+// SAFETY: as for Send.
+unsafe impl<T> Sync for Out<T> {}
+
+/// Per batch entry of a tensor of `shape` with `strides`, the offset of its
+/// last two dims' matrix, batch entries in row-major order.
+fn entry_offsets(shape: &[usize], strides: &[usize]) -> Vec<isize> {
+    let r = shape.len();
+    let count: usize = shape[..r - 2].iter().product();
+    let mut offsets = Vec::with_capacity(count);
+    let mut index = vec![0; r - 2];
+    for _ in 0..count {
+        offsets.push(index.iter().zip(strides).map(|(i, s)| i * s).sum::<usize>() as isize);
+        for d in (0..r - 2).rev() {
+            index[d] += 1;
+            if index[d] < shape[d] {
+                break;
+            }
+            index[d] = 0;
+        }
+    }
+    offsets
+}
+
 /// The batch entries of a split into `parts` contiguous runs, and the split.
 fn runs(count: usize) -> (usize, usize) {
     let parts = tessera_mesh::intra_op_threads().min(count).max(1);
@@ -329,20 +410,14 @@ fn forward<T: Gemm>(q: &Tensor, k: &Tensor, v: &Tensor, attn: Attention) -> Resu
     let batch = &q.shape()[..r - 2];
     let (l, e, s, ev) = (q.shape()[r - 2], q.shape()[r - 1], k.shape()[r - 2], v.shape()[r - 1]);
     let count: usize = batch.iter().product();
-    let shape = |last: usize| [batch, &[l, last]].concat();
-    let (out_shape, probs_shape) = (shape(ev), shape(s));
+    let probs_shape = [batch, &[l, s]].concat();
     let kernel = GemmKernel::auto_for(T::DTYPE);
     let (qo, ko, vo) = (Operand::<T>::new(q)?, Operand::<T>::new(k)?, Operand::<T>::new(v)?);
     let (parts, per) = runs(count);
-    let mut out = crate::alloc::with_capacity::<T>(OP, &out_shape)?;
+    let out = Out::<T>::like(OP, q, &[batch, &[l, ev]].concat())?;
     // Rows are read as slices, so their buffers hold valid values from the start.
     let mut probs = crate::alloc::reused::<T>(OP, &probs_shape)?;
     let mut scores = crate::alloc::zeroed::<T>(OP, &[parts, l, s])?;
-    let outs = Block {
-        ptr: out.as_mut_ptr(),
-        rows: l,
-        cols: ev,
-    };
     let weights = Block {
         ptr: probs.as_mut_ptr(),
         rows: l,
@@ -364,12 +439,14 @@ fn forward<T: Gemm>(q: &Tensor, k: &Tensor, v: &Tensor, attn: Attention) -> Resu
             // output to entry `i`'s matrices of theirs, which no other part
             // touches, and the products write every element of each.
             unsafe {
+                let (qi, kt) = (qo.mat(i, false), ko.mat(i, true));
                 entry(
                     kernel,
                     [l, e, s],
-                    qo.mat(i, false),
-                    ko.mat(i, true),
+                    qi,
+                    kt,
                     scratch.out(p),
+                    s as isize,
                     attn.part(Causal::Scores),
                 );
                 let (sc, w) = (scratch.slice(p), weights.slice(i));
@@ -381,20 +458,22 @@ fn forward<T: Gemm>(q: &Tensor, k: &Tensor, v: &Tensor, attn: Attention) -> Resu
                         }
                     },
                 );
+                let (wi, vi) = (weights.mat(i, false), vo.mat(i, false));
                 entry(
                     kernel,
                     [l, s, ev],
-                    weights.mat(i, false),
-                    vo.mat(i, false),
-                    outs.out(i),
+                    wi,
+                    vi,
+                    out.out(i),
+                    out.rsc,
                     attn.part(Causal::Weights),
                 );
             }
         }
     });
-    // SAFETY: the products wrote all `count·l·ev` elements of the output.
-    unsafe { out.set_len(count * l * ev) };
-    Ok((output(out, &out_shape)?, output(probs, &probs_shape)?))
+    // SAFETY: the products wrote every element of the output.
+    let out = unsafe { out.finish()? };
+    Ok((out, output(probs, &probs_shape)?))
 }
 
 fn backward<T: Gemm>(
@@ -427,26 +506,10 @@ fn backward<T: Gemm>(
         detail: "internal error: contiguous weights without a slice".into(),
     })?;
     let (parts, per) = runs(count);
-    let shapes = [
-        [batch, &[l, e]].concat(),
-        [batch, &[s, e]].concat(),
-        [batch, &[s, ev]].concat(),
-    ];
-    let mut grads = Vec::with_capacity(3);
-    for (want, shape) in need.iter().zip(&shapes) {
-        grads.push(if *want {
-            crate::alloc::with_capacity::<T>(OP, shape)?
-        } else {
-            Vec::new()
-        });
-    }
-    let dims = [(l, e), (s, e), (s, ev)];
-    let [gq, gk, gv]: [Block<T>; 3] = std::array::from_fn(|j| Block {
-        ptr: grads[j].as_mut_ptr(),
-        rows: dims[j].0,
-        cols: dims[j].1,
-    });
-    let (need_q, need_k, need_v, need_s) = (need[0], need[1], need[2], need[0] || need[1]);
+    // Each gradient in its input's memory order (none when not asked for).
+    let grad = |want: bool, like: &Tensor| want.then(|| Out::<T>::like(OP, like, like.shape())).transpose();
+    let (gq, gk, gv) = (grad(need[0], q)?, grad(need[1], k)?, grad(need[2], v)?);
+    let need_s = need[0] || need[1];
     // Per part: the weights' gradient, then the scores'.
     let mut scratch = crate::alloc::zeroed::<T>(OP, &[parts, 2, l, s])?;
     let scratch = Block {
@@ -463,14 +526,15 @@ fn backward<T: Gemm>(
             // and entry `i`'s matrix of each gradient, and each product writes
             // every element of its output.
             unsafe {
-                if need_v {
-                    let wt = po.mat(i, true);
+                if let Some(gv) = &gv {
+                    let (wt, gi) = (po.mat(i, true), go.mat(i, false));
                     entry(
                         kernel,
                         [s, l, ev],
                         wt,
-                        go.mat(i, false),
+                        gi,
                         gv.out(i),
+                        gv.rsc,
                         attn.part(Causal::WeightsTransposed),
                     );
                 }
@@ -478,12 +542,14 @@ fn backward<T: Gemm>(
                     continue;
                 }
                 let (dp, ds) = (2 * p, 2 * p + 1);
+                let (gi, vt) = (go.mat(i, false), vo.mat(i, true));
                 entry(
                     kernel,
                     [l, ev, s],
-                    go.mat(i, false),
-                    vo.mat(i, true),
+                    gi,
+                    vt,
                     scratch.out(dp),
+                    s as isize,
                     attn.part(Causal::Scores),
                 );
                 let (x, z) = (scratch.slice(dp), scratch.slice(ds));
@@ -497,40 +563,28 @@ fn backward<T: Gemm>(
                         }
                     },
                 );
-                if need_q {
-                    entry(
-                        kernel,
-                        [l, s, e],
-                        scratch.mat(ds, false),
-                        ko.mat(i, false),
-                        gq.out(i),
-                        attn.part(Causal::Weights),
-                    );
+                if let Some(gq) = &gq {
+                    let (st, ki) = (scratch.mat(ds, false), ko.mat(i, false));
+                    entry(kernel, [l, s, e], st, ki, gq.out(i), gq.rsc, attn.part(Causal::Weights));
                 }
-                if need_k {
-                    let st = scratch.mat(ds, true);
+                if let Some(gk) = &gk {
+                    let (st, qi) = (scratch.mat(ds, true), qo.mat(i, false));
                     entry(
                         kernel,
                         [s, l, e],
                         st,
-                        qo.mat(i, false),
+                        qi,
                         gk.out(i),
+                        gk.rsc,
                         attn.part(Causal::WeightsTransposed),
                     );
                 }
             }
         }
     });
-    let mut out = [None, None, None];
-    for (j, (buf, shape)) in grads.into_iter().zip(&shapes).enumerate() {
-        if need[j] {
-            let mut buf = buf;
-            // SAFETY: the products wrote every element of each gradient asked for.
-            unsafe { buf.set_len(count * shape[r - 2] * shape[r - 1]) };
-            out[j] = Some(output(buf, shape)?);
-        }
-    }
-    Ok(out)
+    // SAFETY: the products wrote every element of each gradient asked for.
+    let finish = |o: Option<Out<T>>| o.map(|o| unsafe { o.finish() }).transpose();
+    Ok([finish(gq)?, finish(gk)?, finish(gv)?])
 }
 
 #[cfg(test)]

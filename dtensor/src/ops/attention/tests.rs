@@ -209,3 +209,49 @@ fn attention_errors_name_what_does_not_fit() {
         "{bad_probs}"
     );
 }
+
+/// The output and each gradient are stored in their input's memory order:
+/// heads read as a permuted view of `[b, t, h, e]` come back as one (merging
+/// them back moves nothing), contiguous inputs give contiguous results, and an
+/// input whose last dim is not innermost gives a contiguous result.
+#[test]
+fn outputs_follow_their_inputs_memory_order() {
+    let attn = Attention {
+        scale: 0.5,
+        is_causal: true,
+    };
+    let merged = |t: &Tensor| t.permute(&[0, 2, 1, 3]).unwrap().is_contiguous();
+    let (q, k, v) = (
+        heads(2, 3, 5, 4, DType::F32, 1),
+        heads(2, 3, 5, 4, DType::F32, 2),
+        heads(2, 3, 5, 6, DType::F32, 3),
+    );
+    let g = heads(2, 3, 5, 6, DType::F32, 4);
+    let (out, probs) = q.attention(&k, &v, attn).unwrap();
+    assert!(
+        merged(&out) && !out.is_contiguous(),
+        "output strides {:?}",
+        out.strides()
+    );
+    assert!(probs.is_contiguous());
+    let grads = g.attention_backward(&q, &k, &v, &probs, attn, [true; 3]).unwrap();
+    for (name, grad) in ["dq", "dk", "dv"].iter().zip(&grads) {
+        assert!(
+            merged(grad.as_ref().unwrap()),
+            "{name} strides {:?}",
+            grad.as_ref().unwrap().strides()
+        );
+    }
+    let (q, k, v) = (
+        sample(&[2, 3, 5, 4], DType::F32, 1),
+        sample(&[2, 3, 5, 4], DType::F32, 2),
+        sample(&[2, 3, 5, 6], DType::F32, 3),
+    );
+    let (out, probs) = q.attention(&k, &v, attn).unwrap();
+    assert!(out.is_contiguous());
+    let grads = g.attention_backward(&q, &k, &v, &probs, attn, [true; 3]).unwrap();
+    assert!(grads.iter().all(|t| t.as_ref().unwrap().is_contiguous()));
+    // Queries with their head size outermost: a contiguous output.
+    let qt = sample(&[2, 3, 4, 5], DType::F32, 5).transpose(2, 3).unwrap();
+    assert!(qt.attention(&k, &v, attn).unwrap().0.is_contiguous());
+}

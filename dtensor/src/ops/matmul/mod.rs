@@ -383,6 +383,7 @@ pub(super) unsafe fn entry<T: Gemm>(
     a: Mat<T>,
     b: Mat<T>,
     c: OutPtr<T>,
+    rsc: isize,
     part: Causal,
 ) {
     #[cfg(target_arch = "x86_64")]
@@ -394,15 +395,15 @@ pub(super) unsafe fn entry<T: Gemm>(
         };
         if small::fits([m, k, n], cast(b)) {
             // SAFETY: `T` is `f32` (checked); the caller's guarantees.
-            unsafe { small::product([m, k, n], cast(a), cast(b), c.0.cast(), n as isize, part) };
+            unsafe { small::product([m, k, n], cast(a), cast(b), c.0.cast(), rsc, part) };
             return;
         }
     }
     // SAFETY: the caller's guarantees.
-    unsafe { gemm_split(kernel, [m, k, n], a, b, c, n as isize) };
+    unsafe { gemm_split(kernel, [m, k, n], a, b, c, rsc) };
     if part == Causal::Scores {
         // SAFETY: rows 0..m of the m×n output (caller).
-        unsafe { zero_above_diagonal(c.0, 0..m, n, n as isize) };
+        unsafe { zero_above_diagonal(c.0, 0..m, n, rsc) };
     }
 }
 
@@ -490,7 +491,7 @@ fn matmul_typed<T: Gemm>(a: &Tensor, b: &Tensor, batch: &[usize], kernel: GemmKe
             // inside its borrowed storage; the output block `i` is m×n inside the
             // capacity of `out`, disjoint from the operands (fresh allocation) and
             // from every other entry's block.
-            unsafe { entry(kernel, [m, k, n], ai, bi, OutPtr(c.block(i * m * n)), part) };
+            unsafe { entry(kernel, [m, k, n], ai, bi, OutPtr(c.block(i * m * n)), n as isize, part) };
             for d in (0..batch.len()).rev() {
                 index[d] += 1;
                 if index[d] < batch[d] {
