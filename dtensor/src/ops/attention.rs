@@ -11,7 +11,9 @@
 //! parts of [`Tensor::matmul_causal`] (or dense ones), each row of weights is
 //! computed by the code of [`Tensor::attention_probs`] and each row of the
 //! scores' gradient by that of [`Tensor::attention_probs_backward`], so the
-//! results have the chain's bits.
+//! results have the chain's bits. The output and the gradients are stored in
+//! their inputs' memory order (heads read as a view of `[b, t, h, e]` come
+//! back as one), so merging heads back moves nothing.
 
 use half::{bf16, f16};
 use tessera_mesh::DType;
@@ -91,7 +93,8 @@ impl Tensor {
     /// bit the chain `q.matmul_causal(kᵀ, Scores)`,
     /// [`attention_probs`](Self::attention_probs), `.matmul_causal(v, Weights)`
     /// (dense products when not causal), without the scores tensor. Batch
-    /// entries run in parallel over the rank's threads.
+    /// entries run in parallel over the rank's threads. The output is stored
+    /// in `self`'s memory order (see the module docs), the weights contiguous.
     ///
     /// PyTorch: `torch.ops.aten._scaled_dot_product_attention_math(q, k, v,
     /// is_causal=is_causal, scale=scale)`, which also returns the weights.
@@ -123,7 +126,8 @@ impl Tensor {
     /// `dV = probsᵀ·dO`, `dP = dO·vᵀ`, `dS =`
     /// [`dP.attention_probs_backward(probs)`](Self::attention_probs_backward),
     /// `dQ = dS·k`, `dK = dSᵀ·q` (their causal parts when causal), with `dP`
-    /// and `dS` one scratch matrix per thread instead of tensors.
+    /// and `dS` one scratch matrix per thread instead of tensors. Each
+    /// gradient is stored in its input's memory order.
     ///
     /// PyTorch: the backward of `torch.nn.functional.scaled_dot_product_attention`
     /// (its math path's autograd).
@@ -256,8 +260,8 @@ unsafe impl<T> Send for Operand<'_, T> {}
 // SAFETY: as for Send.
 unsafe impl<T> Sync for Operand<'_, T> {}
 
-/// A contiguous `[count, rows, cols]` matrix of a kernel: an output, or the
-/// scratch of each part of the split.
+/// A contiguous `[count, rows, cols]` block of matrices: the attention
+/// weights, or the scratch matrices of the parts of a split.
 struct Block<T> {
     ptr: *mut T,
     rows: usize,
@@ -265,7 +269,7 @@ struct Block<T> {
 }
 
 impl<T> Block<T> {
-    /// Matrix `i` as an output of a product.
+    /// Matrix `i` as the output of a product (row stride `cols`).
     fn out(&self, i: usize) -> OutPtr<T> {
         OutPtr(self.ptr.wrapping_add(i * self.rows * self.cols))
     }
@@ -297,7 +301,7 @@ impl<T> Block<T> {
 }
 
 // SAFETY: the threads of a split write disjoint matrices of a block (each
-// part its own scratch, each batch entry its own output matrix), and
+// part its own scratch, each batch entry its own weights), and
 // `parallel_for` returns before the block's buffer is read or freed.
 unsafe impl<T> Send for Block<T> {}
 // SAFETY: as for Send.
