@@ -228,20 +228,9 @@ impl DTensor {
         need: [bool; 3],
     ) -> Result<[Option<DTensor>; 3]> {
         const OP: &str = "attention_backward";
-        attn.check(OP, q.shape(), k.shape(), v.shape())?;
+        attn.check_backward(OP, [q.shape(), k.shape(), v.shape()], self.shape(), probs.shape())?;
         same_dtypes(OP, &[self, q, k, v, probs])?;
         let r = q.shape().len();
-        let batch = &q.shape()[..r - 2];
-        let (l, s, ev) = (q.shape()[r - 2], k.shape()[r - 2], v.shape()[r - 1]);
-        for (t, what, last) in [(self, "the output's gradient", ev), (probs, "probs", s)] {
-            let want = [batch, &[l, last]].concat();
-            if t.shape() != want {
-                return Err(Error::ShapeMismatch {
-                    op: OP,
-                    detail: format!("{what} has shape {:?}; these q, k and v need {want:?}", t.shape()),
-                });
-            }
-        }
         // The first gradient asked for is the dispatched output, the others ride along.
         let Some(first) = need.iter().position(|&n| n) else {
             return Ok([None, None, None]);

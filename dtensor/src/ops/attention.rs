@@ -78,6 +78,30 @@ impl Attention {
         Ok(())
     }
 
+    /// [`check`](Self::check), and errors unless the output's gradient `grad`
+    /// and the weights `probs` have the shapes that the forward gives.
+    pub(crate) fn check_backward(
+        &self,
+        op: &'static str,
+        [q, k, v]: [&[usize]; 3],
+        grad: &[usize],
+        probs: &[usize],
+    ) -> Result<()> {
+        self.check(op, q, k, v)?;
+        let r = q.len();
+        let (batch, l, s, ev) = (&q[..r - 2], q[r - 2], k[r - 2], v[r - 1]);
+        for (got, what, last) in [(grad, "the output's gradient", ev), (probs, "probs", s)] {
+            let want = [batch, &[l, last]].concat();
+            if got != want {
+                return Err(Error::ShapeMismatch {
+                    op,
+                    detail: format!("{what} has shape {got:?}; these q, k and v need {want:?}"),
+                });
+            }
+        }
+        Ok(())
+    }
+
     /// `part` when causal, the dense product otherwise.
     fn part(&self, part: Causal) -> Causal {
         if self.is_causal { part } else { Causal::Dense }
@@ -145,24 +169,7 @@ impl Tensor {
         need: [bool; 3],
     ) -> Result<[Option<Tensor>; 3]> {
         const OP: &str = "attention_backward";
-        attn.check(OP, q.shape(), k.shape(), v.shape())?;
-        let r = q.rank();
-        let (batch, l, s, ev) = (
-            &q.shape()[..r - 2],
-            q.shape()[r - 2],
-            k.shape()[r - 2],
-            v.shape()[r - 1],
-        );
-        for (t, what, last) in [(self, "the output's gradient", ev), (probs, "probs", s)] {
-            let mut want = batch.to_vec();
-            want.extend([l, last]);
-            if t.shape() != want {
-                return Err(Error::ShapeMismatch {
-                    op: OP,
-                    detail: format!("{what} has shape {:?}; these q, k and v need {want:?}", t.shape()),
-                });
-            }
-        }
+        attn.check_backward(OP, [q.shape(), k.shape(), v.shape()], self.shape(), probs.shape())?;
         for t in [q, k, v, probs] {
             same_dtype(OP, self, t)?;
         }
