@@ -409,7 +409,9 @@ fn entry_offsets(shape: &[usize], strides: &[usize]) -> Vec<isize> {
     offsets
 }
 
-/// The batch entries of a split into `parts` contiguous runs, and the split.
+/// How a batch of `count` entries is split over the rank's threads: the
+/// number of parts (one per thread, at most one per entry) and the entries per
+/// part (each part a contiguous run).
 fn runs(count: usize) -> (usize, usize) {
     let parts = tessera_mesh::intra_op_threads().min(count).max(1);
     (parts, count.div_ceil(parts))
