@@ -281,6 +281,18 @@ impl<T> Block<T> {
         OutPtr(self.ptr.wrapping_add(i * self.rows * self.cols))
     }
 
+    /// `a · b` (or its causal `part`) written to matrix `i`.
+    ///
+    /// # Safety
+    /// As [`entry`]; no other thread may touch matrix `i` meanwhile.
+    unsafe fn product(&self, i: usize, kernel: GemmKernel, mkn: [usize; 3], a: Mat<T>, b: Mat<T>, part: Causal)
+    where
+        T: Gemm,
+    {
+        // SAFETY: the caller's guarantees; matrix `i` is `rows×cols` with row stride `cols`.
+        unsafe { entry(kernel, mkn, a, b, self.out(i), self.cols as isize, part) };
+    }
+
     /// Matrix `i` as an operand (or its transpose).
     fn mat(&self, i: usize, transposed: bool) -> Mat<T> {
         let (rs, cs) = if transposed {
@@ -361,9 +373,14 @@ impl<T: Gemm> Out<T> {
         })
     }
 
-    /// Batch entry `i`'s matrix as the output of a product (its row stride is `rsc`).
-    fn out(&self, i: usize) -> OutPtr<T> {
-        OutPtr(self.base.wrapping_offset(self.offsets[i]))
+    /// `a · b` (or its causal `part`) written to batch entry `i`'s matrix.
+    ///
+    /// # Safety
+    /// As [`entry`]; no other thread may touch that matrix meanwhile.
+    unsafe fn product(&self, i: usize, kernel: GemmKernel, mkn: [usize; 3], a: Mat<T>, b: Mat<T>, part: Causal) {
+        let c = OutPtr(self.base.wrapping_offset(self.offsets[i]));
+        // SAFETY: the caller's guarantees; entry `i`'s matrix has row stride `rsc`.
+        unsafe { entry(kernel, mkn, a, b, c, self.rsc, part) };
     }
 
     /// The tensor, once every element has been written.
@@ -453,15 +470,7 @@ fn forward<T: Gemm>(q: &Tensor, k: &Tensor, v: &Tensor, attn: Attention) -> Resu
             // touches, and the products write every element of each.
             unsafe {
                 let (qi, kt) = (qo.mat(i, false), ko.mat(i, true));
-                entry(
-                    kernel,
-                    [l, e, s],
-                    qi,
-                    kt,
-                    scratch.out(p),
-                    s as isize,
-                    attn.part(Causal::Scores),
-                );
+                scratch.product(p, kernel, [l, e, s], qi, kt, attn.part(Causal::Scores));
                 let (sc, w) = (scratch.slice(p), weights.slice(i));
                 simd.run(
                     #[inline(always)]
@@ -472,15 +481,7 @@ fn forward<T: Gemm>(q: &Tensor, k: &Tensor, v: &Tensor, attn: Attention) -> Resu
                     },
                 );
                 let (wi, vi) = (weights.mat(i, false), vo.mat(i, false));
-                entry(
-                    kernel,
-                    [l, s, ev],
-                    wi,
-                    vi,
-                    out.out(i),
-                    out.rsc,
-                    attn.part(Causal::Weights),
-                );
+                out.product(i, kernel, [l, s, ev], wi, vi, attn.part(Causal::Weights));
             }
         }
     });
@@ -541,30 +542,14 @@ fn backward<T: Gemm>(
             unsafe {
                 if let Some(gv) = &gv {
                     let (wt, gi) = (po.mat(i, true), go.mat(i, false));
-                    entry(
-                        kernel,
-                        [s, l, ev],
-                        wt,
-                        gi,
-                        gv.out(i),
-                        gv.rsc,
-                        attn.part(Causal::WeightsTransposed),
-                    );
+                    gv.product(i, kernel, [s, l, ev], wt, gi, attn.part(Causal::WeightsTransposed));
                 }
                 if !need_s {
                     continue;
                 }
                 let (dp, ds) = (2 * p, 2 * p + 1);
                 let (gi, vt) = (go.mat(i, false), vo.mat(i, true));
-                entry(
-                    kernel,
-                    [l, ev, s],
-                    gi,
-                    vt,
-                    scratch.out(dp),
-                    s as isize,
-                    attn.part(Causal::Scores),
-                );
+                scratch.product(dp, kernel, [l, ev, s], gi, vt, attn.part(Causal::Scores));
                 let (x, z) = (scratch.slice(dp), scratch.slice(ds));
                 let w = &y[i * l * s..(i + 1) * l * s];
                 simd.run(
@@ -578,19 +563,11 @@ fn backward<T: Gemm>(
                 );
                 if let Some(gq) = &gq {
                     let (st, ki) = (scratch.mat(ds, false), ko.mat(i, false));
-                    entry(kernel, [l, s, e], st, ki, gq.out(i), gq.rsc, attn.part(Causal::Weights));
+                    gq.product(i, kernel, [l, s, e], st, ki, attn.part(Causal::Weights));
                 }
                 if let Some(gk) = &gk {
                     let (st, qi) = (scratch.mat(ds, true), qo.mat(i, false));
-                    entry(
-                        kernel,
-                        [s, l, e],
-                        st,
-                        qi,
-                        gk.out(i),
-                        gk.rsc,
-                        attn.part(Causal::WeightsTransposed),
-                    );
+                    gk.product(i, kernel, [s, l, e], st, qi, attn.part(Causal::WeightsTransposed));
                 }
             }
         }
