@@ -16,6 +16,7 @@ use half::{bf16, f16};
 
 use super::desc::Desc;
 use super::group::Group;
+use super::store::Store;
 use crate::dtype::Filling;
 use crate::{Buf, BufMut, Buffer, DType, Element, OpKind, Pieces, ReduceOp, Result};
 
@@ -125,15 +126,15 @@ unsafe fn peer<'a, T>(ptr: usize, len: usize) -> &'a [T] {
     unsafe { std::slice::from_raw_parts(ptr as *const T, len) }
 }
 
-/// Writes `src` into this rank's own output at element offset `at`.
+/// Writes `src` into this rank's own output at element offset `at` with `store`.
 ///
 /// # Safety
 /// `out` is this rank's output pointer (from its `&mut [T]`), `at + src.len()` is
 /// within it, and no peer reads that region during this phase.
-unsafe fn write<T: Copy>(out: *mut T, at: usize, src: &[T]) {
+unsafe fn write<T: Copy>(store: Store, out: *mut T, at: usize, src: &[T]) {
     // SAFETY: per the caller's contract the destination is in bounds and exclusively ours;
     // the source belongs to another buffer, so they do not overlap.
-    unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), out.add(at), src.len()) }
+    unsafe { store.copy(out.add(at), src) }
 }
 
 /// A rank's send buffer: one flat buffer, or [`Pieces`] that peers read in place.
@@ -201,12 +202,12 @@ fn zeros<T: Element>(n: usize) -> &'static [T] {
 }
 
 /// Copies elements `[from, from + len)` of peer `dq`'s send buffer (flat or
-/// runs) to `out[at..at + len]`.
+/// runs) to `out[at..at + len]` with `store`.
 ///
 /// # Safety
 /// As [`write`] for the destination; `dq` as in [`run_at`], with `from + len <=
 /// send_len`.
-unsafe fn copy_runs<T: Element>(dq: &Desc, from: usize, len: usize, out: *mut T, at: usize) {
+unsafe fn copy_runs<T: Element>(store: Store, dq: &Desc, from: usize, len: usize, out: *mut T, at: usize) {
     let size = size_of::<T>();
     let mut done = 0;
     while done < len {
@@ -218,7 +219,7 @@ unsafe fn copy_runs<T: Element>(dq: &Desc, from: usize, len: usize, out: *mut T,
             unsafe { std::ptr::write_bytes(out.add(at + done), 0, n) };
         } else {
             // SAFETY: the run holds `left >= n` elements from `addr`.
-            unsafe { write(out, at + done, peer::<T>(addr, n)) };
+            unsafe { write(store, out, at + done, peer::<T>(addr, n)) };
         }
         done += n;
     }
@@ -277,6 +278,7 @@ pub(crate) fn all_gather(g: &Group, r: usize, send: Buf<'_>, recv: Out) -> Resul
     let mut d = send_desc(OpKind::AllGather, &send);
     recv.publish(&mut d);
     let (descs, done) = g.enter(r, d)?;
+    let store = Store::of(&descs);
     let c = d.send_len;
     crate::dispatch_buf!(Buf, send, _s, T => {
         let out = d.recv_ptr as *mut T;
@@ -284,9 +286,10 @@ pub(crate) fn all_gather(g: &Group, r: usize, send: Buf<'_>, recv: Out) -> Resul
             // SAFETY: every descriptor was published in this collective and validated
             // (same length and dtype); peers hold their send buffers until the barrier
             // below, and block q of our output is ours alone.
-            unsafe { write(out, q * c, peer::<T>(dq.send_ptr, c)) };
+            unsafe { write(store, out, q * c, peer::<T>(dq.send_ptr, c)) };
         }
     });
+    store.fence();
     done.finish()
 }
 
@@ -298,6 +301,7 @@ pub(crate) fn all_gather_segmented(g: &Group, r: usize, send: Source<'_>, recv: 
     let mut d = source_desc(OpKind::AllGather, send, &mut table);
     recv.publish(&mut d);
     let (descs, done) = g.enter(r, d)?;
+    let store = Store::of(&descs);
     let probe = Buffer::zeros(d.dtype, 0);
     crate::dispatch_buf!(Buf, probe.as_buf(), _s, T => {
         let out = d.recv_ptr as *mut T;
@@ -306,9 +310,10 @@ pub(crate) fn all_gather_segmented(g: &Group, r: usize, send: Source<'_>, recv: 
             // `send_len` elements and that our output holds `n · send_len`); the
             // segments tile `send_len`, so `piece` is within every peer's buffer and
             // the writes, `n · send_len` in all, stay in our output.
-            unsafe { copy_runs::<T>(&descs[q], piece.start, piece.len(), out, at) };
+            unsafe { copy_runs::<T>(store, &descs[q], piece.start, piece.len(), out, at) };
         }
     });
+    store.fence();
     // The run table (if any) stays alive until every peer is past the barrier.
     let result = done.finish();
     drop(table);
@@ -350,6 +355,7 @@ pub(crate) fn all_reduce(g: &Group, r: usize, send: Option<Buf<'_>>, mut buf: Bu
     }
     d.reduce = Some(op);
     let (descs, mut done) = g.enter(r, d)?;
+    let store = Store::of(&descs);
     let n = descs.len();
     let len = d.send_len;
     let lo = |q: usize| q * len / n;
@@ -366,9 +372,10 @@ pub(crate) fn all_reduce(g: &Group, r: usize, send: Option<Buf<'_>>, mut buf: Bu
         for (q, dq) in descs.iter().enumerate().filter(|&(q, _)| q != r) {
             // SAFETY: block q of peer q's output is final after the barrier and nobody
             // writes it in this phase; block q of our output is written only by us.
-            unsafe { write(out, lo(q), peer::<T>(dq.recv_ptr + lo(q) * size_of::<T>(), lo(q + 1) - lo(q))) };
+            unsafe { write(store, out, lo(q), peer::<T>(dq.recv_ptr + lo(q) * size_of::<T>(), lo(q + 1) - lo(q))) };
         }
     });
+    store.fence();
     done.finish()
 }
 
@@ -376,14 +383,16 @@ pub(crate) fn all_to_all(g: &Group, r: usize, send: Buf<'_>, recv: Out) -> Resul
     let mut d = send_desc(OpKind::AllToAll, &send);
     recv.publish(&mut d);
     let (descs, done) = g.enter(r, d)?;
+    let store = Store::of(&descs);
     let c = d.send_len / descs.len();
     crate::dispatch_buf!(Buf, send, _s, T => {
         let out = d.recv_ptr as *mut T;
         for (q, dq) in descs.iter().enumerate() {
             // SAFETY: as in `all_gather`; block r of peer q's input goes to our block q.
-            unsafe { write(out, q * c, peer::<T>(dq.send_ptr + r * c * size_of::<T>(), c)) };
+            unsafe { write(store, out, q * c, peer::<T>(dq.send_ptr + r * c * size_of::<T>(), c)) };
         }
     });
+    store.fence();
     done.finish()
 }
 
@@ -392,6 +401,7 @@ pub(crate) fn all_gather_v(g: &Group, r: usize, send: Buf<'_>, mut recv: BufMut<
     Out::of(&mut recv).publish(&mut d);
     d.v = true;
     let (descs, _, done) = g.enter_v(r, d, counts, &[])?;
+    let store = Store::of(&descs);
     crate::dispatch_buf!(Buf, send, _s, T => {
         let out = d.recv_ptr as *mut T;
         let mut at = 0;
@@ -399,10 +409,11 @@ pub(crate) fn all_gather_v(g: &Group, r: usize, send: Buf<'_>, mut recv: BufMut<
             // SAFETY: as in `all_gather`; validation checked that every rank passed the
             // same counts, that rank q sends counts[q] elements and that our output
             // holds their sum, so segment q of our output is in bounds and ours alone.
-            unsafe { write(out, at, peer::<T>(dq.send_ptr, dq.send_len)) };
+            unsafe { write(store, out, at, peer::<T>(dq.send_ptr, dq.send_len)) };
             at += dq.send_len;
         }
     });
+    store.fence();
     done.finish()
 }
 
@@ -441,6 +452,7 @@ pub(crate) fn all_to_all_v(
     Out::of(&mut recv).publish(&mut d);
     d.v = true;
     let (descs, counts, done) = g.enter_v(r, d, send_counts, recv_counts)?;
+    let store = Store::of(&descs);
     crate::dispatch_buf!(Buf, send, _s, T => {
         let out = d.recv_ptr as *mut T;
         let mut at = 0;
@@ -452,10 +464,11 @@ pub(crate) fn all_to_all_v(
             // the sum of its send_counts and that cq.send[r] equals our recv_counts[q],
             // so the read is within its input and segment q of our output (whose
             // length is the sum of our recv_counts) is in bounds and ours alone.
-            unsafe { write(out, at, peer::<T>(dq.send_ptr + from * size_of::<T>(), len)) };
+            unsafe { write(store, out, at, peer::<T>(dq.send_ptr + from * size_of::<T>(), len)) };
             at += len;
         }
     });
+    store.fence();
     done.finish()
 }
 
@@ -468,7 +481,9 @@ pub(crate) fn broadcast(g: &Group, r: usize, mut buf: BufMut<'_>, root: usize) -
     if r != root {
         crate::dispatch_buf!(BufMut, buf, _s, T => {
             // SAFETY: the root only reads its buffer during a broadcast; ours is ours.
-            unsafe { write(d.recv_ptr as *mut T, 0, peer::<T>(descs[root].send_ptr, d.send_len)) };
+            // Through the cache: every rank reads the root's one buffer, which stays
+            // cached (`Store::of` would count each rank's buffer twice).
+            unsafe { write(Store::Cached, d.recv_ptr as *mut T, 0, peer::<T>(descs[root].send_ptr, d.send_len)) };
         });
     }
     done.finish()
@@ -559,8 +574,13 @@ unsafe fn reduce_blocks<T: Reduce>(
 /// elements (at most `BLOCK`) read as `src(desc, start, b)`. Types that
 /// accumulate in themselves (f32, f64, integers) reduce straight in the output
 /// when `direct`: each chunk is rank 0's copied in, then the others combined
-/// into it while it is in cache; one pass over the output, no scratch. Others
-/// (and any type when not `direct`) go through scratch.
+/// into it while it is in cache; one pass over the output, no scratch.
+/// Otherwise each chunk is reduced in scratch (in the result's own type when it
+/// accumulates in itself) and then copied out.
+///
+/// Reductions write through the cache whatever their size: streaming the
+/// result block by block from scratch, or tile by tile in portable code, was
+/// measured slower than cached stores (see [`Store`]).
 ///
 /// # Safety
 /// `out[at..at + len]` is this rank's own and read by nobody else during this
@@ -588,12 +608,16 @@ unsafe fn reduce_chunks<'a, T: Reduce + 'a>(
             combine_ranks(dst, descs, op, |dq| src(dq, start, b));
         } else {
             let (acc, res) = scratch.get_or_insert_with(|| ([T::Acc::default(); BLOCK], [T::default(); BLOCK]));
-            combine_ranks(&mut acc[..b], descs, op, |dq| src(dq, start, b));
-            for (o, &a) in res[..b].iter_mut().zip(&acc[..b]) {
-                *o = T::from_acc(a);
+            if let Some(res) = T::as_acc(&mut res[..b]) {
+                combine_ranks(res, descs, op, |dq| src(dq, start, b));
+            } else {
+                combine_ranks(&mut acc[..b], descs, op, |dq| src(dq, start, b));
+                for (o, &a) in res[..b].iter_mut().zip(&acc[..b]) {
+                    *o = T::from_acc(a);
+                }
             }
             // SAFETY: per the contract.
-            unsafe { write(out, at + start, &res[..b]) };
+            unsafe { write(Store::Cached, out, at + start, &res[..b]) };
         }
         start += b;
     }

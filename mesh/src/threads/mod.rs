@@ -25,6 +25,7 @@ mod comm;
 mod desc;
 mod group;
 mod kernels;
+mod store;
 #[cfg(test)]
 mod tests;
 mod validate;

@@ -85,3 +85,37 @@ fn a_rank_unwinding_from_the_data_phase_passes_every_barrier_point() {
         }
     });
 }
+
+/// A collective larger than the last-level cache writes its output with
+/// streaming stores, exactly: an all-gather and an all-reduce whose ranks'
+/// segments start off any 16-byte boundary (odd element counts) stream their
+/// copies, and every element lands where a cached copy would put it.
+#[test]
+#[cfg_attr(not(target_arch = "x86_64"), ignore = "streaming stores are used on x86-64 only")]
+fn collectives_larger_than_the_cache_stream_exact_results() {
+    use crate::threads::store::{STREAMED_BYTES, last_level_cache_bytes};
+    use crate::{CommunicatorExt, ReduceOp};
+    // Two ranks each sending `c` f32 and receiving `2c`: 24·c bytes in all, past the cache.
+    let c = last_level_cache_bytes() / 24 + 3;
+    let before = STREAMED_BYTES.load(Ordering::Relaxed);
+    let results = crate::launch(2, move |ctx| {
+        let comm = ctx.comm();
+        let r = ctx.rank();
+        let value = |q: usize, i: usize| (q * 1_000_003 + i % 65_521) as f32;
+        let send: Vec<f32> = (0..c).map(|i| value(r, i)).collect();
+        let mut gathered = vec![0f32; 2 * c];
+        comm.all_gather((&send[..]).into(), (&mut gathered[..]).into())?;
+        let gathered_ok = gathered.iter().enumerate().all(|(i, &v)| v == value(i / c, i % c));
+        // An all-reduce of 2c elements per rank (32·c bytes): its second phase copies
+        // the peer's reduced half, which starts at element c (off 16 bytes).
+        let mut sum = gathered.clone();
+        comm.all_reduce_slice(&mut sum, ReduceOp::Sum)?;
+        let sum_ok = sum.iter().zip(&gathered).all(|(&s, &g)| s == 2.0 * g);
+        Ok((gathered_ok, sum_ok))
+    })
+    .unwrap();
+    assert_eq!(results, vec![(true, true); 2]);
+    let streamed = STREAMED_BYTES.load(Ordering::Relaxed) - before;
+    // Each rank streams its whole gathered output and the peer's half of the sum.
+    assert!(streamed >= 2 * (2 * c + c) * 4, "streamed {streamed} bytes");
+}
