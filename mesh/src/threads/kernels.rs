@@ -13,6 +13,8 @@
 //! (regions nobody writes during that phase), so no two accesses race.
 
 use half::{bf16, f16};
+#[cfg(target_arch = "x86_64")]
+use smallvec::SmallVec;
 
 use super::desc::Desc;
 use super::group::Group;
@@ -326,6 +328,7 @@ pub(crate) fn reduce_scatter(g: &Group, r: usize, send: Source<'_>, recv: Out, o
     recv.publish(&mut d);
     d.reduce = Some(op);
     let (descs, done) = g.enter(r, d)?;
+    let store = Store::of(&descs);
     let c = d.recv_len;
     let probe = Buffer::zeros(d.dtype, 0);
     crate::dispatch_buf!(Buf, probe.as_buf(), _s, T => {
@@ -333,12 +336,13 @@ pub(crate) fn reduce_scatter(g: &Group, r: usize, send: Source<'_>, recv: Out, o
         if descs.iter().all(|dq| dq.runs.0 == 0) {
             // SAFETY: as in `all_gather`; we read block r of every peer's input and
             // write only our own output.
-            unsafe { reduce_blocks::<T>(&descs, |dq| dq.send_ptr, r * c, c, op, out, 0) };
+            unsafe { reduce_blocks::<T>(store, &descs, |dq| dq.send_ptr, r * c, c, op, out, 0) };
         } else {
             // SAFETY: as above; the run tables were published in this collective.
-            unsafe { reduce_runs::<T>(&descs, r * c, c, op, out) };
+            unsafe { reduce_runs::<T>(store, &descs, r * c, c, op, out) };
         }
     });
+    store.fence();
     // The run table (if any) stays alive until every peer is past the barrier.
     let result = done.finish();
     drop(table);
@@ -366,7 +370,8 @@ pub(crate) fn all_reduce(g: &Group, r: usize, send: Option<Buf<'_>>, mut buf: Bu
         // place; when in place, block r is read only by us), so the regions are disjoint.
         // SAFETY: see the module docs; block r of every input is read only by us in
         // this phase and block r of our output is written only by us.
-        unsafe { reduce_blocks::<T>(&descs, |dq| dq.send_ptr, lo(r), lo(r + 1) - lo(r), op, out, lo(r)) };
+        unsafe { reduce_blocks::<T>(store, &descs, |dq| dq.send_ptr, lo(r), lo(r + 1) - lo(r), op, out, lo(r)) };
+        store.fence();
         done.sync();
         // Phase 2: copy every other rank's finished block from its output.
         for (q, dq) in descs.iter().enumerate().filter(|&(q, _)| q != r) {
@@ -430,13 +435,15 @@ pub(crate) fn reduce_scatter_v(
     d.reduce = Some(op);
     d.v = true;
     let (descs, _, done) = g.enter_v(r, d, counts, &[])?;
+    let store = Store::of(&descs);
     let from: usize = counts[..r].iter().sum();
     crate::dispatch_buf!(Buf, send, _s, T => {
         // SAFETY: validation checked that every rank passed the same counts and sends
         // their sum, so segment r ([from, from + counts[r])) is within every rank's
         // input; our output holds counts[r] elements and is ours alone.
-        unsafe { reduce_blocks::<T>(&descs, |dq| dq.send_ptr, from, counts[r], op, d.recv_ptr as *mut T, 0) };
+        unsafe { reduce_blocks::<T>(store, &descs, |dq| dq.send_ptr, from, counts[r], op, d.recv_ptr as *mut T, 0) };
     });
+    store.fence();
     done.finish()
 }
 
@@ -515,7 +522,7 @@ fn combine_ranks<'a, T: Reduce + 'a>(acc: &mut [T::Acc], descs: &[Desc], op: Red
 /// # Safety
 /// As [`reduce_blocks`]; `out` is a fresh output that no input aliases, and
 /// every descriptor as in [`run_at`].
-unsafe fn reduce_runs<T: Reduce>(descs: &[Desc], from: usize, len: usize, op: ReduceOp, out: *mut T) {
+unsafe fn reduce_runs<T: Reduce>(store: Store, descs: &[Desc], from: usize, len: usize, op: ReduceOp, out: *mut T) {
     let size = size_of::<T>();
     // The chunk at `start` stops at the next run boundary of any rank.
     let chunk = |start: usize| {
@@ -533,17 +540,20 @@ unsafe fn reduce_runs<T: Reduce>(descs: &[Desc], from: usize, len: usize, op: Re
         }
     };
     // SAFETY: per this function's contract; no input aliases the fresh output.
-    unsafe { reduce_chunks(descs, op, out, 0, len, true, chunk, src) }
+    unsafe { reduce_chunks(store, descs, op, out, 0, len, true, chunk, src) }
 }
 
 /// Reduces `len` elements starting at element `from` of every rank's buffer
-/// (`ptr_of` picks which published pointer) with `op`, writing to `out[at..]`,
-/// one cache-sized block at a time, ranks combined in rank order.
+/// (`ptr_of` picks which published pointer) with `op`, writing to `out[at..]`
+/// (with `store` where [`reduce_chunks`] can), one cache-sized block at a time,
+/// ranks combined in rank order.
 ///
 /// # Safety
 /// The regions read are live and not written during this phase; `out[at..at+len]`
 /// is this rank's own and read by nobody else during this phase.
+#[allow(clippy::too_many_arguments)]
 unsafe fn reduce_blocks<T: Reduce>(
+    store: Store,
     descs: &[Desc],
     ptr_of: impl Fn(&Desc) -> usize,
     from: usize,
@@ -566,7 +576,7 @@ unsafe fn reduce_blocks<T: Reduce>(
     });
     let chunk = |start: usize| BLOCK.min(len - start);
     // SAFETY: per this function's contract; `aliased` as checked above.
-    unsafe { reduce_chunks(descs, op, out, at, len, !aliased, chunk, src) }
+    unsafe { reduce_chunks(store, descs, op, out, at, len, !aliased, chunk, src) }
 }
 
 /// The loop of [`reduce_blocks`] and [`reduce_runs`]: `out[at..at + len]` gets
@@ -578,16 +588,20 @@ unsafe fn reduce_blocks<T: Reduce>(
 /// Otherwise each chunk is reduced in scratch (in the result's own type when it
 /// accumulates in itself) and then copied out.
 ///
-/// Reductions write through the cache whatever their size: streaming the
-/// result block by block from scratch, or tile by tile in portable code, was
-/// measured slower than cached stores (see [`Store`]).
+/// With a streaming `store`, `f32` sums and averages read straight from the
+/// inputs (`direct`) stream each chunk's result from registers
+/// ([`stream_sum_f32`](super::store::stream_sum_f32), the same bits); every
+/// other reduction writes through the cache whatever its size (streaming a
+/// result from scratch was measured no faster than cached stores).
 ///
 /// # Safety
 /// `out[at..at + len]` is this rank's own and read by nobody else during this
 /// phase; with `direct`, no input region overlaps it; every slice `src` returns
 /// is live and not written during this phase.
 #[allow(clippy::too_many_arguments)]
+#[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
 unsafe fn reduce_chunks<'a, T: Reduce + 'a>(
+    store: Store,
     descs: &[Desc],
     op: ReduceOp,
     out: *mut T,
@@ -598,9 +612,27 @@ unsafe fn reduce_chunks<'a, T: Reduce + 'a>(
     src: impl Fn(&Desc, usize, usize) -> &'a [T],
 ) {
     let mut scratch: Option<([T::Acc; BLOCK], [T; BLOCK])> = None;
+    #[cfg(target_arch = "x86_64")]
+    let stream_f32 = store == Store::Streaming
+        && direct
+        && matches!(op, ReduceOp::Sum | ReduceOp::Avg)
+        && std::any::TypeId::of::<T>() == std::any::TypeId::of::<f32>();
     let mut start = 0;
     while start < len {
         let b = chunk(start);
+        #[cfg(target_arch = "x86_64")]
+        if stream_f32 {
+            // SAFETY: `T` is `f32` (checked above), so each slice is one of `f32`.
+            let parts: SmallVec<[&[f32]; 8]> = descs
+                .iter()
+                .map(|dq| unsafe { &*(src(dq, start, b) as *const [T] as *const [f32]) })
+                .collect();
+            let avg = (op == ReduceOp::Avg).then_some(descs.len() as f32);
+            // SAFETY: per the contract (with `direct`, no input overlaps our output).
+            unsafe { super::store::stream_sum_f32(&parts, out.add(at + start).cast(), b, avg) };
+            start += b;
+            continue;
+        }
         // SAFETY: `out[at + start..][..b]` is ours, and with `direct` no input
         // overlaps it (the contract); without, no slice of it is made.
         let dst = direct.then(|| unsafe { std::slice::from_raw_parts_mut(out.add(at + start), b) });

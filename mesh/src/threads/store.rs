@@ -11,8 +11,10 @@
 //! outputs took 6.8 ms with cached stores and 4.9 ms streamed; below the
 //! cache's size streaming is slower (3× at 4 MiB), so smaller collectives keep
 //! cached stores. The copies of the gathering collectives (all-gather and its
-//! variants, all-to-all, an all-reduce's second phase) stream; reductions
-//! write through the cache (see `reduce_chunks`).
+//! variants, all-to-all, an all-reduce's second phase) stream, and so do `f32`
+//! sums and averages read straight from the inputs ([`stream_sum_f32`]:
+//! reduce-scatter of 16 MiB on 2 ranks 0.85-1.15 → 0.6-0.7 ms in the same
+//! measurement); other reductions write through the cache.
 //!
 //! Streaming stores are weakly ordered: a collective that streamed calls
 //! [`Store::fence`] before its next barrier point, after which peers may read
@@ -86,6 +88,57 @@ impl Store {
         if self == Store::Streaming {
             // SAFETY: `sfence` has no preconditions (SSE, part of x86-64).
             unsafe { std::arch::x86_64::_mm_sfence() }
+        }
+    }
+}
+
+/// `out[..len] = Σ parts` in part order (divided by `avg` when given), every
+/// part `len` long, written with streaming stores straight from registers: the
+/// bits of `a = p₀; a += p₁; …; a /= avg` element by element (the same IEEE
+/// operations, four lanes at a time). The elements before `out`'s first 16-byte
+/// boundary and the last `len % 4` go through the cache.
+///
+/// Loads of the inputs and stores of the output interleave vector by vector;
+/// reducing a block into scratch first and streaming it after was measured no
+/// faster than cached stores.
+///
+/// # Safety
+/// `out` is valid for `len` writes, no part overlaps it, and `parts` is not
+/// empty.
+#[cfg(target_arch = "x86_64")]
+pub(crate) unsafe fn stream_sum_f32(parts: &[&[f32]], out: *mut f32, len: usize, avg: Option<f32>) {
+    use std::arch::x86_64::{_mm_add_ps, _mm_div_ps, _mm_loadu_ps, _mm_set1_ps, _mm_stream_ps};
+    debug_assert!(!parts.is_empty() && parts.iter().all(|p| p.len() >= len));
+    #[cfg(test)]
+    STREAMED_BYTES.fetch_add(len * 4, std::sync::atomic::Ordering::Relaxed);
+    let scalar = |i: usize| {
+        let mut a = parts[0][i];
+        for p in &parts[1..] {
+            a += p[i];
+        }
+        avg.map_or(a, |n| a / n)
+    };
+    let head = out.align_offset(16).min(len);
+    let body = (len - head) / 4 * 4;
+    // SAFETY: every index below is under `len` (the caller's bound), and the
+    // body's stores are 16-byte aligned (`head` aligns `out`).
+    unsafe {
+        for i in 0..head {
+            *out.add(i) = scalar(i);
+        }
+        let n = _mm_set1_ps(avg.unwrap_or(1.0));
+        for i in (head..head + body).step_by(4) {
+            let mut a = _mm_loadu_ps(parts[0].as_ptr().add(i));
+            for p in &parts[1..] {
+                a = _mm_add_ps(a, _mm_loadu_ps(p.as_ptr().add(i)));
+            }
+            if avg.is_some() {
+                a = _mm_div_ps(a, n);
+            }
+            _mm_stream_ps(out.add(i), a);
+        }
+        for i in head + body..len {
+            *out.add(i) = scalar(i);
         }
     }
 }

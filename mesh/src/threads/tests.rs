@@ -89,7 +89,9 @@ fn a_rank_unwinding_from_the_data_phase_passes_every_barrier_point() {
 /// A collective larger than the last-level cache writes its output with
 /// streaming stores, exactly: an all-gather and an all-reduce whose ranks'
 /// segments start off any 16-byte boundary (odd element counts) stream their
-/// copies, and every element lands where a cached copy would put it.
+/// copies, and every element lands where a cached copy would put it; `f32`
+/// reduce-scatters (sum and average, blocks off 16-byte boundaries) stream
+/// the bits of the element-wise sum in rank order.
 #[test]
 #[cfg_attr(not(target_arch = "x86_64"), ignore = "streaming stores are used on x86-64 only")]
 fn collectives_larger_than_the_cache_stream_exact_results() {
@@ -111,11 +113,25 @@ fn collectives_larger_than_the_cache_stream_exact_results() {
         let mut sum = gathered.clone();
         comm.all_reduce_slice(&mut sum, ReduceOp::Sum)?;
         let sum_ok = sum.iter().zip(&gathered).all(|(&s, &g)| s == 2.0 * g);
-        Ok((gathered_ok, sum_ok))
+        // Reduce-scatters of 2c inexact values per rank (24·c bytes) into c each,
+        // summed and averaged from registers: rank r's block starts at element r·c.
+        let inexact = |q: usize, i: usize| (i % 1000) as f32 * 0.1 + q as f32 * 0.37;
+        let input: Vec<f32> = (0..2 * c).map(|i| inexact(r, i)).collect();
+        let mut scattered = vec![0f32; c];
+        let mut reduce_ok = Vec::new();
+        for (op, scale) in [(ReduceOp::Sum, None), (ReduceOp::Avg, Some(2f32))] {
+            comm.reduce_scatter((&input[..]).into(), (&mut scattered[..]).into(), op)?;
+            reduce_ok.push(scattered.iter().enumerate().all(|(i, &v)| {
+                let sum = inexact(0, r * c + i) + inexact(1, r * c + i);
+                v.to_bits() == scale.map_or(sum, |n| sum / n).to_bits()
+            }));
+        }
+        Ok((gathered_ok, sum_ok, reduce_ok))
     })
     .unwrap();
-    assert_eq!(results, vec![(true, true); 2]);
+    assert_eq!(results, vec![(true, true, vec![true, true]); 2]);
     let streamed = STREAMED_BYTES.load(Ordering::Relaxed) - before;
-    // Each rank streams its whole gathered output and the peer's half of the sum.
-    assert!(streamed >= 2 * (2 * c + c) * 4, "streamed {streamed} bytes");
+    // Each rank streams its whole gathered output, the peer's half of the sum and
+    // both reduce-scatters' outputs.
+    assert!(streamed >= 2 * (2 * c + c + 2 * c) * 4, "streamed {streamed} bytes");
 }
