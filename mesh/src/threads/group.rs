@@ -372,12 +372,16 @@ pub(crate) struct Committed<'g> {
 }
 
 impl Committed<'_> {
-    /// Waits at the next barrier point of the collective.
+    /// Waits at the next barrier point of the collective, after ordering this
+    /// rank's streaming stores before its arrival
+    /// ([`order_streamed_stores`](super::store::order_streamed_stores)), so that
+    /// peers past the point read all it wrote.
     pub(crate) fn sync(&mut self) {
         if self.points == 0 {
             return;
         }
         self.points -= 1;
+        super::store::order_streamed_stores();
         let (_, generation) = self.group.arrive(self.r);
         if let Some(generation) = generation {
             let start = Instant::now();

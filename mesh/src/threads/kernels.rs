@@ -291,7 +291,6 @@ pub(crate) fn all_gather(g: &Group, r: usize, send: Buf<'_>, recv: Out) -> Resul
             unsafe { write(store, out, q * c, peer::<T>(dq.send_ptr, c)) };
         }
     });
-    store.fence();
     done.finish()
 }
 
@@ -315,7 +314,6 @@ pub(crate) fn all_gather_segmented(g: &Group, r: usize, send: Source<'_>, recv: 
             unsafe { copy_runs::<T>(store, &descs[q], piece.start, piece.len(), out, at) };
         }
     });
-    store.fence();
     // The run table (if any) stays alive until every peer is past the barrier.
     let result = done.finish();
     drop(table);
@@ -342,7 +340,6 @@ pub(crate) fn reduce_scatter(g: &Group, r: usize, send: Source<'_>, recv: Out, o
             unsafe { reduce_runs::<T>(store, &descs, r * c, c, op, out) };
         }
     });
-    store.fence();
     // The run table (if any) stays alive until every peer is past the barrier.
     let result = done.finish();
     drop(table);
@@ -371,7 +368,6 @@ pub(crate) fn all_reduce(g: &Group, r: usize, send: Option<Buf<'_>>, mut buf: Bu
         // SAFETY: see the module docs; block r of every input is read only by us in
         // this phase and block r of our output is written only by us.
         unsafe { reduce_blocks::<T>(store, &descs, |dq| dq.send_ptr, lo(r), lo(r + 1) - lo(r), op, out, lo(r)) };
-        store.fence();
         done.sync();
         // Phase 2: copy every other rank's finished block from its output.
         for (q, dq) in descs.iter().enumerate().filter(|&(q, _)| q != r) {
@@ -380,7 +376,6 @@ pub(crate) fn all_reduce(g: &Group, r: usize, send: Option<Buf<'_>>, mut buf: Bu
             unsafe { write(store, out, lo(q), peer::<T>(dq.recv_ptr + lo(q) * size_of::<T>(), lo(q + 1) - lo(q))) };
         }
     });
-    store.fence();
     done.finish()
 }
 
@@ -397,7 +392,6 @@ pub(crate) fn all_to_all(g: &Group, r: usize, send: Buf<'_>, recv: Out) -> Resul
             unsafe { write(store, out, q * c, peer::<T>(dq.send_ptr + r * c * size_of::<T>(), c)) };
         }
     });
-    store.fence();
     done.finish()
 }
 
@@ -418,7 +412,6 @@ pub(crate) fn all_gather_v(g: &Group, r: usize, send: Buf<'_>, mut recv: BufMut<
             at += dq.send_len;
         }
     });
-    store.fence();
     done.finish()
 }
 
@@ -443,7 +436,6 @@ pub(crate) fn reduce_scatter_v(
         // input; our output holds counts[r] elements and is ours alone.
         unsafe { reduce_blocks::<T>(store, &descs, |dq| dq.send_ptr, from, counts[r], op, d.recv_ptr as *mut T, 0) };
     });
-    store.fence();
     done.finish()
 }
 
@@ -475,7 +467,6 @@ pub(crate) fn all_to_all_v(
             at += len;
         }
     });
-    store.fence();
     done.finish()
 }
 
