@@ -30,6 +30,14 @@ fn unary_shapes(kind: fn(&[usize]) -> Arg) -> Vec<Vec<Arg>> {
         .collect()
 }
 
+/// Three operands of one shape (a gradient, an input and an output).
+fn triples(kind: fn(&[usize]) -> Arg) -> Vec<Vec<Arg>> {
+    [&[7][..], &[3, 5], &[4, 6], &[2, 3, 5]]
+        .iter()
+        .map(|s| vec![kind(s), kind(s), kind(s)])
+        .collect()
+}
+
 proptest! {
     #![proptest_config(config())]
 
@@ -65,6 +73,14 @@ proptest! {
             op!("square", |x| x[0].square()),
             op!("pow(3)", |x| x[0].pow(3.0)),
         ])?;
+    }
+
+    /// GELU's backward given its output, on three operands of one shape (a
+    /// partial gradient stays partial; the output is any tensor here, which the
+    /// sharded and the full computation read alike).
+    #[test]
+    fn gelu_backward_with_output(c in plain(triples(float))) {
+        check(c, [op!("gelu_backward_with_output", |x| x[0].gelu_backward_with_output(&x[1], &x[2]))])?;
     }
 
     /// Unary ops defined on positive inputs.

@@ -161,9 +161,11 @@ impl Var {
     /// Integer inputs.
     pub fn gelu(&self) -> Result<Var> {
         let x = self.value().clone();
-        Ok(self.unary_op("gelu", x.gelu()?, move |g| {
-            g.binary("gelu_backward", &x, Linearity::FirstOnly, |g, x| g.gelu_backward(x))
-        }))
+        let y = x.gelu()?;
+        // The output is kept anyway (the next op's input): the backward reads
+        // the normal CDF off it instead of computing it again.
+        let out = y.clone();
+        Ok(self.unary_op("gelu", y, move |g| g.gelu_backward_with_output(&x, &out)))
     }
 
     /// `max(x, 0)`.

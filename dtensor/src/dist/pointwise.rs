@@ -106,6 +106,36 @@ impl DTensor {
         })
     }
 
+    /// The gradient of exact GELU at `x` given the gradient `self` of its output
+    /// `y = x.gelu()` ([`Tensor::gelu_backward_with_output`] on the local
+    /// pieces): shards kept, and a partial gradient stays partial over a
+    /// replicated `x` and `y` (the gradient is linear in `self`).
+    ///
+    /// PyTorch: `torch.ops.aten.gelu_backward(grad, x)` on DTensors, which
+    /// takes `x` only.
+    ///
+    /// # Errors
+    /// Shapes that differ, dtypes that differ, different meshes, integer
+    /// tensors, communication failures.
+    pub fn gelu_backward_with_output(&self, x: &DTensor, y: &DTensor) -> Result<DTensor> {
+        const OP: &str = "gelu_backward";
+        for t in [x, y] {
+            if t.dtype() != self.dtype() {
+                return Err(Error::DTypeMismatch {
+                    op: OP,
+                    expected: self.dtype(),
+                    got: t.dtype(),
+                });
+            }
+        }
+        crate::ops::gelu_backward_shapes(self.shape(), x.shape(), y.shape())?;
+        let shapes = [self.shape(), x.shape(), y.shape()];
+        let cands = pointwise(&shapes, self.shape(), self.mesh().ndim(), Linearity::FirstOnly);
+        dispatch(OP, &[self, x, y], &cands, self.shape(), self.dtype(), |l, _| {
+            l[0].gelu_backward_with_output(&l[1], &l[2])
+        })
+    }
+
     /// A custom element-wise unary op: shards kept, `Partial` kept only if
     /// `linearity` allows, running `kernel` on the local piece.
     ///

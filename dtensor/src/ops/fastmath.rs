@@ -69,6 +69,32 @@ pub(crate) fn zip_map<A: Copy + Sync, B: Copy + Sync, C: Send>(
     });
 }
 
+/// [`zip_map`] over three inputs: `out[i] = f(x[i], y[i], z[i])` over `out`
+/// (which the inputs are at least as long as), compiled for the widest vectors
+/// the CPU has and split over the rank's threads as [`zip_map`] is.
+#[inline(always)]
+pub(crate) fn zip3_map<A: Copy + Sync, B: Copy + Sync, C: Copy + Sync, D: Send>(
+    x: &[A],
+    y: &[B],
+    z: &[C],
+    out: &mut [D],
+    f: impl Fn(A, B, C) -> D + Sync + Copy,
+) {
+    let simd = Simd::best();
+    super::par_rows(out, 1, |start, out| {
+        let end = start + out.len();
+        let (x, y, z) = (&x[start..end], &y[start..end], &z[start..end]);
+        simd.run(
+            #[inline(always)]
+            move || {
+                for (((o, &a), &b), &c) in out.iter_mut().zip(x).zip(y).zip(z) {
+                    *o = f(a, b, c);
+                }
+            },
+        );
+    });
+}
+
 /// The instruction sets that [`zip_map`] compiles its loop for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Simd {

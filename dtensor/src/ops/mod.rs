@@ -55,6 +55,7 @@ use tessera_mesh::{DType, Element};
 pub use attention::Attention;
 pub use matmul::{Causal, GemmKernel};
 pub use nn::Reduction;
+pub(crate) use unary::gelu_backward_shapes;
 
 use crate::{Error, Result, Tensor};
 
