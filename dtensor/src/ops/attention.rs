@@ -259,6 +259,54 @@ impl<'a, T: Gemm> Operand<'a, T> {
             cs,
         }
     }
+
+    /// Asks the CPU to bring batch entry `i`'s matrix (`rows×cols`) into its
+    /// L2 cache, so that the entry after the current one is there by the time
+    /// its products start: inside a training step the operands were written
+    /// long before (saved activations) and come from memory, one row of a
+    /// head at a time ([`prefetch_rows`]).
+    fn prefetch(&self, i: usize, rows: usize, cols: usize) {
+        prefetch_rows(self.mat(i, false), rows, cols);
+    }
+}
+
+/// Prefetch hints (into L2) for the `rows` rows of `cols` contiguous elements
+/// of `m`: nothing when its columns are not contiguous or off x86-64. A hint
+/// never faults and never changes a result.
+fn prefetch_rows<T>(m: Mat<T>, rows: usize, cols: usize) {
+    #[cfg(target_arch = "x86_64")]
+    if m.cs == 1 {
+        use std::arch::x86_64::{_MM_HINT_T1, _mm_prefetch};
+        let bytes = cols * size_of::<T>();
+        for r in 0..rows {
+            let row = m.ptr.wrapping_offset(r as isize * m.rs).cast::<i8>();
+            for line in row_lines(row as usize, bytes) {
+                // SAFETY: a prefetch is a hint that neither reads nor faults,
+                // whatever the address (`wrapping_add` keeps the pointer
+                // arithmetic defined).
+                unsafe { _mm_prefetch::<_MM_HINT_T1>(row.wrapping_add(line)) };
+            }
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (m, rows, cols);
+}
+
+/// Cache lines (of 64 bytes) are the unit of a prefetch.
+#[cfg(target_arch = "x86_64")]
+const LINE: usize = 64;
+
+/// The offsets from `start` (an address) at which one address in each cache
+/// line of the `bytes` bytes from `start` lies: every line they touch, once.
+#[cfg(target_arch = "x86_64")]
+fn row_lines(start: usize, bytes: usize) -> impl Iterator<Item = usize> {
+    let lines = if bytes == 0 {
+        0
+    } else {
+        (start + bytes - 1) / LINE - start / LINE + 1
+    };
+    // The first line from `start` itself, the others from their first byte.
+    (0..lines).map(move |k| if k == 0 { 0 } else { (start / LINE + k) * LINE - start })
 }
 
 // SAFETY: an operand is only read, from storage its tensor keeps borrowed for
@@ -462,7 +510,13 @@ fn forward<T: Gemm>(q: &Tensor, k: &Tensor, v: &Tensor, attn: Attention) -> Resu
     let simd = Simd::best();
     tessera_mesh::parallel_for(parts, |p| {
         let mut rows = ProbsScratch::<T>::default();
-        for i in p * per..((p + 1) * per).min(count) {
+        let end = ((p + 1) * per).min(count);
+        for i in p * per..end {
+            if i + 1 < end {
+                qo.prefetch(i + 1, l, e);
+                ko.prefetch(i + 1, s, e);
+                vo.prefetch(i + 1, s, ev);
+            }
             // SAFETY: entry `i` of every operand is a matrix of its tensor
             // (`Operand`), `l×e`, `s×e` (read transposed) and `s×ev`; the
             // scores go to this part's own scratch matrix, the weights and the
@@ -534,7 +588,13 @@ fn backward<T: Gemm>(
     let scale = T::Acc::real(attn.scale);
     let simd = Simd::best();
     tessera_mesh::parallel_for(parts, |p| {
-        for i in p * per..((p + 1) * per).min(count) {
+        let end = ((p + 1) * per).min(count);
+        for i in p * per..end {
+            if i + 1 < end {
+                for (o, rows, cols) in [(&go, l, ev), (&qo, l, e), (&ko, s, e), (&vo, s, ev), (&po, l, s)] {
+                    o.prefetch(i + 1, rows, cols);
+                }
+            }
             // SAFETY: as in `forward`: entry `i` of every operand is a matrix
             // of its tensor, each part writes only its own scratch matrices
             // and entry `i`'s matrix of each gradient, and each product writes

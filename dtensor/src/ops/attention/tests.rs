@@ -255,3 +255,26 @@ fn outputs_follow_their_inputs_memory_order() {
     let qt = sample(&[2, 3, 4, 5], DType::F32, 5).transpose(2, 3).unwrap();
     assert!(qt.attention(&k, &v, attn).unwrap().0.is_contiguous());
 }
+
+#[test]
+#[cfg(target_arch = "x86_64")]
+fn prefetches_cover_each_line_of_a_row_once() {
+    // For rows at every alignment and of every length up to four lines: one
+    // address in each line from the row's first byte to its last, in order.
+    for start in 1000..1000 + 2 * LINE {
+        for bytes in 0..4 * LINE {
+            let got: Vec<usize> = row_lines(start, bytes).map(|o| (start + o) / LINE).collect();
+            let want: Vec<usize> = if bytes == 0 {
+                vec![]
+            } else {
+                (start / LINE..=(start + bytes - 1) / LINE).collect()
+            };
+            assert_eq!(got, want, "start {start}, {bytes} bytes");
+            // Every address is inside the row.
+            assert!(
+                row_lines(start, bytes).all(|o| o < bytes),
+                "start {start}, {bytes} bytes"
+            );
+        }
+    }
+}
