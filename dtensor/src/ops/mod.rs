@@ -479,6 +479,7 @@ mod par_tests {
                     let ln = x.layer_norm_with_stats(Some(&w), Some(&bias), 1e-5)?;
                     let targets = Tensor::from_vec((0..rows as i64).map(|i| (i * 7) % d as i64).collect(), &[rows])?;
                     Ok(vec![
+                        g.gelu_backward_with_output(&x, &x.gelu()?)?,
                         x.add(&g)?,
                         x.add(&bias)?,
                         bias.mul(&x)?,
