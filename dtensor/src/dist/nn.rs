@@ -718,7 +718,7 @@ fn masked_embedding(table: &Tensor, indices: &Tensor, offset: usize, vocab: usiz
 }
 
 /// Errors unless every input has the first one's dtype.
-fn same_dtypes(op: &'static str, inputs: &[&DTensor]) -> Result<()> {
+pub(super) fn same_dtypes(op: &'static str, inputs: &[&DTensor]) -> Result<()> {
     let expected = inputs[0].dtype();
     match inputs.iter().find(|x| x.dtype() != expected) {
         Some(x) => Err(Error::DTypeMismatch {

@@ -119,15 +119,7 @@ impl DTensor {
     /// tensors, communication failures.
     pub fn gelu_backward_with_output(&self, x: &DTensor, y: &DTensor) -> Result<DTensor> {
         const OP: &str = "gelu_backward";
-        for t in [x, y] {
-            if t.dtype() != self.dtype() {
-                return Err(Error::DTypeMismatch {
-                    op: OP,
-                    expected: self.dtype(),
-                    got: t.dtype(),
-                });
-            }
-        }
+        super::nn::same_dtypes(OP, &[self, x, y])?;
         crate::ops::gelu_backward_shapes(self.shape(), x.shape(), y.shape())?;
         let shapes = [self.shape(), x.shape(), y.shape()];
         let cands = pointwise(&shapes, self.shape(), self.mesh().ndim(), Linearity::FirstOnly);
