@@ -181,7 +181,9 @@ impl Var {
     /// Shapes that do not fit.
     pub fn layer_norm(&self, weight: Option<&Var>, bias: Option<&Var>, eps: f64) -> Result<Var> {
         let x = self.value().clone();
-        let value = x.layer_norm(weight.map(Var::value), bias.map(|b| b.value()), eps)?;
+        // The row statistics are kept for the backward (as `torch.native_layer_norm`
+        // does): two passes over each row of `x` fewer in each of its two kernels.
+        let (value, mean, rstd) = x.layer_norm_with_stats(weight.map(Var::value), bias.map(|b| b.value()), eps)?;
         let w = weight.map(Var::saved);
         let mut inputs: SmallVec<[&Var; 3]> = smallvec![self];
         inputs.extend(weight);
@@ -206,9 +208,11 @@ impl Var {
             } else {
                 g
             };
-            let mut out: SmallVec<[Option<DTensor>; 3]> = smallvec![Some(layer_norm_backward(g, &x, w.as_ref(), eps)?)];
+            let stats = [&mean, &rstd];
+            let mut out: SmallVec<[Option<DTensor>; 3]> =
+                smallvec![Some(layer_norm_backward(g, &x, stats, w.as_ref())?)];
             if w.is_some() {
-                out.push(Some(layer_norm_weight_grad(g, &x, eps)?));
+                out.push(Some(layer_norm_weight_grad(g, &x, stats)?));
             }
             if has_bias {
                 let batch: Vec<usize> = (0..last).collect();
@@ -468,33 +472,39 @@ fn softmax_backward(g: &DTensor, y: &DTensor, dim: usize) -> tessera_dtensor::Re
     })
 }
 
-/// The input gradient of layer norm over the last dim (see
-/// [`Tensor::layer_norm_backward`]), sharded like `x` off the last dim, with the
-/// weight replicated.
-fn layer_norm_backward(g: &DTensor, x: &DTensor, w: Option<&DTensor>, eps: f64) -> tessera_dtensor::Result<DTensor> {
+/// The input gradient of layer norm over the last dim from the forward's row
+/// statistics `[mean, rstd]` (see [`Tensor::layer_norm_backward_with_stats`]),
+/// sharded like `x` off the last dim, with the weight replicated.
+fn layer_norm_backward(
+    g: &DTensor,
+    x: &DTensor,
+    [mean, rstd]: [&DTensor; 2],
+    w: Option<&DTensor>,
+) -> tessera_dtensor::Result<DTensor> {
     let last = x.shape().len() - 1;
-    let cands = keep_shards_except_with(last + 1, &[last], 2, usize::from(w.is_some()), x.mesh().ndim());
-    let mut inputs: SmallVec<[&DTensor; 3]> = smallvec![g, x];
+    let cands = keep_shards_except_with(last + 1, &[last], 4, usize::from(w.is_some()), x.mesh().ndim());
+    let mut inputs: SmallVec<[&DTensor; 5]> = smallvec![g, x, mean, rstd];
     inputs.extend(w);
     dispatch("layer_norm_backward", &inputs, &cands, x.shape(), x.dtype(), |l, _| {
-        l[0].layer_norm_backward(&l[1], l.get(2), eps)
+        l[0].layer_norm_backward_with_stats(&l[1], &l[2], &l[3], l.get(4))
     })
 }
 
-/// The weight gradient of layer norm, `Σ_rows g · x̂` (see
-/// [`Tensor::layer_norm_weight_grad`]): a partial sum when the rows are sharded.
-fn layer_norm_weight_grad(g: &DTensor, x: &DTensor, eps: f64) -> tessera_dtensor::Result<DTensor> {
+/// The weight gradient of layer norm, `Σ_rows g · x̂`, from the forward's row
+/// statistics (see [`Tensor::layer_norm_weight_grad_with_stats`]): a partial
+/// sum when the rows are sharded.
+fn layer_norm_weight_grad(g: &DTensor, x: &DTensor, [mean, rstd]: [&DTensor; 2]) -> tessera_dtensor::Result<DTensor> {
     let (r, s) = (Placement::Replicate, Placement::Shard);
     let last = x.shape().len() - 1;
-    let mut options: Vec<DimOption> = vec![(smallvec![r, r], r)];
-    options.extend((0..last).map(|d| (smallvec![s(d), s(d)], Placement::Partial(ReduceOp::Sum))));
-    let cands = product(&vec![options; x.mesh().ndim()], 2);
+    let mut options: Vec<DimOption> = vec![(smallvec![r, r, r, r], r)];
+    options.extend((0..last).map(|d| (smallvec![s(d), s(d), s(d), s(d)], Placement::Partial(ReduceOp::Sum))));
+    let cands = product(&vec![options; x.mesh().ndim()], 4);
     dispatch(
         "layer_norm_weight_grad",
-        &[g, x],
+        &[g, x, mean, rstd],
         &cands,
         &[x.shape()[last]],
         x.dtype(),
-        |l, _| l[0].layer_norm_weight_grad(&l[1], eps),
+        |l, _| l[0].layer_norm_weight_grad_with_stats(&l[1], &l[2], &l[3]),
     )
 }

@@ -291,6 +291,23 @@ impl DTensor {
     /// # Errors
     /// Shapes or dtypes that do not fit.
     pub fn layer_norm(&self, weight: Option<&DTensor>, bias: Option<&DTensor>, eps: f64) -> Result<DTensor> {
+        Ok(self.layer_norm_with_stats(weight, bias, eps)?.0)
+    }
+
+    /// [`layer_norm`](Self::layer_norm), also returning the per-row `mean` and
+    /// `rstd` its backward takes ([`Tensor::layer_norm_with_stats`]): shaped as
+    /// the input with the last dim 1, placed as the output.
+    ///
+    /// PyTorch: `torch.native_layer_norm` on DTensors.
+    ///
+    /// # Errors
+    /// As [`layer_norm`](Self::layer_norm).
+    pub fn layer_norm_with_stats(
+        &self,
+        weight: Option<&DTensor>,
+        bias: Option<&DTensor>,
+        eps: f64,
+    ) -> Result<(DTensor, DTensor, DTensor)> {
         let r = self.shape().len();
         if r == 0 {
             return Err(Error::InvalidArgument {
@@ -302,11 +319,21 @@ impl DTensor {
         inputs.extend(weight);
         inputs.extend(bias);
         let cands = keep_shards_except_with(r, &[r - 1], 1, inputs.len() - 1, self.mesh().ndim());
-        dispatch("layer_norm", &inputs, &cands, self.shape(), self.dtype(), |l, _| {
+        let mut stats = None;
+        let out = dispatch("layer_norm", &inputs, &cands, self.shape(), self.dtype(), |l, _| {
             let w = weight.map(|_| &l[1]);
             let b = bias.map(|_| &l[1 + usize::from(weight.is_some())]);
-            l[0].layer_norm(w, b, eps)
-        })
+            let (out, mean, rstd) = l[0].layer_norm_with_stats(w, b, eps)?;
+            stats = Some((mean, rstd));
+            Ok(out)
+        })?;
+        let mut stat_shape = self.shape().to_vec();
+        stat_shape[r - 1] = 1;
+        // INVARIANT: the kernel ran (dispatch returned its output).
+        let (mean, rstd) = stats.expect("the kernel ran");
+        let place = |t| DTensor::from_local(t, self.mesh(), out.placements(), &stat_shape);
+        let (mean, rstd) = (place(mean)?, place(rstd)?);
+        Ok((out, mean, rstd))
     }
 
     /// Rows of this `[V, D]` table picked by `indices` (`i64`): output

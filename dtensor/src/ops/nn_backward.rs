@@ -7,6 +7,8 @@ use super::fastmath::{Simd, zip_map_inline};
 use super::nn::{causal_keep, ce_targets, check_scores, index_vector, map_rows, row_exp_sum};
 use super::reduce::sum_map_f64;
 use super::{Float, Real, check_dim, elements, float_dispatch, output, same_dtype};
+use tessera_mesh::DType;
+
 use crate::{Error, Result, Tensor};
 
 /// Errors unless `a` and `b` have the same shape and dtype.
@@ -88,43 +90,33 @@ impl Tensor {
     /// [`Error::DTypeMismatch`]; [`Error::InvalidArgument`] for rank-0 or integer tensors.
     pub fn layer_norm_backward(&self, x: &Tensor, weight: Option<&Tensor>, eps: f64) -> Result<Tensor> {
         const OP: &str = "layer_norm_backward";
-        same_shape(OP, self, x, "the input")?;
-        need_rank(OP, x)?;
-        let d = x.shape()[x.rank() - 1];
-        if let Some(w) = weight {
-            same_dtype(OP, x, w)?;
-            if w.shape() != [d] {
-                return Err(Error::ShapeMismatch {
-                    op: OP,
-                    detail: format!(
-                        "weight has shape {:?} but the input's last dim is {d}; pass a [{d}] weight",
-                        w.shape()
-                    ),
-                });
-            }
-        }
+        ln_backward_checks(OP, self, x, weight)?;
+        float_dispatch!(OP, self.dtype(), T => ln_input_grad::<T>(self, x, weight, #[inline(always)] |_, row| row_stats(row, eps)))
+    }
+
+    /// [`layer_norm_backward`](Self::layer_norm_backward) with the row
+    /// statistics that [`layer_norm_with_stats`](Self::layer_norm_with_stats)
+    /// returned (`f64`) instead of recomputing them from `x`: two passes over
+    /// each row fewer, the same bits. PyTorch: the input gradient of
+    /// `torch.ops.aten.native_layer_norm_backward`, which takes the forward's
+    /// `mean` and `rstd` likewise.
+    ///
+    /// # Errors
+    /// As [`layer_norm_backward`](Self::layer_norm_backward), and
+    /// [`Error::ShapeMismatch`] or [`Error::DTypeMismatch`] when `mean` or `rstd`
+    /// is not what the forward returns for `x`.
+    pub fn layer_norm_backward_with_stats(
+        &self,
+        x: &Tensor,
+        mean: &Tensor,
+        rstd: &Tensor,
+        weight: Option<&Tensor>,
+    ) -> Result<Tensor> {
+        const OP: &str = "layer_norm_backward";
+        ln_backward_checks(OP, self, x, weight)?;
         float_dispatch!(OP, self.dtype(), T => {
-            let w: Vec<f64> = match weight {
-                Some(w) => elements::<T>(w)?.iter().map(|v| v.wide()).collect(),
-                None => filled(OP, d, 1.0)?,
-            };
-            map_rows::<T, [Vec<f64>; 2], 2>(OP, [self, x], x.rank() - 1, #[inline(always)] |_, [g, x], o, [gw, xhat]| {
-                gw.resize(d, 0.0);
-                xhat.resize(d, 0.0);
-                let (mean, rstd) = row_stats(x, eps);
-                for ((a, &g), &w) in gw.iter_mut().zip(g).zip(&w) {
-                    *a = g.wide() * w;
-                }
-                for (h, &x) in xhat.iter_mut().zip(x) {
-                    *h = (x.wide() - mean) * rstd;
-                }
-                // Sums in eight lanes (vector adds), not one chain of dependent adds.
-                let m1 = sum_map_f64(gw, |a| a) / d as f64;
-                let m2 = dot_f64::<f64>(gw, xhat) / d as f64;
-                for ((o, &a), &h) in o.iter_mut().zip(gw.iter()).zip(xhat.iter()) {
-                    *o = T::from_wide((a - m1 - h * m2) * rstd);
-                }
-            })
+            let stats = saved_stats(OP, x, mean, rstd)?;
+            ln_input_grad::<T>(self, x, weight, #[inline(always)] |r, _| stats[r])
         })
     }
 
@@ -138,29 +130,29 @@ impl Tensor {
     /// As [`layer_norm_backward`](Self::layer_norm_backward).
     pub fn layer_norm_weight_grad(&self, x: &Tensor, eps: f64) -> Result<Tensor> {
         const OP: &str = "layer_norm_weight_grad";
-        same_shape(OP, self, x, "the input")?;
-        need_rank(OP, x)?;
+        ln_backward_checks(OP, self, x, None)?;
         let d = x.shape()[x.rank() - 1];
         float_dispatch!(OP, self.dtype(), T => {
-            let (gv, xv) = (elements::<T>(self)?, elements::<T>(x)?);
-            let mut gw = filled(OP, d, 0.0)?;
-            if d > 0 {
-                let stats = all_row_stats(&xv, d, eps);
-                // Blocks of columns over the rank's threads: every column sums its
-                // rows in order, as on one thread.
-                let (simd, gv, xv) = (Simd::best(), &gv[..], &xv[..]);
-                super::par_blocks(&mut gw, 1, super::par_parts(gv.len()), |c0, cols| {
-                    simd.run(#[inline(always)] || {
-                        let rows = gv.chunks_exact(d).zip(xv.chunks_exact(d)).zip(&stats);
-                        for ((g, x), &(mean, rstd)) in rows {
-                            for ((a, &g), &x) in cols.iter_mut().zip(&g[c0..]).zip(&x[c0..]) {
-                                *a += g.wide() * ((x.wide() - mean) * rstd);
-                            }
-                        }
-                    })
-                });
-            }
-            output(gw.into_iter().map(T::from_wide).collect::<Vec<T>>(), &[d])
+            let xv = elements::<T>(x)?;
+            let stats = if d > 0 { all_row_stats(&xv, d, eps) } else { Vec::new() };
+            ln_weight_grad::<T>(self, &xv, d, &stats)
+        })
+    }
+
+    /// [`layer_norm_weight_grad`](Self::layer_norm_weight_grad) with the row
+    /// statistics that [`layer_norm_with_stats`](Self::layer_norm_with_stats)
+    /// returned (see [`layer_norm_backward_with_stats`](Self::layer_norm_backward_with_stats)).
+    /// PyTorch: the weight gradient of `torch.ops.aten.native_layer_norm_backward`.
+    ///
+    /// # Errors
+    /// As [`layer_norm_backward_with_stats`](Self::layer_norm_backward_with_stats).
+    pub fn layer_norm_weight_grad_with_stats(&self, x: &Tensor, mean: &Tensor, rstd: &Tensor) -> Result<Tensor> {
+        const OP: &str = "layer_norm_weight_grad";
+        ln_backward_checks(OP, self, x, None)?;
+        let d = x.shape()[x.rank() - 1];
+        float_dispatch!(OP, self.dtype(), T => {
+            let stats = saved_stats(OP, x, mean, rstd)?;
+            ln_weight_grad::<T>(self, &elements::<T>(x)?, d, &stats)
         })
     }
 
@@ -364,6 +356,125 @@ fn dot_f64<T: Float>(g: &[T], y: &[T]) -> f64 {
 }
 
 /// Errors unless `t` has a last dim.
+/// The checks shared by layer norm's backward kernels: `g` and `x` of one shape
+/// and dtype, rank >= 1, and an optional `[D]` weight of that dtype.
+fn ln_backward_checks(op: &'static str, g: &Tensor, x: &Tensor, weight: Option<&Tensor>) -> Result<()> {
+    same_shape(op, g, x, "the input")?;
+    need_rank(op, x)?;
+    let Some(w) = weight else { return Ok(()) };
+    same_dtype(op, x, w)?;
+    let d = x.shape()[x.rank() - 1];
+    if w.shape() != [d] {
+        return Err(Error::ShapeMismatch {
+            op,
+            detail: format!(
+                "weight has shape {:?} but the input's last dim is {d}; pass a [{d}] weight",
+                w.shape()
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// The per-row `(mean, rstd)` of `x` that [`Tensor::layer_norm_with_stats`]
+/// returned, after checking that they have its shape (the input's with the
+/// last dim 1) and dtype (`f64`).
+fn saved_stats(op: &'static str, x: &Tensor, mean: &Tensor, rstd: &Tensor) -> Result<Vec<(f64, f64)>> {
+    let mut want = x.shape().to_vec();
+    if let Some(last) = want.last_mut() {
+        *last = 1;
+    }
+    for (name, t) in [("mean", mean), ("rstd", rstd)] {
+        if t.shape() != want {
+            return Err(Error::ShapeMismatch {
+                op,
+                detail: format!(
+                    "{name} has shape {:?} but an input of shape {:?} has statistics of shape {want:?} \
+                     (as layer_norm_with_stats returns them)",
+                    t.shape(),
+                    x.shape()
+                ),
+            });
+        }
+        if t.dtype() != DType::F64 {
+            return Err(Error::DTypeMismatch {
+                op,
+                expected: DType::F64,
+                got: t.dtype(),
+            });
+        }
+    }
+    let (m, r) = (elements::<f64>(mean)?, elements::<f64>(rstd)?);
+    Ok(m.iter().copied().zip(r.iter().copied()).collect())
+}
+
+/// Layer norm's input gradient (see [`Tensor::layer_norm_backward`]) with each
+/// row's `(mean, rstd)` from `stats(row index, row of x)`; shapes checked.
+fn ln_input_grad<T: Float>(
+    g: &Tensor,
+    x: &Tensor,
+    weight: Option<&Tensor>,
+    stats: impl Fn(usize, &[T]) -> (f64, f64) + Sync + Copy,
+) -> Result<Tensor> {
+    const OP: &str = "layer_norm_backward";
+    let d = x.shape()[x.rank() - 1];
+    let w: Vec<f64> = match weight {
+        Some(w) => elements::<T>(w)?.iter().map(|v| v.wide()).collect(),
+        None => filled(OP, d, 1.0)?,
+    };
+    map_rows::<T, [Vec<f64>; 2], 2>(
+        OP,
+        [g, x],
+        x.rank() - 1,
+        #[inline(always)]
+        |r, [g, x], o, [gw, xhat]| {
+            gw.resize(d, 0.0);
+            xhat.resize(d, 0.0);
+            let (mean, rstd) = stats(r, x);
+            for ((a, &g), &w) in gw.iter_mut().zip(g).zip(&w) {
+                *a = g.wide() * w;
+            }
+            for (h, &x) in xhat.iter_mut().zip(x) {
+                *h = (x.wide() - mean) * rstd;
+            }
+            // Sums in eight lanes (vector adds), not one chain of dependent adds.
+            let m1 = sum_map_f64(gw, |a| a) / d as f64;
+            let m2 = dot_f64::<f64>(gw, xhat) / d as f64;
+            for ((o, &a), &h) in o.iter_mut().zip(gw.iter()).zip(xhat.iter()) {
+                *o = T::from_wide((a - m1 - h * m2) * rstd);
+            }
+        },
+    )
+}
+
+/// Layer norm's weight gradient `Σ_rows g · x̂` (see
+/// [`Tensor::layer_norm_weight_grad`]) of `g` over the rows of `xv` (`d` wide)
+/// with their `stats`; shapes checked.
+fn ln_weight_grad<T: Float>(g: &Tensor, xv: &[T], d: usize, stats: &[(f64, f64)]) -> Result<Tensor> {
+    const OP: &str = "layer_norm_weight_grad";
+    let gv = elements::<T>(g)?;
+    let mut gw = filled(OP, d, 0.0)?;
+    if d > 0 {
+        // Blocks of columns over the rank's threads: every column sums its rows
+        // in order, as on one thread.
+        let (simd, gv) = (Simd::best(), &gv[..]);
+        super::par_blocks(&mut gw, 1, super::par_parts(gv.len()), |c0, cols| {
+            simd.run(
+                #[inline(always)]
+                || {
+                    let rows = gv.chunks_exact(d).zip(xv.chunks_exact(d)).zip(stats);
+                    for ((g, x), &(mean, rstd)) in rows {
+                        for ((a, &g), &x) in cols.iter_mut().zip(&g[c0..]).zip(&x[c0..]) {
+                            *a += g.wide() * ((x.wide() - mean) * rstd);
+                        }
+                    }
+                },
+            )
+        });
+    }
+    output(gw.into_iter().map(T::from_wide).collect::<Vec<T>>(), &[d])
+}
+
 fn need_rank(op: &'static str, t: &Tensor) -> Result<()> {
     if t.rank() >= 1 {
         Ok(())
@@ -532,6 +643,12 @@ mod tests {
                             rtol,
                             &format!("layer_norm {what} {}", weight.is_some()),
                         );
+                        // From the forward's statistics: the same bits.
+                        let (_, mean, rstd) = x.layer_norm_with_stats(weight, None, 1e-5).unwrap();
+                        let saved = g
+                            .layer_norm_backward_with_stats(&x, &mean, &rstd, weight)
+                            .unwrap();
+                        assert_eq!(saved, got, "{what}");
                     }
                     let want = g64.mul(&xhat).unwrap().sum(&batch, false).unwrap();
                     let got = g.layer_norm_weight_grad(&x, 1e-5).unwrap();
@@ -543,6 +660,9 @@ mod tests {
                         rows * 4.0 * tol(dtype),
                         &format!("weight grad {what}"),
                     );
+                    let (_, mean, rstd) = x.layer_norm_with_stats(None, None, 1e-5).unwrap();
+                    let saved = g.layer_norm_weight_grad_with_stats(&x, &mean, &rstd).unwrap();
+                    assert_eq!(saved, got, "{what}");
                 }
             };
         }
@@ -725,5 +845,56 @@ mod tests {
         );
         let s = sample(&[], DType::F32, 1);
         assert!(s.layer_norm_weight_grad(&s, 1e-5).is_err());
+    }
+
+    #[test]
+    fn layer_norm_backward_reads_the_statistics_it_is_given() {
+        let x = sample(&[3, 8], DType::F32, 1)
+            .mul_scalar(3.0)
+            .unwrap()
+            .add_scalar(0.5)
+            .unwrap();
+        let g = sample(&[3, 8], DType::F32, 2);
+        let (_, mean, rstd) = x.layer_norm_with_stats(None, None, 1e-5).unwrap();
+        let right = g.layer_norm_backward_with_stats(&x, &mean, &rstd, None).unwrap();
+        let right_w = g.layer_norm_weight_grad_with_stats(&x, &mean, &rstd).unwrap();
+        // Other statistics than the input's give other gradients: the kernels use
+        // the ones passed in, not statistics recomputed from `x`.
+        let shifted = mean.add_scalar(0.25).unwrap();
+        let scaled = rstd.mul_scalar(2.0).unwrap();
+        for (m, r) in [(&shifted, &rstd), (&mean, &scaled)] {
+            assert_ne!(g.layer_norm_backward_with_stats(&x, m, r, None).unwrap(), right);
+            assert_ne!(g.layer_norm_weight_grad_with_stats(&x, m, r).unwrap(), right_w);
+        }
+    }
+
+    #[test]
+    fn layer_norm_backward_with_stats_errors() {
+        let x = sample(&[2, 4], DType::F32, 1);
+        let (_, mean, rstd) = x.layer_norm_with_stats(None, None, 1e-5).unwrap();
+        let err = |r: Result<Tensor>| r.unwrap_err().to_string();
+        let wide = sample(&[2, 4], DType::F32, 3);
+        assert_eq!(
+            err(x.layer_norm_backward_with_stats(&x, &wide, &rstd, None)),
+            "layer_norm_backward: shape mismatch: mean has shape [2, 4] but an input of shape [2, 4] has \
+             statistics of shape [2, 1] (as layer_norm_with_stats returns them)"
+        );
+        assert_eq!(
+            err(x.layer_norm_weight_grad_with_stats(&x, &mean, &rstd.cast(DType::F32).unwrap())),
+            "layer_norm_weight_grad: expected dtype f64, got f32"
+        );
+        // bf16 inputs have f64 statistics too, as the forward returns them.
+        let h = x.cast(DType::BF16).unwrap();
+        let (_, hm, hr) = h.layer_norm_with_stats(None, None, 1e-5).unwrap();
+        assert_eq!(hm.dtype(), DType::F64);
+        assert!(h.layer_norm_backward_with_stats(&h, &hm, &hr, None).is_ok());
+        assert_eq!(
+            err(h.layer_norm_backward_with_stats(&h, &hm.cast(DType::BF16).unwrap(), &hr, None)),
+            "layer_norm_backward: expected dtype f64, got bf16"
+        );
+        assert_eq!(
+            err(x.layer_norm_backward_with_stats(&x, &mean, &rstd, Some(&sample(&[3], DType::F32, 1)))),
+            "layer_norm_backward: shape mismatch: weight has shape [3] but the input's last dim is 4; pass a [4] weight"
+        );
     }
 }

@@ -230,8 +230,8 @@ fn layer_norm_typed<T: Float>(
                 },
             )
         });
-        means.extend(stats.iter().map(|s| T::Acc::real(s.0)));
-        rstds.extend(stats.iter().map(|s| T::Acc::real(s.1)));
+        means.extend(stats.iter().map(|s| s.0));
+        rstds.extend(stats.iter().map(|s| s.1));
     }
     let mut stat_shape = x.shape().to_vec();
     if let Some(last) = stat_shape.last_mut() {
@@ -241,7 +241,7 @@ fn layer_norm_typed<T: Float>(
         // An empty input can still have many rows (`[n, 0]`).
         means = crate::alloc::with_capacity("layer_norm", &stat_shape)?;
         // Allocated above, so the product fits.
-        means.resize(stat_shape.iter().product(), T::Acc::real(f64::NAN));
+        means.resize(stat_shape.iter().product(), f64::NAN);
         rstds = crate::alloc::with_capacity("layer_norm", &stat_shape)?;
         rstds.clone_from(&means);
     }
@@ -327,8 +327,13 @@ impl Tensor {
 
     /// [`layer_norm`](Self::layer_norm), also returning what its backward
     /// needs: `(output, mean, rstd)`, where `mean` and `rstd = 1 / sqrt(var + eps)`
-    /// have the input's shape with the last dim 1, in `f32` for `f32`, `bf16` and
-    /// `f16` inputs and `f64` for `f64`. PyTorch: `torch.native_layer_norm`.
+    /// have the input's shape with the last dim 1, in `f64` for every input
+    /// dtype: the statistics the output was computed with, unrounded, so that
+    /// [`layer_norm_backward_with_stats`](Self::layer_norm_backward_with_stats)
+    /// gives the bits of [`layer_norm_backward`](Self::layer_norm_backward).
+    /// PyTorch: `torch.native_layer_norm`, whose statistics are `f32` for `f32`,
+    /// `bf16` and `f16` inputs (rounding them costs a row of nearly equal
+    /// values most of its gradient's precision).
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] for a rank-0 or integer input;
