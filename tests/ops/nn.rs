@@ -52,6 +52,9 @@ proptest! {
             op!("layer_norm(w, -)", |x| x[0].layer_norm(Some(&x[1]), None, 1e-5)),
             op!("layer_norm(-, b)", |x| x[0].layer_norm(None, Some(&x[2]), 1e-5)),
             op!("layer_norm(-, -)", |x| x[0].layer_norm(None, None, 1e-5)),
+            // The statistics the backward takes, placed as the output.
+            op!("layer_norm_with_stats mean", |x| Ok(x[0].layer_norm_with_stats(Some(&x[1]), None, 1e-5)?.1)),
+            op!("layer_norm_with_stats rstd", |x| Ok(x[0].layer_norm_with_stats(None, Some(&x[2]), 1e-5)?.2)),
         ])?;
     }
 
