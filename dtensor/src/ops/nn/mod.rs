@@ -129,8 +129,17 @@ pub(super) fn attention_probs_row<T: Float>(
         |x, _| T::from_acc(x.to_acc() * scale),
     );
     let max = row_max(scaled);
+    // The full row's sum adds the masked keys' zeros to its eight lanes, which
+    // leaves them as they are: summing up to the end of the last group of eight
+    // that holds a kept key gives the same bits (the full row's tail of fewer
+    // than eight, if any, is then all zeros and adds nothing either).
+    let whole = row.len() / 8 * 8;
+    let upto = match keep.next_multiple_of(8) {
+        k if k <= whole => k,
+        _ => row.len(),
+    };
     e.clear();
-    e.resize(row.len(), T::Acc::ZERO);
+    e.resize(upto, T::Acc::ZERO);
     zip_map_inline(
         scaled,
         scaled,
@@ -138,11 +147,12 @@ pub(super) fn attention_probs_row<T: Float>(
         #[inline(always)]
         |x, _| exp(x.to_acc() - max),
     );
-    // Masked keys add exact zeros, in the lanes the full row puts them.
     let inv = 1.0 / sum_map_f64(e, |v| v.widen());
-    for (o, &v) in out.iter_mut().zip(e.iter()) {
+    for (o, &v) in out.iter_mut().zip(&e[..keep]) {
         *o = T::from_wide(v.widen() * inv);
     }
+    // A masked key's weight, `0 · inv` as for the full row (NaN when `inv` is).
+    out[keep..].fill(T::from_wide(0.0 * inv));
 }
 
 /// Errors unless `t` has rank >= 1 (ops over a dim or the last dim).

@@ -337,8 +337,13 @@ fn attention_probs_equal_the_chain_they_fuse() {
         Tensor::from_vec(v, &[2, 4, 4]).unwrap().cast(dtype).unwrap()
     };
     type Make = fn(DType) -> Tensor;
-    let cases: [(&str, Make); 7] = [
+    let cases: [(&str, Make); 8] = [
         ("[2,3,5,5]", |d| sample(&[2, 3, 5, 5], d, 1).mul_scalar(4.0).unwrap()),
+        // Rows of two groups of eight and a tail of four: the causal rows' sums
+        // stop after the group of their last kept key, or run to the end.
+        ("[2,20,20] ragged rows", |d| {
+            sample(&[2, 20, 20], d, 10).mul_scalar(4.0).unwrap()
+        }),
         ("[4,7] more keys", |d| sample(&[4, 7], d, 2).mul_scalar(4.0).unwrap()),
         ("[6,3] more queries", |d| sample(&[6, 3], d, 3).mul_scalar(4.0).unwrap()),
         ("[3,40,40] long rows", |d| {
