@@ -3,12 +3,12 @@
 
 use std::mem::MaybeUninit;
 
+use tessera_mesh::DType;
+
 use super::fastmath::{Simd, zip_map_inline};
 use super::nn::{causal_keep, ce_targets, check_scores, index_vector, map_rows, row_exp_sum};
 use super::reduce::sum_map_f64;
 use super::{Float, Real, check_dim, elements, float_dispatch, output, same_dtype};
-use tessera_mesh::DType;
-
 use crate::{Error, Result, Tensor};
 
 /// Errors unless `a` and `b` have the same shape and dtype.
