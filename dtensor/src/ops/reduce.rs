@@ -39,20 +39,22 @@ pub(crate) fn nan_max<R: Real>(a: R, b: R) -> R {
 #[inline(always)]
 pub(crate) fn row_max<T: Float>(row: &[T]) -> T::Acc {
     let mut acc = [T::Acc::NEG_INFINITY; 8];
-    let mut nan = false;
+    // Per lane, so that a chunk costs a compare and a mask `or`, not a flag
+    // gathered from the lanes each time.
+    let mut nan = [false; 8];
     let chunks = row.chunks_exact(8);
     let tail = chunks
         .remainder()
         .iter()
         .fold(T::Acc::NEG_INFINITY, |m, &x| nan_max(m, x.to_acc()));
     for c in chunks {
-        for (a, &x) in acc.iter_mut().zip(c) {
+        for ((a, n), &x) in acc.iter_mut().zip(&mut nan).zip(c) {
             let x = x.to_acc();
-            nan |= x.is_nan();
+            *n |= x.is_nan();
             *a = if x > *a { x } else { *a };
         }
     }
-    if nan {
+    if nan.contains(&true) {
         return T::Acc::real(f64::NAN);
     }
     acc.into_iter().fold(tail, nan_max)

@@ -84,7 +84,7 @@ pub(super) fn map_rows<T: Float, S: Default, const N: usize>(
 #[inline(always)]
 pub(super) fn row_exp_sum<T: Float>(row: &[T], e: &mut Vec<T::Acc>) -> (T::Acc, f64) {
     let max = row_max(row);
-    e.clear();
+    // Every element is written below: only a change of length touches the buffer.
     e.resize(row.len(), T::Acc::ZERO);
     zip_map_inline(
         row,
