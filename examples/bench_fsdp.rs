@@ -43,7 +43,12 @@
 //! collectives, their packing and the wait for peers), allocation and the
 //! optimizer (exclusive times from `tessera::dtensor::profile`, medians over
 //! the timed steps), and what no timer covered ("other"); then, per phase, the
-//! ops whose local kernels took the most time (`tessera::dtensor::profile::take_ops`).
+//! ops whose local kernels took the most time (`tessera::dtensor::profile::take_ops`);
+//! then rank 0's GEMM rate (the `matmul` ops' flops over their time, per thread)
+//! against one core's `f32` FMA peak measured in the same run (x86-64), and the
+//! step's time if every GEMM ran at that peak: the floor a faster GEMM could
+//! reach. `--json` records then gain `gemm_gflop_per_step`,
+//! `gemm_gflops_per_thread` and `fma_peak_gflops`.
 //!
 //! `--threads N` gives each rank N threads for its kernels (default: the cores
 //! divided among the ranks, or `TESSERA_THREADS_PER_RANK`); the table's
@@ -230,6 +235,12 @@ fn run(args: &Args) -> Result<(), BoxError> {
         if args.bf16 { "bf16 mixed precision" } else { "f32" },
         args.steps,
     );
+    // Before the modes, on a machine this benchmark does not load yet.
+    let peak = if args.profile {
+        common::peak::f32_fma_gflops()
+    } else {
+        None
+    };
     let mut summaries = Vec::new();
     for mode in [Mode::Single, Mode::Fsdp] {
         let mut opts = LaunchOptions::from_env()?;
@@ -258,10 +269,11 @@ fn run(args: &Args) -> Result<(), BoxError> {
             threads: reports[0].threads,
         });
     }
-    report(args, &summaries)?;
+    report(args, &summaries, peak)?;
     if args.profile {
         print_profiles(&summaries);
         print_top_ops(&summaries, 12);
+        print_gemm_rates(&summaries, peak);
     }
     Ok(())
 }
@@ -430,6 +442,69 @@ fn print_top_ops(s: &[Summary], top: usize) {
     }
 }
 
+/// Rank 0's GEMMs (the products of `matmul` ops) in forward and backward,
+/// from the profile: floating-point operations and time per timed step.
+struct GemmRate {
+    /// GFLOP per step.
+    gflop: f64,
+    /// Milliseconds per step.
+    ms: f64,
+    /// GFLOP/s on each of the rank's threads (the products' time is the rank's
+    /// wall time, its threads working on them together).
+    per_thread: f64,
+}
+
+impl GemmRate {
+    /// `None` without profiles (no `--profile`) or GEMM time.
+    fn of(x: &Summary) -> Option<GemmRate> {
+        let steps = x.profiles.len();
+        let (mut flops, mut secs) = (0.0, 0.0);
+        for p in x.profiles.iter().flat_map(|phases| &phases[..2]) {
+            flops += p.flops(Kind::Gemm) as f64;
+            secs += p.time(Kind::Gemm).as_secs_f64();
+        }
+        (steps > 0 && secs > 0.0).then(|| GemmRate {
+            gflop: flops / steps as f64 / 1e9,
+            ms: secs / steps as f64 * 1e3,
+            per_thread: flops / secs / x.threads.max(1) as f64 / 1e9,
+        })
+    }
+}
+
+/// Prints, per mode, rank 0's GEMM rate against one core's FMA peak measured
+/// in this run, and what the step would take with every GEMM at that peak and
+/// everything else as measured: how much a faster GEMM could still give.
+fn print_gemm_rates(s: &[Summary], peak: Option<f64>) {
+    println!();
+    match peak {
+        Some(p) => println!(
+            "rank 0's GEMMs (forward + backward) against one core's f32 FMA peak, {p:.1} GFLOP/s (measured in this run):"
+        ),
+        None => println!("rank 0's GEMMs (forward + backward); no FMA peak measured on this CPU:"),
+    }
+    for x in s {
+        let Some(r) = GemmRate::of(x) else { continue };
+        let mut line = format!(
+            "{:<8} {:.2} GFLOP per step in {:.1} ms on {} thread(s): {:.1} GFLOP/s per thread",
+            x.mode.name(),
+            r.gflop,
+            r.ms,
+            x.threads,
+            r.per_thread
+        );
+        if let Some(p) = peak {
+            let at_peak = r.gflop / (p * x.threads.max(1) as f64) * 1e3;
+            let step = x.median_s * 1e3;
+            line += &format!(
+                " ({:.0}% of peak); at the peak: GEMMs {at_peak:.1} ms, the step {:.1} ms (median {step:.1})",
+                100.0 * r.per_thread / p,
+                step - r.ms + at_peak
+            );
+        }
+        println!("{line}");
+    }
+}
+
 /// Average busy cores over an interval: this process's threads, and everything else
 /// on the machine (other processes, the kernel's own work).
 #[derive(Clone, Copy, Debug)]
@@ -465,7 +540,7 @@ fn cpu_seconds() -> Option<(f64, f64)> {
 }
 
 /// Prints the table and the targets, and writes the JSON.
-fn report(args: &Args, s: &[Summary]) -> Result<(), BoxError> {
+fn report(args: &Args, s: &[Summary], peak: Option<f64>) -> Result<(), BoxError> {
     let (single, fsdp) = (&s[0], &s[1]);
     let (pt_single, pt_fsdp) = args.pytorch_ms;
     let mib = |b: usize| b as f64 / (1u64 << 20) as f64;
@@ -521,6 +596,13 @@ fn report(args: &Args, s: &[Summary]) -> Result<(), BoxError> {
             ("first_loss".into(), Json::Num(x.first_loss)),
             ("last_loss".into(), Json::Num(x.last_loss)),
         ]));
+        if let (Some(r), Some(Json::Obj(fields))) = (GemmRate::of(x), records.last_mut()) {
+            fields.push(("gemm_gflop_per_step".into(), Json::Num(r.gflop)));
+            fields.push(("gemm_gflops_per_thread".into(), Json::Num(r.per_thread)));
+            if let Some(peak) = peak {
+                fields.push(("fma_peak_gflops".into(), Json::Num(peak)));
+            }
+        }
     }
     let time_ratio = fsdp.median_s / single.median_s;
     let mem_ratio = fsdp.peak_bytes as f64 / single.peak_bytes as f64;

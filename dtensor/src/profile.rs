@@ -7,6 +7,11 @@
 //! allocation, not GEMM. Totals are per thread (a rank's thread under the
 //! threads backend); [`take`] returns and resets the calling thread's.
 //!
+//! Matrix products also count their floating-point operations ([`add_flops`],
+//! `2·m·k·n` for a dense product, the computed part of a causal one), under
+//! the kind of the scope they run in, so that a GEMM's time can be read as a
+//! rate ([`Profile::flops`]).
+//!
 //! ```
 //! use tessera_dtensor::profile::{self, Kind};
 //! use tessera_dtensor::{DType, Tensor};
@@ -102,6 +107,7 @@ impl Kind {
 pub struct Profile {
     time: [Duration; 7],
     count: [u64; 7],
+    flops: [u64; 7],
 }
 
 impl Profile {
@@ -119,6 +125,12 @@ impl Profile {
     pub fn total(&self) -> Duration {
         self.time.iter().sum()
     }
+
+    /// Floating-point operations counted ([`add_flops`]) in scopes of `kind`:
+    /// the matrix products run there, whichever threads ran their parts.
+    pub fn flops(&self, kind: Kind) -> u64 {
+        self.flops[kind.index()]
+    }
 }
 
 impl std::ops::AddAssign for Profile {
@@ -126,6 +138,7 @@ impl std::ops::AddAssign for Profile {
         for i in 0..self.time.len() {
             self.time[i] += o.time[i];
             self.count[i] += o.count[i];
+            self.flops[i] += o.flops[i];
         }
     }
 }
@@ -196,6 +209,24 @@ pub fn add_op(sum: &mut Vec<OpTime>, o: OpTime) {
         }
         None => sum.push(o),
     }
+}
+
+/// Counts `flops` floating-point operations under the kind of the calling
+/// thread's innermost open scope (a `matmul` op's is [`Kind::Gemm`]). Kernels
+/// call it once per product on the thread that runs the op, before handing
+/// parts to other threads; without an open scope, or with timing off, the
+/// operations are not counted.
+pub fn add_flops(flops: u64) {
+    if !enabled() {
+        return;
+    }
+    let _ = STATE.try_with(|s| {
+        let mut s = s.borrow_mut();
+        if let Some(kind) = s.stack.last().map(|f| f.kind) {
+            let f = &mut s.totals.flops[kind.index()];
+            *f = f.saturating_add(flops);
+        }
+    });
 }
 
 /// Times the rest of the enclosing block as `kind` (exclusive of nested scopes).
@@ -299,6 +330,110 @@ mod tests {
             let _t = scope(Kind::Nn);
         }
         assert_eq!(take(), Profile::default());
+    }
+
+    /// Operations count under the innermost open scope's kind, and nowhere
+    /// without a scope or with timing off.
+    #[test]
+    fn flops_count_under_the_innermost_scope() {
+        let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+        enable(true);
+        take();
+        add_flops(7);
+        {
+            let _outer = op_scope("matmul");
+            add_flops(100);
+            {
+                let _inner = scope(Kind::Nn);
+                add_flops(10);
+            }
+            add_flops(1);
+        }
+        let p = take();
+        assert_eq!((p.flops(Kind::Gemm), p.flops(Kind::Nn)), (101, 10));
+        let mut sum = p;
+        sum += p;
+        assert_eq!(sum.flops(Kind::Gemm), 202);
+        enable(false);
+        {
+            let _t = scope(Kind::Gemm);
+            add_flops(5);
+        }
+        assert_eq!(take(), Profile::default());
+    }
+
+    /// A product run under an op scope counts its `2·m·k·n`.
+    #[test]
+    fn matmul_counts_its_flops() {
+        let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+        let a = crate::Tensor::ones(&[3, 4, 5], crate::DType::F32).unwrap();
+        let b = crate::Tensor::ones(&[5, 6], crate::DType::F32).unwrap();
+        enable(true);
+        take();
+        {
+            let _t = op_scope("matmul");
+            a.matmul(&b).unwrap();
+        }
+        let p = take();
+        enable(false);
+        assert_eq!(p.flops(Kind::Gemm), 2 * 3 * 4 * 5 * 6);
+    }
+
+    /// The fused attention kernels count the flops of the chain of products
+    /// they replace, causal or not, for every set of gradients asked for.
+    #[test]
+    fn fused_attention_counts_the_flops_of_its_chain() {
+        use crate::ops::{Attention, Causal};
+        let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+        let t = |x: &crate::Tensor| x.transpose(2, 3).unwrap();
+        let (q, k, v) = (
+            crate::Tensor::ones(&[2, 3, 8, 4], crate::DType::F32).unwrap(),
+            crate::Tensor::ones(&[2, 3, 6, 4], crate::DType::F32).unwrap(),
+            crate::Tensor::ones(&[2, 3, 6, 5], crate::DType::F32).unwrap(),
+        );
+        let g = crate::Tensor::ones(&[2, 3, 8, 5], crate::DType::F32).unwrap();
+        let counted = |f: &dyn Fn()| {
+            enable(true);
+            take();
+            {
+                let _t = scope(Kind::Gemm);
+                f();
+            }
+            let p = take();
+            enable(false);
+            p.flops(Kind::Gemm)
+        };
+        for is_causal in [false, true] {
+            let attn = Attention { scale: 0.5, is_causal };
+            let part = |p| if is_causal { p } else { Causal::Dense };
+            let probs = q.attention(&k, &v, attn).unwrap().1;
+            let fused = counted(&|| drop(q.attention(&k, &v, attn).unwrap()));
+            let chain = counted(&|| {
+                let s = q.matmul_causal(&t(&k), part(Causal::Scores)).unwrap();
+                probs.matmul_causal(&v, part(Causal::Weights)).unwrap();
+                drop(s);
+            });
+            assert_eq!(fused, chain, "forward, causal {is_causal}");
+            for need in [[true, true, true], [false, false, true], [true, false, false]] {
+                let fused = counted(&|| drop(g.attention_backward(&q, &k, &v, &probs, attn, need).unwrap()));
+                let chain = counted(&|| {
+                    if need[2] {
+                        t(&probs).matmul_causal(&g, part(Causal::WeightsTransposed)).unwrap();
+                    }
+                    if need[0] || need[1] {
+                        // The weights' gradient has the shape of the weights.
+                        g.matmul_causal(&t(&v), part(Causal::Scores)).unwrap();
+                    }
+                    if need[0] {
+                        probs.matmul_causal(&k, part(Causal::Weights)).unwrap();
+                    }
+                    if need[1] {
+                        t(&probs).matmul_causal(&q, part(Causal::WeightsTransposed)).unwrap();
+                    }
+                });
+                assert_eq!(fused, chain, "backward {need:?}, causal {is_causal}");
+            }
+        }
     }
 
     #[test]

@@ -7,6 +7,8 @@
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 
+pub mod peak;
+
 /// The flags every benchmark takes: `--json PATH` and `--iters N`.
 #[derive(Clone, Debug)]
 pub struct BenchArgs {

@@ -19,7 +19,7 @@ use half::{bf16, f16};
 use tessera_mesh::DType;
 
 use super::fastmath::Simd;
-use super::matmul::{Causal, Gemm, GemmKernel, Mat, OutPtr, entry};
+use super::matmul::{Causal, Gemm, GemmKernel, Mat, OutPtr, entry, part_flops};
 use super::nn::{ProbsScratch, attention_probs_row, causal_keep};
 use super::nn_backward::attention_probs_grad_row;
 use super::{Real, not_float, output, same_dtype};
@@ -508,6 +508,11 @@ fn forward<T: Gemm>(q: &Tensor, k: &Tensor, v: &Tensor, attn: Attention) -> Resu
     };
     let scale = T::Acc::real(attn.scale);
     let simd = Simd::best();
+    count_flops(
+        count,
+        attn,
+        &[(Causal::Scores, [l, e, s]), (Causal::Weights, [l, s, ev])],
+    );
     tessera_mesh::parallel_for(parts, |p| {
         let mut rows = ProbsScratch::<T>::default();
         let end = ((p + 1) * per).min(count);
@@ -587,6 +592,18 @@ fn backward<T: Gemm>(
     };
     let scale = T::Acc::real(attn.scale);
     let simd = Simd::best();
+    let products = [
+        (need[2], Causal::WeightsTransposed, [s, l, ev]),
+        (need_s, Causal::Scores, [l, ev, s]),
+        (need[0], Causal::Weights, [l, s, e]),
+        (need[1], Causal::WeightsTransposed, [s, l, e]),
+    ];
+    let run: Vec<_> = products
+        .iter()
+        .filter(|p| p.0)
+        .map(|&(_, part, mkn)| (part, mkn))
+        .collect();
+    count_flops(count, attn, &run);
     tessera_mesh::parallel_for(parts, |p| {
         let end = ((p + 1) * per).min(count);
         for i in p * per..end {
@@ -635,6 +652,16 @@ fn backward<T: Gemm>(
     // SAFETY: the products wrote every element of each gradient asked for.
     let finish = |o: Option<Out<T>>| o.map(|o| unsafe { o.finish() }).transpose();
     Ok([finish(gq)?, finish(gk)?, finish(gv)?])
+}
+
+/// Counts (see [`crate::profile::add_flops`]) the flops of `count` batch
+/// entries' `products`, each the given causal part (or the dense product).
+fn count_flops(count: usize, attn: Attention, products: &[(Causal, [usize; 3])]) {
+    let flops: u128 = products
+        .iter()
+        .map(|&(part, mkn)| part_flops(count, attn.part(part), mkn))
+        .sum();
+    crate::profile::add_flops(flops.try_into().unwrap_or(u64::MAX));
 }
 
 #[cfg(test)]

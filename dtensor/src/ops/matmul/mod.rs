@@ -148,6 +148,25 @@ fn flops(entries: usize, [m, k, n]: [usize; 3]) -> u128 {
     2 * entries as u128 * m as u128 * k as u128 * n as u128
 }
 
+/// Flops of the causal `part` of `entries` products `m×k · k×n`: the
+/// multiply-adds of the pairs (query `i`, key `j <= i`) the mask keeps, times
+/// the dim they run along (a tile crossing the diagonal computes a few more).
+pub(crate) fn part_flops(entries: usize, part: Causal, [m, k, n]: [usize; 3]) -> u128 {
+    // Pairs `j <= i` of `t` queries and `s` keys.
+    let kept = |t: usize, s: usize| -> u128 {
+        let (t, s) = (t as u128, s as u128);
+        let d = t.min(s);
+        d * (d + 1) / 2 + (t - d) * s
+    };
+    let pairs_times_dim = match part {
+        Causal::Dense => return flops(entries, [m, k, n]),
+        Causal::Scores => kept(m, n) * k as u128,
+        Causal::Weights => kept(m, k) * n as u128,
+        Causal::WeightsTransposed => kept(k, m) * n as u128,
+    };
+    2 * entries as u128 * pairs_times_dim
+}
+
 /// How one `m×k · k×n` product is split over `threads` threads: blocks of
 /// `block` output rows (`by_rows`) or columns, `parts` of them; one part when
 /// the product is too small to split.
@@ -433,6 +452,7 @@ fn matmul_typed<T: Gemm>(a: &Tensor, b: &Tensor, batch: &[usize], kernel: GemmKe
     }
     // Non-zero and checked above, so neither product overflows.
     let count: usize = batch.iter().product();
+    crate::profile::add_flops(part_flops(count, part, [m, k, n]).try_into().unwrap_or(u64::MAX));
     // The GEMM overwrites every output element without reading it, so the
     // output is not zeroed first (a memset as long as the product's write).
     let mut out = crate::alloc::with_capacity::<T>("matmul", &shape)?;

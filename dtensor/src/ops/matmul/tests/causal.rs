@@ -211,3 +211,35 @@ fn causal_parts_do_not_read_or_compute_the_masked_half() {
         assert!(scores[i * t + i + 1..(i + 1) * t].iter().all(|&x| x == 0.0), "row {i}");
     }
 }
+
+/// A causal part's flops are the multiply-adds of the kept (query, key)
+/// pairs, counted here one by one; a dense product's are `2·m·k·n`.
+#[test]
+fn part_flops_count_the_kept_pairs() {
+    for (m, k, n) in [(1, 1, 1), (5, 3, 5), (8, 4, 3), (3, 4, 8), (6, 6, 6), (2, 9, 7)] {
+        let pairs = |t: usize, s: usize| (0..t).flat_map(|i| (0..s).filter(move |&j| j <= i)).count() as u128;
+        let mkn = [m, k, n];
+        assert_eq!(part_flops(3, Causal::Dense, mkn), 2 * 3 * (m * k * n) as u128);
+        // Scores [T = m, S = n] along k; weights [T = m, S = k] along n;
+        // transposed weights [S = m, T = k] along n.
+        assert_eq!(
+            part_flops(3, Causal::Scores, mkn),
+            6 * pairs(m, n) * k as u128,
+            "{mkn:?}"
+        );
+        assert_eq!(
+            part_flops(3, Causal::Weights, mkn),
+            6 * pairs(m, k) * n as u128,
+            "{mkn:?}"
+        );
+        assert_eq!(
+            part_flops(3, Causal::WeightsTransposed, mkn),
+            6 * pairs(k, m) * n as u128,
+            "{mkn:?}"
+        );
+    }
+    // A square causal product does a little over half of the dense one's work.
+    let half =
+        part_flops(1, Causal::Scores, [128, 32, 128]) as f64 / part_flops(1, Causal::Dense, [128, 32, 128]) as f64;
+    assert!((half - 0.5).abs() < 0.01, "{half}");
+}
