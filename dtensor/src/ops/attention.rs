@@ -511,7 +511,7 @@ fn forward<T: Gemm>(q: &Tensor, k: &Tensor, v: &Tensor, attn: Attention) -> Resu
     count_flops(
         count,
         attn,
-        &[(Causal::Scores, [l, e, s]), (Causal::Weights, [l, s, ev])],
+        &[(true, Causal::Scores, [l, e, s]), (true, Causal::Weights, [l, s, ev])],
     );
     tessera_mesh::parallel_for(parts, |p| {
         let mut rows = ProbsScratch::<T>::default();
@@ -592,18 +592,16 @@ fn backward<T: Gemm>(
     };
     let scale = T::Acc::real(attn.scale);
     let simd = Simd::best();
-    let products = [
-        (need[2], Causal::WeightsTransposed, [s, l, ev]),
-        (need_s, Causal::Scores, [l, ev, s]),
-        (need[0], Causal::Weights, [l, s, e]),
-        (need[1], Causal::WeightsTransposed, [s, l, e]),
-    ];
-    let run: Vec<_> = products
-        .iter()
-        .filter(|p| p.0)
-        .map(|&(_, part, mkn)| (part, mkn))
-        .collect();
-    count_flops(count, attn, &run);
+    count_flops(
+        count,
+        attn,
+        &[
+            (need[2], Causal::WeightsTransposed, [s, l, ev]),
+            (need_s, Causal::Scores, [l, ev, s]),
+            (need[0], Causal::Weights, [l, s, e]),
+            (need[1], Causal::WeightsTransposed, [s, l, e]),
+        ],
+    );
     tessera_mesh::parallel_for(parts, |p| {
         let end = ((p + 1) * per).min(count);
         for i in p * per..end {
@@ -655,11 +653,16 @@ fn backward<T: Gemm>(
 }
 
 /// Counts (see [`crate::profile::add_flops`]) the flops of `count` batch
-/// entries' `products`, each the given causal part (or the dense product).
-fn count_flops(count: usize, attn: Attention, products: &[(Causal, [usize; 3])]) {
+/// entries' `products` that run (the flag), each the given causal part (or
+/// the dense product). Nothing to do while profiling is off.
+fn count_flops(count: usize, attn: Attention, products: &[(bool, Causal, [usize; 3])]) {
+    if !crate::profile::enabled() {
+        return;
+    }
     let flops: u128 = products
         .iter()
-        .map(|&(part, mkn)| part_flops(count, attn.part(part), mkn))
+        .filter(|p| p.0)
+        .map(|&(_, part, mkn)| part_flops(count, attn.part(part), mkn))
         .sum();
     crate::profile::add_flops(flops.try_into().unwrap_or(u64::MAX));
 }
