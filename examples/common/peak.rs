@@ -9,19 +9,15 @@ pub fn f32_fma_gflops() -> Option<f64> {
     #[cfg(target_arch = "x86_64")]
     {
         const ITERS: usize = 500_000;
-        let run: fn(usize) -> f32 = if std::arch::is_x86_feature_detected!("avx512f") {
+        // The loop for the widest vectors present, and its lanes.
+        let (run, lanes): (fn(usize) -> f32, usize) = if std::arch::is_x86_feature_detected!("avx512f") {
             // SAFETY: AVX-512F is present (checked above).
-            |n| unsafe { x86::fma_512(n) }
+            (|n| unsafe { x86::fma_512(n) }, 16)
         } else if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
             // SAFETY: AVX2 and FMA are present (checked above).
-            |n| unsafe { x86::fma_256(n) }
+            (|n| unsafe { x86::fma_256(n) }, 8)
         } else {
             return None;
-        };
-        let lanes = if std::arch::is_x86_feature_detected!("avx512f") {
-            16
-        } else {
-            8
         };
         let flops = (ITERS * x86::ACCUMULATORS * lanes * 2) as f64;
         let best = (0..5)
