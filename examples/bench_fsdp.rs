@@ -25,7 +25,7 @@
 //! step's time is the slowest rank's, the table shows the median, and for rank 0
 //! the medians of its phases (forward, backward, optimizer step with `zero_grad`).
 //! Peak memory is the per-rank high-water mark of tensor storage
-//! (`tessera::dtensor::memory`) from after setup (model, sharding, optimizer;
+//! (`tessera::tensor::memory`) from after setup (model, sharding, optimizer;
 //! AdamW's moments appear in the first step) to the last step, the largest over
 //! ranks. The first-step losses of both modes are printed as a check: they start
 //! from the same weights on the same global batch, so they agree to rounding.
@@ -41,9 +41,9 @@
 //! `--profile` also prints, per mode and phase, where rank 0's time went:
 //! GEMM, element-wise, reductions, the fused NN kernels, communication (the
 //! collectives, their packing and the wait for peers), allocation and the
-//! optimizer (exclusive times from `tessera::dtensor::profile`, medians over
+//! optimizer (exclusive times from `tessera::tensor::profile`, medians over
 //! the timed steps), and what no timer covered ("other"); then, per phase, the
-//! ops whose local kernels took the most time (`tessera::dtensor::profile::take_ops`);
+//! ops whose local kernels took the most time (`tessera::tensor::profile::take_ops`);
 //! then rank 0's GEMM rate (the `matmul` ops' flops over their time, per thread)
 //! against one core's `f32` FMA peak measured in the same run (x86-64), and the
 //! step's time if every GEMM ran at that peak: the floor a faster GEMM could
@@ -71,10 +71,11 @@ use tessera::autograd::nn::Module;
 use tessera::autograd::optim::{AdamW, AdamWConfig, Optimizer};
 use tessera::autograd::{Var, backward};
 use tessera::data::{DATA_SEED, batch};
-use tessera::dtensor::profile::{self, Kind, OpTime, Profile};
-use tessera::dtensor::{Placement, Tensor, distribute_tensor, memory};
+use tessera::dtensor::{Placement, Tensor, distribute_tensor};
 use tessera::fsdp::{FsdpConfig, MixedPrecisionPolicy};
 use tessera::models::{Transformer, TransformerConfig};
+use tessera::tensor::memory;
+use tessera::tensor::profile::{self, Kind, OpTime, Profile};
 use tessera::{BoxError, DType, DeviceMesh, LaunchOptions, launch_with};
 
 const WARMUP: usize = 2;

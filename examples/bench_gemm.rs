@@ -44,8 +44,8 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 use common::{Json, median};
-use tessera::dtensor::ops::GemmKernel;
 use tessera::dtensor::{DType, Tensor};
+use tessera::tensor::ops::GemmKernel;
 use tessera::{BoxError, LaunchOptions, launch_with};
 
 const DEFAULT_ITERS: usize = 7;

@@ -55,9 +55,10 @@ use tessera::autograd::{
 };
 use tessera::data::{DATA_SEED, batch};
 use tessera::dtensor::checkpoint::SaveReport;
-use tessera::dtensor::{Placement, Tensor, distribute_tensor, memory};
+use tessera::dtensor::{Placement, Tensor, distribute_tensor};
 use tessera::fsdp::{FsdpConfig, MixedPrecisionPolicy};
 use tessera::models::{Transformer, TransformerConfig};
+use tessera::tensor::memory;
 use tessera::{BoxError, CommunicatorExt, DType, DeviceMesh, is_lead_process, launch, mpi_env};
 
 const USAGE: &str = "usage: train [--world-size N | --mesh RxS] [--tp T [--sequence-parallel]] [--steps N] [--batch ROWS_PER_RANK] [--dim N] \

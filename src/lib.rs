@@ -18,7 +18,8 @@
 //! The facade re-exports the member crates:
 //!
 //! - [`mesh`] (`tessera-mesh`): communicators (threads backend by default), launch, `DeviceMesh`.
-//! - [`dtensor`] (`tessera-dtensor`): local tensors, placements, `DTensor`, redistribute.
+//! - [`tensor`] (`tessera-tensor`): the local tensor engine: `Tensor`, kernels, memory tracker, profiler, RNG.
+//! - [`dtensor`] (`tessera-dtensor`): placements, `DTensor`, redistribute, sharded ops, checkpoints.
 //! - [`autograd`] (`tessera-autograd`): the tape, modules, optimizers.
 //! - [`fsdp`] (`tessera-fsdp`): `fully_shard`, HSDP, mixed precision.
 //! - [`models`]: the reference Transformer; [`data`]: the reference token generator.
@@ -31,6 +32,7 @@ pub use tessera_autograd as autograd;
 pub use tessera_dtensor as dtensor;
 pub use tessera_fsdp as fsdp;
 pub use tessera_mesh as mesh;
+pub use tessera_tensor as tensor;
 
 pub use tessera_mesh::{
     BoxError, Communicator, CommunicatorExt, DType, DeviceMesh, LaunchOptions, MpiEnv, RankCtx, ReduceOp,

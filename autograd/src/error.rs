@@ -46,5 +46,12 @@ pub enum Error {
     },
 }
 
+impl From<tessera_tensor::Error> for Error {
+    /// A local tensor error, as the DTensor error that wraps it.
+    fn from(e: tessera_tensor::Error) -> Error {
+        Error::Tensor(e.into())
+    }
+}
+
 /// `Result` with [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;

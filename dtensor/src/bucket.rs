@@ -25,7 +25,7 @@
 //! On a one-rank mesh dim nothing is packed, copied or communicated: each
 //! output holds its input's local tensor (cast when a gather changes the dtype),
 //! so FSDP on a one-rank mesh costs what the plain model costs. The bytes of
-//! the send and receive buffers are charged to the rank's [memory](crate::memory) tracker
+//! the send and receive buffers are charged to the rank's [memory](tessera_tensor::memory) tracker
 //! while the collective is in flight.
 //!
 //! PyTorch: `foreach_all_gather` / `foreach_reduce` of FSDP2's
@@ -60,7 +60,9 @@
 
 use tessera_mesh::{DType, DeviceMesh, HeldBuf, Pieces, ReduceOp, Work};
 
-use crate::memory::Allocation;
+use tessera_tensor::Error as TensorError;
+use tessera_tensor::memory::Allocation;
+
 use crate::sharding::{padded_chunk_size, shard_size_and_offset, split_chain};
 use crate::spec::{Layout, PlacementsDisplay};
 use crate::{DTensor, Error, Placement, Result, Tensor};
@@ -172,11 +174,11 @@ fn plan(kind: Kind, inputs: &[DTensor], mesh_dim: usize, dtype: DType) -> Result
             ));
         }
         if kind != Kind::Gather && x.dtype() != dtype {
-            return Err(Error::DTypeMismatch {
+            return Err(Error::from(TensorError::DTypeMismatch {
                 op: kind.op(),
                 expected: dtype,
                 got: x.dtype(),
-            });
+            }));
         }
         let p = x.placements();
         let layout = x.layout();
@@ -305,7 +307,7 @@ fn start(
     let locals = inputs
         .iter()
         .map(|x| x.to_local().cast(dtype))
-        .collect::<Result<Vec<_>>>()?;
+        .collect::<tessera_tensor::Result<Vec<_>>>()?;
     let flight = if world == 1 {
         // One rank holds every piece whole (no padding): the outputs are the
         // inputs' local tensors (cast), re-placed, so no byte is copied.
@@ -344,7 +346,7 @@ fn communicate(
     let flats = locals
         .iter()
         .map(|t| t.contiguous().reshape(&[t.numel()]))
-        .collect::<Result<Vec<_>>>()?;
+        .collect::<tessera_tensor::Result<Vec<_>>>()?;
     let ranks = if kind == Kind::Scatter { world } else { 1 };
     let mut send = Pieces::new(dtype);
     for r in 0..ranks {
@@ -377,7 +379,7 @@ fn communicate(
 /// An input on another mesh or not placed as above, a mesh dim past the mesh
 /// (each naming the input); a failed cast or collective.
 pub fn all_gather_bucket(inputs: &[DTensor], mesh_dim: usize, dtype: DType) -> Result<BucketWork> {
-    let _t = crate::profile::scope(crate::profile::Kind::Communication);
+    let _t = tessera_tensor::profile::scope(tessera_tensor::profile::Kind::Communication);
     let (entries, block) = plan(Kind::Gather, inputs, mesh_dim, dtype)?;
     start(Kind::Gather, inputs, mesh_dim, dtype, entries, block)
 }
@@ -391,7 +393,7 @@ pub fn all_gather_bucket(inputs: &[DTensor], mesh_dim: usize, dtype: DType) -> R
 /// or a scalar; a mesh dim past the mesh; a failed collective.
 pub fn reduce_scatter_bucket(inputs: &[DTensor], mesh_dim: usize) -> Result<BucketWork> {
     let dtype = inputs.first().map_or(DType::F32, DTensor::dtype);
-    let _t = crate::profile::scope(crate::profile::Kind::Communication);
+    let _t = tessera_tensor::profile::scope(tessera_tensor::profile::Kind::Communication);
     let (entries, block) = plan(Kind::Scatter, inputs, mesh_dim, dtype)?;
     start(Kind::Scatter, inputs, mesh_dim, dtype, entries, block)
 }
@@ -403,7 +405,7 @@ pub fn reduce_scatter_bucket(inputs: &[DTensor], mesh_dim: usize) -> Result<Buck
 /// As [`reduce_scatter_bucket`] (scalars are fine).
 pub fn all_reduce_bucket(inputs: &[DTensor], mesh_dim: usize) -> Result<BucketWork> {
     let dtype = inputs.first().map_or(DType::F32, DTensor::dtype);
-    let _t = crate::profile::scope(crate::profile::Kind::Communication);
+    let _t = tessera_tensor::profile::scope(tessera_tensor::profile::Kind::Communication);
     let (entries, block) = plan(Kind::AllReduce, inputs, mesh_dim, dtype)?;
     start(Kind::AllReduce, inputs, mesh_dim, dtype, entries, block)
 }
@@ -419,7 +421,7 @@ impl BucketWork {
     /// # Errors
     /// The collective's failure (a peer that failed, a mismatch between ranks).
     pub fn wait(self) -> Result<Vec<DTensor>> {
-        let _t = crate::profile::scope(crate::profile::Kind::Communication);
+        let _t = tessera_tensor::profile::scope(tessera_tensor::profile::Kind::Communication);
         let BucketWork {
             kind,
             mesh,
@@ -448,14 +450,14 @@ impl BucketWork {
             Flight::Comm { work, _charge } => {
                 let buf = work.wait()?;
                 if buf.dtype() != dtype || buf.len() != recv_len {
-                    return Err(Error::InvalidArgument {
+                    return Err(Error::from(TensorError::InvalidArgument {
                         op: kind.op(),
                         detail: format!(
                             "the collective returned {} elements of {}, expected {recv_len} of {dtype}",
                             buf.len(),
                             buf.dtype()
                         ),
-                    });
+                    }));
                 }
                 Tensor::from_buffer(buf, &[recv_len])?
             }

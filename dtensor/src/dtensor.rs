@@ -4,6 +4,8 @@ use std::fmt;
 
 use tessera_mesh::{DeviceMesh, ReduceOp};
 
+use tessera_tensor::Error as TensorError;
+
 use crate::redistribute::{self, Plan};
 use crate::spec::{DTensorSpec, Layout, PlacementsDisplay};
 use crate::{Error, Placement, Result, ShardOrder, Tensor};
@@ -106,16 +108,16 @@ impl DTensor {
     /// As `from_local`, plus a local dtype that is not the layout's.
     pub fn from_local_with_layout(local: Tensor, mesh: &DeviceMesh, layout: Layout) -> Result<DTensor> {
         if local.dtype() != layout.dtype {
-            return Err(Error::DTypeMismatch {
+            return Err(Error::from(TensorError::DTypeMismatch {
                 op: "DTensor::from_local",
                 expected: layout.dtype,
                 got: local.dtype(),
-            });
+            }));
         }
         let spec = DTensorSpec::new(mesh, layout)?;
         let want = spec.local_shape();
         if local.shape() != &want[..] {
-            return Err(Error::ShapeMismatch {
+            return Err(Error::from(TensorError::ShapeMismatch {
                 op: "DTensor::from_local",
                 detail: format!(
                     "rank at mesh coordinate {:?} holds a local tensor of shape {:?}, but {} gives it {:?}; \
@@ -125,7 +127,7 @@ impl DTensor {
                     spec,
                     want
                 ),
-            });
+            }));
         }
         Ok(DTensor { local, spec })
     }

@@ -24,23 +24,17 @@
 //!   ([`redistribute::plan`]) plus an executor.
 #![deny(missing_docs)]
 
-mod alloc;
 pub mod bucket;
 pub mod checkpoint;
 pub mod dist;
 mod dtensor;
 mod error;
 mod memo;
-pub mod memory;
-pub mod ops;
 mod placement;
-pub mod profile;
 pub mod redistribute;
-pub mod rng;
 pub mod sharding;
 mod spec;
 pub mod strategy;
-mod tensor;
 #[cfg(feature = "testing")]
 pub mod testing;
 
@@ -48,5 +42,5 @@ pub use dtensor::{DTensor, distribute_tensor, distribute_tensor_with_order};
 pub use error::{Error, Result};
 pub use placement::{MeshDims, Placement, ShardOrder, validate_placements};
 pub use spec::{DTensorSpec, Layout, Placements, PlacementsDisplay};
-pub use tensor::Tensor;
 pub use tessera_mesh::{DType, ReduceOp};
+pub use tessera_tensor::Tensor;

@@ -17,6 +17,8 @@
 
 use smallvec::SmallVec;
 
+use tessera_tensor::Error as TensorError;
+
 use crate::placement::{Placement, ShardOrder, validate_placements};
 use crate::{Error, Result};
 
@@ -38,13 +40,7 @@ use crate::{Error, Result};
 ///
 /// PyTorch: `Shard.local_shard_size_and_offset`.
 pub fn shard_size_and_offset(size: usize, n: usize, idx: usize) -> (usize, usize) {
-    let chunk = padded_chunk_size(size, n);
-    let start = chunk.saturating_mul(idx);
-    if n == 0 || start >= size {
-        (0, size)
-    } else {
-        (chunk.min(size - start), start)
-    }
+    tessera_tensor::chunk_size_and_offset(size, n, idx)
 }
 
 /// The chunk size a padded collective uses when a piece of `logical_size` is split `n`
@@ -134,14 +130,14 @@ pub fn split_chain(
     check_mesh_coord(OP, mesh_shape, coord)?;
     for (i, &m) in chain.iter().enumerate() {
         if m >= mesh_shape.len() || chain[..i].contains(&m) {
-            return Err(Error::InvalidArgument {
+            return Err(Error::from(TensorError::InvalidArgument {
                 op: OP,
                 detail: format!(
                     "the split chain {chain:?} must name distinct mesh dims below {} (the \
                      mesh has shape {mesh_shape:?})",
                     mesh_shape.len()
                 ),
-            });
+            }));
         }
     }
     Ok(splits_unchecked(global_size, mesh_shape, chain, coord))
@@ -200,9 +196,11 @@ pub fn logical_size_before(
         .iter()
         .find(|s| s.mesh_dim == mesh_dim)
         .map(|s| s.logical_size)
-        .ok_or_else(|| Error::InvalidArgument {
-            op: "logical_size_before",
-            detail: format!("mesh dim {mesh_dim} is not in the split chain {chain:?}"),
+        .ok_or_else(|| {
+            Error::from(TensorError::InvalidArgument {
+                op: "logical_size_before",
+                detail: format!("mesh dim {mesh_dim} is not in the split chain {chain:?}"),
+            })
         })
 }
 
@@ -332,7 +330,7 @@ fn check_layout(
 
 /// Checks that `coord` is a coordinate of a mesh of shape `mesh_shape` with no empty dim.
 fn check_mesh_coord(op: &'static str, mesh_shape: &[usize], coord: &[usize]) -> Result<()> {
-    let err = |detail: String| Error::InvalidArgument { op, detail };
+    let err = |detail: String| Error::from(TensorError::InvalidArgument { op, detail });
     if let Some(m) = mesh_shape.iter().position(|&n| n == 0) {
         return Err(err(format!(
             "mesh dim {m} of mesh shape {mesh_shape:?} has size 0; every mesh dim needs at \

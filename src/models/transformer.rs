@@ -4,7 +4,6 @@
 
 use tessera_autograd::nn::{Embedding, LayerNorm, Linear, Module, join};
 use tessera_autograd::{Result, Var};
-use tessera_dtensor::ops::Reduction;
 use tessera_dtensor::{DType, Placement, Tensor, distribute_tensor};
 use tessera_fsdp::tp::{
     Applied, ColwiseParallel, ParallelPlan, PrepareModuleInput, RowwiseParallel, SequenceParallel, TpLayout,
@@ -12,6 +11,7 @@ use tessera_fsdp::tp::{
 };
 use tessera_fsdp::{FsdpConfig, FsdpModule, fully_shard};
 use tessera_mesh::DeviceMesh;
+use tessera_tensor::ops::Reduction;
 
 /// Sizes of a [`Transformer`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -3,8 +3,8 @@
 
 use tessera::DeviceMesh;
 use tessera::autograd::{Param, Result, Var, backward, checkpoint, no_grad, recorded_ops};
-use tessera::dtensor::memory;
 use tessera::dtensor::{Placement, Placement::*, Tensor};
+use tessera::tensor::memory;
 
 use crate::harness::{R, constant, full_grad, gathered, max_rel_err, on_mesh, param, replicate, uniform};
 

@@ -9,8 +9,8 @@
 //! for max.
 
 use tessera::autograd::{Param, Result, Var, backward};
-use tessera::dtensor::ops::Reduction::{Mean, Sum};
 use tessera::dtensor::{DType, Placement::*, Tensor};
+use tessera::tensor::ops::Reduction::{Mean, Sum};
 
 use crate::harness::{R, Rng, constant, indices, max_rel_err, on_mesh, param, scalar, values, weighted_sum};
 

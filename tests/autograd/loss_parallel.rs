@@ -18,10 +18,11 @@ use std::rc::Rc;
 
 use tessera::autograd::{Var, backward};
 use tessera::dtensor::Placement::{self, Partial, Replicate, Shard};
-use tessera::dtensor::ops::Reduction;
 use tessera::dtensor::sharding::shard_size_and_offset;
-use tessera::dtensor::{DType, ReduceOp, Tensor, distribute_tensor, memory};
+use tessera::dtensor::{DType, ReduceOp, Tensor, distribute_tensor};
 use tessera::mesh::{CommCounts, OpKind};
+use tessera::tensor::memory;
+use tessera::tensor::ops::Reduction;
 
 use crate::harness::{
     constant, full_grad, indices, max_rel_err, on_mesh, param, replicate, scalar, uniform, weighted_sum,

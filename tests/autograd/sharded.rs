@@ -17,8 +17,8 @@
 use proptest::prelude::*;
 use proptest::test_runner::{Config, FileFailurePersistence, TestCaseError};
 use tessera::autograd::{Param, Result, Var, backward};
-use tessera::dtensor::ops::Reduction;
 use tessera::dtensor::{Placement, Placement::*, ReduceOp, Tensor};
+use tessera::tensor::ops::Reduction;
 
 use crate::harness::{
     R, constant, full_grad, gathered, indices, max_rel_err, param, replicate, scalar, try_on_mesh, uniform,

@@ -5,10 +5,10 @@ use tessera::autograd::nn::Module;
 use tessera::autograd::optim::{AdamW, Optimizer};
 use tessera::autograd::{Var, backward};
 use tessera::data::{DATA_SEED, batch as data_batch};
-use tessera::dtensor::memory::{reset_peak, stats};
 use tessera::dtensor::{Placement, Tensor, distribute_tensor};
 use tessera::fsdp::FsdpConfig;
 use tessera::models::{Transformer, TransformerConfig};
+use tessera::tensor::memory::{reset_peak, stats};
 use tessera::{DType, DeviceMesh, launch};
 
 use crate::common::adamw;

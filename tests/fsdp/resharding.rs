@@ -207,9 +207,9 @@ fn reshard_after_forward_to_a_smaller_group() {
             let model = tiny_model(&mesh)?;
             let units = model.fully_shard(&mesh, &cfg)?;
             let x = batch(&toks, 0, 0..8, &mesh)?;
-            let before = tessera::dtensor::memory::stats().current_bytes;
+            let before = tessera::tensor::memory::stats().current_bytes;
             let loss = model.loss(&x)?;
-            let after = tessera::dtensor::memory::stats().current_bytes;
+            let after = tessera::tensor::memory::stats().current_bytes;
             out.push((after - before, units.blocks[0].gather_state()));
             backward(&loss)?;
         }

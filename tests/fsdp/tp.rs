@@ -10,11 +10,11 @@ use std::rc::Rc;
 use tessera::autograd::nn::{Module, ModuleHooks, ModuleId, register_module_hooks};
 use tessera::autograd::optim::{AdamW, Optimizer, clip_grad_norm};
 use tessera::autograd::{Param, Var, backward, read_safetensors, save_state_dict_full};
-use tessera::dtensor::memory::{reset_peak, stats};
 use tessera::dtensor::{Placement, ShardOrder, Tensor, distribute_tensor};
 use tessera::fsdp::{FsdpConfig, MixedPrecisionPolicy};
 use tessera::mesh::{CommCounts, OpKind};
 use tessera::models::{Transformer, TransformerConfig};
+use tessera::tensor::memory::{reset_peak, stats};
 use tessera::{DeviceMesh, launch};
 
 use crate::common::{adamw, data, reference_losses, tiny_model, tokens};

@@ -6,11 +6,11 @@ use std::rc::Rc;
 use tessera::autograd::nn::{Linear, Module};
 use tessera::autograd::optim::{AdamW, Optimizer};
 use tessera::autograd::{Param, Var, backward, checkpoint, no_grad};
-use tessera::dtensor::ops::Reduction;
 use tessera::dtensor::{Placement, Tensor, distribute_tensor};
 use tessera::fsdp::{FsdpConfig, fully_shard};
 use tessera::mesh::OpKind;
 use tessera::models::Transformer;
+use tessera::tensor::ops::Reduction;
 use tessera::{DType, DeviceMesh, launch};
 
 use crate::common::{adamw, reference_losses, tiny_model, tokens};

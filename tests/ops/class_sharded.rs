@@ -5,10 +5,10 @@
 //! shards.
 
 use tessera::dtensor::Placement::{self, Partial, Replicate, Shard};
-use tessera::dtensor::ops::Reduction;
 use tessera::dtensor::testing::partial_local;
 use tessera::dtensor::{DTensor, DType, Layout, ReduceOp, ShardOrder, Tensor, distribute_tensor_with_order};
 use tessera::mesh::{CommCounts, OpKind};
+use tessera::tensor::ops::Reduction;
 
 use crate::harness::on_mesh;
 

@@ -3,8 +3,8 @@
 //! and two dims.
 
 use proptest::prelude::*;
-use tessera::dtensor::ops::{Attention, Causal};
 use tessera::dtensor::{DTensor, Tensor};
+use tessera::tensor::ops::{Attention, Causal};
 
 use crate::harness::{Arg, Op, check, config, float, plain, singles};
 use crate::op;

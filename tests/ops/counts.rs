@@ -3,10 +3,10 @@
 //! values they give.
 
 use tessera::dtensor::Placement::{self, Partial, Replicate as R, Shard as S};
-use tessera::dtensor::ops::Reduction;
 use tessera::dtensor::testing::partial_local;
 use tessera::dtensor::{DTensor, DType, Layout, ReduceOp, Result, Tensor};
 use tessera::mesh::{CommCounts, OpKind};
+use tessera::tensor::ops::Reduction;
 
 use crate::harness::on_mesh;
 

@@ -1,8 +1,8 @@
 //! Means over no elements are NaN, as on one device (regressions of two fixed bugs).
 
 use tessera::dtensor::Placement::{Replicate as R, Shard as S};
-use tessera::dtensor::ops::Reduction;
 use tessera::dtensor::{DType, Tensor, distribute_tensor};
+use tessera::tensor::ops::Reduction;
 
 use crate::harness::on_mesh;
 

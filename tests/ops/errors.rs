@@ -2,8 +2,8 @@
 //! names what is wrong.
 
 use tessera::dtensor::Placement::{Replicate as R, Shard as S};
-use tessera::dtensor::ops::Reduction;
 use tessera::dtensor::{DType, Result, Tensor, distribute_tensor};
+use tessera::tensor::ops::Reduction;
 use tessera::{BoxError, DeviceMesh};
 
 use crate::harness::on_mesh;
@@ -25,11 +25,11 @@ fn expect_err<T>(mesh: &[usize], needles: &[&str], f: impl Fn(&DeviceMesh) -> Re
     }
 }
 
-fn randn(shape: &[usize]) -> Result<Tensor> {
+fn randn(shape: &[usize]) -> tessera::tensor::Result<Tensor> {
     Tensor::randn(shape, DType::F64, 3)
 }
 
-fn idx(v: &[i64], shape: &[usize]) -> Result<Tensor> {
+fn idx(v: &[i64], shape: &[usize]) -> tessera::tensor::Result<Tensor> {
     Tensor::from_vec(v.to_vec(), shape)
 }
 

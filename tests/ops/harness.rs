@@ -259,7 +259,7 @@ pub fn plain(sets: Vec<Vec<Arg>>) -> impl Strategy<Value = Case<()>> {
 }
 
 type DistFn = Box<dyn Fn(&[DTensor]) -> Result<DTensor> + Send + Sync>;
-type LocalFn = Box<dyn Fn(&[Tensor]) -> Result<Tensor> + Send + Sync>;
+type LocalFn = Box<dyn Fn(&[Tensor]) -> tessera::tensor::Result<Tensor> + Send + Sync>;
 
 /// One op under test: the DTensor op and its single-device oracle (owning what they
 /// use: the DTensor op runs on the ranks of a launch).
@@ -277,7 +277,7 @@ impl Op {
     pub fn new(
         name: impl Into<String>,
         dist: impl Fn(&[DTensor]) -> Result<DTensor> + Send + Sync + 'static,
-        local: impl Fn(&[Tensor]) -> Result<Tensor> + Send + Sync + 'static,
+        local: impl Fn(&[Tensor]) -> tessera::tensor::Result<Tensor> + Send + Sync + 'static,
     ) -> Op {
         Op {
             name: name.into(),

@@ -2,14 +2,14 @@
 //! cross_entropy, causal_mask.
 
 use proptest::prelude::*;
-use tessera::dtensor::ops::Reduction;
 use tessera::dtensor::{DTensor, Placement, Tensor};
+use tessera::tensor::ops::Reduction;
 
 use crate::harness::{Op, check, config, float, index, plain, singles};
 use crate::op;
 
 /// Cross entropy of `[..., C]` logits on one device: rows flattened to `[N, C]`.
-fn cross_entropy_oracle(x: &[Tensor], reduction: Reduction) -> tessera::dtensor::Result<Tensor> {
+fn cross_entropy_oracle(x: &[Tensor], reduction: Reduction) -> tessera::tensor::Result<Tensor> {
     let s = x[0].shape();
     let c = s[s.len() - 1];
     let n = x[1].numel();
@@ -100,7 +100,7 @@ proptest! {
             let s = x[0].shape();
             let n = x[1].numel();
             let (loss, p) = x[0].reshape(&[n, s[s.len() - 1]])?.cross_entropy_with_grad(&x[1].reshape(&[n])?, reduction)?;
-            Ok::<_, tessera::dtensor::Error>((loss, p.reshape(s)?))
+            Ok::<_, tessera::tensor::Error>((loss, p.reshape(s)?))
         };
         check(c, [
             Op::new("cross_entropy_with_grad(mean).loss", |x| Ok(class_whole(&x[0])?.cross_entropy_with_grad(&x[1], Reduction::Mean)?.0), move |x| {

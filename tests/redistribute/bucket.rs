@@ -246,15 +246,12 @@ fn buffers_in_flight_are_charged() {
     let out = on_mesh(&[2], |m| {
         let full = test_values(&[1024, 4], DType::F32)?;
         let x = distribute_tensor_with_order(&full, m, &[Placement::Shard(0)], ShardOrder::default_for(&[]))?;
-        let before = tessera::dtensor::memory::stats().current_bytes;
+        let before = tessera::tensor::memory::stats().current_bytes;
         let work = all_gather_bucket(std::slice::from_ref(&x), 0, DType::F32)?;
-        let during = tessera::dtensor::memory::stats().current_bytes;
+        let during = tessera::tensor::memory::stats().current_bytes;
         let out = work.wait()?;
         drop(out);
-        Ok((
-            during - before,
-            tessera::dtensor::memory::stats().current_bytes - before,
-        ))
+        Ok((during - before, tessera::tensor::memory::stats().current_bytes - before))
     })
     .unwrap();
     for (during, after) in out {
@@ -281,9 +278,9 @@ fn one_rank_dim_moves_no_bytes() {
             DTensor::from_local(t.clone(), m, &p, t.shape())
         };
         let shards = [shard(&a)?, shard(&b)?];
-        let before = tessera::dtensor::memory::stats().current_bytes;
+        let before = tessera::tensor::memory::stats().current_bytes;
         let gather = all_gather_bucket(&shards, 0, DType::F32)?;
-        let charged = tessera::dtensor::memory::stats().current_bytes - before;
+        let charged = tessera::tensor::memory::stats().current_bytes - before;
         let gathered = gather.wait()?;
         let cast = all_gather_bucket(&shards, 0, DType::BF16)?.wait()?;
         let grads = [partial(&a)?, partial(&b)?];

@@ -26,7 +26,7 @@ fn expect_err<T>(mesh: &[usize], needles: &[&str], f: impl Fn(&DeviceMesh) -> Re
     }
 }
 
-fn full(shape: &[usize], dtype: DType) -> Result<Tensor> {
+fn full(shape: &[usize], dtype: DType) -> tessera::tensor::Result<Tensor> {
     Tensor::arange(shape.iter().product(), dtype)?.reshape(shape)
 }
 

@@ -2,10 +2,10 @@
 
 use smallvec::{SmallVec, smallvec};
 use tessera_dtensor::dist::dispatch;
-use tessera_dtensor::ops::{Attention, Reduction};
 use tessera_dtensor::sharding::local_shape_and_offset;
 use tessera_dtensor::strategy::{Candidate, DimOption, keep_shards_except_with, product};
 use tessera_dtensor::{DTensor, Layout, Placement, Placements, ReduceOp, ShardOrder, Tensor};
+use tessera_tensor::ops::{Attention, Reduction};
 
 use crate::{Result, Var};
 
@@ -358,8 +358,9 @@ fn embedding_backward(
             let (rows, cols) = (shape[0], shape[1]);
             let n = l[0].numel();
             let idx = l[0].reshape(&[n])?;
-            l[1].reshape(&[n, cols])?
-                .embedding_dense_backward(&idx, rows, offset[0])
+            Ok(l[1]
+                .reshape(&[n, cols])?
+                .embedding_dense_backward(&idx, rows, offset[0])?)
         },
     )
 }
@@ -425,7 +426,7 @@ fn class_parallel_ce_backward(
                     }
                 }
             }
-            Tensor::from_vec(x, l[0].shape())?.cast(l[0].dtype())
+            Ok(Tensor::from_vec(x, l[0].shape())?.cast(l[0].dtype())?)
         },
     )
 }
@@ -453,12 +454,12 @@ fn cross_entropy_backward(
         |l, _| {
             let n = l[1].numel();
             if n == 0 {
-                return Tensor::zeros(l[0].shape(), l[0].dtype());
+                return Ok(Tensor::zeros(l[0].shape(), l[0].dtype())?);
             }
             let flat = l[0].reshape(&[n, c])?;
             let t = l[1].contiguous().reshape(&[n])?;
             let gs = l[2].to_f64_vec()[0] * scale;
-            flat.cross_entropy_backward_from_probs(&t, gs)?.reshape(l[0].shape())
+            Ok(flat.cross_entropy_backward_from_probs(&t, gs)?.reshape(l[0].shape())?)
         },
     )
 }
@@ -468,7 +469,7 @@ fn cross_entropy_backward(
 fn softmax_backward(g: &DTensor, y: &DTensor, dim: usize) -> tessera_dtensor::Result<DTensor> {
     let cands = keep_shards_except_with(y.shape().len(), &[dim], 2, 0, y.mesh().ndim());
     dispatch("softmax_backward", &[g, y], &cands, y.shape(), y.dtype(), |l, _| {
-        l[0].softmax_backward(&l[1], dim)
+        Ok(l[0].softmax_backward(&l[1], dim)?)
     })
 }
 
@@ -486,7 +487,7 @@ fn layer_norm_backward(
     let mut inputs: SmallVec<[&DTensor; 5]> = smallvec![g, x, mean, rstd];
     inputs.extend(w);
     dispatch("layer_norm_backward", &inputs, &cands, x.shape(), x.dtype(), |l, _| {
-        l[0].layer_norm_backward_with_stats(&l[1], &l[2], &l[3], l.get(4))
+        Ok(l[0].layer_norm_backward_with_stats(&l[1], &l[2], &l[3], l.get(4))?)
     })
 }
 
@@ -505,6 +506,6 @@ fn layer_norm_weight_grad(g: &DTensor, x: &DTensor, [mean, rstd]: [&DTensor; 2])
         &cands,
         &[x.shape()[last]],
         x.dtype(),
-        |l, _| l[0].layer_norm_weight_grad_with_stats(&l[1], &l[2], &l[3]),
+        |l, _| Ok(l[0].layer_norm_weight_grad_with_stats(&l[1], &l[2], &l[3])?),
     )
 }

@@ -176,7 +176,7 @@ impl Var {
         let x = self.value().clone();
         Ok(self.unary_op("relu", x.relu()?, move |g| {
             g.binary("relu_backward", &x, Linearity::FirstOnly, |g, x| {
-                g.mul(&map_f64(x, |v| if v > 0.0 { 1.0 } else { 0.0 })?)
+                Ok(g.mul(&map_f64(x, |v| if v > 0.0 { 1.0 } else { 0.0 })?)?)
             })
         }))
     }
@@ -213,7 +213,7 @@ impl Var {
         let x = self.value().clone();
         Ok(self.unary_op("abs", x.abs()?, move |g| {
             g.binary("abs_backward", &x, Linearity::FirstOnly, |g, x| {
-                g.mul(&map_f64(x, f64::signum)?)
+                Ok(g.mul(&map_f64(x, f64::signum)?)?)
             })
         }))
     }

@@ -30,7 +30,7 @@
 //! placements) are updated shard by shard; replicas of a replicated parameter make
 //! the same update. Optimizer state (momentum, moments) has the shape of the local
 //! shard and lives on its rank; its bytes are charged to the rank's
-//! [memory tracker](tessera_dtensor::memory). `f32` and `f64` parameters keep state
+//! [memory tracker](tessera_tensor::memory). `f32` and `f64` parameters keep state
 //! and compute in their own dtype; `bf16` and `f16` parameters compute in `f32`
 //! with `f32` state, and only the updated parameter is rounded back.
 
@@ -41,9 +41,9 @@ mod sgd;
 use std::borrow::Cow;
 use std::ops::{Add, Div, Mul, Neg, Sub};
 
-use tessera_dtensor::memory::Allocation;
 use tessera_dtensor::{DTensor, Layout, PlacementsDisplay, Tensor};
 use tessera_mesh::{Buffer, DType, Element};
+use tessera_tensor::memory::Allocation;
 
 use crate::{Error, Param, Result};
 
@@ -301,7 +301,7 @@ pub(crate) trait PerParam {
 /// One optimizer step: check every parameter that has a gradient, then update
 /// each, computing in f64 for f64 parameters and in f32 otherwise.
 pub(crate) fn step_all<O: PerParam>(opt: &mut O) -> Result<()> {
-    let _t = tessera_dtensor::profile::scope(tessera_dtensor::profile::Kind::Optimizer);
+    let _t = tessera_tensor::profile::scope(tessera_tensor::profile::Kind::Optimizer);
     let mut ready = Vec::new();
     for (i, p) in opt.param_list().iter().enumerate() {
         if let Some(r) = ready_param(O::OP, i, p)? {

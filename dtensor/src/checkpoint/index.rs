@@ -6,6 +6,8 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 use tessera_mesh::DType;
 
+use tessera_tensor::Error as TensorError;
+
 use crate::{Error, Result};
 
 /// The `format` an index names.
@@ -86,9 +88,11 @@ impl TensorEntry {
     /// # Errors
     /// A name that is not one of the six dtypes.
     pub fn dtype(&self) -> Result<DType> {
-        dtype_of(&self.dtype).ok_or_else(|| Error::InvalidArgument {
-            op: "checkpoint",
-            detail: format!("unknown dtype {:?}", self.dtype),
+        dtype_of(&self.dtype).ok_or_else(|| {
+            Error::from(TensorError::InvalidArgument {
+                op: "checkpoint",
+                detail: format!("unknown dtype {:?}", self.dtype),
+            })
         })
     }
 }

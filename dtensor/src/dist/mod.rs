@@ -14,6 +14,8 @@ mod shape;
 use smallvec::SmallVec;
 use tessera_mesh::{DType, DeviceMesh};
 
+use tessera_tensor::Error as TensorError;
+
 use crate::redistribute::execute;
 use crate::spec::{DTensorSpec, Layout};
 use crate::strategy::{Candidate, choose};
@@ -93,7 +95,7 @@ pub fn dispatch(
         coord: mesh.coordinate(),
     };
     let local = {
-        let _t = crate::profile::op_scope(op);
+        let _t = tessera_tensor::profile::op_scope(op);
         kernel(&locals, &ctx)?
     };
     let out = &choice.candidate.output;
@@ -101,7 +103,7 @@ pub fn dispatch(
     let spec = DTensorSpec::new(mesh, layout)?;
     let want = spec.local_shape();
     if local.shape() != &want[..] || local.dtype() != out_dtype {
-        return Err(Error::ShapeMismatch {
+        return Err(Error::from(TensorError::ShapeMismatch {
             op,
             detail: format!(
                 "the local kernel returned {:?} {} on coordinate {:?} but strategy {} needs {:?} {out_dtype} \
@@ -112,7 +114,7 @@ pub fn dispatch(
                 choice.candidate,
                 want
             ),
-        });
+        }));
     }
     Ok(DTensor::from_parts(local, spec))
 }

@@ -3,10 +3,12 @@
 use smallvec::{SmallVec, smallvec};
 use tessera_mesh::{Communicator, CommunicatorExt, DType, DeviceMesh};
 
+use tessera_tensor::Error as TensorError;
+
 use super::{dispatch, replicate_only};
-use crate::ops::{Attention, Causal, Reduction};
 use crate::strategy::{Candidate, DimOption, einsum, keep_shards_except, keep_shards_except_with, product, reduction};
 use crate::{DTensor, Error, Layout, Placement, Placements, ReduceOp, Result, ShardOrder, Tensor};
+use tessera_tensor::ops::{Attention, Causal, Reduction};
 
 const BATCH: &str = "abcdefgh";
 
@@ -22,7 +24,7 @@ impl DTensor {
         let (spec, out) = self.product_shapes("matmul", rhs)?;
         let cands = einsum(&spec, self.mesh().ndim())?;
         dispatch("matmul", &[self, rhs], &cands, &out, self.dtype(), |l, _| {
-            l[0].matmul(&l[1])
+            Ok(l[0].matmul(&l[1])?)
         })
     }
 
@@ -46,7 +48,7 @@ impl DTensor {
         let (sharded, replicated) = if rhs.shape().len() == r { (2, 0) } else { (1, 1) };
         let cands = keep_shards_except_with(r, &[r - 2, r - 1], sharded, replicated, self.mesh().ndim());
         dispatch("matmul_causal", &[self, rhs], &cands, &out, self.dtype(), |l, _| {
-            l[0].matmul_causal(&l[1], part)
+            Ok(l[0].matmul_causal(&l[1], part)?)
         })
     }
 
@@ -54,9 +56,11 @@ impl DTensor {
     /// ([`matmul`](Self::matmul)'s rules), or the error that names what does not fit.
     fn product_shapes(&self, op: &'static str, rhs: &DTensor) -> Result<(String, Vec<usize>)> {
         let (a, b) = (self.shape(), rhs.shape());
-        let bad = |why: &str| Error::ShapeMismatch {
-            op,
-            detail: format!("{a:?} × {b:?}: {why}"),
+        let bad = |why: &str| {
+            Error::from(TensorError::ShapeMismatch {
+                op,
+                detail: format!("{a:?} × {b:?}: {why}"),
+            })
         };
         if a.len() < 2 || b.len() < 2 {
             return Err(bad("both operands need rank ≥ 2"));
@@ -68,11 +72,11 @@ impl DTensor {
             return Err(bad("inner dims differ"));
         }
         if self.dtype() != rhs.dtype() {
-            return Err(Error::DTypeMismatch {
+            return Err(Error::from(TensorError::DTypeMismatch {
                 op,
                 expected: self.dtype(),
                 got: rhs.dtype(),
-            });
+            }));
         }
         let batch = &BATCH[..a.len() - 2];
         let spec = if b.len() == 2 {
@@ -95,7 +99,7 @@ impl DTensor {
         let out = reduced_shape("sum", self.shape(), dims, keepdim)?;
         let cands = reduction(self.shape().len(), dims, keepdim, ReduceOp::Sum, self.mesh().ndim());
         dispatch("sum", &[self], &cands, &out, self.dtype(), |l, _| {
-            l[0].sum(dims, keepdim)
+            Ok(l[0].sum(dims, keepdim)?)
         })
     }
 
@@ -109,7 +113,7 @@ impl DTensor {
         let count: usize = dims.iter().map(|&d| self.shape()[d]).product();
         let cands = reduction(self.shape().len(), dims, keepdim, ReduceOp::Sum, self.mesh().ndim());
         dispatch("mean", &[self], &cands, &out, self.dtype(), |l, _| {
-            l[0].sum(dims, keepdim)?.mul_scalar(1.0 / count as f64)
+            Ok(l[0].sum(dims, keepdim)?.mul_scalar(1.0 / count as f64)?)
         })
     }
 
@@ -121,18 +125,18 @@ impl DTensor {
     pub fn max(&self, dims: &[usize], keepdim: bool) -> Result<DTensor> {
         let out = reduced_shape("max", self.shape(), dims, keepdim)?;
         if let Some(&d) = dims.iter().find(|&&d| self.shape()[d] == 0) {
-            return Err(Error::InvalidArgument {
+            return Err(Error::from(TensorError::InvalidArgument {
                 op: "max",
                 detail: format!("cannot take the max over dim {d} of size 0 in {:?}", self.shape()),
-            });
+            }));
         }
         let cands = reduction(self.shape().len(), dims, keepdim, ReduceOp::Max, self.mesh().ndim());
         dispatch("max", &[self], &cands, &out, self.dtype(), |l, _| {
             if dims.iter().any(|&d| l[0].shape()[d] == 0) {
                 let shape = reduced_shape("max", l[0].shape(), dims, keepdim)?;
-                return Tensor::full(&shape, f64::NEG_INFINITY, l[0].dtype());
+                return Ok(Tensor::full(&shape, f64::NEG_INFINITY, l[0].dtype())?);
             }
-            l[0].max(dims, keepdim)
+            Ok(l[0].max(dims, keepdim)?)
         })
     }
 
@@ -143,7 +147,7 @@ impl DTensor {
     pub fn softmax(&self, dim: usize) -> Result<DTensor> {
         let cands = keep_shards_except(self.shape().len(), &[dim], self.mesh().ndim());
         dispatch("softmax", &[self], &cands, self.shape(), self.dtype(), |l, _| {
-            l[0].softmax(dim)
+            Ok(l[0].softmax(dim)?)
         })
     }
 
@@ -154,7 +158,7 @@ impl DTensor {
     pub fn log_softmax(&self, dim: usize) -> Result<DTensor> {
         let cands = keep_shards_except(self.shape().len(), &[dim], self.mesh().ndim());
         dispatch("log_softmax", &[self], &cands, self.shape(), self.dtype(), |l, _| {
-            l[0].log_softmax(dim)
+            Ok(l[0].log_softmax(dim)?)
         })
     }
 
@@ -164,7 +168,7 @@ impl DTensor {
     /// # Errors
     /// Rank < 2.
     pub fn causal_mask(&self, fill: f64) -> Result<DTensor> {
-        self.per_query_and_key("causal_mask", |l| l.causal_mask(fill))
+        self.per_query_and_key("causal_mask", |l| Ok(l.causal_mask(fill)?))
     }
 
     /// The attention weights of `[..., T, S]` scores (see [`Tensor::attention_probs`]):
@@ -174,7 +178,7 @@ impl DTensor {
     /// # Errors
     /// Rank < 2, a non-finite `scale`, integer inputs.
     pub fn attention_probs(&self, scale: f64, is_causal: bool) -> Result<DTensor> {
-        self.per_query_and_key("attention_probs", |l| l.attention_probs(scale, is_causal))
+        self.per_query_and_key("attention_probs", |l| Ok(l.attention_probs(scale, is_causal)?))
     }
 
     /// Fused scaled dot-product attention of queries `self` `[..., L, E]` over
@@ -276,10 +280,10 @@ impl DTensor {
     fn per_query_and_key(&self, op: &'static str, kernel: impl FnOnce(&Tensor) -> Result<Tensor>) -> Result<DTensor> {
         let r = self.shape().len();
         if r < 2 {
-            return Err(Error::InvalidArgument {
+            return Err(Error::from(TensorError::InvalidArgument {
                 op,
                 detail: format!("scores must have rank ≥ 2, got {:?}", self.shape()),
-            });
+            }));
         }
         let cands = keep_shards_except(r, &[r - 2, r - 1], self.mesh().ndim());
         dispatch(op, &[self], &cands, self.shape(), self.dtype(), |l, _| kernel(&l[0]))
@@ -310,10 +314,10 @@ impl DTensor {
     ) -> Result<(DTensor, DTensor, DTensor)> {
         let r = self.shape().len();
         if r == 0 {
-            return Err(Error::InvalidArgument {
+            return Err(Error::from(TensorError::InvalidArgument {
                 op: "layer_norm",
                 detail: "the input must have rank ≥ 1".into(),
-            });
+            }));
         }
         let mut inputs: SmallVec<[&DTensor; 3]> = smallvec![self];
         inputs.extend(weight);
@@ -347,7 +351,7 @@ impl DTensor {
     /// A table that is not 2-D, indices that are not `i64`, indices out of range.
     pub fn embedding(&self, indices: &DTensor) -> Result<DTensor> {
         if self.shape().len() != 2 || indices.dtype() != DType::I64 {
-            return Err(Error::InvalidArgument {
+            return Err(Error::from(TensorError::InvalidArgument {
                 op: "embedding",
                 detail: format!(
                     "needs a [V, D] table and i64 indices, got {:?} {} and {}",
@@ -355,7 +359,7 @@ impl DTensor {
                     self.dtype(),
                     indices.dtype()
                 ),
-            });
+            }));
         }
         let (v, d) = (self.shape()[0], self.shape()[1]);
         let ir = indices.shape().len();
@@ -372,7 +376,7 @@ impl DTensor {
         dispatch("embedding", &[self, indices], &cands, &out, self.dtype(), |l, ctx| {
             let (table, idx) = (&l[0], &l[1]);
             if table.shape()[0] == v {
-                return table.embedding(idx);
+                return Ok(table.embedding(idx)?);
             }
             masked_embedding(table, idx, ctx.offset(0)?[0], v)
         })
@@ -449,11 +453,11 @@ impl DTensor {
                 let (logits, t) = (l[0].reshape(&[n, c])?, l[1].reshape(&[n])?);
                 // No rows here: the sum is a zero partial sum (NaN for a mean over no rows at all).
                 if !keep_probs {
-                    return logits.cross_entropy(&t, Reduction::Sum)?.mul_scalar(scale);
+                    return Ok(logits.cross_entropy(&t, Reduction::Sum)?.mul_scalar(scale)?);
                 }
                 let (loss, p) = logits.cross_entropy_with_grad(&t, Reduction::Sum)?;
                 probs = Some((p.reshape(l[0].shape())?, ctx.inputs[0].clone()));
-                loss.mul_scalar(scale)
+                Ok(loss.mul_scalar(scale)?)
             },
         )?;
         let probs = probs
@@ -521,7 +525,7 @@ impl DTensor {
                 let offset = ctx.offset(0)?[cd];
                 let (total, row_lse) = class_parallel_rows(mesh, &class_dims, &l[0], &l[1], offset, vocab, wire)?;
                 lse = Some(row_lse);
-                Tensor::from_vec(vec![total * scale], &[])?.cast(l[0].dtype())
+                Ok(Tensor::from_vec(vec![total * scale], &[])?.cast(l[0].dtype())?)
             },
         )?;
         let layout = Layout::new(mesh.shape(), targets.placements(), targets.shape(), DType::F64)?;
@@ -545,14 +549,14 @@ impl DTensor {
     pub fn class_parallel_inputs(&self, targets: &DTensor) -> Result<(DTensor, DTensor)> {
         let ls = self.shape();
         if ls.is_empty() || targets.shape().len() + 1 != ls.len() {
-            return Err(Error::ShapeMismatch {
+            return Err(Error::from(TensorError::ShapeMismatch {
                 op: "cross_entropy",
                 detail: format!(
                     "logits {ls:?} need targets of shape {:?}, got {:?}",
                     &ls[..ls.len().saturating_sub(1)],
                     targets.shape()
                 ),
-            });
+            }));
         }
         let cd = ls.len() - 1;
         let r = Placement::Replicate;
@@ -597,7 +601,7 @@ fn ce_candidates(target_rank: usize, mesh_ndim: usize) -> Vec<Candidate> {
 fn ce_scale(logits: &DTensor, targets: &DTensor, reduction: Reduction) -> Result<f64> {
     let (ls, ts) = (logits.shape(), targets.shape());
     if ls.is_empty() || ls[..ls.len() - 1] != *ts || targets.dtype() != DType::I64 || !logits.dtype().is_float() {
-        return Err(Error::ShapeMismatch {
+        return Err(Error::from(TensorError::ShapeMismatch {
             op: "cross_entropy",
             detail: format!(
                 "float logits {ls:?} {} need i64 targets of shape {:?}, got {ts:?} {}",
@@ -605,15 +609,15 @@ fn ce_scale(logits: &DTensor, targets: &DTensor, reduction: Reduction) -> Result
                 &ls[..ls.len().saturating_sub(1)],
                 targets.dtype()
             ),
-        });
+        }));
     }
     match reduction {
         Reduction::Mean => Ok(1.0 / ts.iter().product::<usize>() as f64),
         Reduction::Sum => Ok(1.0),
-        _ => Err(Error::InvalidArgument {
+        _ => Err(Error::from(TensorError::InvalidArgument {
             op: "cross_entropy",
             detail: "only Mean and Sum reductions are supported on DTensors".into(),
-        }),
+        })),
     }
 }
 
@@ -644,10 +648,10 @@ fn class_parallel_rows(
     let c = logits.shape().last().copied().unwrap_or(0);
     let t = targets.contiguous().to_vec::<i64>()?;
     if let Some((row, &k)) = t.iter().enumerate().find(|&(_, &k)| k < 0 || k as u64 >= vocab as u64) {
-        return Err(Error::InvalidArgument {
+        return Err(Error::from(TensorError::InvalidArgument {
             op: "cross_entropy",
             detail: format!("target {k} of row {row} is not a class of 0..{vocab}"),
-        });
+        }));
     }
     let x = logits.to_f64_vec();
     let row = |i: usize| &x[i * c..(i + 1) * c];
@@ -699,11 +703,11 @@ fn all_reduce_rows(mesh: &DeviceMesh, dims: &[usize], buf: &mut [f64], op: Reduc
 /// The shape after reducing `dims`.
 pub(crate) fn reduced_shape(op: &'static str, shape: &[usize], dims: &[usize], keepdim: bool) -> Result<Vec<usize>> {
     if let Some(&d) = dims.iter().find(|&&d| d >= shape.len()) {
-        return Err(Error::DimOutOfRange {
+        return Err(Error::from(TensorError::DimOutOfRange {
             op,
             dim: d,
             rank: shape.len(),
-        });
+        }));
     }
     Ok(shape
         .iter()
@@ -722,15 +726,15 @@ fn masked_embedding(table: &Tensor, indices: &Tensor, offset: usize, vocab: usiz
     let rows = table.shape()[0];
     let idx = indices.contiguous().to_vec::<i64>()?;
     if let Some(&bad) = idx.iter().find(|&&i| i < 0 || i as usize >= vocab) {
-        return Err(Error::InvalidArgument {
+        return Err(Error::from(TensorError::InvalidArgument {
             op: "embedding",
             detail: format!("index {bad} is out of range for a table of {vocab} rows"),
-        });
+        }));
     }
     let mut out_shape = indices.shape().to_vec();
     out_shape.push(table.shape()[1]);
     if rows == 0 {
-        return Tensor::zeros(&out_shape, table.dtype());
+        return Ok(Tensor::zeros(&out_shape, table.dtype())?);
     }
     let mine = |i: i64| (offset..offset + rows).contains(&(i as usize));
     let local: Vec<i64> = idx
@@ -741,18 +745,18 @@ fn masked_embedding(table: &Tensor, indices: &Tensor, offset: usize, vocab: usiz
     let mut mask_shape = indices.shape().to_vec();
     mask_shape.push(1);
     let looked = table.embedding(&Tensor::from_vec(local, indices.shape())?)?;
-    looked.mul(&Tensor::from_vec(mask, &mask_shape)?.cast(table.dtype())?)
+    Ok(looked.mul(&Tensor::from_vec(mask, &mask_shape)?.cast(table.dtype())?)?)
 }
 
 /// Errors unless every input has the first one's dtype.
 pub(super) fn same_dtypes(op: &'static str, inputs: &[&DTensor]) -> Result<()> {
     let expected = inputs[0].dtype();
     match inputs.iter().find(|x| x.dtype() != expected) {
-        Some(x) => Err(Error::DTypeMismatch {
+        Some(x) => Err(Error::from(TensorError::DTypeMismatch {
             op,
             expected,
             got: x.dtype(),
-        }),
+        })),
         None => Ok(()),
     }
 }

@@ -1,6 +1,8 @@
 //! Element-wise ops on DTensors: binary ops with broadcasting, scalar ops and unary
 //! ops, with the linearity rules for `Partial`.
 
+use tessera_tensor::Error as TensorError;
+
 use super::dispatch;
 use crate::strategy::{Linearity, pointwise};
 use crate::{DTensor, Error, Result, Tensor};
@@ -16,10 +18,10 @@ pub fn broadcast_shape(op: &'static str, a: &[usize], b: &[usize]) -> Result<Vec
         .map(|i| match (dim(a, i), dim(b, i)) {
             (x, y) if x == y || y == 1 => Ok(x),
             (1, y) => Ok(y),
-            _ => Err(Error::ShapeMismatch {
+            _ => Err(Error::from(TensorError::ShapeMismatch {
                 op,
                 detail: format!("shapes {a:?} and {b:?} do not broadcast (dim {i})"),
-            }),
+            })),
         })
         .collect()
 }
@@ -33,7 +35,7 @@ macro_rules! binary {
                 /// # Errors
                 /// Shapes that do not broadcast, dtypes that differ, different meshes, communication failures.
                 pub fn $name(&self, rhs: &DTensor) -> Result<DTensor> {
-                    self.binary(stringify!($name), rhs, $lin, |a, b| a.$name(b))
+                    self.binary(stringify!($name), rhs, $lin, |a, b| Ok(a.$name(b)?))
                 }
             )*
         }
@@ -57,7 +59,7 @@ macro_rules! unary {
                 /// # Errors
                 /// Integer inputs, communication failures.
                 pub fn $name(&self) -> Result<DTensor> {
-                    self.unary(stringify!($name), $lin, |t| t.$name())
+                    self.unary(stringify!($name), $lin, |t| Ok(t.$name()?))
                 }
             )*
         }
@@ -93,11 +95,11 @@ impl DTensor {
         kernel: impl FnOnce(&Tensor, &Tensor) -> Result<Tensor>,
     ) -> Result<DTensor> {
         if self.dtype() != rhs.dtype() {
-            return Err(Error::DTypeMismatch {
+            return Err(Error::from(TensorError::DTypeMismatch {
                 op,
                 expected: self.dtype(),
                 got: rhs.dtype(),
-            });
+            }));
         }
         let out = broadcast_shape(op, self.shape(), rhs.shape())?;
         let cands = pointwise(&[self.shape(), rhs.shape()], &out, self.mesh().ndim(), linearity);
@@ -120,11 +122,11 @@ impl DTensor {
     pub fn gelu_backward_with_output(&self, x: &DTensor, y: &DTensor) -> Result<DTensor> {
         const OP: &str = "gelu_backward";
         super::nn::same_dtypes(OP, &[self, x, y])?;
-        crate::ops::gelu_backward_shapes(self.shape(), x.shape(), y.shape())?;
+        tessera_tensor::ops::gelu_backward_shapes(self.shape(), x.shape(), y.shape())?;
         let shapes = [self.shape(), x.shape(), y.shape()];
         let cands = pointwise(&shapes, self.shape(), self.mesh().ndim(), Linearity::FirstOnly);
         dispatch(OP, &[self, x, y], &cands, self.shape(), self.dtype(), |l, _| {
-            l[0].gelu_backward_with_output(&l[1], &l[2])
+            Ok(l[0].gelu_backward_with_output(&l[1], &l[2])?)
         })
     }
 
@@ -157,7 +159,7 @@ impl DTensor {
         let mut layout = self.layout().clone();
         layout.dtype = dtype;
         let local = {
-            let _t = crate::profile::op_scope("cast");
+            let _t = tessera_tensor::profile::op_scope("cast");
             self.to_local().cast(dtype)?
         };
         DTensor::from_local_with_layout(local, self.mesh(), layout)
@@ -215,7 +217,7 @@ impl DTensor {
     /// # Errors
     /// Integer inputs.
     pub fn mul_scalar(&self, s: f64) -> Result<DTensor> {
-        self.unary("mul_scalar", Linearity::Additive, |t| t.mul_scalar(s))
+        self.unary("mul_scalar", Linearity::Additive, |t| Ok(t.mul_scalar(s)?))
     }
 
     /// `x / s`: linear, so shards and partial values are kept.
@@ -223,7 +225,7 @@ impl DTensor {
     /// # Errors
     /// Integer inputs.
     pub fn div_scalar(&self, s: f64) -> Result<DTensor> {
-        self.unary("div_scalar", Linearity::Additive, |t| t.div_scalar(s))
+        self.unary("div_scalar", Linearity::Additive, |t| Ok(t.div_scalar(s)?))
     }
 
     /// `x + s`. Adding a constant to a partial sum would add it once per rank, so a
@@ -232,7 +234,7 @@ impl DTensor {
     /// # Errors
     /// Integer inputs, communication failures.
     pub fn add_scalar(&self, s: f64) -> Result<DTensor> {
-        self.unary("add_scalar", Linearity::None, |t| t.add_scalar(s))
+        self.unary("add_scalar", Linearity::None, |t| Ok(t.add_scalar(s)?))
     }
 
     /// `x - s` (a partial input is reduced first, as for [`add_scalar`](Self::add_scalar)).
@@ -240,7 +242,7 @@ impl DTensor {
     /// # Errors
     /// Integer inputs, communication failures.
     pub fn sub_scalar(&self, s: f64) -> Result<DTensor> {
-        self.unary("sub_scalar", Linearity::None, |t| t.sub_scalar(s))
+        self.unary("sub_scalar", Linearity::None, |t| Ok(t.sub_scalar(s)?))
     }
 
     /// `xᵉ`.
@@ -248,6 +250,6 @@ impl DTensor {
     /// # Errors
     /// Integer inputs, communication failures.
     pub fn pow(&self, e: f64) -> Result<DTensor> {
-        self.unary("pow", Linearity::None, |t| t.pow(e))
+        self.unary("pow", Linearity::None, |t| Ok(t.pow(e)?))
     }
 }

@@ -2,6 +2,8 @@
 
 use smallvec::smallvec;
 
+use tessera_tensor::Error as TensorError;
+
 use super::dispatch;
 use crate::strategy::{Candidate, DimOption, product};
 use crate::{DTensor, Error, Placement, ReduceOp, Result, Tensor};
@@ -31,11 +33,11 @@ impl DTensor {
         let rank = self.shape().len();
         let mut perm: Vec<usize> = (0..rank).collect();
         if d0 >= rank || d1 >= rank {
-            return Err(Error::DimOutOfRange {
+            return Err(Error::from(TensorError::DimOutOfRange {
                 op: "transpose",
                 dim: d0.max(d1),
                 rank,
-            });
+            }));
         }
         perm.swap(d0, d1);
         self.permute(&perm)
@@ -49,16 +51,16 @@ impl DTensor {
         let rank = self.shape().len();
         let mut seen = vec![false; rank];
         if dims.len() != rank || dims.iter().any(|&d| d >= rank || std::mem::replace(&mut seen[d], true)) {
-            return Err(Error::InvalidArgument {
+            return Err(Error::from(TensorError::InvalidArgument {
                 op: "permute",
                 detail: format!("{dims:?} is not a permutation of the {rank} dims of {:?}", self.shape()),
-            });
+            }));
         }
         let out: Vec<usize> = dims.iter().map(|&d| self.shape()[d]).collect();
         let options = remap_options(rank, |d| dims.iter().position(|&x| x == d));
         let cands = product(&vec![options; self.mesh().ndim()], 1);
         dispatch("permute", &[self], &cands, &out, self.dtype(), |l, _| {
-            l[0].permute(dims)
+            Ok(l[0].permute(dims)?)
         })
     }
 
@@ -71,10 +73,10 @@ impl DTensor {
     pub fn reshape(&self, shape: &[usize]) -> Result<DTensor> {
         let a = self.shape();
         if a.iter().product::<usize>() != shape.iter().product::<usize>() {
-            return Err(Error::ShapeMismatch {
+            return Err(Error::from(TensorError::ShapeMismatch {
                 op: "reshape",
                 detail: format!("cannot reshape {a:?} into {shape:?}: element counts differ"),
-            });
+            }));
         }
         // Input dim `d` can stay sharded as output dim `o` when `o` starts where `d`
         // starts and either has its size, or merges `d` with the dims after it, or
@@ -130,7 +132,7 @@ impl DTensor {
                     local[o] = (shape[o] * l[0].shape()[d]).checked_div(a[d]).unwrap_or(0);
                 }
             }
-            l[0].contiguous().reshape(&local)
+            Ok(l[0].contiguous().reshape(&local)?)
         })
     }
 
@@ -141,17 +143,17 @@ impl DTensor {
     pub fn narrow(&self, dim: usize, start: usize, len: usize) -> Result<DTensor> {
         let rank = self.shape().len();
         if dim >= rank || start + len > self.shape()[dim] {
-            return Err(Error::InvalidArgument {
+            return Err(Error::from(TensorError::InvalidArgument {
                 op: "narrow",
                 detail: format!("dim {dim}, start {start}, len {len} is outside {:?}", self.shape()),
-            });
+            }));
         }
         let mut out = self.shape().to_vec();
         out[dim] = len;
         let options = remap_options(rank, |d| (d != dim).then_some(d));
         let cands = product(&vec![options; self.mesh().ndim()], 1);
         dispatch("narrow", &[self], &cands, &out, self.dtype(), |l, _| {
-            l[0].narrow(dim, start, len)
+            Ok(l[0].narrow(dim, start, len)?)
         })
     }
 
@@ -161,14 +163,16 @@ impl DTensor {
     /// # Errors
     /// No inputs, shapes that differ off `dim`, different dtypes or meshes.
     pub fn cat(xs: &[&DTensor], dim: usize) -> Result<DTensor> {
-        let first = xs.first().ok_or_else(|| Error::InvalidArgument {
-            op: "cat",
-            detail: "no tensors to concatenate".into(),
+        let first = xs.first().ok_or_else(|| {
+            Error::from(TensorError::InvalidArgument {
+                op: "cat",
+                detail: "no tensors to concatenate".into(),
+            })
         })?;
         let rank = first.shape().len();
         let mut out = first.shape().to_vec();
         if dim >= rank {
-            return Err(Error::DimOutOfRange { op: "cat", dim, rank });
+            return Err(Error::from(TensorError::DimOutOfRange { op: "cat", dim, rank }));
         }
         out[dim] = 0;
         for x in xs {
@@ -176,7 +180,7 @@ impl DTensor {
                 && (0..rank).all(|d| d == dim || x.shape()[d] == first.shape()[d])
                 && x.dtype() == first.dtype();
             if !ok {
-                return Err(Error::ShapeMismatch {
+                return Err(Error::from(TensorError::ShapeMismatch {
                     op: "cat",
                     detail: format!(
                         "{:?} {} vs {:?} {} along dim {dim}",
@@ -185,7 +189,7 @@ impl DTensor {
                         x.shape(),
                         x.dtype()
                     ),
-                });
+                }));
             }
             out[dim] += x.shape()[dim];
         }
@@ -195,6 +199,6 @@ impl DTensor {
             .map(|(i, o)| (smallvec![i[0]; n], o))
             .collect();
         let cands: Vec<Candidate> = product(&vec![per; first.mesh().ndim()], n);
-        dispatch("cat", xs, &cands, &out, first.dtype(), |l, _| Tensor::cat(l, dim))
+        dispatch("cat", xs, &cands, &out, first.dtype(), |l, _| Ok(Tensor::cat(l, dim)?))
     }
 }

@@ -13,9 +13,9 @@ use tessera_mesh::{Communicator, DeviceMesh, Element, ReduceOp};
 
 use super::plan::{Plan, StepKind};
 use super::{group_coords, group_index};
-use crate::alloc::{checked_len, reused};
 use crate::spec::{Layout, Region};
 use crate::{Result, Tensor};
+use tessera_tensor::alloc::{checked_len, reused};
 
 /// The op named in allocation errors.
 const OP: &str = "redistribute";
@@ -23,7 +23,7 @@ const OP: &str = "redistribute";
 /// Runs `plan` on `local` (this rank's tensor of `plan.src`), returning the local
 /// tensor of `plan.dst()`.
 pub(crate) fn execute(local: &Tensor, mesh: &DeviceMesh, plan: &Plan) -> Result<Tensor> {
-    let _t = crate::profile::scope(crate::profile::Kind::Communication);
+    let _t = tessera_tensor::profile::scope(tessera_tensor::profile::Kind::Communication);
     let coord = mesh.coordinate();
     let mut t = local.clone();
     for (before, step) in plan.transitions() {
@@ -51,7 +51,7 @@ pub(crate) fn execute(local: &Tensor, mesh: &DeviceMesh, plan: &Plan) -> Result<
             coord,
             group: &step.mesh_dims,
         };
-        t = crate::ops::any_dispatch!("redistribute", t.dtype(), T => ex.run::<T>(&t, step.kind)?);
+        t = tessera_tensor::any_dispatch!("redistribute", t.dtype(), T => ex.run::<T>(&t, step.kind)?);
     }
     Ok(t)
 }
@@ -91,8 +91,8 @@ impl Exchange<'_> {
                     return Ok(t);
                 }
                 return match op {
-                    ReduceOp::Sum => Tensor::zeros(t.shape(), t.dtype()),
-                    ReduceOp::Product => Tensor::ones(t.shape(), t.dtype()),
+                    ReduceOp::Sum => Ok(Tensor::zeros(t.shape(), t.dtype())?),
+                    ReduceOp::Product => Ok(Tensor::ones(t.shape(), t.dtype())?),
                     _ => Ok(t),
                 };
             }
@@ -137,7 +137,7 @@ impl Exchange<'_> {
                 place_all(recv, &mine_after, &incoming)?
             }
         };
-        Tensor::from_vec(out, &mine_after.shape)
+        Ok(Tensor::from_vec(out, &mine_after.shape)?)
     }
 }
 
@@ -146,7 +146,7 @@ impl Exchange<'_> {
 fn buffer_for<T: Element>(n: usize, r: &Region) -> Result<Vec<T>> {
     let flat = [n];
     let shape = if r.numel() == n { &r.shape[..] } else { &flat[..] };
-    reused(OP, shape)
+    Ok(reused(OP, shape)?)
 }
 
 /// Row-major strides of `shape`.

@@ -3,6 +3,8 @@
 
 use smallvec::{SmallVec, smallvec};
 
+use tessera_tensor::Error as TensorError;
+
 use super::{Candidate, DimOption, product};
 use crate::{Error, Placement, ReduceOp, Result};
 
@@ -61,9 +63,11 @@ fn partial_options(n: usize, linearity: Linearity) -> Options {
 /// # Errors
 /// A malformed spec (no `->`, an output letter absent from the inputs, a repeated letter).
 pub fn einsum(spec: &str, mesh_ndim: usize) -> Result<Vec<Candidate>> {
-    let bad = |detail: String| Error::InvalidArgument {
-        op: "einsum strategy",
-        detail,
+    let bad = |detail: String| {
+        Error::from(TensorError::InvalidArgument {
+            op: "einsum strategy",
+            detail,
+        })
     };
     let (lhs, out) = spec
         .split_once("->")

@@ -24,6 +24,8 @@ use std::fmt;
 use proptest::prelude::*;
 use tessera_mesh::{DType, OpKind, ReduceOp};
 
+use tessera_tensor::Error as TensorError;
+
 use crate::sharding::local_shape_and_offset;
 use crate::spec::PlacementsDisplay;
 use crate::{Error, Layout, Placement, Result, ShardOrder, Tensor};
@@ -131,10 +133,10 @@ pub fn placements(rank: usize, mesh_ndim: usize, ops: Vec<ReduceOp>) -> impl Str
 /// `keys` shorter than `placements`.
 pub fn order_from_keys(placements: &[Placement], keys: &[u8]) -> Result<ShardOrder> {
     if keys.len() < placements.len() {
-        return Err(Error::InvalidArgument {
+        return Err(Error::from(TensorError::InvalidArgument {
             op: "order_from_keys",
             detail: format!("{} keys for {} placements", keys.len(), placements.len()),
-        });
+        }));
     }
     let entries: Vec<(usize, Vec<usize>)> = ShardOrder::default_for(placements)
         .entries()
@@ -315,7 +317,7 @@ pub fn test_values(shape: &[usize], dtype: DType) -> Result<Tensor> {
     let n: usize = shape.iter().product();
     let half = (n / 2) as f64;
     let v: Vec<f64> = (0..n).map(|k| k as f64 - half).collect();
-    Tensor::from_vec(v, shape)?.cast(dtype)
+    Ok(Tensor::from_vec(v, shape)?.cast(dtype)?)
 }
 
 /// The piece of `full` that the rank at `coord` holds under `layout`, as
@@ -371,10 +373,10 @@ pub fn partial_local(full: &Tensor, layout: &Layout, coord: &[usize], seed: u64)
     } else if ops.iter().all(|&op| op == ReduceOp::Min) {
         PartialFamily::Min
     } else {
-        return Err(Error::InvalidArgument {
+        return Err(Error::from(TensorError::InvalidArgument {
             op: "partial_local",
             detail: format!("no oracle for the reductions {ops:?}"),
-        });
+        }));
     };
     let avg_scale: f64 = partial
         .iter()

@@ -13,8 +13,8 @@
 //! rate ([`Profile::flops`]).
 //!
 //! ```
-//! use tessera_dtensor::profile::{self, Kind};
-//! use tessera_dtensor::{DType, Tensor};
+//! use tessera_tensor::profile::{self, Kind};
+//! use tessera_tensor::{DType, Tensor};
 //!
 //! profile::enable(true);
 //! let a = Tensor::ones(&[64, 64], DType::F32).unwrap();

@@ -23,7 +23,7 @@
 //! [`exp`] and [`erfc`] take any [`Real`]: `f32` goes through these, `f64`
 //! through libm, unchanged.
 
-use super::Real;
+use super::num::Real;
 
 /// `e^x` for any [`Real`]: the fast kernel for `f32`, libm for `f64`.
 #[inline(always)]
@@ -51,7 +51,7 @@ pub(crate) fn erfc<R: Real>(x: R) -> R {
 /// long as), with the loop compiled for the baseline target, for AVX2 (eight
 /// `f32` lanes instead of four) and for AVX-512 (sixteen), the widest that the
 /// CPU has taken, and split over the rank's threads when long enough
-/// ([`par_rows`](super::par_rows)). All three give the same bits (a fused
+/// ([`par_rows`](super::par::par_rows)). All three give the same bits (a fused
 /// multiply-add in `f` is one on every one of them).
 #[inline(always)]
 pub(crate) fn zip_map<A: Copy + Sync, B: Copy + Sync, C: Send>(
@@ -61,7 +61,7 @@ pub(crate) fn zip_map<A: Copy + Sync, B: Copy + Sync, C: Send>(
     f: impl Fn(A, B) -> C + Sync + Copy,
 ) {
     let simd = Simd::best();
-    super::par_rows(out, 1, |start, out| {
+    super::par::par_rows(out, 1, |start, out| {
         let end = start + out.len();
         // By value (a copy): through a reference the call would not inline into
         // the vectorized loop.
@@ -81,7 +81,7 @@ pub(crate) fn zip3_map<A: Copy + Sync, B: Copy + Sync, C: Copy + Sync, D: Send>(
     f: impl Fn(A, B, C) -> D + Sync + Copy,
 ) {
     let simd = Simd::best();
-    super::par_rows(out, 1, |start, out| {
+    super::par::par_rows(out, 1, |start, out| {
         let end = start + out.len();
         let (x, y, z) = (&x[start..end], &y[start..end], &z[start..end]);
         simd.run(

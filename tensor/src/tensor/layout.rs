@@ -131,7 +131,7 @@ impl Layout {
 
     /// Copies the elements of this view of `data` into a new row-major vector,
     /// split along the first dim over the rank's threads when large
-    /// ([`par_rows`](crate::ops::par_rows)): each thread copies the rows that
+    /// ([`par_rows`](crate::kernel::par_rows)): each thread copies the rows that
     /// the kernel before it most likely wrote on that thread, from its own cache.
     pub(crate) fn gather<T: Copy + Send + Sync>(&self, data: &[T]) -> Vec<T> {
         let n = self.numel();
@@ -141,7 +141,7 @@ impl Layout {
         // Not contiguous, so not empty and of rank >= 1.
         let inner = n / self.shape[0];
         let mut out = Vec::with_capacity(n);
-        crate::ops::par_rows(&mut out.spare_capacity_mut()[..n], inner, |start, block| {
+        crate::kernel::par_rows(&mut out.spare_capacity_mut()[..n], inner, |start, block| {
             let mut part = self.clone();
             part.shape[0] = block.len() / inner;
             part.offset += start / inner * self.strides[0];

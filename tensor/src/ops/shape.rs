@@ -2,8 +2,8 @@
 
 use ndarray::IxDyn;
 
-use super::any_dispatch;
 use super::elementwise::broadcast_shapes;
+use crate::kernel::any_dispatch;
 use crate::{Error, Result, Tensor};
 
 impl Tensor {

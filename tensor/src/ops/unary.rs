@@ -3,8 +3,9 @@
 use std::mem::MaybeUninit;
 
 use super::elementwise::Binary;
-use super::fastmath::{erfc, exp, zip_map, zip3_map};
-use super::{Float, Real, elements, float_dispatch, output, same_dtype};
+use super::{elements, output, same_dtype};
+use crate::kernel::{Float, Real, float_dispatch};
+use crate::kernel::{erfc, exp, zip_map, zip3_map};
 use crate::{DType, Error, Result, Tensor};
 
 /// A unary element-wise operation, computed in the [`Real`] type of its dtype.
@@ -79,7 +80,10 @@ impl GeluBackwardFromOutputOp {
 
 /// The error of [`Tensor::gelu_backward_with_output`] (and its `DTensor`
 /// counterpart) unless the gradient, input and output shapes are equal.
-pub(crate) fn gelu_backward_shapes(g: &[usize], x: &[usize], y: &[usize]) -> Result<()> {
+///
+/// # Errors
+/// [`Error::ShapeMismatch`] naming the three shapes.
+pub fn gelu_backward_shapes(g: &[usize], x: &[usize], y: &[usize]) -> Result<()> {
     if g == x && g == y {
         return Ok(());
     }

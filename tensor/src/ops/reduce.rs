@@ -4,8 +4,9 @@
 use tessera_mesh::Element;
 
 use super::elementwise::broadcast_shapes;
-use super::fastmath::Simd;
-use super::{Float, Real, check_dim, elements, float_dispatch, output};
+use super::{check_dim, elements, output};
+use crate::kernel::Simd;
+use crate::kernel::{Float, Real, float_dispatch};
 use crate::{Error, Result, Tensor};
 
 /// Sum of `row` in `f64`, with eight independent accumulators (fast, and
@@ -205,7 +206,7 @@ fn reduce<T: Float, R: Reducer<T>>(op: &'static str, t: &Tensor, mask: &[bool], 
         // order as on one thread.
         let mut acc = vec![R::init(); kept];
         let (simd, x) = (Simd::best(), &x[..]);
-        super::par_blocks(&mut acc, 1, super::par_parts(x.len()), |c0, cols| {
+        crate::kernel::par_blocks(&mut acc, 1, crate::kernel::par_parts(x.len()), |c0, cols| {
             simd.run(
                 #[inline(always)]
                 || {
@@ -234,7 +235,7 @@ fn reduce<T: Float, R: Reducer<T>>(op: &'static str, t: &Tensor, mask: &[bool], 
 /// rows over the rank's threads.
 fn reduce_rows<T: Float, R: Reducer<T>>(x: &[T], kept: usize, count: usize) -> Vec<R::Out> {
     let mut acc = vec![R::init(); kept];
-    super::par_blocks(&mut acc, 1, super::par_parts(x.len()), |start, block| {
+    crate::kernel::par_blocks(&mut acc, 1, crate::kernel::par_parts(x.len()), |start, block| {
         for (s, row) in block.iter_mut().zip(x[start * count..].chunks_exact(count)) {
             *s = R::row(row);
         }

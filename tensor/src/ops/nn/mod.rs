@@ -6,10 +6,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use tessera_mesh::{DType, Element};
 
-use super::fastmath::{Simd, exp, zip_map_inline};
 use super::nn_backward::all_row_stats;
 use super::reduce::{row_max, sum_map_f64};
-use super::{Float, Real, any_dispatch, check_dim, elements, float_dispatch, output, same_dtype};
+use super::{check_dim, elements, output, same_dtype};
+use crate::kernel::{Float, Real, any_dispatch, float_dispatch};
+use crate::kernel::{Simd, exp, zip_map_inline};
 use crate::{Error, Result, Tensor};
 
 /// How [`Tensor::cross_entropy`] combines the per-row losses.
@@ -56,7 +57,7 @@ pub(super) fn map_rows<T: Float, S: Default, const N: usize>(
         // Blocks of rows over the rank's threads, each with its own scratch `S`,
         // compiled for the CPU's widest vectors (`f` by value, so that it inlines).
         let (simd, xs) = (Simd::best(), &xs[..]);
-        super::par_rows(&mut out, len, |start, block| {
+        crate::kernel::par_rows(&mut out, len, |start, block| {
             simd.run(
                 #[inline(always)]
                 move || {
@@ -227,7 +228,7 @@ fn layer_norm_typed<T: Float>(
         let stats = all_row_stats(&xs, d, eps);
         // Blocks of rows over the rank's threads.
         let (simd, xs, w, b, stats) = (Simd::best(), &xs[..], &w[..], &b[..], &stats[..]);
-        super::par_rows(&mut out, d, |start, block| {
+        crate::kernel::par_rows(&mut out, d, |start, block| {
             simd.run(
                 #[inline(always)]
                 || {
@@ -455,7 +456,7 @@ impl Tensor {
                 // probabilities and, through `row_losses`, their losses.
                 let row_losses: Vec<AtomicU64> = (0..n).map(|_| AtomicU64::new(0)).collect();
                 let write = |p: &mut [MaybeUninit<T>]| {
-                    super::par_rows(p, c.max(1), |start, block| {
+                    crate::kernel::par_rows(p, c.max(1), |start, block| {
                         simd.run(#[inline(always)] || {
                             let mut e = Vec::with_capacity(c);
                             let first = start / c.max(1);
@@ -484,7 +485,7 @@ impl Tensor {
             } else {
                 // Blocks of rows over the rank's threads; every row's loss is the
                 // same at any split, and they are summed in row order below.
-                super::par_blocks(&mut losses, 1, super::par_parts(n * c), |start, block| {
+                crate::kernel::par_blocks(&mut losses, 1, crate::kernel::par_parts(n * c), |start, block| {
                     simd.run(#[inline(always)] || {
                         let mut e = Vec::with_capacity(c);
                         for (j, l) in block.iter_mut().enumerate() {
@@ -526,7 +527,7 @@ impl Tensor {
             if s > 0 {
                 // Blocks of rows over the rank's threads; row `r` is query `r mod T`.
                 let x = &x[..];
-                super::par_rows(&mut out, s, |start, block| {
+                crate::kernel::par_rows(&mut out, s, |start, block| {
                     for (j, (o, row)) in block.chunks_exact_mut(s).zip(x[start..].chunks_exact(s)).enumerate() {
                         let keep = ((start / s + j) % t + 1).min(s);
                         o[..keep].copy_from_slice(&row[..keep]);

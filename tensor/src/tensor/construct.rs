@@ -5,8 +5,9 @@ use tessera_mesh::{Buffer, DType, Element};
 
 use super::Tensor;
 use super::layout::checked_numel;
-use super::storage::{Scalar, fill_value, with_buffer};
+use super::storage::{fill_value, with_buffer};
 use crate::alloc::zeros_buffer;
+use crate::kernel::Scalar;
 use crate::rng::Rng;
 use crate::{Error, Result};
 

@@ -4,7 +4,8 @@ use std::mem::MaybeUninit;
 
 use ndarray::{ArrayViewMutD, IxDyn, Zip};
 
-use super::{Float, Real, Simd, elements, float_dispatch, output, par_collect, par_rows, same_dtype};
+use super::{elements, output, par_collect, same_dtype};
+use crate::kernel::{Float, Real, Simd, float_dispatch, par_rows};
 use crate::{Error, Result, Tensor};
 
 /// A binary element-wise operation, computed in the [`Real`] type of its dtype.
@@ -230,8 +231,8 @@ mod tests {
     use tessera_mesh::DType;
 
     use super::*;
+    use crate::kernel::unravel;
     use crate::ops::testutil::{assert_close, sample, tol};
-    use crate::ops::unravel;
 
     /// Row-major index of `out_idx` in a tensor of `shape` broadcast to `out`.
     fn bidx(shape: &[usize], out: &[usize], out_idx: &[usize]) -> usize {

@@ -4,7 +4,8 @@ use ndarray::{ArrayD, ArrayViewD, IxDyn, ShapeBuilder};
 use tessera_mesh::{Buf, Buffer, DType, Element};
 
 use super::Tensor;
-use super::storage::{Scalar, convert, convert_extend, typed, with_buffer};
+use super::storage::{typed, with_buffer};
+use crate::kernel::{Scalar, convert, convert_extend};
 use crate::{Error, Result};
 
 impl Tensor {
@@ -66,7 +67,7 @@ impl Tensor {
     fn converted(&self, dtype: DType, span: Option<std::ops::Range<usize>>) -> Result<Buffer> {
         let layout = self.layout();
         Ok(
-            with_buffer!(self.data(), src, S => crate::ops::any_dispatch!("cast", dtype, D => {
+            with_buffer!(self.data(), src, S => crate::kernel::any_dispatch!("cast", dtype, D => {
                 let mut out = crate::alloc::with_capacity::<D>("cast", self.shape())?;
                 match &span {
                     // The common case (mixed precision) in a loop the compiler can vectorize.

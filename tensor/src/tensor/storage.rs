@@ -1,7 +1,8 @@
-//! CPU storage of tensors and the scalar conversions that kernels share.
+//! CPU storage of tensors.
 
-use half::{bf16, f16};
 use tessera_mesh::{Buf, Buffer, DType, Element};
+
+use crate::kernel::Scalar;
 
 use crate::memory::Allocation;
 use crate::{Error, Result};
@@ -64,114 +65,6 @@ pub(crate) fn typed<T: Element>(buf: Buf<'_>) -> Option<&[T]> {
     tessera_mesh::dispatch_buf!(Buf, buf, s, _S => bytemuck::try_cast_slice(s).ok())
 }
 
-/// Conversions between element types, shared by every kernel.
-///
-/// Semantics (documented on [`Tensor::cast`](crate::Tensor::cast)): float to
-/// float rounds to nearest (half types through `f32`, as PyTorch does); float to
-/// integer truncates toward zero and saturates, NaN gives 0; integer to integer
-/// wraps (two's complement, as PyTorch does).
-pub(crate) trait Scalar: Element {
-    /// Mantissa bits including the implicit one (0 for integers).
-    const MANTISSA_BITS: u32;
-    /// The smallest and largest values, for range checks of integer fills.
-    const RANGE: (f64, f64);
-    fn to_f64(self) -> f64;
-    fn from_f64(v: f64) -> Self;
-    fn to_i64(self) -> i64;
-    fn from_i64(v: i64) -> Self;
-}
-
-macro_rules! scalar_float {
-    ($t:ty, $bits:expr, $to:expr, $from:expr) => {
-        impl Scalar for $t {
-            const MANTISSA_BITS: u32 = $bits;
-            const RANGE: (f64, f64) = (f64::NEG_INFINITY, f64::INFINITY);
-            fn to_f64(self) -> f64 {
-                $to(self)
-            }
-            fn from_f64(v: f64) -> Self {
-                $from(v)
-            }
-            fn to_i64(self) -> i64 {
-                self.to_f64() as i64
-            }
-            fn from_i64(v: i64) -> Self {
-                Self::from_f64(v as f64)
-            }
-        }
-    };
-}
-scalar_float!(f32, 24, |x: f32| x as f64, |v: f64| v as f32);
-scalar_float!(f64, 53, |x: f64| x, |v: f64| v);
-scalar_float!(bf16, 8, bf16::to_f64, |v: f64| bf16::from_f32(v as f32));
-scalar_float!(f16, 11, f16::to_f64, |v: f64| f16::from_f32(v as f32));
-
-macro_rules! scalar_int {
-    ($t:ty) => {
-        impl Scalar for $t {
-            const MANTISSA_BITS: u32 = 0;
-            const RANGE: (f64, f64) = (<$t>::MIN as f64, <$t>::MAX as f64);
-            fn to_f64(self) -> f64 {
-                self as f64
-            }
-            fn from_f64(v: f64) -> Self {
-                v as $t
-            }
-            fn to_i64(self) -> i64 {
-                self as i64
-            }
-            fn from_i64(v: i64) -> Self {
-                v as $t
-            }
-        }
-    };
-}
-scalar_int!(i64);
-scalar_int!(u8);
-
-/// Converts one element from `S` to `D` with the semantics of [`Scalar`].
-pub(crate) fn convert<S: Scalar, D: Scalar>(s: S) -> D {
-    if S::DTYPE.is_float() || D::DTYPE.is_float() {
-        D::from_f64(s.to_f64())
-    } else {
-        D::from_i64(s.to_i64())
-    }
-}
-
-/// [`convert`] over a slice, appended to `dst` (`dst.push(convert(x))` for each
-/// `x`), in loops of integer bit operations (which vectorize) for the
-/// mixed-precision pairs `bf16 → f32` (exact: the bits shifted) and `f32 → bf16`
-/// (round to nearest even, NaN kept quiet), with the same values as `convert`.
-pub(crate) fn convert_extend<S: Scalar, D: Scalar>(src: &[S], dst: &mut Vec<D>) {
-    // Compiled for the widest vectors the CPU has.
-    crate::ops::Simd::best().run(
-        #[inline(always)]
-        || match (S::DTYPE, D::DTYPE) {
-            (DType::BF16, DType::F32) => {
-                let src: &[u16] = bytemuck::cast_slice(src);
-                dst.extend(src.iter().map(|&s| bytemuck::cast::<u32, D>(u32::from(s) << 16)));
-            }
-            (DType::F32, DType::BF16) => {
-                let src: &[u32] = bytemuck::cast_slice(src);
-                dst.extend(src.iter().map(|&s| bytemuck::cast::<u16, D>(bf16_bits(s))));
-            }
-            _ => dst.extend(src.iter().map(|&s| convert::<S, D>(s))),
-        },
-    )
-}
-
-/// The `bf16` nearest to the `f32` with bits `x` (ties to even), as bits; a NaN
-/// stays a (quiet) NaN of the same sign.
-#[inline(always)]
-pub(crate) fn bf16_bits(x: u32) -> u16 {
-    let nan = x & 0x7fff_ffff > 0x7f80_0000;
-    // Adding just under half a unit of the last kept bit, plus that bit, carries
-    // into it exactly when the dropped bits exceed half, or equal it and it is odd.
-    // Only a NaN's bits can wrap, and then `rounded` is not used.
-    let rounded = x.wrapping_add(0x7fff + ((x >> 16) & 1)) >> 16;
-    if nan { ((x >> 16) | 0x40) as u16 } else { rounded as u16 }
-}
-
 /// Converts a fill value for a constructor: floats take any value; integers
 /// take finite values in range and truncate toward zero.
 pub(crate) fn fill_value<T: Scalar>(op: &'static str, v: f64) -> Result<T> {
@@ -207,7 +100,10 @@ pub(crate) use with_buffer;
 
 #[cfg(test)]
 mod tests {
+    use half::{bf16, f16};
+
     use super::*;
+    use crate::kernel::{convert, convert_extend};
 
     #[test]
     fn slice_conversions_match_the_element_conversion() {

@@ -4,9 +4,10 @@
 
 use std::mem::MaybeUninit;
 
-use super::fastmath::{Simd, zip_map_inline};
 use super::nn::{causal_keep, ce_targets, check_scores, index_vector, map_rows, row_exp_sum};
-use super::{Float, Real, check_dim, elements, float_dispatch, output, same_dtype};
+use super::{check_dim, elements, output, same_dtype};
+use crate::kernel::{Float, Real, float_dispatch};
+use crate::kernel::{Simd, zip_map_inline};
 use crate::{Error, Result, Tensor};
 
 mod layer_norm;
@@ -149,7 +150,7 @@ impl Tensor {
             let mut out: Vec<T> = crate::alloc::reused("cross_entropy", &[n, c])?;
             // Blocks of rows over the rank's threads, each with its own scratch.
             let (simd, x, c) = (Simd::best(), &x[..], c.max(1));
-            super::par_rows(&mut out, c, |start, block| {
+            crate::kernel::par_rows(&mut out, c, |start, block| {
                 simd.run(#[inline(always)] || {
                     let mut e = Vec::with_capacity(c);
                     let rows = x[start..].chunks_exact(c).zip(block.chunks_exact_mut(c));
@@ -185,7 +186,7 @@ impl Tensor {
             let p = elements::<T>(self)?;
             let (simd, p, c) = (Simd::best(), &p[..], c.max(1));
             let write = |out: &mut [MaybeUninit<T>]| {
-                super::par_rows(out, c, |start, block| {
+                crate::kernel::par_rows(out, c, |start, block| {
                     simd.run(#[inline(always)] || {
                         zip_map_inline(&p[start..], &p[start..], block, #[inline(always)] |v, _| {
                             MaybeUninit::new(T::from_wide(v.wide() * scale))

@@ -4,10 +4,11 @@
 use tessera_mesh::DType;
 
 use super::{dot_f64, filled, same_shape};
-use crate::ops::fastmath::Simd;
+use crate::kernel::Simd;
+use crate::kernel::{Float, float_dispatch, par_blocks, par_parts};
 use crate::ops::nn::map_rows;
 use crate::ops::reduce::sum_map_f64;
-use crate::ops::{Float, elements, float_dispatch, output, par_blocks, par_parts, same_dtype};
+use crate::ops::{elements, output, same_dtype};
 use crate::{Error, Result, Tensor};
 
 impl Tensor {

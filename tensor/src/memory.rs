@@ -17,12 +17,12 @@
 //! `reset_peak_memory_stats`, but per rank and for host tensors too.
 //!
 //! ```
-//! use tessera_dtensor::{memory, DType, Tensor};
+//! use tessera_tensor::{memory, DType, Tensor};
 //! use tessera_mesh::context::{scoped, RankId};
 //!
 //! // Pretend this thread is rank 0 of some job (a launcher does this for real).
 //! let id = RankId { job: 1 << 40, rank: 0 };
-//! scoped(id, || -> tessera_dtensor::Result<()> {
+//! scoped(id, || -> tessera_tensor::Result<()> {
 //!     let a = Tensor::zeros(&[256, 4], DType::F32)?; // 4 KiB
 //!     let halves = a.chunk(2, 0)?; // views: nothing allocated
 //!     assert_eq!(memory::stats().current_bytes, 4096);
@@ -37,7 +37,7 @@
 //!     Ok(())
 //! })?;
 //! assert_eq!(memory::stats_of(id).current_bytes, 0);
-//! # Ok::<(), tessera_dtensor::Error>(())
+//! # Ok::<(), tessera_tensor::Error>(())
 //! ```
 
 use std::cell::RefCell;

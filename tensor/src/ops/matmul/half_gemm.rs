@@ -3,8 +3,8 @@
 use half::{bf16, f16};
 
 use super::{Gemm, GemmKernel, Mat, SPLIT_ALIGN};
-use crate::ops::Float;
-use crate::ops::fastmath::Simd;
+use crate::kernel::Float;
+use crate::kernel::Simd;
 
 // Half-precision operands run the f32 GEMM with their conversions fused in;
 // bf16 ones the dot-product kernel when it was chosen.

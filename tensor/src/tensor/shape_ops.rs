@@ -9,6 +9,29 @@ use super::layout::{Layout, checked_numel};
 use super::storage::{typed, with_buffer};
 use crate::{Error, Result};
 
+/// The length and start of piece `idx` when a dim of `size` elements is split
+/// into `n` pieces as `torch.chunk` splits it: every piece has `ceil(size / n)`
+/// elements, the trailing ones fewer or none (13 over 4 gives 4, 4, 4, 1 and 6
+/// over 4 gives 2, 2, 2, 0). An empty piece starts at `size`; `n == 0` gives `(0, size)`.
+///
+/// ```
+/// use tessera_tensor::chunk_size_and_offset;
+///
+/// assert_eq!(chunk_size_and_offset(13, 4, 3), (1, 12));
+/// assert_eq!(chunk_size_and_offset(6, 4, 3), (0, 6));
+/// ```
+///
+/// PyTorch: the split of `torch.chunk` (and of `Shard.local_shard_size_and_offset`).
+pub fn chunk_size_and_offset(size: usize, n: usize, idx: usize) -> (usize, usize) {
+    let chunk = if n == 0 { 0 } else { size.div_ceil(n) };
+    let start = chunk.saturating_mul(idx);
+    if n == 0 || start >= size {
+        (0, size)
+    } else {
+        (chunk.min(size - start), start)
+    }
+}
+
 impl Tensor {
     /// The view of `len` entries of dim `dim` starting at `start`, sharing storage.
     /// PyTorch: `Tensor.narrow`.
@@ -42,7 +65,7 @@ impl Tensor {
         (0..n)
             .map(|i| {
                 // The same split DTensor shards use; an empty chunk's offset is the size.
-                let (len, start) = crate::sharding::shard_size_and_offset(size, n, i);
+                let (len, start) = chunk_size_and_offset(size, n, i);
                 self.narrow(dim, start, len)
             })
             .collect()

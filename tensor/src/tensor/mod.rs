@@ -1,7 +1,7 @@
 //! The local (per-rank) tensor: a runtime-typed, strided view of shared CPU storage.
 //!
 //! ```
-//! use tessera_dtensor::{DType, Tensor};
+//! use tessera_tensor::{DType, Tensor};
 //!
 //! let t = Tensor::arange(12, DType::F32)?.reshape(&[3, 4])?;
 //! let parts = t.chunk(2, 1)?; // two [3, 2] views of `t`'s storage, no copy
@@ -10,7 +10,7 @@
 //! let back = Tensor::cat(&parts, 1)?;
 //! assert_eq!(back, t);
 //! assert_eq!(t.cast(DType::I64)?.to_vec::<i64>()?, (0..12).collect::<Vec<_>>());
-//! # Ok::<(), tessera_dtensor::Error>(())
+//! # Ok::<(), tessera_tensor::Error>(())
 //! ```
 
 mod construct;
@@ -25,7 +25,7 @@ use std::sync::Arc;
 use tessera_mesh::{Buffer, DType};
 
 use layout::Layout;
-pub(crate) use storage::bf16_bits;
+pub use shape_ops::chunk_size_and_offset;
 use storage::{Storage, with_buffer};
 
 /// A tensor on one rank: shape, strides and a runtime [`DType`] over shared storage.

@@ -4,7 +4,7 @@
 //! seed sees the same values, on every platform. Not for cryptography.
 //!
 //! ```
-//! use tessera_dtensor::rng::Rng;
+//! use tessera_tensor::rng::Rng;
 //!
 //! let mut a = Rng::new(42);
 //! let mut b = Rng::new(42);

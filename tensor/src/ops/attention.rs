@@ -18,11 +18,12 @@
 use half::{bf16, f16};
 use tessera_mesh::DType;
 
-use super::fastmath::Simd;
 use super::matmul::{Causal, Gemm, GemmKernel, Mat, OutPtr, entry, part_flops};
 use super::nn::{ProbsScratch, attention_probs_row, causal_keep};
 use super::nn_backward::attention_probs_grad_row;
-use super::{Real, not_float, output, same_dtype};
+use super::{output, same_dtype};
+use crate::kernel::Simd;
+use crate::kernel::{Real, not_float};
 use crate::{Error, Result, Tensor};
 
 /// The scale and mask of a fused scaled dot-product attention
@@ -80,7 +81,10 @@ impl Attention {
 
     /// [`check`](Self::check), and errors unless the output's gradient `grad`
     /// and the weights `probs` have the shapes that the forward gives.
-    pub(crate) fn check_backward(
+    ///
+    /// # Errors
+    /// [`Error::ShapeMismatch`] naming the shapes, or [`check`](Self::check)'s errors.
+    pub fn check_backward(
         &self,
         op: &'static str,
         [q, k, v]: [&[usize]; 3],

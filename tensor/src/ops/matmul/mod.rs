@@ -4,7 +4,8 @@ use half::{bf16, f16};
 use tessera_mesh::DType;
 
 use super::elementwise::broadcast_shapes;
-use super::{Float, not_float, output, same_dtype, unravel};
+use super::{output, same_dtype};
+use crate::kernel::{Float, not_float, unravel};
 use crate::{Error, Result, Tensor};
 
 #[cfg(target_arch = "x86_64")]
@@ -380,7 +381,7 @@ fn turned_rhs<T: Gemm>(kernel: GemmKernel, rows: usize, [k, n]: [usize; 2], b: M
     let src = unsafe { std::slice::from_raw_parts(b.ptr.cast::<f32>(), (n - 1) * ld + k) };
     // Rows of the copy (columns of `b`) in blocks over the rank's threads.
     let write = |dst: &mut [std::mem::MaybeUninit<f32>]| {
-        super::par_rows(dst, n, |start, block| {
+        crate::kernel::par_rows(dst, n, |start, block| {
             transpose::transpose(&src[start / n..], n, block.len() / n, ld, block);
         });
     };

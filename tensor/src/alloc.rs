@@ -83,7 +83,7 @@ fn cached<T: Element>(n: usize) -> Option<Vec<T>> {
 ///
 /// # Errors
 /// [`Error::OutOfMemory`] as for [`zeroed`].
-pub(crate) fn reused<T: Element>(op: &'static str, shape: &[usize]) -> Result<Vec<T>> {
+pub fn reused<T: Element>(op: &'static str, shape: &[usize]) -> Result<Vec<T>> {
     let n = checked_len(op, shape, T::DTYPE)?;
     match cached::<T>(n) {
         Some(v) => Ok(v),
@@ -151,7 +151,7 @@ fn out_of_memory(op: &'static str, shape: &[usize], dtype: DType) -> Error {
 /// # Errors
 /// [`Error::OutOfMemory`] when the element or byte count overflows, or the bytes
 /// exceed what one allocation may hold (`isize::MAX`).
-pub(crate) fn checked_len(op: &'static str, shape: &[usize], dtype: DType) -> Result<usize> {
+pub fn checked_len(op: &'static str, shape: &[usize], dtype: DType) -> Result<usize> {
     match byte_count(shape, dtype) {
         // Tensors compute their element count left to right, so a zero-size shape
         // must not overflow before its zero dim either.
@@ -174,7 +174,7 @@ pub(crate) fn checked_len(op: &'static str, shape: &[usize], dtype: DType) -> Re
 /// [`Error::OutOfMemory`] as for [`zeroed`].
 pub(crate) fn zeros_buffer(op: &'static str, shape: &[usize], dtype: DType) -> Result<Buffer> {
     let _t = crate::profile::scope(crate::profile::Kind::Allocation);
-    crate::ops::any_dispatch!(op, dtype, T => Ok(T::into_buffer(zeroed::<T>(op, shape)?)))
+    crate::kernel::any_dispatch!(op, dtype, T => Ok(T::into_buffer(zeroed::<T>(op, shape)?)))
 }
 
 /// An empty vector with room for exactly the elements of a tensor of `shape`,
