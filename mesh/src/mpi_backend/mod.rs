@@ -47,9 +47,11 @@ use std::sync::{Arc, Mutex, OnceLock};
 use mpi::environment::{Threading, Universe};
 use mpi::ffi;
 
-use crate::launcher::panic_message;
+use crate::env::MpiEnv;
+use crate::options::LaunchOptions;
+use crate::rank::{BoxError, RankCtx, panic_message};
 use crate::stats::CommStats;
-use crate::{BoxError, Error, LaunchOptions, MpiEnv, RankCtx, Result};
+use crate::{Error, Result};
 
 pub(crate) use comm::MpiComm;
 use ops::{Handle, Ops};
@@ -206,14 +208,11 @@ fn abort_with(world_rank: usize, why: &str, details: &[String]) -> ! {
     std::process::exit(1)
 }
 
-/// Runs `f` as this process's rank of an MPI job.
+/// Runs `f` as this process's rank of an MPI job of `world_size` (at least 1) ranks.
 pub(crate) fn launch<T, F>(opts: &LaunchOptions, world_size: usize, env: &MpiEnv, f: F) -> Result<Vec<T>>
 where
     F: Fn(RankCtx) -> Result<T, BoxError>,
 {
-    if world_size == 0 {
-        return Err(Error::Launch("world_size must be at least 1".into()));
-    }
     let rt = runtime()?;
     if rt.world_size != world_size {
         return Err(Error::Launch(format!(
