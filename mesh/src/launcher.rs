@@ -36,10 +36,10 @@ use crate::{Error, Result};
 /// sharing large ones through an `Arc`.
 ///
 /// # Errors
-/// [`Error::Launch`](crate::Error::Launch) for `world_size == 0`, an invalid `TESSERA_TIMEOUT_S`, an MPI
+/// [`Error::Launch`] for `world_size == 0`, an invalid `TESSERA_TIMEOUT_S`, an MPI
 /// launch whose process count is not `world_size`, or an MPI launch of a build
 /// without the `mpi` feature;
-/// [`Error::RankFailed`](crate::Error::RankFailed) naming the first rank that failed (returned an error,
+/// [`Error::RankFailed`] naming the first rank that failed (returned an error,
 /// panicked, never arrived at a collective, or returned while its peers waited), or
 /// a rank still in its closure a timeout after every other rank returned (threads
 /// backend: its thread is then left running, detached, and its later collectives

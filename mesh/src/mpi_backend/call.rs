@@ -1,7 +1,7 @@
 //! One MPI call as the communicators make it: under the watchdog's clock, its
 //! return code turned into a `Result`, its element counts checked to fit MPI's
 //! `int`, and (with `TESSERA_MPI_CHECK`) the ranks' agreement on its arguments
-//! ([`agree`](super::agree)) before it.
+//! ([`agree`]) before it.
 
 use std::os::raw::c_int;
 use std::sync::Arc;

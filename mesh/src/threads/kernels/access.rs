@@ -60,7 +60,7 @@ pub(super) unsafe fn run_at(dq: &Desc, size: usize, pos: usize) -> (usize, usize
 /// runs) to `out[at..at + len]` with `store`.
 ///
 /// # Safety
-/// As [`write`] for the destination; `dq` as in [`run_at`], with `from + len <=
+/// As [`write`](fn@write) for the destination; `dq` as in [`run_at`], with `from + len <=
 /// send_len`.
 pub(super) unsafe fn copy_runs<T: Element>(store: Store, dq: &Desc, from: usize, len: usize, out: *mut T, at: usize) {
     let size = size_of::<T>();

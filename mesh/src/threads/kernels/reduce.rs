@@ -102,7 +102,7 @@ reduce_int!(i64);
 // dispatch cover every dtype.
 reduce_int!(u8);
 
-/// Zeros for the runs of zeros of [`Pieces`]: `BLOCK` elements of any dtype
+/// Zeros for the runs of zeros of [`Pieces`](crate::Pieces): `BLOCK` elements of any dtype
 /// (all-zero bits are every dtype's zero).
 static ZEROS: [u64; BLOCK] = [0; BLOCK];
 
@@ -125,7 +125,7 @@ fn combine_ranks<'a, T: Reduce + 'a>(acc: &mut [T::Acc], descs: &[Desc], op: Red
     }
 }
 
-/// [`reduce_blocks`] for send buffers some of which are [`Pieces`]: elements
+/// [`reduce_blocks`] for send buffers some of which are [`Pieces`](crate::Pieces): elements
 /// `[from, from + len)` of every rank's send combined into the fresh output
 /// `out[..len]`, in chunks that never cross a run boundary of any rank (so each
 /// rank's part of a chunk is one slice, or zeros), ranks in rank order.
