@@ -33,31 +33,34 @@ mod comm;
 pub mod context;
 mod device_mesh;
 mod dtype;
+mod env;
 mod error;
 pub mod intra_op;
 mod launcher;
 #[cfg(feature = "mpi")]
 mod mpi_backend;
+mod options;
 mod pieces;
+mod rank;
 pub mod stats;
 #[cfg(feature = "testing")]
 pub mod testing;
-pub mod threads;
+mod threads;
 
 pub use comm::{Communicator, CommunicatorExt, ReduceOp, Work};
 pub use device_mesh::{DeviceMesh, DimRef};
 pub use dtype::{Buf, BufMut, Buffer, DType, Element};
+pub use env::{MpiEnv, is_lead_process, mpi_env};
 pub use error::{Error, Result};
 pub use intra_op::{intra_op_threads, parallel_for};
-pub use launcher::{
-    BoxError, DEFAULT_TIMEOUT, LaunchOptions, MAX_THREADS_PER_RANK, MAX_TIMEOUT, MIN_TIMEOUT, MpiEnv, RankCtx,
-    is_lead_process, launch, launch_with, mpi_env,
-};
+pub use launcher::{launch, launch_with};
 /// The `mpi` crate the MPI backend is built on, for raw MPI calls beside Tessera's
 /// (feature `mpi`). Initialise MPI through it before the first [`launch`] to own
 /// its `Universe` (at `Threading::Multiple`); otherwise `launch` initialises MPI
 /// and finalises it at process exit.
 #[cfg(feature = "mpi")]
 pub use mpi;
+pub use options::{DEFAULT_TIMEOUT, LaunchOptions, MAX_THREADS_PER_RANK, MAX_TIMEOUT, MIN_TIMEOUT};
 pub use pieces::{HeldBuf, Pieces};
+pub use rank::{BoxError, RankCtx};
 pub use stats::{CommCounts, CommStats, OpKind};

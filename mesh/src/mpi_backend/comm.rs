@@ -5,16 +5,17 @@ use std::sync::Arc;
 
 use mpi::ffi;
 
-use super::agree::{self, Fingerprint};
+use super::agree::Fingerprint;
+use super::call::{Comm, Exec, agree_on, count, counts, exec, gather_words, print};
+use super::messages::error_string;
 use super::ops::{Handle, average, datatype, in_place_send, ptr, ptr_mut};
-use super::{Runtime, Watch, error_string};
+use super::runtime::Runtime;
+use super::status::Watch;
 use crate::comm::{
     Call, Worker, all_to_all_v_bytes, check_call, check_v_local, check_v_rows, nbytes as bytes, v_name, v_row,
 };
 use crate::stats::CommStats;
 use crate::{Buf, BufMut, Buffer, Communicator, DType, Error, OpKind, ReduceOp, Result, Work};
-
-type Comm = Handle<ffi::MPI_Comm>;
 
 /// This process's handle on one MPI communicator (a duplicate it owns).
 pub(crate) struct MpiComm {
@@ -24,79 +25,6 @@ pub(crate) struct MpiComm {
     rt: &'static Runtime,
     worker: Worker,
     watch: Arc<Watch>,
-}
-
-/// Runs one MPI call under the watchdog's clock and turns its return code into a `Result`.
-fn exec(watch: &Watch, kind: OpKind, rank: usize, call: impl FnOnce() -> c_int) -> Result<()> {
-    let rc = {
-        let _clock = watch.enter(kind);
-        call()
-    };
-    if rc == 0 {
-        Ok(())
-    } else {
-        Err(Error::Mpi {
-            op: kind.name(),
-            rank,
-            reason: error_string(rc),
-        })
-    }
-}
-
-/// All-gathers `fp` over `raw` and compares every rank's ([`agree`]).
-fn agree_on(raw: Comm, watch: &Watch, rank: usize, size: usize, fp: Fingerprint) -> Result<()> {
-    let all = gather_words(raw, watch, rank, size, fp.kind, &fp.encode())?;
-    agree::compare(&all)
-}
-
-/// All-gathers `row` (the same length on every rank) as i64 words, outside the
-/// statistics: the checks' own traffic is not a collective the caller issued.
-fn gather_words(raw: Comm, watch: &Watch, rank: usize, size: usize, kind: OpKind, row: &[i64]) -> Result<Vec<i64>> {
-    let mut all = vec![0i64; row.len() * size];
-    let words = count(kind.name(), rank, row.len())?;
-    count(kind.name(), rank, all.len())?;
-    let (s, r) = (row.as_ptr().cast(), all.as_mut_ptr().cast());
-    // SAFETY: MPI is initialised; reading a predefined handle.
-    let dt = unsafe { ffi::RSMPI_INT64_T };
-    // SAFETY: `row` holds `words` i64s and `all` `words` per rank.
-    exec(watch, kind, rank, || unsafe {
-        ffi::MPI_Allgather(s, words, dt, r, words, dt, raw.0)
-    })?;
-    Ok(all)
-}
-
-fn print(kind: OpKind, dtype: DType, len: usize, root: usize, reduce: Option<ReduceOp>) -> Fingerprint {
-    Fingerprint {
-        kind,
-        dtype: Some(dtype),
-        len,
-        root,
-        reduce,
-        ok: true,
-    }
-}
-
-/// An element count as MPI's `int`.
-fn count(op: &'static str, rank: usize, n: usize) -> Result<c_int> {
-    c_int::try_from(n).map_err(|_| Error::BadLength {
-        op,
-        rank,
-        what: "buffer (the MPI backend moves at most 2^31 - 1 elements per call)",
-        expected: c_int::MAX as usize,
-        got: n,
-    })
-}
-
-fn counts(op: &'static str, rank: usize, c: &[usize]) -> Result<(Vec<c_int>, Vec<c_int>)> {
-    let mut displs = Vec::with_capacity(c.len());
-    let mut at = 0usize;
-    for &k in c {
-        displs.push(count(op, rank, at)?);
-        at += k;
-    }
-    count(op, rank, at)?;
-    let c = c.iter().map(|&k| count(op, rank, k)).collect::<Result<Vec<_>>>()?;
-    Ok((c, displs))
 }
 
 impl MpiComm {
@@ -254,31 +182,6 @@ impl MpiComm {
             let _ = agree_on(ex.raw, &ex.watch, ex.rank, ex.size, fp);
             Err(e)
         })
-    }
-}
-
-/// What an asynchronous job needs to make its MPI call.
-struct Exec {
-    raw: Comm,
-    watch: Arc<Watch>,
-    rank: usize,
-    size: usize,
-    kind: OpKind,
-    check: bool,
-}
-
-impl Exec {
-    /// With `TESSERA_MPI_CHECK`, checks that every rank makes the same call.
-    fn agree(&self, dtype: DType, len: usize, root: usize, reduce: Option<ReduceOp>) -> Result<()> {
-        if !self.check {
-            return Ok(());
-        }
-        let fp = print(self.kind, dtype, len, root, reduce);
-        agree_on(self.raw, &self.watch, self.rank, self.size, fp)
-    }
-
-    fn run(&self, call: impl FnOnce(ffi::MPI_Comm) -> c_int) -> Result<()> {
-        exec(&self.watch, self.kind, self.rank, || call(self.raw.0))
     }
 }
 

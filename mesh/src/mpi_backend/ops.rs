@@ -8,6 +8,8 @@ use std::os::raw::{c_int, c_void};
 use half::{bf16, f16};
 use mpi::ffi;
 
+use super::messages::error_string;
+
 use crate::{Buf, BufMut, Buffer, DType, ReduceOp};
 
 /// An MPI handle (a pointer in OpenMPI) that may move between threads:
@@ -190,7 +192,7 @@ fn create(f: UserFn) -> Result<Handle<ffi::MPI_Op>, String> {
     // SAFETY: `f` has the MPI_User_function signature; `op` is a valid out-pointer.
     let rc = unsafe { ffi::MPI_Op_create(Some(f), 1, op.as_mut_ptr()) };
     if rc != 0 {
-        return Err(format!("MPI_Op_create failed: {}", super::error_string(rc)));
+        return Err(format!("MPI_Op_create failed: {}", error_string(rc)));
     }
     // SAFETY: MPI_Op_create succeeded, so it wrote the handle.
     Ok(Handle(unsafe { op.assume_init() }))

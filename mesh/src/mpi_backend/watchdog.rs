@@ -25,7 +25,6 @@
 //! [`CONTROL`] lock, after checking that MPI is not being finalised.
 
 use std::collections::BTreeMap;
-use std::io::Write;
 use std::os::raw::{c_int, c_void};
 use std::panic::catch_unwind;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -34,6 +33,7 @@ use std::time::{Duration, Instant};
 
 use mpi::ffi;
 
+use super::messages::abort_with;
 use super::ops::Handle;
 use super::status::{
     EXIT_AFTER_RETURN, EXIT_BY_EXIT, Expired, Peer, Snapshot, closure_returned, describe, epoch, expired, report, secs,
@@ -324,7 +324,7 @@ fn abort_for(world_rank: usize, world_size: usize, timeout_ms: u64, e: &Expired,
     if matches!(c.state, State::Stopped) {
         return;
     }
-    super::abort_with(world_rank, &why, &details);
+    abort_with(world_rank, &why, &details);
 }
 
 /// This process finalises MPI: tells its peers (when it is worth it, see
@@ -394,9 +394,4 @@ fn notify_at_finalize() {
         // SAFETY: `key` was just created; the attribute value is never dereferenced.
         unsafe { ffi::MPI_Comm_set_attr(ffi::RSMPI_COMM_SELF, key, std::ptr::null_mut()) };
     }
-}
-
-/// Writes `text` to stderr in one call (lines of several ranks interleave less).
-pub(super) fn write_stderr(text: &str) {
-    let _ = std::io::stderr().lock().write_all(text.as_bytes());
 }

@@ -36,8 +36,7 @@ use std::sync::Mutex;
 use smallvec::SmallVec;
 
 use super::desc::Desc;
-use super::group::Group;
-use super::world::{Phases, behind, lock};
+use super::sync::{Phases, behind, lock};
 
 /// One agent waiting at an entry barrier.
 #[derive(Clone)]
@@ -115,17 +114,26 @@ impl Activity {
         s.version += 1;
     }
 
-    /// An agent of `rank` waits at barrier point `phase` of `group` in the
+    /// An agent of `rank` waits at barrier point `phase` of group `group` (whose
+    /// members are the world ranks `members`, with barrier points `phases`) in the
     /// collective `desc`; returns the token that ends the wait.
-    pub(crate) fn begin_wait(&self, rank: usize, group: &Group, phase: u64, desc: Desc) -> u64 {
+    pub(crate) fn begin_wait(
+        &self,
+        rank: usize,
+        group: u64,
+        members: &[usize],
+        phases: &Phases,
+        phase: u64,
+        desc: Desc,
+    ) -> u64 {
         let mut s = lock(&self.ranks[rank]);
         let token = s.next_token;
         s.next_token += 1;
         s.waits.push(Wait {
             token,
-            group: group.id,
-            members: group.members.clone(),
-            phases: group.phases(),
+            group,
+            members: members.to_vec(),
+            phases: phases.clone(),
             phase,
             desc,
         });

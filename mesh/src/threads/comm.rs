@@ -5,6 +5,7 @@ use std::sync::Arc;
 
 use super::group::Group;
 use super::kernels::{self, Out, Source};
+use super::split::split_group;
 use crate::comm::{Worker, all_to_all_v_bytes, nbytes as bytes};
 use crate::context::RankId;
 use crate::dtype::Filling;
@@ -179,7 +180,7 @@ impl Communicator for ThreadComm {
     fn split(&self, color: u32, key: u32) -> Result<Box<dyn Communicator>> {
         self.fence();
         self.record(OpKind::Split, 0);
-        let (group, rank) = super::split(&self.group, self.rank, color, key)?;
+        let (group, rank) = split_group(&self.group, self.rank, color, key)?;
         Ok(Box::new(ThreadComm::new(group, rank)))
     }
 

@@ -28,7 +28,7 @@ pub(crate) struct Desc {
     pub(crate) color: u32,
     pub(crate) key: u32,
     /// The variable-count form of `kind` (`all_gather_v`, ...): its counts are
-    /// published beside the descriptor ([`Group::enter_v`]).
+    /// published beside the descriptor ([`Group::enter_v`](super::group::Group::enter_v)).
     pub(crate) v: bool,
 }
 

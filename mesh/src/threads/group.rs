@@ -8,7 +8,8 @@ use std::time::{Duration, Instant};
 
 use super::activity::Deadlock;
 use super::desc::{Counts, Desc, Descs};
-use super::world::{Padded, Phases, Poison, World, behind, lock};
+use super::sync::{Padded, Phases, behind, lock};
+use super::world::{Poison, World};
 use crate::{Error, OpKind, Result};
 
 /// One process group of a threads job.
@@ -34,7 +35,13 @@ pub(crate) struct Group {
     seqs: Vec<Padded<AtomicU64>>,
     /// Where ranks past their spin sleep until the barrier completes.
     parking: Parking,
+    /// Groups being made by `split` of this group (see [`split_group`](super::split::split_group)).
+    pub(crate) splits: Mutex<Vec<PendingSplit>>,
 }
+
+/// A group being made by `split`: (this group's seq of the split, color), the new
+/// group, and how many of its members have not picked it up yet.
+pub(crate) type PendingSplit = ((u64, u32), Arc<Group>, usize);
 
 /// Where a rank waiting at a barrier sleeps once its short spin is over, until
 /// the arrival that completes the barrier wakes it: a waiting rank gives its core
@@ -98,6 +105,7 @@ impl Group {
             phase: Arc::new((0..n).map(|_| Padded::default()).collect()),
             seqs: (0..n).map(|_| Padded::default()).collect(),
             parking: Parking::default(),
+            splits: Mutex::new(Vec::new()),
         })
     }
 
@@ -223,7 +231,10 @@ impl Group {
                 wait = Some(WaitGuard {
                     world: &self.world,
                     rank: me,
-                    token: self.world.activity.begin_wait(me, self, my_phase, *desc),
+                    token: self
+                        .world
+                        .activity
+                        .begin_wait(me, self.id, &self.members, &self.phase, my_phase, *desc),
                 });
             }
             if i.is_multiple_of(16) {
@@ -336,11 +347,6 @@ impl Group {
             ));
         }
         None
-    }
-
-    /// The members' barrier points, shared.
-    pub(crate) fn phases(&self) -> Phases {
-        self.phase.clone()
     }
 }
 

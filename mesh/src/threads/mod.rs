@@ -19,13 +19,22 @@
 //! collective's barrier points, which wait for every member whatever fails
 //! elsewhere; so no buffer is released while any thread, a peer's communication
 //! thread included, can still read it.
+//!
+//! Layers, bottom up: `sync` (padding, barrier points, locks), `desc` and
+//! `validate` (call descriptors and their cross-rank check), `activity` (the
+//! cross-group mismatch check), `world` (the job's shared state), `group` (one
+//! process group's barriers), `store` and `kernels` (the data phases), `split`,
+//! `comm` (the [`Communicator`](crate::Communicator)), and this file (the ranks'
+//! threads).
 
 mod activity;
 mod comm;
 mod desc;
 mod group;
 mod kernels;
+mod split;
 mod store;
+mod sync;
 #[cfg(test)]
 mod tests;
 mod validate;
@@ -33,61 +42,69 @@ mod world;
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::{Arc, mpsc};
+use std::thread::JoinHandle;
 use std::time::Instant;
 
-use desc::Desc;
 use group::Group;
-use world::{World, lock};
+use world::World;
 
 use crate::context::{self, RankId};
-use crate::launcher::panic_message;
-use crate::{BoxError, Error, LaunchOptions, OpKind, RankCtx, Result};
+use crate::options::LaunchOptions;
+use crate::rank::{BoxError, RankCtx, panic_message};
+use crate::{Error, Result};
 
-/// Runs `f` on `world_size` ranks, one thread each, with options from the
-/// environment ([`LaunchOptions::from_env`]): the threads backend whatever the
-/// environment says ([`crate::launch`] picks the backend).
-///
-/// Returns every rank's result in rank order.
-///
-/// The closure and its results must own what they hold (`'static`, as for
-/// [`std::thread::spawn`]): a rank stuck outside any collective is left running,
-/// detached, when `launch` returns, so nothing it uses may live on the caller's
-/// stack. Move what a closure needs into it (`move |ctx| ...`), sharing large
-/// inputs through an `Arc`.
+/// What a rank thread sends back: its rank and its closure's result.
+type Returned<T> = (usize, Result<T, BoxError>);
+
+/// Runs `f` on `world_size` (at least 1) ranks, one thread each, and returns every
+/// rank's result in rank order (see the module docs for how failures end the job).
 ///
 /// # Errors
-/// [`Error::Launch`] for `world_size == 0`, an invalid `TESSERA_TIMEOUT_S`, or
-/// when threads cannot be started; [`Error::RankFailed`] naming the first rank
-/// that failed (returned an error, panicked, never arrived at a collective, or
+/// [`Error::RankFailed`] naming the first rank that failed (returned an error,
+/// panicked, could not start its thread, never arrived at a collective, or
 /// returned while its peers waited), or a rank that had not returned from its
 /// closure [`LaunchOptions::timeout`] after every other rank had (its thread is
 /// then left running, detached, and its later collectives fail at once).
-pub fn launch<T, F>(world_size: usize, f: F) -> Result<Vec<T>>
+pub(crate) fn launch<T, F>(opts: &LaunchOptions, world_size: usize, f: F) -> Result<Vec<T>>
 where
     T: Send + 'static,
     F: Fn(RankCtx) -> Result<T, BoxError> + Send + Sync + 'static,
 {
-    launch_with(&LaunchOptions::from_env()?, world_size, f)
-}
-
-/// [`launch`] with explicit options.
-///
-/// # Errors
-/// As [`launch`].
-pub fn launch_with<T, F>(opts: &LaunchOptions, world_size: usize, f: F) -> Result<Vec<T>>
-where
-    T: Send + 'static,
-    F: Fn(RankCtx) -> Result<T, BoxError> + Send + Sync + 'static,
-{
-    if world_size == 0 {
-        return Err(Error::Launch("world_size must be at least 1".into()));
-    }
     let job = context::next_job();
     let world = World::new(job, world_size, opts.timeout);
+    let (handles, rx) = spawn_ranks(opts, &world, world_size, job, f);
+    let started = handles.len();
+    let results = collect(opts, &world, &rx, world_size, started);
+    // Ranks that returned still run their thread-local destructors (which may wait
+    // for their communication threads, each bounded by the timeout): join them, so
+    // that nothing of theirs outlives the launch. Stuck ranks are detached.
+    for (rank, h) in handles.into_iter().enumerate() {
+        if let Some(h) = h
+            && results[rank].is_some()
+        {
+            let _ = h.join();
+        }
+    }
+    outcome(&world, results)
+}
+
+/// Starts one thread per rank, each running [`run_rank`] and sending its result
+/// back. A thread that cannot be started poisons the job and no more are started.
+fn spawn_ranks<T, F>(
+    opts: &LaunchOptions,
+    world: &Arc<World>,
+    world_size: usize,
+    job: u64,
+    f: F,
+) -> (Vec<Option<JoinHandle<()>>>, mpsc::Receiver<Returned<T>>)
+where
+    T: Send + 'static,
+    F: Fn(RankCtx) -> Result<T, BoxError> + Send + Sync + 'static,
+{
     let group = Group::new(world.clone(), (0..world_size).collect());
     let f = Arc::new(f);
     let threads = opts.threads_for(world_size);
-    let (tx, rx) = mpsc::channel::<(usize, Result<T, BoxError>)>();
+    let (tx, rx) = mpsc::channel::<Returned<T>>();
     let mut handles = Vec::with_capacity(world_size);
     for rank in 0..world_size {
         let (w, g, f, tx) = (world.clone(), group.clone(), f.clone(), tx.clone());
@@ -109,14 +126,23 @@ where
             }
         }
     }
-    drop(tx);
-    let started = handles.len();
+    (handles, rx)
+}
+
+/// Receives the results of the `started` ranks: without limit while any other rank
+/// still runs; once all others have returned, the rest get one timeout more, after
+/// which the first rank still out is blamed (poisoning the job) and left running.
+fn collect<T>(
+    opts: &LaunchOptions,
+    world: &World,
+    rx: &mpsc::Receiver<Returned<T>>,
+    world_size: usize,
+    started: usize,
+) -> Vec<Option<Result<T, BoxError>>> {
     let mut results: Vec<Option<Result<T, BoxError>>> = (0..world_size).map(|_| None).collect();
     let mut left = started;
     let mut last_return = Instant::now();
     while left > 0 {
-        // Ranks are waited for without limit while any other rank still runs; once
-        // all others have returned, the rest get one timeout more.
         let wait = if left == started {
             None
         } else {
@@ -146,16 +172,12 @@ where
             ),
         );
     }
-    // Ranks that returned still run their thread-local destructors (which may wait
-    // for their communication threads, each bounded by the timeout): join them, so
-    // that nothing of theirs outlives the launch. Stuck ranks are detached.
-    for (rank, h) in handles.into_iter().enumerate() {
-        if let Some(h) = h
-            && results[rank].is_some()
-        {
-            let _ = h.join();
-        }
-    }
+    results
+}
+
+/// Every rank's result, or the first failure recorded in the job (with the failed
+/// rank's own error where it returned one).
+fn outcome<T>(world: &World, results: Vec<Option<Result<T, BoxError>>>) -> Result<Vec<T>> {
     match world.first_failure() {
         None => results
             .into_iter()
@@ -175,6 +197,8 @@ where
     }
 }
 
+/// One rank's thread: tags it with its rank, runs the closure on the world
+/// group, and records a failure (an error or a panic) and the rank's return.
 fn run_rank<T, F>(f: &F, world: Arc<World>, group: Arc<Group>, job: u64, rank: usize) -> Result<T, BoxError>
 where
     F: Fn(RankCtx) -> Result<T, BoxError>,
@@ -190,42 +214,4 @@ where
     }
     world.mark_exited(rank);
     out
-}
-
-/// Splits `group`: ranks with the same color form a new group ordered by (key, rank).
-fn split(group: &Arc<Group>, r: usize, color: u32, key: u32) -> Result<(Arc<Group>, usize)> {
-    let mut d = Desc::new(OpKind::Split);
-    d.color = color;
-    d.key = key;
-    let (descs, done) = group.enter(r, d)?;
-    done.finish()?;
-    let seq = descs[r].seq;
-    let mut mine: Vec<(u32, usize)> = descs
-        .iter()
-        .enumerate()
-        .filter(|(_, dq)| dq.color == color)
-        .map(|(q, dq)| (dq.key, q))
-        .collect();
-    mine.sort_unstable();
-    let new_rank = mine.iter().position(|&(_, q)| q == r).unwrap_or(0);
-    let members: Vec<usize> = mine.iter().map(|&(_, q)| group.members[q]).collect();
-    let n = members.len();
-    let k = (group.id, seq, color);
-    let world = &group.world;
-    let mut splits = lock(&world.splits);
-    let g = if let Some(i) = splits.iter().position(|e| e.0 == k) {
-        let g = splits[i].1.clone();
-        splits[i].2 -= 1;
-        if splits[i].2 == 0 {
-            splits.swap_remove(i);
-        }
-        g
-    } else {
-        let g = Group::new(world.clone(), members);
-        if n > 1 {
-            splits.push((k, g.clone(), n - 1));
-        }
-        g
-    };
-    Ok((g, new_rank))
 }

@@ -3,19 +3,13 @@
 //! rank's threads are doing ([`Activity`]).
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use super::activity::Activity;
-use super::group::Group;
+use super::sync::lock;
 use crate::stats::CommStats;
 use crate::{Error, Result};
-
-/// Pads a value to its own cache line pair, so ranks spinning on neighbours' counters
-/// do not share lines.
-#[repr(align(128))]
-#[derive(Default)]
-pub(crate) struct Padded<T>(pub(crate) T);
 
 /// Who failed first, and why.
 #[derive(Clone, Debug)]
@@ -28,14 +22,6 @@ pub(crate) struct Poison {
     pub(crate) deadlocked: Vec<usize>,
 }
 
-/// Barrier points each member of a group has reached.
-pub(crate) type Phases = Arc<Vec<Padded<AtomicU64>>>;
-
-/// The group ranks that have not reached barrier point `phase`.
-pub(crate) fn behind(phases: &[Padded<AtomicU64>], phase: u64) -> impl Iterator<Item = usize> + '_ {
-    (0..phases.len()).filter(move |&q| phases[q].0.load(Ordering::Acquire) < phase)
-}
-
 impl Poison {
     pub(crate) fn new(rank: usize, reason: String) -> Poison {
         Poison {
@@ -45,10 +31,6 @@ impl Poison {
         }
     }
 }
-
-/// A group made by `split`: (parent group, parent seq, color), the group, and how
-/// many members have not picked it up yet.
-pub(crate) type PendingSplit = ((u64, u64, u32), Arc<Group>, usize);
 
 /// State shared by every rank and every group of one `launch`.
 pub(crate) struct World {
@@ -64,15 +46,6 @@ pub(crate) struct World {
     /// What each rank's threads are doing, for the cross-group mismatch check.
     pub(crate) activity: Activity,
     next_group: AtomicU64,
-    /// Groups being created by `split`, keyed by (parent group, parent seq, color),
-    /// with the number of members that have not picked theirs up yet.
-    pub(crate) splits: Mutex<Vec<PendingSplit>>,
-}
-
-/// Locks a mutex, recovering the data if a panicking thread poisoned it: every
-/// value guarded here stays consistent across a panic (plain data, written whole).
-pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 impl World {
@@ -87,7 +60,6 @@ impl World {
             stats: (0..size).map(|_| Arc::new(CommStats::default())).collect(),
             activity: Activity::new(size),
             next_group: AtomicU64::new(0),
-            splits: Mutex::new(Vec::new()),
         })
     }
 

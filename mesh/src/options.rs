@@ -1,0 +1,188 @@
+//! [`LaunchOptions`]: how a launch runs (the collective timeout, the threads each
+//! rank's kernels may use), read from `TESSERA_TIMEOUT_S` and
+//! `TESSERA_THREADS_PER_RANK` by [`LaunchOptions::from_env`]. Every backend takes
+//! them.
+
+use std::time::Duration;
+
+use crate::Result;
+
+/// How long a rank waits in a collective for peers before giving up, unless
+/// `TESSERA_TIMEOUT_S` says otherwise.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// The longest timeout `TESSERA_TIMEOUT_S` may set: one year (effectively none).
+pub const MAX_TIMEOUT: Duration = Duration::from_secs(365 * 24 * 3600);
+
+/// The shortest timeout `TESSERA_TIMEOUT_S` may set.
+pub const MIN_TIMEOUT: Duration = Duration::from_millis(1);
+
+/// Options of [`launch_with`](crate::launch_with).
+#[derive(Clone, Debug)]
+pub struct LaunchOptions {
+    /// How long a rank waits inside a collective for peers that have not arrived
+    /// before the job fails with [`Error::Timeout`](crate::Error::Timeout) (threads; under MPI a watchdog
+    /// aborts the job naming the collective), and how long [`launch`](crate::launch) waits for a
+    /// rank that has not returned once every other rank has. Default
+    /// [`DEFAULT_TIMEOUT`]; [`LaunchOptions::from_env`] reads `TESSERA_TIMEOUT_S`.
+    pub timeout: Duration,
+    /// Threads each rank's kernels may use (intra-op parallelism: GEMMs split
+    /// their output over them), read inside a rank by [`intra_op_threads`](crate::intra_op_threads).
+    /// `None` (the default) divides the machine's cores among the ranks on it:
+    /// `cores / ranks` with the threads backend, `cores / local ranks` under MPI
+    /// (at least 1). [`LaunchOptions::from_env`] reads `TESSERA_THREADS_PER_RANK`.
+    ///
+    /// PyTorch: `torch.set_num_threads` in each rank (torchrun sets
+    /// `OMP_NUM_THREADS=1` when several ranks share a machine).
+    pub threads_per_rank: Option<usize>,
+}
+
+impl Default for LaunchOptions {
+    /// The defaults, whatever the environment says ([`LaunchOptions::from_env`] reads it).
+    fn default() -> Self {
+        LaunchOptions {
+            timeout: DEFAULT_TIMEOUT,
+            threads_per_rank: None,
+        }
+    }
+}
+
+impl LaunchOptions {
+    /// The options [`launch`](crate::launch) uses: the defaults, with the timeout from
+    /// `TESSERA_TIMEOUT_S` (seconds, a decimal number such as `30` or `0.5`) and the
+    /// threads per rank from `TESSERA_THREADS_PER_RANK` (a whole number from 1 to
+    /// [`MAX_THREADS_PER_RANK`]) when they are set.
+    ///
+    /// # Errors
+    /// [`Error::Launch`](crate::Error::Launch) naming the value when `TESSERA_TIMEOUT_S` is not a number of
+    /// seconds between [`MIN_TIMEOUT`] and [`MAX_TIMEOUT`], or `TESSERA_THREADS_PER_RANK`
+    /// not a whole number in range.
+    pub fn from_env() -> Result<LaunchOptions> {
+        let mut opts = LaunchOptions::default();
+        if let Some(v) = std::env::var_os("TESSERA_TIMEOUT_S") {
+            opts.timeout = parse_timeout(&v.to_string_lossy())?;
+        }
+        if let Some(v) = std::env::var_os("TESSERA_THREADS_PER_RANK") {
+            opts.threads_per_rank = Some(parse_threads(&v.to_string_lossy())?);
+        }
+        Ok(opts)
+    }
+
+    /// Sets the threads each rank's kernels may use (see
+    /// [`threads_per_rank`](Self::threads_per_rank)).
+    pub fn threads_per_rank(mut self, threads: usize) -> Self {
+        self.threads_per_rank = Some(threads.clamp(1, MAX_THREADS_PER_RANK));
+        self
+    }
+
+    /// The threads per rank for `ranks_here` ranks on this machine: the option,
+    /// or the cores divided among them (at least 1).
+    pub(crate) fn threads_for(&self, ranks_here: usize) -> usize {
+        self.threads_per_rank
+            .unwrap_or_else(|| (crate::intra_op::cores() / ranks_here.max(1)).max(1))
+    }
+
+    /// Sets the collective timeout.
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+}
+
+/// The most threads per rank `TESSERA_THREADS_PER_RANK` may set.
+pub const MAX_THREADS_PER_RANK: usize = 1024;
+
+/// Parses a `TESSERA_THREADS_PER_RANK` value: a whole number in 1..=[`MAX_THREADS_PER_RANK`].
+fn parse_threads(v: &str) -> Result<usize> {
+    match v.trim().parse::<usize>() {
+        Ok(n) if (1..=MAX_THREADS_PER_RANK).contains(&n) => Ok(n),
+        _ => Err(crate::Error::Launch(format!(
+            "TESSERA_THREADS_PER_RANK={v:?} is not a whole number from 1 to {MAX_THREADS_PER_RANK} \
+             (unset means the cores divided among the ranks on this machine)"
+        ))),
+    }
+}
+
+/// Parses a `TESSERA_TIMEOUT_S` value: seconds within [`MIN_TIMEOUT`]..=[`MAX_TIMEOUT`].
+fn parse_timeout(v: &str) -> Result<Duration> {
+    let bad = |why: &str| {
+        crate::Error::Launch(format!(
+            "TESSERA_TIMEOUT_S={v:?} {why}; give seconds between {} and {} (unset means {})",
+            MIN_TIMEOUT.as_secs_f64(),
+            MAX_TIMEOUT.as_secs(),
+            DEFAULT_TIMEOUT.as_secs()
+        ))
+    };
+    let s: f64 = v.trim().parse().map_err(|_| bad("is not a number"))?;
+    if !s.is_finite() {
+        return Err(bad("is not finite"));
+    }
+    if s < MIN_TIMEOUT.as_secs_f64() {
+        return Err(bad("is too short"));
+    }
+    if s > MAX_TIMEOUT.as_secs_f64() {
+        return Err(bad("is too long"));
+    }
+    Ok(Duration::from_secs_f64(s))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::intra_op::cores;
+
+    #[test]
+    fn threads_per_rank_values() {
+        assert_eq!(parse_threads("3").unwrap(), 3);
+        assert_eq!(parse_threads(" 1 ").unwrap(), 1);
+        for bad in ["0", "-1", "two", "1.5", "", "1025"] {
+            let e = parse_threads(bad).unwrap_err().to_string();
+            assert!(
+                e.contains("TESSERA_THREADS_PER_RANK") && e.contains(&format!("{bad:?}")),
+                "{e}"
+            );
+        }
+        let opts = LaunchOptions::default();
+        assert_eq!(opts.threads_for(1), cores());
+        assert_eq!(
+            opts.threads_for(cores() * 4),
+            1,
+            "more ranks than cores: one thread each"
+        );
+        assert_eq!(opts.clone().threads_per_rank(5).threads_for(64), 5);
+        assert_eq!(opts.threads_per_rank(0).threads_per_rank, Some(1));
+    }
+
+    #[test]
+    fn timeout_values() {
+        macro_rules! ok {
+            ($v:expr, $want:expr) => {
+                assert_eq!(parse_timeout($v).unwrap(), $want, "{}", $v)
+            };
+        }
+        macro_rules! bad {
+            ($v:expr, $why:expr) => {{
+                let msg = parse_timeout($v).unwrap_err().to_string();
+                assert!(
+                    msg.contains($why) && msg.contains("TESSERA_TIMEOUT_S"),
+                    "{}: {msg}",
+                    $v
+                );
+            }};
+        }
+        ok!("30", Duration::from_secs(30));
+        ok!(" 0.5 ", Duration::from_millis(500));
+        ok!("0.001", Duration::from_millis(1));
+        ok!("31536000", MAX_TIMEOUT);
+        bad!("0", "too short");
+        bad!("1e-300", "too short");
+        bad!("-3", "too short");
+        bad!("1e20", "too long");
+        bad!("1e300", "too long");
+        bad!("18446744073709551616", "too long");
+        bad!("inf", "not finite");
+        bad!("NaN", "not finite");
+        bad!("ten", "not a number");
+        bad!("", "not a number");
+    }
+}

@@ -1,0 +1,322 @@
+//! The collectives of the threads backend, over shared memory.
+//!
+//! Protocol: every rank publishes a descriptor naming its buffers ([`Group::enter`],
+//! which also checks that the calls agree), then reads its peers' published inputs
+//! and writes only its own output, then waits at a barrier point before returning,
+//! so no peer still reads a buffer its owner is about to release. Past the entry
+//! barrier a rank is [`Committed`](super::group::Committed): it leaves only through
+//! the collective's barrier points, which wait for every rank whatever happens
+//! elsewhere (a peer's failure, the timeout, this rank unwinding).
+//!
+//! Each rank's own output is written through a raw pointer taken once from its
+//! `&mut` buffer, and peers only ever read through raw pointers they were given
+//! (regions nobody writes during that phase), so no two accesses race.
+//!
+//! `access` holds those raw reads and writes, `reduce` the reductions (how each
+//! dtype accumulates, and the cache-blocked loops over the ranks' inputs).
+
+mod access;
+mod reduce;
+
+use access::{copy_runs, peer, write};
+use reduce::{reduce_blocks, reduce_runs};
+
+use super::desc::Desc;
+use super::group::Group;
+use super::store::Store;
+use crate::dtype::Filling;
+use crate::{Buf, BufMut, Buffer, DType, OpKind, Pieces, ReduceOp, Result};
+
+/// A rank's send buffer: one flat buffer, or [`Pieces`] that peers read in place.
+#[derive(Clone, Copy)]
+pub(crate) enum Source<'a> {
+    Flat(Buf<'a>),
+    Pieces(&'a Pieces),
+}
+
+/// The descriptor of a collective sending `send`; for [`Pieces`], `table` receives
+/// its run table (`(address, elements)`, address 0 for zeros), which the
+/// descriptor names and the caller keeps alive until the collective's last barrier.
+fn source_desc(kind: OpKind, send: Source<'_>, table: &mut Vec<(usize, usize)>) -> Desc {
+    match send {
+        Source::Flat(b) => send_desc(kind, &b),
+        Source::Pieces(p) => {
+            let mut d = Desc::new(kind);
+            d.dtype = p.dtype();
+            d.recv_dtype = p.dtype();
+            d.send_len = p.len();
+            // Held pieces are never empty (`Pieces::push` drops those), so their
+            // addresses are never 0.
+            table.extend(
+                p.runs()
+                    .map(|(b, n)| (b.map_or(0, |b| b.as_bytes().as_ptr() as usize), n)),
+            );
+            d.runs = (table.as_ptr() as usize, table.len());
+            d
+        }
+    }
+}
+
+fn send_desc(kind: OpKind, send: &Buf<'_>) -> Desc {
+    let mut d = Desc::new(kind);
+    d.dtype = send.dtype();
+    d.recv_dtype = send.dtype();
+    d.send_len = send.len();
+    d.send_ptr = send.as_bytes().as_ptr() as usize;
+    d
+}
+
+fn recv_parts(recv: &mut BufMut<'_>) -> (usize, usize) {
+    crate::dispatch_buf!(BufMut, recv, s, _T => (s.as_mut_ptr() as usize, s.len()))
+}
+
+/// Where a collective writes this rank's output: the first element's address,
+/// the length and the dtype, taken from a borrowed [`BufMut`] (blocking forms)
+/// or from a [`Filling`] (asynchronous forms, whose output is not zeroed first:
+/// these kernels write every element of it before they return `Ok`).
+#[derive(Clone, Copy)]
+pub(crate) struct Out {
+    addr: usize,
+    len: usize,
+    dtype: DType,
+}
+
+impl Out {
+    /// The output `recv` (which must outlive the collective).
+    pub(crate) fn of(recv: &mut BufMut<'_>) -> Out {
+        let (addr, len) = recv_parts(recv);
+        Out {
+            addr,
+            len,
+            dtype: recv.dtype(),
+        }
+    }
+
+    /// The output `recv` (which must outlive the collective).
+    pub(crate) fn filling(recv: &mut Filling) -> Out {
+        Out {
+            addr: recv.addr(),
+            len: recv.len(),
+            dtype: recv.dtype(),
+        }
+    }
+
+    fn publish(self, d: &mut Desc) {
+        (d.recv_ptr, d.recv_len, d.recv_dtype) = (self.addr, self.len, self.dtype);
+    }
+}
+
+pub(crate) fn all_gather(g: &Group, r: usize, send: Buf<'_>, recv: Out) -> Result<()> {
+    let mut d = send_desc(OpKind::AllGather, &send);
+    recv.publish(&mut d);
+    let (descs, done) = g.enter(r, d)?;
+    let store = Store::of(&descs);
+    let c = d.send_len;
+    crate::dispatch_buf!(Buf, send, _s, T => {
+        let out = d.recv_ptr as *mut T;
+        for (q, dq) in descs.iter().enumerate() {
+            // SAFETY: every descriptor was published in this collective and validated
+            // (same length and dtype); peers hold their send buffers until the barrier
+            // below, and block q of our output is ours alone.
+            unsafe { write(store, out, q * c, peer::<T>(dq.send_ptr, c)) };
+        }
+    });
+    done.finish()
+}
+
+/// [`all_gather`] writing each peer's segments straight into segment order (the
+/// segments, checked by the caller to tile the send buffer, lay out only our
+/// output), reading each peer's send buffer in place whether flat or [`Pieces`].
+pub(crate) fn all_gather_segmented(g: &Group, r: usize, send: Source<'_>, recv: Out, segments: &[usize]) -> Result<()> {
+    let mut table = Vec::new();
+    let mut d = source_desc(OpKind::AllGather, send, &mut table);
+    recv.publish(&mut d);
+    let (descs, done) = g.enter(r, d)?;
+    let store = Store::of(&descs);
+    let probe = Buffer::zeros(d.dtype, 0);
+    crate::dispatch_buf!(Buf, probe.as_buf(), _s, T => {
+        let out = d.recv_ptr as *mut T;
+        for (q, piece, at) in crate::comm::segment_copies(segments, descs.len()) {
+            // SAFETY: as in `all_gather` (validation checked that every peer sends
+            // `send_len` elements and that our output holds `n · send_len`); the
+            // segments tile `send_len`, so `piece` is within every peer's buffer and
+            // the writes, `n · send_len` in all, stay in our output.
+            unsafe { copy_runs::<T>(store, &descs[q], piece.start, piece.len(), out, at) };
+        }
+    });
+    // The run table (if any) stays alive until every peer is past the barrier.
+    let result = done.finish();
+    drop(table);
+    result
+}
+
+pub(crate) fn reduce_scatter(g: &Group, r: usize, send: Source<'_>, recv: Out, op: ReduceOp) -> Result<()> {
+    let mut table = Vec::new();
+    let mut d = source_desc(OpKind::ReduceScatter, send, &mut table);
+    recv.publish(&mut d);
+    d.reduce = Some(op);
+    let (descs, done) = g.enter(r, d)?;
+    let store = Store::of(&descs);
+    let c = d.recv_len;
+    let probe = Buffer::zeros(d.dtype, 0);
+    crate::dispatch_buf!(Buf, probe.as_buf(), _s, T => {
+        let out = d.recv_ptr as *mut T;
+        if descs.iter().all(|dq| dq.runs.0 == 0) {
+            // SAFETY: as in `all_gather`; we read block r of every peer's input and
+            // write only our own output.
+            unsafe { reduce_blocks::<T>(store, &descs, |dq| dq.send_ptr, r * c, c, op, out, 0) };
+        } else {
+            // SAFETY: as above; the run tables were published in this collective.
+            unsafe { reduce_runs::<T>(store, &descs, r * c, c, op, out) };
+        }
+    });
+    // The run table (if any) stays alive until every peer is past the barrier.
+    let result = done.finish();
+    drop(table);
+    result
+}
+
+/// All-reduce of `send` (in place when `send` is `None`) into `buf`.
+pub(crate) fn all_reduce(g: &Group, r: usize, send: Option<Buf<'_>>, mut buf: BufMut<'_>, op: ReduceOp) -> Result<()> {
+    let mut d = send_desc(OpKind::AllReduce, &send.unwrap_or(buf.as_buf()));
+    (d.recv_ptr, d.recv_len) = recv_parts(&mut buf);
+    d.recv_dtype = buf.dtype();
+    if send.is_none() {
+        d.send_ptr = d.recv_ptr;
+    }
+    d.reduce = Some(op);
+    let (descs, mut done) = g.enter(r, d)?;
+    let store = Store::of(&descs);
+    let n = descs.len();
+    let len = d.send_len;
+    let lo = |q: usize| q * len / n;
+    crate::dispatch_buf!(BufMut, buf, _s, T => {
+        let out = d.recv_ptr as *mut T;
+        // Phase 1: reduce block [lo(r), lo(r+1)) of every rank's input into our output.
+        // Peers read only their own block of our input (never written when out of
+        // place; when in place, block r is read only by us), so the regions are disjoint.
+        // SAFETY: see the module docs; block r of every input is read only by us in
+        // this phase and block r of our output is written only by us.
+        unsafe { reduce_blocks::<T>(store, &descs, |dq| dq.send_ptr, lo(r), lo(r + 1) - lo(r), op, out, lo(r)) };
+        done.sync();
+        // Phase 2: copy every other rank's finished block from its output.
+        for (q, dq) in descs.iter().enumerate().filter(|&(q, _)| q != r) {
+            // SAFETY: block q of peer q's output is final after the barrier and nobody
+            // writes it in this phase; block q of our output is written only by us.
+            unsafe { write(store, out, lo(q), peer::<T>(dq.recv_ptr + lo(q) * size_of::<T>(), lo(q + 1) - lo(q))) };
+        }
+    });
+    done.finish()
+}
+
+pub(crate) fn all_to_all(g: &Group, r: usize, send: Buf<'_>, recv: Out) -> Result<()> {
+    let mut d = send_desc(OpKind::AllToAll, &send);
+    recv.publish(&mut d);
+    let (descs, done) = g.enter(r, d)?;
+    let store = Store::of(&descs);
+    let c = d.send_len / descs.len();
+    crate::dispatch_buf!(Buf, send, _s, T => {
+        let out = d.recv_ptr as *mut T;
+        for (q, dq) in descs.iter().enumerate() {
+            // SAFETY: as in `all_gather`; block r of peer q's input goes to our block q.
+            unsafe { write(store, out, q * c, peer::<T>(dq.send_ptr + r * c * size_of::<T>(), c)) };
+        }
+    });
+    done.finish()
+}
+
+pub(crate) fn all_gather_v(g: &Group, r: usize, send: Buf<'_>, mut recv: BufMut<'_>, counts: &[usize]) -> Result<()> {
+    let mut d = send_desc(OpKind::AllGather, &send);
+    Out::of(&mut recv).publish(&mut d);
+    d.v = true;
+    let (descs, _, done) = g.enter_v(r, d, counts, &[])?;
+    let store = Store::of(&descs);
+    crate::dispatch_buf!(Buf, send, _s, T => {
+        let out = d.recv_ptr as *mut T;
+        let mut at = 0;
+        for dq in &descs {
+            // SAFETY: as in `all_gather`; validation checked that every rank passed the
+            // same counts, that rank q sends counts[q] elements and that our output
+            // holds their sum, so segment q of our output is in bounds and ours alone.
+            unsafe { write(store, out, at, peer::<T>(dq.send_ptr, dq.send_len)) };
+            at += dq.send_len;
+        }
+    });
+    done.finish()
+}
+
+pub(crate) fn reduce_scatter_v(
+    g: &Group,
+    r: usize,
+    send: Buf<'_>,
+    mut recv: BufMut<'_>,
+    counts: &[usize],
+    op: ReduceOp,
+) -> Result<()> {
+    let mut d = send_desc(OpKind::ReduceScatter, &send);
+    Out::of(&mut recv).publish(&mut d);
+    d.reduce = Some(op);
+    d.v = true;
+    let (descs, _, done) = g.enter_v(r, d, counts, &[])?;
+    let store = Store::of(&descs);
+    let from: usize = counts[..r].iter().sum();
+    crate::dispatch_buf!(Buf, send, _s, T => {
+        // SAFETY: validation checked that every rank passed the same counts and sends
+        // their sum, so segment r ([from, from + counts[r])) is within every rank's
+        // input; our output holds counts[r] elements and is ours alone.
+        unsafe { reduce_blocks::<T>(store, &descs, |dq| dq.send_ptr, from, counts[r], op, d.recv_ptr as *mut T, 0) };
+    });
+    done.finish()
+}
+
+pub(crate) fn all_to_all_v(
+    g: &Group,
+    r: usize,
+    send: Buf<'_>,
+    send_counts: &[usize],
+    mut recv: BufMut<'_>,
+    recv_counts: &[usize],
+) -> Result<()> {
+    let mut d = send_desc(OpKind::AllToAll, &send);
+    Out::of(&mut recv).publish(&mut d);
+    d.v = true;
+    let (descs, counts, done) = g.enter_v(r, d, send_counts, recv_counts)?;
+    let store = Store::of(&descs);
+    crate::dispatch_buf!(Buf, send, _s, T => {
+        let out = d.recv_ptr as *mut T;
+        let mut at = 0;
+        for (dq, cq) in descs.iter().zip(&counts) {
+            // Our segment of peer q's input starts after its segments for ranks < r.
+            let from: usize = cq.send[..r].iter().sum();
+            let len = cq.send[r];
+            // SAFETY: as in `all_gather`; validation checked that peer q's input holds
+            // the sum of its send_counts and that cq.send[r] equals our recv_counts[q],
+            // so the read is within its input and segment q of our output (whose
+            // length is the sum of our recv_counts) is in bounds and ours alone.
+            unsafe { write(store, out, at, peer::<T>(dq.send_ptr + from * size_of::<T>(), len)) };
+            at += len;
+        }
+    });
+    done.finish()
+}
+
+pub(crate) fn broadcast(g: &Group, r: usize, mut buf: BufMut<'_>, root: usize) -> Result<()> {
+    let mut d = send_desc(OpKind::Broadcast, &buf.as_buf());
+    (d.recv_ptr, d.recv_len) = recv_parts(&mut buf);
+    d.send_ptr = d.recv_ptr;
+    d.root = root;
+    let (descs, done) = g.enter(r, d)?;
+    if r != root {
+        crate::dispatch_buf!(BufMut, buf, _s, T => {
+            // SAFETY: the root only reads its buffer during a broadcast; ours is ours.
+            // Through the cache: every rank reads the root's one buffer, which stays
+            // cached (`Store::of` would count each rank's buffer twice).
+            unsafe { write(Store::Cached, d.recv_ptr as *mut T, 0, peer::<T>(descs[root].send_ptr, d.send_len)) };
+        });
+    }
+    done.finish()
+}
+
+pub(crate) fn barrier(g: &Group, r: usize) -> Result<()> {
+    g.enter(r, Desc::new(OpKind::Barrier))?.1.finish()
+}
