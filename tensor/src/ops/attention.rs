@@ -19,8 +19,9 @@ use half::{bf16, f16};
 use tessera_mesh::DType;
 
 use super::matmul::{Causal, Gemm, GemmKernel, Mat, OutPtr, entry, part_flops};
-use super::nn::{ProbsScratch, attention_probs_row, causal_keep};
+use super::nn::{ProbsScratch, attention_probs_row};
 use super::nn_backward::attention_probs_grad_row;
+use super::rows::causal_keep;
 use super::{output, same_dtype};
 use crate::kernel::Simd;
 use crate::kernel::{Real, not_float};

@@ -6,8 +6,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use tessera_mesh::{DType, Element};
 
-use super::nn_backward::all_row_stats;
 use super::reduce::{row_max, sum_map_f64};
+use super::rows::{all_row_stats, causal_keep, ce_targets, check_scores, map_rows, need_dims, row_exp_sum};
 use super::{check_dim, elements, output, same_dtype};
 use crate::kernel::{Float, Real, any_dispatch, float_dispatch};
 use crate::kernel::{Simd, exp, zip_map_inline};
@@ -24,84 +24,6 @@ pub enum Reduction {
     Sum,
     /// One loss per row, shape `[N]`.
     None,
-}
-
-/// Runs `f(r, rows, out, scratch)` on every row `r` of `dim` (moved last) of
-/// the `N` inputs (one shape, checked by the caller), `rows` holding row `r` of
-/// each, returning a tensor of that shape: the rows of contiguous inputs in
-/// place when `dim` is last, otherwise through one transposed copy each way.
-/// Rows are numbered in the order of the moved tensor (row `r` of a
-/// `[..., T, S]` tensor along its last dim is query `r mod T`).
-pub(super) fn map_rows<T: Float, S: Default, const N: usize>(
-    op: &'static str,
-    inputs: [&Tensor; N],
-    dim: usize,
-    f: impl Fn(usize, [&[T]; N], &mut [T], &mut S) + Sync + Copy,
-) -> Result<Tensor> {
-    let shape = inputs[0].shape();
-    let last = shape.len() - 1;
-    let moved = |t: &Tensor| {
-        if dim == last {
-            Ok(t.clone())
-        } else {
-            t.transpose(dim, last)
-        }
-    };
-    let srcs = inputs.iter().map(|t| moved(t)).collect::<Result<Vec<_>>>()?;
-    let xs = srcs.iter().map(elements::<T>).collect::<Result<Vec<_>>>()?;
-    let src_shape = srcs[0].shape();
-    let len = src_shape[last];
-    // Every element is written below: a recycled buffer needs no zeroing.
-    let mut out: Vec<T> = crate::alloc::reused(op, src_shape)?;
-    if len > 0 {
-        // Blocks of rows over the rank's threads, each with its own scratch `S`,
-        // compiled for the CPU's widest vectors (`f` by value, so that it inlines).
-        let (simd, xs) = (Simd::best(), &xs[..]);
-        crate::kernel::par_rows(&mut out, len, |start, block| {
-            simd.run(
-                #[inline(always)]
-                move || {
-                    let mut scratch = S::default();
-                    for (j, o) in block.chunks_exact_mut(len).enumerate() {
-                        let at = start + j * len;
-                        let rows: [&[T]; N] = std::array::from_fn(|i| &xs[i][at..at + len]);
-                        f(start / len + j, rows, o, &mut scratch);
-                    }
-                },
-            )
-        });
-    }
-    let out = output(out, src_shape)?;
-    if dim == last {
-        Ok(out)
-    } else {
-        Ok(out.transpose(dim, last)?.contiguous())
-    }
-}
-
-/// The row maximum and `Σ exp(x - max)` of a row (the sum in `f64`), leaving
-/// the exponentials in `e` (one vectorisable pass, then the sum). For row
-/// kernels inside [`Simd::run`].
-#[inline(always)]
-pub(super) fn row_exp_sum<T: Float>(row: &[T], e: &mut Vec<T::Acc>) -> (T::Acc, f64) {
-    let max = row_max(row);
-    // Every element is written below: only a change of length touches the buffer.
-    e.resize(row.len(), T::Acc::ZERO);
-    zip_map_inline(
-        row,
-        row,
-        e,
-        #[inline(always)]
-        |x, _| exp(x.to_acc() - max),
-    );
-    (max, sum_map_f64(e, |v| v.widen()))
-}
-
-/// How many keys query `query` of a row of `len` keys sees: all of them, or
-/// those at positions `<= query` under a causal mask.
-#[inline(always)]
-pub(super) fn causal_keep(is_causal: bool, query: usize, len: usize) -> usize {
-    if is_causal { (query + 1).min(len) } else { len }
 }
 
 /// Per-thread scratch of [`attention_probs_row`]: the scaled row, then its exponentials.
@@ -156,35 +78,6 @@ pub(super) fn attention_probs_row<T: Float>(
     out[keep..].fill(T::from_wide(0.0 * inv));
 }
 
-/// Errors unless `t` has rank >= 1 (ops over a dim or the last dim).
-fn need_dims(op: &'static str, t: &Tensor, what: &str) -> Result<()> {
-    if t.rank() >= 1 {
-        Ok(())
-    } else {
-        Err(Error::InvalidArgument {
-            op,
-            detail: format!("a rank-0 tensor has no {what}; reshape it to [1] first"),
-        })
-    }
-}
-
-/// Errors unless `scores` is `[..., T, S]` and `scale` finite (the attention kernels).
-pub(super) fn check_scores(op: &'static str, scores: &Tensor, scale: f64) -> Result<()> {
-    if scores.rank() < 2 {
-        return Err(Error::InvalidArgument {
-            op,
-            detail: format!("scores must be [..., T, S], got shape {:?}", scores.shape()),
-        });
-    }
-    if !scale.is_finite() {
-        return Err(Error::InvalidArgument {
-            op,
-            detail: format!("the scale must be finite, got {scale}"),
-        });
-    }
-    Ok(())
-}
-
 /// Checks an optional `[D]` affine parameter of layer norm.
 fn check_affine(x: &Tensor, p: Option<&Tensor>, name: &str) -> Result<()> {
     let Some(p) = p else { return Ok(()) };
@@ -216,7 +109,7 @@ fn layer_norm_typed<T: Float>(
     let affine = |p: Option<&Tensor>, default: f64| -> Result<Vec<f64>> {
         Ok(match p {
             Some(p) => elements::<T>(p)?.iter().map(|v| v.wide()).collect(),
-            None => super::nn_backward::filled("layer_norm", d, default)?,
+            None => super::rows::filled("layer_norm", d, default)?,
         })
     };
     let (w, b) = (affine(weight, 1.0)?, affine(bias, 0.0)?);
@@ -546,57 +439,6 @@ impl Tensor {
 fn ce_row<T: Float>(row: &[T], k: usize, e: &mut Vec<T::Acc>) -> (f64, f64) {
     let (max, sum) = row_exp_sum(row, e);
     (sum.ln() - (row[k].to_acc() - max).widen(), sum)
-}
-
-/// Checks cross entropy's `[N, C]` float logits against `[N]` `i64` targets in
-/// `0..C`, returning `(N, C, targets)`.
-pub(super) fn ce_targets<'a>(
-    logits: &Tensor,
-    targets: &'a Tensor,
-) -> Result<(usize, usize, std::borrow::Cow<'a, [i64]>)> {
-    const OP: &str = "cross_entropy";
-    if logits.rank() != 2 {
-        return Err(Error::InvalidArgument {
-            op: OP,
-            detail: format!(
-                "logits must be [N, C], got shape {:?}; reshape to 2-D first",
-                logits.shape()
-            ),
-        });
-    }
-    let (n, c) = (logits.shape()[0], logits.shape()[1]);
-    let t = index_vector(OP, targets, n, || format!("logits {:?} need targets", logits.shape()))?;
-    if let Some((row, &k)) = t.iter().enumerate().find(|&(_, &k)| k < 0 || k as u64 >= c as u64) {
-        return Err(Error::InvalidArgument {
-            op: OP,
-            detail: format!("target {k} of row {row} is not a class of 0..{c}"),
-        });
-    }
-    Ok((n, c, t))
-}
-
-/// The entries of `indices`, which must be an `i64` vector of `n`; `need` says
-/// what asks for them (`"logits [4, 9] need targets"`) in the shape error.
-pub(super) fn index_vector<'a>(
-    op: &'static str,
-    indices: &'a Tensor,
-    n: usize,
-    need: impl FnOnce() -> String,
-) -> Result<std::borrow::Cow<'a, [i64]>> {
-    if indices.dtype() != DType::I64 {
-        return Err(Error::DTypeMismatch {
-            op,
-            expected: DType::I64,
-            got: indices.dtype(),
-        });
-    }
-    if indices.shape() != [n] {
-        return Err(Error::ShapeMismatch {
-            op,
-            detail: format!("{} of shape [{n}], got {:?}", need(), indices.shape()),
-        });
-    }
-    elements::<i64>(indices)
 }
 
 /// The rows `idx` of a `[V, d]` table, concatenated.

@@ -3,11 +3,11 @@
 
 use tessera_mesh::DType;
 
-use super::{dot_f64, filled, same_shape};
+use super::{dot_f64, same_shape};
 use crate::kernel::Simd;
 use crate::kernel::{Float, float_dispatch, par_blocks, par_parts};
-use crate::ops::nn::map_rows;
 use crate::ops::reduce::sum_map_f64;
+use crate::ops::rows::{all_row_stats, filled, map_rows, row_stats};
 use crate::ops::{elements, output, same_dtype};
 use crate::{Error, Result, Tensor};
 
@@ -219,32 +219,4 @@ fn need_rank(op: &'static str, t: &Tensor) -> Result<()> {
             detail: "a rank-0 tensor has no dim to normalize; reshape it to [1] first".into(),
         })
     }
-}
-
-/// [`row_stats`] of every `d`-element row of `xs`, in blocks of rows over the
-/// rank's threads.
-pub(in crate::ops) fn all_row_stats<T: Float>(xs: &[T], d: usize, eps: f64) -> Vec<(f64, f64)> {
-    let mut stats = vec![(0.0, 0.0); xs.len().checked_div(d).unwrap_or(0)];
-    let simd = Simd::best();
-    par_blocks(&mut stats, 1, par_parts(xs.len()), |start, block| {
-        simd.run(
-            #[inline(always)]
-            || {
-                for (s, row) in block.iter_mut().zip(xs[start * d..].chunks_exact(d)) {
-                    *s = row_stats(row, eps);
-                }
-            },
-        )
-    });
-    stats
-}
-
-/// The mean and `1 / sqrt(var + eps)` of a row in `f64`: the mean, then the
-/// squared deviations from it (two passes: no cancellation).
-#[inline(always)]
-fn row_stats<T: Float>(row: &[T], eps: f64) -> (f64, f64) {
-    let d = row.len() as f64;
-    let mean = sum_map_f64(row, |v| v.wide()) / d;
-    let var = sum_map_f64(row, |v| (v.wide() - mean).powi(2)) / d;
-    (mean, 1.0 / (var + eps).sqrt())
 }

@@ -4,14 +4,13 @@
 
 use std::mem::MaybeUninit;
 
-use super::nn::{causal_keep, ce_targets, check_scores, index_vector, map_rows, row_exp_sum};
+use super::rows::{causal_keep, ce_targets, check_scores, index_vector, map_rows, row_exp_sum};
 use super::{check_dim, elements, output, same_dtype};
 use crate::kernel::{Float, Real, float_dispatch};
 use crate::kernel::{Simd, zip_map_inline};
 use crate::{Error, Result, Tensor};
 
 mod layer_norm;
-pub(super) use layer_norm::all_row_stats;
 
 /// Errors unless `a` and `b` have the same shape and dtype.
 fn same_shape(op: &'static str, a: &Tensor, b: &Tensor, what: &str) -> Result<()> {
@@ -26,14 +25,6 @@ fn same_shape(op: &'static str, a: &Tensor, b: &Tensor, what: &str) -> Result<()
         });
     }
     same_dtype(op, a, b)
-}
-
-/// `d` copies of `v`: scratch rows of a last dim that an empty input may make
-/// larger than memory.
-pub(crate) fn filled(op: &'static str, d: usize, v: f64) -> Result<Vec<f64>> {
-    let mut out = crate::alloc::zeroed::<f64>(op, &[d])?;
-    out.fill(v);
-    Ok(out)
 }
 
 impl Tensor {
