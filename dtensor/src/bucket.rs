@@ -65,7 +65,7 @@ use tessera_tensor::memory::Allocation;
 
 use crate::sharding::{padded_chunk_size, shard_size_and_offset, split_chain};
 use crate::spec::{Layout, PlacementsDisplay};
-use crate::{DTensor, Error, Placement, Result, Tensor};
+use crate::{DTensor, Error, Placement, Result, ShardOrder, Tensor};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Kind {
@@ -150,6 +150,37 @@ fn plan(kind: Kind, inputs: &[DTensor], mesh_dim: usize, dtype: DType) -> Result
         return Ok((entries, 0));
     };
     let mesh = first.mesh();
+    check_inputs(kind, inputs, mesh_dim, dtype)?;
+    let coord = mesh.coordinate();
+    for (i, x) in inputs.iter().enumerate() {
+        let local = x.to_local().shape();
+        let row_numel: usize = local.iter().skip(1).product();
+        let out = match kind {
+            Kind::Gather => gathered(x, i, mesh_dim)?,
+            Kind::Scatter => scattered(x, i, mesh_dim)?,
+            Kind::AllReduce => all_reduced(x, i, mesh_dim)?,
+        };
+        let out_layout = Layout::with_order(mesh.shape(), &out.placements, out.order, x.shape(), dtype)?;
+        let (local_shape, padded) = match kind {
+            Kind::AllReduce => (local.to_vec(), out.padded_rows),
+            _ => ([&[out.rows][..], &local[1..]].concat(), out.padded_rows * row_numel),
+        };
+        debug_assert_eq!(out_layout.local_shape(coord)?, local_shape, "{}: input {i}", kind.op());
+        entries.push(Entry {
+            layout: out_layout,
+            local_shape,
+            offset: block,
+            padded,
+        });
+        block += padded;
+    }
+    Ok((entries, block))
+}
+
+/// Errors unless the mesh dim exists and every input lives on the first input's
+/// mesh (and, for reductions, has the bucket's dtype).
+fn check_inputs(kind: Kind, inputs: &[DTensor], mesh_dim: usize, dtype: DType) -> Result<()> {
+    let mesh = inputs[0].mesh();
     if mesh_dim >= mesh.ndim() {
         return Err(placement_error(
             kind,
@@ -160,8 +191,6 @@ fn plan(kind: Kind, inputs: &[DTensor], mesh_dim: usize, dtype: DType) -> Result
             ),
         ));
     }
-    let world = mesh.shape()[mesh_dim];
-    let coord = mesh.coordinate();
     for (i, x) in inputs.iter().enumerate() {
         if !x.mesh().same_as(mesh) {
             return Err(placement_error(
@@ -180,84 +209,103 @@ fn plan(kind: Kind, inputs: &[DTensor], mesh_dim: usize, dtype: DType) -> Result
                 got: x.dtype(),
             }));
         }
-        let p = x.placements();
-        let layout = x.layout();
-        let shape = x.shape();
-        let local = x.to_local().shape();
-        let row_numel: usize = local.iter().skip(1).product();
-        let mut out = p.to_vec();
-        let (order, out_rows, padded_rows) = match kind {
-            Kind::Gather => {
-                let chain = layout.order.order_of(p, 0);
-                if p[mesh_dim] != Placement::Shard(0) || chain.last() != Some(&mesh_dim) {
-                    return Err(placement_error(
-                        kind,
-                        format!(
-                            "input {i} is placed {} (dim 0 split by mesh dims {:?}); gathering over mesh dim \
-                             {mesh_dim} needs Shard(0) there, as the last split of dim 0",
-                            PlacementsDisplay(p),
-                            chain.as_slice()
-                        ),
-                    ));
-                }
-                out[mesh_dim] = Placement::Replicate;
-                let split = *split_chain(shape[0], mesh.shape(), &chain, coord)?
-                    .last()
-                    .expect("the chain holds mesh_dim");
-                let order = layout.order.with_chain(&out, 0, &chain[..chain.len() - 1])?;
-                (order, split.logical_size, split.padded_chunk_size())
-            }
-            Kind::Scatter | Kind::AllReduce => {
-                if p[mesh_dim] != Placement::Partial(ReduceOp::Sum) {
-                    return Err(placement_error(
-                        kind,
-                        format!(
-                            "input {i} is placed {}; reducing over mesh dim {mesh_dim} needs Partial(sum) there",
-                            PlacementsDisplay(p)
-                        ),
-                    ));
-                }
-                if kind == Kind::AllReduce {
-                    out[mesh_dim] = Placement::Replicate;
-                    let numel = x.to_local().numel();
-                    (layout.order.clone(), 1, numel)
-                } else {
-                    if shape.is_empty() {
-                        return Err(placement_error(
-                            kind,
-                            format!("input {i} is a scalar; a reduce-scatter shards dim 0"),
-                        ));
-                    }
-                    out[mesh_dim] = Placement::Shard(0);
-                    let mut chain = layout.order.order_of(p, 0);
-                    chain.push(mesh_dim);
-                    let order = layout.order.with_chain(&out, 0, &chain)?;
-                    let rows = local[0];
-                    let (mine, _) = shard_size_and_offset(rows, world, coord[mesh_dim]);
-                    (order, mine, padded_chunk_size(rows, world))
-                }
-            }
-        };
-        let out_layout = Layout::with_order(mesh.shape(), &out, order, shape, dtype)?;
-        let local_shape = match kind {
-            Kind::AllReduce => local.to_vec(),
-            _ => [&[out_rows][..], &local[1..]].concat(),
-        };
-        debug_assert_eq!(out_layout.local_shape(coord)?, local_shape, "{}: input {i}", kind.op());
-        let padded = if kind == Kind::AllReduce {
-            padded_rows
-        } else {
-            padded_rows * row_numel
-        };
-        entries.push(Entry {
-            layout: out_layout,
-            local_shape,
-            offset: block,
-            padded,
-        });
-        block += padded;
     }
-    Ok((entries, block))
+    Ok(())
+}
+
+/// One input's output in a bucket: its placements and shard order, and its
+/// local rows (elements, for an all-reduce) before and after padding.
+struct Out {
+    placements: Vec<Placement>,
+    order: ShardOrder,
+    rows: usize,
+    padded_rows: usize,
+}
+
+/// Input `i`'s output when gathered over `mesh_dim` (which must be the last
+/// split of its dim 0).
+fn gathered(x: &DTensor, i: usize, mesh_dim: usize) -> Result<Out> {
+    let kind = Kind::Gather;
+    let (p, mesh) = (x.placements(), x.mesh());
+    let chain = x.layout().order.order_of(p, 0);
+    if p[mesh_dim] != Placement::Shard(0) || chain.last() != Some(&mesh_dim) {
+        return Err(placement_error(
+            kind,
+            format!(
+                "input {i} is placed {} (dim 0 split by mesh dims {:?}); gathering over mesh dim \
+                 {mesh_dim} needs Shard(0) there, as the last split of dim 0",
+                PlacementsDisplay(p),
+                chain.as_slice()
+            ),
+        ));
+    }
+    let mut out = p.to_vec();
+    out[mesh_dim] = Placement::Replicate;
+    let split = *split_chain(x.shape()[0], mesh.shape(), &chain, mesh.coordinate())?
+        .last()
+        .expect("the chain holds mesh_dim");
+    let order = x.layout().order.with_chain(&out, 0, &chain[..chain.len() - 1])?;
+    Ok(Out {
+        placements: out,
+        order,
+        rows: split.logical_size,
+        padded_rows: split.padded_chunk_size(),
+    })
+}
+
+/// Errors unless input `i` is a pending sum over `mesh_dim`.
+fn need_partial_sum(kind: Kind, x: &DTensor, i: usize, mesh_dim: usize) -> Result<()> {
+    let p = x.placements();
+    if p[mesh_dim] == Placement::Partial(ReduceOp::Sum) {
+        return Ok(());
+    }
+    Err(placement_error(
+        kind,
+        format!(
+            "input {i} is placed {}; reducing over mesh dim {mesh_dim} needs Partial(sum) there",
+            PlacementsDisplay(p)
+        ),
+    ))
+}
+
+/// Input `i`'s output when reduce-scattered over `mesh_dim`: dim 0 split once more.
+fn scattered(x: &DTensor, i: usize, mesh_dim: usize) -> Result<Out> {
+    let kind = Kind::Scatter;
+    need_partial_sum(kind, x, i, mesh_dim)?;
+    if x.shape().is_empty() {
+        return Err(placement_error(
+            kind,
+            format!("input {i} is a scalar; a reduce-scatter shards dim 0"),
+        ));
+    }
+    let (p, mesh) = (x.placements(), x.mesh());
+    let mut out = p.to_vec();
+    out[mesh_dim] = Placement::Shard(0);
+    let mut chain = x.layout().order.order_of(p, 0);
+    chain.push(mesh_dim);
+    let order = x.layout().order.with_chain(&out, 0, &chain)?;
+    let rows = x.to_local().shape()[0];
+    let world = mesh.shape()[mesh_dim];
+    let (mine, _) = shard_size_and_offset(rows, world, mesh.coordinate()[mesh_dim]);
+    Ok(Out {
+        placements: out,
+        order,
+        rows: mine,
+        padded_rows: padded_chunk_size(rows, world),
+    })
+}
+
+/// Input `i`'s output when all-reduced over `mesh_dim`: replicated there.
+fn all_reduced(x: &DTensor, i: usize, mesh_dim: usize) -> Result<Out> {
+    need_partial_sum(Kind::AllReduce, x, i, mesh_dim)?;
+    let mut out = x.placements().to_vec();
+    out[mesh_dim] = Placement::Replicate;
+    Ok(Out {
+        placements: out,
+        order: x.layout().order.clone(),
+        rows: 1,
+        padded_rows: x.to_local().numel(),
+    })
 }
 
 /// A contiguous tensor (a view of a bucket input) that a [`Pieces`] send reads

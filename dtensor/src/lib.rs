@@ -26,15 +26,15 @@
 
 pub mod bucket;
 pub mod checkpoint;
-pub mod dist;
 mod dtensor;
 mod error;
 mod memo;
+pub mod ops;
 mod placement;
 pub mod redistribute;
 pub mod sharding;
 mod spec;
-pub mod strategy;
+mod strategy;
 #[cfg(feature = "testing")]
 pub mod testing;
 
@@ -42,5 +42,6 @@ pub use dtensor::{DTensor, distribute_tensor, distribute_tensor_with_order};
 pub use error::{Error, Result};
 pub use placement::{MeshDims, Placement, ShardOrder, validate_placements};
 pub use spec::{DTensorSpec, Layout, Placements, PlacementsDisplay};
+pub use strategy::Linearity;
 pub use tessera_mesh::{DType, ReduceOp};
 pub use tessera_tensor::Tensor;

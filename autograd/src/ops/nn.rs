@@ -1,10 +1,7 @@
 //! Matmul and the neural-network ops, with their gradients.
 
 use smallvec::{SmallVec, smallvec};
-use tessera_dtensor::dist::dispatch;
-use tessera_dtensor::sharding::local_shape_and_offset;
-use tessera_dtensor::strategy::{Candidate, DimOption, keep_shards_except_with, product};
-use tessera_dtensor::{DTensor, Layout, Placement, Placements, ReduceOp, ShardOrder, Tensor};
+use tessera_dtensor::{DTensor, Placement, ReduceOp};
 use tessera_tensor::ops::{Attention, Reduction};
 
 use crate::{Result, Var};
@@ -111,7 +108,7 @@ impl Var {
     pub fn softmax(&self, dim: usize) -> Result<Var> {
         let y = self.value().softmax(dim)?;
         let out = y.clone();
-        Ok(self.unary_op("softmax", y, move |g| softmax_backward(g, &out, dim)))
+        Ok(self.unary_op("softmax", y, move |g| g.softmax_backward(&out, dim)))
     }
 
     /// Log-softmax along `dim`.
@@ -209,10 +206,14 @@ impl Var {
                 g
             };
             let stats = [&mean, &rstd];
-            let mut out: SmallVec<[Option<DTensor>; 3]> =
-                smallvec![Some(layer_norm_backward(g, &x, stats, w.as_ref())?)];
+            let mut out: SmallVec<[Option<DTensor>; 3]> = smallvec![Some(g.layer_norm_backward_with_stats(
+                &x,
+                stats[0],
+                stats[1],
+                w.as_ref()
+            )?)];
             if w.is_some() {
-                out.push(Some(layer_norm_weight_grad(g, &x, stats)?));
+                out.push(Some(g.layer_norm_weight_grad_with_stats(&x, stats[0], stats[1])?));
             }
             if has_bias {
                 let batch: Vec<usize> = (0..last).collect();
@@ -233,7 +234,7 @@ impl Var {
         let table = self.value().placements().to_vec();
         let vocab = self.value().shape()[0];
         Ok(Var::from_op("embedding", value, &[self, indices], move |g| {
-            Ok(smallvec![Some(embedding_backward(&idx, g, vocab, &table)?), None])
+            Ok(smallvec![Some(g.embedding_backward(&idx, vocab, &table)?), None])
         }))
     }
 
@@ -261,7 +262,7 @@ impl Var {
             let (loss, lse) = x.cross_entropy_class_parallel(&t, reduction)?;
             return Ok(Var::from_op("cross_entropy", loss, &[self, targets], move |g| {
                 Ok(smallvec![
-                    Some(class_parallel_ce_backward(&x, &t, &lse, g, scale)?),
+                    Some(x.cross_entropy_class_parallel_backward(&t, &lse, g, scale)?),
                     None
                 ])
             }));
@@ -269,7 +270,10 @@ impl Var {
         // The probabilities, not the logits, are kept for backward (the same bytes).
         let (value, probs) = logits.cross_entropy_with_grad(&t, reduction)?;
         Ok(Var::from_op("cross_entropy", value, &[self, targets], move |g| {
-            Ok(smallvec![Some(cross_entropy_backward(&probs, &t, g, scale)?), None])
+            Ok(smallvec![
+                Some(probs.cross_entropy_backward_from_probs(&t, g, scale)?),
+                None
+            ])
         }))
     }
 }
@@ -292,220 +296,4 @@ fn bias_for(prod: &DTensor, bias: &DTensor) -> tessera_dtensor::Result<DTensor> 
         // Only Replicate mesh dims change, so the bias's shard order still fits.
         bias.redistribute_with_order(&target, bias.layout().order.clone())
     }
-}
-
-/// The gradient of an embedding table of `vocab` rows placed `table`: rows of `g`
-/// added at `indices`. Per mesh dim: batch-sharded indices give a partial sum
-/// (each rank scatters its rows); where the table is row-sharded (`Shard(0)`),
-/// replicated indices and gradient give a row-sharded gradient (each rank
-/// scatters only the indices in its rows); where it is column-sharded
-/// (`Shard(1)`), a gradient sharded on its last dim gives a column-sharded one.
-/// Neither builds the full table nor communicates.
-///
-/// PyTorch: the backward of `F.embedding` (`embedding_dense_backward`) under the
-/// sharding rules of DTensor's embedding op.
-fn embedding_backward(
-    indices: &DTensor,
-    g: &DTensor,
-    vocab: usize,
-    table: &[Placement],
-) -> tessera_dtensor::Result<DTensor> {
-    let d = *g.shape().last().unwrap_or(&0);
-    let ir = indices.shape().len();
-    let (r, s, sum) = (
-        Placement::Replicate,
-        Placement::Shard,
-        Placement::Partial(ReduceOp::Sum),
-    );
-    let batch = (0..ir).map(|k| (smallvec![s(k), s(k)], sum));
-    // Where the table is sharded, its sharding replaces the replicated option (it
-    // always fits: replicated inputs slice for free), so a row of replicated
-    // inputs is never gathered into a full table. Each input pair appears at most
-    // once per mesh dim, so the kernel can tell the chosen output placements from
-    // its inputs' ([`embedding_grad_placements`]).
-    let per_dim: Vec<Vec<DimOption>> = (0..g.mesh().ndim())
-        .map(|m| {
-            let mut options: Vec<DimOption> = match table.get(m) {
-                Some(Placement::Shard(0)) => vec![(smallvec![r, r], s(0))],
-                Some(Placement::Shard(1)) => vec![(smallvec![r, s(ir)], s(1))],
-                // The gradient is linear in `g`: a pending sum (a gradient summed
-                // over a batch sharded elsewhere) stays pending, reduced once where
-                // the parameter's gradient lands (FSDP's reduce-scatter).
-                _ => vec![(smallvec![r, r], r), (smallvec![r, sum], sum)],
-            };
-            options.extend(batch.clone());
-            options
-        })
-        .collect();
-    let cands = product(&per_dim, 2);
-    let table = table.to_vec();
-    let mesh_shape = g.mesh().shape().to_vec();
-    dispatch(
-        "embedding_backward",
-        &[indices, g],
-        &cands,
-        &[vocab, d],
-        g.dtype(),
-        |l, ctx| {
-            let out = embedding_grad_placements(ctx.inputs, &table, ir);
-            let (shape, offset) = local_shape_and_offset(
-                &[vocab, d],
-                &mesh_shape,
-                &out,
-                &ShardOrder::default_for(&out),
-                ctx.coord,
-            )?;
-            let (rows, cols) = (shape[0], shape[1]);
-            let n = l[0].numel();
-            let idx = l[0].reshape(&[n])?;
-            Ok(l[1]
-                .reshape(&[n, cols])?
-                .embedding_dense_backward(&idx, rows, offset[0])?)
-        },
-    )
-}
-
-/// The output placements of `embedding_backward` for its inputs' layouts after
-/// redistribution: per mesh dim, batch-sharded indices give `Partial(sum)`, a
-/// gradient sharded on its last dim (dim `ir`, the column-sharded table's option)
-/// gives `Shard(1)`, and replicated inputs give `Shard(0)` where the table is
-/// row-sharded, `Replicate` elsewhere.
-fn embedding_grad_placements(inputs: &[Layout], table: &[Placement], ir: usize) -> Vec<Placement> {
-    inputs[0]
-        .placements
-        .iter()
-        .zip(&inputs[1].placements)
-        .zip(table)
-        .map(|((&i, &g), &t)| match (i, g, t) {
-            (Placement::Shard(_), _, _) | (_, Placement::Partial(_), _) => Placement::Partial(ReduceOp::Sum),
-            (_, Placement::Shard(k), _) if k == ir => Placement::Shard(1),
-            (_, _, Placement::Shard(0)) => Placement::Shard(0),
-            _ => Placement::Replicate,
-        })
-        .collect()
-}
-
-/// The gradient of class-parallel cross entropy with respect to the logits:
-/// `(exp(x − lse) − onehot(target − class_offset)) · scale · g`, from the
-/// logits, targets and per-row log-sum-exp the forward kept
-/// ([`DTensor::cross_entropy_class_parallel`]). Local: the output has the
-/// logits' placements and no collective runs (a replicated `g` assumed).
-fn class_parallel_ce_backward(
-    logits: &DTensor,
-    targets: &DTensor,
-    lse: &DTensor,
-    g: &DTensor,
-    scale: f64,
-) -> tessera_dtensor::Result<DTensor> {
-    let lp: Placements = logits.placements().iter().copied().collect();
-    let tp: Placements = targets.placements().iter().copied().collect();
-    let rep: Placements = smallvec![Placement::Replicate; g.mesh().ndim()];
-    let cand = Candidate {
-        inputs: smallvec![lp.clone(), tp.clone(), tp, rep],
-        output: lp,
-    };
-    let cd = logits.shape().len() - 1;
-    dispatch(
-        "cross_entropy_backward",
-        &[logits, targets, lse, g],
-        &[cand],
-        logits.shape(),
-        logits.dtype(),
-        |l, ctx| {
-            let offset = ctx.offset(0)?[cd];
-            let c = *l[0].shape().last().unwrap_or(&0);
-            let gs = l[3].to_f64_vec()[0] * scale;
-            let t = l[1].contiguous().to_vec::<i64>()?;
-            let lse = l[2].to_f64_vec();
-            let mut x = l[0].to_f64_vec();
-            if c > 0 {
-                for ((row, &k), &lse) in x.chunks_exact_mut(c).zip(&t).zip(&lse) {
-                    row.iter_mut().for_each(|v| *v = (*v - lse).exp() * gs);
-                    if let Some(k) = (k as usize).checked_sub(offset).filter(|&k| k < c) {
-                        row[k] -= gs;
-                    }
-                }
-            }
-            Ok(Tensor::from_vec(x, l[0].shape())?.cast(l[0].dtype())?)
-        },
-    )
-}
-
-/// `(probs − onehot(targets)) · scale · g`, the logits' gradient from the
-/// probabilities that the forward kept, sharded like their batch.
-fn cross_entropy_backward(
-    probs: &DTensor,
-    targets: &DTensor,
-    g: &DTensor,
-    scale: f64,
-) -> tessera_dtensor::Result<DTensor> {
-    let tr = targets.shape().len();
-    let (r, s) = (Placement::Replicate, Placement::Shard);
-    let mut options: Vec<DimOption> = vec![(smallvec![r, r, r], r)];
-    options.extend((0..tr).map(|k| (smallvec![s(k), s(k), r], s(k))));
-    let cands = product(&vec![options; g.mesh().ndim()], 3);
-    let c = *probs.shape().last().unwrap_or(&0);
-    dispatch(
-        "cross_entropy_backward",
-        &[probs, targets, g],
-        &cands,
-        probs.shape(),
-        probs.dtype(),
-        |l, _| {
-            let n = l[1].numel();
-            if n == 0 {
-                return Ok(Tensor::zeros(l[0].shape(), l[0].dtype())?);
-            }
-            let flat = l[0].reshape(&[n, c])?;
-            let t = l[1].contiguous().reshape(&[n])?;
-            let gs = l[2].to_f64_vec()[0] * scale;
-            Ok(flat.cross_entropy_backward_from_probs(&t, gs)?.reshape(l[0].shape())?)
-        },
-    )
-}
-
-/// `y · (g − Σ_dim g·y)`, the input gradient of a softmax with output `y`, in one
-/// pass per row; sharded like `y` off `dim`.
-fn softmax_backward(g: &DTensor, y: &DTensor, dim: usize) -> tessera_dtensor::Result<DTensor> {
-    let cands = keep_shards_except_with(y.shape().len(), &[dim], 2, 0, y.mesh().ndim());
-    dispatch("softmax_backward", &[g, y], &cands, y.shape(), y.dtype(), |l, _| {
-        Ok(l[0].softmax_backward(&l[1], dim)?)
-    })
-}
-
-/// The input gradient of layer norm over the last dim from the forward's row
-/// statistics `[mean, rstd]` (see [`Tensor::layer_norm_backward_with_stats`]),
-/// sharded like `x` off the last dim, with the weight replicated.
-fn layer_norm_backward(
-    g: &DTensor,
-    x: &DTensor,
-    [mean, rstd]: [&DTensor; 2],
-    w: Option<&DTensor>,
-) -> tessera_dtensor::Result<DTensor> {
-    let last = x.shape().len() - 1;
-    let cands = keep_shards_except_with(last + 1, &[last], 4, usize::from(w.is_some()), x.mesh().ndim());
-    let mut inputs: SmallVec<[&DTensor; 5]> = smallvec![g, x, mean, rstd];
-    inputs.extend(w);
-    dispatch("layer_norm_backward", &inputs, &cands, x.shape(), x.dtype(), |l, _| {
-        Ok(l[0].layer_norm_backward_with_stats(&l[1], &l[2], &l[3], l.get(4))?)
-    })
-}
-
-/// The weight gradient of layer norm, `Σ_rows g · x̂`, from the forward's row
-/// statistics (see [`Tensor::layer_norm_weight_grad_with_stats`]): a partial
-/// sum when the rows are sharded.
-fn layer_norm_weight_grad(g: &DTensor, x: &DTensor, [mean, rstd]: [&DTensor; 2]) -> tessera_dtensor::Result<DTensor> {
-    let (r, s) = (Placement::Replicate, Placement::Shard);
-    let last = x.shape().len() - 1;
-    let mut options: Vec<DimOption> = vec![(smallvec![r, r, r, r], r)];
-    options.extend((0..last).map(|d| (smallvec![s(d), s(d), s(d), s(d)], Placement::Partial(ReduceOp::Sum))));
-    let cands = product(&vec![options; x.mesh().ndim()], 4);
-    dispatch(
-        "layer_norm_weight_grad",
-        &[g, x, mean, rstd],
-        &cands,
-        &[x.shape()[last]],
-        x.dtype(),
-        |l, _| Ok(l[0].layer_norm_weight_grad_with_stats(&l[1], &l[2], &l[3])?),
-    )
 }

@@ -1,7 +1,7 @@
 //! Element-wise ops and their gradients.
 
 use smallvec::smallvec;
-use tessera_dtensor::strategy::Linearity;
+use tessera_dtensor::Linearity;
 
 use super::{map_f64, unbroadcast};
 use crate::{Result, Var};

@@ -130,7 +130,7 @@ impl Var {
         let dims = dims.to_vec();
         Ok(self.unary_op("max", value, move |g| {
             let m = keep(&m, &x, &dims, keepdim)?;
-            let hits = x.binary("max_hits", &m, tessera_dtensor::strategy::Linearity::None, |x, m| {
+            let hits = x.binary("max_hits", &m, tessera_dtensor::Linearity::None, |x, m| {
                 let eq = x.sub(m)?;
                 super::map_f64(&eq, |d| if d == 0.0 { 1.0 } else { 0.0 })
             })?;

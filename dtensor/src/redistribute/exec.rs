@@ -11,7 +11,7 @@ use std::borrow::Cow;
 
 use tessera_mesh::{Communicator, DeviceMesh, Element, ReduceOp};
 
-use super::plan::{Plan, StepKind};
+use super::step::{Plan, StepKind};
 use super::{group_coords, group_index};
 use crate::spec::{Layout, Region};
 use crate::{Result, Tensor};

@@ -18,9 +18,12 @@
 
 mod exec;
 mod plan;
+mod search;
+mod step;
 
 pub(crate) use exec::{execute, for_each_row};
-pub use plan::{Plan, Step, StepKind, plan};
+pub use plan::plan;
+pub use step::{Plan, Step, StepKind};
 
 /// The coordinates of the ranks a step along the mesh dims `group` talks to, in
 /// the order of that group's communicator: row-major over the group's dims, the

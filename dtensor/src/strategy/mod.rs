@@ -77,8 +77,6 @@ pub fn product(per_dim: &[Vec<DimOption>], n_inputs: usize) -> Vec<Candidate> {
 /// The chosen candidate and the plans that bring each input to it.
 #[derive(Clone, Debug)]
 pub struct Choice {
-    /// Index of the chosen candidate.
-    pub index: usize,
     /// The candidate.
     pub candidate: Candidate,
     /// One plan per input (empty when the input already fits).
@@ -147,7 +145,7 @@ fn choose_uncached(op: &'static str, inputs: &[&Layout], candidates: &[Candidate
         .map_or_else(SmallVec::new, |l| SmallVec::from_elem(0, l.mesh_shape.len()));
     let mut best: Option<Choice> = None;
     let mut best_steps = usize::MAX;
-    'next: for (index, c) in candidates.iter().enumerate() {
+    'next: for c in candidates {
         let mut plans = Vec::with_capacity(inputs.len());
         let (mut cost, mut steps) = (0, 0);
         for (l, target) in inputs.iter().zip(&c.inputs) {
@@ -172,7 +170,6 @@ fn choose_uncached(op: &'static str, inputs: &[&Layout], candidates: &[Candidate
         if best.as_ref().is_none_or(|b| (cost, steps) < (b.cost, best_steps)) {
             best_steps = steps;
             best = Some(Choice {
-                index,
                 candidate: c.clone(),
                 plans,
                 cost,

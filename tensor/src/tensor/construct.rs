@@ -4,7 +4,7 @@ use ndarray::{Array, Dimension};
 use tessera_mesh::{Buffer, DType, Element};
 
 use super::Tensor;
-use super::layout::checked_numel;
+use super::geometry::checked_numel;
 use super::storage::{fill_value, with_buffer};
 use crate::alloc::zeros_buffer;
 use crate::kernel::Scalar;

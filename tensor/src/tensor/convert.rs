@@ -65,7 +65,7 @@ impl Tensor {
     /// order. Filled by appending: the new storage is written once, never
     /// zeroed first.
     fn converted(&self, dtype: DType, span: Option<std::ops::Range<usize>>) -> Result<Buffer> {
-        let layout = self.layout();
+        let layout = self.geometry();
         Ok(
             with_buffer!(self.data(), src, S => crate::kernel::any_dispatch!("cast", dtype, D => {
                 let mut out = crate::alloc::with_capacity::<D>("cast", self.shape())?;
@@ -85,13 +85,13 @@ impl Tensor {
     /// [`Error::DTypeMismatch`] when `T` is not the tensor's dtype (use
     /// [`cast`](Self::cast) or [`to_f64_vec`](Self::to_f64_vec)).
     pub fn to_vec<T: Element>(&self) -> Result<Vec<T>> {
-        Ok(self.layout().gather(self.elements::<T>("to_vec")?))
+        Ok(self.geometry().gather(self.elements::<T>("to_vec")?))
     }
 
     /// The elements as `f64` in row-major order, from any dtype (for tests and
     /// printing; see [`cast`](Self::cast) for the conversion).
     pub fn to_f64_vec(&self) -> Vec<f64> {
-        let layout = self.layout();
+        let layout = self.geometry();
         with_buffer!(self.data(), v, T => layout.offsets().map(|i| v[i].to_f64()).collect())
     }
 
@@ -120,7 +120,7 @@ impl Tensor {
     /// The elements (row-major, copied from any layout) as an owned type-erased
     /// buffer, for the asynchronous collectives.
     pub fn to_buffer(&self) -> Buffer {
-        let layout = self.layout();
+        let layout = self.geometry();
         with_buffer!(self.data(), v, _T => Buffer::from(layout.gather(v)))
     }
 
@@ -184,7 +184,7 @@ impl Tensor {
     /// # Errors
     /// [`Error::DTypeMismatch`] when `T` is not the tensor's dtype.
     pub fn to_ndarray<T: Element>(&self) -> Result<ArrayD<T>> {
-        let v = self.layout().gather(self.elements::<T>("to_ndarray")?);
+        let v = self.geometry().gather(self.elements::<T>("to_ndarray")?);
         ArrayD::from_shape_vec(IxDyn(self.shape()), v).map_err(|e| Error::InvalidArgument {
             op: "to_ndarray",
             detail: format!("internal error: {e}"),

@@ -15,7 +15,7 @@
 
 mod construct;
 mod convert;
-mod layout;
+mod geometry;
 mod shape_ops;
 mod storage;
 
@@ -24,7 +24,7 @@ use std::sync::Arc;
 
 use tessera_mesh::{Buffer, DType};
 
-use layout::Layout;
+use geometry::Geometry;
 pub use shape_ops::chunk_size_and_offset;
 use storage::{Storage, with_buffer};
 
@@ -46,26 +46,29 @@ pub struct Tensor(Arc<Inner>);
 
 struct Inner {
     storage: Arc<Storage>,
-    layout: Layout,
+    geometry: Geometry,
 }
 
 impl Tensor {
     /// A tensor over fresh storage holding `data` in row-major order.
     fn from_storage_data(data: Buffer, shape: &[usize]) -> Tensor {
-        Tensor::from_parts(Arc::new(Storage::new(data)), Layout::contiguous(shape))
+        Tensor::from_parts(Arc::new(Storage::new(data)), Geometry::contiguous(shape))
     }
 
-    fn from_parts(storage: Arc<Storage>, layout: Layout) -> Tensor {
-        Tensor(Arc::new(Inner { storage, layout }))
+    fn from_parts(storage: Arc<Storage>, layout: Geometry) -> Tensor {
+        Tensor(Arc::new(Inner {
+            storage,
+            geometry: layout,
+        }))
     }
 
     /// A view of this tensor's storage with another layout.
-    fn with_layout(&self, layout: Layout) -> Tensor {
+    fn with_geometry(&self, layout: Geometry) -> Tensor {
         Tensor::from_parts(Arc::clone(&self.0.storage), layout)
     }
 
-    fn layout(&self) -> &Layout {
-        &self.0.layout
+    fn geometry(&self) -> &Geometry {
+        &self.0.geometry
     }
 
     fn data(&self) -> &Buffer {
@@ -74,7 +77,7 @@ impl Tensor {
 
     /// The size of every dim.
     pub fn shape(&self) -> &[usize] {
-        &self.0.layout.shape
+        &self.0.geometry.shape
     }
 
     /// The size of every dim (same as [`shape`](Self::shape); candle's name).
@@ -92,13 +95,13 @@ impl Tensor {
     /// # Errors
     /// [`Error::DimOutOfRange`](crate::Error::DimOutOfRange) when `dim >= rank`.
     pub fn dim(&self, dim: usize) -> crate::Result<usize> {
-        self.layout().check_dim("dim", dim)?;
+        self.geometry().check_dim("dim", dim)?;
         Ok(self.shape()[dim])
     }
 
     /// The number of elements (1 for a scalar).
     pub fn numel(&self) -> usize {
-        self.layout().numel()
+        self.geometry().numel()
     }
 
     /// The element type.
@@ -108,19 +111,19 @@ impl Tensor {
 
     /// Strides in elements, one per dim. PyTorch: `Tensor.stride()`.
     pub fn strides(&self) -> &[usize] {
-        &self.0.layout.strides
+        &self.0.geometry.strides
     }
 
     /// Offset of the first element in the storage, in elements.
     /// PyTorch: `Tensor.storage_offset()`.
     pub fn storage_offset(&self) -> usize {
-        self.0.layout.offset
+        self.0.geometry.offset
     }
 
     /// Whether the elements lie row-major and dense in storage (so that
     /// [`as_slice`](Self::as_slice) and [`as_buf`](Self::as_buf) work).
     pub fn is_contiguous(&self) -> bool {
-        self.layout().is_contiguous()
+        self.geometry().is_contiguous()
     }
 
     /// Logical size in bytes: `numel × dtype size` (a view counts its own
@@ -142,7 +145,7 @@ impl PartialEq for Tensor {
         if self.shape() != other.shape() || self.dtype() != other.dtype() {
             return false;
         }
-        let (a, b) = (self.layout(), other.layout());
+        let (a, b) = (self.geometry(), other.geometry());
         with_buffer!(self.data(), x, T => {
             let Some(y) = storage::typed::<T>(other.data().as_buf()) else {
                 return false;
@@ -160,7 +163,7 @@ impl fmt::Debug for Tensor {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "Tensor{:?} {} [", self.shape(), self.dtype())?;
         with_buffer!(self.data(), x, _T => {
-            for (k, i) in self.layout().offsets().take(DEBUG_VALUES).enumerate() {
+            for (k, i) in self.geometry().offsets().take(DEBUG_VALUES).enumerate() {
                 if k > 0 {
                     f.write_str(", ")?;
                 }

@@ -5,7 +5,7 @@ use std::borrow::Cow;
 use tessera_mesh::{Buffer, Element};
 
 use super::Tensor;
-use super::layout::{Layout, checked_numel};
+use super::geometry::{Geometry, checked_numel};
 use super::storage::{typed, with_buffer};
 use crate::{Error, Result};
 
@@ -40,7 +40,7 @@ impl Tensor {
     /// [`Error::DimOutOfRange`], or [`Error::InvalidArgument`] when
     /// `start + len` exceeds the dim's size.
     pub fn narrow(&self, dim: usize, start: usize, len: usize) -> Result<Tensor> {
-        Ok(self.with_layout(self.layout().narrow(dim, start, len)?))
+        Ok(self.with_geometry(self.geometry().narrow(dim, start, len)?))
     }
 
     /// Exactly `n` views along `dim`, each of `ceil(size / n)` entries except
@@ -54,7 +54,7 @@ impl Tensor {
     /// # Errors
     /// [`Error::DimOutOfRange`], or [`Error::InvalidArgument`] when `n` is 0.
     pub fn chunk(&self, n: usize, dim: usize) -> Result<Vec<Tensor>> {
-        self.layout().check_dim("chunk", dim)?;
+        self.geometry().check_dim("chunk", dim)?;
         if n == 0 {
             return Err(Error::InvalidArgument {
                 op: "chunk",
@@ -77,7 +77,7 @@ impl Tensor {
     /// # Errors
     /// [`Error::DimOutOfRange`] for either dim.
     pub fn transpose(&self, d0: usize, d1: usize) -> Result<Tensor> {
-        Ok(self.with_layout(self.layout().transpose(d0, d1)?))
+        Ok(self.with_geometry(self.geometry().transpose(d0, d1)?))
     }
 
     /// This tensor if it is contiguous, otherwise a row-major copy.
@@ -86,7 +86,7 @@ impl Tensor {
         if self.is_contiguous() {
             return self.clone();
         }
-        let layout = self.layout();
+        let layout = self.geometry();
         let data = with_buffer!(self.data(), v, _T => Buffer::from(layout.gather(v)));
         Tensor::from_storage_data(data, self.shape())
     }
@@ -109,9 +109,9 @@ impl Tensor {
             });
         }
         let base = self.contiguous();
-        let mut layout = Layout::contiguous(shape);
+        let mut layout = Geometry::contiguous(shape);
         layout.offset = if n == 0 { 0 } else { base.storage_offset() };
-        Ok(base.with_layout(layout))
+        Ok(base.with_geometry(layout))
     }
 
     /// Concatenates `tensors` along `dim` into new contiguous storage. Shapes
@@ -129,7 +129,7 @@ impl Tensor {
                 detail: "no tensors to concatenate; pass at least one".into(),
             });
         };
-        first.layout().check_dim("cat", dim)?;
+        first.geometry().check_dim("cat", dim)?;
         let mut shape = first.shape().to_vec();
         shape[dim] = 0;
         for (i, t) in tensors.iter().enumerate() {
@@ -181,7 +181,7 @@ fn cat_rows<T: Element>(tensors: &[Tensor], dim: usize, shape: &[usize]) -> Resu
                     let start = t.storage_offset();
                     Cow::Borrowed(&v[start..start + t.numel()])
                 }
-                Some(v) => Cow::Owned(t.layout().gather(v)),
+                Some(v) => Cow::Owned(t.geometry().gather(v)),
                 None => Cow::Owned(Vec::new()),
             };
             // Elements per outer index: this piece's slab of `dim` and later dims.
@@ -394,7 +394,7 @@ mod tests {
                 assert_eq!(c.storage_offset(), 0);
                 assert_eq!(
                     c.strides(),
-                    &super::super::layout::contiguous_strides(c.shape())[..]
+                    &super::super::geometry::contiguous_strides(c.shape())[..]
                 );
                 assert_eq!(vals(&c), $want);
                 assert_eq!(c, v);

@@ -121,7 +121,7 @@ impl DTensor {
     /// tensors, communication failures.
     pub fn gelu_backward_with_output(&self, x: &DTensor, y: &DTensor) -> Result<DTensor> {
         const OP: &str = "gelu_backward";
-        super::nn::same_dtypes(OP, &[self, x, y])?;
+        super::same_dtypes(OP, &[self, x, y])?;
         tessera_tensor::ops::gelu_backward_shapes(self.shape(), x.shape(), y.shape())?;
         let shapes = [self.shape(), x.shape(), y.shape()];
         let cands = pointwise(&shapes, self.shape(), self.mesh().ndim(), Linearity::FirstOnly);

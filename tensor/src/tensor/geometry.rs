@@ -15,7 +15,7 @@ pub(crate) type Dims = SmallVec<[usize; 4]>;
 /// Invariant: every element of a non-empty layout lies inside its storage;
 /// an empty layout (some dim of size 0) has offset 0.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub(crate) struct Layout {
+pub(crate) struct Geometry {
     pub(crate) shape: Dims,
     pub(crate) strides: Dims,
     pub(crate) offset: usize,
@@ -43,10 +43,10 @@ pub(crate) fn contiguous_strides(shape: &[usize]) -> Dims {
     strides
 }
 
-impl Layout {
+impl Geometry {
     /// A row-major layout of `shape` from offset 0.
-    pub(crate) fn contiguous(shape: &[usize]) -> Layout {
-        Layout {
+    pub(crate) fn contiguous(shape: &[usize]) -> Geometry {
+        Geometry {
             shape: SmallVec::from_slice(shape),
             strides: contiguous_strides(shape),
             offset: 0,
@@ -87,7 +87,7 @@ impl Layout {
     }
 
     /// The view of `len` entries of `dim` from `start`.
-    pub(crate) fn narrow(&self, dim: usize, start: usize, len: usize) -> Result<Layout> {
+    pub(crate) fn narrow(&self, dim: usize, start: usize, len: usize) -> Result<Geometry> {
         self.check_dim("narrow", dim)?;
         let size = self.shape[dim];
         if start.checked_add(len).is_none_or(|end| end > size) {
@@ -110,7 +110,7 @@ impl Layout {
     }
 
     /// The view with dims `d0` and `d1` swapped.
-    pub(crate) fn transpose(&self, d0: usize, d1: usize) -> Result<Layout> {
+    pub(crate) fn transpose(&self, d0: usize, d1: usize) -> Result<Geometry> {
         self.check_dim("transpose", d0)?;
         self.check_dim("transpose", d1)?;
         let mut out = self.clone();
@@ -159,7 +159,7 @@ impl Layout {
         // Copy rows of the last dim.
         let last = self.shape.len() - 1;
         let (row_len, row_stride) = (self.shape[last], self.strides[last]);
-        let rows = Layout {
+        let rows = Geometry {
             shape: SmallVec::from_slice(&self.shape[..last]),
             strides: SmallVec::from_slice(&self.strides[..last]),
             offset: self.offset,
@@ -184,7 +184,7 @@ impl Layout {
 
 /// Iterator over the storage offsets of a layout, row-major.
 pub(crate) struct Offsets<'a> {
-    layout: &'a Layout,
+    layout: &'a Geometry,
     index: Dims,
     next: usize,
     left: usize,
@@ -225,8 +225,8 @@ impl ExactSizeIterator for Offsets<'_> {}
 mod tests {
     use super::*;
 
-    fn layout(shape: &[usize], strides: &[usize], offset: usize) -> Layout {
-        Layout {
+    fn geometry(shape: &[usize], strides: &[usize], offset: usize) -> Geometry {
+        Geometry {
             shape: SmallVec::from_slice(shape),
             strides: SmallVec::from_slice(strides),
             offset,
@@ -238,7 +238,7 @@ mod tests {
         macro_rules! case {
             ($shape:expr, $strides:expr, $want:expr) => {
                 assert_eq!(
-                    layout(&$shape, &$strides, 0).is_contiguous(),
+                    geometry(&$shape, &$strides, 0).is_contiguous(),
                     $want,
                     "{:?} {:?}",
                     $shape,
@@ -259,7 +259,7 @@ mod tests {
     fn offsets_and_gather() {
         macro_rules! case {
             ($shape:expr, $strides:expr, $off:expr, $want:expr) => {
-                let l = layout(&$shape, &$strides, $off);
+                let l = geometry(&$shape, &$strides, $off);
                 let want: Vec<usize> = $want;
                 assert_eq!(l.offsets().collect::<Vec<_>>(), want, "{l:?}");
                 let data: Vec<usize> = (0..32).collect();
@@ -276,7 +276,7 @@ mod tests {
 
     #[test]
     fn narrow_of_empty_keeps_offset_in_bounds() {
-        let l = Layout::contiguous(&[2, 3]);
+        let l = Geometry::contiguous(&[2, 3]);
         let l = l.narrow(0, 2, 0).unwrap().narrow(1, 3, 0).unwrap();
         assert_eq!((l.offset, l.numel()), (0, 0));
     }

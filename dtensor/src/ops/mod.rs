@@ -1,15 +1,23 @@
-//! Operations on [`DTensor`]s: every op picks a sharding strategy (see
-//! [`crate::strategy`]), redistributes its inputs to it, runs the local kernel on
-//! the local tensors, and wraps the result with the strategy's output placements.
+//! Operations on [`DTensor`]s, one file per topic (matmul, reduce, attention,
+//! norm, embedding, loss, pointwise, shape), each forward beside its backward
+//! rules: how an op is sharded has this one home.
 //!
-//! [`dispatch`] is that machinery, public so that other crates (autograd's
-//! backward rules) can define sharded ops of their own.
+//! Every op proposes candidate placements (the strategies of `crate::strategy`),
+//! and [`dispatch`] picks the cheapest, redistributes the inputs to it, runs the
+//! local kernel of `tessera_tensor` on the local tensors and wraps the result
+//! with the candidate's output placements. Other crates define ops of their own
+//! through [`DTensor::binary`], [`DTensor::unary`] and [`DTensor::replicated_op`].
 
-mod nn;
+mod attention;
+mod embedding;
+mod loss;
+mod matmul;
+mod norm;
 mod pointwise;
+mod reduce;
+mod shape;
 
 pub use pointwise::broadcast_shape;
-mod shape;
 
 use smallvec::SmallVec;
 use tessera_mesh::{DType, DeviceMesh};
@@ -22,11 +30,11 @@ use crate::strategy::{Candidate, choose};
 use crate::{DTensor, Error, Result, ShardOrder, Tensor};
 
 /// What a local kernel may need to know about where its pieces sit.
-pub struct LocalCtx<'a> {
+pub(crate) struct LocalCtx<'a> {
     /// The inputs' layouts after redistribution (what the local tensors are pieces of).
-    pub inputs: &'a [Layout],
+    pub(crate) inputs: &'a [Layout],
     /// This rank's mesh coordinate.
-    pub coord: &'a [usize],
+    pub(crate) coord: &'a [usize],
 }
 
 impl LocalCtx<'_> {
@@ -34,7 +42,7 @@ impl LocalCtx<'_> {
     ///
     /// # Errors
     /// Never for a valid context (the layouts were validated).
-    pub fn offset(&self, i: usize) -> Result<Vec<usize>> {
+    pub(crate) fn offset(&self, i: usize) -> Result<Vec<usize>> {
         Ok(self.inputs[i].local_region(self.coord)?.0)
     }
 }
@@ -51,7 +59,7 @@ impl LocalCtx<'_> {
 /// # Errors
 /// Inputs on different meshes, no candidate fitting, a failed redistribution, the
 /// kernel's error, or a kernel whose output does not have this rank's local shape.
-pub fn dispatch(
+pub(crate) fn dispatch(
     op: &'static str,
     inputs: &[&DTensor],
     candidates: &[Candidate],
@@ -154,6 +162,37 @@ pub(crate) fn replicate_only(n: usize, mesh_ndim: usize) -> Vec<Candidate> {
         inputs: (0..n).map(|_| std::iter::repeat_n(r, mesh_ndim).collect()).collect(),
         output: std::iter::repeat_n(r, mesh_ndim).collect(),
     }]
+}
+
+impl DTensor {
+    /// All candidates replicated: run the local kernel on full tensors (the fallback).
+    ///
+    /// # Errors
+    /// As the kernel.
+    pub fn replicated_op(
+        op: &'static str,
+        inputs: &[&DTensor],
+        out_shape: &[usize],
+        out_dtype: DType,
+        kernel: impl FnOnce(&[Tensor]) -> Result<Tensor>,
+    ) -> Result<DTensor> {
+        let cands = replicate_only(inputs.len(), inputs[0].mesh().ndim());
+        log::debug!("{op}: no sharding strategy, replicating its inputs");
+        dispatch(op, inputs, &cands, out_shape, out_dtype, |l, _| kernel(l))
+    }
+}
+
+/// Errors unless every input has the first one's dtype.
+pub(super) fn same_dtypes(op: &'static str, inputs: &[&DTensor]) -> Result<()> {
+    let expected = inputs[0].dtype();
+    match inputs.iter().find(|x| x.dtype() != expected) {
+        Some(x) => Err(Error::from(TensorError::DTypeMismatch {
+            op,
+            expected,
+            got: x.dtype(),
+        })),
+        None => Ok(()),
+    }
 }
 
 #[cfg(test)]
