@@ -18,7 +18,7 @@ use tessera_mesh::{DType, DeviceMesh};
 
 use crate::config::{FsdpConfig, MixedPrecisionPolicy};
 use crate::error::{Error, Result};
-use crate::group::ParamGroup;
+use crate::group::{GatherState, ParamGroup};
 use crate::param::{DpDims, FsdpParam};
 use crate::state::{self, Unit};
 
@@ -317,20 +317,6 @@ fn unit_dtype(own: &[Param], config: &FsdpConfig) -> Result<DType> {
         ));
     }
     Ok(dtype)
-}
-
-/// Where a unit's parameters are ([`FsdpModule::gather_state`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum GatherState {
-    /// Only the shards exist.
-    Sharded,
-    /// An all-gather was issued (a prefetch) and not yet waited for.
-    Gathering,
-    /// The unsharded parameters exist.
-    Unsharded,
-    /// Resharded after forward to smaller groups
-    /// ([`FsdpConfig::reshard_after_forward_to`]): backward gathers within them.
-    Regrouped,
 }
 
 /// A module made an FSDP unit by [`fully_shard`]: a handle to control its

@@ -31,6 +31,21 @@ enum State {
     Regrouped(Vec<DTensor>),
 }
 
+/// Where a unit's parameters are ([`FsdpModule::gather_state`](crate::FsdpModule::gather_state)).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum GatherState {
+    /// Only the shards exist.
+    Sharded,
+    /// An all-gather was issued (a prefetch) and not yet waited for.
+    Gathering,
+    /// The unsharded parameters exist.
+    Unsharded,
+    /// Resharded after forward to smaller groups
+    /// ([`FsdpConfig::reshard_after_forward_to`](crate::FsdpConfig::reshard_after_forward_to)):
+    /// backward gathers within them.
+    Regrouped,
+}
+
 /// An all-gather in flight, or (a replicated group) the values themselves.
 enum Gather {
     Work(BucketWork),
@@ -53,7 +68,7 @@ struct Grads {
     arrived: usize,
 }
 
-/// A callback for the gradient of parameter `i`'s stand-in.
+/// A callback for the gradient of parameter `i`'s bound unsharded value.
 pub(crate) type GradHook = Box<dyn FnOnce(&DTensor) -> Result<()>>;
 
 /// The parameters of one unit and their communication.
@@ -183,12 +198,12 @@ impl ParamGroup {
         matches!(*self.state.borrow(), State::Unsharded)
     }
 
-    pub(crate) fn gather_state(&self) -> crate::GatherState {
+    pub(crate) fn gather_state(&self) -> GatherState {
         match *self.state.borrow() {
-            State::Sharded => crate::GatherState::Sharded,
-            State::Gathering(_) => crate::GatherState::Gathering,
-            State::Unsharded => crate::GatherState::Unsharded,
-            State::Regrouped(_) => crate::GatherState::Regrouped,
+            State::Sharded => GatherState::Sharded,
+            State::Gathering(_) => GatherState::Gathering,
+            State::Unsharded => GatherState::Unsharded,
+            State::Regrouped(_) => GatherState::Regrouped,
         }
     }
 

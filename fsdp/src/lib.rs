@@ -93,5 +93,6 @@ mod wrap;
 
 pub use config::{FsdpConfig, MixedPrecisionPolicy};
 pub use error::{Error, Result};
-pub use fully_shard::{FsdpModule, GatherState, fully_shard, fully_shard_modules, replicate};
+pub use fully_shard::{FsdpModule, fully_shard, fully_shard_modules, replicate};
+pub use group::GatherState;
 pub use wrap::{WrapPolicy, auto_wrap};

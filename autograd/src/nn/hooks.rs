@@ -167,6 +167,9 @@ impl ModuleId {
     /// or a parameter-less module none of whose ancestors up to `root` holds
     /// parameters.
     pub fn at(root: &dyn Module, fqn: &str) -> Result<ModuleId> {
+        if fqn.is_empty() && !root.parameters().is_empty() {
+            return ModuleId::of(root);
+        }
         let path = super::module_path(root, fqn)?;
         // The deepest module on the way that holds parameters is the root kept.
         let nodes: Vec<&dyn Module> = std::iter::once(root).chain(path.iter().map(|(_, m)| *m)).collect();
