@@ -34,7 +34,7 @@
 //!
 //! - apply [`fully_shard`] bottom-up (each block, then the root, which takes the
 //!   parameters no inner unit owns); models call submodules through
-//!   [`Module::call`], which runs the units' hooks;
+//!   [`Module::call`](tessera_autograd::nn::Module::call), which runs the units' hooks;
 //! - each parameter becomes `Shard(0)` on the shard dim (`[Replicate, Shard(0)]`
 //!   on a 2-D mesh: HSDP), its shard padded to `ceil(rows / world)` rows in the
 //!   unit's flat bucket so every rank moves the same number of elements;
