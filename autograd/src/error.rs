@@ -1,5 +1,8 @@
 //! The error type of `tessera-autograd`.
 
+/// A boxed error of another crate, carried by [`Error::External`].
+pub use tessera_mesh::BoxError;
+
 /// Errors from the tape, modules and optimizers.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -16,9 +19,15 @@ pub enum Error {
     #[error("backward: {0}")]
     Backward(String),
 
-    /// A parameter's unsharded value was used after it was freed (resharded).
-    #[error("parameter {0} is resharded (its unsharded value was freed after forward); unshard it before using it")]
-    Freed(String),
+    /// A layer above the tape failed with its own error inside the tape's work: a
+    /// [`SavedHandle`](crate::SavedHandle) that could not produce a saved operand,
+    /// a [`Binding`](crate::Binding)'s gradient hook, a module hook or a queued
+    /// callback. The message is the source's.
+    ///
+    /// PyTorch: the exception an `unpack` hook or a module hook raises, propagated
+    /// unchanged.
+    #[error(transparent)]
+    External(BoxError),
 
     /// A state dict that does not fit the module, or a file that is not a valid
     /// safetensors file.

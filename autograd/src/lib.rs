@@ -26,6 +26,11 @@
 //! - [`backward`], [`no_grad`], [`checkpoint`]; a tape per rank (thread-local).
 //! - Differentiable ops on `Var` mirroring the DTensor ops, each with a backward rule
 //!   written in DTensor ops (so gradients are as sharded as the forward).
+//! - One extension point for layers above the tape (parallelism, offloading):
+//!   [`Binding`] says what a parameter yields while a module runs and where its
+//!   gradient goes, [`SavedHandle`] how backward re-reads an operand; with the
+//!   module hooks of [`nn`] (attached by a module's place in the tree), that is
+//!   all such a layer needs.
 #![deny(missing_docs)]
 
 mod backward;
@@ -33,18 +38,20 @@ mod error;
 pub mod nn;
 mod ops;
 pub mod optim;
+mod param;
 mod saved;
 pub mod state_dict;
 mod tape;
 mod var;
 
 pub use backward::{backward, checkpoint};
-pub use error::{Error, Result};
+pub use error::{BoxError, Error, Result};
 pub use ops::unbroadcast;
-pub use saved::{Saved, Slot};
+pub use param::{Binding, Param};
+pub use saved::{Saved, SavedHandle};
 pub use state_dict::{
     LoadReport, load_checkpoint, load_state_dict, read_safetensors, save_checkpoint, save_state_dict_full,
     write_safetensors,
 };
 pub use tape::{clear_tape, is_grad_enabled, no_grad, queue_callback, recorded_ops};
-pub use var::{Param, Var};
+pub use var::Var;

@@ -1,103 +1,94 @@
-//! What backward rules keep of their operands: a value, or a handle on a [`Slot`]
-//! that its owner can empty after forward and refill before backward.
+//! What backward rules keep of their operands: the value itself, or a handle that
+//! re-reads it when backward runs.
 //!
-//! FSDP gathers a unit's parameters into slots for the unit's forward; the tape
-//! keeps only the slots, so emptying them after forward frees the unsharded
-//! parameters, and gathering again before the unit's backward refills them. Touching
-//! an empty slot is an error naming the parameter, never stale data.
+//! A layer above the tape that lends a value to forward and drops it afterwards
+//! (a parallelism layer gathering a parameter, an offloading scheme moving
+//! activations elsewhere) gives the value a [`SavedHandle`] with
+//! [`Var::with_saved`](crate::Var::with_saved); the tape then keeps only the
+//! handle, and backward asks it for the value. A handle that cannot produce it
+//! fails with its own error, carried by [`Error::External`]: never stale data.
 
-use std::cell::RefCell;
 use std::rc::Rc;
 
 use tessera_dtensor::DTensor;
 
-use crate::{Error, Result};
+use crate::{BoxError, Error, Result};
 
-/// A value that can be emptied and refilled (an unsharded parameter).
-pub struct Slot {
-    name: String,
-    value: RefCell<Option<DTensor>>,
-}
-
-impl Slot {
-    /// A slot named `name` (the parameter's name, for errors), holding `value`.
-    pub fn new(name: impl Into<String>, value: Option<DTensor>) -> Rc<Slot> {
-        Rc::new(Slot {
-            name: name.into(),
-            value: RefCell::new(value),
-        })
-    }
-
-    /// The slot's name.
-    pub fn name(&self) -> &str {
-        &self.name
-    }
-
-    /// The value.
+/// How backward re-reads an operand that its owner may drop after forward and
+/// restore before backward.
+///
+/// PyTorch: the `unpack` hook of `torch.autograd.graph.saved_tensors_hooks(pack, unpack)`
+/// (packing is implicit: the tape keeps the handle instead of the value).
+pub trait SavedHandle {
+    /// The operand's value now.
     ///
     /// # Errors
-    /// [`Error::Freed`] when the slot is empty.
-    pub fn get(&self) -> Result<DTensor> {
-        self.value
-            .borrow()
-            .clone()
-            .ok_or_else(|| Error::Freed(self.name.clone()))
-    }
-
-    /// Whether the slot holds a value.
-    pub fn is_filled(&self) -> bool {
-        self.value.borrow().is_some()
-    }
-
-    /// Fills the slot.
-    pub fn fill(&self, value: DTensor) {
-        *self.value.borrow_mut() = Some(value);
-    }
-
-    /// Empties the slot (its value is freed once nothing else holds it).
-    pub fn free(&self) {
-        self.value.borrow_mut().take();
-    }
+    /// The owner's own error when it cannot produce the value (it was dropped and
+    /// not restored); [`Saved::get`] reports it as [`Error::External`].
+    fn unpack(&self) -> std::result::Result<DTensor, BoxError>;
 }
 
 /// An operand kept for backward.
+///
+/// PyTorch: a `SavedVariable`.
 #[derive(Clone)]
 pub enum Saved {
-    /// The value itself (boxed: a DTensor is large next to a slot handle).
+    /// The value itself (boxed: a DTensor is large next to a handle).
     Value(Box<DTensor>),
-    /// A slot, read when backward runs.
-    Slot(Rc<Slot>),
+    /// A handle, unpacked when backward runs.
+    Handle(Rc<dyn SavedHandle>),
 }
 
 impl Saved {
     /// The operand's value now.
     ///
+    /// PyTorch: `SavedVariable::unpack`.
+    ///
     /// # Errors
-    /// [`Error::Freed`] for an empty slot.
+    /// [`Error::External`] carrying the handle's error when it cannot produce the value.
     pub fn get(&self) -> Result<DTensor> {
         match self {
             Saved::Value(v) => Ok((**v).clone()),
-            Saved::Slot(s) => s.get(),
+            Saved::Handle(h) => h.unpack().map_err(Error::External),
         }
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use std::cell::Cell;
+    use std::cell::{Cell, RefCell};
 
     use smallvec::smallvec;
     use tessera_dtensor::{DType, Placement, Tensor, distribute_tensor};
     use tessera_mesh::{DeviceMesh, launch};
 
     use super::*;
-    use crate::{Param, Var, backward, queue_callback};
+    use crate::{Binding, Param, backward, queue_callback};
+
+    /// A value its owner can drop and restore (what a layer above the tape keeps).
+    struct Stash {
+        name: String,
+        value: RefCell<Option<DTensor>>,
+    }
+
+    #[derive(Debug, thiserror::Error)]
+    #[error("{0} was dropped after forward")]
+    struct Dropped(String);
+
+    impl SavedHandle for Stash {
+        fn unpack(&self) -> std::result::Result<DTensor, BoxError> {
+            self.value
+                .borrow()
+                .clone()
+                .ok_or_else(|| Dropped(self.name.clone()).into())
+        }
+    }
 
     /// On one rank: `w` (a parameter) reaches the loss `sum(x · wᵀ)` through a
-    /// stand-in var whose value lives in a slot, as FSDP arranges it; `x` is a
-    /// parameter too, so its gradient (`g · w`) must read `w` back from the slot.
+    /// binding whose value lives in a stash; `x` is a parameter too, so its
+    /// gradient (`g · w`) must read `w` back from the stash.
     /// Returns `x`'s gradient and backward's error, if any.
-    fn run(free_before_backward: bool, refill: bool) -> Result<(Option<Vec<f64>>, String)> {
+    fn run(drop_before_backward: bool, restore: bool) -> Result<(Option<Vec<f64>>, String)> {
         let out = launch(1, move |ctx| {
             let mesh = DeviceMesh::new(ctx.into_comm(), &[1])?;
             let rep = [Placement::Replicate];
@@ -111,18 +102,20 @@ mod tests {
             let w = Param::new("w", full(&[3, 4], 1)?);
             let xp = Param::new("x", full(&[2, 4], 2)?);
             let x = xp.var();
-            let slot = Slot::new("w", Some(w.value()));
+            let stash = Rc::new(Stash {
+                name: "w".into(),
+                value: RefCell::new(Some(w.value())),
+            });
             let leaf = w.var();
-            let stand_in = Var::from_op("unshard", w.value(), &[&leaf], |g| Ok(smallvec![Some(g.clone())]))
-                .with_slot(slot.clone());
-            w.set_stand_in(Some(stand_in));
+            let lent = crate::Var::from_op("lend", w.value(), &[&leaf], |g| Ok(smallvec![Some(g.clone())]));
+            w.bind(Some(Binding::of_var(lent).saved_through(stash.clone())));
             let loss = x.linear(&w.var(), None)?.sum(&[0, 1], false)?;
-            w.set_stand_in(None);
-            if free_before_backward {
-                slot.free();
+            w.bind(None);
+            if drop_before_backward {
+                stash.value.borrow_mut().take();
             }
-            if refill {
-                slot.fill(w.value());
+            if restore {
+                *stash.value.borrow_mut() = Some(w.value());
             }
             let r = backward(&loss);
             Ok((
@@ -134,18 +127,18 @@ mod tests {
     }
 
     #[test]
-    fn saved_slots_free_and_refill() {
+    fn saved_handles_are_unpacked_in_backward() {
         let (plain, e) = run(false, false).unwrap();
         assert!(e.is_empty(), "{e}");
         let plain = plain.expect("a gradient");
         // d sum(x·wᵀ)/dx[n][j] = Σ_i w[i][j]: both rows of x's gradient are the same.
         assert_eq!(plain[..4], plain[4..8]);
-        let (freed, e) = run(true, false).unwrap();
-        assert!(freed.is_none(), "{freed:?} {e}");
-        assert!(e.contains("parameter w is resharded"), "{e}");
-        let (refilled, e) = run(true, true).unwrap();
+        let (dropped, e) = run(true, false).unwrap();
+        assert!(dropped.is_none(), "{dropped:?} {e}");
+        assert!(e.contains("w was dropped after forward"), "{e}");
+        let (restored, e) = run(true, true).unwrap();
         assert!(e.is_empty(), "{e}");
-        assert_eq!(refilled.expect("a gradient"), plain);
+        assert_eq!(restored.expect("a gradient"), plain);
     }
 
     #[test]

@@ -176,8 +176,8 @@ pub(crate) fn in_frame<R>(f: impl FnOnce() -> R) -> (R, Frame) {
 }
 
 /// Queues `f` to run when the backward in progress has walked the whole tape
-/// (in queueing order). For backward rules that defer work to the end, as FSDP does
-/// to finish reduce-scatters. Outside a backward it runs at the end of the next one.
+/// (in queueing order). For backward rules that defer work to the end, as a
+/// parallelism layer does to finish its gradient reductions. Outside a backward it runs at the end of the next one.
 ///
 /// PyTorch: `Variable._execution_engine.queue_callback`.
 pub fn queue_callback(f: impl FnOnce() -> Result<()> + 'static) {

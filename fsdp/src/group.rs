@@ -13,12 +13,13 @@
 use std::cell::RefCell;
 use std::rc::Rc;
 
-use tessera_autograd::{Error, Param, Result, Var, is_grad_enabled};
+use tessera_autograd::{Binding, Param, is_grad_enabled};
 use tessera_dtensor::bucket::{BucketWork, all_gather_bucket, all_reduce_bucket, reduce_scatter_bucket};
 use tessera_dtensor::{DTensor, Tensor};
 use tessera_mesh::{DType, DeviceMesh};
 
-use crate::MixedPrecisionPolicy;
+use crate::config::MixedPrecisionPolicy;
+use crate::error::{Error, Result};
 use crate::param::{DpDims, FsdpParam, Regroup};
 
 /// Where a group's parameters are.
@@ -28,6 +29,21 @@ enum State {
     Unsharded,
     /// Resharded after forward to smaller groups: the pieces on the regrouped mesh.
     Regrouped(Vec<DTensor>),
+}
+
+/// Where a unit's parameters are ([`FsdpModule::gather_state`](crate::FsdpModule::gather_state)).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum GatherState {
+    /// Only the shards exist.
+    Sharded,
+    /// An all-gather was issued (a prefetch) and not yet waited for.
+    Gathering,
+    /// The unsharded parameters exist.
+    Unsharded,
+    /// Resharded after forward to smaller groups
+    /// ([`FsdpConfig::reshard_after_forward_to`](crate::FsdpConfig::reshard_after_forward_to)):
+    /// backward gathers within them.
+    Regrouped,
 }
 
 /// An all-gather in flight, or (a replicated group) the values themselves.
@@ -52,7 +68,7 @@ struct Grads {
     arrived: usize,
 }
 
-/// A callback for the gradient of parameter `i`'s stand-in.
+/// A callback for the gradient of parameter `i`'s bound unsharded value.
 pub(crate) type GradHook = Box<dyn FnOnce(&DTensor) -> Result<()>>;
 
 /// The parameters of one unit and their communication.
@@ -82,10 +98,6 @@ pub(crate) struct ParamGroup {
 /// Whether `a` and `b` are the same elements of the same storage.
 fn same_tensor(a: &Tensor, b: &Tensor) -> bool {
     a.shares_storage(b) && a.storage_offset() == b.storage_offset() && a.shape() == b.shape()
-}
-
-fn config(detail: String) -> Error {
-    Error::Config { op: "fsdp", detail }
 }
 
 /// Keeps the gradients that arrived (`grads[k]` of parameter `index[k]`) in
@@ -186,12 +198,12 @@ impl ParamGroup {
         matches!(*self.state.borrow(), State::Unsharded)
     }
 
-    pub(crate) fn gather_state(&self) -> crate::GatherState {
+    pub(crate) fn gather_state(&self) -> GatherState {
         match *self.state.borrow() {
-            State::Sharded => crate::GatherState::Sharded,
-            State::Gathering(_) => crate::GatherState::Gathering,
-            State::Unsharded => crate::GatherState::Unsharded,
-            State::Regrouped(_) => crate::GatherState::Regrouped,
+            State::Sharded => GatherState::Sharded,
+            State::Gathering(_) => GatherState::Gathering,
+            State::Unsharded => GatherState::Unsharded,
+            State::Regrouped(_) => GatherState::Regrouped,
         }
     }
 
@@ -292,7 +304,7 @@ impl ParamGroup {
         let r = self
             .regroup
             .as_ref()
-            .ok_or_else(|| config("regrouped without a regroup".into()))?;
+            .ok_or_else(|| Error::mesh(&self.mesh, "the unit was regrouped without a regroup"))?;
         Ok(Gather::Regrouped(all_gather_bucket(
             pieces,
             r.inner,
@@ -353,24 +365,25 @@ impl ParamGroup {
 
     // ----- forward ----------------------------------------------------------
 
-    /// Makes every parameter's `var()` its unsharded value for the forward;
-    /// trainable ones hand their gradient to `hook(i)`. `recomputing`: a
+    /// Binds every parameter to its unsharded value for the forward (re-read
+    /// from its slot in backward); trainable ones hand their gradient to `hook(i)`. `recomputing`: a
     /// recomputation during backward (activation checkpointing), whose own
     /// gradients replace those of the dropped forward.
-    pub(crate) fn set_stand_ins(&self, recomputing: bool, hook: impl Fn(usize) -> GradHook) -> Result<()> {
+    pub(crate) fn bind_unsharded(&self, recomputing: bool, hook: impl Fn(usize) -> GradHook) -> Result<()> {
         let grad = is_grad_enabled();
         let mut shards = self.forward_shards.borrow_mut();
         shards.clear();
         let mut expected = 0;
         for (i, p) in self.params.iter().enumerate() {
             let value = p.slot.get()?;
-            let var = if grad && p.param.requires_grad() {
+            let binding = if grad && p.param.requires_grad() {
                 expected += 1;
-                Var::with_grad_hook("fsdp_unshard", value, hook(i))
+                let hook = hook(i);
+                Binding::new(value).grad_to("fsdp_unshard", move |g| Ok(hook(g)?))
             } else {
-                Var::constant(value)
+                Binding::new(value)
             };
-            p.param.set_stand_in(Some(var.with_slot(p.slot.clone())));
+            p.param.bind(Some(binding.saved_through(p.slot.clone())));
             if grad {
                 shards.push(p.param.value().to_local().clone());
             }
@@ -384,9 +397,10 @@ impl ParamGroup {
         Ok(())
     }
 
-    pub(crate) fn clear_stand_ins(&self) {
+    /// Unbinds every parameter (its `var()` is its own leaf again).
+    pub(crate) fn unbind(&self) {
         for p in &self.params {
-            p.param.set_stand_in(None);
+            p.param.bind(None);
         }
     }
 
@@ -397,11 +411,11 @@ impl ParamGroup {
         let shards = self.forward_shards.borrow();
         for (p, s) in self.params.iter().zip(shards.iter()) {
             if !same_tensor(p.param.value().to_local(), s) {
-                return Err(config(format!(
-                    "parameter {} changed between its unit's forward and backward (an optimizer step or \
-                     set_value in between?); its gradient would be computed against other values",
-                    p.param.name()
-                )));
+                return Err(Error::param(
+                    p.param.name(),
+                    "changed between its unit's forward and backward (an optimizer step or set_value in \
+                     between?); its gradient would be computed against other values",
+                ));
             }
         }
         Ok(())
@@ -502,8 +516,9 @@ impl ParamGroup {
                 Stage::AllReduce(all_reduce_bucket(&grads, r)?)
             }
             (None, None) => {
-                return Err(config(
-                    "a unit without a shard or a replicate dim has nothing to reduce over".into(),
+                return Err(Error::mesh(
+                    &self.mesh,
+                    "a unit without a shard or a replicate dim has nothing to reduce over",
                 ));
             }
         };

@@ -6,12 +6,13 @@
 
 use std::rc::Rc;
 
-use tessera_autograd::{Error, Param, Result, Slot};
+use tessera_autograd::Param;
 use tessera_dtensor::sharding::shard_size_and_offset;
 use tessera_dtensor::{DTensor, DType, Layout, Placement, PlacementsDisplay, ReduceOp, ShardOrder, Tensor};
 use tessera_mesh::DeviceMesh;
 
-use crate::config_error;
+use crate::error::{Error, Result};
+use crate::slot::Slot;
 
 /// The data-parallel dims of the parameters' mesh.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -54,12 +55,15 @@ impl FsdpParam {
         let v = param.value();
         let name = param.name();
         if !v.mesh().same_as(mesh) {
-            return Err(config_error(format!(
-                "parameter {name} lives on mesh {}, the unit's other parameters on {}; one unit gathers \
-                 parameters of one mesh (shard them in separate units)",
-                v.mesh(),
-                mesh
-            )));
+            return Err(Error::param(
+                name,
+                format!(
+                    "lives on mesh {}, the unit's other parameters on {}; one unit gathers parameters of one \
+                     mesh (shard them in separate units)",
+                    v.mesh(),
+                    mesh
+                ),
+            ));
         }
         let p = v.placements();
         if let Some(d) = (0..p.len()).find(|&d| dims.contains(d) && !p[d].is_replicate()) {
@@ -68,30 +72,33 @@ impl FsdpParam {
             } else {
                 "reduce it first"
             };
-            return Err(config_error(format!(
-                "parameter {name} is placed {} on mesh {}; fully_shard needs it replicated on the data-parallel \
-                 mesh dim {d} ({hint})",
-                PlacementsDisplay(p),
-                v.mesh()
-            )));
+            return Err(Error::param(
+                name,
+                format!(
+                    "is placed {} on mesh {}; fully_shard needs it replicated on the data-parallel mesh dim {d} \
+                     ({hint})",
+                    PlacementsDisplay(p),
+                    v.mesh()
+                ),
+            ));
         }
         if let Some(d) = p.iter().position(|pl| pl.is_partial()) {
-            return Err(config_error(format!(
-                "parameter {name} is placed {}: Partial on mesh dim {d}; a parameter must hold its value \
-                 (Shard or Replicate)",
-                PlacementsDisplay(p)
-            )));
+            return Err(Error::param(
+                name,
+                format!(
+                    "is placed {}: Partial on mesh dim {d}; a parameter must hold its value (Shard or Replicate)",
+                    PlacementsDisplay(p)
+                ),
+            ));
         }
         if v.shape().is_empty() {
-            return Err(config_error(format!(
-                "parameter {name} is a scalar; FSDP shards dim 0 (reshape it to [1])"
-            )));
+            return Err(Error::param(name, "is a scalar; FSDP shards dim 0 (reshape it to [1])"));
         }
         if !v.dtype().is_float() {
-            return Err(config_error(format!(
-                "parameter {name} is {}; FSDP shards floating-point parameters",
-                v.dtype()
-            )));
+            return Err(Error::param(
+                name,
+                format!("is {}; FSDP shards floating-point parameters", v.dtype()),
+            ));
         }
         let unsharded = v.layout().clone();
         let sharded = match dims.shard {
@@ -105,7 +112,7 @@ impl FsdpParam {
             }
             None => unsharded.clone(),
         };
-        let slot = Slot::new(name, None);
+        let slot = Slot::new(name);
         Ok(FsdpParam {
             param,
             unsharded,
@@ -153,15 +160,14 @@ impl FsdpParam {
     /// A gradient of another global shape; a failed redistribution.
     pub(crate) fn contribution(&self, g: &DTensor, dims: DpDims, dtype: DType) -> Result<DTensor> {
         if g.shape() != &self.unsharded.shape[..] {
-            return Err(Error::Config {
-                op: "fsdp",
-                detail: format!(
-                    "the gradient of {} has shape {:?}, the parameter {:?}",
-                    self.param.name(),
+            return Err(Error::param(
+                self.param.name(),
+                format!(
+                    "its gradient has shape {:?}, the parameter {:?}",
                     g.shape(),
                     &self.unsharded.shape[..]
                 ),
-            });
+            ));
         }
         let target = self.reduce_placements(dims);
         let g = if g.placements() == &target[..] && g.layout().order == self.unsharded.order {
@@ -214,15 +220,17 @@ impl Regroup {
         dtype: DType,
     ) -> Result<Regroup> {
         let Some(shard) = dims.shard else {
-            return Err(config_error(
-                "reshard_after_forward_to needs a shard dim (a replicated unit has nothing to reshard)".into(),
+            return Err(Error::mesh(
+                mesh,
+                "reshard_after_forward_to needs a shard dim (a replicated unit has nothing to reshard)",
             ));
         };
         let world = mesh.shape()[shard];
         if size == 0 || !world.is_multiple_of(size) {
-            return Err(config_error(format!(
-                "reshard_after_forward_to is {size}; it must divide the {world} ranks of the shard dim"
-            )));
+            return Err(Error::mesh(
+                mesh,
+                format!("reshard_after_forward_to is {size}; it must divide the {world} ranks of the shard dim"),
+            ));
         }
         let names: Vec<String> = if mesh.names().is_empty() {
             Vec::new()

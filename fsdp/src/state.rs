@@ -10,8 +10,9 @@ use std::rc::{Rc, Weak};
 
 use smallvec::smallvec;
 use tessera_autograd::nn::{ModuleHooks, ModuleId};
-use tessera_autograd::{Result, Var, queue_callback};
+use tessera_autograd::{Var, queue_callback};
 
+use crate::error::Result;
 use crate::group::{GradHook, ParamGroup, Reduction};
 
 /// One unit: its parameter group and what runs around its forward and backward.
@@ -98,7 +99,8 @@ impl Unit {
         r
     }
 
-    /// Pre-forward after the context recorded it: gather, prefetch, stand-ins, input cast.
+    /// Pre-forward after the context recorded it: gather, prefetch, bind the
+    /// unsharded parameters, input cast.
     fn prepare_forward(&self, next: Option<Rc<Unit>>, x: &Var) -> Result<Var> {
         self.group.unshard()?;
         let targets = match &*self.forward_prefetch.borrow() {
@@ -109,7 +111,7 @@ impl Unit {
             t.group.prefetch()?;
         }
         let me = self.me.clone();
-        self.group.set_stand_ins(self.recomputing.get(), |i| -> GradHook {
+        self.group.bind_unsharded(self.recomputing.get(), |i| -> GradHook {
             let me = me.clone();
             Box::new(move |g| match me.upgrade() {
                 Some(u) => u.on_grad(i, g),
@@ -122,7 +124,7 @@ impl Unit {
     fn cast_input(&self, x: &Var) -> Result<Var> {
         let mp = self.group.mp;
         match mp.param_dtype {
-            Some(dt) if mp.cast_forward_inputs && x.value().dtype().is_float() => x.cast(dt),
+            Some(dt) if mp.cast_forward_inputs && x.value().dtype().is_float() => Ok(x.cast(dt)?),
             _ => Ok(x.clone()),
         }
     }
@@ -133,7 +135,7 @@ impl Unit {
         if exited == self.entered.get() && exited >= self.modules {
             self.entered.set(0);
             self.exited.set(0);
-            self.group.clear_stand_ins();
+            self.group.unbind();
             let recompute = self.recomputing.replace(false);
             leave_forward(&self.rc(), recompute);
             // A recomputation's backward follows at once: keep the parameters.
@@ -153,7 +155,7 @@ impl Unit {
             out
         };
         match self.group.mp.output_dtype {
-            Some(dt) if out.value().dtype().is_float() => out.cast(dt),
+            Some(dt) if out.value().dtype().is_float() => Ok(out.cast(dt)?),
             _ => Ok(out),
         }
     }
@@ -162,7 +164,7 @@ impl Unit {
 
     fn pre_backward(&self) -> Result<()> {
         if start_backward() {
-            queue_callback(finish_backward);
+            queue_callback(|| Ok(finish_backward()?));
         }
         self.group.check_unchanged()?;
         self.group.unshard()?;
@@ -206,16 +208,16 @@ impl Unit {
 }
 
 impl ModuleHooks for Unit {
-    fn pre_forward(&self, input: &Var) -> Result<Var> {
-        self.pre_forward_impl(input)
+    fn pre_forward(&self, input: &Var) -> tessera_autograd::Result<Var> {
+        Ok(self.pre_forward_impl(input)?)
     }
 
-    fn post_forward(&self, output: Var) -> Result<Var> {
-        self.post_forward_impl(output)
+    fn post_forward(&self, output: Var) -> tessera_autograd::Result<Var> {
+        Ok(self.post_forward_impl(output)?)
     }
 
     fn forward_failed(&self) {
-        self.group.clear_stand_ins();
+        self.group.unbind();
         self.recomputing.set(false);
         self.exited.set(0);
         // Once per failed forward, however many of the unit's modules unwind.

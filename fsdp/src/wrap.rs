@@ -4,11 +4,13 @@
 use std::any::{Any, TypeId};
 use std::fmt;
 
-use tessera_autograd::Result;
 use tessera_autograd::nn::{Module, named_modules};
 use tessera_mesh::DeviceMesh;
 
-use crate::{FsdpConfig, FsdpModule, fully_shard, state};
+use crate::config::FsdpConfig;
+use crate::error::Result;
+use crate::fully_shard::{FsdpModule, fully_shard};
+use crate::state;
 
 /// Which modules [`auto_wrap`] makes units (the root always becomes one).
 ///

@@ -208,12 +208,12 @@ impl Transformer {
     ///
     /// # Errors
     /// As [`fully_shard`].
-    pub fn fully_shard(&self, mesh: &DeviceMesh, config: &FsdpConfig) -> Result<FsdpUnits> {
+    pub fn fully_shard(&self, mesh: &DeviceMesh, config: &FsdpConfig) -> tessera_fsdp::Result<FsdpUnits> {
         let blocks = self
             .layers
             .iter()
             .map(|b| fully_shard(b, mesh, config.clone()))
-            .collect::<Result<Vec<_>>>()?;
+            .collect::<tessera_fsdp::Result<Vec<_>>>()?;
         let root = fully_shard(self, mesh, config.clone())?;
         Ok(FsdpUnits { root, blocks })
     }

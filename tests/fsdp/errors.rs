@@ -4,9 +4,9 @@
 
 use tessera::autograd::nn::{Linear, Module};
 use tessera::autograd::optim::{AdamW, Optimizer};
-use tessera::autograd::{Error, Param, Var, backward};
+use tessera::autograd::{Param, Var, backward};
 use tessera::dtensor::{DTensor, Placement, Tensor, distribute_tensor};
-use tessera::fsdp::{FsdpConfig, fully_shard};
+use tessera::fsdp::{Error as FsdpError, FsdpConfig, fully_shard};
 use tessera::models::{Transformer, TransformerConfig};
 use tessera::{DType, DeviceMesh, launch};
 
@@ -40,19 +40,16 @@ fn param(name: &str, shape: &[usize], dtype: DType, mesh: &DeviceMesh, placement
 }
 
 /// The detail of a `fully_shard` configuration error.
-fn config_err<T>(r: tessera::autograd::Result<T>, what: &str) -> String {
+fn config_err<T>(r: tessera::fsdp::Result<T>, what: &str) -> String {
     match r {
         Ok(_) => panic!("{what}: fully_shard accepted it"),
-        Err(Error::Config { op, detail }) => {
-            assert_eq!(op, "fully_shard", "{what}: {detail}");
-            detail
-        }
+        Err(e @ (FsdpError::Module { .. } | FsdpError::Param { .. } | FsdpError::Mesh { .. })) => e.to_string(),
         Err(e) => panic!("{what}: expected a configuration error, got {e}"),
     }
 }
 
 /// The message of an error that must occur.
-fn err_msg<T>(r: Result<T, Error>, what: &str) -> String {
+fn err_msg<T, E: std::fmt::Display>(r: Result<T, E>, what: &str) -> String {
     match r {
         Ok(_) => panic!("{what}: expected an error"),
         Err(e) => e.to_string(),
@@ -199,8 +196,8 @@ fn parameter_changed_between_forward_and_backward() {
         // The same values in a new storage.
         let copy = v.to_local().cast(DType::F64)?.cast(DType::F32)?;
         p.set_value(DTensor::from_local(copy, &mesh, v.placements(), v.shape())?);
-        Ok(match backward(&loss) {
-            Err(Error::Config { op: "fsdp", detail }) => detail,
+        Ok(match backward(&loss).map_err(FsdpError::from) {
+            Err(FsdpError::Param { param, detail }) => format!("{param}: {detail}"),
             Err(e) => panic!("expected an fsdp configuration error, got {e}"),
             Ok(()) => panic!("backward accepted a parameter changed since forward"),
         })

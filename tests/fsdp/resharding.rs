@@ -5,9 +5,9 @@
 use std::cell::RefCell;
 
 use tessera::autograd::nn::{Linear, Module};
-use tessera::autograd::{Error, Param, Var, backward};
+use tessera::autograd::{Param, Var, backward};
 use tessera::dtensor::{Placement, Tensor, distribute_tensor};
-use tessera::fsdp::{FsdpConfig, FsdpModule, fully_shard};
+use tessera::fsdp::{Error as FsdpError, FsdpConfig, FsdpModule, fully_shard};
 use tessera::mesh::{CommCounts, OpKind};
 use tessera::models::FsdpUnits;
 use tessera::{DType, DeviceMesh, launch};
@@ -86,7 +86,7 @@ fn manual_unshard_and_reshard() {
         let model = tiny_model(&mesh)?;
         let units = model.fully_shard(&mesh, &FsdpConfig::default())?;
         let b = &units.blocks[0];
-        let gathered = |f: &dyn Fn() -> tessera::autograd::Result<()>| -> TestResult<CommCounts> {
+        let gathered = |f: &dyn Fn() -> tessera::fsdp::Result<()>| -> TestResult<CommCounts> {
             let before = mesh.stats();
             f()?;
             Ok(mesh.stats() - before)
@@ -152,8 +152,8 @@ fn freed_parameter_cannot_be_read() {
             &[Placement::Replicate],
             "forward saw the unsharded weight"
         );
-        match seen.saved().get() {
-            Err(e @ Error::Freed(_)) => {
+        match seen.saved().get().map_err(FsdpError::from) {
+            Err(e @ FsdpError::Resharded { .. }) => {
                 let msg = e.to_string();
                 assert!(msg.contains("stash.weight") && msg.contains("resharded"), "{msg}");
             }

@@ -1,19 +1,22 @@
 //! Hooks around a module's forward, run when the module is called through
 //! [`Module::call`] (PyTorch runs its hooks in `Module.__call__`, not in `forward`).
 //!
-//! Hooks attach to a module, named by a [`ModuleId`]:
-//!
-//! - a module holding parameters (in its subtree) is identified by its type and its
-//!   parameters: the identity survives moving the module (into a `Vec`, out of a
-//!   function), and a one-element container differs from its element by type;
-//! - a module without parameters (an activation, an empty container) is identified
-//!   by its path below its nearest ancestor that holds parameters
-//!   ([`ModuleId::at`]`(root, "layers.0.act")`); when it is called, the call stack of
-//!   [`Module::call`]s says where it sits.
+//! Hooks attach to a module named by its place in a tree: a [`ModuleId`] is a
+//! root and the fully qualified name below it ([`ModuleId::at`]`(root,
+//! "layers.0.act")`; [`ModuleId::of`]`(m)` is `m` as its own root, FQN `""`).
+//! A Rust value has no lasting address (a model moves into a `Vec`, out of a
+//! function, into a `Box`), so a root is recognised by what does not move: its
+//! concrete type and the parameter handles of its tree. One module named from
+//! different roots is one id: the name is kept from the deepest module on the
+//! path that holds parameters, so `at(net, "blocks.1.fc")` and `of(&net.blocks[1].fc)`
+//! are equal, and a one-element container differs from its element by type.
+//! When a module without parameters (an activation) is called, the call stack of
+//! [`Module::call`]s says where it sits below such a module.
 //!
 //! A module may carry several hooks: `pre_forward`s run in registration order
-//! before forward, then `post_forward`s in registration order after it. So tensor
-//! parallelism's input preparation and FSDP's gather can sit on one module.
+//! before forward, then `post_forward`s in registration order after it. So a
+//! parallelism layer's input preparation and its parameter gathering can sit on
+//! one module.
 
 use std::any::{Any, TypeId};
 use std::cell::RefCell;
@@ -47,25 +50,34 @@ pub trait ModuleHooks {
     fn forward_failed(&self) {}
 }
 
-/// What identifies a module (see the module docs).
+/// How a root is recognised however it moved: its concrete type and the tape
+/// leaves of its tree ([`Module::parameters`], by their ids).
 #[derive(Clone, PartialEq, Eq, Hash, Debug)]
-enum Key {
-    /// The module's concrete type and the ids of [`Module::parameters`].
-    Params(TypeId, Vec<u64>),
-    /// A path (`"act"`, `"blocks.0.act"`) below a module that holds parameters.
-    Under(Box<Key>, String),
+struct Root {
+    ty: TypeId,
+    leaves: Vec<u64>,
 }
 
-/// The identity of a module, to attach hooks to (see the module docs). Two ids are
-/// equal when they name the same module of a model, however the model was moved.
+/// A module's place: a root and the fully qualified name below it (`""` for the
+/// root itself), the root being the deepest module on the way that holds
+/// parameters.
+#[derive(Clone, PartialEq, Eq, Hash, Debug)]
+struct Key {
+    root: Root,
+    fqn: String,
+}
+
+/// The place of a module in a tree, to attach hooks to (see the module docs): a
+/// root and the fully qualified name below it. Two ids are equal when they name
+/// the same module of a model, however the model was moved.
 ///
-/// PyTorch identifies a module by the Python object; a Rust value moves, so the
-/// identity is derived from what does not: its parameters (shared handles) and its
-/// place in the tree.
+/// PyTorch identifies a module by the Python object and names it by its FQN
+/// (`Module.get_submodule(fqn)`); a Rust value moves, so the id is the FQN from a
+/// root that is recognised by what it owns.
 #[derive(Clone)]
 pub struct ModuleId {
     key: Key,
-    /// For messages: what the module holds or where it is.
+    /// For messages: where the module is or what it holds.
     label: String,
 }
 
@@ -106,17 +118,18 @@ fn addr_of<M: ?Sized>(m: &M) -> usize {
     (m as *const M).cast::<()>() as usize
 }
 
-/// The ids of `m`'s parameters; `None` when it holds none.
-fn param_ids(m: &(impl Module + ?Sized)) -> Option<Vec<u64>> {
-    let ids: Vec<u64> = m.parameters().iter().map(crate::Param::id).collect();
-    (!ids.is_empty()).then_some(ids)
+/// `m` as a root; `None` when its tree holds no parameters.
+fn root_of(m: &(impl Module + ?Sized), ty: TypeId) -> Option<Root> {
+    let leaves: Vec<u64> = m.parameters().iter().map(crate::Param::id).collect();
+    (!leaves.is_empty()).then_some(Root { ty, leaves })
 }
 
 impl ModuleId {
-    /// The id of `module`, which must hold parameters (in its subtree).
+    /// `module` as its own root (FQN `""`); it must hold parameters (in its
+    /// subtree) to be recognised.
     ///
     /// # Errors
-    /// A module without parameters: name it by its path with [`ModuleId::at`].
+    /// A module without parameters: name it by its place with [`ModuleId::at`].
     pub fn of(module: &dyn Module) -> Result<ModuleId> {
         let ps = module.parameters();
         let Some(first) = ps.first() else {
@@ -131,14 +144,21 @@ impl ModuleId {
             1 => format!("the module holding {}", first.name()),
             n => format!("the module holding {} (and {} more parameters)", first.name(), n - 1),
         };
+        let root = Root {
+            ty: type_of(module),
+            leaves: ps.iter().map(crate::Param::id).collect(),
+        };
         Ok(ModuleId {
-            key: Key::Params(type_of(module), ps.iter().map(crate::Param::id).collect()),
+            key: Key {
+                root,
+                fqn: String::new(),
+            },
             label,
         })
     }
 
-    /// The id of the module at `fqn` below `root` (`""` for `root` itself), with or
-    /// without parameters.
+    /// The module at `fqn` below `root` (`""` for `root` itself), with or without
+    /// parameters.
     ///
     /// PyTorch: `Module.get_submodule(fqn)`.
     ///
@@ -147,16 +167,16 @@ impl ModuleId {
     /// or a parameter-less module none of whose ancestors up to `root` holds
     /// parameters.
     pub fn at(root: &dyn Module, fqn: &str) -> Result<ModuleId> {
-        let path = super::module_path(root, fqn)?;
-        let target = path.last().map_or(root, |(_, m)| *m);
-        if param_ids(target).is_some() {
-            let mut id = ModuleId::of(target)?;
-            id.label = format!("`{fqn}`");
-            return Ok(id);
+        if fqn.is_empty() && !root.parameters().is_empty() {
+            return ModuleId::of(root);
         }
-        // The nearest ancestor holding parameters anchors the path.
+        let path = super::module_path(root, fqn)?;
+        // The deepest module on the way that holds parameters is the root kept.
         let nodes: Vec<&dyn Module> = std::iter::once(root).chain(path.iter().map(|(_, m)| *m)).collect();
-        let Some(i) = (0..nodes.len() - 1).rev().find(|&i| param_ids(nodes[i]).is_some()) else {
+        let Some((i, kept)) = (0..nodes.len())
+            .rev()
+            .find_map(|i| root_of(nodes[i], type_of(nodes[i])).map(|r| (i, r)))
+        else {
             return Err(Error::Config {
                 op: "ModuleId::at",
                 detail: format!(
@@ -167,7 +187,10 @@ impl ModuleId {
         };
         let rest: Vec<&str> = path[i..].iter().map(|(n, _)| n.as_str()).collect();
         Ok(ModuleId {
-            key: Key::Under(Box::new(ModuleId::of(nodes[i])?.key), rest.join(".")),
+            key: Key {
+                root: kept,
+                fqn: rest.join("."),
+            },
             label: format!("`{fqn}`"),
         })
     }
@@ -201,7 +224,7 @@ type HookList = Vec<(u64, Rc<dyn ModuleHooks>)>;
 struct Registry {
     hooks: HashMap<Key, HookList>,
     next: u64,
-    /// Registered modules identified by a path (parameter-less ones).
+    /// Registered modules named by a non-empty FQN (parameter-less ones).
     relative: usize,
 }
 
@@ -216,7 +239,7 @@ impl Registry {
         list.remove(pos);
         if list.is_empty() {
             self.hooks.remove(&module.key);
-            if matches!(module.key, Key::Under(..)) {
+            if !module.key.fqn.is_empty() {
                 self.relative -= 1;
             }
         }
@@ -264,7 +287,7 @@ pub fn register_module_hooks(module: &ModuleId, hooks: Rc<dyn ModuleHooks>) -> H
         let list = r.hooks.entry(module.key.clone()).or_default();
         let fresh = list.is_empty();
         list.push((serial, hooks));
-        if fresh && matches!(module.key, Key::Under(..)) {
+        if fresh && !module.key.fqn.is_empty() {
             r.relative += 1;
         }
         HookHandle {
@@ -279,11 +302,14 @@ pub fn module_hooks_len(module: &ModuleId) -> usize {
     REGISTRY.with(|r| r.borrow().hooks.get(&module.key).map_or(0, Vec::len))
 }
 
-/// The id of `m` being called now: from its parameters, or from its place below
-/// the module whose call is running.
+/// The place of `m` being called now: `m` as a root when it holds parameters,
+/// else its FQN below the module whose call is running.
 fn key_of_call<M: Module + ?Sized>(m: &M, relative: bool) -> Option<Key> {
-    if let Some(ids) = param_ids(m) {
-        return Some(Key::Params(TypeId::of::<M>(), ids));
+    if let Some(root) = root_of(m, TypeId::of::<M>()) {
+        return Some(Key {
+            root,
+            fqn: String::new(),
+        });
     }
     if !relative {
         return None;
@@ -296,17 +322,23 @@ fn key_of_call<M: Module + ?Sized>(m: &M, relative: bool) -> Option<Key> {
     // SAFETY: as above; the children are borrowed from the same live module.
     let top: Vec<(String, &dyn Module)> = children.into_iter().map(|(n, c)| (n, unsafe { &*c })).collect();
     let path = find(top, want, ty)?;
-    // The nearest module holding parameters on the way down anchors the path.
+    // The deepest module holding parameters on the way down is the root kept.
     let (nodes, names): (Vec<&dyn Module>, Vec<String>) = path.into_iter().map(|(n, c)| (c, n)).unzip();
-    match (0..nodes.len() - 1).rev().find(|&i| param_ids(nodes[i]).is_some()) {
-        Some(i) => Some(Key::Under(
-            Box::new(Key::Params(type_of(nodes[i]), param_ids(nodes[i])?)),
-            names[i + 1..].join("."),
-        )),
-        None => match parent_key? {
-            Key::Under(anchor, above) => Some(Key::Under(anchor, join(&above, &names.join(".")))),
-            parent => Some(Key::Under(Box::new(parent), names.join("."))),
-        },
+    match (0..nodes.len() - 1)
+        .rev()
+        .find_map(|i| root_of(nodes[i], type_of(nodes[i])).map(|r| (i, r)))
+    {
+        Some((i, root)) => Some(Key {
+            root,
+            fqn: names[i + 1..].join("."),
+        }),
+        None => {
+            let parent = parent_key?;
+            Some(Key {
+                fqn: join(&parent.fqn, &names.join(".")),
+                root: parent.root,
+            })
+        }
     }
 }
 

@@ -2,7 +2,7 @@
 //! [`named_modules`], [`Linear`], [`Embedding`], [`LayerNorm`].
 //!
 //! Parameters are created replicated on a mesh; sharding them is a later step
-//! (FSDP or tensor-parallel styles redistribute each parameter's value).
+//! (a parallelism layer redistributes each parameter's value).
 
 mod hooks;
 mod layers;
@@ -64,10 +64,10 @@ use crate::{Error, Param, Result, Var};
 /// # Ok::<(), tessera_mesh::Error>(())
 /// ```
 ///
-/// That is all a model needs for FSDP and tensor parallelism: both find modules by
-/// their fully qualified names and act through hooks that [`call`](Self::call) runs
-/// (so a model calls its submodules with `call`, not `forward`); the layers in this
-/// crate are what the tensor-parallel styles shard.
+/// That is all a model needs for a parallelism layer: it finds modules by their
+/// fully qualified names and acts through hooks that [`call`](Self::call) runs (so
+/// a model calls its submodules with `call`, not `forward`); the layers in this
+/// crate are what such a layer splits.
 ///
 /// Modules are `'static` types (they own their parameters), so a module behind
 /// `&dyn Module` can be downcast (`(m as &dyn Any).downcast_ref::<Linear>()`), as
@@ -117,8 +117,8 @@ pub trait Module: Any {
     }
 
     /// Calls the module: [`forward`](Self::forward) between the hooks attached to
-    /// it (see [`register_module_hooks`]; FSDP units and tensor-parallel styles
-    /// attach theirs so). Models call their submodules with `call`, so wrapping a
+    /// it (see [`register_module_hooks`]; a parallelism layer attaches its hooks
+    /// so). Models call their submodules with `call`, so wrapping a
     /// submodule needs no change to the model.
     ///
     /// PyTorch: `module(x)` (`Module.__call__`).

@@ -26,7 +26,7 @@ const OP: &str = "clip_grad_norm";
 /// measure its norm, then scaled in its own placements.
 ///
 /// PyTorch: `torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=2.0)`
-/// (over DTensor gradients, as FSDP2 uses it).
+/// (over DTensor gradients, as PyTorch's DTensor-based parallelism uses it).
 ///
 /// # Errors
 /// A negative or NaN `max_norm`, a non-float gradient, a `Partial(product)`

@@ -392,7 +392,7 @@ pub(crate) fn local_cow<F: Real>(t: &Tensor) -> Result<Cow<'_, [F]>> {
 /// the result as its value: in place when `p` alone holds its value's storage,
 /// whole and already in `F` (no copy, no allocation); otherwise on a copy that
 /// becomes the new value (whoever still holds the old value sees it unchanged,
-/// e.g. FSDP's record of the shards it gathered). `value` is the copy of the
+/// e.g. a parallelism layer's record of the values it lent). `value` is the copy of the
 /// value that [`ready_param`] took, dropped first.
 pub(crate) fn update_local<F: Real>(p: &Param, value: DTensor, f: impl FnOnce(&mut [F])) -> Result<()> {
     drop(value);

@@ -385,7 +385,7 @@ fn reference_files_load() {
             assert!(norm.to_f64_vec().iter().all(|&x| x == 1.0));
         }
     }
-    // Loaded into FSDP-style Shard(0) parameters on 2 ranks, every piece is the file's.
+    // Loaded into Shard(0) parameters on 2 ranks, every piece is the file's.
     let path = data("tiny_init.safetensors");
     let full = read_safetensors(&path).unwrap();
     launch(2, move |ctx| {

@@ -89,7 +89,7 @@ impl DTensor {
                     Some(Placement::Shard(1)) => vec![(smallvec![r, s(ir)], s(1))],
                     // The gradient is linear in `g`: a pending sum (a gradient summed
                     // over a batch sharded elsewhere) stays pending, reduced once where
-                    // the parameter's gradient lands (FSDP's reduce-scatter).
+                    // the parameter's gradient lands (a data-parallel reduce-scatter).
                     _ => vec![(smallvec![r, r], r), (smallvec![r, sum], sum)],
                 };
                 options.extend(batch.clone());

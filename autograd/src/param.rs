@@ -1,0 +1,304 @@
+//! [`Param`] (a named leaf that holds its gradient) and [`Binding`] (what a
+//! parameter yields in its place while a module runs).
+//!
+//! A layer above the tape (a parallelism layer that gathers parameters for a
+//! module's forward, a quantiser, an offloading scheme) lends a parameter a value
+//! with [`Param::bind`] in a module's forward pre-hook and clears it in the
+//! post-hook: while bound, [`Param::var`] yields that value; its gradient goes
+//! where the binding says ([`Binding::grad_to`]), and backward rules re-read it
+//! through the binding's [`SavedHandle`] ([`Binding::saved_through`]), so the
+//! layer may drop it after forward and restore it before backward.
+
+use std::cell::{Cell, RefCell};
+use std::fmt;
+use std::rc::Rc;
+
+use tessera_dtensor::{DTensor, Placement, ShardOrder};
+
+use crate::saved::SavedHandle;
+use crate::tape::{self, next_id};
+use crate::var::Var;
+use crate::{Error, Result};
+
+/// Receives the gradient that reaches a bound value.
+type GradHook = Box<dyn FnOnce(&DTensor) -> Result<()>>;
+
+/// Where the gradient of a bound value goes.
+enum Grad {
+    /// Nowhere: the value needs no gradient.
+    None,
+    /// To a hook, under this op name on the tape.
+    Hook(&'static str, GradHook),
+}
+
+/// What a parameter yields while bound ([`Param::bind`]): a value in place of its
+/// own, where that value's gradient goes, and how backward re-reads it.
+///
+/// ```
+/// use std::cell::RefCell;
+/// use std::rc::Rc;
+///
+/// use tessera_autograd::{backward, Binding, Param};
+/// use tessera_dtensor::{distribute_tensor, DType, Placement::*, Tensor};
+/// use tessera_mesh::{launch, DeviceMesh};
+///
+/// launch(1, |ctx| {
+///     let mesh = DeviceMesh::new(ctx.into_comm(), &[1])?;
+///     let w = Param::new("w", distribute_tensor(&Tensor::ones(&[2], DType::F64)?, &mesh, &[Replicate])?);
+///     // Lend a doubled weight for one forward and catch its gradient.
+///     let caught = Rc::new(RefCell::new(None));
+///     let sink = caught.clone();
+///     let lent = w.value().mul_scalar(2.0)?;
+///     w.bind(Some(Binding::new(lent).grad_to("lent", move |g| {
+///         *sink.borrow_mut() = Some(g.clone());
+///         Ok(())
+///     })));
+///     let loss = w.var().square()?.sum(&[0], false)?;
+///     w.bind(None);
+///     backward(&loss)?;
+///     // d Σ v² / dv = 2v = 4 at v = 2; the parameter itself got nothing.
+///     assert_eq!(caught.borrow().as_ref().unwrap().to_local().to_vec::<f64>()?, [4.0, 4.0]);
+///     assert!(w.grad().is_none());
+///     Ok(())
+/// })?;
+/// # Ok::<(), tessera_mesh::Error>(())
+/// ```
+///
+/// PyTorch: a forward pre-hook that swaps a module's parameter for another tensor
+/// (`module.weight = other`, as `torch.func.functional_call` does for a call),
+/// receiving that tensor's gradient through `Tensor.register_hook` or a custom
+/// `autograd.Function`; the re-reading is `torch.autograd.graph.saved_tensors_hooks`.
+pub struct Binding {
+    value: DTensor,
+    grad: Grad,
+    var: Option<Var>,
+    saved: Option<Rc<dyn SavedHandle>>,
+}
+
+impl Binding {
+    /// `value` in place of the parameter's own; it needs no gradient until
+    /// [`grad_to`](Self::grad_to) says where the gradient goes.
+    pub fn new(value: DTensor) -> Binding {
+        Binding {
+            value,
+            grad: Grad::None,
+            var: None,
+            saved: None,
+        }
+    }
+
+    /// `var`, a value already on the tape, in place of the parameter's own (its
+    /// gradient flows on through the ops that produced it).
+    ///
+    /// PyTorch: a parametrization's output (`torch.nn.utils.parametrize`).
+    pub fn of_var(var: Var) -> Binding {
+        Binding {
+            value: var.value().clone(),
+            grad: Grad::None,
+            var: Some(var),
+            saved: None,
+        }
+    }
+
+    /// The value requires a gradient, and backward hands the gradient that reaches
+    /// it to `on_grad` (recorded as the op `name`) instead of accumulating it into
+    /// the parameter. Without grad mode the value is a constant. No effect on a
+    /// binding made [`of_var`](Self::of_var).
+    ///
+    /// PyTorch: `Tensor.register_hook` on the swapped-in tensor, or
+    /// `register_post_accumulate_grad_hook`.
+    #[must_use]
+    pub fn grad_to(mut self, name: &'static str, on_grad: impl FnOnce(&DTensor) -> Result<()> + 'static) -> Binding {
+        self.grad = Grad::Hook(name, Box::new(on_grad));
+        self
+    }
+
+    /// Backward rules that keep the value re-read it through `handle` (which must
+    /// produce it now), so its owner may drop it after forward and restore it
+    /// before backward.
+    ///
+    /// PyTorch: `torch.autograd.graph.saved_tensors_hooks` around the module's forward.
+    #[must_use]
+    pub fn saved_through(mut self, handle: Rc<dyn SavedHandle>) -> Binding {
+        self.saved = Some(handle);
+        self
+    }
+
+    /// The var [`Param::var`] yields while bound.
+    fn into_var(self) -> Var {
+        let var = match (self.var, self.grad) {
+            (Some(v), _) => v,
+            (None, Grad::Hook(name, on_grad)) => Var::with_grad_hook(name, self.value, on_grad),
+            (None, Grad::None) => Var::constant(self.value),
+        };
+        match self.saved {
+            Some(h) => var.with_saved(h),
+            None => var,
+        }
+    }
+}
+
+struct ParamInner {
+    name: String,
+    id: u64,
+    value: RefCell<DTensor>,
+    grad: RefCell<Option<DTensor>>,
+    requires_grad: Cell<bool>,
+    /// What [`Param::var`] yields while bound ([`Param::bind`]).
+    bound: RefCell<Option<Var>>,
+}
+
+/// A named trainable tensor: a leaf of the tape that accumulates its gradient,
+/// always in its own placements (a partial gradient of a replicated parameter is
+/// all-reduced, that of a sharded one reduce-scattered).
+///
+/// Cheap to clone (a shared handle); lives on its rank's thread.
+///
+/// PyTorch: `torch.nn.Parameter`.
+#[derive(Clone)]
+pub struct Param {
+    inner: Rc<ParamInner>,
+}
+
+impl Param {
+    /// A trainable parameter.
+    pub fn new(name: impl Into<String>, value: DTensor) -> Param {
+        Param {
+            inner: Rc::new(ParamInner {
+                name: name.into(),
+                id: next_id(),
+                value: RefCell::new(value),
+                grad: RefCell::new(None),
+                requires_grad: Cell::new(true),
+                bound: RefCell::new(None),
+            }),
+        }
+    }
+
+    /// The parameter's name (its state-dict key).
+    pub fn name(&self) -> &str {
+        &self.inner.name
+    }
+
+    /// A unique id of this parameter (shared by its clones; its leaf's id on the
+    /// tape), for keying per-parameter state such as an optimizer's or a
+    /// parallelism layer's.
+    pub fn id(&self) -> u64 {
+        self.inner.id
+    }
+
+    /// The current value.
+    pub fn value(&self) -> DTensor {
+        self.inner.value.borrow().clone()
+    }
+
+    /// The value, mutably (an optimizer's in-place step).
+    pub(crate) fn value_mut(&self) -> std::cell::RefMut<'_, DTensor> {
+        self.inner.value.borrow_mut()
+    }
+
+    /// Replaces the value (optimizers, loading). The placements may change (a
+    /// parallelism layer redistributing it does that); the gradient keeps whatever
+    /// placements it had.
+    pub fn set_value(&self, value: DTensor) {
+        *self.inner.value.borrow_mut() = value;
+    }
+
+    /// The accumulated gradient, in the placements the parameter had when the
+    /// gradient was accumulated (its own placements, unless they changed since).
+    pub fn grad(&self) -> Option<DTensor> {
+        self.inner.grad.borrow().clone()
+    }
+
+    /// Replaces the gradient.
+    pub fn set_grad(&self, grad: Option<DTensor>) {
+        *self.inner.grad.borrow_mut() = grad;
+    }
+
+    /// Clears the gradient.
+    ///
+    /// PyTorch: `optimizer.zero_grad(set_to_none=True)`.
+    pub fn zero_grad(&self) {
+        self.set_grad(None);
+    }
+
+    /// Whether the parameter is trained (frozen parameters get no gradient).
+    pub fn requires_grad(&self) -> bool {
+        self.inner.requires_grad.get()
+    }
+
+    /// Freezes or unfreezes the parameter.
+    pub fn set_requires_grad(&self, on: bool) {
+        self.inner.requires_grad.set(on);
+    }
+
+    /// The parameter as a tape leaf: ops on it record, and backward accumulates
+    /// into [`grad`](Self::grad). While bound ([`bind`](Self::bind)), the bound
+    /// value instead (the same var each call).
+    pub fn var(&self) -> Var {
+        if let Some(v) = self.inner.bound.borrow().as_ref() {
+            return v.clone();
+        }
+        let requires_grad = self.requires_grad() && tape::is_grad_enabled();
+        if requires_grad {
+            tape::register_param(self);
+        }
+        Var::leaf(self.value(), self.inner.id, requires_grad)
+    }
+
+    /// Makes [`var`](Self::var) yield what `binding` says until cleared with
+    /// `None` (see [`Binding`]); the value's gradient goes where the binding
+    /// says, not into [`grad`](Self::grad), unless the binding passes it on.
+    ///
+    /// PyTorch: swapping `module.weight` for another tensor in a forward pre-hook
+    /// and back in the post-hook (`torch.func.functional_call` for one call).
+    pub fn bind(&self, binding: Option<Binding>) {
+        *self.inner.bound.borrow_mut() = binding.map(Binding::into_var);
+    }
+
+    /// Whether the parameter is bound now ([`bind`](Self::bind)).
+    pub fn is_bound(&self) -> bool {
+        self.inner.bound.borrow().is_some()
+    }
+
+    /// Adds `g` (any placements) to the gradient, converted to the parameter's
+    /// placements and shard order (a partial gradient of a replicated parameter is
+    /// all-reduced, that of a sharded one reduce-scattered; nothing moves when `g`
+    /// already has them). What backward does for every parameter, and what a layer
+    /// above the tape does with the gradients it received through a [`Binding`].
+    ///
+    /// PyTorch: autograd's accumulation into `param.grad`.
+    ///
+    /// # Errors
+    /// A gradient of another global shape; a failed redistribution or add.
+    pub fn accumulate(&self, g: DTensor) -> Result<()> {
+        let value = self.value();
+        let target: Vec<Placement> = value.placements().to_vec();
+        let g = if g.placements() == &target[..] && g.layout().order == value.layout().order {
+            g
+        } else {
+            g.redistribute_with_order(&target, value.layout().order.clone())
+                .or_else(|_| g.redistribute_with_order(&target, ShardOrder::default_for(&target)))?
+        };
+        if g.shape() != value.shape() {
+            return Err(Error::Backward(format!(
+                "gradient of {} has shape {:?}, the parameter {:?}",
+                self.name(),
+                g.shape(),
+                value.shape()
+            )));
+        }
+        let sum = match self.grad() {
+            Some(prev) => prev.add(&g)?,
+            None => g,
+        };
+        self.set_grad(Some(sum));
+        Ok(())
+    }
+}
+
+impl fmt::Debug for Param {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Param({} {:?})", self.name(), self.value())
+    }
+}
