@@ -51,7 +51,7 @@ use tessera::autograd::nn::Module;
 use tessera::autograd::optim::{AdamW, AdamWConfig, Optimizer};
 use tessera::autograd::state_dict::{AsyncCheckpointer, write_atomic};
 use tessera::autograd::{
-    Var, backward, load_checkpoint, load_state_dict, read_safetensors, save_checkpoint, save_state_dict_full,
+    Param, Var, backward, load_checkpoint, load_state_dict, read_safetensors, save_checkpoint, save_state_dict_full,
 };
 use tessera::data::{DATA_SEED, batch};
 use tessera::dtensor::checkpoint::SaveReport;
@@ -59,7 +59,7 @@ use tessera::dtensor::{Placement, Tensor, distribute_tensor};
 use tessera::fsdp::{FsdpConfig, MixedPrecisionPolicy};
 use tessera::models::{Transformer, TransformerConfig};
 use tessera::tensor::memory;
-use tessera::{BoxError, CommunicatorExt, DType, DeviceMesh, is_lead_process, launch, mpi_env};
+use tessera::{BoxError, CommunicatorExt, DType, DeviceMesh, RankCtx, is_lead_process, launch, mpi_env};
 
 const USAGE: &str = "usage: train [--world-size N | --mesh RxS] [--tp T [--sequence-parallel]] [--steps N] [--batch ROWS_PER_RANK] [--dim N] \
 [--n-layers N] [--n-heads N] [--vocab N] [--seq N] [--lr F] [--mixed-precision bf16] [--no-reshard] [--init PATH] \
@@ -255,6 +255,7 @@ fn rows(args: &Args, file: Option<&Tensor>, step: usize) -> Result<Tensor, BoxEr
     }
 }
 
+#[derive(Default)]
 struct RankReport {
     /// The step the run started from (0, or the resumed checkpoint's).
     first_step: usize,
@@ -334,18 +335,36 @@ fn main() {
 }
 
 fn run(args: &Args) -> Result<(), BoxError> {
-    let tokens = match &args.tokens {
-        Some(p) => Some(
-            read_safetensors(p)?
-                .into_iter()
-                .find(|(n, _)| n == "tokens")
-                .ok_or_else(|| format!("{}: no tensor named \"tokens\"", p.display()))?
-                .1,
-        ),
-        None => None,
+    let tokens = read_tokens(args)?;
+    let lead = is_lead_process();
+    if lead {
+        println!("{}", banner(args));
+    }
+    let reports = launch(args.world, {
+        let args = args.clone();
+        move |ctx| train_rank(ctx, &args, tokens.as_ref())
+    })?;
+    if lead {
+        summarize(args, &reports[0])?;
+    }
+    Ok(())
+}
+
+/// The `tokens` tensor of `--tokens`, if given.
+fn read_tokens(args: &Args) -> Result<Option<Tensor>, BoxError> {
+    let Some(p) = &args.tokens else {
+        return Ok(None);
     };
+    let (_, t) = read_safetensors(p)?
+        .into_iter()
+        .find(|(n, _)| n == "tokens")
+        .ok_or_else(|| format!("{}: no tensor named \"tokens\"", p.display()))?;
+    Ok(Some(t))
+}
+
+/// The line that says what this run trains, and how it is parallelised.
+fn banner(args: &Args) -> String {
     let cfg = args.model;
-    let g = args.dp() * args.batch;
     let layout = if args.tp > 0 {
         let sp = if args.sequence_parallel {
             " with sequence parallelism"
@@ -368,24 +387,50 @@ fn run(args: &Args) -> Result<(), BoxError> {
     } else {
         format!("FSDP on {} ranks", args.world)
     };
-    let lead = is_lead_process();
-    if lead {
-        println!(
-            "training a {}-layer Transformer (dim {}, {} heads, vocab {}, seq {}; {} parameters), {layout}, \
-         global batch {g}{}{}",
-            cfg.n_layers,
-            cfg.dim,
-            cfg.n_heads,
-            cfg.vocab,
-            cfg.seq,
-            cfg.num_params(),
-            if args.bf16 { ", bf16 mixed precision" } else { "" },
-            if args.no_reshard {
-                ", no reshard after forward"
-            } else {
-                ""
-            },
-        );
+    format!(
+        "training a {}-layer Transformer (dim {}, {} heads, vocab {}, seq {}; {} parameters), {layout}, \
+         global batch {}{}{}",
+        cfg.n_layers,
+        cfg.dim,
+        cfg.n_heads,
+        cfg.vocab,
+        cfg.seq,
+        cfg.num_params(),
+        args.dp() * args.batch,
+        if args.bf16 { ", bf16 mixed precision" } else { "" },
+        if args.no_reshard {
+            ", no reshard after forward"
+        } else {
+            ""
+        },
+    )
+}
+
+/// One rank's model, optimizer and mesh, ready to train.
+struct Job {
+    mesh: DeviceMesh,
+    model: Transformer,
+    params: Vec<Param>,
+    opt: AdamW,
+    /// How a batch of token rows is placed on the mesh.
+    batch_placements: Vec<Placement>,
+}
+
+/// Builds the mesh and the model, loads `--init`, applies tensor parallelism
+/// (printing the plan on the lead rank) and FSDP, and makes the optimizer.
+fn setup(ctx: RankCtx, args: &Args) -> Result<Job, BoxError> {
+    let rank = ctx.rank();
+    let names: &[&str] = match (args.tp > 0, args.mesh.len()) {
+        (true, 3) => &["dp_replicate", "dp_shard", "tp"],
+        (true, _) => &["dp", "tp"],
+        (false, 2) => &["dp_replicate", "dp_shard"],
+        (false, _) => &["dp"],
+    };
+    let mesh = DeviceMesh::with_names(ctx.into_comm(), &args.mesh, names)?;
+    let model = Transformer::new(args.model, &mesh, DType::F32, 0)?;
+    let params = model.parameters();
+    if let Some(p) = &args.init {
+        load_state_dict(&params, p)?;
     }
     let fsdp = FsdpConfig {
         reshard_after_forward: args.no_reshard.then_some(false),
@@ -396,137 +441,174 @@ fn run(args: &Args) -> Result<(), BoxError> {
         },
         ..FsdpConfig::default()
     };
-    let reports = launch(args.world, {
-        let args = args.clone();
-        move |ctx| {
-            let rank = ctx.rank();
-            let names: &[&str] = match (args.tp > 0, args.mesh.len()) {
-                (true, 3) => &["dp_replicate", "dp_shard", "tp"],
-                (true, _) => &["dp", "tp"],
-                (false, 2) => &["dp_replicate", "dp_shard"],
-                (false, _) => &["dp"],
-            };
-            let mesh = DeviceMesh::with_names(ctx.into_comm(), &args.mesh, names)?;
-            let model = Transformer::new(cfg, &mesh, DType::F32, 0)?;
-            let params = model.parameters();
-            if let Some(p) = &args.init {
-                load_state_dict(&params, p)?;
+    let batch_placements = if args.tp > 0 {
+        let applied = model.parallelize(&mesh.dim("tp")?, args.sequence_parallel)?;
+        if rank == 0 && is_lead_process() {
+            println!("plan:");
+            for a in &applied {
+                println!("  {:<28} {}", a.fqn, a.style);
             }
-            let batch_placements = if args.tp > 0 {
-                let applied = model.parallelize(&mesh.dim("tp")?, args.sequence_parallel)?;
-                if rank == 0 && is_lead_process() {
-                    println!("plan:");
-                    for a in &applied {
-                        println!("  {:<28} {}", a.fqn, a.style);
-                    }
-                }
-                let dp = mesh.slice(&names[..names.len() - 1])?;
-                model.fully_shard(&dp, &fsdp)?;
-                let mut p = vec![Placement::Shard(0); args.mesh.len()];
-                p[args.mesh.len() - 1] = Placement::Replicate;
-                p
-            } else {
-                model.fully_shard(&mesh, &fsdp)?;
-                vec![Placement::Shard(0); args.mesh.len()]
-            };
-            let adamw = AdamWConfig {
-                lr: args.lr,
-                betas: (0.9, 0.95),
-                eps: 1e-8,
-                weight_decay: 0.1,
-            };
-            let mut opt = AdamW::new(params.clone(), adamw)?;
-            let mut report = RankReport {
-                first_step: 0,
-                losses: Vec::new(),
-                step_time_s: Vec::new(),
-                peak_bytes: Vec::new(),
-                save_s: Vec::new(),
-                saved_bytes: Vec::new(),
-                resume_bytes: 0,
-                resume_s: 0.0,
-            };
-            if let Some(path) = &args.resume {
-                let t = Instant::now();
-                let dir = resume_dir(path)?;
-                let r = load_checkpoint(&dir, &params, Some(&mut opt))?;
-                report.resume_s = t.elapsed().as_secs_f64();
-                report.first_step = r
-                    .metadata
-                    .get("step")
-                    .and_then(|s| s.parse().ok())
-                    .ok_or_else(|| format!("{}: no step in the checkpoint's metadata", dir.display()))?;
-                report.resume_bytes = r.bytes_read;
-                if report.first_step >= args.steps {
-                    return Err(format!(
-                        "--resume: the checkpoint is from step {}, --steps is {}: nothing left to train",
-                        report.first_step, args.steps
-                    )
-                    .into());
-                }
-            }
-            let mut background = AsyncCheckpointer::new();
-            // The background save in flight: its checkpoint's name.
-            let mut pending: Option<String> = None;
-            memory::reset_peak();
-            let start = Instant::now();
-            for step in report.first_step..args.steps {
-                let t = Instant::now();
-                let x = distribute_tensor(&rows(&args, tokens.as_ref(), step)?, &mesh, &batch_placements)?;
-                let loss = model.loss(&Var::constant(x))?;
-                let value = loss.value().full_tensor()?.to_f64_vec()[0];
-                backward(&loss)?;
-                opt.step()?;
-                opt.zero_grad();
-                report.losses.push(value);
-                report.step_time_s.push(t.elapsed().as_secs_f64());
-                if let Some(dir) = &args.checkpoint_dir
-                    && (step + 1) % args.checkpoint_every == 0
-                {
-                    let t = Instant::now();
-                    let name = format!("step_{:06}", step + 1);
-                    let meta = BTreeMap::from([("step".to_string(), (step + 1).to_string())]);
-                    // A completed checkpoint: this one, or (in the background) the one before.
-                    let done = if args.async_save {
-                        let previous = background.save(dir.join(&name), &params, Some(&opt), meta)?;
-                        previous.zip(pending.replace(name))
-                    } else {
-                        Some((save_checkpoint(dir.join(&name), &params, Some(&opt), meta)?, name))
-                    };
-                    report.save_s.push(t.elapsed().as_secs_f64());
-                    if let Some((saved, finished)) = done {
-                        finish_save(&mesh, dir, &finished, &saved, args.keep, &mut report)?;
-                    }
-                }
-                if rank == 0 {
-                    let done = step + 1 - report.first_step;
-                    let tok_s = done as f64 * (g * cfg.seq) as f64 / start.elapsed().as_secs_f64();
-                    progress(step + 1, args.steps, value, tok_s);
-                }
-            }
-            if let (Some(dir), Some(saved), Some(name)) = (&args.checkpoint_dir, background.wait()?, pending.take()) {
-                finish_save(&mesh, dir, &name, &saved, args.keep, &mut report)?;
-            }
-            if let Some(path) = &args.save_full {
-                save_state_dict_full(&params, path)?;
-            }
-            let peak = memory::stats().peak_bytes as i64;
-            report.peak_bytes = mesh
-                .comm()
-                .all_gather_vec(&[peak])?
-                .into_iter()
-                .map(|b| b as usize)
-                .collect();
-            Ok(report)
         }
-    })?;
-    if !lead {
-        return Ok(());
+        let dp = mesh.slice(&names[..names.len() - 1])?;
+        model.fully_shard(&dp, &fsdp)?;
+        let mut p = vec![Placement::Shard(0); args.mesh.len()];
+        p[args.mesh.len() - 1] = Placement::Replicate;
+        p
+    } else {
+        model.fully_shard(&mesh, &fsdp)?;
+        vec![Placement::Shard(0); args.mesh.len()]
+    };
+    let adamw = AdamWConfig {
+        lr: args.lr,
+        betas: (0.9, 0.95),
+        eps: 1e-8,
+        weight_decay: 0.1,
+    };
+    let opt = AdamW::new(params.clone(), adamw)?;
+    Ok(Job {
+        mesh,
+        model,
+        params,
+        opt,
+        batch_placements,
+    })
+}
+
+/// Loads the `--resume` checkpoint into the model and optimizer, recording the
+/// step it is from and what reading it cost.
+fn resume(args: &Args, path: &std::path::Path, job: &mut Job, report: &mut RankReport) -> Result<(), BoxError> {
+    let t = Instant::now();
+    let dir = resume_dir(path)?;
+    let r = load_checkpoint(&dir, &job.params, Some(&mut job.opt))?;
+    report.resume_s = t.elapsed().as_secs_f64();
+    report.first_step = r
+        .metadata
+        .get("step")
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(|| format!("{}: no step in the checkpoint's metadata", dir.display()))?;
+    report.resume_bytes = r.bytes_read;
+    if report.first_step >= args.steps {
+        return Err(format!(
+            "--resume: the checkpoint is from step {}, --steps is {}: nothing left to train",
+            report.first_step, args.steps
+        )
+        .into());
     }
+    Ok(())
+}
+
+/// One training step on the rows of `step`: forward, backward, the optimizer's
+/// update. Returns the loss.
+fn train_step(args: &Args, job: &mut Job, tokens: Option<&Tensor>, step: usize) -> Result<f64, BoxError> {
+    let x = distribute_tensor(&rows(args, tokens, step)?, &job.mesh, &job.batch_placements)?;
+    let loss = job.model.loss(&Var::constant(x))?;
+    let value = loss.value().full_tensor()?.to_f64_vec()[0];
+    backward(&loss)?;
+    job.opt.step()?;
+    job.opt.zero_grad();
+    Ok(value)
+}
+
+/// The checkpoints of a run: the background saver and the name of the save in
+/// flight in it.
+#[derive(Default)]
+struct Checkpoints {
+    background: AsyncCheckpointer,
+    pending: Option<String>,
+}
+
+impl Checkpoints {
+    /// Saves after `step` (0-based) when `--checkpoint-every` says so, and records
+    /// a checkpoint that completed (this one, or in the background the one before).
+    fn after_step(&mut self, args: &Args, job: &Job, step: usize, report: &mut RankReport) -> Result<(), BoxError> {
+        let Some(dir) = &args.checkpoint_dir else {
+            return Ok(());
+        };
+        if (step + 1) % args.checkpoint_every != 0 {
+            return Ok(());
+        }
+        let t = Instant::now();
+        let name = format!("step_{:06}", step + 1);
+        let meta = BTreeMap::from([("step".to_string(), (step + 1).to_string())]);
+        let done = if args.async_save {
+            let previous = self
+                .background
+                .save(dir.join(&name), &job.params, Some(&job.opt), meta)?;
+            previous.zip(self.pending.replace(name))
+        } else {
+            Some((
+                save_checkpoint(dir.join(&name), &job.params, Some(&job.opt), meta)?,
+                name,
+            ))
+        };
+        report.save_s.push(t.elapsed().as_secs_f64());
+        if let Some((saved, finished)) = done {
+            finish_save(&job.mesh, dir, &finished, &saved, args.keep, report)?;
+        }
+        Ok(())
+    }
+
+    /// Waits for the background save in flight, if any, and records it.
+    fn finish(mut self, args: &Args, job: &Job, report: &mut RankReport) -> Result<(), BoxError> {
+        if let (Some(dir), Some(saved), Some(name)) =
+            (&args.checkpoint_dir, self.background.wait()?, self.pending.take())
+        {
+            finish_save(&job.mesh, dir, &name, &saved, args.keep, report)?;
+        }
+        Ok(())
+    }
+}
+
+/// What every rank runs: setup, resumption, the steps with their checkpoints,
+/// the final saves, and the report (with every rank's peak memory).
+fn train_rank(ctx: RankCtx, args: &Args, tokens: Option<&Tensor>) -> Result<RankReport, BoxError> {
+    let rank = ctx.rank();
+    let mut job = setup(ctx, args)?;
+    let mut report = RankReport::default();
+    if let Some(path) = &args.resume {
+        resume(args, path, &mut job, &mut report)?;
+    }
+    let mut checkpoints = Checkpoints::default();
+    memory::reset_peak();
+    let start = Instant::now();
+    let tokens_per_step = (args.dp() * args.batch * args.model.seq) as f64;
+    for step in report.first_step..args.steps {
+        let t = Instant::now();
+        let value = train_step(args, &mut job, tokens, step)?;
+        report.losses.push(value);
+        report.step_time_s.push(t.elapsed().as_secs_f64());
+        checkpoints.after_step(args, &job, step, &mut report)?;
+        if rank == 0 {
+            let done = step + 1 - report.first_step;
+            progress(
+                step + 1,
+                args.steps,
+                value,
+                done as f64 * tokens_per_step / start.elapsed().as_secs_f64(),
+            );
+        }
+    }
+    checkpoints.finish(args, &job, &mut report)?;
+    if let Some(path) = &args.save_full {
+        save_state_dict_full(&job.params, path)?;
+    }
+    let peak = memory::stats().peak_bytes as i64;
+    report.peak_bytes = job
+        .mesh
+        .comm()
+        .all_gather_vec(&[peak])?
+        .into_iter()
+        .map(|b| b as usize)
+        .collect();
+    Ok(report)
+}
+
+/// Prints the run's summary from rank 0's report and writes `--losses-out`.
+fn summarize(args: &Args, r0: &RankReport) -> Result<(), BoxError> {
+    let cfg = args.model;
     println!();
-    let r0 = &reports[0];
     let total: f64 = r0.step_time_s.iter().sum();
-    let tokens_seen = ((args.steps - r0.first_step) * g * cfg.seq) as f64;
+    let tokens_seen = ((args.steps - r0.first_step) * args.dp() * args.batch * cfg.seq) as f64;
     let peak = r0.peak_bytes.iter().copied().max().unwrap_or(0);
     // One unsharded rank holds every parameter, its gradient and two AdamW
     // states in f32 before any activation.
