@@ -23,6 +23,40 @@ pub(super) fn invalid(path: &Path, detail: impl std::fmt::Display) -> Error {
     ))
 }
 
+/// The data bytes `metadata` declares, checked against the `size - 8 - n` bytes
+/// a file of `size` bytes with an `n`-byte header holds after it: an error names
+/// the first tensor cut off, or the bytes left over.
+fn check_data_section(path: &Path, metadata: &Metadata, size: u64, n: u64) -> Result<u64> {
+    let available = size - 8 - n;
+    let mut spans: Vec<(usize, usize, String)> = metadata
+        .tensors()
+        .into_iter()
+        .map(|(name, info)| (info.data_offsets.0, info.data_offsets.1, name))
+        .collect();
+    spans.sort();
+    let declared = spans.iter().map(|s| s.1 as u64).max().unwrap_or(0);
+    if let Some((start, end, name)) = spans.iter().find(|s| s.1 as u64 > available) {
+        return Err(invalid(
+            path,
+            format!(
+                "truncated: tensor {name:?} needs bytes {start}..{end} of the data section, but the file \
+                 holds {available} data bytes after its {n}-byte header ({size} bytes in all; the header \
+                 declares {declared})"
+            ),
+        ));
+    }
+    if declared < available {
+        return Err(invalid(
+            path,
+            format!(
+                "{} bytes follow the {declared} data bytes its header declares",
+                available - declared
+            ),
+        ));
+    }
+    Ok(declared)
+}
+
 /// The whole of the safetensors file at `path` (length prefix, header and data),
 /// after checking the header against the file's size.
 ///
@@ -79,34 +113,7 @@ pub(super) fn read_file(path: &Path) -> Result<Vec<u8>> {
     let metadata: Metadata = serde_json::from_slice(&header)
         .map_err(|e| invalid(path, format!("its {n}-byte header is not a safetensors header: {e}")))?;
 
-    let available = size - 8 - n;
-    let mut spans: Vec<(usize, usize, String)> = metadata
-        .tensors()
-        .into_iter()
-        .map(|(name, info)| (info.data_offsets.0, info.data_offsets.1, name))
-        .collect();
-    spans.sort();
-    let declared = spans.iter().map(|s| s.1 as u64).max().unwrap_or(0);
-    if let Some((start, end, name)) = spans.iter().find(|s| s.1 as u64 > available) {
-        return Err(invalid(
-            path,
-            format!(
-                "truncated: tensor {name:?} needs bytes {start}..{end} of the data section, but the file \
-                 holds {available} data bytes after its {n}-byte header ({size} bytes in all; the header \
-                 declares {declared})"
-            ),
-        ));
-    }
-    if declared < available {
-        return Err(invalid(
-            path,
-            format!(
-                "{} bytes follow the {declared} data bytes its header declares",
-                available - declared
-            ),
-        ));
-    }
-
+    let declared = check_data_section(path, &metadata, size, n)?;
     // `declared == available`: the whole file, which exists, so its size fits.
     let total = (8 + n + declared) as usize;
     let mut bytes = Vec::new();

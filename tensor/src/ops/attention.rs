@@ -571,13 +571,8 @@ fn backward<T: Gemm>(
     let kernel = GemmKernel::auto_for(T::DTYPE);
     // The weights' rows are read as slices: contiguous (a no-op for the forward's).
     let probs = probs.contiguous();
-    let (go, qo, ko, vo, po) = (
-        Operand::<T>::new(g)?,
-        Operand::<T>::new(q)?,
-        Operand::<T>::new(k)?,
-        Operand::<T>::new(v)?,
-        Operand::<T>::new(&probs)?,
-    );
+    let [go, qo, ko, vo, po] = [g, q, k, v, &probs].map(Operand::<T>::new);
+    let (go, qo, ko, vo, po) = (go?, qo?, ko?, vo?, po?);
     let y = probs.view::<T>()?;
     let y = y.as_slice().ok_or_else(|| Error::InvalidArgument {
         op: OP,
@@ -597,16 +592,7 @@ fn backward<T: Gemm>(
     };
     let scale = T::Acc::real(attn.scale);
     let simd = Simd::best();
-    count_flops(
-        count,
-        attn,
-        &[
-            (need[2], Causal::WeightsTransposed, [s, l, ev]),
-            (need_s, Causal::Scores, [l, ev, s]),
-            (need[0], Causal::Weights, [l, s, e]),
-            (need[1], Causal::WeightsTransposed, [s, l, e]),
-        ],
-    );
+    backward_flops(count, attn, need, [l, s, e, ev]);
     tessera_mesh::parallel_for(parts, |p| {
         let end = ((p + 1) * per).min(count);
         for i in p * per..end {
@@ -632,15 +618,7 @@ fn backward<T: Gemm>(
                 scratch.product(dp, kernel, [l, ev, s], gi, vt, attn.part(Causal::Scores));
                 let (x, z) = (scratch.slice(dp), scratch.slice(ds));
                 let w = &y[i * l * s..(i + 1) * l * s];
-                simd.run(
-                    #[inline(always)]
-                    || {
-                        let rows = x.chunks_exact(s).zip(w.chunks_exact(s)).zip(z.chunks_exact_mut(s));
-                        for (row, ((x, w), z)) in rows.enumerate() {
-                            attention_probs_grad_row(causal_keep(attn.is_causal, row, s), scale, x, w, z);
-                        }
-                    },
-                );
+                scores_grad(simd, attn.is_causal, scale, s, x, w, z);
                 if let Some(gq) = &gq {
                     let (st, ki) = (scratch.mat(ds, false), ko.mat(i, false));
                     gq.product(i, kernel, [l, s, e], st, ki, attn.part(Causal::Weights));
@@ -655,6 +633,38 @@ fn backward<T: Gemm>(
     // SAFETY: the products wrote every element of each gradient asked for.
     let finish = |o: Option<Out<T>>| o.map(|o| unsafe { o.finish() }).transpose();
     Ok([finish(gq)?, finish(gk)?, finish(gv)?])
+}
+
+/// The scores' gradient `z` of one batch entry from the weights' gradient `x`
+/// and the weights `w` (rows of `s`), compiled for the widest vectors the CPU has.
+#[inline(always)]
+fn scores_grad<T: Gemm>(simd: Simd, is_causal: bool, scale: T::Acc, s: usize, x: &[T], w: &[T], z: &mut [T]) {
+    simd.run(
+        #[inline(always)]
+        || {
+            let rows = x.chunks_exact(s).zip(w.chunks_exact(s)).zip(z.chunks_exact_mut(s));
+            for (row, ((x, w), z)) in rows.enumerate() {
+                attention_probs_grad_row(causal_keep(is_causal, row, s), scale, x, w, z);
+            }
+        },
+    );
+}
+
+/// The flops of the backward's products for `count` batch entries of queries
+/// `[l, e]`, keys `[s, e]` and values `[s, ev]`, for the gradients in `need`
+/// (see [`count_flops`]).
+fn backward_flops(count: usize, attn: Attention, need: [bool; 3], [l, s, e, ev]: [usize; 4]) {
+    let need_s = need[0] || need[1];
+    count_flops(
+        count,
+        attn,
+        &[
+            (need[2], Causal::WeightsTransposed, [s, l, ev]),
+            (need_s, Causal::Scores, [l, ev, s]),
+            (need[0], Causal::Weights, [l, s, e]),
+            (need[1], Causal::WeightsTransposed, [s, l, e]),
+        ],
+    );
 }
 
 /// Counts (see [`crate::profile::add_flops`]) the flops of `count` batch

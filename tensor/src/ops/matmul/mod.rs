@@ -439,6 +439,34 @@ unsafe fn zero_above_diagonal<T>(c: *mut T, rows: std::ops::Range<usize>, n: usi
     }
 }
 
+/// The element offset of batch entry `index` (an index into the output's batch
+/// dims, which `t`'s batch dims end) in `t`, with size-1 (broadcast) dims fixed at 0.
+fn batch_offset(t: &Tensor, index: &[usize]) -> isize {
+    let r = t.rank();
+    let lead = index.len() - (r - 2);
+    (0..r - 2)
+        .map(|d| {
+            if t.shape()[d] == 1 {
+                0
+            } else {
+                index[lead + d] * t.strides()[d]
+            }
+        })
+        .sum::<usize>() as isize
+}
+
+/// Steps `index` to the next batch entry of `batch` in row-major order (back to
+/// all zeros after the last).
+fn next_index(index: &mut [usize], batch: &[usize]) {
+    for d in (0..batch.len()).rev() {
+        index[d] += 1;
+        if index[d] < batch[d] {
+            break;
+        }
+        index[d] = 0;
+    }
+}
+
 /// `a · b` (or its causal `part`) for rank >= 2 operands of a GEMM type,
 /// shapes already checked.
 fn matmul_typed<T: Gemm>(a: &Tensor, b: &Tensor, batch: &[usize], kernel: GemmKernel, part: Causal) -> Result<Tensor> {
@@ -487,39 +515,20 @@ fn matmul_typed<T: Gemm>(a: &Tensor, b: &Tensor, batch: &[usize], kernel: GemmKe
         }
         return output(out, &shape);
     }
-    // Offsets of each batch entry, with size-1 (broadcast) dims fixed at 0.
-    let offset = |t: &Tensor, r: usize, index: &[usize]| -> isize {
-        let lead = batch.len() - (r - 2);
-        (0..r - 2)
-            .map(|d| {
-                if t.shape()[d] == 1 {
-                    0
-                } else {
-                    index[lead + d] * t.strides()[d]
-                }
-            })
-            .sum::<usize>() as isize
-    };
     // Batch entries `range`, one GEMM each, on the calling thread.
     let entries = |range: std::ops::Range<usize>| {
         let mut index = unravel(range.start, batch);
         for i in range {
             let (mut ai, mut bi) = (am, bm);
-            ai.ptr = av.as_ptr().wrapping_offset(offset(a, ra, &index));
-            bi.ptr = bv.as_ptr().wrapping_offset(offset(b, rb, &index));
+            ai.ptr = av.as_ptr().wrapping_offset(batch_offset(a, &index));
+            bi.ptr = bv.as_ptr().wrapping_offset(batch_offset(b, &index));
             // SAFETY: `index` is inside `batch`, so every element each operand's
             // strides reach from its batch offset is an element of that tensor,
             // inside its borrowed storage; the output block `i` is m×n inside the
             // capacity of `out`, disjoint from the operands (fresh allocation) and
             // from every other entry's block.
             unsafe { entry(kernel, [m, k, n], ai, bi, OutPtr(c.block(i * m * n)), n as isize, part) };
-            for d in (0..batch.len()).rev() {
-                index[d] += 1;
-                if index[d] < batch[d] {
-                    break;
-                }
-                index[d] = 0;
-            }
+            next_index(&mut index, batch);
         }
     };
     // Entries too small to split one by one (attention's per-head products) are
