@@ -28,7 +28,7 @@
 
 pub mod alloc;
 mod error;
-mod kernel;
+pub mod kernel;
 pub mod memory;
 pub mod ops;
 pub mod profile;

@@ -3,7 +3,9 @@
 use tessera_dtensor::{DTensor, Layout};
 use tessera_mesh::DType;
 
-use super::{Optimizer, Ready, Real, StateVec, check_range, check_state_layout, check_unique, local_cow, update_local};
+use tessera_tensor::kernel::{Real, Simd, par_parts};
+
+use super::{Optimizer, Ready, StateVec, check_range, check_state_layout, check_unique, local_cow, update_local};
 use crate::{Error, Param, Result};
 
 const OP: &str = "AdamW";
@@ -103,29 +105,27 @@ impl<F: Real> Scalars<F> {
         let bias_correction2_sqrt = bias_correction2.powf(0.5);
         let lerp_weight = 1.0 - beta1;
         Scalars {
-            decay: F::from_f64(1.0 - c.lr * c.weight_decay),
-            lerp_weight: F::from_f64(lerp_weight),
+            decay: F::real(1.0 - c.lr * c.weight_decay),
+            lerp_weight: F::real(lerp_weight),
             lerp_small: lerp_weight.abs() < 0.5,
-            beta2: F::from_f64(beta2),
-            one_minus_beta2: F::from_f64(1.0 - beta2),
-            bias_correction2_sqrt: F::from_f64(bias_correction2_sqrt),
-            eps: F::from_f64(c.eps),
-            neg_step_size: F::from_f64(-step_size),
+            beta2: F::real(beta2),
+            one_minus_beta2: F::real(1.0 - beta2),
+            bias_correction2_sqrt: F::real(bias_correction2_sqrt),
+            eps: F::real(c.eps),
+            neg_step_size: F::real(-step_size),
         }
     }
 }
 
-/// Elements per thread below which [`kernel`] runs on the calling thread alone.
-const PAR_MIN_ELEMENTS: usize = 1 << 15;
-
-/// The blocks [`kernel`] splits `n` elements into.
+/// The blocks [`kernel`] splits `n` elements into: the kernels' rule, at least
+/// [`PAR_MIN_ELEMENTS`](tessera_tensor::kernel::PAR_MIN_ELEMENTS) per thread.
 fn kernel_parts(n: usize) -> usize {
-    (n / PAR_MIN_ELEMENTS).clamp(1, tessera_mesh::intra_op_threads())
+    par_parts(n)
 }
 
 /// One AdamW step over local slices of equal length, on the widest loop that
 /// the CPU runs (see [`kernel_on`]), in blocks over the rank's threads when
-/// each gets at least [`PAR_MIN_ELEMENTS`] (every element is updated by the
+/// each gets at least [`PAR_MIN_ELEMENTS`](tessera_tensor::kernel::PAR_MIN_ELEMENTS) (every element is updated by the
 /// same code at any split, so the bits do not depend on it).
 fn kernel<F: Real>(s: &Scalars<F>, p: &mut [F], g: &[F], m: &mut [F], v: &mut [F]) {
     let simd = Simd::best();
@@ -152,55 +152,22 @@ fn kernel<F: Real>(s: &Scalars<F>, p: &mut [F], g: &[F], m: &mut [F], v: &mut [F
     });
 }
 
-/// The loops that [`kernel`] is compiled to: the baseline target, where each
-/// fused multiply-add is a libm call (correctly rounded, in software), and
-/// AVX-512F with FMA, where it is one instruction with the same single
-/// rounding. Every other operation is an IEEE add, multiply, divide or square
-/// root, so both give the same bits.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Simd {
-    Baseline,
-    #[cfg(target_arch = "x86_64")]
-    Avx512Fma,
-}
-
-impl Simd {
-    fn best() -> Simd {
-        #[cfg(target_arch = "x86_64")]
-        if std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("fma") {
-            return Simd::Avx512Fma;
-        }
-        Simd::Baseline
-    }
-}
-
-/// [`kernel`] on the loop compiled for `simd`, which the CPU must support
-/// (asserted).
+/// [`kernel`] on the loop compiled for `simd` (see [`Simd::run`]), which the CPU
+/// must support. Every operation is an IEEE add, multiply, divide, square root or
+/// fused multiply-add (one rounding on every instruction set, libm's software
+/// one on the baseline), so every loop gives the same bits.
 fn kernel_on<F: Real>(simd: Simd, s: &Scalars<F>, p: &mut [F], g: &[F], m: &mut [F], v: &mut [F]) {
-    match simd {
-        Simd::Baseline => kernel_body(s, p, g, m, v),
-        #[cfg(target_arch = "x86_64")]
-        Simd::Avx512Fma => {
-            #[target_feature(enable = "avx512f,fma")]
-            fn wide<F: Real>(s: &Scalars<F>, p: &mut [F], g: &[F], m: &mut [F], v: &mut [F]) {
-                kernel_body(s, p, g, m, v);
-            }
-            assert!(
-                std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("fma"),
-                "AdamW kernel: no AVX-512F with FMA"
-            );
-            // SAFETY: the CPU supports AVX-512F and FMA (asserted just above), the
-            // only requirement of calling a function compiled with those features.
-            unsafe { wide(s, p, g, m, v) }
-        }
-    }
+    simd.run(
+        #[inline(always)]
+        || kernel_body(s, p, g, m, v),
+    )
 }
 
 #[inline(always)]
 fn kernel_body<F: Real>(s: &Scalars<F>, p: &mut [F], g: &[F], m: &mut [F], v: &mut [F]) {
     let n = p.len();
     let (g, m, v) = (&g[..n], &mut m[..n], &mut v[..n]);
-    let one = F::from_f64(1.0);
+    let one = F::real(1.0);
     let (w, w_minus_one) = (s.lerp_weight, s.lerp_weight - one);
     for i in 0..n {
         // param.mul_(1 - lr * weight_decay); a no-op multiply by 1 when wd = 0.
@@ -378,6 +345,8 @@ mod tests {
     use tessera_dtensor::{DTensor, Placement::*, Tensor, distribute_tensor};
     use tessera_mesh::{DeviceMesh, launch};
 
+    use tessera_tensor::kernel::PAR_MIN_ELEMENTS;
+
     use super::*;
     use crate::optim::on_one_rank;
 
@@ -545,21 +514,16 @@ mod tests {
     fn kernel_variants_agree() {
         fn run<F: Real>(simd: Simd, c: &AdamWConfig, steps: u64) -> Vec<Vec<F>> {
             let n = 1003;
-            let x = |i: usize, k: f64| F::from_f64(((i as f64 * k).sin() * 3.0).powi(3));
+            let x = |i: usize, k: f64| F::real(((i as f64 * k).sin() * 3.0).powi(3));
             let mut p: Vec<F> = (0..n).map(|i| x(i, 0.37)).collect();
-            let (mut m, mut v) = (vec![F::from_f64(0.0); n], vec![F::from_f64(0.0); n]);
+            let (mut m, mut v) = (vec![F::real(0.0); n], vec![F::real(0.0); n]);
             for t in 1..=steps {
                 let g: Vec<F> = (0..n).map(|i| x(i, 0.11 * t as f64)).collect();
                 kernel_on(simd, &Scalars::new(c, t), &mut p, &g, &mut m, &mut v);
             }
             vec![p, m, v]
         }
-        #[allow(unused_mut)]
-        let mut all = vec![Simd::Baseline];
-        #[cfg(target_arch = "x86_64")]
-        if Simd::best() == Simd::Avx512Fma {
-            all.push(Simd::Avx512Fma);
-        }
+        let all = Simd::supported();
         for c in [TINY, c(1e-3, 0.25, 0.6, 1e-8, 0.1)] {
             let (want32, want64) = (run::<f32>(Simd::Baseline, &c, 3), run::<f64>(Simd::Baseline, &c, 3));
             for &simd in &all {

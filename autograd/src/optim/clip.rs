@@ -3,7 +3,9 @@
 use tessera_dtensor::{DTensor, Placement, ReduceOp};
 use tessera_mesh::{CommunicatorExt, DType, DeviceMesh};
 
-use super::{Real, local_cow, with_local};
+use tessera_tensor::kernel::Real;
+
+use super::{local_cow, with_local};
 use crate::{Error, Param, Result};
 
 const OP: &str = "clip_grad_norm";
@@ -124,7 +126,7 @@ fn local_sum_of_squares(g: &DTensor) -> Result<f64> {
         return Ok(0.0);
     }
     fn sum_sq<F: Real>(t: &tessera_dtensor::Tensor) -> Result<f64> {
-        Ok(local_cow::<F>(t)?.iter().map(|&x| x.to_f64() * x.to_f64()).sum())
+        Ok(local_cow::<F>(t)?.iter().map(|&x| x.widen() * x.widen()).sum())
     }
     match g.dtype() {
         DType::F64 => sum_sq::<f64>(g.to_local()),
@@ -134,7 +136,7 @@ fn local_sum_of_squares(g: &DTensor) -> Result<f64> {
 
 /// `g · coef` locally, computed in `F` with `coef` rounded to `F`.
 fn scale<F: Real>(g: &DTensor, coef: f64) -> Result<DTensor> {
-    let c = F::from_f64(coef);
+    let c = F::real(coef);
     let data: Vec<F> = local_cow::<F>(g.to_local())?.iter().map(|&x| x * c).collect();
     with_local(g, data)
 }

@@ -39,10 +39,10 @@ mod clip;
 mod sgd;
 
 use std::borrow::Cow;
-use std::ops::{Add, Div, Mul, Neg, Sub};
 
 use tessera_dtensor::{DTensor, Layout, PlacementsDisplay, Tensor};
-use tessera_mesh::{Buffer, DType, Element};
+use tessera_mesh::{Buffer, DType};
+use tessera_tensor::kernel::Real;
 use tessera_tensor::memory::Allocation;
 
 use crate::{Error, Param, Result};
@@ -194,75 +194,13 @@ pub(crate) fn step_of(op: &'static str, param: &Param, t: &DTensor) -> Result<u6
     })
 }
 
-/// The floating-point types optimizers compute in: `f32` (for `f32`, `bf16`, `f16`
-/// parameters) and `f64`.
-pub(crate) trait Real:
-    Element
-    + PartialOrd
-    + Add<Output = Self>
-    + Sub<Output = Self>
-    + Mul<Output = Self>
-    + Div<Output = Self>
-    + Neg<Output = Self>
-{
-    /// Rounds to nearest (as PyTorch turns a Python float into a kernel scalar).
-    fn from_f64(x: f64) -> Self;
-    fn to_f64(self) -> f64;
-    fn sqrt(self) -> Self;
-    /// `self · a + b` with one rounding (the `fmadd` of PyTorch's vectorized kernels).
-    fn mul_add(self, a: Self, b: Self) -> Self;
-    /// The elements of a state buffer of this type.
-    fn slice_mut(b: &mut Buffer) -> Option<&mut [Self]>;
-}
-
-impl Real for f32 {
-    #[inline(always)]
-    fn from_f64(x: f64) -> f32 {
-        x as f32
+/// The elements of `b` as `&mut [F]`, or `None` when `F` is not its dtype.
+fn typed_mut<F: Real>(b: &mut Buffer) -> Option<&mut [F]> {
+    if b.dtype() != F::DTYPE {
+        return None;
     }
-    #[inline(always)]
-    fn to_f64(self) -> f64 {
-        self as f64
-    }
-    #[inline(always)]
-    fn sqrt(self) -> f32 {
-        f32::sqrt(self)
-    }
-    #[inline(always)]
-    fn mul_add(self, a: f32, b: f32) -> f32 {
-        f32::mul_add(self, a, b)
-    }
-    fn slice_mut(b: &mut Buffer) -> Option<&mut [f32]> {
-        match b {
-            Buffer::F32(v) => Some(v),
-            _ => None,
-        }
-    }
-}
-
-impl Real for f64 {
-    #[inline(always)]
-    fn from_f64(x: f64) -> f64 {
-        x
-    }
-    #[inline(always)]
-    fn to_f64(self) -> f64 {
-        self
-    }
-    #[inline(always)]
-    fn sqrt(self) -> f64 {
-        f64::sqrt(self)
-    }
-    #[inline(always)]
-    fn mul_add(self, a: f64, b: f64) -> f64 {
-        f64::mul_add(self, a, b)
-    }
-    fn slice_mut(b: &mut Buffer) -> Option<&mut [f64]> {
-        match b {
-            Buffer::F64(v) => Some(v),
-            _ => None,
-        }
-    }
+    // Same dtype, so the inner vector is a `Vec<F>`: the cast never fails.
+    tessera_mesh::dispatch_buf!(BufMut, b.as_buf_mut(), s, _S => bytemuck::try_cast_slice_mut(s).ok())
 }
 
 /// The dtype an optimizer computes in for a parameter of `dtype`.
@@ -481,7 +419,7 @@ impl StateVec {
     /// `F` is not the dtype the state was created with (the parameter changed dtype).
     pub(crate) fn get<F: Real>(&mut self, op: &'static str, name: &str) -> Result<&mut [F]> {
         let dtype = self.data.dtype();
-        F::slice_mut(&mut self.data).ok_or_else(|| Error::Config {
+        typed_mut::<F>(&mut self.data).ok_or_else(|| Error::Config {
             op,
             detail: format!(
                 "the state of {name} is {dtype} but the parameter now computes in {}; \

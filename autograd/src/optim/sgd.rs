@@ -3,7 +3,9 @@
 use tessera_dtensor::{DTensor, Layout};
 use tessera_mesh::DType;
 
-use super::{Optimizer, Ready, Real, StateVec, check_range, check_state_layout, check_unique, local_cow, update_local};
+use tessera_tensor::kernel::Real;
+
+use super::{Optimizer, Ready, StateVec, check_range, check_state_layout, check_unique, local_cow, update_local};
 use crate::{Error, Param, Result};
 
 const OP: &str = "SGD";
@@ -197,11 +199,11 @@ impl super::PerParam for Sgd {
             });
         }
         let scalars = Scalars {
-            weight_decay: (c.weight_decay != 0.0).then(|| F::from_f64(c.weight_decay)),
-            momentum: (c.momentum != 0.0).then(|| F::from_f64(c.momentum)),
-            one_minus_dampening: F::from_f64(1.0 - c.dampening),
+            weight_decay: (c.weight_decay != 0.0).then(|| F::real(c.weight_decay)),
+            momentum: (c.momentum != 0.0).then(|| F::real(c.momentum)),
+            one_minus_dampening: F::real(1.0 - c.dampening),
             nesterov: c.nesterov,
-            neg_lr: F::from_f64(-c.lr),
+            neg_lr: F::real(-c.lr),
         };
         let buf = if c.momentum != 0.0 {
             let first = slot.buf.is_none();

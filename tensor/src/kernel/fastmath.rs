@@ -95,9 +95,12 @@ pub(crate) fn zip3_map<A: Copy + Sync, B: Copy + Sync, C: Copy + Sync, D: Send>(
     });
 }
 
-/// The instruction sets that [`zip_map`] compiles its loop for.
+/// The instruction sets a kernel's loop is compiled for ([`Simd::run`]): the
+/// widest the CPU has is picked at run time, and every one gives the same bits
+/// (a fused multiply-add is one rounding on each).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Simd {
+pub enum Simd {
+    /// The build's baseline target (fused multiply-adds through libm).
     Baseline,
     /// AVX2 with FMA.
     #[cfg(target_arch = "x86_64")]
@@ -110,7 +113,7 @@ pub(crate) enum Simd {
 impl Simd {
     /// The widest that this CPU supports.
     #[inline(always)]
-    pub(crate) fn best() -> Simd {
+    pub fn best() -> Simd {
         #[cfg(target_arch = "x86_64")]
         {
             if std::arch::is_x86_feature_detected!("fma") {
@@ -126,8 +129,7 @@ impl Simd {
     }
 
     /// Every variant that this CPU supports (for tests that compare them).
-    #[cfg(test)]
-    pub(crate) fn supported() -> Vec<Simd> {
+    pub fn supported() -> Vec<Simd> {
         let mut all = vec![Simd::Baseline];
         #[cfg(target_arch = "x86_64")]
         if std::arch::is_x86_feature_detected!("fma") {
@@ -146,8 +148,11 @@ impl Simd {
     /// give supported ones). `f` must be `#[inline(always)]` for its loops to
     /// be compiled for the wider vectors; so must everything it calls that
     /// should be.
+    ///
+    /// # Panics
+    /// When the CPU lacks the instruction set.
     #[inline(always)]
-    pub(crate) fn run<R>(self, f: impl FnOnce() -> R) -> R {
+    pub fn run<R>(self, f: impl FnOnce() -> R) -> R {
         match self {
             Simd::Baseline => f(),
             #[cfg(target_arch = "x86_64")]

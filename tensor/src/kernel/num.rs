@@ -8,8 +8,9 @@ use std::ops::{Add, Div, Mul, Neg, Sub};
 use half::{bf16, f16};
 use tessera_mesh::{DType, Element};
 
-/// The arithmetic type a kernel computes in: `f32` or `f64`.
-pub(crate) trait Real:
+/// The arithmetic type a kernel computes in: `f32` or `f64` (`bf16` and `f16`
+/// compute in `f32`). The element-wise optimizers compute in it too.
+pub trait Real:
     Element
     + PartialOrd
     + Add<Output = Self>
@@ -21,22 +22,39 @@ pub(crate) trait Real:
     + Sync
     + 'static
 {
+    /// 0.
     const ZERO: Self;
+    /// 1.
     const ONE: Self;
+    /// −∞.
     const NEG_INFINITY: Self;
-    /// Rounds `v` to this type.
+    /// Rounds `v` to this type (to nearest, as PyTorch turns a Python float into a
+    /// kernel scalar).
     fn real(v: f64) -> Self;
     /// Widens to `f64` (exact).
     fn widen(self) -> f64;
+    /// Whether this is a NaN.
     fn is_nan(self) -> bool;
+    /// `e^self` (libm's).
     fn exp(self) -> Self;
+    /// The natural logarithm.
     fn ln(self) -> Self;
+    /// The square root (correctly rounded).
     fn sqrt(self) -> Self;
+    /// The hyperbolic tangent.
     fn tanh(self) -> Self;
+    /// The absolute value.
     fn abs(self) -> Self;
+    /// `self^e`.
     fn powf(self, e: Self) -> Self;
+    /// The error function.
     fn erf(self) -> Self;
+    /// The complementary error function, `1 − erf(self)`.
     fn erfc(self) -> Self;
+    /// `self · a + b` with one rounding (the `fmadd` of vectorised kernels; one
+    /// instruction where the loop is compiled with FMA, libm's correctly rounded
+    /// software fallback elsewhere: the same bits).
+    fn mul_add(self, a: Self, b: Self) -> Self;
 }
 
 macro_rules! real {
@@ -88,6 +106,10 @@ macro_rules! real {
             #[inline(always)]
             fn erfc(self) -> Self {
                 $erfc(self)
+            }
+            #[inline(always)]
+            fn mul_add(self, a: Self, b: Self) -> Self {
+                <$t>::mul_add(self, a, b)
             }
         }
     };

@@ -3,11 +3,11 @@
 
 /// Fewest elements of output per thread that a kernel splits over the rank's
 /// threads: below it, handing out the parts costs more than they save.
-pub(crate) const PAR_MIN_ELEMENTS: usize = 1 << 15;
+pub const PAR_MIN_ELEMENTS: usize = 1 << 15;
 
 /// How many threads [`par_rows`] splits an output of `len` elements over (1:
 /// not split).
-pub(crate) fn par_parts(len: usize) -> usize {
+pub fn par_parts(len: usize) -> usize {
     (len / PAR_MIN_ELEMENTS).clamp(1, tessera_mesh::intra_op_threads())
 }
 
