@@ -22,7 +22,6 @@
 //! - [`Placement`], [`ShardOrder`] and the pure [`sharding`] math (torch.chunk splits).
 //! - [`DTensor`], [`distribute_tensor`], and redistribution as a pure planner
 //!   ([`redistribute::plan`]) plus an executor.
-#![deny(missing_docs)]
 
 pub mod bucket;
 pub mod checkpoint;
