@@ -31,7 +31,6 @@
 //!   gradient goes, [`SavedHandle`] how backward re-reads an operand; with the
 //!   module hooks of [`nn`] (attached by a module's place in the tree), that is
 //!   all such a layer needs.
-#![deny(missing_docs)]
 
 mod backward;
 mod error;

@@ -459,11 +459,6 @@ pub fn all_reduce_bucket(inputs: &[DTensor], mesh_dim: usize) -> Result<BucketWo
 }
 
 impl BucketWork {
-    /// Elements of one rank's block (the gather's input, the reduce-scatter's output).
-    pub fn block_len(&self) -> usize {
-        self.block
-    }
-
     /// Waits for the collective and unpacks one DTensor per input, in input order.
     ///
     /// # Errors

@@ -117,7 +117,7 @@ impl Split {
 ///
 /// # Errors
 ///
-/// [`Error::InvalidArgument`] when `coord` and `mesh_shape` differ in length, a mesh dim
+/// [`InvalidArgument`](TensorError::InvalidArgument) when `coord` and `mesh_shape` differ in length, a mesh dim
 /// has size 0, a coordinate is out of range, or `chain` names a mesh dim twice or one
 /// past the mesh.
 pub fn split_chain(
@@ -184,7 +184,7 @@ fn splits_unchecked(
 ///
 /// # Errors
 ///
-/// As [`split_chain`], and [`Error::InvalidArgument`] when `mesh_dim` is not in `chain`.
+/// As [`split_chain`], and [`InvalidArgument`](TensorError::InvalidArgument) when `mesh_dim` is not in `chain`.
 pub fn logical_size_before(
     global_size: usize,
     mesh_shape: &[usize],
@@ -226,7 +226,7 @@ pub fn logical_size_before(
 /// # Errors
 ///
 /// [`Error::Placement`] when the placements do not fit the mesh or the tensor rank, or
-/// `order` does not describe them; [`Error::InvalidArgument`] for a mesh dim of size 0
+/// `order` does not describe them; [`InvalidArgument`](TensorError::InvalidArgument) for a mesh dim of size 0
 /// or a coordinate outside the mesh.
 pub fn local_shape_and_offset(
     global_shape: &[usize],

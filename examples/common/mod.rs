@@ -7,11 +7,11 @@
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 
-pub mod peak;
+pub(crate) mod peak;
 
 /// The flags every benchmark takes: `--json PATH` and `--iters N`.
 #[derive(Clone, Debug)]
-pub struct BenchArgs {
+pub(crate) struct BenchArgs {
     /// Where to write the JSON records, if anywhere.
     pub json: Option<PathBuf>,
     /// Timed iterations per case.
@@ -19,12 +19,12 @@ pub struct BenchArgs {
 }
 
 /// What `parse_args` returns when the user asked for `--help`.
-pub const HELP: &str = "help";
+pub(crate) const HELP: &str = "help";
 
 /// A benchmark's `main` around its parsed flags: `--help` prints `usage` (exit 0);
 /// a bad flag prints the message and `usage` (exit 2); otherwise it runs `run`
 /// and prints its error, if any, as `name: error: ...` (exit 1).
-pub fn bench_main<A, E: std::fmt::Display>(
+pub(crate) fn bench_main<A, E: std::fmt::Display>(
     name: &str,
     usage: &str,
     parsed: Result<A, String>,
@@ -57,7 +57,7 @@ pub fn bench_main<A, E: std::fmt::Display>(
 /// A message for the user (unknown flag, missing or bad value, a `--json` folder
 /// that does not exist): print it with the usage and exit nonzero. `--help` gives
 /// the message [`HELP`]: print the usage and exit zero.
-pub fn parse_args(args: impl IntoIterator<Item = String>, default_iters: usize) -> Result<BenchArgs, String> {
+pub(crate) fn parse_args(args: impl IntoIterator<Item = String>, default_iters: usize) -> Result<BenchArgs, String> {
     let mut out = BenchArgs {
         json: None,
         iters: default_iters,
@@ -79,7 +79,7 @@ pub fn parse_args(args: impl IntoIterator<Item = String>, default_iters: usize) 
 ///
 /// # Errors
 /// The first message `on` or a missing value gives.
-pub fn parse_flags(
+pub(crate) fn parse_flags(
     args: impl IntoIterator<Item = String>,
     mut on: impl FnMut(&str, &mut dyn FnMut(&str) -> Result<String, String>) -> Result<(), String>,
 ) -> Result<(), String> {
@@ -107,7 +107,7 @@ pub fn parse_flags(
 ///
 /// # Errors
 /// Anything else.
-pub fn positive(flag: &str, v: &str) -> Result<usize, String> {
+pub(crate) fn positive(flag: &str, v: &str) -> Result<usize, String> {
     match v.parse::<usize>() {
         Ok(n) if n > 0 => Ok(n),
         _ => Err(format!("{flag} takes a positive integer, got {v:?}")),
@@ -118,7 +118,7 @@ pub fn positive(flag: &str, v: &str) -> Result<usize, String> {
 ///
 /// # Errors
 /// A folder, or a file in a folder that does not exist.
-pub fn json_path(v: &str) -> Result<PathBuf, String> {
+pub(crate) fn json_path(v: &str) -> Result<PathBuf, String> {
     let path = PathBuf::from(v);
     check_writable_dir(&path)?;
     Ok(path)
@@ -145,7 +145,7 @@ fn check_writable_dir(path: &Path) -> Result<(), String> {
 
 /// Timed iterations for a collective on a buffer of `mib` MiB (`given`, from
 /// `--iters`, overrides when nonzero).
-pub fn iters_for(mib: usize, given: usize) -> usize {
+pub(crate) fn iters_for(mib: usize, given: usize) -> usize {
     if given > 0 {
         given
     } else {
@@ -158,7 +158,7 @@ pub fn iters_for(mib: usize, given: usize) -> usize {
 }
 
 /// The median of `xs` (the mean of the middle two for an even count); NaN when empty.
-pub fn median(xs: &[f64]) -> f64 {
+pub(crate) fn median(xs: &[f64]) -> f64 {
     if xs.is_empty() {
         return f64::NAN;
     }
@@ -173,7 +173,7 @@ pub fn median(xs: &[f64]) -> f64 {
 }
 
 /// Per iteration, the slowest rank: `per_rank[r][i]` is rank `r`'s time of iteration `i`.
-pub fn max_over_ranks(per_rank: &[Vec<f64>]) -> Vec<f64> {
+pub(crate) fn max_over_ranks(per_rank: &[Vec<f64>]) -> Vec<f64> {
     let iters = per_rank.iter().map(Vec::len).min().unwrap_or(0);
     (0..iters)
         .map(|i| per_rank.iter().map(|t| t[i]).fold(f64::NEG_INFINITY, f64::max))
@@ -182,7 +182,7 @@ pub fn max_over_ranks(per_rank: &[Vec<f64>]) -> Vec<f64> {
 
 /// A JSON value, just enough for benchmark records.
 #[derive(Clone, Debug)]
-pub enum Json {
+pub(crate) enum Json {
     /// `null`.
     Null,
     /// A number (non-finite numbers are written as `null`).
@@ -199,12 +199,12 @@ pub enum Json {
 
 impl Json {
     /// `Some(x)` as a number, `None` as `null`.
-    pub fn opt(x: Option<f64>) -> Json {
+    pub(crate) fn opt(x: Option<f64>) -> Json {
         x.map_or(Json::Null, Json::Num)
     }
 
     /// The compact JSON text.
-    pub fn render(&self) -> String {
+    pub(crate) fn render(&self) -> String {
         let mut s = String::new();
         self.write(&mut s, 0);
         s
@@ -277,7 +277,7 @@ fn write_str(s: &mut String, t: &str) {
 ///
 /// # Errors
 /// Any I/O error, with the path in the message; the temporary file is removed.
-pub fn write_atomic(path: &Path, contents: &str) -> Result<(), String> {
+pub(crate) fn write_atomic(path: &Path, contents: &str) -> Result<(), String> {
     tessera::autograd::state_dict::write_atomic(path, contents.as_bytes()).map_err(|e| e.to_string())
 }
 

@@ -5,7 +5,7 @@
 /// vectors the CPU has (AVX-512F, else AVX2 with FMA): twelve independent
 /// accumulators, enough to keep every FMA pipe busy, and the best of five
 /// runs of ~10 ms. `None` on other CPUs (the benchmark then prints no ratio).
-pub fn f32_fma_gflops() -> Option<f64> {
+pub(crate) fn f32_fma_gflops() -> Option<f64> {
     #[cfg(target_arch = "x86_64")]
     {
         const ITERS: usize = 500_000;
@@ -38,11 +38,11 @@ mod x86 {
     use std::arch::x86_64::*;
 
     /// Independent FMA chains: more than latency × pipes (4 × 2 on current cores).
-    pub const ACCUMULATORS: usize = 12;
+    pub(super) const ACCUMULATORS: usize = 12;
 
     /// `iters` rounds of one FMA per accumulator, 16 lanes each.
     #[target_feature(enable = "avx512f")]
-    pub fn fma_512(iters: usize) -> f32 {
+    pub(super) fn fma_512(iters: usize) -> f32 {
         let mut acc = [_mm512_set1_ps(0.0); ACCUMULATORS];
         let (a, b) = (_mm512_set1_ps(0.999_999), _mm512_set1_ps(1e-7));
         for _ in 0..iters {
@@ -55,7 +55,7 @@ mod x86 {
 
     /// `iters` rounds of one FMA per accumulator, 8 lanes each.
     #[target_feature(enable = "avx2,fma")]
-    pub fn fma_256(iters: usize) -> f32 {
+    pub(super) fn fma_256(iters: usize) -> f32 {
         let mut acc = [_mm256_set1_ps(0.0); ACCUMULATORS];
         let (a, b) = (_mm256_set1_ps(0.999_999), _mm256_set1_ps(1e-7));
         for _ in 0..iters {

@@ -27,7 +27,6 @@
 //! backends' test suites); `mpi` (the MPI backend over the `mpi` crate: needs an
 //! MPI library such as OpenMPI and libclang to build). A `cuda` (NCCL) backend is
 //! planned behind its own feature.
-#![deny(missing_docs)]
 
 mod comm;
 pub mod context;

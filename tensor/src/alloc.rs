@@ -8,12 +8,11 @@
 //!   before they are touched (512 times fewer faults where the system allows it);
 //! - when a tensor's storage of 256 KiB or more is dropped on its rank's thread,
 //!   the buffer goes to a small per-thread cache, and outputs and exchange buffers
-//!   that are overwritten in full ([`reused`], [`written`]) come from there first:
-//!   no faults, no zeroing
-//!   ([`written`] does not zero a fresh buffer either: its caller writes every element). The cache holds at
-//!   most [`CACHE_BUFFERS`] buffers and [`CACHE_BYTES`] bytes per thread and dies
-//!   with the thread; cached buffers are not tensor storage, so the memory tracker
-//!   does not count them;
+//!   that are overwritten in full ([`reused`], and the crate's own `written`)
+//!   come from there first: no faults, no zeroing (`written` does not zero a
+//!   fresh buffer either: its caller writes every element). The cache holds at
+//!   most 16 buffers and 512 MiB per thread and dies with the thread; cached
+//!   buffers are not tensor storage, so the memory tracker does not count them;
 //! - with glibc, the first tensor storage tunes `malloc` to keep freed memory for
 //!   reuse instead of handing it back to the system after every step (a heap
 //!   allocation up to 32 MiB, no trimming below 1 GiB of free top, 64 MiB of top
@@ -24,9 +23,9 @@
 //! Buffers whose size comes from a shape rather than from data that already
 //! exists (constructors, casts, outputs that can outgrow their inputs such as
 //! matmul, broadcasting, embedding and reductions of empty tensors, and exchange
-//! buffers sized from a spec) are allocated here, fallibly: [`zeroed`],
-//! [`with_capacity`], [`reused`], [`written`] and [`zeros_buffer`] check the element and byte
-//! counts for overflow and return [`Error::OutOfMemory`] (naming the op, shape,
+//! buffers sized from a spec) are allocated here, fallibly: [`reused`] and the
+//! crate's own `zeroed`, `with_capacity`, `written` and `zeros_buffer` check the
+//! element and byte counts for overflow and return [`Error::OutOfMemory`] (naming the op, shape,
 //! dtype and bytes) when the memory cannot be had, instead of aborting the process.
 
 use std::cell::RefCell;
@@ -82,7 +81,8 @@ fn cached<T: Element>(n: usize) -> Option<Vec<T>> {
 /// zeroed one. For outputs that the caller overwrites in full.
 ///
 /// # Errors
-/// [`Error::OutOfMemory`] as for [`zeroed`].
+/// [`Error::OutOfMemory`] (naming the op, shape, dtype and bytes) when the
+/// element or byte count overflows or the memory cannot be had.
 pub fn reused<T: Element>(op: &'static str, shape: &[usize]) -> Result<Vec<T>> {
     let n = checked_len(op, shape, T::DTYPE)?;
     match cached::<T>(n) {

@@ -24,7 +24,6 @@
 //!
 //! Everything here is local to one rank: distributed tensors, placements and
 //! collectives live in the crates above (`tessera-dtensor`, `tessera-mesh`).
-#![deny(missing_docs)]
 
 pub mod alloc;
 mod error;

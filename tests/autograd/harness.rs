@@ -7,7 +7,7 @@ use tessera::dtensor::{Placement, Tensor, distribute_tensor};
 use tessera::{BoxError, DeviceMesh, launch};
 
 /// What a rank's closure returns.
-pub type R<T> = Result<T, BoxError>;
+pub(crate) type R<T> = Result<T, BoxError>;
 
 /// One multi-rank launch at a time: the CI has two cores, and several 4-rank jobs at
 /// once only make every one of them slower. One-rank jobs run freely.
@@ -15,7 +15,7 @@ static LAUNCH: Mutex<()> = Mutex::new(());
 
 /// Runs `f` on every rank of a fresh mesh of `mesh_shape` and returns every rank's
 /// result, or the launch's error (naming the rank that failed and why).
-pub fn try_on_mesh<T, F>(mesh_shape: &[usize], f: F) -> Result<Vec<T>, String>
+pub(crate) fn try_on_mesh<T, F>(mesh_shape: &[usize], f: F) -> Result<Vec<T>, String>
 where
     T: Send + 'static,
     F: Fn(&DeviceMesh) -> R<T> + Send + Sync + 'static,
@@ -31,7 +31,7 @@ where
 }
 
 /// [`try_on_mesh`], failing the test on an error.
-pub fn on_mesh<T, F>(mesh_shape: &[usize], f: F) -> Vec<T>
+pub(crate) fn on_mesh<T, F>(mesh_shape: &[usize], f: F) -> Vec<T>
 where
     T: Send + 'static,
     F: Fn(&DeviceMesh) -> R<T> + Send + Sync + 'static,
@@ -40,14 +40,14 @@ where
 }
 
 /// SplitMix64: the same values on every rank and every run.
-pub struct Rng(u64);
+pub(crate) struct Rng(u64);
 
 impl Rng {
-    pub fn new(seed: u64) -> Rng {
+    pub(crate) fn new(seed: u64) -> Rng {
         Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0xD1B5_4A32_D192_ED03)
     }
 
-    pub fn next_u64(&mut self) -> u64 {
+    pub(crate) fn next_u64(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
         let mut z = self.0;
         z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
@@ -56,23 +56,23 @@ impl Rng {
     }
 
     /// Uniform on `[lo, hi)`.
-    pub fn uniform(&mut self, lo: f64, hi: f64) -> f64 {
+    pub(crate) fn uniform(&mut self, lo: f64, hi: f64) -> f64 {
         lo + (hi - lo) * (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
     }
 
     /// Uniform on `[-1, 1)`.
-    pub fn signed(&mut self) -> f64 {
+    pub(crate) fn signed(&mut self) -> f64 {
         self.uniform(-1.0, 1.0)
     }
 
     /// Uniform on `0..n`.
-    pub fn below(&mut self, n: usize) -> usize {
+    pub(crate) fn below(&mut self, n: usize) -> usize {
         (self.next_u64() % n as u64) as usize
     }
 }
 
 /// An f64 tensor of `shape` with values `f(rng)`.
-pub fn values(shape: &[usize], seed: u64, mut f: impl FnMut(&mut Rng) -> f64) -> Tensor {
+pub(crate) fn values(shape: &[usize], seed: u64, mut f: impl FnMut(&mut Rng) -> f64) -> Tensor {
     let mut rng = Rng::new(seed);
     let n: usize = shape.iter().product();
     let v: Vec<f64> = (0..n).map(|_| f(&mut rng)).collect();
@@ -81,12 +81,12 @@ pub fn values(shape: &[usize], seed: u64, mut f: impl FnMut(&mut Rng) -> f64) ->
 }
 
 /// An f64 tensor of `shape` uniform on `[-1, 1)`.
-pub fn uniform(shape: &[usize], seed: u64) -> Tensor {
+pub(crate) fn uniform(shape: &[usize], seed: u64) -> Tensor {
     values(shape, seed, Rng::signed)
 }
 
 /// An i64 tensor of `shape` with values in `0..n`.
-pub fn indices(shape: &[usize], n: usize, seed: u64) -> Tensor {
+pub(crate) fn indices(shape: &[usize], n: usize, seed: u64) -> Tensor {
     let mut rng = Rng::new(seed);
     let count: usize = shape.iter().product();
     let v: Vec<i64> = (0..count).map(|_| rng.below(n) as i64).collect();
@@ -95,23 +95,23 @@ pub fn indices(shape: &[usize], n: usize, seed: u64) -> Tensor {
 }
 
 /// `Replicate` on every one of `n` mesh dims.
-pub fn replicate(n: usize) -> Vec<Placement> {
+pub(crate) fn replicate(n: usize) -> Vec<Placement> {
     vec![Placement::Replicate; n]
 }
 
 /// A parameter holding `full` distributed with `placements`.
-pub fn param(name: &str, full: &Tensor, mesh: &DeviceMesh, placements: &[Placement]) -> R<Param> {
+pub(crate) fn param(name: &str, full: &Tensor, mesh: &DeviceMesh, placements: &[Placement]) -> R<Param> {
     Ok(Param::new(name, distribute_tensor(full, mesh, placements)?))
 }
 
 /// A constant holding `full` distributed with `placements`.
-pub fn constant(full: &Tensor, mesh: &DeviceMesh, placements: &[Placement]) -> R<Var> {
+pub(crate) fn constant(full: &Tensor, mesh: &DeviceMesh, placements: &[Placement]) -> R<Var> {
     Ok(Var::constant(distribute_tensor(full, mesh, placements)?))
 }
 
 /// A parameter's leaf, redistributed to replicated when it is stored otherwise
 /// (so the backward of that redistribute is what brings its gradient home).
-pub fn gathered(p: &Param) -> tessera::autograd::Result<Var> {
+pub(crate) fn gathered(p: &Param) -> tessera::autograd::Result<Var> {
     let v = p.var();
     if v.value().placements().iter().all(|p| p.is_replicate()) {
         Ok(v)
@@ -121,12 +121,12 @@ pub fn gathered(p: &Param) -> tessera::autograd::Result<Var> {
 }
 
 /// The value of a scalar var, on every rank.
-pub fn scalar(v: &Var) -> R<f64> {
+pub(crate) fn scalar(v: &Var) -> R<f64> {
     Ok(v.value().full_tensor()?.to_f64_vec()[0])
 }
 
 /// The full gradient of `p`, or an error naming it.
-pub fn full_grad(p: &Param) -> R<Tensor> {
+pub(crate) fn full_grad(p: &Param) -> R<Tensor> {
     let g = p
         .grad()
         .ok_or_else(|| format!("parameter {} has no gradient", p.name()))?;
@@ -134,7 +134,7 @@ pub fn full_grad(p: &Param) -> R<Tensor> {
 }
 
 /// `Σ x·r` over every element (`r` broadcast to `x`'s shape).
-pub fn weighted_sum(x: &Var, r: &Var) -> tessera::autograd::Result<Var> {
+pub(crate) fn weighted_sum(x: &Var, r: &Var) -> tessera::autograd::Result<Var> {
     let y = x.mul(r)?;
     let dims: Vec<usize> = (0..y.value().shape().len()).collect();
     if dims.is_empty() { Ok(y) } else { y.sum(&dims, false) }
@@ -142,7 +142,7 @@ pub fn weighted_sum(x: &Var, r: &Var) -> tessera::autograd::Result<Var> {
 
 /// The largest `|got − want| / max(1, |want|)`, or an error for different shapes or
 /// dtypes.
-pub fn max_rel_err(got: &Tensor, want: &Tensor) -> Result<f64, String> {
+pub(crate) fn max_rel_err(got: &Tensor, want: &Tensor) -> Result<f64, String> {
     if got.shape() != want.shape() || got.dtype() != want.dtype() {
         return Err(format!(
             "shape/dtype {:?} {} where {:?} {} was expected",

@@ -13,12 +13,12 @@ use tessera::models::{Transformer, TransformerConfig};
 use tessera::{DType, DeviceMesh};
 
 /// `tests/data/<name>`.
-pub fn data(name: &str) -> PathBuf {
+pub(crate) fn data(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data").join(name)
 }
 
 /// `runs.<run>.loss` of the PyTorch reference (20 steps).
-pub fn reference_losses(run: &str) -> Vec<f64> {
+pub(crate) fn reference_losses(run: &str) -> Vec<f64> {
     let text = std::fs::read_to_string(data("tiny_reference.json")).unwrap();
     let v: Value = serde_json::from_str(&text).unwrap();
     v["runs"][run]["loss"]
@@ -30,21 +30,21 @@ pub fn reference_losses(run: &str) -> Vec<f64> {
 }
 
 /// Tokens `[20, 16, 33]` of the reference: step `s` uses rows `0..G` of `tokens[s]`.
-pub fn tokens() -> Tensor {
+pub(crate) fn tokens() -> Tensor {
     let all = read_safetensors(data("tiny_tokens_G16.safetensors")).unwrap();
     all.into_iter().find(|(n, _)| n == "tokens").unwrap().1
 }
 
 /// The tiny reference Transformer on `mesh` (replicated) with the reference's
 /// initial weights.
-pub fn tiny_model(mesh: &DeviceMesh) -> tessera::autograd::Result<Transformer> {
+pub(crate) fn tiny_model(mesh: &DeviceMesh) -> tessera::autograd::Result<Transformer> {
     let model = Transformer::new(TransformerConfig::TINY, mesh, DType::F32, 0)?;
     load_state_dict(&model.parameters(), data("tiny_init.safetensors"))?;
     Ok(model)
 }
 
 /// The reference AdamW.
-pub fn adamw() -> AdamWConfig {
+pub(crate) fn adamw() -> AdamWConfig {
     AdamWConfig {
         lr: 1e-3,
         betas: (0.9, 0.95),
@@ -54,7 +54,7 @@ pub fn adamw() -> AdamWConfig {
 }
 
 /// The largest `|a − b|` (the lengths must agree).
-pub fn max_abs_diff(a: &[f64], b: &[f64]) -> f64 {
+pub(crate) fn max_abs_diff(a: &[f64], b: &[f64]) -> f64 {
     assert_eq!(a.len(), b.len(), "lengths differ");
     a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max)
 }

@@ -12,7 +12,7 @@ use crate::common::{tiny_model, tokens};
 use crate::{batch, full_grads, max_named_diff, scalar};
 
 /// What a gradient-accumulation run saw (rank 0).
-pub struct Accumulated {
+pub(crate) struct Accumulated {
     /// Per step, per micro-batch: collectives of forward plus backward.
     pub counts: Vec<Vec<CommCounts>>,
     /// Per step: the full gradients before the optimizer step.
@@ -24,7 +24,7 @@ pub struct Accumulated {
 /// `steps` SGD steps of FSDP on `mesh_shape`, each accumulating three micro-batches
 /// of `g` rows (rows `k·g..(k+1)·g` of `tokens[step]`), loss scaled by 1/3, with
 /// gradient sync off for the first two. `check_mid` runs after the second micro-batch.
-pub fn accumulate(mesh_shape: &'static [usize], g: usize, steps: usize, check_mid: fn(&[Param])) -> Accumulated {
+pub(crate) fn accumulate(mesh_shape: &'static [usize], g: usize, steps: usize, check_mid: fn(&[Param])) -> Accumulated {
     let toks = tokens();
     let world = mesh_shape.iter().product();
     let runs = launch(world, move |ctx| {

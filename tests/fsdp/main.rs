@@ -57,7 +57,7 @@ mod wrapping;
 
 use std::ops::Range;
 
-pub use common::max_abs_diff;
+pub(crate) use common::max_abs_diff;
 use common::{adamw, tiny_model, tokens};
 use tessera::autograd::nn::Module;
 use tessera::autograd::optim::{AdamW, Optimizer};
@@ -143,10 +143,13 @@ pub fn no_setup(_: &FsdpUnits) {}
 /// One training run of the tiny reference model.
 #[derive(Clone)]
 pub struct Job {
+    /// Shape of the device mesh.
     pub mesh: &'static [usize],
+    /// Names of the mesh dims (`None`: the defaults).
     pub names: Option<&'static [&'static str]>,
     /// Global batch (rows of `tokens[step]`).
     pub g: usize,
+    /// Training steps.
     pub steps: usize,
     /// `None`: no FSDP (replicated parameters, data parallel through DTensor).
     pub fsdp: Option<FsdpConfig>,
@@ -155,6 +158,7 @@ pub struct Job {
 }
 
 impl Job {
+    /// A run with FSDP configured by `cfg` on a mesh of this shape and no setup.
     pub fn fsdp(mesh: &'static [usize], g: usize, steps: usize, cfg: FsdpConfig) -> Job {
         Job {
             mesh,
@@ -170,6 +174,7 @@ impl Job {
 /// What a rank saw.
 #[derive(Debug, PartialEq)]
 pub struct Run {
+    /// The loss of each step.
     pub losses: Vec<f64>,
     /// Collectives of each step's `model.loss` (forward).
     pub fwd: Vec<CommCounts>,

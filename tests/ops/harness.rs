@@ -15,7 +15,7 @@ use tessera::dtensor::{
 use tessera::{BoxError, DeviceMesh, launch};
 
 /// The meshes every case runs on.
-pub const MESHES: [&[usize]; 3] = [&[2], &[4], &[2, 2]];
+pub(crate) const MESHES: [&[usize]; 3] = [&[2], &[4], &[2, 2]];
 
 /// Cases per property when `PROPTEST_CASES` is not set.
 const DEFAULT_CASES: u32 = 32;
@@ -26,7 +26,7 @@ const ATOL: f64 = 1e-12;
 
 /// The proptest configuration: 32 cases unless `PROPTEST_CASES` says otherwise,
 /// failures persisted under `target/` (out of git).
-pub fn config() -> Config {
+pub(crate) fn config() -> Config {
     let mut c = Config::default();
     if std::env::var_os("PROPTEST_CASES").is_none() {
         c.cases = DEFAULT_CASES;
@@ -46,7 +46,7 @@ static LAUNCH: Mutex<()> = Mutex::new(());
 ///
 /// # Errors
 /// The launch's error (a rank that failed or panicked), as a string.
-pub fn on_mesh<T, F>(mesh_shape: &[usize], f: F) -> std::result::Result<Vec<T>, String>
+pub(crate) fn on_mesh<T, F>(mesh_shape: &[usize], f: F) -> std::result::Result<Vec<T>, String>
 where
     T: Send + 'static,
     F: Fn(&DeviceMesh) -> std::result::Result<T, BoxError> + Send + Sync + 'static,
@@ -63,7 +63,7 @@ where
 
 /// What an input holds.
 #[derive(Clone, Copy, Debug, PartialEq)]
-pub enum Kind {
+pub(crate) enum Kind {
     /// `f64` standard normal values (may be `Partial`).
     Float,
     /// `f64` values in `[0.25, 1.25)` (for log, sqrt, rsqrt and divisors; may be `Partial`).
@@ -74,7 +74,7 @@ pub enum Kind {
 
 /// One input of an op: its global shape and values.
 #[derive(Clone, PartialEq)]
-pub struct Arg {
+pub(crate) struct Arg {
     /// The global shape.
     pub shape: Vec<usize>,
     /// What it holds.
@@ -92,7 +92,7 @@ impl fmt::Debug for Arg {
 }
 
 /// A float input of `shape`.
-pub fn float(shape: &[usize]) -> Arg {
+pub(crate) fn float(shape: &[usize]) -> Arg {
     Arg {
         shape: shape.to_vec(),
         kind: Kind::Float,
@@ -100,7 +100,7 @@ pub fn float(shape: &[usize]) -> Arg {
 }
 
 /// A positive float input of `shape`.
-pub fn positive(shape: &[usize]) -> Arg {
+pub(crate) fn positive(shape: &[usize]) -> Arg {
     Arg {
         shape: shape.to_vec(),
         kind: Kind::Positive,
@@ -108,12 +108,12 @@ pub fn positive(shape: &[usize]) -> Arg {
 }
 
 /// One float input per case, of each of `shapes`.
-pub fn singles(shapes: &[&[usize]]) -> Vec<Vec<Arg>> {
+pub(crate) fn singles(shapes: &[&[usize]]) -> Vec<Vec<Arg>> {
     shapes.iter().map(|s| vec![float(s)]).collect()
 }
 
 /// An `i64` input of `shape` with values in `0..bound`.
-pub fn index(shape: &[usize], bound: i64) -> Arg {
+pub(crate) fn index(shape: &[usize], bound: i64) -> Arg {
     Arg {
         shape: shape.to_vec(),
         kind: Kind::Index(bound),
@@ -133,7 +133,7 @@ impl Arg {
     }
 
     /// The full tensor of this input for `seed`.
-    pub fn full(&self, seed: u64) -> Tensor {
+    pub(crate) fn full(&self, seed: u64) -> Tensor {
         let t = match self.kind {
             Kind::Float => Tensor::randn(&self.shape, DType::F64, seed),
             Kind::Positive => Tensor::rand(&self.shape, DType::F64, seed).and_then(|t| t.add_scalar(0.25)),
@@ -150,7 +150,7 @@ impl Arg {
 
 /// How the inputs are built on each rank.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Source {
+pub(crate) enum Source {
     /// `distribute_tensor` of the full tensor (views; `Partial(sum)` holds the value
     /// on coordinate 0 and zeros elsewhere).
     Distribute,
@@ -161,7 +161,7 @@ pub enum Source {
 /// One generated case: an op parameter, the inputs, and per mesh of [`MESHES`] and
 /// per input, the placements.
 #[derive(Clone)]
-pub struct Case<P> {
+pub(crate) struct Case<P> {
     /// The op's parameter (dims, a target shape, ...).
     pub param: P,
     /// The inputs.
@@ -203,7 +203,7 @@ impl<P: fmt::Debug> fmt::Debug for Case<P> {
 
 impl<P> Case<P> {
     /// The full inputs.
-    pub fn fulls(&self) -> Vec<Tensor> {
+    pub(crate) fn fulls(&self) -> Vec<Tensor> {
         self.args
             .iter()
             .enumerate()
@@ -219,7 +219,7 @@ impl<P> Case<P> {
 
 /// Cases drawn from `sets` (an op parameter and the inputs it goes with): values,
 /// source, and independent placements for every mesh and input.
-pub fn cases<P: Clone + fmt::Debug + 'static>(sets: Vec<(P, Vec<Arg>)>) -> impl Strategy<Value = Case<P>> {
+pub(crate) fn cases<P: Clone + fmt::Debug + 'static>(sets: Vec<(P, Vec<Arg>)>) -> impl Strategy<Value = Case<P>> {
     prop::sample::select(sets).prop_flat_map(|(param, args)| {
         let placements: Vec<Vec<_>> = MESHES
             .iter()
@@ -254,7 +254,7 @@ pub fn cases<P: Clone + fmt::Debug + 'static>(sets: Vec<(P, Vec<Arg>)>) -> impl 
 }
 
 /// Cases without an op parameter.
-pub fn plain(sets: Vec<Vec<Arg>>) -> impl Strategy<Value = Case<()>> {
+pub(crate) fn plain(sets: Vec<Vec<Arg>>) -> impl Strategy<Value = Case<()>> {
     cases(sets.into_iter().map(|a| ((), a)).collect())
 }
 
@@ -263,7 +263,7 @@ type LocalFn = Box<dyn Fn(&[Tensor]) -> tessera::tensor::Result<Tensor> + Send +
 
 /// One op under test: the DTensor op and its single-device oracle (owning what they
 /// use: the DTensor op runs on the ranks of a launch).
-pub struct Op {
+pub(crate) struct Op {
     /// Printed in failures.
     pub name: String,
     dist: DistFn,
@@ -274,7 +274,7 @@ pub struct Op {
 
 impl Op {
     /// An op compared with a tolerance.
-    pub fn new(
+    pub(crate) fn new(
         name: impl Into<String>,
         dist: impl Fn(&[DTensor]) -> Result<DTensor> + Send + Sync + 'static,
         local: impl Fn(&[Tensor]) -> tessera::tensor::Result<Tensor> + Send + Sync + 'static,
@@ -288,7 +288,7 @@ impl Op {
     }
 
     /// The same op, bit-exact unless an input is `Partial`.
-    pub fn exact(mut self) -> Op {
+    pub(crate) fn exact(mut self) -> Op {
         self.exact = true;
         self
     }
@@ -347,7 +347,7 @@ fn matches(got: &Tensor, want: &Tensor, exact: bool) -> bool {
 /// Runs every op of `ops` on the inputs of `case`, on each mesh of [`MESHES`] (one
 /// launch per mesh), and compares every rank's `full_tensor()` of each result with
 /// the op on the full inputs.
-pub fn check<P>(case: Case<P>, ops: impl Into<Arc<[Op]>>) -> std::result::Result<(), TestCaseError>
+pub(crate) fn check<P>(case: Case<P>, ops: impl Into<Arc<[Op]>>) -> std::result::Result<(), TestCaseError>
 where
     P: fmt::Debug + Send + Sync + 'static,
 {

@@ -12,7 +12,7 @@ const DEFAULT_CASES: u32 = 256;
 
 /// The proptest configuration of every property: 256 cases unless `PROPTEST_CASES`
 /// says otherwise, failures persisted under `target/` (out of git).
-pub fn config() -> Config {
+pub(crate) fn config() -> Config {
     // `Config::default()` reads the `PROPTEST_*` variables; keep its case count when
     // the variable is set.
     let mut c = Config::default();
@@ -33,7 +33,7 @@ static LAUNCH: Mutex<()> = Mutex::new(());
 
 /// Runs `f` on every rank of a fresh mesh of `mesh_shape`; a failed launch (an error
 /// or panic on any rank) fails the case.
-pub fn on_mesh<T, F>(mesh_shape: &[usize], f: F) -> Result<Vec<T>, TestCaseError>
+pub(crate) fn on_mesh<T, F>(mesh_shape: &[usize], f: F) -> Result<Vec<T>, TestCaseError>
 where
     T: Send + 'static,
     F: Fn(&DeviceMesh) -> Result<T, BoxError> + Send + Sync + 'static,
@@ -50,7 +50,7 @@ where
 }
 
 /// [`on_mesh`] on the case's source mesh, `f` getting the rank's own copy of the case.
-pub fn on_case<T, F>(t: &Transition, f: F) -> Result<Vec<T>, TestCaseError>
+pub(crate) fn on_case<T, F>(t: &Transition, f: F) -> Result<Vec<T>, TestCaseError>
 where
     T: Send + 'static,
     F: Fn(&Transition, &DeviceMesh) -> Result<T, BoxError> + Send + Sync + 'static,
@@ -60,14 +60,14 @@ where
 }
 
 /// The full tensor of a case (every rank and the oracle build the same one).
-pub fn full_of(t: &Transition) -> Tensor {
+pub(crate) fn full_of(t: &Transition) -> Tensor {
     // INVARIANT: generated shapes are small.
     test_values(&t.src.shape, t.src.dtype).expect("small shape")
 }
 
 /// The case's source tensor on this rank: the full tensor distributed, or per-rank
 /// partial values (with a known reduction) wrapped by `from_local`.
-pub fn source(t: &Transition, mesh: &DeviceMesh) -> Result<DTensor, BoxError> {
+pub(crate) fn source(t: &Transition, mesh: &DeviceMesh) -> Result<DTensor, BoxError> {
     let full = full_of(t);
     Ok(match t.source {
         Source::Distribute => distribute_tensor_with_order(&full, mesh, &t.src.placements, t.src.order.clone())?,
@@ -80,7 +80,7 @@ pub fn source(t: &Transition, mesh: &DeviceMesh) -> Result<DTensor, BoxError> {
 
 /// Whether `got` equals `want`: exactly, or (`approx`, for means) within a tight
 /// tolerance for the dtype.
-pub fn close(got: &Tensor, want: &Tensor, approx: bool) -> bool {
+pub(crate) fn close(got: &Tensor, want: &Tensor, approx: bool) -> bool {
     if !approx {
         return got == want;
     }

@@ -18,14 +18,17 @@ use tessera::mesh::CommCounts;
 use tessera::models::Transformer;
 use tessera::{DeviceMesh, launch};
 
-pub use common::max_abs_diff;
+pub(crate) use common::max_abs_diff;
 use common::{adamw, tiny_model, tokens};
 
 /// One TP training run: per step the loss and the communication of forward and
 /// of backward (rank 0's counters).
 pub struct Run {
+    /// The loss of each step.
     pub losses: Vec<f64>,
+    /// Collectives of each step's forward.
     pub fwd: Vec<CommCounts>,
+    /// Collectives of each step's backward.
     pub bwd: Vec<CommCounts>,
 }
 

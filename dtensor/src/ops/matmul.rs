@@ -26,7 +26,7 @@ impl DTensor {
     }
 
     /// The [`Causal`] `part` of the matrix product of `[..., m, k]` and `[k, n]`
-    /// or `[..., k, n]` (see [`Tensor::matmul_causal`]): attention's products
+    /// or `[..., k, n]` (see [`Tensor::matmul_causal`](crate::Tensor::matmul_causal)): attention's products
     /// without what the causal mask makes zero or unused. The mask follows each
     /// row's and column's position, so the last two dims are replicated; batch
     /// shards (and TP's head shards) are kept. [`Causal::Dense`] is

@@ -3,7 +3,7 @@
 //! rules: how an op is sharded has this one home.
 //!
 //! Every op proposes candidate placements (the strategies of `crate::strategy`),
-//! and [`dispatch`] picks the cheapest, redistributes the inputs to it, runs the
+//! and `dispatch` picks the cheapest, redistributes the inputs to it, runs the
 //! local kernel of `tessera_tensor` on the local tensors and wraps the result
 //! with the candidate's output placements. Other crates define ops of their own
 //! through [`DTensor::binary`], [`DTensor::unary`] and [`DTensor::replicated_op`].

@@ -40,7 +40,7 @@ impl DTensor {
     }
 
     /// [`layer_norm`](Self::layer_norm), also returning the per-row `mean` and
-    /// `rstd` its backward takes ([`Tensor::layer_norm_with_stats`]): shaped as
+    /// `rstd` its backward takes ([`Tensor::layer_norm_with_stats`](crate::Tensor::layer_norm_with_stats)): shaped as
     /// the input with the last dim 1, placed as the output.
     ///
     /// PyTorch: `torch.native_layer_norm` on DTensors.
@@ -83,7 +83,7 @@ impl DTensor {
 
     /// `y · (g − Σ_dim g·y)`, the input gradient of a softmax with output `y`, in one
     /// pass per row, for the gradient `self`; sharded like `y` off `dim`
-    /// (see [`Tensor::softmax_backward`]).
+    /// (see [`Tensor::softmax_backward`](crate::Tensor::softmax_backward)).
     ///
     /// # Errors
     /// Shapes or dtypes that differ, a dim out of range.
@@ -98,7 +98,7 @@ impl DTensor {
     }
 
     /// The input gradient of layer norm over the last dim from the forward's row
-    /// statistics `[mean, rstd]` (see [`Tensor::layer_norm_backward_with_stats`]),
+    /// statistics `[mean, rstd]` (see [`Tensor::layer_norm_backward_with_stats`](crate::Tensor::layer_norm_backward_with_stats)),
     /// for the gradient `self`, sharded like `x` off the last dim, with the weight replicated.
     ///
     /// # Errors
@@ -121,7 +121,7 @@ impl DTensor {
     }
 
     /// The weight gradient of layer norm, `Σ_rows g · x̂`, from the forward's row
-    /// statistics (see [`Tensor::layer_norm_weight_grad_with_stats`]): a partial
+    /// statistics (see [`Tensor::layer_norm_weight_grad_with_stats`](crate::Tensor::layer_norm_weight_grad_with_stats)): a partial
     /// sum when the rows are sharded; `self` is the output's gradient.
     ///
     /// # Errors

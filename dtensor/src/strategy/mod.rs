@@ -24,11 +24,12 @@ use crate::redistribute::{Plan, plan};
 use crate::spec::{Layout, Placements, PlacementsDisplay};
 use crate::{Placement, Result, ShardOrder};
 
-pub use rules::{Linearity, einsum, keep_shards_except, keep_shards_except_with, pointwise, reduction};
+pub use rules::Linearity;
+pub(crate) use rules::{einsum, keep_shards_except, keep_shards_except_with, pointwise, reduction};
 
 /// One way to run an op: the placements each input must have and the placements of the output.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
-pub struct Candidate {
+pub(crate) struct Candidate {
     /// Placements per input, in input order.
     pub inputs: SmallVec<[Placements; 3]>,
     /// Placements of the output.
@@ -48,11 +49,11 @@ impl std::fmt::Display for Candidate {
 }
 
 /// One option on one mesh dim: the input placements and the output placement.
-pub type DimOption = (SmallVec<[Placement; 3]>, Placement);
+pub(crate) type DimOption = (SmallVec<[Placement; 3]>, Placement);
 
 /// Per-mesh-dim options combined over every mesh dim: the cartesian product of
 /// `per_dim[m]` (the options on mesh dim m).
-pub fn product(per_dim: &[Vec<DimOption>], n_inputs: usize) -> Vec<Candidate> {
+pub(crate) fn product(per_dim: &[Vec<DimOption>], n_inputs: usize) -> Vec<Candidate> {
     let mut out = vec![Candidate {
         inputs: (0..n_inputs).map(|_| Placements::new()).collect(),
         output: Placements::new(),
@@ -76,7 +77,7 @@ pub fn product(per_dim: &[Vec<DimOption>], n_inputs: usize) -> Vec<Candidate> {
 
 /// The chosen candidate and the plans that bring each input to it.
 #[derive(Clone, Debug)]
-pub struct Choice {
+pub(crate) struct Choice {
     /// The candidate.
     pub candidate: Candidate,
     /// One plan per input (empty when the input already fits).
@@ -100,7 +101,7 @@ pub struct Choice {
 ///
 /// # Errors
 /// No candidate fits the inputs.
-pub fn choose(op: &'static str, inputs: &[&Layout], candidates: &[Candidate]) -> Result<Arc<Choice>> {
+pub(crate) fn choose(op: &'static str, inputs: &[&Layout], candidates: &[Candidate]) -> Result<Arc<Choice>> {
     let key = {
         let mut h = DefaultHasher::new();
         inputs.hash(&mut h);

@@ -62,7 +62,7 @@ fn partial_options(n: usize, linearity: Linearity) -> Options {
 ///
 /// # Errors
 /// A malformed spec (no `->`, an output letter absent from the inputs, a repeated letter).
-pub fn einsum(spec: &str, mesh_ndim: usize) -> Result<Vec<Candidate>> {
+pub(crate) fn einsum(spec: &str, mesh_ndim: usize) -> Result<Vec<Candidate>> {
     let bad = |detail: String| {
         Error::from(TensorError::InvalidArgument {
             op: "einsum strategy",
@@ -111,7 +111,7 @@ pub fn einsum(spec: &str, mesh_ndim: usize) -> Result<Vec<Candidate>> {
 /// everything replicated; an output dim sharded in every input where that dim is
 /// not broadcast (broadcast inputs replicated); and the `Partial` options that
 /// `linearity` allows.
-pub fn pointwise(shapes: &[&[usize]], out: &[usize], mesh_ndim: usize, linearity: Linearity) -> Vec<Candidate> {
+pub(crate) fn pointwise(shapes: &[&[usize]], out: &[usize], mesh_ndim: usize, linearity: Linearity) -> Vec<Candidate> {
     let n = shapes.len();
     let mut options = vec![replicate_all(n)];
     for d in 0..out.len() {
@@ -133,7 +133,7 @@ pub fn pointwise(shapes: &[&[usize]], out: &[usize], mesh_ndim: usize, linearity
 
 /// Candidates for a one-input op that needs dims `whole` unsplit (softmax along a
 /// dim, layer_norm over the last dims): other dims keep their shards; no `Partial`.
-pub fn keep_shards_except(rank: usize, whole: &[usize], mesh_ndim: usize) -> Vec<Candidate> {
+pub(crate) fn keep_shards_except(rank: usize, whole: &[usize], mesh_ndim: usize) -> Vec<Candidate> {
     keep_shards_except_with(rank, whole, 1, 0, mesh_ndim)
 }
 
@@ -141,7 +141,7 @@ pub fn keep_shards_except(rank: usize, whole: &[usize], mesh_ndim: usize) -> Vec
 /// gradient and the forward value or output it belongs to), followed by
 /// `replicated` inputs that every candidate replicates (layer norm's weight and
 /// bias); the output splits as the sharded inputs do.
-pub fn keep_shards_except_with(
+pub(crate) fn keep_shards_except_with(
     rank: usize,
     whole: &[usize],
     sharded: usize,
@@ -168,7 +168,7 @@ pub fn keep_shards_except_with(
 /// (Sum, Max or Min; a mean is a sum scaled by the global count): a shard of a
 /// reduced dim gives `Partial(op)`, a shard of a kept dim stays (renumbered unless
 /// `keepdim`), and a `Partial(op)` input stays partial.
-pub fn reduction(rank: usize, dims: &[usize], keepdim: bool, op: ReduceOp, mesh_ndim: usize) -> Vec<Candidate> {
+pub(crate) fn reduction(rank: usize, dims: &[usize], keepdim: bool, op: ReduceOp, mesh_ndim: usize) -> Vec<Candidate> {
     let mut options = vec![replicate_all(1)];
     for d in 0..rank {
         let out = if dims.contains(&d) {

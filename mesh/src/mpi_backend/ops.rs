@@ -121,10 +121,11 @@ fn min_nan(a: f32, b: f32) -> f32 {
 macro_rules! user_fn {
     ($name:ident, $t:ty, $f:expr) => {
         unsafe extern "C" fn $name(a: *mut c_void, b: *mut c_void, len: *mut c_int, _: *mut ffi::MPI_Datatype) {
-            // SAFETY: MPI passes a valid count pointer (checked for null all the same).
             let n = if len.is_null() {
                 0
             } else {
+                // SAFETY: `len` is not null, and MPI passes a pointer to the
+                // element count that stays valid for the call.
                 usize::try_from(unsafe { *len }).unwrap_or(0)
             };
             if n == 0 || a.is_null() || b.is_null() {

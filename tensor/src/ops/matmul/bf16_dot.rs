@@ -80,7 +80,7 @@ pub(super) unsafe fn gemm([m, k, n]: [usize; 3], a: Mat<bf16>, b: Mat<bf16>, c: 
         let direct = a.cs == 1 && k % 2 == 0;
         // Rows of `a` per block: whole panels, at least one.
         let block = ((A_BLOCK_BYTES / (pairs * 4 * MR)).max(1) * MR).min(m.next_multiple_of(MR));
-        // SAFETY (the whole block): `a` and `b` are readable wherever their
+        // SAFETY: (for the whole block) `a` and `b` are readable wherever their
         // strides reach for m×k and k×n (caller), which is all that the packing
         // reads; the packed panels hold `pairs` pairs of MR rows or NR columns
         // each, as `tile` reads them; `c` is writable for m rows of stride
@@ -253,13 +253,16 @@ unsafe fn pack<const W: usize>(m: Mat<u16>, first: usize, lines: usize, k: usize
         let valid = W.min(lines - p * W);
         zero_padding(out, W, valid);
         let start = m.ptr.wrapping_offset((first + p * W) as isize * m.rs);
-        // SAFETY (all three): every element read is one of the panel's `valid`
-        // lines and `k` elements (caller).
+        // Every element read below lies in one of the panel's `valid` lines and
+        // its first `k` elements, which the caller makes readable.
         if m.rs == 1 && m.cs != 1 {
             // Lines side by side (a column-major left operand, a row-major
             // right one): elements 2q and 2q+1 of the panel's lines are runs.
             for (q, slot) in out.chunks_exact_mut(W).enumerate() {
+                // SAFETY: element 2q (< k, as q < pairs) of the `valid` lines,
+                // which lie side by side at stride 1 (`m.rs == 1`).
                 let x = unsafe { run(true, start.wrapping_offset(2 * q as isize * m.cs), valid) }.unwrap_or(&[]);
+                // SAFETY: as above for element 2q+1, read only when it is < k.
                 let y = unsafe { run(2 * q + 1 < k, start.wrapping_offset((2 * q + 1) as isize * m.cs), valid) };
                 interleave(&mut slot[..valid], x, y);
             }
@@ -272,6 +275,11 @@ unsafe fn pack<const W: usize>(m: Mat<u16>, first: usize, lines: usize, k: usize
             for i in (0..lines8).step_by(8) {
                 for q in (0..pairs8).step_by(8) {
                     let src = start.wrapping_offset(i as isize * m.rs + 2 * q as isize);
+                    // SAFETY: rows i..i+8 (<= lines8 <= valid) and pairs
+                    // q..q+8 (<= k/2) of the panel are readable (caller), the
+                    // byte step of a row is 2·rs; `out` holds `pairs · W` slots
+                    // and the block writes rows q..q+8 (< pairs) at stride W,
+                    // lanes i..i+8 (<= W); `avx512f` implies `avx2`.
                     unsafe { turn8(src.cast(), 2 * m.rs, out.as_mut_ptr().add(q * W + i), W) };
                 }
             }
@@ -279,12 +287,16 @@ unsafe fn pack<const W: usize>(m: Mat<u16>, first: usize, lines: usize, k: usize
                 let line = start.wrapping_offset(i as isize * m.rs);
                 let from = if i < lines8 { pairs8 } else { 0 };
                 for q in from..pairs {
+                    // SAFETY: line i < valid is readable for `k` elements
+                    // (caller) and 2q < k since q < pairs.
                     out[q * W + i] = unsafe { pair_at(line, q, k) };
                 }
             }
         } else {
             for i in 0..valid {
                 for q in 0..pairs {
+                    // SAFETY: only called with c < k, on line i < valid, which
+                    // the caller makes readable for `k` elements.
                     let at = |c: usize| unsafe { *start.offset(i as isize * m.rs + c as isize * m.cs) };
                     out[q * W + i] = pair(at(2 * q), if 2 * q + 1 < k { at(2 * q + 1) } else { 0 });
                 }

@@ -74,11 +74,12 @@ unsafe fn gemm_half<H: Float<Acc = f32>>(
         let by_cols = n >= m;
         let (long, short) = if by_cols { (n, m) } else { (m, n) };
         let width = (HALF_PANEL_BYTES / 4 / short).next_multiple_of(SPLIT_ALIGN).min(long);
-        // SAFETY (all blocks below): a panel's rows (columns) are a sub-range
-        // of the product's, so each operand block lies inside what the caller
+        // For the blocks below: a panel's rows (columns) are a sub-range of the
+        // product's, so each operand block lies inside what the caller
         // guarantees readable; the output block inside what it guarantees
         // writable. The f32 operands and panel are this thread's scratch,
         // sized by `widen` and `grow` for what the GEMM reads and writes.
+        // SAFETY: the whole of `a` (m×k) or `b` (k×n) is readable (caller).
         let whole = unsafe {
             if by_cols {
                 widen(simd, a, m, k, sa)
@@ -89,6 +90,8 @@ unsafe fn gemm_half<H: Float<Acc = f32>>(
         for start in (0..long).step_by(width) {
             let w = width.min(long - start);
             let (rows, cols) = if by_cols { (m, w) } else { (w, n) };
+            // SAFETY: the panel is columns start..start+w of `b` (rows of `a`),
+            // inside the operand the caller makes readable.
             let (wa, wb) = unsafe {
                 if by_cols {
                     let panel = Mat {
@@ -107,6 +110,10 @@ unsafe fn gemm_half<H: Float<Acc = f32>>(
             let out = grow(sc, rows * cols);
             let panel = out.as_mut_ptr();
             let origin = if by_cols { start } else { start * rsc as usize };
+            // SAFETY: `wa`, `wb` are the widened scratch copies (rows×k, k×cols)
+            // and `panel` is `rows·cols` f32s of separate scratch; the rows and
+            // columns written through `c` from `origin` are the panel's part of
+            // the m×n output the caller makes writable.
             unsafe {
                 <f32 as Gemm>::gemm(kernel, [rows, k, cols], wa, wb, panel, cols as isize);
                 simd.run(

@@ -137,7 +137,7 @@ pub enum Causal {
 
 /// The smallest product (`2·m·k·n` flops) that is split over the rank's
 /// threads: below it, handing out the parts costs more than they save.
-pub const PARALLEL_MIN_FLOPS: usize = 1 << 23;
+pub(super) const PARALLEL_MIN_FLOPS: usize = 1 << 23;
 
 /// Rows (or columns) per block of a split product are a multiple of this, the
 /// height of the `gemm` crate's AVX-512 f32 micro-kernel tile, so no block ends

@@ -104,13 +104,14 @@ unsafe fn tiles([m, k, n]: [usize; 3], a: Mat<f32>, b: *const f32, rsb: isize, c
         for j0 in (0..cols).step_by(NR) {
             let width = NR.min(n - j0);
             let tile = Tile {
-                // SAFETY (all three): rows i0..i0+rows and columns j0..j0+width
-                // lie inside the product (caller).
+                // SAFETY: row i0 < m of `a` lies inside the operand (caller).
                 a: unsafe { a.ptr.offset(i0 as isize * a.rs) },
                 ars: a.rs,
                 acs: a.cs,
+                // SAFETY: column j0 < n of `b` lies inside its first row (caller).
                 b: unsafe { b.add(j0) },
                 rsb,
+                // SAFETY: element (i0, j0) lies inside the m×n output (caller).
                 c: unsafe { c.offset(i0 as isize * rsc).add(j0) },
                 rsc,
                 width,
