@@ -524,7 +524,7 @@ impl Checkpoints {
         let Some(dir) = &args.checkpoint_dir else {
             return Ok(());
         };
-        if (step + 1) % args.checkpoint_every != 0 {
+        if !(step + 1).is_multiple_of(args.checkpoint_every) {
             return Ok(());
         }
         let t = Instant::now();

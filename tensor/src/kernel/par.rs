@@ -5,7 +5,7 @@
 /// threads: below it, handing out the parts costs more than they save.
 pub const PAR_MIN_ELEMENTS: usize = 1 << 15;
 
-/// How many threads [`par_rows`] splits an output of `len` elements over (1:
+/// How many threads the kernels' row loops split an output of `len` elements over (1:
 /// not split).
 pub fn par_parts(len: usize) -> usize {
     (len / PAR_MIN_ELEMENTS).clamp(1, tessera_mesh::intra_op_threads())
