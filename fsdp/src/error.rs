@@ -38,6 +38,14 @@ pub enum Error {
         detail: String,
     },
 
+    /// A tensor-parallel plan or style that does not fit the module tree, its
+    /// parameters or the mesh (the detail names the module by its FQN, and what to do).
+    #[error("parallelize_module: {detail}")]
+    TensorParallel {
+        /// What is wrong, naming the module, and what to do.
+        detail: String,
+    },
+
     /// A parameter's unsharded value was read after its unit freed it.
     #[error("parameter {param} is resharded (its unsharded value was freed after forward); unshard it before using it")]
     Resharded {

@@ -308,16 +308,17 @@ impl Transformer {
     ///
     /// # Errors
     /// `n_heads` not divisible by the tp size; as [`parallelize_module`].
-    pub fn parallelize(&self, tp_mesh: &DeviceMesh, sequence_parallel: bool) -> Result<Vec<Applied>> {
+    pub fn parallelize(&self, tp_mesh: &DeviceMesh, sequence_parallel: bool) -> tessera_fsdp::Result<Vec<Applied>> {
         let tp = tp_mesh.size();
         if tp == 0 || !self.cfg.n_heads.is_multiple_of(tp) {
             return Err(tessera_autograd::Error::Config {
                 op: "Transformer::parallelize",
                 detail: format!(
-                    "tensor parallelism over {tp} ranks splits the {} attention heads evenly; use a tp size                      dividing n_heads",
+                    "tensor parallelism over {tp} ranks splits the {} attention heads evenly; use a tp size dividing n_heads",
                     self.cfg.n_heads
                 ),
-            });
+            }
+            .into());
         }
         let plan = if sequence_parallel {
             Transformer::tp_plan_sequence_parallel()

@@ -8,7 +8,7 @@ use tessera::fsdp::tp::{ColwiseParallel, ParallelPlan, RowwiseParallel, TpLayout
 use tessera::models::{Transformer, TransformerConfig};
 use tessera::{DeviceMesh, launch};
 
-fn err<T>(r: tessera::autograd::Result<T>, what: &str) -> String {
+fn err<T, E: std::fmt::Display>(r: Result<T, E>, what: &str) -> String {
     match r {
         Ok(_) => panic!("{what}: accepted"),
         Err(e) => e.to_string(),

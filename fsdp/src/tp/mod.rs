@@ -69,8 +69,9 @@ mod style;
 use std::rc::Rc;
 
 use tessera_autograd::nn::{Module, ModuleId, named_modules};
-use tessera_autograd::{Error, Result};
 use tessera_mesh::DeviceMesh;
+
+use crate::{Error, Result};
 
 pub use style::{
     ColwiseParallel, ParallelStyle, PrepareModuleInput, PrepareModuleOutput, RowwiseParallel, SequenceParallel,
@@ -86,11 +87,9 @@ pub(crate) fn at(fqn: &str) -> String {
     }
 }
 
+/// The error of a plan or style that does not fit (see [`Error::TensorParallel`]).
 pub(crate) fn tp_error(detail: String) -> Error {
-    Error::Config {
-        op: "parallelize_module",
-        detail,
-    }
+    Error::TensorParallel { detail }
 }
 
 /// The dim of `mesh` that `tp` is (a 1-D mesh taken with `mesh.dim(..)`, or

@@ -12,6 +12,12 @@ use tessera_mesh::DeviceMesh;
 
 use super::{at, tp_dim, tp_error};
 
+/// [`tp_error`] as the tape's error, for styles' steps that run inside module hooks
+/// (the message is the same: autograd carries it as an external error).
+fn style_error(detail: String) -> tessera_autograd::Error {
+    tp_error(detail).into()
+}
+
 /// A placement on the tp mesh dim, with `Shard` counted from the end when
 /// negative (`Shard(-1)`: the last dim), as PyTorch writes layouts.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -33,7 +39,7 @@ impl TpLayout {
             TpLayout::Shard(d) => {
                 let dim = if d < 0 { rank as isize + d } else { d };
                 if dim < 0 || dim >= rank as isize {
-                    return Err(tp_error(format!(
+                    return Err(style_error(format!(
                         "{}: {what} layout Shard({d}) does not fit a tensor of rank {rank}",
                         at(fqn)
                     )));
@@ -213,7 +219,7 @@ fn layer<'a>(style: &str, module: &'a dyn Module, fqn: &str) -> Result<Layer<'a>
     } else {
         "another module type"
     };
-    Err(tp_error(format!(
+    Err(style_error(format!(
         "{style} on {}: the style shards Linear and Embedding layers, but this module is {found}",
         at(fqn)
     )))
@@ -223,7 +229,7 @@ fn layer<'a>(style: &str, module: &'a dyn Module, fqn: &str) -> Result<Layer<'a>
 fn replicated_tp_dim(p: &Param, ctx: &StyleCtx<'_>) -> Result<usize> {
     let v = p.value();
     let Some(d) = tp_dim(v.mesh(), ctx.tp_mesh) else {
-        return Err(tp_error(format!(
+        return Err(style_error(format!(
             "{}: parameter {} lives on mesh {:?} (dims {:?}), which has no dim matching the tp mesh \
              (dim {:?} of size {}); create the parameters on the mesh the tp mesh was taken from",
             at(ctx.fqn),
@@ -240,7 +246,7 @@ fn replicated_tp_dim(p: &Param, ctx: &StyleCtx<'_>) -> Result<usize> {
         } else {
             "apply tensor parallelism before fully_shard, which shards it on the data-parallel dim"
         };
-        return Err(tp_error(format!(
+        return Err(style_error(format!(
             "{}: parameter {} is placed {pl} on mesh dim {i} ({:?}); tensor-parallel styles start from \
              replicated parameters: {why}",
             at(ctx.fqn),
@@ -309,7 +315,7 @@ impl TpHooks {
         }
         let v = x.value();
         let Some(d) = tp_dim(v.mesh(), &self.tp_mesh) else {
-            return Err(tp_error(format!(
+            return Err(style_error(format!(
                 "{} on {}: its {what} lives on mesh {:?} (dims {:?}), which has no dim matching the tp mesh",
                 self.style,
                 at(&self.fqn),
@@ -322,7 +328,7 @@ impl TpHooks {
         if let Some(expect) = lay.expect {
             let expected = expect.resolve(rank, &self.fqn, what)?;
             if actual != expected {
-                return Err(tp_error(format!(
+                return Err(style_error(format!(
                     "{} on {}: its {what} arrives {actual} on the tp dim but the plan says {expect} ({expected}); \
                      fix the layouts in the plan",
                     self.style,
