@@ -230,11 +230,16 @@ impl Args {
     fn dp(&self) -> usize {
         self.world.checked_div(self.tp).unwrap_or(self.world)
     }
+
+    /// Rows of a step over all data-parallel ranks.
+    fn global_batch(&self) -> usize {
+        self.dp() * self.batch
+    }
 }
 
 /// Token rows `[world·batch, seq+1]` of `step`: from the file if given, else generated.
 fn rows(args: &Args, file: Option<&Tensor>, step: usize) -> Result<Tensor, BoxError> {
-    let g = args.dp() * args.batch;
+    let g = args.global_batch();
     let len = args.model.seq + 1;
     match file {
         Some(t) => {
@@ -396,7 +401,7 @@ fn banner(args: &Args) -> String {
         cfg.vocab,
         cfg.seq,
         cfg.num_params(),
-        args.dp() * args.batch,
+        args.global_batch(),
         if args.bf16 { ", bf16 mixed precision" } else { "" },
         if args.no_reshard {
             ", no reshard after forward"
@@ -571,7 +576,7 @@ fn train_rank(ctx: RankCtx, args: &Args, tokens: Option<&Tensor>) -> Result<Rank
     let mut checkpoints = Checkpoints::default();
     memory::reset_peak();
     let start = Instant::now();
-    let tokens_per_step = (args.dp() * args.batch * args.model.seq) as f64;
+    let tokens_per_step = (args.global_batch() * args.model.seq) as f64;
     for step in report.first_step..args.steps {
         let t = Instant::now();
         let value = train_step(args, &mut job, tokens, step)?;
@@ -608,7 +613,7 @@ fn summarize(args: &Args, r0: &RankReport) -> Result<(), BoxError> {
     let cfg = args.model;
     println!();
     let total: f64 = r0.step_time_s.iter().sum();
-    let tokens_seen = ((args.steps - r0.first_step) * args.dp() * args.batch * cfg.seq) as f64;
+    let tokens_seen = ((args.steps - r0.first_step) * args.global_batch() * cfg.seq) as f64;
     let peak = r0.peak_bytes.iter().copied().max().unwrap_or(0);
     // One unsharded rank holds every parameter, its gradient and two AdamW
     // states in f32 before any activation.

@@ -69,10 +69,15 @@ enum Grad {
 /// receiving that tensor's gradient through `Tensor.register_hook` or a custom
 /// `autograd.Function`; the re-reading is `torch.autograd.graph.saved_tensors_hooks`.
 pub struct Binding {
-    value: DTensor,
-    grad: Grad,
-    var: Option<Var>,
+    source: Source,
     saved: Option<Rc<dyn SavedHandle>>,
+}
+
+/// What a binding yields: a value (and where its gradient goes), or a var
+/// already on the tape.
+enum Source {
+    Value(DTensor, Grad),
+    Var(Var),
 }
 
 impl Binding {
@@ -80,9 +85,7 @@ impl Binding {
     /// [`grad_to`](Self::grad_to) says where the gradient goes.
     pub fn new(value: DTensor) -> Binding {
         Binding {
-            value,
-            grad: Grad::None,
-            var: None,
+            source: Source::Value(value, Grad::None),
             saved: None,
         }
     }
@@ -93,9 +96,7 @@ impl Binding {
     /// PyTorch: a parametrization's output (`torch.nn.utils.parametrize`).
     pub fn of_var(var: Var) -> Binding {
         Binding {
-            value: var.value().clone(),
-            grad: Grad::None,
-            var: Some(var),
+            source: Source::Var(var),
             saved: None,
         }
     }
@@ -109,7 +110,9 @@ impl Binding {
     /// `register_post_accumulate_grad_hook`.
     #[must_use]
     pub fn grad_to(mut self, name: &'static str, on_grad: impl FnOnce(&DTensor) -> Result<()> + 'static) -> Binding {
-        self.grad = Grad::Hook(name, Box::new(on_grad));
+        if let Source::Value(_, grad) = &mut self.source {
+            *grad = Grad::Hook(name, Box::new(on_grad));
+        }
         self
     }
 
@@ -126,10 +129,10 @@ impl Binding {
 
     /// The var [`Param::var`] yields while bound.
     fn into_var(self) -> Var {
-        let var = match (self.var, self.grad) {
-            (Some(v), _) => v,
-            (None, Grad::Hook(name, on_grad)) => Var::with_grad_hook(name, self.value, on_grad),
-            (None, Grad::None) => Var::constant(self.value),
+        let var = match self.source {
+            Source::Var(v) => v,
+            Source::Value(value, Grad::Hook(name, on_grad)) => Var::with_grad_hook(name, value, on_grad),
+            Source::Value(value, Grad::None) => Var::constant(value),
         };
         match self.saved {
             Some(h) => var.with_saved(h),

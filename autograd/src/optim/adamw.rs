@@ -117,12 +117,6 @@ impl<F: Real> Scalars<F> {
     }
 }
 
-/// The blocks [`kernel`] splits `n` elements into: the kernels' rule, at least
-/// [`PAR_MIN_ELEMENTS`](tessera_tensor::kernel::PAR_MIN_ELEMENTS) per thread.
-fn kernel_parts(n: usize) -> usize {
-    par_parts(n)
-}
-
 /// One AdamW step over local slices of equal length, on the widest loop that
 /// the CPU runs (see [`kernel_on`]), in blocks over the rank's threads when
 /// each gets at least [`PAR_MIN_ELEMENTS`](tessera_tensor::kernel::PAR_MIN_ELEMENTS) (every element is updated by the
@@ -130,7 +124,7 @@ fn kernel_parts(n: usize) -> usize {
 fn kernel<F: Real>(s: &Scalars<F>, p: &mut [F], g: &[F], m: &mut [F], v: &mut [F]) {
     let simd = Simd::best();
     let n = p.len();
-    let parts = kernel_parts(n);
+    let parts = par_parts(n);
     if parts <= 1 || g.len() < n || m.len() < n || v.len() < n {
         // (Short slices are the body's to reject, on one thread.)
         kernel_on(simd, s, p, g, m, v);
@@ -395,7 +389,7 @@ mod tests {
         let run = |threads: usize| {
             let opts = tessera_mesh::LaunchOptions::default().threads_per_rank(threads);
             let out = tessera_mesh::launch_with(&opts, 1, move |_| {
-                assert_eq!(kernel_parts(n), threads, "the case must split over every thread");
+                assert_eq!(par_parts(n), threads, "the case must split over every thread");
                 let x = |i: usize, t: f64| ((i as f64 * 0.37 + t).sin() * 0.5) as f32;
                 let mut p: Vec<f32> = (0..n).map(|i| x(i, 0.0)).collect();
                 let (mut m, mut v) = (vec![0f32; n], vec![0f32; n]);
