@@ -22,6 +22,8 @@
 //! - [`Placement`], [`ShardOrder`] and the pure [`sharding`] math (torch.chunk splits).
 //! - [`DTensor`], [`distribute_tensor`], and redistribution as a pure planner
 //!   ([`redistribute::plan`]) plus an executor.
+//! - [`DTensor::random`]: sharded random tensors ([`Distribution`], [`StreamKey`]),
+//!   each rank drawing only its piece, the same bits on every mesh and layout.
 
 pub mod bucket;
 pub mod checkpoint;
@@ -30,6 +32,7 @@ mod error;
 mod memo;
 pub mod ops;
 mod placement;
+mod random;
 pub mod redistribute;
 pub mod sharding;
 mod spec;
@@ -44,3 +47,4 @@ pub use spec::{DTensorSpec, Layout, Placements, PlacementsDisplay};
 pub use strategy::Linearity;
 pub use tessera_mesh::{DType, ReduceOp};
 pub use tessera_tensor::Tensor;
+pub use tessera_tensor::random::{Distribution, StreamKey};

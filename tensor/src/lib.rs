@@ -19,8 +19,11 @@
 //!   [`Element`] and split over the rank's threads with results that do not depend
 //!   on the thread count.
 //! - [`memory`]: the per-rank tracker of live tensor bytes; [`alloc`]: large
-//!   buffers recycled across steps; [`profile`]: opt-in per-kernel time and flops;
-//!   [`rng`]: a counter-based generator, the same numbers on every rank and mesh.
+//!   buffers recycled across steps; [`profile`]: opt-in per-kernel time and flops.
+//! - [`random`]: counter-based (Philox) random tensors whose every element depends
+//!   only on a seed, a name, a stream and its global index, so any box of a tensor
+//!   (a rank's shard on any mesh) is drawn alone with the bits of the whole;
+//!   [`rng`]: a small sequential generator seeded the same on every rank.
 //!
 //! Everything here is local to one rank: distributed tensors, placements and
 //! collectives live in the crates above (`tessera-dtensor`, `tessera-mesh`).
@@ -31,6 +34,7 @@ pub mod kernel;
 pub mod memory;
 pub mod ops;
 pub mod profile;
+pub mod random;
 pub mod rng;
 mod tensor;
 

@@ -26,6 +26,7 @@ use tessera_mesh::{Buffer, DType};
 
 use geometry::Geometry;
 pub use shape_ops::chunk_size_and_offset;
+pub(crate) use storage::fill_value;
 use storage::{Storage, with_buffer};
 
 /// A tensor on one rank: shape, strides and a runtime [`DType`] over shared storage.
