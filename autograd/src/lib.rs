@@ -49,8 +49,8 @@ pub use ops::unbroadcast;
 pub use param::{Binding, Param};
 pub use saved::{Saved, SavedHandle};
 pub use state_dict::{
-    LoadReport, load_checkpoint, load_state_dict, read_safetensors, save_checkpoint, save_state_dict_full,
-    write_safetensors,
+    LoadReport, SafetensorsReader, load_checkpoint, load_state_dict, read_safetensors, save_checkpoint,
+    save_state_dict_full, write_safetensors,
 };
 pub use tape::{clear_tape, is_grad_enabled, no_grad, queue_callback, recorded_ops};
 pub use var::Var;

@@ -32,6 +32,8 @@
 //!   and its optimizer (each rank writes and reads only its own chunks), loadable
 //!   onto any mesh and placements.
 //! - [`read_safetensors`], [`write_safetensors`]: whole files of local tensors.
+//! - [`SafetensorsReader`]: one rank's region of a tensor, reading only its
+//!   bytes (to materialise a shard without reading the whole file).
 //! - [`write_atomic`]: any file, atomically; what the writers above use.
 //!
 //! The format is that of Hugging Face's `safetensors` (little-endian, C order),
@@ -42,6 +44,7 @@
 
 mod atomic;
 mod read;
+mod region;
 mod sharded;
 
 use std::collections::BTreeSet;
@@ -58,6 +61,7 @@ use crate::{Error, Param, Result};
 use atomic::AtomicFile;
 pub use atomic::write_atomic;
 use read::{invalid, read_file};
+pub use region::SafetensorsReader;
 pub use sharded::{AsyncCheckpointer, LoadReport, load_checkpoint, save_checkpoint, save_checkpoint_async};
 
 /// Reads every tensor of a safetensors file, in the file's order (by offset).
@@ -496,6 +500,20 @@ fn decode(path: &Path, name: &str, view: &TensorView<'_>) -> Result<Tensor> {
         }
     };
     Ok(t?)
+}
+
+/// The dtype [`decode`] gives a tensor of `file` dtype (`None`: 8-bit floats,
+/// which Tessera cannot hold).
+fn decoded_dtype(file: Dtype) -> Option<DType> {
+    Some(match file {
+        Dtype::F32 => DType::F32,
+        Dtype::F64 => DType::F64,
+        Dtype::BF16 => DType::BF16,
+        Dtype::F16 => DType::F16,
+        Dtype::U8 | Dtype::BOOL => DType::U8,
+        Dtype::I64 | Dtype::I8 | Dtype::I16 | Dtype::U16 | Dtype::I32 | Dtype::U32 | Dtype::U64 => DType::I64,
+        _ => return None,
+    })
 }
 
 /// Whether a file tensor of `file` dtype may load into a parameter of `param` dtype.

@@ -2,12 +2,14 @@
 //! the JSON header are checked against the file's size first, then only the
 //! bytes the header declares are read. A corrupt length, a device such as
 //! `/dev/zero` or a truncated file is an error before the data is read.
+//! [`open_checked`] does the checking, for [`read_file`] (the whole file) and for
+//! [`SafetensorsReader`](super::SafetensorsReader) (regions of its tensors).
 
 use std::fs::File;
 use std::io::Read;
 use std::path::Path;
 
-use safetensors::tensor::Metadata;
+use safetensors::tensor::{Metadata, TensorInfo};
 
 use crate::{Error, Result};
 
@@ -24,18 +26,46 @@ pub(super) fn invalid(path: &Path, detail: impl std::fmt::Display) -> Error {
 }
 
 /// The data bytes `metadata` declares, checked against the `size - 8 - n` bytes
-/// a file of `size` bytes with an `n`-byte header holds after it: an error names
-/// the first tensor cut off, or the bytes left over.
+/// a file of `size` bytes with an `n`-byte header holds after it. Each tensor's
+/// byte span must be as long as its shape and dtype need, and the spans must
+/// follow one another from byte 0 (the `safetensors` crate's rules). An error
+/// names the first tensor at fault: its span, or where it is cut off, or the
+/// bytes left over.
 fn check_data_section(path: &Path, metadata: &Metadata, size: u64, n: u64) -> Result<u64> {
     let available = size - 8 - n;
-    let mut spans: Vec<(usize, usize, String)> = metadata
+    let mut spans: Vec<(usize, usize, String, &TensorInfo)> = metadata
         .tensors()
         .into_iter()
-        .map(|(name, info)| (info.data_offsets.0, info.data_offsets.1, name))
+        .map(|(name, info)| (info.data_offsets.0, info.data_offsets.1, name, info))
         .collect();
-    spans.sort();
-    let declared = spans.iter().map(|s| s.1 as u64).max().unwrap_or(0);
-    if let Some((start, end, name)) = spans.iter().find(|s| s.1 as u64 > available) {
+    spans.sort_by(|a, b| (a.0, a.1, &a.2).cmp(&(b.0, b.1, &b.2)));
+    let mut at = 0;
+    for (start, end, name, info) in &spans {
+        let need = info.shape.iter().try_fold(info.dtype.size(), |a, &b| a.checked_mul(b));
+        if need != end.checked_sub(*start) {
+            let need = need.map_or("more than usize::MAX".to_string(), |b| b.to_string());
+            return Err(invalid(
+                path,
+                format!(
+                    "tensor {name:?} is {:?} of shape {:?}, {need} bytes, but its header gives it bytes \
+                     {start}..{end}",
+                    info.dtype, info.shape
+                ),
+            ));
+        }
+        if *start != at {
+            return Err(invalid(
+                path,
+                format!(
+                    "tensor {name:?} starts at byte {start} of the data section, where the tensors before it \
+                     end at {at}; tensors must follow one another"
+                ),
+            ));
+        }
+        at = *end;
+    }
+    let declared = at as u64;
+    if let Some((start, end, name, _)) = spans.iter().find(|s| s.1 as u64 > available) {
         return Err(invalid(
             path,
             format!(
@@ -57,16 +87,33 @@ fn check_data_section(path: &Path, metadata: &Metadata, size: u64, n: u64) -> Re
     Ok(declared)
 }
 
-/// The whole of the safetensors file at `path` (length prefix, header and data),
-/// after checking the header against the file's size.
+/// A safetensors file opened and checked against its size: a regular file, its
+/// header parsed, every tensor's span consistent, the data section exactly as
+/// long as the header declares. The cursor stands at the data section.
+pub(super) struct Checked {
+    /// The open file.
+    pub(super) file: File,
+    /// The JSON header, as the file holds it.
+    pub(super) header: Vec<u8>,
+    /// The parsed header.
+    pub(super) metadata: Metadata,
+    /// Where the data section starts: 8 + the header's length.
+    pub(super) data_start: u64,
+    /// The data section's length.
+    pub(super) data_len: u64,
+}
+
+/// Opens the safetensors file at `path` and checks its length prefix, header
+/// and data section against its size, reading only the prefix and the header.
 ///
 /// # Errors
 /// [`Error::Io`] when the file cannot be opened or read; [`Error::StateDict`]
 /// naming the path for anything but a regular file, a header length past the end
-/// of the file or above 100 MB, a header that is not a safetensors header, a data
-/// section shorter than the header declares (the first tensor cut off and the
-/// byte counts) or longer, or a buffer that cannot be allocated.
-pub(super) fn read_file(path: &Path) -> Result<Vec<u8>> {
+/// of the file or above 100 MB, a header that is not a safetensors header, a
+/// tensor whose byte span does not fit its shape and dtype or does not follow
+/// the one before, a data section shorter than the header declares (the first
+/// tensor cut off and the byte counts) or longer.
+pub(super) fn open_checked(path: &Path) -> Result<Checked> {
     let io = |source| Error::Io {
         path: path.to_path_buf(),
         action: "cannot read",
@@ -107,15 +154,37 @@ pub(super) fn read_file(path: &Path) -> Result<Vec<u8>> {
             format!("the header length is {n} bytes, more than the {MAX_HEADER_BYTES} allowed"),
         ));
     }
-    // At most MAX_HEADER_BYTES, so the casts below are exact.
+    // At most MAX_HEADER_BYTES, so the cast is exact.
     let mut header = vec![0u8; n as usize];
     file.read_exact(&mut header).map_err(io)?;
     let metadata: Metadata = serde_json::from_slice(&header)
         .map_err(|e| invalid(path, format!("its {n}-byte header is not a safetensors header: {e}")))?;
+    let data_len = check_data_section(path, &metadata, size, n)?;
+    Ok(Checked {
+        file,
+        header,
+        metadata,
+        data_start: 8 + n,
+        data_len,
+    })
+}
 
-    let declared = check_data_section(path, &metadata, size, n)?;
-    // `declared == available`: the whole file, which exists, so its size fits.
-    let total = (8 + n + declared) as usize;
+/// The whole of the safetensors file at `path` (length prefix, header and data),
+/// after checking the header against the file's size ([`open_checked`]).
+///
+/// # Errors
+/// As [`open_checked`], and [`Error::StateDict`] naming the path for a buffer
+/// that cannot be allocated or a file that shrinks while it is read.
+pub(super) fn read_file(path: &Path) -> Result<Vec<u8>> {
+    let Checked {
+        mut file,
+        header,
+        data_start,
+        data_len,
+        ..
+    } = open_checked(path)?;
+    // `data_start + data_len` is the size of the file, which exists, so it fits.
+    let total = (data_start + data_len) as usize;
     let mut bytes = Vec::new();
     bytes.try_reserve_exact(total).map_err(|_| {
         Error::StateDict(format!(
@@ -123,15 +192,22 @@ pub(super) fn read_file(path: &Path) -> Result<Vec<u8>> {
             path.display()
         ))
     })?;
-    bytes.extend_from_slice(&prefix);
+    bytes.extend_from_slice(&(header.len() as u64).to_le_bytes());
     bytes.extend_from_slice(&header);
-    (&mut file).take(declared).read_to_end(&mut bytes).map_err(io)?;
+    (&mut file)
+        .take(data_len)
+        .read_to_end(&mut bytes)
+        .map_err(|source| Error::Io {
+            path: path.to_path_buf(),
+            action: "cannot read",
+            source,
+        })?;
     if bytes.len() != total {
         return Err(invalid(
             path,
             format!(
-                "truncated while reading: {} of {declared} data bytes",
-                bytes.len() - 8 - n as usize
+                "truncated while reading: {} of {data_len} data bytes",
+                bytes.len() - data_start as usize
             ),
         ));
     }
@@ -140,7 +216,7 @@ pub(super) fn read_file(path: &Path) -> Result<Vec<u8>> {
 
 #[cfg(test)]
 mod tests {
-    use super::super::tests::TmpDir;
+    use super::super::tests::{TmpDir, bytes_read};
     use super::*;
 
     /// A file of `len` bytes (sparse: no disk) that starts with `head`.
@@ -148,12 +224,6 @@ mod tests {
         let mut f = File::create(path).unwrap();
         std::io::Write::write_all(&mut f, head).unwrap();
         f.set_len(len).unwrap();
-    }
-
-    /// Bytes this thread has read through system calls so far (Linux).
-    fn bytes_read() -> Option<u64> {
-        let io = std::fs::read_to_string("/proc/thread-self/io").ok()?;
-        io.lines().find_map(|l| l.strip_prefix("rchar: ")?.parse().ok())
     }
 
     /// A header `json` with its length prefix (unpadded).

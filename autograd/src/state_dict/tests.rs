@@ -45,6 +45,24 @@ impl Drop for TmpDir {
     }
 }
 
+/// This thread's I/O counter `field` of `/proc/thread-self/io` so far (Linux;
+/// `None` elsewhere): `rchar` bytes read, `syscr` read calls. Reading the
+/// counters counts too: one read call of a few hundred bytes.
+pub(super) fn io_counter(field: &str) -> Option<u64> {
+    use std::io::Read;
+    let mut buf = [0u8; 4096];
+    let n = std::fs::File::open("/proc/thread-self/io").ok()?.read(&mut buf).ok()?;
+    std::str::from_utf8(&buf[..n])
+        .ok()?
+        .lines()
+        .find_map(|l| l.strip_prefix(field)?.strip_prefix(": ")?.parse().ok())
+}
+
+/// Bytes this thread has read through system calls so far ([`io_counter`]).
+pub(super) fn bytes_read() -> Option<u64> {
+    io_counter("rchar")
+}
+
 fn data(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/data").join(name)
 }

@@ -11,7 +11,7 @@ use tessera_mesh::{DType, DeviceMesh};
 
 use super::index::{Chunk, Index, TensorEntry};
 use super::{INDEX_FILE, ckpt_error, files};
-use crate::redistribute::for_each_row;
+use crate::redistribute::for_each_run;
 use crate::spec::{PlacementsDisplay, Region};
 use crate::{DTensor, Layout, Result, Tensor};
 
@@ -178,7 +178,7 @@ impl Checkpoint {
         self.load(name, like.mesh(), like.layout().clone())
     }
 
-    /// Reads the rows of `part` (inside `chunk`, laid out row-major in its file
+    /// Reads the runs of `part` (inside `chunk`, laid out row-major in its file
     /// range) into `out` (laid out as `mine`).
     #[allow(clippy::too_many_arguments)]
     fn read_part(
@@ -215,14 +215,14 @@ impl Checkpoint {
                     ),
                 ));
             }
-            for_each_row(chunk, mine, part, |src, dst, len| {
+            for_each_run(chunk, mine, part, |src, dst, len| {
                 out[dst * size..(dst + len) * size].copy_from_slice(&whole[src * size..(src + len) * size]);
             });
             return Ok(());
         }
         let mut failed = None;
         let mut read = 0u64;
-        for_each_row(chunk, mine, part, |src, dst, len| {
+        for_each_run(chunk, mine, part, |src, dst, len| {
             if failed.is_some() {
                 return;
             }

@@ -185,9 +185,11 @@ fn tiles_in_order(outer: &Region, parts: &[Region]) -> bool {
     at == outer.numel()
 }
 
-/// Calls `f(src_offset, dst_offset, len)` for each contiguous row of `part`,
-/// where `src` is laid out as `a` and `dst` as `b` (both contain `part`).
-pub(crate) fn for_each_row(a: &Region, b: &Region, part: &Region, mut f: impl FnMut(usize, usize, usize)) {
+/// Calls `f(src_offset, dst_offset, len)` for each maximal contiguous run of
+/// `part`, in row-major order, where `src` is laid out as `a` and `dst` as `b`
+/// (both contain `part`). Trailing dims that `part`, `a` and `b` all hold whole
+/// merge into one run: whole rows of a matrix are a single run.
+pub(crate) fn for_each_run(a: &Region, b: &Region, part: &Region, mut f: impl FnMut(usize, usize, usize)) {
     if part.numel() == 0 {
         return;
     }
@@ -198,8 +200,13 @@ pub(crate) fn for_each_row(a: &Region, b: &Region, part: &Region, mut f: impl Fn
     }
     let (sa, sb) = (strides(&a.shape), strides(&b.shape));
     let (ra, rb) = (part.relative_to(a), part.relative_to(b));
-    let row = part.shape[nd - 1];
-    let mut idx = vec![0usize; nd - 1];
+    // Runs span dims `k..`: every dim after `k` is whole in all three.
+    let mut k = nd - 1;
+    while k > 0 && part.shape[k] == a.shape[k] && part.shape[k] == b.shape[k] {
+        k -= 1;
+    }
+    let run = part.shape[k..].iter().product();
+    let mut idx = vec![0usize; k];
     loop {
         let oa: usize = (0..nd)
             .map(|d| (ra[d] + idx.get(d).copied().unwrap_or(0)) * sa[d])
@@ -207,8 +214,8 @@ pub(crate) fn for_each_row(a: &Region, b: &Region, part: &Region, mut f: impl Fn
         let ob: usize = (0..nd)
             .map(|d| (rb[d] + idx.get(d).copied().unwrap_or(0)) * sb[d])
             .sum();
-        f(oa, ob, row);
-        let mut d = nd - 1;
+        f(oa, ob, run);
+        let mut d = k;
         loop {
             if d == 0 {
                 return;
@@ -232,7 +239,7 @@ fn pack<'a, T: Element>(src: &'a [T], outer: &Region, parts: &[Region]) -> Resul
     let mut out = reused::<T>(OP, &[parts.iter().map(Region::numel).sum()])?;
     out.clear();
     for p in parts {
-        for_each_row(outer, p, p, |o, _, len| out.extend_from_slice(&src[o..o + len]));
+        for_each_run(outer, p, p, |o, _, len| out.extend_from_slice(&src[o..o + len]));
     }
     Ok(Cow::Owned(out))
 }
@@ -246,7 +253,7 @@ fn place_all<T: Element>(data: Vec<T>, outer: &Region, parts: &[Region]) -> Resu
     let mut out = reused::<T>(OP, &outer.shape)?;
     let mut at = 0;
     for p in parts {
-        for_each_row(p, outer, p, |o, dst, len| {
+        for_each_run(p, outer, p, |o, dst, len| {
             out[dst..dst + len].copy_from_slice(&data[at + o..at + o + len]);
         });
         at += p.numel();
@@ -285,6 +292,34 @@ mod tests {
         case!([0, 3], [4, 3], None);
         case!([1, 0], [2, 3], None);
         case!([3, 6], [0, 0], Some(24));
+    }
+
+    #[test]
+    fn runs_merge_whole_trailing_dims() {
+        macro_rules! case {
+            ($a:expr, $b:expr, $part:expr, $want:expr) => {
+                let mut got = Vec::new();
+                for_each_run(&$a, &$b, &$part, |s, d, n| got.push((s, d, n)));
+                assert_eq!(got, $want, "{:?} {:?} {:?}", $a, $b, $part);
+            };
+        }
+        let full = region(&[0, 0, 0], &[2, 3, 4]);
+        let rows = region(&[0, 1, 0], &[2, 2, 4]);
+        let block = region(&[1, 0, 1], &[1, 2, 2]);
+        case!(full, full, full, [(0, 0, 24)]);
+        case!(full, rows, rows, [(4, 0, 8), (16, 8, 8)]);
+        case!(rows, full, rows, [(0, 4, 8), (8, 16, 8)]);
+        case!(full, block, block, [(13, 0, 2), (17, 2, 2)]);
+        case!(rows, block, region(&[1, 1, 1], &[1, 1, 2]), [(9, 2, 2)]);
+        case!(full, full, region(&[1, 0, 0], &[1, 3, 4]), [(12, 12, 12)]);
+        case!(
+            full,
+            full,
+            region(&[0, 3, 0], &[2, 0, 4]),
+            Vec::<(usize, usize, usize)>::new()
+        );
+        case!(region(&[], &[]), region(&[], &[]), region(&[], &[]), [(0, 0, 1)]);
+        case!(region(&[5], &[6]), region(&[7], &[3]), region(&[7], &[3]), [(2, 0, 3)]);
     }
 
     #[test]

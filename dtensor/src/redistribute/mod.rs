@@ -21,7 +21,7 @@ mod plan;
 mod search;
 mod step;
 
-pub(crate) use exec::{execute, for_each_row};
+pub(crate) use exec::{execute, for_each_run};
 pub use plan::plan;
 pub use step::{Plan, Step, StepKind};
 
