@@ -71,7 +71,7 @@ use tessera::autograd::nn::Module;
 use tessera::autograd::optim::{AdamW, AdamWConfig, Optimizer};
 use tessera::autograd::{Var, backward};
 use tessera::data::{DATA_SEED, batch};
-use tessera::dtensor::{Placement, Tensor, distribute_tensor};
+use tessera::dtensor::{Placement, Tensor, distribute_tensor_from};
 use tessera::fsdp::{FsdpConfig, MixedPrecisionPolicy};
 use tessera::models::{Transformer, TransformerConfig};
 use tessera::tensor::memory;
@@ -326,9 +326,15 @@ fn bench_rank(comm: Box<dyn tessera::Communicator>, mode: Mode, args: &Args) -> 
     profile::enable(args.profile);
     let mut cpu_start = None;
     for step in 0..WARMUP + args.steps {
-        // Every rank builds the global rows; `distribute_tensor` keeps its own.
+        // Every rank builds the same global rows and keeps its own, with no
+        // source rank (so no hash exchange per step).
         let rows = batch(DATA_SEED, step as u64, 0..global as u64, len, cfg.vocab as u64);
-        let rows = distribute_tensor(&Tensor::from_vec(rows, &[global, len])?, &mesh, &[Placement::Shard(0)])?;
+        let rows = distribute_tensor_from(
+            &Tensor::from_vec(rows, &[global, len])?,
+            &mesh,
+            &[Placement::Shard(0)],
+            None,
+        )?;
         let rows = Var::constant(rows);
         mesh.comm().barrier()?;
         if step == WARMUP {

@@ -28,7 +28,7 @@ use tessera::autograd::nn::Module;
 use tessera::autograd::optim::{AdamW, AdamWConfig, Optimizer};
 use tessera::autograd::{Var, backward};
 use tessera::data::{DATA_SEED, batch};
-use tessera::dtensor::{Placement, Tensor, distribute_tensor};
+use tessera::dtensor::{Placement, Tensor, distribute_tensor_from};
 use tessera::fsdp::FsdpConfig;
 use tessera::mesh::OpKind;
 use tessera::models::{Transformer, TransformerConfig};
@@ -117,7 +117,9 @@ fn run(steps: usize, rows_per_rank: usize) -> Result<(), BoxError> {
         let mut losses = Vec::with_capacity(steps);
         for step in 0..steps {
             let v = batch(DATA_SEED, step as u64, 0..g as u64, cfg.seq + 1, cfg.vocab as u64);
-            let x = distribute_tensor(&Tensor::from_vec(v, &[g, cfg.seq + 1])?, &mesh, &placements)?;
+            // The same global rows on every rank (seeded by the step): no source
+            // rank, so the collectives counted below are the training step's alone.
+            let x = distribute_tensor_from(&Tensor::from_vec(v, &[g, cfg.seq + 1])?, &mesh, &placements, None)?;
             let loss = model.loss(&Var::constant(x))?;
             losses.push(loss.value().full_tensor()?.to_f64_vec()[0]);
             backward(&loss)?;

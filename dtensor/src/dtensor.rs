@@ -7,6 +7,7 @@ use tessera_mesh::{DeviceMesh, ReduceOp};
 use tessera_tensor::Error as TensorError;
 
 use crate::redistribute::{self, Plan};
+use crate::replicas;
 use crate::spec::{DTensorSpec, Layout, PlacementsDisplay};
 use crate::{Error, Placement, Result, ShardOrder, Tensor};
 
@@ -38,29 +39,111 @@ pub struct DTensor {
     spec: DTensorSpec,
 }
 
-/// Splits `full` (the same global tensor on every rank) over `mesh` by `placements`,
-/// default shard order. Each rank keeps its piece; no communication. A `Partial`
-/// placement leaves the full value on coordinate 0 of that mesh dim and the
-/// reduction's identity elsewhere (sum, product), or the value everywhere (avg, max, min).
+/// Splits rank 0's `full` over `mesh` by `placements`, default shard order: every
+/// rank keeps its piece of rank 0's values. Collective: every rank of the mesh
+/// must call it (see [`distribute_tensor_from`], of which this is
+/// `src_data_rank = Some(0)`).
 ///
-/// PyTorch: `torch.distributed.tensor.distribute_tensor` (with `src_data_rank=None`).
+/// A `Partial` placement leaves the full value on coordinate 0 of that mesh dim
+/// and the reduction's identity elsewhere (sum, product), or the value
+/// everywhere (avg, max, min).
+///
+/// PyTorch: `torch.distributed.tensor.distribute_tensor` (with its default
+/// `src_data_rank=0`).
 ///
 /// # Errors
-/// Placements that do not fit the mesh or tensor (see [`Layout::with_order`]).
+/// As [`distribute_tensor_from`].
 pub fn distribute_tensor(full: &Tensor, mesh: &DeviceMesh, placements: &[Placement]) -> Result<DTensor> {
-    distribute_tensor_with_order(full, mesh, placements, ShardOrder::default_for(placements))
+    distribute_tensor_from(full, mesh, placements, Some(0))
 }
 
-/// [`distribute_tensor`] with an explicit shard order.
+/// [`distribute_tensor`] with an explicit shard order (rank 0's values; collective).
 ///
 /// # Errors
-/// As [`distribute_tensor`], plus an order that does not describe the placements.
+/// As [`distribute_tensor_with_order_from`].
 pub fn distribute_tensor_with_order(
     full: &Tensor,
     mesh: &DeviceMesh,
     placements: &[Placement],
     order: ShardOrder,
 ) -> Result<DTensor> {
+    distribute_tensor_with_order_from(full, mesh, placements, order, Some(0))
+}
+
+/// Splits `full` over `mesh` by `placements`, default shard order, taking the
+/// values of rank `src_data_rank`, or of every rank itself when it is `None`.
+///
+/// - `Some(r)`: the values are rank `r`'s, where `r` is a position in the
+///   mesh's row-major order (a rank of [`DeviceMesh::comm`]). Collective: every
+///   rank of the mesh must call it with the same `r`, placements and full
+///   tensor shape and dtype. The ranks exchange a hash of their `full` (one
+///   all-gather of a few `u64`s per rank); when all agree, each slices its own
+///   (no data moves), otherwise rank `r` broadcasts its tensor first.
+/// - `None`: every rank trusts its own `full` and keeps its piece; no
+///   communication. Ranks holding different "full" tensors then silently hold
+///   pieces of different tensors (see [`check_replicas`](crate::check_replicas)).
+///   For values every rank computes identically by construction on a hot path.
+///
+/// A `Partial` placement leaves the full value on coordinate 0 of that mesh dim
+/// and the reduction's identity elsewhere (sum, product), or the value
+/// everywhere (avg, max, min).
+///
+/// ```
+/// use tessera_dtensor::{distribute_tensor_from, DType, Placement::*, Tensor};
+/// use tessera_mesh::{launch, DeviceMesh};
+///
+/// launch(2, |ctx| {
+///     let mesh = DeviceMesh::new(ctx.into_comm(), &[2])?;
+///     let mine = Tensor::full(&[4], mesh.rank() as f64, DType::F32)?;
+///     let x = distribute_tensor_from(&mine, &mesh, &[Shard(0)], Some(1))?;
+///     assert_eq!(x.full_tensor()?.to_vec::<f32>()?, vec![1.0; 4]);
+///     Ok(())
+/// })
+/// .unwrap();
+/// ```
+///
+/// PyTorch: `torch.distributed.tensor.distribute_tensor(tensor, mesh,
+/// placements, src_data_rank=...)` (which scatters from the source rather than
+/// checking first).
+///
+/// # Errors
+/// Placements that do not fit the mesh or tensor (see [`Layout::with_order`]);
+/// with a source rank, [`Error::Distribute`] on every rank for a source that is
+/// not a rank of the mesh, or ranks that pass another source, other placements
+/// or a full tensor of another shape or dtype than the source's; a
+/// communication failure.
+pub fn distribute_tensor_from(
+    full: &Tensor,
+    mesh: &DeviceMesh,
+    placements: &[Placement],
+    src_data_rank: Option<usize>,
+) -> Result<DTensor> {
+    distribute_tensor_with_order_from(
+        full,
+        mesh,
+        placements,
+        ShardOrder::default_for(placements),
+        src_data_rank,
+    )
+}
+
+/// [`distribute_tensor_from`] with an explicit shard order.
+///
+/// # Errors
+/// As [`distribute_tensor_from`], plus an order that does not describe the placements.
+pub fn distribute_tensor_with_order_from(
+    full: &Tensor,
+    mesh: &DeviceMesh,
+    placements: &[Placement],
+    order: ShardOrder,
+    src_data_rank: Option<usize>,
+) -> Result<DTensor> {
+    // With a source, agree first: the checks below then see the same tensor
+    // shape on every rank, so they fail on all ranks or none.
+    let full = match src_data_rank {
+        Some(src) => replicas::take_from(full, mesh, &format!("{placements:?} {order:?}"), src)?,
+        None => full.clone(),
+    };
     let dst = Layout::with_order(mesh.shape(), placements, order, full.shape(), full.dtype())?;
     let replicated = vec![Placement::Replicate; mesh.ndim()];
     let src = Layout::new(mesh.shape(), &replicated, full.shape(), full.dtype())?;
@@ -70,7 +153,7 @@ pub fn distribute_tensor_with_order(
         0,
         "distributing a replicated tensor needs no communication"
     );
-    let local = redistribute::execute(full, mesh, &plan)?;
+    let local = redistribute::execute(&full, mesh, &plan)?;
     Ok(DTensor {
         local,
         spec: DTensorSpec::new(mesh, dst)?,

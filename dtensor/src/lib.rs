@@ -20,8 +20,11 @@
 //! - [`Tensor`]: the local CPU tensor (six dtypes, cheap views), with a per-rank
 //!   [`memory`](tessera_tensor::memory) tracker.
 //! - [`Placement`], [`ShardOrder`] and the pure [`sharding`] math (torch.chunk splits).
-//! - [`DTensor`], [`distribute_tensor`], and redistribution as a pure planner
-//!   ([`redistribute::plan`]) plus an executor.
+//! - [`DTensor`], [`distribute_tensor`] (rank 0's values, as PyTorch's default
+//!   `src_data_rank=0`; [`distribute_tensor_from`] names another source or none),
+//!   and redistribution as a pure planner ([`redistribute::plan`]) plus an executor.
+//! - [`check_replicas`]: one small all-gather that tells whether the ranks of every
+//!   `Replicate` mesh dim hold equal values ([`replicas`]).
 //! - [`DTensor::random`]: sharded random tensors ([`Distribution`], [`StreamKey`]),
 //!   each rank drawing only its piece, the same bits on every mesh and layout.
 
@@ -34,15 +37,19 @@ pub mod ops;
 mod placement;
 mod random;
 pub mod redistribute;
+pub mod replicas;
 pub mod sharding;
 mod spec;
 mod strategy;
 #[cfg(feature = "testing")]
 pub mod testing;
 
-pub use dtensor::{DTensor, distribute_tensor, distribute_tensor_with_order};
-pub use error::{Error, Result};
+pub use dtensor::{
+    DTensor, distribute_tensor, distribute_tensor_from, distribute_tensor_with_order, distribute_tensor_with_order_from,
+};
+pub use error::{Error, ReplicaDivergence, Result};
 pub use placement::{MeshDims, Placement, ShardOrder, validate_placements};
+pub use replicas::{check_replicas, tensor_hash};
 pub use spec::{DTensorSpec, Layout, Placements, PlacementsDisplay};
 pub use strategy::Linearity;
 pub use tessera_mesh::{DType, ReduceOp};

@@ -4,7 +4,7 @@
 
 use tessera_autograd::nn::{Embedding, LayerNorm, Linear, Module, join};
 use tessera_autograd::{Result, Var};
-use tessera_dtensor::{DType, Placement, Tensor, distribute_tensor};
+use tessera_dtensor::{DType, Placement, Tensor, distribute_tensor_from};
 use tessera_fsdp::tp::{
     Applied, ColwiseParallel, ParallelPlan, PrepareModuleInput, RowwiseParallel, SequenceParallel, TpLayout,
     parallelize_module,
@@ -178,7 +178,8 @@ pub struct Transformer {
 
 impl Transformer {
     /// A replicated model on `mesh`, initialised from `seed` (load a state dict to
-    /// start from given weights).
+    /// start from given weights). Collective over `mesh` (every rank must call
+    /// it): the weights are rank 0's.
     ///
     /// # Errors
     /// `n_heads` not dividing `dim`, tensor construction failures.
@@ -340,10 +341,13 @@ impl Transformer {
     pub fn embed(&self, tokens: &Var) -> Result<Var> {
         let t = tokens.value().shape()[1];
         let mesh = tokens.value().mesh();
-        let positions = distribute_tensor(
+        // `0..T` on every rank by construction, built on every forward: no
+        // source rank, so no hash exchange on the hot path.
+        let positions = distribute_tensor_from(
             &Tensor::arange(t, DType::I64)?,
             mesh,
             &vec![Placement::Replicate; mesh.ndim()],
+            None,
         )?;
         let pos = self.pos_embeddings.call(&Var::constant(positions))?;
         self.tok_embeddings.call(tokens)?.add(&pos)

@@ -20,8 +20,11 @@ impl Linear {
     /// A replicated linear layer named `prefix.weight` / `prefix.bias`, initialised
     /// from `seed` (`seed + 1` for the bias).
     ///
+    /// Collective over `mesh` (every rank must call it): the values are rank 0's,
+    /// as [`distribute_tensor`](tessera_dtensor::distribute_tensor) takes them.
+    ///
     /// # Errors
-    /// Tensor construction failures.
+    /// Tensor construction failures, a communication failure.
     pub fn new(
         prefix: &str,
         in_features: usize,
@@ -74,8 +77,11 @@ pub struct Embedding {
 impl Embedding {
     /// A replicated table named `prefix.weight`.
     ///
+    /// Collective over `mesh` (every rank must call it): the values are rank 0's,
+    /// as [`distribute_tensor`](tessera_dtensor::distribute_tensor) takes them.
+    ///
     /// # Errors
-    /// Tensor construction failures.
+    /// Tensor construction failures, a communication failure.
     pub fn new(prefix: &str, num: usize, dim: usize, mesh: &DeviceMesh, dtype: DType, seed: u64) -> Result<Embedding> {
         let full = Tensor::randn(&[num, dim], dtype, seed)?;
         Ok(Embedding {
@@ -109,8 +115,11 @@ pub struct LayerNorm {
 impl LayerNorm {
     /// A replicated layer norm named `prefix.weight` / `prefix.bias`.
     ///
+    /// Collective over `mesh` (every rank must call it): the values are rank 0's,
+    /// as [`distribute_tensor`](tessera_dtensor::distribute_tensor) takes them.
+    ///
     /// # Errors
-    /// Tensor construction failures.
+    /// Tensor construction failures, a communication failure.
     pub fn new(prefix: &str, dim: usize, eps: f64, mesh: &DeviceMesh, dtype: DType) -> Result<LayerNorm> {
         Ok(LayerNorm {
             weight: replicated(join(prefix, "weight"), &Tensor::ones(&[dim], dtype)?, mesh)?,

@@ -210,7 +210,10 @@ impl<M: Module> Module for Vec<M> {
     }
 }
 
-/// A replicated parameter on `mesh` from a full tensor.
+/// A replicated parameter on `mesh` from a full tensor: rank 0's values.
+/// Collective over `mesh`, once per parameter at construction (a hash
+/// exchange, and a broadcast only if a rank built other values, say from a
+/// rank-dependent seed).
 pub(crate) fn replicated(name: String, full: &Tensor, mesh: &DeviceMesh) -> Result<Param> {
     let placements = vec![Placement::Replicate; mesh.ndim()];
     Ok(Param::new(name, distribute_tensor(full, mesh, &placements)?))

@@ -54,7 +54,7 @@ use std::path::Path;
 use half::{bf16, f16};
 use safetensors::SafeTensors;
 use safetensors::tensor::{Dtype, TensorInfo, TensorView};
-use tessera_dtensor::{DTensor, Tensor, distribute_tensor_with_order};
+use tessera_dtensor::{DTensor, Tensor, distribute_tensor_with_order_from};
 use tessera_mesh::{Buffer, CommunicatorExt, DType};
 
 use crate::{Error, Param, Result};
@@ -289,7 +289,16 @@ fn load_on_every_rank(params: &[Param], path: &Path) -> Result<()> {
         let value = p.value();
         let view = st.tensor(p.name()).map_err(|e| corrupt(path, e))?;
         let full = decode(path, p.name(), &view)?.cast(value.dtype())?;
-        let d = distribute_tensor_with_order(&full, value.mesh(), value.placements(), value.layout().order.clone())?;
+        // Every rank read the same file: no source rank, so no collective per
+        // parameter between the ranks' own reads (a rank whose read fails stops
+        // before any collective instead of leaving its peers waiting).
+        let d = distribute_tensor_with_order_from(
+            &full,
+            value.mesh(),
+            value.placements(),
+            value.layout().order.clone(),
+            None,
+        )?;
         // A shard is a view of the full tensor: copy it so the full one is freed.
         let local = if d.to_local().numel() < full.numel() {
             Tensor::from_buffer(d.to_local().to_buffer(), d.to_local().shape())?
