@@ -67,7 +67,7 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 use common::{Json, max_over_ranks, median};
-use tessera::autograd::nn::Module;
+use tessera::autograd::nn::{Materializer, Module};
 use tessera::autograd::optim::{AdamW, AdamWConfig, Optimizer};
 use tessera::autograd::{Var, backward};
 use tessera::data::{DATA_SEED, batch};
@@ -284,7 +284,7 @@ fn bench_rank(comm: Box<dyn tessera::Communicator>, mode: Mode, args: &Args) -> 
     let world = mode.world();
     let mesh = DeviceMesh::new(comm, &[world])?;
     let cfg = args.model;
-    let model = Transformer::new(cfg, &mesh, DType::F32, INIT_SEED)?;
+    let model = Transformer::new(cfg, &mesh, DType::F32)?;
     let fsdp_config = FsdpConfig {
         mp_policy: if args.bf16 {
             MixedPrecisionPolicy::bf16()
@@ -299,6 +299,7 @@ fn bench_rank(comm: Box<dyn tessera::Communicator>, mode: Mode, args: &Args) -> 
         Mode::Single if args.bf16 => Some(model.fully_shard(&mesh, &fsdp_config)?),
         Mode::Single => None,
     };
+    Materializer::from_seed(INIT_SEED).materialize(&model)?;
     let adamw = AdamWConfig {
         lr: 1e-3,
         betas: (0.9, 0.95),

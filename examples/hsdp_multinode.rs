@@ -24,7 +24,7 @@
 #[path = "common/mod.rs"]
 mod common;
 
-use tessera::autograd::nn::Module;
+use tessera::autograd::nn::{Materializer, Module};
 use tessera::autograd::optim::{AdamW, AdamWConfig, Optimizer};
 use tessera::autograd::{Var, backward};
 use tessera::data::{DATA_SEED, batch};
@@ -100,9 +100,10 @@ fn run(steps: usize, rows_per_rank: usize) -> Result<(), BoxError> {
             .map(|c| String::from_utf8_lossy(c).trim_end_matches('\0').to_string())
             .collect();
         let mesh = DeviceMesh::with_names(ctx.into_comm(), &SHAPE, &NAMES)?;
-        let model = Transformer::new(cfg, &mesh, DType::F32, 0)?;
+        let model = Transformer::new(cfg, &mesh, DType::F32)?;
         let params = model.parameters();
         model.fully_shard(&mesh, &FsdpConfig::default())?;
+        Materializer::from_seed(0).materialize(&model)?;
         let mut opt = AdamW::new(
             params,
             AdamWConfig {

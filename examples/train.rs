@@ -6,8 +6,14 @@
 //! cargo run --release --example train -- [--world-size 4 | --mesh RxS] [--tp T [--sequence-parallel]]
 //!     [--steps 50] [--batch 2] [--dim 64 --n-layers 2 --n-heads 4 --vocab 256 --seq 32] [--lr 1e-3]
 //!     [--mixed-precision bf16] [--no-reshard]
-//!     [--init PATH] [--tokens PATH] [--data-seed 1234] [--losses-out PATH]
+//!     [--init PATH | --seed 0] [--tokens PATH] [--data-seed 1234] [--losses-out PATH]
 //! ```
+//!
+//! The model is built deferred (`Transformer::new`: shapes, no storage), planned
+//! and sharded, and only then materialised (`Materializer`): each rank allocates
+//! its own shards and fills them from `--init PATH` (a safetensors file, reading
+//! only this rank's bytes) or from `--seed` (the counter-based generator: the
+//! same parameters bit for bit on every mesh). No rank ever holds the whole model.
 //!
 //! Each block of the model is an FSDP unit and the root takes the rest
 //! (`Transformer::fully_shard`): parameters, gradients and AdamW states are sharded
@@ -47,11 +53,11 @@ use std::io::Write as _;
 use std::path::PathBuf;
 use std::time::Instant;
 
-use tessera::autograd::nn::Module;
+use tessera::autograd::nn::{MaterializeReport, Materializer, Module};
 use tessera::autograd::optim::{AdamW, AdamWConfig, Optimizer};
 use tessera::autograd::state_dict::{AsyncCheckpointer, write_atomic};
 use tessera::autograd::{
-    Param, Var, backward, load_checkpoint, load_state_dict, read_safetensors, save_checkpoint, save_state_dict_full,
+    Param, Var, backward, load_checkpoint, read_safetensors, save_checkpoint, save_state_dict_full,
 };
 use tessera::data::{DATA_SEED, batch};
 use tessera::dtensor::checkpoint::SaveReport;
@@ -62,7 +68,7 @@ use tessera::tensor::memory;
 use tessera::{BoxError, CommunicatorExt, DType, DeviceMesh, RankCtx, is_lead_process, launch, mpi_env};
 
 const USAGE: &str = "usage: train [--world-size N | --mesh RxS] [--tp T [--sequence-parallel]] [--steps N] [--batch ROWS_PER_RANK] [--dim N] \
-[--n-layers N] [--n-heads N] [--vocab N] [--seq N] [--lr F] [--mixed-precision bf16] [--no-reshard] [--init PATH] \
+[--n-layers N] [--n-heads N] [--vocab N] [--seq N] [--lr F] [--mixed-precision bf16] [--no-reshard] [--init PATH | --seed N] \
 [--tokens PATH] [--data-seed N] [--losses-out PATH] [--checkpoint-dir DIR --checkpoint-every N [--async-save] [--keep-checkpoints K]] [--resume DIR] \
 [--save-full PATH]";
 
@@ -81,6 +87,8 @@ struct Args {
     model: TransformerConfig,
     lr: f64,
     init: Option<PathBuf>,
+    /// The model seed (without `--init`).
+    seed: u64,
     tokens: Option<PathBuf>,
     data_seed: u64,
     losses_out: Option<PathBuf>,
@@ -107,6 +115,7 @@ fn parse() -> Result<Args, String> {
         model: TransformerConfig::TINY,
         lr: 1e-3,
         init: None,
+        seed: 0,
         tokens: None,
         data_seed: DATA_SEED,
         losses_out: None,
@@ -169,6 +178,7 @@ fn parse() -> Result<Args, String> {
             "--lr" => a.lr = value.parse().map_err(|_| format!("--lr: {value:?} is not a number"))?,
             "--init" => a.init = Some(value.into()),
             "--tokens" => a.tokens = Some(value.into()),
+            "--seed" => a.seed = value.parse().map_err(|_| format!("--seed: {value:?} is not a u64"))?,
             "--data-seed" => a.data_seed = value.parse().map_err(|_| format!("--data-seed: {value:?}"))?,
             "--losses-out" => a.losses_out = Some(value.into()),
             "--checkpoint-dir" => a.checkpoint_dir = Some(value.into()),
@@ -273,6 +283,9 @@ struct RankReport {
     save_s: Vec<f64>,
     /// Per completed checkpoint: bytes all ranks wrote together.
     saved_bytes: Vec<u64>,
+    /// Every rank's tracked peak while materialising the model, and its shards' bytes.
+    init_peak_bytes: Vec<usize>,
+    init_local_bytes: Vec<usize>,
     /// Bytes this rank read resuming, and the seconds it took.
     resume_bytes: u64,
     resume_s: f64,
@@ -419,10 +432,13 @@ struct Job {
     opt: AdamW,
     /// How a batch of token rows is placed on the mesh.
     batch_placements: Vec<Placement>,
+    /// What materialising the model took on this rank.
+    init: MaterializeReport,
 }
 
-/// Builds the mesh and the model, loads `--init`, applies tensor parallelism
-/// (printing the plan on the lead rank) and FSDP, and makes the optimizer.
+/// Builds the mesh and the deferred model, applies tensor parallelism (printing
+/// the plan on the lead rank) and FSDP, materialises this rank's shards from
+/// `--init` or `--seed`, and makes the optimizer.
 fn setup(ctx: RankCtx, args: &Args) -> Result<Job, BoxError> {
     let rank = ctx.rank();
     let names: &[&str] = match (args.tp > 0, args.mesh.len()) {
@@ -432,11 +448,8 @@ fn setup(ctx: RankCtx, args: &Args) -> Result<Job, BoxError> {
         (false, _) => &["dp"],
     };
     let mesh = DeviceMesh::with_names(ctx.into_comm(), &args.mesh, names)?;
-    let model = Transformer::new(args.model, &mesh, DType::F32, 0)?;
+    let model = Transformer::new(args.model, &mesh, DType::F32)?;
     let params = model.parameters();
-    if let Some(p) = &args.init {
-        load_state_dict(&params, p)?;
-    }
     let fsdp = FsdpConfig {
         reshard_after_forward: args.no_reshard.then_some(false),
         mp_policy: if args.bf16 {
@@ -463,6 +476,11 @@ fn setup(ctx: RankCtx, args: &Args) -> Result<Job, BoxError> {
         model.fully_shard(&mesh, &fsdp)?;
         vec![Placement::Shard(0); args.mesh.len()]
     };
+    let init = match &args.init {
+        Some(path) => Materializer::from_safetensors(path),
+        None => Materializer::from_seed(args.seed),
+    }
+    .materialize(&model)?;
     let adamw = AdamWConfig {
         lr: args.lr,
         betas: (0.9, 0.95),
@@ -476,6 +494,7 @@ fn setup(ctx: RankCtx, args: &Args) -> Result<Job, BoxError> {
         params,
         opt,
         batch_placements,
+        init,
     })
 }
 
@@ -599,14 +618,13 @@ fn train_rank(ctx: RankCtx, args: &Args, tokens: Option<&Tensor>) -> Result<Rank
     if let Some(path) = &args.save_full {
         save_state_dict_full(&job.params, path)?;
     }
-    let peak = memory::stats().peak_bytes as i64;
-    report.peak_bytes = job
+    let peak = memory::stats().peak_bytes;
+    let all = job
         .mesh
         .comm()
-        .all_gather_vec(&[peak])?
-        .into_iter()
-        .map(|b| b as usize)
-        .collect();
+        .all_gather_vec(&[peak, job.init.peak_bytes, job.init.local_bytes].map(|b| b as i64))?;
+    let column = |i: usize| all.chunks(3).map(|c| c[i] as usize).collect();
+    (report.peak_bytes, report.init_peak_bytes, report.init_local_bytes) = (column(0), column(1), column(2));
     Ok(report)
 }
 
@@ -629,6 +647,13 @@ fn summarize(args: &Args, r0: &RankReport) -> Result<(), BoxError> {
         tokens_seen / total,
         human(peak),
         human(unsharded)
+    );
+    let rss = common::peak_rss_bytes();
+    println!(
+        "init: {} per rank at most while materialising (its shards: {}); process peak RSS {}",
+        human(r0.init_peak_bytes.iter().copied().max().unwrap_or(0)),
+        human(r0.init_local_bytes.iter().copied().max().unwrap_or(0)),
+        rss.map_or_else(|| "unknown".to_string(), human)
     );
     if let Some(path) = &args.resume {
         println!(
@@ -661,6 +686,8 @@ fn summarize(args: &Args, r0: &RankReport) -> Result<(), BoxError> {
             "loss": r0.losses,
             "step_time_s": r0.step_time_s,
             "peak_bytes_per_rank": r0.peak_bytes,
+            "init_peak_bytes_per_rank": r0.init_peak_bytes,
+            "peak_rss_bytes": rss,
         });
         common::write_atomic(path, &serde_json::to_string_pretty(&json)?)?;
         println!("wrote {}", path.display());

@@ -41,9 +41,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use tessera::autograd::nn::{Linear, Module};
+use tessera::autograd::nn::{Init, Linear, Materializer, Module};
 use tessera::autograd::optim::{Optimizer, Sgd, SgdConfig};
-use tessera::autograd::{Error, Param, Var, backward};
+use tessera::autograd::{Error, Var, backward};
 use tessera::dtensor::{Placement, Tensor, distribute_tensor};
 use tessera::fsdp::{FsdpConfig, fully_shard};
 use tessera::{BoxError, DType, DeviceMesh, LaunchOptions, launch_with};
@@ -271,8 +271,8 @@ struct Block {
 }
 
 impl Module for Block {
-    fn parameters(&self) -> Vec<Param> {
-        [self.fc1.parameters(), self.fc2.parameters()].concat()
+    fn named_children(&self) -> Vec<(String, &dyn Module)> {
+        vec![("fc1".into(), &self.fc1), ("fc2".into(), &self.fc2)]
     }
 
     fn forward(&self, x: &Var) -> tessera::autograd::Result<Var> {
@@ -290,8 +290,12 @@ struct Net {
 }
 
 impl Module for Net {
-    fn parameters(&self) -> Vec<Param> {
-        self.blocks.iter().flat_map(Block::parameters).collect()
+    fn named_children(&self) -> Vec<(String, &dyn Module)> {
+        self.blocks
+            .iter()
+            .enumerate()
+            .map(|(i, b)| (i.to_string(), b as &dyn Module))
+            .collect()
     }
 
     fn forward(&self, x: &Var) -> tessera::autograd::Result<Var> {
@@ -304,18 +308,15 @@ impl Module for Net {
 }
 
 /// A replicated `Linear(inputs→outputs)` with constant weights: the values do not
-/// matter here, and `Linear::new`'s random initialisation of 64 MiB per unit on
-/// every rank would take most of a launch.
-fn linear(name: &str, inputs: usize, outputs: usize, mesh: &DeviceMesh) -> tessera::autograd::Result<Linear> {
-    let param = |what: &str, shape: &[usize]| -> tessera::autograd::Result<Param> {
-        let full = Tensor::full(shape, 1.0 / inputs as f64, DType::F32)?;
-        let value = distribute_tensor(&full, mesh, &[Placement::Replicate])?;
-        Ok(Param::new(format!("{name}.{what}"), value))
-    };
-    Ok(Linear {
-        weight: param("weight", &[outputs, inputs])?,
-        bias: Some(param("bias", &[outputs])?),
-    })
+/// matter here, and random initialisation of 64 MiB per unit on every rank would
+/// take most of a launch.
+fn linear(inputs: usize, outputs: usize, mesh: &DeviceMesh) -> tessera::autograd::Result<Linear> {
+    let lin = Linear::new(inputs, outputs, true, mesh, DType::F32)?;
+    Materializer::from_seed(0)
+        .init("*", Init::Constant(1.0 / inputs as f64))
+        .check_replicas(false)
+        .materialize(&lin)?;
+    Ok(lin)
 }
 
 /// One launch: every rank trains one step, and the scenario's rank fails.
@@ -335,8 +336,8 @@ fn run(scenario: Scenario, settle: Duration) -> tessera::mesh::Result<Vec<f64>> 
         for index in 0..UNITS {
             blocks.push(Block {
                 index,
-                fc1: linear(&format!("b{index}.fc1"), DIM, 2 * DIM, &mesh)?,
-                fc2: linear(&format!("b{index}.fc2"), 2 * DIM, DIM, &mesh)?,
+                fc1: linear(DIM, 2 * DIM, &mesh)?,
+                fc2: linear(2 * DIM, DIM, &mesh)?,
                 fault: fault.clone(),
             });
         }
@@ -344,6 +345,7 @@ fn run(scenario: Scenario, settle: Duration) -> tessera::mesh::Result<Vec<f64>> 
             blocks,
             fault: fault.clone(),
         };
+        tessera::autograd::nn::name_parameters(&net)?;
         let units = net
             .blocks
             .iter()

@@ -40,8 +40,8 @@ fn train(world: usize, g: usize, steps: usize) -> Run {
         }
         let weights = params
             .iter()
-            .map(|p| Ok((p.name().to_string(), p.value().full_tensor()?)))
-            .collect::<tessera::dtensor::Result<Vec<_>>>()?;
+            .map(|p| Ok((p.name(), p.value()?.full_tensor()?)))
+            .collect::<tessera::autograd::Result<Vec<_>>>()?;
         Ok(Run { losses, weights })
     })
     .unwrap();

@@ -29,6 +29,15 @@ pub enum Error {
     #[error(transparent)]
     External(BoxError),
 
+    /// A deferred parameter (no storage yet) used as a value.
+    #[error("parameter {name} is deferred: {detail}")]
+    Deferred {
+        /// The parameter's name.
+        name: String,
+        /// Its layout and what to do.
+        detail: String,
+    },
+
     /// A state dict that does not fit the module, or a file that is not a valid
     /// safetensors file.
     #[error("state dict: {0}")]

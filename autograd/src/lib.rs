@@ -8,10 +8,10 @@
 //! let grads = launch(2, |ctx| {
 //!     let mesh = DeviceMesh::new(ctx.into_comm(), &[2])?;
 //!     // A replicated weight and a batch split over the two ranks.
-//!     let w = Param::new("w", distribute_tensor(&Tensor::ones(&[3, 1], DType::F64)?, &mesh, &[Replicate])?);
+//!     let w = Param::new(distribute_tensor(&Tensor::ones(&[3, 1], DType::F64)?, &mesh, &[Replicate])?);
 //!     let x = Tensor::arange(12, DType::F64)?.reshape(&[4, 3])?;
 //!     let x = Var::constant(distribute_tensor(&x, &mesh, &[Shard(0)])?);
-//!     let loss = x.matmul(&w.var())?.mean(&[0, 1], false)?;
+//!     let loss = x.matmul(&w.var()?)?.mean(&[0, 1], false)?;
 //!     backward(&loss)?;
 //!     // d mean(x·w)/dw = column means of x, all-reduced into the replicated grad.
 //!     Ok(w.grad().unwrap().to_local().to_vec::<f64>()?)
@@ -46,7 +46,7 @@ mod var;
 pub use backward::{backward, checkpoint};
 pub use error::{BoxError, Error, Result};
 pub use ops::unbroadcast;
-pub use param::{Binding, Param};
+pub use param::{Binding, Param, WeakParam};
 pub use saved::{Saved, SavedHandle};
 pub use state_dict::{
     LoadReport, SafetensorsReader, load_checkpoint, load_state_dict, read_safetensors, save_checkpoint,

@@ -1,4 +1,4 @@
-//! [`Param`] (a named leaf that holds its gradient) and [`Binding`] (what a
+//! [`Param`] (a leaf that holds its gradient, possibly deferred) and [`Binding`] (what a
 //! parameter yields in its place while a module runs).
 //!
 //! A layer above the tape (a parallelism layer that gathers parameters for a
@@ -13,7 +13,8 @@ use std::cell::{Cell, RefCell};
 use std::fmt;
 use std::rc::Rc;
 
-use tessera_dtensor::{DTensor, Placement, ShardOrder};
+use tessera_dtensor::{DTensor, DTensorSpec, DType, Layout, Placement, ShardOrder, Tensor};
+use tessera_mesh::DeviceMesh;
 
 use crate::saved::SavedHandle;
 use crate::tape::{self, next_id};
@@ -44,16 +45,16 @@ enum Grad {
 ///
 /// launch(1, |ctx| {
 ///     let mesh = DeviceMesh::new(ctx.into_comm(), &[1])?;
-///     let w = Param::new("w", distribute_tensor(&Tensor::ones(&[2], DType::F64)?, &mesh, &[Replicate])?);
+///     let w = Param::new(distribute_tensor(&Tensor::ones(&[2], DType::F64)?, &mesh, &[Replicate])?);
 ///     // Lend a doubled weight for one forward and catch its gradient.
 ///     let caught = Rc::new(RefCell::new(None));
 ///     let sink = caught.clone();
-///     let lent = w.value().mul_scalar(2.0)?;
+///     let lent = w.value()?.mul_scalar(2.0)?;
 ///     w.bind(Some(Binding::new(lent).grad_to("lent", move |g| {
 ///         *sink.borrow_mut() = Some(g.clone());
 ///         Ok(())
 ///     })));
-///     let loss = w.var().square()?.sum(&[0], false)?;
+///     let loss = w.var()?.square()?.sum(&[0], false)?;
 ///     w.bind(None);
 ///     backward(&loss)?;
 ///     // d Σ v² / dv = 2v = 4 at v = 2; the parameter itself got nothing.
@@ -142,33 +143,76 @@ impl Binding {
 }
 
 struct ParamInner {
-    name: String,
+    /// The fully qualified name its module tree gave it ([`crate::nn::name_parameters`]).
+    name: RefCell<Option<Rc<str>>>,
     id: u64,
-    value: RefCell<DTensor>,
+    value: RefCell<Value>,
     grad: RefCell<Option<DTensor>>,
     requires_grad: Cell<bool>,
     /// What [`Param::var`] yields while bound ([`Param::bind`]).
     bound: RefCell<Option<Var>>,
 }
 
-/// A named trainable tensor: a leaf of the tape that accumulates its gradient,
-/// always in its own placements (a partial gradient of a replicated parameter is
+/// A parameter's value: a tensor, or only where one will be (deferred).
+enum Value {
+    Ready(DTensor),
+    /// Shape, dtype, mesh and placements, no storage.
+    Deferred {
+        mesh: DeviceMesh,
+        layout: Layout,
+    },
+}
+
+/// A trainable tensor: a leaf of the tape that accumulates its gradient, always
+/// in its own placements (a partial gradient of a replicated parameter is
 /// all-reduced, that of a sharded one reduce-scattered).
+///
+/// A parameter may be *deferred* ([`Param::deferred`]): it knows its global
+/// shape, dtype, mesh and placements but holds no storage, so a model larger
+/// than one rank can be built, planned and sharded before any rank allocates
+/// its piece; [`nn::Materializer`](crate::nn::Materializer) then fills each
+/// rank's local shard. Using a deferred parameter (its [`value`](Self::value) or
+/// [`var`](Self::var)) is an error naming it.
+///
+/// Its name is its fully qualified name in the module tree
+/// (`layers.0.attention.wq.weight`), given by [`nn::name_parameters`](crate::nn::name_parameters)
+/// (which materialising, tensor parallelism and the reference models run on their
+/// root): constructors take no names.
 ///
 /// Cheap to clone (a shared handle); lives on its rank's thread.
 ///
-/// PyTorch: `torch.nn.Parameter`.
+/// PyTorch: `torch.nn.Parameter` (deferred: a parameter on the `meta` device).
 #[derive(Clone)]
 pub struct Param {
     inner: Rc<ParamInner>,
 }
 
 impl Param {
-    /// A trainable parameter.
-    pub fn new(name: impl Into<String>, value: DTensor) -> Param {
+    /// A trainable parameter holding `value` (unnamed until its module tree
+    /// names it).
+    pub fn new(value: DTensor) -> Param {
+        Param::with_value(Value::Ready(value))
+    }
+
+    /// A deferred parameter: `shape` and `dtype`, replicated on `mesh`, no storage.
+    ///
+    /// PyTorch: `torch.empty(shape, device="meta")` wrapped in a `Parameter`.
+    ///
+    /// # Errors
+    /// A shape or dtype a tensor cannot have.
+    pub fn deferred(shape: &[usize], dtype: DType, mesh: &DeviceMesh) -> Result<Param> {
+        let replicated = vec![Placement::Replicate; mesh.ndim()];
+        let layout = Layout::new(mesh.shape(), &replicated, shape, dtype)?;
+        Ok(Param::with_value(Value::Deferred {
+            mesh: mesh.clone(),
+            layout,
+        }))
+    }
+
+    fn with_value(value: Value) -> Param {
         Param {
             inner: Rc::new(ParamInner {
-                name: name.into(),
+                name: RefCell::new(None),
                 id: next_id(),
                 value: RefCell::new(value),
                 grad: RefCell::new(None),
@@ -178,9 +222,31 @@ impl Param {
         }
     }
 
-    /// The parameter's name (its state-dict key).
-    pub fn name(&self) -> &str {
-        &self.inner.name
+    /// The parameter's fully qualified name in its module tree (its state-dict
+    /// key); `parameter #<id>` until the tree names it.
+    pub fn name(&self) -> String {
+        match self.inner.name.borrow().as_deref() {
+            Some(n) => n.to_string(),
+            None => format!("parameter #{}", self.inner.id),
+        }
+    }
+
+    /// Whether a module tree has named the parameter.
+    pub fn is_named(&self) -> bool {
+        self.inner.name.borrow().is_some()
+    }
+
+    /// Gives the parameter its name (its tree's walk does this).
+    pub(crate) fn set_name(&self, name: &str) {
+        *self.inner.name.borrow_mut() = Some(name.into());
+    }
+
+    /// A parameter named `name` without a tree, for this crate's unit tests.
+    #[cfg(test)]
+    pub(crate) fn named(name: impl AsRef<str>, value: DTensor) -> Param {
+        let p = Param::new(value);
+        p.set_name(name.as_ref());
+        p
     }
 
     /// A unique id of this parameter (shared by its clones; its leaf's id on the
@@ -191,20 +257,140 @@ impl Param {
     }
 
     /// The current value.
-    pub fn value(&self) -> DTensor {
-        self.inner.value.borrow().clone()
+    ///
+    /// # Errors
+    /// The parameter is deferred (not materialised yet).
+    pub fn value(&self) -> Result<DTensor> {
+        match &*self.inner.value.borrow() {
+            Value::Ready(v) => Ok(v.clone()),
+            Value::Deferred { layout, .. } => Err(self.deferred_error(layout)),
+        }
+    }
+
+    fn deferred_error(&self, layout: &Layout) -> Error {
+        Error::Deferred {
+            name: self.name(),
+            detail: format!("{layout} has no storage yet; materialize the model first (nn::Materializer on its root)"),
+        }
+    }
+
+    /// Whether the parameter is deferred: placed, but without storage.
+    pub fn is_deferred(&self) -> bool {
+        matches!(&*self.inner.value.borrow(), Value::Deferred { .. })
+    }
+
+    /// The layout (global shape, dtype, placements, shard order), deferred or not.
+    pub fn layout(&self) -> Layout {
+        match &*self.inner.value.borrow() {
+            Value::Ready(v) => v.layout().clone(),
+            Value::Deferred { layout, .. } => layout.clone(),
+        }
+    }
+
+    /// The mesh the parameter lives on.
+    pub fn mesh(&self) -> DeviceMesh {
+        match &*self.inner.value.borrow() {
+            Value::Ready(v) => v.mesh().clone(),
+            Value::Deferred { mesh, .. } => mesh.clone(),
+        }
+    }
+
+    /// The global shape.
+    pub fn shape(&self) -> Vec<usize> {
+        self.layout().shape.to_vec()
+    }
+
+    /// The dtype.
+    pub fn dtype(&self) -> DType {
+        self.layout().dtype
+    }
+
+    /// The placements.
+    pub fn placements(&self) -> Vec<Placement> {
+        self.layout().placements.to_vec()
     }
 
     /// The value, mutably (an optimizer's in-place step).
-    pub(crate) fn value_mut(&self) -> std::cell::RefMut<'_, DTensor> {
-        self.inner.value.borrow_mut()
+    pub(crate) fn value_mut(&self) -> Result<std::cell::RefMut<'_, DTensor>> {
+        let value = self.inner.value.borrow_mut();
+        if let Value::Deferred { layout, .. } = &*value {
+            return Err(self.deferred_error(layout));
+        }
+        Ok(std::cell::RefMut::map(value, |v| match v {
+            Value::Ready(t) => t,
+            Value::Deferred { .. } => unreachable!("checked above"),
+        }))
     }
 
-    /// Replaces the value (optimizers, loading). The placements may change (a
-    /// parallelism layer redistributing it does that); the gradient keeps whatever
-    /// placements it had.
+    /// Replaces the value (optimizers, loading; it materialises a deferred
+    /// parameter). The placements may change (a parallelism layer redistributing
+    /// it does that); the gradient keeps whatever placements it had.
     pub fn set_value(&self, value: DTensor) {
-        *self.inner.value.borrow_mut() = value;
+        *self.inner.value.borrow_mut() = Value::Ready(value);
+    }
+
+    /// Places the parameter `layout` on its mesh: a deferred one only records it
+    /// (no storage, no communication); a materialised one is redistributed.
+    /// Collective for a materialised parameter.
+    ///
+    /// PyTorch: `distribute_tensor` of a parameter (on the `meta` device, only
+    /// the placements change).
+    ///
+    /// # Errors
+    /// A layout of another global shape or dtype, or for another mesh shape; a
+    /// failed redistribution.
+    pub fn place(&self, layout: Layout) -> Result<()> {
+        let current = self.layout();
+        if layout.shape != current.shape || layout.dtype != current.dtype {
+            return Err(Error::Config {
+                op: "Param::place",
+                detail: format!(
+                    "{} is {current}; it cannot be placed as {layout} (another shape or dtype)",
+                    self.name()
+                ),
+            });
+        }
+        let mut value = self.inner.value.borrow_mut();
+        match &mut *value {
+            Value::Deferred { mesh, layout: l } => {
+                DTensorSpec::new(mesh, layout.clone())?;
+                *l = layout;
+            }
+            Value::Ready(v) => {
+                *v = v.redistribute_with_order(&layout.placements, layout.order.clone())?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Materialises a deferred parameter with this rank's local shard, which
+    /// `local` computes from the mesh and layout (a materialised parameter is left
+    /// as it is, and `local` is not called). Not collective.
+    ///
+    /// # Errors
+    /// Whatever `local` fails with; a local tensor of another shape or dtype than
+    /// the layout gives this rank.
+    pub fn materialize_with(&self, local: impl FnOnce(&DeviceMesh, &Layout) -> Result<Tensor>) -> Result<()> {
+        let (mesh, layout) = match &*self.inner.value.borrow() {
+            Value::Ready(_) => return Ok(()),
+            Value::Deferred { mesh, layout } => (mesh.clone(), layout.clone()),
+        };
+        let t = local(&mesh, &layout)?;
+        let want = layout.local_shape(mesh.coordinate())?;
+        if t.shape() != &want[..] || t.dtype() != layout.dtype {
+            return Err(Error::Config {
+                op: "materialize",
+                detail: format!(
+                    "{}: this rank's shard of {layout} is {}{want:?}, the initialiser gave {}{:?}",
+                    self.name(),
+                    layout.dtype,
+                    t.dtype(),
+                    t.shape()
+                ),
+            });
+        }
+        self.set_value(DTensor::from_local_with_layout(t, &mesh, layout)?);
+        Ok(())
     }
 
     /// The accumulated gradient, in the placements the parameter had when the
@@ -238,15 +424,19 @@ impl Param {
     /// The parameter as a tape leaf: ops on it record, and backward accumulates
     /// into [`grad`](Self::grad). While bound ([`bind`](Self::bind)), the bound
     /// value instead (the same var each call).
-    pub fn var(&self) -> Var {
+    ///
+    /// # Errors
+    /// The parameter is deferred and not bound.
+    pub fn var(&self) -> Result<Var> {
         if let Some(v) = self.inner.bound.borrow().as_ref() {
-            return v.clone();
+            return Ok(v.clone());
         }
+        let value = self.value()?;
         let requires_grad = self.requires_grad() && tape::is_grad_enabled();
         if requires_grad {
             tape::register_param(self);
         }
-        Var::leaf(self.value(), self.inner.id, requires_grad)
+        Ok(Var::leaf(value, self.inner.id, requires_grad))
     }
 
     /// Makes [`var`](Self::var) yield what `binding` says until cleared with
@@ -273,9 +463,10 @@ impl Param {
     /// PyTorch: autograd's accumulation into `param.grad`.
     ///
     /// # Errors
-    /// A gradient of another global shape; a failed redistribution or add.
+    /// A gradient of another global shape; a deferred parameter; a failed
+    /// redistribution or add.
     pub fn accumulate(&self, g: DTensor) -> Result<()> {
-        let value = self.value();
+        let value = self.value()?;
         let target: Vec<Placement> = value.placements().to_vec();
         let g = if g.placements() == &target[..] && g.layout().order == value.layout().order {
             g
@@ -300,8 +491,32 @@ impl Param {
     }
 }
 
+/// A handle to a parameter that does not keep it alive, for a layer that names
+/// a parameter in its errors without owning it.
+///
+/// PyTorch: a `weakref.ref` to a `Parameter`.
+#[derive(Clone)]
+pub struct WeakParam(std::rc::Weak<ParamInner>);
+
+impl WeakParam {
+    /// The parameter, if it is still alive.
+    pub fn upgrade(&self) -> Option<Param> {
+        self.0.upgrade().map(|inner| Param { inner })
+    }
+}
+
+impl Param {
+    /// A [`WeakParam`] to this parameter.
+    pub fn downgrade(&self) -> WeakParam {
+        WeakParam(Rc::downgrade(&self.inner))
+    }
+}
+
 impl fmt::Debug for Param {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "Param({} {:?})", self.name(), self.value())
+        match &*self.inner.value.borrow() {
+            Value::Ready(v) => write!(f, "Param({} {v:?})", self.name()),
+            Value::Deferred { layout, .. } => write!(f, "Param({} deferred {layout})", self.name()),
+        }
     }
 }

@@ -99,23 +99,23 @@ mod tests {
                     &rep,
                 )?)
             };
-            let w = Param::new("w", full(&[3, 4], 1)?);
-            let xp = Param::new("x", full(&[2, 4], 2)?);
-            let x = xp.var();
+            let w = Param::named("w", full(&[3, 4], 1)?);
+            let xp = Param::named("x", full(&[2, 4], 2)?);
+            let x = xp.var()?;
             let stash = Rc::new(Stash {
                 name: "w".into(),
-                value: RefCell::new(Some(w.value())),
+                value: RefCell::new(Some(w.value()?)),
             });
-            let leaf = w.var();
-            let lent = crate::Var::from_op("lend", w.value(), &[&leaf], |g| Ok(smallvec![Some(g.clone())]));
+            let leaf = w.var()?;
+            let lent = crate::Var::from_op("lend", w.value()?, &[&leaf], |g| Ok(smallvec![Some(g.clone())]));
             w.bind(Some(Binding::of_var(lent).saved_through(stash.clone())));
-            let loss = x.linear(&w.var(), None)?.sum(&[0, 1], false)?;
+            let loss = x.linear(&w.var()?, None)?.sum(&[0, 1], false)?;
             w.bind(None);
             if drop_before_backward {
                 stash.value.borrow_mut().take();
             }
             if restore {
-                *stash.value.borrow_mut() = Some(w.value());
+                *stash.value.borrow_mut() = Some(w.value()?);
             }
             let r = backward(&loss);
             Ok((
@@ -145,12 +145,12 @@ mod tests {
     fn callbacks_run_once_after_the_walk() {
         launch(1, |ctx| {
             let mesh = DeviceMesh::new(ctx.into_comm(), &[1])?;
-            let w = Param::new(
+            let w = Param::named(
                 "w",
                 distribute_tensor(&Tensor::ones(&[2], DType::F64)?, &mesh, &[Placement::Replicate])?,
             );
             let ran = Rc::new(Cell::new(0));
-            let loss = w.var().sum(&[0], false)?;
+            let loss = w.var()?.sum(&[0], false)?;
             queue_callback({
                 let ran = ran.clone();
                 move || {
@@ -160,11 +160,11 @@ mod tests {
             });
             backward(&loss)?;
             assert_eq!(ran.get(), 10, "the queued callback ran once, after the walk");
-            let loss = w.var().sum(&[0], false)?;
+            let loss = w.var()?.sum(&[0], false)?;
             backward(&loss)?;
             assert_eq!(ran.get(), 10, "and not again");
             queue_callback(|| Err(Error::Backward("callback failed".into())));
-            let loss = w.var().sum(&[0], false)?;
+            let loss = w.var()?.sum(&[0], false)?;
             let e = backward(&loss).unwrap_err().to_string();
             assert!(e.contains("callback failed"), "{e}");
             Ok(())

@@ -131,7 +131,7 @@ impl Layout {
         })
     }
 
-    /// The region of the global tensor that the rank at `coord` holds.
+    /// The region of the global tensor that the rank at `coord` holds: `(offset, shape)`.
     ///
     /// # Errors
     /// A coordinate outside the mesh.

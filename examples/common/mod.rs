@@ -302,3 +302,12 @@ mod tests {
         assert_eq!(max_over_ranks(&[vec![1.0, 5.0], vec![2.0, 3.0]]), vec![2.0, 5.0]);
     }
 }
+
+/// The process's peak resident set size (`VmHWM` in `/proc/self/status`), if the
+/// system reports it.
+pub(crate) fn peak_rss_bytes() -> Option<usize> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kib: usize = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}

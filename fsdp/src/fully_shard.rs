@@ -141,16 +141,23 @@ fn collect_params(modules: &[&dyn Module], config: &FsdpConfig) -> Result<Vec<Pa
     let mut all: Vec<Param> = Vec::new();
     let mut ids = HashSet::new();
     for module in modules {
+        // Parameters no tree has named yet take their names below this module
+        // (a later walk from the root names them in full).
+        if module.parameters().iter().any(|p| !p.is_named()) {
+            tessera_autograd::nn::name_parameters(*module)?;
+        }
         let mut mine = HashSet::new();
-        for p in module.parameters() {
+        for (local, p) in module.named_parameters() {
             if !mine.insert(p.id()) {
                 return Err(Error::param(
-                    p.name(),
+                    &p.name(),
                     format!("appears twice in the parameters of {}", label(*module)),
                 ));
             }
             // A parameter shared by two of the modules belongs to the unit once.
-            if ids.insert(p.id()) && !config.ignored_params.iter().any(|n| n == p.name()) {
+            // Ignored by its name in the tree, or below the module being sharded.
+            let ignored = config.ignored_params.iter().any(|n| *n == p.name() || *n == local);
+            if ids.insert(p.id()) && !ignored {
                 all.push(p);
             }
         }
@@ -226,10 +233,10 @@ fn dp_dims(
     replicate_dim: Option<usize>,
     config: &FsdpConfig,
 ) -> Result<(DeviceMesh, DpDims)> {
-    let param_mesh = own.first().map_or_else(|| mesh.clone(), |p| p.value().mesh().clone());
+    let param_mesh = own.first().map_or_else(|| mesh.clone(), Param::mesh);
     let Some(in_params) = param_mesh.dims_of(mesh) else {
         return Err(Error::param(
-            own[0].name(),
+            &own[0].name(),
             format!(
                 "lives on mesh {param_mesh}, which the data-parallel mesh {mesh} is not a slice of; pass the \
                  parameters' mesh or a slice of it (mesh.slice(&[\"dp\"]))"
@@ -303,14 +310,14 @@ fn unit_dtype(own: &[Param], config: &FsdpConfig) -> Result<DType> {
     let Some(first) = own.first() else {
         return Ok(config.mp_policy.param_dtype.unwrap_or(DType::F32));
     };
-    let dtype = first.value().dtype();
-    if let Some(p) = own.iter().find(|p| p.value().dtype() != dtype) {
+    let dtype = first.dtype();
+    if let Some(p) = own.iter().find(|p| p.dtype() != dtype) {
         return Err(Error::param(
-            p.name(),
+            &p.name(),
             format!(
                 "is {} while parameter {} of the same unit is {}; one unit gathers one dtype (shard them in \
                  separate units)",
-                p.value().dtype(),
+                p.dtype(),
                 first.name(),
                 dtype,
             ),

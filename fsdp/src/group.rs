@@ -233,7 +233,7 @@ impl ParamGroup {
     fn issue_gather(&self) -> Result<Gather> {
         let mut from = self.gathered_from.borrow_mut();
         from.clear();
-        let values: Vec<DTensor> = self.params.iter().map(|p| p.param.value()).collect();
+        let values: Vec<DTensor> = self.params.iter().map(|p| p.param.value()).collect::<Result<_, _>>()?;
         from.extend(values.iter().map(|v| v.to_local().clone()));
         let dt = self.gather_dtype();
         match self.dims.shard {
@@ -385,7 +385,7 @@ impl ParamGroup {
             };
             p.param.bind(Some(binding.saved_through(p.slot.clone())));
             if grad {
-                shards.push(p.param.value().to_local().clone());
+                shards.push(p.param.value()?.to_local().clone());
             }
         }
         let mut gs = self.grads.borrow_mut();
@@ -410,9 +410,9 @@ impl ParamGroup {
     pub(crate) fn check_unchanged(&self) -> Result<()> {
         let shards = self.forward_shards.borrow();
         for (p, s) in self.params.iter().zip(shards.iter()) {
-            if !same_tensor(p.param.value().to_local(), s) {
+            if !same_tensor(p.param.value()?.to_local(), s) {
                 return Err(Error::param(
-                    p.param.name(),
+                    &p.param.name(),
                     "changed between its unit's forward and backward (an optimizer step or set_value in \
                      between?); its gradient would be computed against other values",
                 ));
@@ -428,7 +428,7 @@ impl ParamGroup {
                 .params
                 .iter()
                 .zip(shards)
-                .all(|(p, s)| same_tensor(p.param.value().to_local(), s))
+                .all(|(p, s)| p.param.value().is_ok_and(|v| same_tensor(v.to_local(), s)))
     }
 
     /// Adds the gradient of parameter `i`'s unsharded value (kept for the next

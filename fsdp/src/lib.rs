@@ -2,7 +2,7 @@
 //! over a data-parallel mesh dim and turns the module into one communication unit.
 //!
 //! ```
-//! use tessera_autograd::nn::{Linear, Module};
+//! use tessera_autograd::nn::{Linear, Materializer, Module};
 //! use tessera_autograd::optim::{AdamW, AdamWConfig, Optimizer};
 //! use tessera_autograd::{backward, Var};
 //! use tessera_dtensor::{distribute_tensor, DType, Placement, Tensor};
@@ -11,10 +11,11 @@
 //!
 //! let losses = launch(2, |ctx| {
 //!     let mesh = DeviceMesh::new(ctx.into_comm(), &[2])?;
-//!     let layer = Linear::new("fc", 3, 5, true, &mesh, DType::F32, 0)?;
+//!     let layer = Linear::new(3, 5, true, &mesh, DType::F32)?;
 //!     let unit = fully_shard(&layer, &mesh, FsdpConfig::default())?;
-//!     // Each rank now holds its rows of the weight: 3 of 5 on rank 0, 2 on rank 1.
-//!     assert_eq!(layer.weight.value().placements(), &[Placement::Shard(0)]);
+//!     // Each rank allocates only its rows of the weight: 3 of 5 on rank 0, 2 on rank 1.
+//!     Materializer::from_seed(0).materialize(&layer)?;
+//!     assert_eq!(layer.weight.value()?.placements(), &[Placement::Shard(0)]);
 //!     let mut opt = AdamW::new(layer.parameters(), AdamWConfig::default())?;
 //!     let x = Tensor::randn(&[4, 3], DType::F32, 7)?;
 //!     let x = Var::constant(distribute_tensor(&x, &mesh, &[Placement::Shard(0)])?);

@@ -52,20 +52,19 @@ impl FsdpParam {
     /// A parameter on another mesh than `mesh`, not replicated on the
     /// data-parallel dims, a scalar, or not floating-point.
     pub(crate) fn new(param: Param, mesh: &DeviceMesh, dims: DpDims) -> Result<FsdpParam> {
-        let v = param.value();
-        let name = param.name();
-        if !v.mesh().same_as(mesh) {
+        let (layout, param_mesh) = (param.layout(), param.mesh());
+        let name = &param.name();
+        if !param_mesh.same_as(mesh) {
             return Err(Error::param(
                 name,
                 format!(
                     "lives on mesh {}, the unit's other parameters on {}; one unit gathers parameters of one \
                      mesh (shard them in separate units)",
-                    v.mesh(),
-                    mesh
+                    param_mesh, mesh
                 ),
             ));
         }
-        let p = v.placements();
+        let p = &layout.placements.clone()[..];
         if let Some(d) = (0..p.len()).find(|&d| dims.contains(d) && !p[d].is_replicate()) {
             let hint = if p[d].is_shard() {
                 "is it already sharded by FSDP?"
@@ -78,7 +77,7 @@ impl FsdpParam {
                     "is placed {} on mesh {}; fully_shard needs it replicated on the data-parallel mesh dim {d} \
                      ({hint})",
                     PlacementsDisplay(p),
-                    v.mesh()
+                    param_mesh
                 ),
             ));
         }
@@ -91,16 +90,16 @@ impl FsdpParam {
                 ),
             ));
         }
-        if v.shape().is_empty() {
+        if layout.shape.is_empty() {
             return Err(Error::param(name, "is a scalar; FSDP shards dim 0 (reshape it to [1])"));
         }
-        if !v.dtype().is_float() {
+        if !layout.dtype.is_float() {
             return Err(Error::param(
                 name,
-                format!("is {}; FSDP shards floating-point parameters", v.dtype()),
+                format!("is {}; FSDP shards floating-point parameters", layout.dtype),
             ));
         }
-        let unsharded = v.layout().clone();
+        let unsharded = layout;
         let sharded = match dims.shard {
             Some(shard) => {
                 let mut placements = p.to_vec();
@@ -108,11 +107,17 @@ impl FsdpParam {
                 let mut chain = unsharded.order.order_of(p, 0);
                 chain.push(shard);
                 let order = unsharded.order.with_chain(&placements, 0, &chain)?;
-                Layout::with_order(mesh.shape(), &placements, order, v.shape(), v.dtype())?
+                Layout::with_order(
+                    mesh.shape(),
+                    &placements,
+                    order,
+                    &unsharded.shape.clone(),
+                    unsharded.dtype,
+                )?
             }
             None => unsharded.clone(),
         };
-        let slot = Slot::new(name);
+        let slot = Slot::new(&param);
         Ok(FsdpParam {
             param,
             unsharded,
@@ -122,13 +127,18 @@ impl FsdpParam {
     }
 
     /// Replaces the parameter's value by this rank's shard (a copy, so the
-    /// unsharded value is freed) and clears its gradient. Not collective.
+    /// unsharded value is freed) and clears its gradient; a deferred parameter
+    /// only takes the sharded layout. Not collective.
     pub(crate) fn shard(&self, mesh: &DeviceMesh, dims: DpDims) -> Result<()> {
         self.param.set_grad(None);
         let Some(shard) = dims.shard else {
             return Ok(());
         };
-        let value = self.param.value();
+        if self.param.is_deferred() {
+            self.param.place(self.sharded.clone())?;
+            return Ok(());
+        }
+        let value = self.param.value()?;
         let mine = rows_of(value.to_local(), mesh.shape()[shard], mesh.coordinate()[shard])?;
         self.param
             .set_value(DTensor::from_local_with_layout(mine, mesh, self.sharded.clone())?);
@@ -161,7 +171,7 @@ impl FsdpParam {
     pub(crate) fn contribution(&self, g: &DTensor, dims: DpDims, dtype: DType) -> Result<DTensor> {
         if g.shape() != &self.unsharded.shape[..] {
             return Err(Error::param(
-                self.param.name(),
+                &self.param.name(),
                 format!(
                     "its gradient has shape {:?}, the parameter {:?}",
                     g.shape(),

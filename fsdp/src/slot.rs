@@ -14,22 +14,24 @@
 use std::cell::RefCell;
 use std::rc::Rc;
 
-use tessera_autograd::{BoxError, SavedHandle};
+use tessera_autograd::{BoxError, Param, SavedHandle, WeakParam};
 use tessera_dtensor::DTensor;
 
 use crate::error::{Error, Result};
 
 /// A parameter's unsharded value, which can be emptied and refilled.
 pub(crate) struct Slot {
-    name: String,
+    /// The parameter, named in errors by its name at the time (its tree may
+    /// name it after the slot is made).
+    param: WeakParam,
     value: RefCell<Option<DTensor>>,
 }
 
 impl Slot {
-    /// An empty slot for the parameter `name` (named in errors).
-    pub(crate) fn new(name: impl Into<String>) -> Rc<Slot> {
+    /// An empty slot for `param`.
+    pub(crate) fn new(param: &Param) -> Rc<Slot> {
         Rc::new(Slot {
-            name: name.into(),
+            param: param.downgrade(),
             value: RefCell::new(None),
         })
     }
@@ -40,7 +42,10 @@ impl Slot {
     /// [`Error::Resharded`] when the slot is empty.
     pub(crate) fn get(&self) -> Result<DTensor> {
         self.value.borrow().clone().ok_or_else(|| Error::Resharded {
-            param: self.name.clone(),
+            param: self
+                .param
+                .upgrade()
+                .map_or_else(|| "a dropped parameter".into(), |p| p.name()),
         })
     }
 
@@ -73,14 +78,18 @@ mod tests {
         launch(1, |ctx| {
             let mesh = DeviceMesh::new(ctx.into_comm(), &[1])?;
             let v = distribute_tensor(&Tensor::ones(&[2], DType::F64)?, &mesh, &[Placement::Replicate])?;
-            let slot = Slot::new("w");
+            let w = Param::new(v.clone());
+            tessera_autograd::nn::ParameterDict::new([("w", w.clone())])?;
+            let slot = Slot::new(&w);
             let e = slot.get().unwrap_err().to_string();
             assert!(e.contains("parameter w is resharded"), "{e}");
             slot.fill(v);
             assert_eq!(slot.unpack()?.to_local().to_vec::<f64>()?, [1.0, 1.0]);
             slot.free();
-            let e = tessera_autograd::Saved::Handle(slot).get().unwrap_err();
+            let e = tessera_autograd::Saved::Handle(slot.clone()).get().unwrap_err();
             assert!(matches!(Error::from(e), Error::Resharded { param } if param == "w"));
+            drop(w);
+            assert!(slot.get().unwrap_err().to_string().contains("a dropped parameter"));
             Ok(())
         })
         .unwrap();

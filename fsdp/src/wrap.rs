@@ -96,8 +96,8 @@ pub fn auto_wrap(
         let unowned: usize = m
             .parameters()
             .iter()
-            .filter(|p| !config.ignored_params.iter().any(|n| n == p.name()) && state::owner(p.id()).is_none())
-            .map(|p| p.value().shape().iter().product::<usize>())
+            .filter(|p| !config.ignored_params.iter().any(|n| *n == p.name()) && state::owner(p.id()).is_none())
+            .map(|p| p.shape().iter().product::<usize>())
             .sum();
         if policy.picks(*m, unowned) {
             units.push((name.clone(), fully_shard(*m, mesh, config.clone())?));

@@ -2,7 +2,7 @@
 //! exactly the architecture of the parity reference (parameter names equal the
 //! reference state-dict keys).
 
-use tessera_autograd::nn::{Embedding, LayerNorm, Linear, Module, join};
+use tessera_autograd::nn::{Embedding, LayerNorm, Linear, Module, name_parameters};
 use tessera_autograd::{Result, Var};
 use tessera_dtensor::{DType, Placement, Tensor, distribute_tensor_from};
 use tessera_fsdp::tp::{
@@ -115,22 +115,22 @@ pub struct Block {
 }
 
 impl Block {
-    fn new(prefix: &str, cfg: &TransformerConfig, mesh: &DeviceMesh, dtype: DType, seed: u64) -> Result<Block> {
+    fn new(cfg: &TransformerConfig, mesh: &DeviceMesh, dtype: DType) -> Result<Block> {
         let d = cfg.dim;
-        let lin = |name: &str, i, o, bias, s| Linear::new(&join(prefix, name), i, o, bias, mesh, dtype, seed + s);
+        let lin = |i, o, bias| Linear::new(i, o, bias, mesh, dtype);
         Ok(Block {
-            attention_norm: LayerNorm::new(&join(prefix, "attention_norm"), d, 1e-5, mesh, dtype)?,
+            attention_norm: LayerNorm::new(d, 1e-5, mesh, dtype)?,
             attention: Attention {
-                wq: lin("attention.wq", d, d, false, 0)?,
-                wk: lin("attention.wk", d, d, false, 2)?,
-                wv: lin("attention.wv", d, d, false, 4)?,
-                wo: lin("attention.wo", d, d, false, 6)?,
+                wq: lin(d, d, false)?,
+                wk: lin(d, d, false)?,
+                wv: lin(d, d, false)?,
+                wo: lin(d, d, false)?,
                 n_heads: cfg.n_heads,
             },
-            ffn_norm: LayerNorm::new(&join(prefix, "ffn_norm"), d, 1e-5, mesh, dtype)?,
+            ffn_norm: LayerNorm::new(d, 1e-5, mesh, dtype)?,
             feed_forward: FeedForward {
-                w1: lin("feed_forward.w1", d, 4 * d, true, 8)?,
-                w2: lin("feed_forward.w2", 4 * d, d, true, 10)?,
+                w1: lin(d, 4 * d, true)?,
+                w2: lin(4 * d, d, true)?,
             },
         })
     }
@@ -177,13 +177,16 @@ pub struct Transformer {
 }
 
 impl Transformer {
-    /// A replicated model on `mesh`, initialised from `seed` (load a state dict to
-    /// start from given weights). Collective over `mesh` (every rank must call
-    /// it): the weights are rank 0's.
+    /// A deferred model replicated on `mesh`: every parameter has its shape,
+    /// dtype and name (`layers.0.attention.wq.weight`) but no storage. Plan and
+    /// shard it ([`parallelize`](Self::parallelize),
+    /// [`fully_shard`](Self::fully_shard)), then materialise each rank's shards
+    /// with [`Materializer`](tessera_autograd::nn::Materializer) (from a seed, a
+    /// safetensors file or a checkpoint).
     ///
     /// # Errors
-    /// `n_heads` not dividing `dim`, tensor construction failures.
-    pub fn new(cfg: TransformerConfig, mesh: &DeviceMesh, dtype: DType, seed: u64) -> Result<Transformer> {
+    /// `n_heads` not dividing `dim`, sizes a tensor cannot have.
+    pub fn new(cfg: TransformerConfig, mesh: &DeviceMesh, dtype: DType) -> Result<Transformer> {
         if cfg.n_heads == 0 || !cfg.dim.is_multiple_of(cfg.n_heads) {
             return Err(tessera_autograd::Error::Config {
                 op: "Transformer",
@@ -191,16 +194,18 @@ impl Transformer {
             });
         }
         let layers = (0..cfg.n_layers)
-            .map(|i| Block::new(&format!("layers.{i}"), &cfg, mesh, dtype, seed + 100 * (i as u64 + 1)))
+            .map(|_| Block::new(&cfg, mesh, dtype))
             .collect::<Result<Vec<_>>>()?;
-        Ok(Transformer {
-            tok_embeddings: Embedding::new("tok_embeddings", cfg.vocab, cfg.dim, mesh, dtype, seed)?,
-            pos_embeddings: Embedding::new("pos_embeddings", cfg.seq, cfg.dim, mesh, dtype, seed + 1)?,
+        let model = Transformer {
+            tok_embeddings: Embedding::new(cfg.vocab, cfg.dim, mesh, dtype)?,
+            pos_embeddings: Embedding::new(cfg.seq, cfg.dim, mesh, dtype)?,
             layers,
-            norm: LayerNorm::new("norm", cfg.dim, 1e-5, mesh, dtype)?,
-            output: Linear::new("output", cfg.dim, cfg.vocab, false, mesh, dtype, seed + 2)?,
+            norm: LayerNorm::new(cfg.dim, 1e-5, mesh, dtype)?,
+            output: Linear::new(cfg.dim, cfg.vocab, false, mesh, dtype)?,
             cfg,
-        })
+        };
+        name_parameters(&model)?;
+        Ok(model)
     }
 
     /// Applies FSDP bottom-up as PyTorch's recipe does: each block becomes a unit,
@@ -415,7 +420,7 @@ mod tests {
                 n_layers: 2,
                 ..TransformerConfig::TINY
             };
-            let model = Transformer::new(cfg, &mesh, DType::F32, 0)?;
+            let model = Transformer::new(cfg, &mesh, DType::F32)?;
             // Fully qualified names from the tree equal the names the parameters
             // were created with (the reference state-dict keys), in the same order.
             let named = model.named_parameters();

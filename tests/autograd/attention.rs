@@ -31,7 +31,7 @@ fn run(mesh_shape: &[usize], at: &[Placement], dtype: DType, causal: bool, fused
     let at = at.to_vec();
     on_mesh(mesh_shape, move |mesh| {
         let [q, k, v] = qkv(mesh, dtype, &at)?;
-        let (qv, kv, vv) = (q.var(), k.var(), v.var());
+        let (qv, kv, vv) = (q.var()?, k.var()?, v.var()?);
         let out = if fused {
             qv.scaled_dot_product_attention(&kv, &vv, causal, None)?
         } else {
@@ -75,10 +75,11 @@ fn fused_attention_is_one_op_on_the_tape() {
     let counts = on_mesh(&[1], |mesh| {
         let [q, k, v] = qkv(mesh, DType::F32, &[Replicate])?;
         clear_tape();
-        q.var().scaled_dot_product_attention(&k.var(), &v.var(), true, None)?;
+        q.var()?
+            .scaled_dot_product_attention(&k.var()?, &v.var()?, true, None)?;
         let fused = recorded_ops();
         clear_tape();
-        chain(&q.var(), &k.var(), &v.var(), true, 0.5)?;
+        chain(&q.var()?, &k.var()?, &v.var()?, true, 0.5)?;
         let chained = recorded_ops();
         clear_tape();
         Ok((fused, chained))

@@ -60,13 +60,13 @@ fn run(mesh_shape: &[usize], batch: &'static [Placement], params: &'static [Plac
         let target = constant(&uniform(&[BATCH, WIDTH], 2), mesh, batch)?;
         let before = memory::stats().current_bytes;
         let y = match mode {
-            Mode::Plain => stack(&x.var(), &ls)?,
+            Mode::Plain => stack(&x.var()?, &ls)?,
             Mode::Whole => {
                 let ls = ls.clone();
-                checkpoint(&[x.var()], move |xs| stack(&xs[0], &ls))?
+                checkpoint(&[x.var()?], move |xs| stack(&xs[0], &ls))?
             }
             Mode::PerLayer => {
-                let mut h = x.var();
+                let mut h = x.var()?;
                 for layer in &ls {
                     let layer = [layer.clone()];
                     h = checkpoint(&[h], move |xs| stack(&xs[0], &layer))?;
@@ -173,7 +173,7 @@ fn checkpoint_edge_cases() {
         let rep = replicate(1);
         let w = param("w", &uniform(&[3, 3], 1), mesh, &rep)?;
         let x = constant(&uniform(&[2, 3], 2), mesh, &rep)?;
-        let block = |h: &Var, w: &Param| -> Result<Var> { h.matmul(&w.var())?.tanh() };
+        let block = |h: &Var, w: &Param| -> Result<Var> { h.matmul(&w.var()?)?.tanh() };
         let loss = |y: Var| -> Result<Var> { y.square()?.sum(&[0, 1], false) };
         let grad_of = |y: Var, through_no_grad: bool| -> R<Tensor> {
             w.zero_grad();
@@ -205,7 +205,7 @@ fn checkpoint_edge_cases() {
             true,
         )?;
         let p = param("p", &uniform(&[2, 3], 3), mesh, &rep)?;
-        let id = checkpoint(&[p.var()], |xs| Ok(xs[0].clone()))?;
+        let id = checkpoint(&[p.var()?], |xs| Ok(xs[0].clone()))?;
         backward(&id.mul_scalar(3.0)?.sum(&[0, 1], false)?)?;
         Ok((plain, [inputs_without_grad, nested, under_no_grad], full_grad(&p)?))
     });
@@ -231,10 +231,10 @@ fn backward_frees_every_saved_activation() {
             let ls = layers(mesh, &[Shard(0)])?;
             let before = memory::stats().current_bytes;
             let y = match mode {
-                Mode::Plain => stack(&x.var(), &ls)?,
+                Mode::Plain => stack(&x.var()?, &ls)?,
                 _ => {
                     let ls = ls.clone();
-                    checkpoint(&[x.var()], move |xs| stack(&xs[0], &ls))?
+                    checkpoint(&[x.var()?], move |xs| stack(&xs[0], &ls))?
                 }
             };
             backward(&y.square()?.mean(&[0, 1], false)?)?;
@@ -268,13 +268,13 @@ fn checkpoint_keeps_the_gradient_of_a_captured_var() {
         let rep = replicate(1);
         let w = param("w", &uniform(&[3], 1), mesh, &rep)?;
         let x = param("x", &uniform(&[3], 2), mesh, &rep)?;
-        let wv = w.var();
-        let y = checkpoint(&[x.var()], move |xs| xs[0].mul(&wv))?;
+        let wv = w.var()?;
+        let y = checkpoint(&[x.var()?], move |xs| xs[0].mul(&wv))?;
         backward(&y.sum(&[0], false)?)?;
         // d/dw Σ x·w = x.
         Ok((
             w.grad().map(|g| g.to_local().to_f64_vec()),
-            x.value().to_local().to_f64_vec(),
+            x.value()?.to_local().to_f64_vec(),
         ))
     });
     let (gw, xv) = &out[0];

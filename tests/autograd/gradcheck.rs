@@ -122,8 +122,8 @@ fn failures(inputs: &[In], f: impl Fn(&[Var]) -> Result<Var> + Send + Sync + 'st
         let vars: Vec<Var> = params
             .iter()
             .zip(leaf(&fulls)?)
-            .map(|(p, c)| p.as_ref().map_or(c, Param::var))
-            .collect();
+            .map(|(p, c)| p.as_ref().map_or(Ok(c), Param::var))
+            .collect::<tessera::autograd::Result<_>>()?;
         let out = f(&vars)?;
         let r = constant(&values(out.value().shape(), 7, Rng::signed), mesh, &rep)?;
         backward(&weighted_sum(&out, &r)?)?;

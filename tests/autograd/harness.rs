@@ -2,6 +2,7 @@
 
 use std::sync::{Mutex, PoisonError};
 
+use tessera::autograd::nn::ParameterDict;
 use tessera::autograd::{Param, Var};
 use tessera::dtensor::{Placement, Tensor, distribute_tensor};
 use tessera::{BoxError, DeviceMesh, launch};
@@ -101,7 +102,9 @@ pub(crate) fn replicate(n: usize) -> Vec<Placement> {
 
 /// A parameter holding `full` distributed with `placements`.
 pub(crate) fn param(name: &str, full: &Tensor, mesh: &DeviceMesh, placements: &[Placement]) -> R<Param> {
-    Ok(Param::new(name, distribute_tensor(full, mesh, placements)?))
+    let p = Param::new(distribute_tensor(full, mesh, placements)?);
+    ParameterDict::new([(name, p.clone())])?;
+    Ok(p)
 }
 
 /// A constant holding `full` distributed with `placements`.
@@ -112,7 +115,7 @@ pub(crate) fn constant(full: &Tensor, mesh: &DeviceMesh, placements: &[Placement
 /// A parameter's leaf, redistributed to replicated when it is stored otherwise
 /// (so the backward of that redistribute is what brings its gradient home).
 pub(crate) fn gathered(p: &Param) -> tessera::autograd::Result<Var> {
-    let v = p.var();
+    let v = p.var()?;
     if v.value().placements().iter().all(|p| p.is_replicate()) {
         Ok(v)
     } else {

@@ -246,7 +246,7 @@ fn run_linear(tp: usize, target: Placement, x: &Tensor, w: &Tensor, b: &Tensor, 
         let pw = param("w", &w, mesh, &[Shard(1)])?;
         let pb = param("b", &b, mesh, &[Replicate])?;
         let s0 = mesh.stats();
-        let y = px.var().linear(&pw.var(), Some(&pb.var()))?;
+        let y = px.var()?.linear(&pw.var()?, Some(&pb.var()?))?;
         let s1 = mesh.stats();
         let out_placements = y.value().placements().to_vec();
         let z = y.redistribute(&[target])?;
@@ -350,7 +350,7 @@ fn run_embedding(
         let rep = replicate(mesh.ndim());
         let p = param("table", &table, mesh, &tp)?;
         let i = constant(&idx, mesh, &rep)?;
-        let mut y = p.var().embedding(&i)?;
+        let mut y = p.var()?.embedding(&i)?;
         if gather {
             y = y.redistribute(&rep)?;
         }

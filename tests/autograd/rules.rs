@@ -13,7 +13,7 @@ use crate::harness::{R, constant, full_grad, max_rel_err, on_mesh, param, scalar
 /// it is stored otherwise).
 fn square_loss(mesh: &tessera::DeviceMesh, w: &Param) -> R<Var> {
     let x = constant(&uniform(&[8, 4], 1), mesh, &vec![Shard(0); mesh.ndim()])?;
-    let wv = w.var();
+    let wv = w.var()?;
     let wv = if wv.value().placements().iter().all(|p| p.is_replicate()) {
         wv
     } else {
@@ -176,7 +176,7 @@ fn no_grad_records_nothing() {
         let w = param("w", &uniform(&[4, 3], 2), mesh, &[Shard(0)])?;
         clear_tape();
         let (loss, counted, leaf_requires) = no_grad(|| -> R<_> {
-            let leaf = w.var();
+            let leaf = w.var()?;
             let loss = square_loss(mesh, &w)?;
             Ok((loss, recorded_ops(), leaf.requires_grad()))
         })?;
@@ -222,16 +222,16 @@ fn detach_stops_gradients() {
     let out = on_mesh(&[1], |mesh| {
         let p = param("p", &uniform(&[3, 4], 3), mesh, &[Replicate])?;
         // d/dp Σ p·detach(p) = detach(p) = p, not 2p.
-        let v = p.var();
+        let v = p.var()?;
         let loss = v.mul(&v.detach())?.sum(&[0, 1], false)?;
         backward(&loss)?;
         let g = full_grad(&p)?;
         // Only through a detached value: nothing requires a gradient.
         let q = param("q", &uniform(&[3, 4], 4), mesh, &[Replicate])?;
-        let cut = q.var().exp()?.detach();
+        let cut = q.var()?.exp()?.detach();
         let requires = cut.requires_grad() || cut.square()?.requires_grad();
         clear_tape();
-        Ok((g, p.value().full_tensor()?, requires, q.grad().is_none()))
+        Ok((g, p.value()?.full_tensor()?, requires, q.grad().is_none()))
     });
     let (g, p, requires, q_none) = &out[0];
     assert!(
@@ -252,25 +252,25 @@ fn frozen_params_get_no_grad() {
         let w2 = param("w2", &uniform(&[2, 5], 3), mesh, &[Shard(0)])?;
         w1.set_requires_grad(false);
         let loss = |w2v: Var| -> R<Var> {
-            Ok(x.linear(&w1.var(), None)?
+            Ok(x.linear(&w1.var()?, None)?
                 .tanh()?
                 .linear(&w2v, None)?
                 .square()?
                 .mean(&[0, 1], false)?)
         };
-        let w2v = w2.var().redistribute(&[Replicate])?;
+        let w2v = w2.var()?.redistribute(&[Replicate])?;
         backward(&loss(w2v)?)?;
         let trained = full_grad(&w2)?;
         // The same gradient for w2 as when w1 is trained too.
         w1.set_requires_grad(true);
         let w2b = param("w2b", &uniform(&[2, 5], 3), mesh, &[Shard(0)])?;
-        backward(&loss(w2b.var().redistribute(&[Replicate])?)?)?;
+        backward(&loss(w2b.var()?.redistribute(&[Replicate])?)?)?;
         let both = full_grad(&w2b)?;
         let w1_trained = w1.grad().is_some();
         // Everything frozen: nothing to differentiate.
         w1.set_requires_grad(false);
         w2.set_requires_grad(false);
-        let err = backward(&loss(w2.var())?).map_err(|e| e.to_string()).err();
+        let err = backward(&loss(w2.var()?)?).map_err(|e| e.to_string()).err();
         Ok((w1.requires_grad(), trained, both, w1_trained, err))
     });
     for (w1_flag, trained, both, w1_trained, err) in out {
@@ -288,12 +288,12 @@ fn a_frozen_param_gets_no_grad_while_others_do() {
         let a = param("a", &uniform(&[3], 1), mesh, &[Replicate])?;
         let b = param("b", &uniform(&[3], 2), mesh, &[Replicate])?;
         b.set_requires_grad(false);
-        backward(&a.var().mul(&b.var())?.sum(&[0], false)?)?;
+        backward(&a.var()?.mul(&b.var()?)?.sum(&[0], false)?)?;
         Ok((
             a.grad().is_some(),
             b.grad().is_none(),
             full_grad(&a)?,
-            b.value().full_tensor()?,
+            b.value()?.full_tensor()?,
         ))
     });
     let (a_has, b_none, ga, b) = &out[0];
@@ -305,7 +305,7 @@ fn a_frozen_param_gets_no_grad_while_others_do() {
 fn backward_of_a_non_scalar_is_a_clear_error() {
     let out = try_on_mesh(&[1], |mesh| {
         let w = param("w", &uniform(&[4, 3], 2), mesh, &[Replicate])?;
-        let y = w.var().square()?;
+        let y = w.var()?.square()?;
         let err = backward(&y).map_err(|e| e.to_string()).err();
         // The failed call leaves the tape alone; a scalar loss still works.
         let ops = recorded_ops();
@@ -331,7 +331,7 @@ fn a_reversed_shard_order_survives_into_the_grad() {
         let order = order.clone();
         move |mesh| {
             let w = distribute_tensor_with_order(&uniform(&[4, 3], 2), mesh, &placements, order.clone())?;
-            let w = Param::new("w", w);
+            let w = Param::new(w);
             backward(&square_loss(mesh, &w)?)?;
             let g = w.grad().ok_or("no gradient")?;
             let expected_local = distribute_tensor_with_order(&want, mesh, &placements, order.clone())?;
@@ -365,8 +365,8 @@ fn a_reversed_shard_order_survives_into_the_grad() {
 fn backward_of_a_second_loss_is_not_silently_lost() {
     let out = on_mesh(&[1], |mesh| {
         let w = param("w", &uniform(&[3], 1), mesh, &[Replicate])?;
-        let l1 = w.var().sum(&[0], false)?; // d/dw = 1
-        let l2 = w.var().mul_scalar(2.0)?.sum(&[0], false)?; // d/dw = 2
+        let l1 = w.var()?.sum(&[0], false)?; // d/dw = 1
+        let l2 = w.var()?.mul_scalar(2.0)?.sum(&[0], false)?; // d/dw = 2
         backward(&l1)?;
         let second = backward(&l2).map_err(|e| e.to_string());
         Ok((second, full_grad(&w)?.to_f64_vec()))

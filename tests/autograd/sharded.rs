@@ -173,7 +173,7 @@ fn run(
             .map(|(((name, _), v), pl)| param(name, v, mesh, pl))
             .collect::<R<Vec<_>>>()?;
         let vars = if direct {
-            params.iter().map(Param::var).collect()
+            params.iter().map(Param::var).collect::<Result<Vec<_>>>()?
         } else {
             params.iter().map(gathered).collect::<Result<Vec<_>>>()?
         };

@@ -38,7 +38,7 @@ pub(crate) fn tokens() -> Tensor {
 /// The tiny reference Transformer on `mesh` (replicated) with the reference's
 /// initial weights.
 pub(crate) fn tiny_model(mesh: &DeviceMesh) -> tessera::autograd::Result<Transformer> {
-    let model = Transformer::new(TransformerConfig::TINY, mesh, DType::F32, 0)?;
+    let model = Transformer::new(TransformerConfig::TINY, mesh, DType::F32)?;
     load_state_dict(&model.parameters(), data("tiny_init.safetensors"))?;
     Ok(model)
 }

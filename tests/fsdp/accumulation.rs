@@ -56,7 +56,7 @@ pub(crate) fn accumulate(mesh_shape: &'static [usize], g: usize, steps: usize, c
             for p in &params {
                 // Reduced once, into the parameters' own (sharded) placements.
                 let g = p.grad().unwrap_or_else(|| panic!("{} has no gradient", p.name()));
-                assert_eq!(g.placements(), p.value().placements(), "{}", p.name());
+                assert_eq!(g.placements(), p.value()?.placements(), "{}", p.name());
             }
             out.counts.push(counts);
             out.grads.push(full_grads(&params)?);

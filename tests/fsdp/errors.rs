@@ -2,7 +2,7 @@
 //! refused module left as it was), and parameters it must respect: changed between
 //! forward and backward, frozen; a failed forward leaves FSDP usable.
 
-use tessera::autograd::nn::{Linear, Module};
+use tessera::autograd::nn::{Linear, Module, ParameterDict};
 use tessera::autograd::optim::{AdamW, Optimizer};
 use tessera::autograd::{Param, Var, backward};
 use tessera::dtensor::{DTensor, Placement, Tensor, distribute_tensor};
@@ -17,14 +17,14 @@ use crate::{TestResult, batch, calls, full_grads, max_abs_diff, scalar};
 struct Params(Vec<Param>);
 
 impl Module for Params {
-    fn parameters(&self) -> Vec<Param> {
-        self.0.clone()
+    fn own_parameters(&self) -> Vec<(String, Param)> {
+        self.0.iter().map(|p| (p.name(), p.clone())).collect()
     }
 
     fn forward(&self, x: &Var) -> tessera::autograd::Result<Var> {
         let mut y = x.clone();
         for p in &self.0 {
-            y = y.linear(&p.var(), None)?;
+            y = y.linear(&p.var()?, None)?;
         }
         Ok(y)
     }
@@ -36,7 +36,9 @@ fn param(name: &str, shape: &[usize], dtype: DType, mesh: &DeviceMesh, placement
         _ => Tensor::randn(shape, dtype, 3)?,
     };
     let placements = vec![placement; mesh.ndim()];
-    Ok(Param::new(name, distribute_tensor(&full, mesh, &placements)?))
+    let p = Param::new(distribute_tensor(&full, mesh, &placements)?);
+    ParameterDict::new([(name, p.clone())])?;
+    Ok(p)
 }
 
 /// The detail of a `fully_shard` configuration error.
@@ -89,21 +91,16 @@ fn bad_configurations() {
             "a.weight"
         );
         assert_eq!(
-            b.0[1].value().placements(),
+            b.0[1].value()?.placements(),
             &[rep],
             "a refused module is left as it was"
         );
 
         // The same module twice: a leaf, and a Transformer root.
-        let fc = Linear::new("fc", 3, 4, true, &mesh, DType::F32, 0)?;
+        let fc = Linear::new(3, 4, true, &mesh, DType::F32)?;
         fully_shard(&fc, &mesh, cfg())?;
-        case!(
-            "twice",
-            fully_shard(&fc, &mesh, cfg()),
-            "fc.weight",
-            "already fully_shard"
-        );
-        let model = Transformer::new(TransformerConfig::TINY, &mesh, DType::F32, 0)?;
+        case!("twice", fully_shard(&fc, &mesh, cfg()), "weight", "already fully_shard");
+        let model = Transformer::new(TransformerConfig::TINY, &mesh, DType::F32)?;
         model.fully_shard(&mesh, &cfg())?;
         let again = err_msg(fully_shard(&model, &mesh, cfg()), "root twice");
         assert!(again.contains("already fully_shard-ed"), "root twice: {again}");
@@ -147,8 +144,8 @@ fn bad_configurations() {
             "sharded.weight",
             "already sharded"
         );
-        assert_eq!(fine.value().placements(), &[rep], "a refused module is left as it was");
-        assert!(!fine.value().to_local().shape().is_empty());
+        assert_eq!(fine.value()?.placements(), &[rep], "a refused module is left as it was");
+        assert!(!fine.value()?.to_local().shape().is_empty());
         let scalar_p = Params(vec![param("scalar", &[], DType::F32, &mesh, rep)?]);
         case!("scalar", fully_shard(&scalar_p, &mesh, cfg()), "scalar", "[1]");
         let ints = Params(vec![param("ints", &[4], DType::I64, &mesh, rep)?]);
@@ -164,13 +161,10 @@ fn bad_configurations() {
             "f64.weight",
             "dtype"
         );
+        // A parameter a module lists twice is one parameter (tied), held once.
         let x = p("x.weight")?;
-        case!(
-            "listed twice",
-            fully_shard(&Params(vec![x.clone(), x]), &mesh, cfg()),
-            "x.weight",
-            "twice"
-        );
+        let unit = fully_shard(&Params(vec![x.clone(), x]), &mesh, cfg())?;
+        assert_eq!(unit.params().len(), 1, "a tied parameter belongs to its unit once");
         case!(
             "no parameters",
             fully_shard(&Params(vec![]), &mesh, cfg()),
@@ -192,7 +186,7 @@ fn parameter_changed_between_forward_and_backward() {
         model.fully_shard(&mesh, &FsdpConfig::default())?;
         let loss = model.loss(&batch(&toks, 0, 0..8, &mesh)?)?;
         let p = &model.layers[1].attention.wq.weight;
-        let v = p.value();
+        let v = p.value()?;
         // The same values in a new storage.
         let copy = v.to_local().cast(DType::F64)?.cast(DType::F32)?;
         p.set_value(DTensor::from_local(copy, &mesh, v.placements(), v.shape())?);
@@ -228,7 +222,7 @@ fn frozen_parameter() {
                 }
                 let frozen = &model.layers[0].attention.wq.weight;
                 frozen.set_requires_grad(false);
-                let start = frozen.value().full_tensor()?.to_f64_vec();
+                let start = frozen.value()?.full_tensor()?.to_f64_vec();
                 let mut opt = AdamW::new(params.clone(), adamw())?;
                 let mut out = Vec::new();
                 for step in 0..2 {
@@ -243,7 +237,7 @@ fn frozen_parameter() {
                     opt.zero_grad();
                 }
                 assert_eq!(
-                    frozen.value().full_tensor()?.to_f64_vec(),
+                    frozen.value()?.full_tensor()?.to_f64_vec(),
                     start,
                     "the frozen parameter moved"
                 );

@@ -14,6 +14,8 @@
 //!   on the concatenated batch;
 //! - `uneven.rs`: parameters whose rows do not divide by the ranks (short and empty
 //!   shards) against the replicated model;
+//! - `deferred.rs`: deferred models materialised shard by shard (bitwise equal to the
+//!   whole-tensor init on every layout, init memory within the shards, replica errors);
 //! - `ddp.rs`: a one-rank shard dim (`[4, 1]`), which only all-reduces;
 //! - `memory.rs`: the peak bytes of a training step against a bound, and what
 //!   `fully_shard` frees;
@@ -43,6 +45,7 @@ mod common;
 mod accumulation;
 mod counts;
 mod ddp;
+mod deferred;
 mod errors;
 mod knobs;
 mod memory;
@@ -121,7 +124,7 @@ pub fn full_grads(params: &[Param]) -> TestResult<Vec<(String, Option<Vec<f64>>)
 pub fn full_values(params: &[Param]) -> TestResult<Vec<(String, Vec<f64>)>> {
     params
         .iter()
-        .map(|p| Ok((p.name().to_string(), p.value().full_tensor()?.to_f64_vec())))
+        .map(|p| Ok((p.name(), p.value()?.full_tensor()?.to_f64_vec())))
         .collect()
 }
 

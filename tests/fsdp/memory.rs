@@ -1,7 +1,7 @@
 //! Memory: the peak bytes of an FSDP training step against a term-by-term bound and
 //! the replicated peak, and the replicated parameters `fully_shard` frees.
 
-use tessera::autograd::nn::Module;
+use tessera::autograd::nn::{Materializer, Module};
 use tessera::autograd::optim::{AdamW, Optimizer};
 use tessera::autograd::{Var, backward};
 use tessera::data::{DATA_SEED, batch as data_batch};
@@ -50,7 +50,9 @@ impl Mem {
 fn measure(fsdp: bool) -> Vec<Mem> {
     launch(WORLD, move |ctx| {
         let mesh = DeviceMesh::new(ctx.into_comm(), &[WORLD])?;
-        let model = Transformer::new(CFG, &mesh, DType::F32, 0)?;
+        let model = Transformer::new(CFG, &mesh, DType::F32)?;
+        // Materialised replicated first, to measure what fully_shard frees.
+        Materializer::from_seed(0).materialize(&model)?;
         let built = stats().current_bytes;
         let mut units = Vec::new();
         if fsdp {

@@ -4,7 +4,7 @@
 
 use std::cell::RefCell;
 
-use tessera::autograd::nn::{Linear, Module};
+use tessera::autograd::nn::{Linear, Materializer, Module};
 use tessera::autograd::{Param, Var, backward};
 use tessera::dtensor::{Placement, Tensor, distribute_tensor};
 use tessera::fsdp::{Error as FsdpError, FsdpConfig, FsdpModule, fully_shard};
@@ -23,14 +23,15 @@ struct Stash {
 }
 
 impl Module for Stash {
-    fn parameters(&self) -> Vec<Param> {
-        self.lin.parameters()
+    fn named_children(&self) -> Vec<(String, &dyn Module)> {
+        vec![("lin".into(), &self.lin)]
     }
 
     fn forward(&self, x: &Var) -> tessera::autograd::Result<Var> {
-        let w = self.lin.weight.var();
+        let w = self.lin.weight.var()?;
         *self.seen.borrow_mut() = Some(w.clone());
-        x.linear(&w, self.lin.bias.as_ref().map(Param::var).as_ref())
+        let b = self.lin.bias.as_ref().map(Param::var).transpose()?;
+        x.linear(&w, b.as_ref())
     }
 }
 
@@ -137,11 +138,17 @@ fn freed_parameter_cannot_be_read() {
     launch(2, move |ctx| {
         let mesh = DeviceMesh::new(ctx.into_comm(), &[2])?;
         let stash = Stash {
-            lin: Linear::new("stash", 3, 4, true, &mesh, DType::F32, 7)?,
+            lin: Linear::new(3, 4, true, &mesh, DType::F32)?,
             seen: RefCell::new(None),
         };
-        let twin = Linear::new("twin", 3, 4, true, &mesh, DType::F32, 7)?;
+        let twin = Stash {
+            lin: Linear::new(3, 4, true, &mesh, DType::F32)?,
+            seen: RefCell::new(None),
+        };
         let unit = fully_shard(&stash, &mesh, reshard(true))?;
+        // Equal names and seed: the twin holds the same values, unsharded.
+        Materializer::from_seed(7).materialize(&stash)?;
+        Materializer::from_seed(7).materialize(&twin)?;
         let x = Tensor::randn(&[6, 3], DType::F32, 11)?;
         let x = Var::constant(distribute_tensor(&x, &mesh, &[Placement::Shard(0)])?);
         let loss = stash.call(&x)?.square()?.mean(&[0, 1], false)?;
@@ -155,7 +162,7 @@ fn freed_parameter_cannot_be_read() {
         match seen.saved().get().map_err(FsdpError::from) {
             Err(e @ FsdpError::Resharded { .. }) => {
                 let msg = e.to_string();
-                assert!(msg.contains("stash.weight") && msg.contains("resharded"), "{msg}");
+                assert!(msg.contains("lin.weight") && msg.contains("resharded"), "{msg}");
             }
             Err(e) => panic!("expected Freed, got {e}"),
             Ok(_) => panic!("the unsharded weight is still readable after forward"),

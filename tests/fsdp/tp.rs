@@ -322,7 +322,7 @@ struct Seen {
 
 impl ModuleHooks for Seen {
     fn pre_forward(&self, input: &Var) -> tessera::autograd::Result<Var> {
-        let v = self.param.var();
+        let v = self.param.var()?;
         let v = v.value();
         self.placements.borrow_mut().push(v.placements().to_vec());
         assert!(v.layout().order.is_default());
@@ -350,10 +350,10 @@ fn placements_and_round_trips() {
         let init: Vec<Tensor> = model
             .parameters()
             .iter()
-            .map(|p| p.value().full_tensor())
-            .collect::<Result<_, _>>()?;
+            .map(|p| Ok(p.value()?.full_tensor()?))
+            .collect::<tessera::autograd::Result<_>>()?;
         model.parallelize(&mesh.dim("tp")?, false)?;
-        let tp_placements: Vec<Placement> = model.parameters().iter().map(|p| p.value().placements()[1]).collect();
+        let tp_placements: Vec<Placement> = model.parameters().iter().map(|p| p.placements()[1]).collect();
         model.fully_shard(&mesh.dim("dp")?, &FsdpConfig::default())?;
         let wq = &model.layers[0].attention.wq;
         let seen = Rc::new(Seen {
@@ -362,7 +362,7 @@ fn placements_and_round_trips() {
         });
         let _h = register_module_hooks(&ModuleId::of(wq)?, seen.clone());
         for ((p, tp), full) in model.parameters().iter().zip(&tp_placements).zip(&init) {
-            let v = p.value();
+            let v = p.value()?;
             assert_eq!(v.placements(), &[Placement::Shard(0), *tp], "{}", p.name());
             if *tp == Placement::Shard(0) {
                 let want = ShardOrder::new(v.placements(), [(0, [1, 0])])?;

@@ -1,9 +1,9 @@
 //! Uneven and empty shards: parameters whose rows do not divide by 4 ranks
 //! (`torch.chunk`'s splits) train as the replicated model does.
 
-use tessera::autograd::nn::{Linear, Module};
+use tessera::autograd::nn::{Linear, Materializer, Module};
 use tessera::autograd::optim::{AdamW, Optimizer};
-use tessera::autograd::{Param, Var, backward};
+use tessera::autograd::{Var, backward};
 use tessera::dtensor::{Placement, Tensor, distribute_tensor};
 use tessera::fsdp::{FsdpConfig, fully_shard};
 use tessera::{DType, DeviceMesh, launch};
@@ -22,16 +22,20 @@ struct Mlp {
 impl Mlp {
     fn new(mesh: &DeviceMesh) -> tessera::autograd::Result<Mlp> {
         Ok(Mlp {
-            fc1: Linear::new("fc1", 2, 5, true, mesh, DType::F32, 1)?,
-            fc2: Linear::new("fc2", 5, 3, true, mesh, DType::F32, 3)?,
-            fc3: Linear::new("fc3", 3, 1, true, mesh, DType::F32, 5)?,
+            fc1: Linear::new(2, 5, true, mesh, DType::F32)?,
+            fc2: Linear::new(5, 3, true, mesh, DType::F32)?,
+            fc3: Linear::new(3, 1, true, mesh, DType::F32)?,
         })
     }
 }
 
 impl Module for Mlp {
-    fn parameters(&self) -> Vec<Param> {
-        [self.fc1.parameters(), self.fc2.parameters(), self.fc3.parameters()].concat()
+    fn named_children(&self) -> Vec<(String, &dyn Module)> {
+        vec![
+            ("fc1".into(), &self.fc1),
+            ("fc2".into(), &self.fc2),
+            ("fc3".into(), &self.fc3),
+        ]
     }
 
     fn forward(&self, x: &Var) -> tessera::autograd::Result<Var> {
@@ -73,10 +77,12 @@ fn run(units: Units) -> Vec<Out> {
                 fully_shard(&mlp, &mesh, FsdpConfig::default())?;
             }
         }
+        // The same values in every configuration: the init is mesh-invariant.
+        Materializer::from_seed(1).materialize(&mlp)?;
         let local_shapes = mlp
             .parameters()
             .iter()
-            .map(|p| p.value().to_local().shape().to_vec())
+            .map(|p| p.layout().local_shape(p.mesh().coordinate()).unwrap())
             .collect();
         let mut opt = AdamW::new(mlp.parameters(), adamw())?;
         let mut losses = Vec::new();

@@ -3,9 +3,9 @@
 
 use std::rc::Rc;
 
-use tessera::autograd::nn::{Linear, Module};
+use tessera::autograd::nn::{Linear, Materializer, Module};
 use tessera::autograd::optim::{AdamW, Optimizer};
-use tessera::autograd::{Param, Var, backward, checkpoint, no_grad};
+use tessera::autograd::{Var, backward, checkpoint, no_grad};
 use tessera::dtensor::{Placement, Tensor, distribute_tensor};
 use tessera::fsdp::{FsdpConfig, fully_shard};
 use tessera::mesh::OpKind;
@@ -78,8 +78,12 @@ struct Reused {
 }
 
 impl Module for Reused {
-    fn parameters(&self) -> Vec<Param> {
-        [self.fc1.parameters(), self.fc2.parameters(), self.fc3.parameters()].concat()
+    fn named_children(&self) -> Vec<(String, &dyn Module)> {
+        vec![
+            ("fc1".into(), &self.fc1),
+            ("fc2".into(), &self.fc2),
+            ("fc3".into(), &self.fc3),
+        ]
     }
 
     fn forward(&self, x: &Var) -> tessera::autograd::Result<Var> {
@@ -96,9 +100,9 @@ fn unit_called_twice_per_forward() {
         launch(2, move |ctx| {
             let mesh = DeviceMesh::new(ctx.into_comm(), &[2])?;
             let m = Reused {
-                fc1: Linear::new("fc1", 2, 4, true, &mesh, DType::F32, 1)?,
-                fc2: Linear::new("fc2", 4, 4, true, &mesh, DType::F32, 3)?,
-                fc3: Linear::new("fc3", 4, 1, true, &mesh, DType::F32, 5)?,
+                fc1: Linear::new(2, 4, true, &mesh, DType::F32)?,
+                fc2: Linear::new(4, 4, true, &mesh, DType::F32)?,
+                fc3: Linear::new(4, 1, true, &mesh, DType::F32)?,
             };
             if fsdp {
                 for l in [&m.fc1, &m.fc2, &m.fc3] {
@@ -106,6 +110,7 @@ fn unit_called_twice_per_forward() {
                 }
                 fully_shard(&m, &mesh, FsdpConfig::default())?;
             }
+            Materializer::from_seed(1).materialize(&m)?;
             let mut opt = AdamW::new(m.parameters(), adamw())?;
             let mut losses = Vec::new();
             for step in 0..3 {
@@ -138,8 +143,8 @@ fn unit_called_twice_per_forward() {
 struct Checkpointed(Rc<Transformer>);
 
 impl Module for Checkpointed {
-    fn parameters(&self) -> Vec<Param> {
-        self.0.parameters()
+    fn named_children(&self) -> Vec<(String, &dyn Module)> {
+        self.0.named_children()
     }
 
     fn forward(&self, tokens: &Var) -> tessera::autograd::Result<Var> {

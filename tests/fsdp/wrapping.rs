@@ -42,11 +42,7 @@ fn run(wrap: Wrap) -> Seen {
             fwd: CommCounts::default(),
             bwd: CommCounts::default(),
             units: units.iter().map(|(n, u)| (n.clone(), u.sharded_bytes())).collect(),
-            placements: model
-                .parameters()
-                .iter()
-                .map(|p| (p.name().to_string(), p.value().placements().to_vec()))
-                .collect(),
+            placements: model.parameters().iter().map(|p| (p.name(), p.placements())).collect(),
         };
         for step in 0..5 {
             let x = batch(&toks, step, 0..8, &mesh)?;

@@ -3,6 +3,7 @@
 //! sequence-parallel plan moves the same bytes as all-gather + reduce-scatter
 //! pairs, and loss parallel moves per-row statistics, never the logits.
 
+use tessera::autograd::nn::Materializer;
 use tessera::dtensor::{DType, Tensor};
 use tessera::mesh::{CommCounts, OpKind};
 use tessera::models::{Transformer, TransformerConfig};
@@ -19,8 +20,9 @@ fn step(tp: usize, n_layers: usize, sp: bool) -> (CommCounts, CommCounts) {
             n_layers,
             ..TransformerConfig::TINY
         };
-        let model = Transformer::new(cfg, &mesh, DType::F32, 7)?;
+        let model = Transformer::new(cfg, &mesh, DType::F32)?;
         model.parallelize(&mesh.dim("tp")?, sp)?;
+        Materializer::from_seed(0).materialize(&model)?;
         let rows: Vec<i64> = (0..4 * 17).map(|i| (i * 37 % 256) as i64).collect();
         let (_, fwd, bwd) = step_counted(&model, &mesh, &Tensor::from_vec(rows, &[4, 17])?)?;
         Ok((fwd, bwd))

@@ -2,7 +2,7 @@
 //! changes nothing.
 
 use tessera::autograd::Var;
-use tessera::autograd::nn::{Linear, Module};
+use tessera::autograd::nn::{Linear, Materializer, Module};
 use tessera::dtensor::{DType, Placement, Tensor, distribute_tensor};
 use tessera::fsdp::tp::{ColwiseParallel, ParallelPlan, RowwiseParallel, TpLayout, parallelize_module};
 use tessera::models::{Transformer, TransformerConfig};
@@ -24,7 +24,7 @@ fn has(msg: &str, parts: &[&str]) {
 fn all_replicated(m: &dyn Module) -> bool {
     m.parameters()
         .iter()
-        .all(|p| p.value().placements().iter().all(|pl| pl.is_replicate()))
+        .all(|p| p.placements().iter().all(|pl| pl.is_replicate()))
 }
 
 #[test]
@@ -32,7 +32,7 @@ fn bad_plans_are_refused_by_name_and_change_nothing() {
     launch(2, |ctx| {
         let mesh = DeviceMesh::with_names(ctx.into_comm(), &[1, 2], &["dp", "tp"])?;
         let tp = mesh.dim("tp")?;
-        let model = Transformer::new(TransformerConfig::TINY, &mesh, DType::F32, 0)?;
+        let model = Transformer::new(TransformerConfig::TINY, &mesh, DType::F32)?;
 
         let typo = Transformer::tp_plan().add("layers.*.attn.wq", ColwiseParallel::default());
         has(
@@ -84,11 +84,10 @@ fn bad_plans_are_refused_by_name_and_change_nothing() {
             &["`tok_embeddings`", "already tensor-parallel"],
         );
         let dp_mesh = DeviceMesh::with_names(mesh.comm().split(0, mesh.rank() as u32)?, &[2, 1], &["dp", "tp"])?;
-        let sharded = Linear::new("sharded", 4, 6, true, &dp_mesh, DType::F32, 1)?;
-        let w = sharded.weight.value();
-        sharded
-            .weight
-            .set_value(w.redistribute(&[Placement::Shard(0), Placement::Replicate])?);
+        let sharded = Linear::new(4, 6, true, &dp_mesh, DType::F32)?;
+        let mut layout = sharded.weight.layout();
+        layout.placements = vec![Placement::Shard(0), Placement::Replicate].into();
+        sharded.weight.place(layout)?;
         has(
             &err(
                 parallelize_module(
@@ -100,7 +99,7 @@ fn bad_plans_are_refused_by_name_and_change_nothing() {
             ),
             &[
                 "the root module",
-                "sharded.weight",
+                "parameter weight",
                 "apply tensor parallelism before fully_shard",
             ],
         );
@@ -110,7 +109,7 @@ fn bad_plans_are_refused_by_name_and_change_nothing() {
             dim: 48,
             ..TransformerConfig::TINY
         };
-        let three = Transformer::new(heads, &mesh, DType::F32, 0)?;
+        let three = Transformer::new(heads, &mesh, DType::F32)?;
         has(
             &err(three.parallelize(&tp, false), "heads"),
             &["3 attention heads", "tp size"],
@@ -124,8 +123,9 @@ fn bad_plans_are_refused_by_name_and_change_nothing() {
 fn an_input_in_another_layout_than_planned_is_an_error_naming_the_module() {
     launch(2, |ctx| {
         let mesh = DeviceMesh::with_names(ctx.into_comm(), &[2], &["tp"])?;
-        let fc = Linear::new("fc", 4, 6, true, &mesh, DType::F32, 1)?;
+        let fc = Linear::new(4, 6, true, &mesh, DType::F32)?;
         parallelize_module(&fc, &mesh, &ParallelPlan::new().add("", RowwiseParallel::default()))?;
+        Materializer::from_seed(0).materialize(&fc)?;
         let x = Tensor::randn(&[3, 4], DType::F32, 2)?;
         let replicated = Var::constant(distribute_tensor(&x, &mesh, &[Placement::Replicate])?);
         has(
@@ -139,12 +139,13 @@ fn an_input_in_another_layout_than_planned_is_an_error_naming_the_module() {
         let sharded = Var::constant(distribute_tensor(&x, &mesh, &[Placement::Shard(1)])?);
         assert_eq!(fc.call(&sharded)?.value().placements(), &[Placement::Replicate]);
         // Column-wise with a declared sequence-sharded input that arrives replicated.
-        let up = Linear::new("up", 4, 6, false, &mesh, DType::F32, 3)?;
+        let up = Linear::new(4, 6, false, &mesh, DType::F32)?;
         let style = ColwiseParallel {
             input_layouts: TpLayout::Shard(0),
             output_layouts: TpLayout::Shard(-1),
         };
         parallelize_module(&up, &mesh, &ParallelPlan::new().add("", style))?;
+        Materializer::from_seed(0).materialize(&up)?;
         has(&err(up.call(&replicated), "colwise"), &["ColwiseParallel", "Shard(0)"]);
         Ok(())
     })

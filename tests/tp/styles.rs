@@ -2,7 +2,7 @@
 //! and the gradients of the parameters and of the input, on tp = 2, 3, 4 with
 //! sizes that do not divide (torch.chunk's uneven splits, empty shards included).
 
-use tessera::autograd::nn::{Embedding, LayerNorm, Linear, Module};
+use tessera::autograd::nn::{Embedding, LayerNorm, Linear, Materializer, Module};
 use tessera::autograd::{Param, Var, backward};
 use tessera::dtensor::{DType, Placement, Tensor, distribute_tensor};
 use tessera::fsdp::tp::{
@@ -31,20 +31,20 @@ struct Case {
 }
 
 fn linear(mesh: &DeviceMesh) -> R<Box<dyn Module>> {
-    Ok(Box::new(Linear::new("fc", 5, 7, true, mesh, DType::F64, 3)?))
+    Ok(Box::new(Linear::new(5, 7, true, mesh, DType::F64)?))
 }
 
 fn embedding(mesh: &DeviceMesh) -> R<Box<dyn Module>> {
-    Ok(Box::new(Embedding::new("emb", 7, 5, mesh, DType::F64, 4)?))
+    Ok(Box::new(Embedding::new(7, 5, mesh, DType::F64)?))
 }
 
 fn norm(mesh: &DeviceMesh) -> R<Box<dyn Module>> {
-    let ln = LayerNorm::new("ln", 4, 1e-5, mesh, DType::F64)?;
+    let ln = LayerNorm::new(4, 1e-5, mesh, DType::F64)?;
     // Not the identity initialisation, so the parameter gradients matter.
     ln.weight.set_value(distribute_tensor(
         &Tensor::randn(&[4], DType::F64, 8)?,
-        &ln.weight.value().mesh().clone(),
-        ln.weight.value().placements(),
+        &ln.weight.mesh(),
+        &ln.weight.placements(),
     )?);
     Ok(Box::new(ln))
 }
@@ -175,6 +175,8 @@ fn run(case: Case, mesh: &DeviceMesh, tp: bool) -> R<Values> {
     if tp {
         parallelize_module(&*m, mesh, &(case.style)())?;
     }
+    // The same values with or without TP: the init is mesh-invariant.
+    Materializer::from_seed(1).materialize(&*m)?;
     let x_full = match case.tokens {
         Some(v) => {
             let n: usize = case.x_shape.iter().product();
@@ -183,11 +185,11 @@ fn run(case: Case, mesh: &DeviceMesh, tp: bool) -> R<Values> {
         None => Tensor::randn(case.x_shape, DType::F64, 11)?,
     };
     let x_place = if tp { case.x_tp } else { Placement::Replicate };
-    let x = Param::new("x", distribute_tensor(&x_full, mesh, &[x_place])?);
+    let x = Param::new(distribute_tensor(&x_full, mesh, &[x_place])?);
     let xv = if case.tokens.is_some() {
-        Var::constant(x.value())
+        Var::constant(x.value()?)
     } else {
-        x.var()
+        x.var()?
     };
     let y = m.call(&xv)?;
     if tp {
@@ -198,7 +200,13 @@ fn run(case: Case, mesh: &DeviceMesh, tp: bool) -> R<Values> {
             case.name
         );
         let w = &m.parameters()[0];
-        assert_eq!(w.value().placements(), &[case.weight_tp], "{}: {}", case.name, w.name());
+        assert_eq!(
+            w.value()?.placements(),
+            &[case.weight_tp],
+            "{}: {}",
+            case.name,
+            w.name()
+        );
     }
     let c = Tensor::randn(y.value().shape(), DType::F64, 12)?;
     let c = Var::constant(distribute_tensor(&c, mesh, &[Placement::Replicate])?);
@@ -209,7 +217,7 @@ fn run(case: Case, mesh: &DeviceMesh, tp: bool) -> R<Values> {
         let g = p.grad().expect("every parameter gets a gradient");
         assert_eq!(
             g.placements(),
-            p.value().placements(),
+            p.value()?.placements(),
             "{}: {name}'s gradient",
             case.name
         );

@@ -51,14 +51,16 @@ impl Module for Net {
 
 fn net(mesh: &DeviceMesh, n: usize) -> Result<Net> {
     let blocks = (0..n)
-        .map(|i| {
+        .map(|_| {
             Ok(Block {
-                fc: Linear::new(&format!("blocks.{i}.fc"), 3, 3, true, mesh, DType::F64, 10 * i as u64)?,
+                fc: Linear::new(3, 3, true, mesh, DType::F64)?,
                 act: Tanh,
             })
         })
         .collect::<Result<Vec<_>>>()?;
-    Ok(Net { blocks })
+    let net = Net { blocks };
+    crate::nn::Materializer::from_seed(10).materialize(&net)?;
+    Ok(net)
 }
 
 fn input(mesh: &DeviceMesh) -> Result<Var> {

@@ -1,9 +1,10 @@
 //! The basic layers.
 
-use tessera_dtensor::{DType, Tensor};
+use tessera_dtensor::DType;
 use tessera_mesh::DeviceMesh;
 
-use super::{Module, join, replicated, uniform};
+use super::Module;
+use super::init::{FanMode, Init, Nonlinearity};
 use crate::{Param, Result, Var};
 
 /// `y = x · Wᵀ + b`, `W` stored `[out, in]`.
@@ -17,39 +18,24 @@ pub struct Linear {
 }
 
 impl Linear {
-    /// A replicated linear layer named `prefix.weight` / `prefix.bias`, initialised
-    /// from `seed` (`seed + 1` for the bias).
+    /// A deferred linear layer replicated on `mesh` (no storage until
+    /// materialised). Its default init is PyTorch's: weight
+    /// `kaiming_uniform(a = √5)`, i.e. uniform in ±1/√in, bias uniform in ±1/√in.
     ///
     /// Collective over `mesh` (every rank must call it): the values are rank 0's,
     /// as [`distribute_tensor`](tessera_dtensor::distribute_tensor) takes them.
     ///
     /// # Errors
-    /// Tensor construction failures, a communication failure.
-    pub fn new(
-        prefix: &str,
-        in_features: usize,
-        out_features: usize,
-        bias: bool,
-        mesh: &DeviceMesh,
-        dtype: DType,
-        seed: u64,
-    ) -> Result<Linear> {
-        let bound = 1.0 / (in_features.max(1) as f64).sqrt();
-        let weight = replicated(
-            join(prefix, "weight"),
-            &uniform(&[out_features, in_features], bound, dtype, seed)?,
-            mesh,
-        )?;
-        let bias = if bias {
-            Some(replicated(
-                join(prefix, "bias"),
-                &uniform(&[out_features], bound, dtype, seed + 1)?,
-                mesh,
-            )?)
-        } else {
-            None
-        };
-        Ok(Linear { weight, bias })
+    /// Sizes a tensor cannot have.
+    pub fn new(in_features: usize, out_features: usize, bias: bool, mesh: &DeviceMesh, dtype: DType) -> Result<Linear> {
+        Ok(Linear {
+            weight: Param::deferred(&[out_features, in_features], dtype, mesh)?,
+            bias: if bias {
+                Some(Param::deferred(&[out_features], dtype, mesh)?)
+            } else {
+                None
+            },
+        })
     }
 }
 
@@ -61,8 +47,25 @@ impl Module for Linear {
             .collect()
     }
 
+    fn init_scheme(&self, param: &str) -> Option<Init> {
+        let fan_in = self.weight.shape().get(1).copied().unwrap_or(1).max(1) as f64;
+        match param {
+            "weight" => Some(Init::KaimingUniform {
+                a: 5f64.sqrt(),
+                mode: FanMode::FanIn,
+                nonlinearity: Nonlinearity::LeakyRelu,
+            }),
+            "bias" => Some(Init::Uniform {
+                low: -1.0 / fan_in.sqrt(),
+                high: 1.0 / fan_in.sqrt(),
+            }),
+            _ => None,
+        }
+    }
+
     fn forward(&self, x: &Var) -> Result<Var> {
-        x.linear(&self.weight.var(), self.bias.as_ref().map(Param::var).as_ref())
+        let bias = self.bias.as_ref().map(Param::var).transpose()?;
+        x.linear(&self.weight.var()?, bias.as_ref())
     }
 }
 
@@ -75,17 +78,16 @@ pub struct Embedding {
 }
 
 impl Embedding {
-    /// A replicated table named `prefix.weight`.
+    /// A deferred table replicated on `mesh`; default init standard normal.
     ///
     /// Collective over `mesh` (every rank must call it): the values are rank 0's,
     /// as [`distribute_tensor`](tessera_dtensor::distribute_tensor) takes them.
     ///
     /// # Errors
-    /// Tensor construction failures, a communication failure.
-    pub fn new(prefix: &str, num: usize, dim: usize, mesh: &DeviceMesh, dtype: DType, seed: u64) -> Result<Embedding> {
-        let full = Tensor::randn(&[num, dim], dtype, seed)?;
+    /// Sizes a tensor cannot have.
+    pub fn new(num: usize, dim: usize, mesh: &DeviceMesh, dtype: DType) -> Result<Embedding> {
         Ok(Embedding {
-            weight: replicated(join(prefix, "weight"), &full, mesh)?,
+            weight: Param::deferred(&[num, dim], dtype, mesh)?,
         })
     }
 }
@@ -95,8 +97,12 @@ impl Module for Embedding {
         vec![("weight".into(), self.weight.clone())]
     }
 
+    fn init_scheme(&self, param: &str) -> Option<Init> {
+        (param == "weight").then_some(Init::Normal { mean: 0.0, std: 1.0 })
+    }
+
     fn forward(&self, indices: &Var) -> Result<Var> {
-        self.weight.var().embedding(indices)
+        self.weight.var()?.embedding(indices)
     }
 }
 
@@ -113,17 +119,18 @@ pub struct LayerNorm {
 }
 
 impl LayerNorm {
-    /// A replicated layer norm named `prefix.weight` / `prefix.bias`.
+    /// A deferred layer norm replicated on `mesh`; default init weight ones,
+    /// bias zeros.
     ///
     /// Collective over `mesh` (every rank must call it): the values are rank 0's,
     /// as [`distribute_tensor`](tessera_dtensor::distribute_tensor) takes them.
     ///
     /// # Errors
-    /// Tensor construction failures, a communication failure.
-    pub fn new(prefix: &str, dim: usize, eps: f64, mesh: &DeviceMesh, dtype: DType) -> Result<LayerNorm> {
+    /// Sizes a tensor cannot have.
+    pub fn new(dim: usize, eps: f64, mesh: &DeviceMesh, dtype: DType) -> Result<LayerNorm> {
         Ok(LayerNorm {
-            weight: replicated(join(prefix, "weight"), &Tensor::ones(&[dim], dtype)?, mesh)?,
-            bias: replicated(join(prefix, "bias"), &Tensor::zeros(&[dim], dtype)?, mesh)?,
+            weight: Param::deferred(&[dim], dtype, mesh)?,
+            bias: Param::deferred(&[dim], dtype, mesh)?,
             eps,
         })
     }
@@ -137,7 +144,56 @@ impl Module for LayerNorm {
         ]
     }
 
+    fn init_scheme(&self, param: &str) -> Option<Init> {
+        match param {
+            "weight" => Some(Init::Ones),
+            "bias" => Some(Init::Zeros),
+            _ => None,
+        }
+    }
+
     fn forward(&self, x: &Var) -> Result<Var> {
-        x.layer_norm(Some(&self.weight.var()), Some(&self.bias.var()), self.eps)
+        x.layer_norm(Some(&self.weight.var()?), Some(&self.bias.var()?), self.eps)
+    }
+}
+
+/// Free-standing parameters by name, with no forward of its own: the root of a
+/// tree for parameters that belong to no layer (a learned scale, the parameters
+/// of a hand-written function). Its names are its keys.
+///
+/// PyTorch: `torch.nn.ParameterDict`.
+pub struct ParameterDict {
+    params: Vec<(String, Param)>,
+}
+
+impl ParameterDict {
+    /// The parameters under their keys, named by them ([`name_parameters`](super::name_parameters)).
+    ///
+    /// # Errors
+    /// Two parameters under one key.
+    pub fn new<S: Into<String>>(params: impl IntoIterator<Item = (S, Param)>) -> Result<ParameterDict> {
+        let dict = ParameterDict {
+            params: params.into_iter().map(|(k, p)| (k.into(), p)).collect(),
+        };
+        super::name_parameters(&dict)?;
+        Ok(dict)
+    }
+
+    /// The parameter under `key`.
+    pub fn get(&self, key: &str) -> Option<&Param> {
+        self.params.iter().find(|(k, _)| k == key).map(|(_, p)| p)
+    }
+}
+
+impl Module for ParameterDict {
+    fn own_parameters(&self) -> Vec<(String, Param)> {
+        self.params.clone()
+    }
+
+    fn forward(&self, _: &Var) -> Result<Var> {
+        Err(crate::Error::Config {
+            op: "ParameterDict",
+            detail: "a ParameterDict holds parameters and has no forward; use them through their vars".into(),
+        })
     }
 }

@@ -1,19 +1,27 @@
 //! Modules: [`Module`] (a tree of named children and parameters, and a forward),
-//! [`named_modules`], [`Linear`], [`Embedding`], [`LayerNorm`].
+//! [`named_modules`], [`Linear`], [`Embedding`], [`LayerNorm`]; names from the
+//! tree ([`name_parameters`]); init schemes ([`Init`]) and materialising a
+//! deferred model ([`Materializer`]).
 //!
-//! Parameters are created replicated on a mesh; sharding them is a later step
-//! (a parallelism layer redistributes each parameter's value).
+//! Layers are built *deferred*: their parameters know shape, dtype and mesh
+//! (replicated) but hold no storage. Sharding them is a later step that only
+//! decides placements (tensor parallelism, FSDP); [`Materializer`] then
+//! allocates each rank's local shard and fills it, so no rank ever holds a whole
+//! model it does not need.
 
 mod hooks;
+pub mod init;
 mod layers;
+mod materialize;
+mod names;
 
 pub use hooks::{HookHandle, ModuleHooks, ModuleId, module_hooks_len, register_module_hooks};
-pub use layers::{Embedding, LayerNorm, Linear};
+pub use init::{FanMode, Init, Nonlinearity};
+pub use layers::{Embedding, LayerNorm, Linear, ParameterDict};
+pub use materialize::{MaterializeReport, Materializer, verify_replicas};
+pub use names::{fqn_matches, name_parameters};
 
 use std::any::Any;
-
-use tessera_dtensor::{DType, Placement, Tensor, distribute_tensor};
-use tessera_mesh::DeviceMesh;
 
 use crate::{Error, Param, Result, Var};
 
@@ -52,8 +60,8 @@ use crate::{Error, Param, Result, Var};
 /// launch(1, |ctx| {
 ///     let mesh = DeviceMesh::new(ctx.into_comm(), &[1])?;
 ///     let mlp = Mlp {
-///         up: Linear::new("mlp.up", 4, 8, true, &mesh, DType::F32, 0)?,
-///         down: Linear::new("mlp.down", 8, 4, false, &mesh, DType::F32, 2)?,
+///         up: Linear::new(4, 8, true, &mesh, DType::F32)?,
+///         down: Linear::new(8, 4, false, &mesh, DType::F32)?,
 ///     };
 ///     let names: Vec<String> = mlp.named_parameters().into_iter().map(|(n, _)| n).collect();
 ///     assert_eq!(names, ["up.weight", "up.bias", "down.weight"]);
@@ -84,6 +92,17 @@ pub trait Module: Any {
         Vec::new()
     }
 
+    /// How [`Materializer::from_seed`] initialises the own parameter `param`
+    /// (a local name from [`own_parameters`](Self::own_parameters)) unless a
+    /// rule says otherwise; `None`: no default (materialising it then needs a
+    /// rule). Default: none.
+    ///
+    /// PyTorch: a module's `reset_parameters`.
+    fn init_scheme(&self, param: &str) -> Option<Init> {
+        let _ = param;
+        None
+    }
+
     /// The direct submodules, by name, in a fixed order. Default: none.
     ///
     /// PyTorch: `named_children`.
@@ -98,13 +117,27 @@ pub trait Module: Any {
     fn forward(&self, x: &Var) -> Result<Var>;
 
     /// Every parameter of the tree by fully qualified name (`child.grandchild.local`):
-    /// this module's own first, then each child's, depth first.
+    /// this module's own first, then each child's, depth first; a parameter
+    /// reachable under several names (tied weights) only under its first.
     ///
     /// PyTorch: `named_parameters`.
     fn named_parameters(&self) -> Vec<(String, Param)> {
+        names::dedup(self.named_parameters_with_duplicates())
+    }
+
+    /// Every parameter of the tree under every fully qualified name it is
+    /// reachable by, depth first (a tied parameter appears once per name).
+    ///
+    /// PyTorch: `named_parameters(remove_duplicate=False)`.
+    fn named_parameters_with_duplicates(&self) -> Vec<(String, Param)> {
         let mut out = self.own_parameters();
         for (name, child) in self.named_children() {
-            out.extend(child.named_parameters().into_iter().map(|(n, p)| (join(&name, &n), p)));
+            out.extend(
+                child
+                    .named_parameters_with_duplicates()
+                    .into_iter()
+                    .map(|(n, p)| (join(&name, &n), p)),
+            );
         }
         out
     }
@@ -210,23 +243,6 @@ impl<M: Module> Module for Vec<M> {
     }
 }
 
-/// A replicated parameter on `mesh` from a full tensor: rank 0's values.
-/// Collective over `mesh`, once per parameter at construction (a hash
-/// exchange, and a broadcast only if a rank built other values, say from a
-/// rank-dependent seed).
-pub(crate) fn replicated(name: String, full: &Tensor, mesh: &DeviceMesh) -> Result<Param> {
-    let placements = vec![Placement::Replicate; mesh.ndim()];
-    Ok(Param::new(name, distribute_tensor(full, mesh, &placements)?))
-}
-
-/// A full tensor of `shape` uniform in `[-bound, bound)`.
-pub(crate) fn uniform(shape: &[usize], bound: f64, dtype: DType, seed: u64) -> Result<Tensor> {
-    Ok(Tensor::rand(shape, DType::F64, seed)?
-        .mul_scalar(2.0 * bound)?
-        .sub_scalar(bound)?
-        .cast(dtype)?)
-}
-
 /// Joins a module prefix and a name with a dot (`"layers.0" + "wq"`).
 pub fn join(prefix: &str, name: &str) -> String {
     if prefix.is_empty() {
@@ -238,7 +254,7 @@ pub fn join(prefix: &str, name: &str) -> String {
 
 #[cfg(test)]
 mod tests {
-    use tessera_dtensor::{DType, Tensor};
+    use tessera_dtensor::{DType, Placement, Tensor, distribute_tensor};
     use tessera_mesh::{DeviceMesh, launch};
 
     use super::*;
@@ -248,9 +264,10 @@ mod tests {
         launch(1, |ctx| {
             let mesh = DeviceMesh::new(ctx.into_comm(), &[1])?;
             let list = vec![
-                Linear::new("l.0", 3, 4, true, &mesh, DType::F32, 0)?,
-                Linear::new("l.1", 4, 2, false, &mesh, DType::F32, 5)?,
+                Linear::new(3, 4, true, &mesh, DType::F32)?,
+                Linear::new(4, 2, false, &mesh, DType::F32)?,
             ];
+            Materializer::from_seed(0).materialize(&list)?;
             let names: Vec<String> = list.named_parameters().into_iter().map(|(n, _)| n).collect();
             assert_eq!(names, ["0.weight", "0.bias", "1.weight"]);
             let modules: Vec<String> = named_modules(&list).into_iter().map(|(n, _)| n).collect();

@@ -221,7 +221,7 @@ impl super::PerParam for AdamW {
         let name = self.params[r.index].name();
         match &self.state[r.index] {
             Some(slot) => {
-                check_state_layout(OP, name, &slot.layout, r.value.layout())?;
+                check_state_layout(OP, &name, &slot.layout, r.value.layout())?;
                 if slot.dtype != r.dtype {
                     return Err(Error::Config {
                         op: OP,
@@ -253,8 +253,8 @@ impl super::PerParam for AdamW {
         let n = r.value.to_local().numel();
         let grad = local_cow::<F>(r.grad.to_local())?;
         let scalars = Scalars::<F>::new(&self.config, slot.step + 1);
-        let m = slot.exp_avg.get::<F>(OP, p.name())?;
-        let v = slot.exp_avg_sq.get::<F>(OP, p.name())?;
+        let m = slot.exp_avg.get::<F>(OP, &p.name())?;
+        let v = slot.exp_avg_sq.get::<F>(OP, &p.name())?;
         if grad.len() != n || m.len() != n || v.len() != n {
             return Err(Error::Config {
                 op: OP,
@@ -291,7 +291,7 @@ impl Optimizer for AdamW {
             let Some(s) = slot else { continue };
             out.push((i, "exp_avg", s.exp_avg.to_dtensor(p, &s.layout)?));
             out.push((i, "exp_avg_sq", s.exp_avg_sq.to_dtensor(p, &s.layout)?));
-            out.push((i, "step", super::step_tensor(p.value().mesh(), s.step)?));
+            out.push((i, "step", super::step_tensor(&p.mesh(), s.step)?));
         }
         Ok(out)
     }
@@ -310,7 +310,7 @@ impl Optimizer for AdamW {
             });
         }
         self.state[index] = Some(Slot {
-            layout: p.value().layout().clone(),
+            layout: p.layout(),
             dtype: exp_avg.dtype(),
             step,
             exp_avg,
@@ -416,9 +416,11 @@ mod tests {
             let init = [0.5f32, -1.0, 2.0];
             let mut results = Vec::new();
             for keep in [false, true] {
-                let p = Param::new("w", replicated(mesh, Tensor::from_vec(init.to_vec(), &[3])?));
-                let held = keep.then(|| p.value());
-                let addr = |p: &Param| p.value().to_local().as_slice::<f32>().map(|s| s.as_ptr() as usize);
+                let p = Param::named("w", replicated(mesh, Tensor::from_vec(init.to_vec(), &[3])?));
+                let held = keep.then(|| p.value()).transpose()?;
+                let addr = |p: &Param| -> Result<usize> {
+                    Ok(p.value()?.to_local().as_slice::<f32>().map(|s| s.as_ptr() as usize)?)
+                };
                 let before = addr(&p)?;
                 let mut opt = AdamW::new(vec![p.clone()], TINY)?;
                 p.set_grad(Some(replicated(mesh, Tensor::from_vec(vec![0.1f32, -0.2, 0.3], &[3])?)));
@@ -435,7 +437,7 @@ mod tests {
                         "the other holder's value changed"
                     );
                 }
-                let got = p.value().to_local().to_vec::<f32>()?;
+                let got = p.value()?.to_local().to_vec::<f32>()?;
                 assert!(
                     got.iter().zip(init).all(|(g, i)| g != &i),
                     "the step did nothing: {got:?}"
@@ -480,13 +482,13 @@ mod tests {
             for (c, p0, grads) in &cases {
                 let want = reference(c, *p0, grads);
                 for dtype in [DType::F64, DType::F32] {
-                    let p = Param::new("w", replicated(mesh, Tensor::full(&[3], *p0, dtype)?));
+                    let p = Param::named("w", replicated(mesh, Tensor::full(&[3], *p0, dtype)?));
                     let mut opt = AdamW::new(vec![p.clone()], *c)?;
                     for (t, g) in grads.iter().enumerate() {
                         p.set_grad(Some(replicated(mesh, Tensor::full(&[3], *g, dtype)?)));
                         opt.step()?;
                         let tol = if dtype == DType::F64 { 1e-15 } else { 1e-6 };
-                        for x in p.value().to_local().to_f64_vec() {
+                        for x in p.value()?.to_local().to_f64_vec() {
                             assert!(
                                 (x - want[t]).abs() <= tol * want[t].abs().max(1.0),
                                 "{c:?} p0 {p0} {dtype} step {}: got {x}, want {}",
@@ -544,13 +546,13 @@ mod tests {
             p += (-(1e-3 / (1.0 - 0.9f64.powf(t)))) as f32 * m / denom;
         }
         let got = on_one_rank(move |mesh| {
-            let param = Param::new("w", replicated(mesh, Tensor::from_vec(vec![p0], &[1])?));
+            let param = Param::named("w", replicated(mesh, Tensor::from_vec(vec![p0], &[1])?));
             let mut opt = AdamW::new(vec![param.clone()], c)?;
             for &g in &g {
                 param.set_grad(Some(replicated(mesh, Tensor::from_vec(vec![g], &[1])?)));
                 opt.step()?;
             }
-            Ok(param.value().to_local().to_vec::<f32>()?)
+            Ok(param.value()?.to_local().to_vec::<f32>()?)
         });
         assert_eq!(got, vec![p]);
     }
@@ -558,12 +560,12 @@ mod tests {
     #[test]
     fn bf16_params_keep_f32_moments() {
         on_one_rank(|mesh| {
-            let p = Param::new("w", replicated(mesh, Tensor::full(&[4], 1.0, DType::BF16)?));
+            let p = Param::named("w", replicated(mesh, Tensor::full(&[4], 1.0, DType::BF16)?));
             let mut opt = AdamW::new(vec![p.clone()], c(0.25, 0.9, 0.95, 1e-8, 0.0))?;
             p.set_grad(Some(replicated(mesh, Tensor::full(&[4], 1.0, DType::BF16)?)));
             opt.step()?;
-            assert_eq!(p.value().dtype(), DType::BF16);
-            assert_eq!(p.value().to_local().to_f64_vec(), vec![0.75; 4]);
+            assert_eq!(p.value()?.dtype(), DType::BF16);
+            assert_eq!(p.value()?.to_local().to_f64_vec(), vec![0.75; 4]);
             assert_eq!(opt.state[0].as_ref().unwrap().dtype, DType::F32);
             Ok(())
         });
@@ -572,8 +574,8 @@ mod tests {
     #[test]
     fn skips_params_without_grad_and_rejects_bad_input() {
         on_one_rank(|mesh| {
-            let p = Param::new("w", replicated(mesh, Tensor::full(&[2, 2], 1.0, DType::F32)?));
-            let q = Param::new("q", replicated(mesh, Tensor::ones(&[2], DType::F32)?));
+            let p = Param::named("w", replicated(mesh, Tensor::full(&[2, 2], 1.0, DType::F32)?));
+            let q = Param::named("q", replicated(mesh, Tensor::ones(&[2], DType::F32)?));
             let mut opt = AdamW::new(vec![p.clone(), q.clone()], TINY)?;
             opt.step()?;
             assert_eq!(opt.steps(0), 0);
@@ -582,7 +584,7 @@ mod tests {
             p.set_grad(Some(replicated(mesh, Tensor::ones(&[4], DType::F32)?)));
             let err = opt.step().unwrap_err().to_string();
             assert!(err.contains("gradient of w") && err.contains("[4]"), "{err}");
-            assert_eq!(q.value().to_local().to_f64_vec(), vec![1.0; 2]);
+            assert_eq!(q.value()?.to_local().to_f64_vec(), vec![1.0; 2]);
             assert_eq!(opt.steps(1), 0);
 
             for (c, what) in [
@@ -598,8 +600,8 @@ mod tests {
             }
             let err = AdamW::new(vec![p.clone(), p.clone()], TINY).err().unwrap().to_string();
             assert!(err.contains("listed twice"), "{err}");
-            let ids = Param::new("ids", replicated(mesh, Tensor::zeros(&[2], DType::I64)?));
-            ids.set_grad(Some(ids.value()));
+            let ids = Param::named("ids", replicated(mesh, Tensor::zeros(&[2], DType::I64)?));
+            ids.set_grad(Some(ids.value()?));
             let err = AdamW::new(vec![ids], TINY)?.step().unwrap_err().to_string();
             assert!(err.contains("ids has dtype i64"), "{err}");
             Ok(())
@@ -612,7 +614,7 @@ mod tests {
         launch(2, move |ctx| {
             let mesh = DeviceMesh::new(ctx.into_comm(), &[2])?;
             let full = Tensor::randn(&[5, 3], DType::F32, 7)?;
-            let p = Param::new("w", distribute_tensor(&full, &mesh, &[placement])?);
+            let p = Param::named("w", distribute_tensor(&full, &mesh, &[placement])?);
             let mut opt = AdamW::new(vec![p.clone()], TINY)?;
             for s in 0..steps {
                 let g = Tensor::randn(&[5, 3], DType::F32, 100 + s as u64)?;
@@ -621,7 +623,7 @@ mod tests {
                 opt.step()?;
                 assert_eq!(mesh.stats().total_calls(), before, "a step communicates");
             }
-            Ok(p.value().full_tensor()?.to_vec::<f32>()?)
+            Ok(p.value()?.full_tensor()?.to_vec::<f32>()?)
         })
         .unwrap()
     }
@@ -634,11 +636,11 @@ mod tests {
         assert_eq!(sharded[0], sharded[1]);
         launch(2, |ctx| {
             let mesh = DeviceMesh::new(ctx.into_comm(), &[2])?;
-            let p = Param::new(
+            let p = Param::named(
                 "w",
                 distribute_tensor(&Tensor::ones(&[5], DType::F32)?, &mesh, &[Shard(0)])?,
             );
-            p.set_grad(Some(p.value()));
+            p.set_grad(Some(p.value()?));
             let mut opt = AdamW::new(vec![p.clone()], TINY)?;
             opt.step()?;
             // Moments have the local shard's size: 3 + 2 elements.
@@ -653,14 +655,14 @@ mod tests {
     fn layout_change_after_first_step_is_an_error() {
         launch(2, |ctx| {
             let mesh = DeviceMesh::new(ctx.into_comm(), &[2])?;
-            let p = Param::new(
+            let p = Param::named(
                 "w",
                 distribute_tensor(&Tensor::ones(&[4], DType::F32)?, &mesh, &[Shard(0)])?,
             );
-            p.set_grad(Some(p.value()));
+            p.set_grad(Some(p.value()?));
             let mut opt = AdamW::new(vec![p.clone()], TINY)?;
             opt.step()?;
-            let r = p.value().redistribute(&[Replicate])?;
+            let r = p.value()?.redistribute(&[Replicate])?;
             p.set_value(r.clone());
             p.set_grad(Some(r));
             let err = opt.step().unwrap_err().to_string();

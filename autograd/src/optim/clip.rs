@@ -154,9 +154,9 @@ mod tests {
         on_one_rank(|mesh| {
             let rep =
                 |v: Vec<f32>| distribute_tensor(&Tensor::from_vec(v.clone(), &[v.len()]).unwrap(), mesh, &[Replicate]);
-            let a = Param::new("a", rep(vec![0.0; 2])?);
-            let b = Param::new("b", rep(vec![0.0; 1])?);
-            let c = Param::new("c", rep(vec![0.0; 1])?);
+            let a = Param::named("a", rep(vec![0.0; 2])?);
+            let b = Param::named("b", rep(vec![0.0; 1])?);
+            let c = Param::named("c", rep(vec![0.0; 1])?);
             a.set_grad(Some(rep(vec![3.0, 0.0])?));
             b.set_grad(Some(rep(vec![4.0])?));
             let params = [a.clone(), b.clone(), c.clone()];
@@ -196,7 +196,7 @@ mod tests {
             let mut params = Vec::new();
             for (i, (shape, pl)) in shapes.iter().zip(placements).enumerate() {
                 let full = Tensor::randn(shape, DType::F32, 3 + i as u64)?;
-                let p = Param::new(format!("p{i}"), distribute_tensor(&full, &mesh, pl)?);
+                let p = Param::named(format!("p{i}"), distribute_tensor(&full, &mesh, pl)?);
                 let g = Tensor::randn(shape, DType::F32, 30 + i as u64)?;
                 p.set_grad(Some(distribute_tensor(&g, &mesh, pl)?));
                 params.push(p);
@@ -259,7 +259,7 @@ mod tests {
     fn partial_grads_are_reduced_before_squaring() {
         let out = launch(2, |ctx| {
             let mesh = DeviceMesh::new(ctx.into_comm(), &[2])?;
-            let p = Param::new(
+            let p = Param::named(
                 "w",
                 distribute_tensor(&Tensor::zeros(&[2], DType::F64)?, &mesh, &[Replicate])?,
             );

@@ -9,11 +9,11 @@
 //!
 //! let full = launch(2, |ctx| {
 //!     let mesh = DeviceMesh::new(ctx.into_comm(), &[2])?;
-//!     let w = Param::new("w", distribute_tensor(&Tensor::ones(&[4], DType::F32)?, &mesh, &[Shard(0)])?);
+//!     let w = Param::new(distribute_tensor(&Tensor::ones(&[4], DType::F32)?, &mesh, &[Shard(0)])?);
 //!     w.set_grad(Some(distribute_tensor(&Tensor::ones(&[4], DType::F32)?, &mesh, &[Shard(0)])?));
 //!     let mut opt = AdamW::new(vec![w.clone()], AdamWConfig { weight_decay: 0.0, ..AdamWConfig::default() })?;
 //!     opt.step()?; // each rank updates its two elements, no communication
-//!     Ok(w.value().full_tensor()?.to_vec::<f32>()?)
+//!     Ok(w.value()?.full_tensor()?.to_vec::<f32>()?)
 //! })
 //! .unwrap();
 //! // The first Adam step moves every element by lr (1e-3) against the gradient's sign.
@@ -272,8 +272,8 @@ pub(crate) fn ready_param(op: &'static str, index: usize, p: &Param) -> Result<O
     let Some(grad) = p.grad() else {
         return Ok(None);
     };
-    let value = p.value();
-    let dtype = compute_dtype(op, p.name(), value.dtype())?;
+    let value = p.value()?;
+    let dtype = compute_dtype(op, &p.name(), value.dtype())?;
     if value.placements().iter().any(|pl| pl.is_partial()) {
         return Err(Error::Config {
             op,
@@ -334,7 +334,7 @@ pub(crate) fn local_cow<F: Real>(t: &Tensor) -> Result<Cow<'_, [F]>> {
 /// value that [`ready_param`] took, dropped first.
 pub(crate) fn update_local<F: Real>(p: &Param, value: DTensor, f: impl FnOnce(&mut [F])) -> Result<()> {
     drop(value);
-    let mut current = p.value_mut();
+    let mut current = p.value_mut()?;
     if let Some(data) = current.try_local_mut_slice::<F>() {
         f(data);
         return Ok(());
@@ -367,7 +367,7 @@ impl StateVec {
     /// The state over `param`'s local shard as a DTensor in `layout` (the
     /// parameter's) with the state's dtype.
     pub(crate) fn to_dtensor(&self, param: &Param, layout: &Layout) -> Result<DTensor> {
-        let value = param.value();
+        let value = param.value()?;
         let layout = Layout {
             dtype: self.data.dtype(),
             ..layout.clone()
@@ -381,7 +381,7 @@ impl StateVec {
     /// # Errors
     /// Another layout than the parameter's, or a non-float dtype.
     pub(crate) fn from_dtensor(op: &'static str, param: &Param, name: &str, t: &DTensor) -> Result<StateVec> {
-        let now = param.value();
+        let now = param.value()?;
         if !same_placement(t.layout(), now.layout()) || !t.dtype().is_float() {
             return Err(Error::Config {
                 op,

@@ -159,7 +159,7 @@ impl super::PerParam for Sgd {
         let name = self.params[r.index].name();
         match &self.state[r.index] {
             Some(slot) => {
-                check_state_layout(OP, name, &slot.layout, r.value.layout())?;
+                check_state_layout(OP, &name, &slot.layout, r.value.layout())?;
                 if slot.dtype != r.dtype {
                     return Err(Error::Config {
                         op: OP,
@@ -208,7 +208,7 @@ impl super::PerParam for Sgd {
         let buf = if c.momentum != 0.0 {
             let first = slot.buf.is_none();
             let buf = slot.buf.get_or_insert_with(|| StateVec::zeros(r.dtype, n));
-            Some((buf.get::<F>(OP, p.name())?, first))
+            Some((buf.get::<F>(OP, &p.name())?, first))
         } else {
             None
         };
@@ -249,7 +249,7 @@ impl Optimizer for Sgd {
             super::named(OP, p, tensors, "momentum_buffer")?,
         )?;
         self.state[index] = Some(Slot {
-            layout: p.value().layout().clone(),
+            layout: p.layout(),
             dtype: b.dtype(),
             buf: Some(b),
         });
@@ -335,7 +335,7 @@ mod tests {
             for (c, p0, grads) in &cases {
                 let want = reference(c, *p0, grads);
                 for dtype in [DType::F64, DType::F32] {
-                    let p = Param::new(
+                    let p = Param::named(
                         "w",
                         distribute_tensor(&Tensor::full(&[2], *p0, dtype)?, mesh, &[Replicate])?,
                     );
@@ -348,7 +348,7 @@ mod tests {
                         )?));
                         opt.step()?;
                         let tol = if dtype == DType::F64 { 1e-15 } else { 1e-6 };
-                        for x in p.value().to_local().to_f64_vec() {
+                        for x in p.value()?.to_local().to_f64_vec() {
                             assert!(
                                 (x - want[t]).abs() <= tol,
                                 "{c:?} {dtype} step {}: got {x}, want {}",
@@ -389,7 +389,7 @@ mod tests {
             launch(2, move |ctx| {
                 let mesh = DeviceMesh::new(ctx.into_comm(), &[2])?;
                 let full = Tensor::randn(&[3, 5], DType::F32, 1)?;
-                let p = Param::new("w", distribute_tensor(&full, &mesh, &[placement])?);
+                let p = Param::named("w", distribute_tensor(&full, &mesh, &[placement])?);
                 let mut opt = Sgd::new(vec![p.clone()], config)?;
                 for s in 0..3 {
                     let g = Tensor::randn(&[3, 5], DType::F32, 10 + s)?;
@@ -400,7 +400,7 @@ mod tests {
                 }
                 opt.zero_grad();
                 assert!(p.grad().is_none());
-                Ok(p.value().full_tensor()?.to_vec::<f32>()?)
+                Ok(p.value()?.full_tensor()?.to_vec::<f32>()?)
             })
             .unwrap()
         };

@@ -2,6 +2,7 @@
 //! save the gathered full tensors from one rank, atomically.
 //!
 //! ```
+//! use tessera_autograd::nn::ParameterDict;
 //! use tessera_autograd::{load_state_dict, save_state_dict_full, Param};
 //! use tessera_dtensor::{distribute_tensor, DType, Placement::*, Tensor};
 //! use tessera_mesh::{launch, DeviceMesh};
@@ -12,12 +13,17 @@
 //!     move |ctx| {
 //!         let mesh = DeviceMesh::new(ctx.into_comm(), &[2])?;
 //!         let full = Tensor::arange(6, DType::F32)?.reshape(&[3, 2])?;
-//!         let w = Param::new("w", distribute_tensor(&full, &mesh, &[Shard(0)])?);
+//!         let w = Param::new(distribute_tensor(&full, &mesh, &[Shard(0)])?);
+//!         ParameterDict::new([("w", w.clone())])?; // names it `w`
 //!         save_state_dict_full(&[w], &path)?; // collective; rank 0 writes
-//!         // Load into a parameter split the other way.
-//!         let v = Param::new("w", distribute_tensor(&Tensor::zeros(&[3, 2], DType::F32)?, &mesh, &[Shard(1)])?);
+//!         // Load into a deferred parameter split the other way (materialising it).
+//!         let v = Param::deferred(&[3, 2], DType::F32, &mesh)?;
+//!         let mut layout = v.layout();
+//!         layout.placements = vec![Shard(1)].into();
+//!         v.place(layout)?;
+//!         ParameterDict::new([("w", v.clone())])?;
 //!         load_state_dict(&[v.clone()], &path)?;
-//!         assert_eq!(v.value().full_tensor()?, full);
+//!         assert_eq!(v.value()?.full_tensor()?, full);
 //!         Ok(())
 //!     }
 //! })
@@ -126,7 +132,8 @@ pub fn write_safetensors(path: impl AsRef<Path>, tensors: &[(String, Tensor)]) -
 /// checks the file once, and every rank receives its pieces from it (one
 /// all-to-all per tensor, in which only rank 0 sends), so no other rank reads the
 /// file or holds a whole tensor it does not replicate. (Parameters on several
-/// meshes: every rank reads the file instead.)
+/// meshes: every rank reads the file instead.) Deferred parameters are
+/// materialised by it, in the layout they were given.
 ///
 /// Everything is checked before any parameter changes, so on error nothing has;
 /// every rank gets the same error.
@@ -144,11 +151,13 @@ pub fn write_safetensors(path: impl AsRef<Path>, tensors: &[(String, Tensor)]) -
 /// integer one integer tensors); two parameters with one name.
 pub fn load_state_dict(params: &[Param], path: impl AsRef<Path>) -> Result<()> {
     let path = path.as_ref();
-    check_unique_names(params.iter().map(|p| p.name()))?;
-    let Some(mesh) = params.first().map(|p| p.value().mesh().clone()) else {
+    require_names(params)?;
+    let names: Vec<String> = params.iter().map(Param::name).collect();
+    check_unique_names(names.iter().map(String::as_str))?;
+    let Some(mesh) = params.first().map(Param::mesh) else {
         return load_on_every_rank(params, path);
     };
-    if params.iter().any(|p| !p.value().mesh().same_as(&mesh)) {
+    if params.iter().any(|p| !p.mesh().same_as(&mesh)) {
         return load_on_every_rank(params, path);
     }
     let comm = mesh.comm();
@@ -174,8 +183,7 @@ pub fn load_state_dict(params: &[Param], path: impl AsRef<Path>) -> Result<()> {
     let coords = tessera_dtensor::sharding::mesh_coords(mesh.shape());
     let mut values = Vec::with_capacity(params.len());
     for p in params {
-        let value = p.value();
-        let layout = value.layout();
+        let layout = p.layout();
         let regions: Vec<(Vec<usize>, Vec<usize>)> = coords
             .iter()
             .map(|c| layout.local_region(c))
@@ -184,8 +192,8 @@ pub fn load_state_dict(params: &[Param], path: impl AsRef<Path>) -> Result<()> {
         let me = comm.rank();
         let send = match &st {
             Some(st) => {
-                let view = st.tensor(p.name()).map_err(|e| corrupt(path, e))?;
-                let full = decode(path, p.name(), &view)?.cast(value.dtype())?;
+                let view = st.tensor(&p.name()).map_err(|e| corrupt(path, e))?;
+                let full = decode(path, &p.name(), &view)?.cast(layout.dtype)?;
                 let mut pieces = Vec::with_capacity(regions.len());
                 for (offset, shape) in &regions {
                     let mut t = full.clone();
@@ -196,15 +204,15 @@ pub fn load_state_dict(params: &[Param], path: impl AsRef<Path>) -> Result<()> {
                 }
                 Tensor::cat(&pieces, 0)?.to_buffer()
             }
-            None => Buffer::zeros(value.dtype(), 0),
+            None => Buffer::zeros(layout.dtype, 0),
         };
         let send_counts: Vec<usize> = if lead { counts.clone() } else { vec![0; counts.len()] };
         let mut recv_counts = vec![0; counts.len()];
         recv_counts[0] = counts[me];
-        let mut recv = Buffer::zeros(value.dtype(), counts[me]);
+        let mut recv = Buffer::zeros(layout.dtype, counts[me]);
         comm.all_to_all_v(send.as_buf(), &send_counts, recv.as_buf_mut(), &recv_counts)?;
         let local = Tensor::from_buffer(recv, &regions[me].1)?;
-        values.push(DTensor::from_local_with_layout(local, value.mesh(), layout.clone())?);
+        values.push(DTensor::from_local_with_layout(local, &mesh, layout)?);
     }
     for (p, v) in params.iter().zip(values) {
         p.set_value(v);
@@ -230,10 +238,11 @@ fn share_verdict(comm: &dyn tessera_mesh::Communicator, failed: Option<String>) 
 /// equal and dtypes convertible.
 fn check_file(params: &[Param], path: &Path, st: &SafeTensors<'_>) -> Result<()> {
     let in_file: BTreeSet<&str> = st.names().into_iter().map(|s| s.as_str()).collect();
-    let wanted: BTreeSet<&str> = params.iter().map(|p| p.name()).collect();
-    let missing: Vec<&str> = params
+    let names: Vec<String> = params.iter().map(Param::name).collect();
+    let wanted: BTreeSet<&str> = names.iter().map(String::as_str).collect();
+    let missing: Vec<&str> = names
         .iter()
-        .map(|p| p.name())
+        .map(String::as_str)
         .filter(|n| !in_file.contains(n))
         .collect();
     let unexpected: Vec<&str> = in_file.difference(&wanted).copied().collect();
@@ -258,16 +267,15 @@ fn check_file(params: &[Param], path: &Path, st: &SafeTensors<'_>) -> Result<()>
 
     let mut problems = Vec::new();
     for p in params {
-        let view = st.tensor(p.name()).map_err(|e| corrupt(path, e))?;
-        let value = p.value();
-        if view.shape() != value.shape() {
+        let view = st.tensor(&p.name()).map_err(|e| corrupt(path, e))?;
+        if view.shape() != p.shape() {
             problems.push(format!(
                 "{}: shape mismatch, the parameter is {:?} but the file holds {:?}",
                 p.name(),
-                value.shape(),
+                p.shape(),
                 view.shape()
             ));
-        } else if let Err(e) = convertible(view.dtype(), value.dtype()) {
+        } else if let Err(e) = convertible(view.dtype(), p.dtype()) {
             problems.push(format!("{}: {e}", p.name()));
         }
     }
@@ -286,30 +294,20 @@ fn load_on_every_rank(params: &[Param], path: &Path) -> Result<()> {
 
     let mut values = Vec::with_capacity(params.len());
     for p in params {
-        let value = p.value();
-        let view = st.tensor(p.name()).map_err(|e| corrupt(path, e))?;
-        let full = decode(path, p.name(), &view)?.cast(value.dtype())?;
+        let (layout, mesh) = (p.layout(), p.mesh());
+        let view = st.tensor(&p.name()).map_err(|e| corrupt(path, e))?;
+        let full = decode(path, &p.name(), &view)?.cast(layout.dtype)?;
         // Every rank read the same file: no source rank, so no collective per
         // parameter between the ranks' own reads (a rank whose read fails stops
         // before any collective instead of leaving its peers waiting).
-        let d = distribute_tensor_with_order_from(
-            &full,
-            value.mesh(),
-            value.placements(),
-            value.layout().order.clone(),
-            None,
-        )?;
+        let d = distribute_tensor_with_order_from(&full, &mesh, &layout.placements, layout.order.clone(), None)?;
         // A shard is a view of the full tensor: copy it so the full one is freed.
         let local = if d.to_local().numel() < full.numel() {
             Tensor::from_buffer(d.to_local().to_buffer(), d.to_local().shape())?
         } else {
             d.to_local().clone()
         };
-        values.push(DTensor::from_local_with_layout(
-            local,
-            value.mesh(),
-            value.layout().clone(),
-        )?);
+        values.push(DTensor::from_local_with_layout(local, &mesh, layout)?);
     }
     for (p, v) in params.iter().zip(values) {
         p.set_value(v);
@@ -337,12 +335,13 @@ fn load_on_every_rank(params: &[Param], path: &Path) -> Result<()> {
 /// gather first, so no rank is left waiting).
 pub fn save_state_dict_full(params: &[Param], path: impl AsRef<Path>) -> Result<()> {
     let path = path.as_ref();
-    let values: Vec<DTensor> = params.iter().map(|p| p.value()).collect();
+    require_names(params)?;
+    let values: Vec<DTensor> = params.iter().map(Param::value).collect::<Result<_>>()?;
     let entries: Vec<Entry> = params
         .iter()
         .zip(&values)
         .enumerate()
-        .map(|(i, (p, v))| Entry::new(p.name(), v.dtype(), v.shape(), i))
+        .map(|(i, (p, v))| Entry::new(&p.name(), v.dtype(), v.shape(), i))
         .collect::<Result<_>>()?;
     check_unique_names(entries.iter().map(|e| e.name.as_str()))?;
     let entries = sort_entries(entries);
@@ -547,6 +546,18 @@ fn convertible(file: Dtype, param: DType) -> std::result::Result<(), String> {
             "dtype {file:?} in the file cannot be converted to the parameter's {param} \
              (float parameters load F32/F64/BF16/F16 tensors, integer ones integer tensors)"
         ))
+    }
+}
+
+/// Every parameter must have its tree's name: a state-dict key is nothing else.
+pub(crate) fn require_names(params: &[Param]) -> Result<()> {
+    match params.iter().find(|p| !p.is_named()) {
+        Some(p) => Err(Error::StateDict(format!(
+            "{} has no name: state dicts key parameters by their names in the module tree; name the tree \
+             first (nn::name_parameters on its root, which materialising does)",
+            p.name()
+        ))),
+        None => Ok(()),
     }
 }
 

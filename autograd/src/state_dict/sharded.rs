@@ -42,11 +42,15 @@ pub fn save_checkpoint(
 
 /// The tensors of a model and optimizer checkpoint, by key.
 fn state_of(params: &[Param], optimizer: Option<&dyn Optimizer>) -> Result<Vec<(String, DTensor)>> {
-    let mut tensors: Vec<(String, DTensor)> = params.iter().map(|p| (p.name().to_string(), p.value())).collect();
+    super::require_names(params)?;
+    let mut tensors: Vec<(String, DTensor)> = params
+        .iter()
+        .map(|p| Ok((p.name(), p.value()?)))
+        .collect::<Result<_>>()?;
     if let Some(opt) = optimizer {
         let names = opt.params();
         for (i, state, t) in opt.state_tensors()? {
-            tensors.push((state_key(names[i].name(), state), t));
+            tensors.push((state_key(&names[i].name(), state), t));
         }
     }
     Ok(tensors)
@@ -147,19 +151,23 @@ pub fn load_checkpoint(
     optimizer: Option<&mut dyn Optimizer>,
 ) -> Result<LoadReport> {
     let dir = dir.as_ref();
+    super::require_names(params)?;
     let ckpt = Checkpoint::open(dir)?;
     let mut used: BTreeSet<String> = BTreeSet::new();
     let mut values = Vec::with_capacity(params.len());
     for p in params {
-        values.push(ckpt.load_like(p.name(), &p.value())?);
+        values.push(ckpt.load_like(&p.name(), &p.value()?)?);
         used.insert(p.name().to_string());
     }
     // The optimizer's state, per parameter: all its names, or none (not stepped).
     let mut states: Vec<(usize, Vec<(&'static str, DTensor)>)> = Vec::new();
     if let Some(opt) = &optimizer {
         for (i, p) in opt.params().iter().enumerate() {
-            let keys: Vec<(&'static str, String)> =
-                opt.state_names().iter().map(|s| (*s, state_key(p.name(), s))).collect();
+            let keys: Vec<(&'static str, String)> = opt
+                .state_names()
+                .iter()
+                .map(|s| (*s, state_key(&p.name(), s)))
+                .collect();
             let present = keys
                 .iter()
                 .filter(|(_, k)| ckpt.index().tensors.contains_key(k))
@@ -178,7 +186,7 @@ pub fn load_checkpoint(
             let mut ts = Vec::with_capacity(keys.len());
             for (state, key) in keys {
                 let entry = ckpt.entry(&key)?;
-                let like = p.value();
+                let like = p.value()?;
                 let layout = if opt.replicated_state_names().contains(&state) {
                     let r = vec![Placement::Replicate; like.mesh().ndim()];
                     Layout::new(like.mesh().shape(), &r, &entry.shape, entry.dtype()?)?

@@ -88,7 +88,7 @@ fn zeros_like_sample(mesh: &DeviceMesh, placements: &[&[Placement]]) -> Result<V
         .iter()
         .zip(placements)
         .map(|((n, t), pl)| {
-            Ok(Param::new(
+            Ok(Param::named(
                 n.clone(),
                 distribute_tensor(&Tensor::zeros(t.shape(), t.dtype())?, mesh, pl)?,
             ))
@@ -155,7 +155,7 @@ fn round_trip_on_one_and_two_ranks() {
                 let params: Vec<Param> = sample()
                     .into_iter()
                     .zip(save_pl)
-                    .map(|((n, t), pl)| Ok(Param::new(n, distribute_tensor(&t, &mesh, pl)?)))
+                    .map(|((n, t), pl)| Ok(Param::named(n, distribute_tensor(&t, &mesh, pl)?)))
                     .collect::<Result<_>>()?;
                 let before = mesh.stats().total_calls();
                 save_state_dict_full(&params, &path)?;
@@ -171,10 +171,10 @@ fn round_trip_on_one_and_two_ranks() {
                 assert_eq!(calls.calls(tessera_mesh::OpKind::AllToAll), loaded.len() as u64);
                 for ((p, (name, t)), pl) in loaded.iter().zip(sample()).zip(load_pl) {
                     assert_eq!(p.name(), name);
-                    assert_eq!(p.value().placements(), pl);
-                    assert_eq!(p.value().full_tensor()?, t, "{name}");
+                    assert_eq!(p.value()?.placements(), pl);
+                    assert_eq!(p.value()?.full_tensor()?, t, "{name}");
                     // The local piece owns its storage: no view of the file's full tensor.
-                    let local = p.value().to_local().clone();
+                    let local = p.value()?.to_local().clone();
                     assert!(local.numel() == t.numel() || local.size_in_bytes() < t.size_in_bytes());
                 }
                 Ok(())
@@ -213,11 +213,10 @@ fn mismatches_are_listed_and_change_nothing() {
             assert!(err.contains(&p), "{err}");
             assert!(err.contains("missing tensors [\"h\"]"), "{err}");
             assert!(err.contains("unexpected tensors [\"extra\"]"), "{err}");
-            assert!(
-                params
-                    .iter()
-                    .all(|p| p.value().to_local().to_f64_vec().iter().all(|&x| x == 0.0))
-            );
+            assert!(params.iter().all(|p| {
+                p.value()
+                    .is_ok_and(|v| v.to_local().to_f64_vec().iter().all(|&x| x == 0.0))
+            }));
             Ok(())
         }
     })
@@ -243,7 +242,7 @@ fn mismatches_are_listed_and_change_nothing() {
             "{err}"
         );
         assert!(
-            params[2].value().to_local().to_f64_vec().iter().all(|&x| x == 0.0),
+            params[2].value()?.to_local().to_f64_vec().iter().all(|&x| x == 0.0),
             "h loaded anyway"
         );
         // Two parameters with one name.
@@ -315,7 +314,7 @@ fn a_failed_save_fails_on_every_rank() {
     let path = dir.file("missing-dir/x.safetensors");
     let errs = launch(2, move |ctx| {
         let mesh = DeviceMesh::new(ctx.into_comm(), &[2])?;
-        let w = Param::new(
+        let w = Param::named(
             "w",
             distribute_tensor(&Tensor::ones(&[4], DType::F32)?, &mesh, &[Shard(0)])?,
         );
@@ -344,13 +343,13 @@ fn half_and_double_files_load_into_f32() {
             let path = path.clone();
             move |ctx| {
                 let mesh = DeviceMesh::new(ctx.into_comm(), &[2])?;
-                let w = Param::new(
+                let w = Param::named(
                     "w",
                     distribute_tensor(&Tensor::zeros(&[4, 2], DType::F32)?, &mesh, &[Shard(0)])?,
                 );
                 load_state_dict(std::slice::from_ref(&w), &path)?;
-                assert_eq!(w.value().dtype(), DType::F32);
-                assert_eq!(w.value().full_tensor()?, stored.cast(DType::F32)?, "{dtype}");
+                assert_eq!(w.value()?.dtype(), DType::F32);
+                assert_eq!(w.value()?.full_tensor()?, stored.cast(DType::F32)?, "{dtype}");
                 Ok(())
             }
         })
@@ -411,7 +410,7 @@ fn reference_files_load() {
         let params: Vec<Param> = want
             .iter()
             .map(|(n, s)| {
-                Ok(Param::new(
+                Ok(Param::named(
                     n.clone(),
                     distribute_tensor(&Tensor::zeros(s, DType::F32)?, &mesh, &[Shard(0)])?,
                 ))
@@ -419,8 +418,8 @@ fn reference_files_load() {
             .collect::<Result<_>>()?;
         load_state_dict(&params, &path)?;
         for p in &params {
-            let t = &full.iter().find(|(n, _)| n == p.name()).unwrap().1;
-            assert_eq!(&p.value().full_tensor()?, t, "{}", p.name());
+            let t = &full.iter().find(|(n, _)| *n == p.name()).unwrap().1;
+            assert_eq!(&p.value()?.full_tensor()?, t, "{}", p.name());
         }
         Ok(())
     })

@@ -2,7 +2,7 @@
 //! modules of a model named by a [`ParallelPlan`].
 //!
 //! ```
-//! use tessera_autograd::nn::{Linear, Module};
+//! use tessera_autograd::nn::{Linear, Materializer, Module};
 //! use tessera_autograd::Var;
 //! use tessera_dtensor::{distribute_tensor, DType, Placement, Tensor};
 //! use tessera_fsdp::tp::{parallelize_module, ColwiseParallel, ParallelPlan, RowwiseParallel};
@@ -26,9 +26,12 @@
 //! let out = launch(2, |ctx| {
 //!     let mesh = DeviceMesh::with_names(ctx.into_comm(), &[2], &["tp"])?;
 //!     let mlp = Mlp {
-//!         up: Linear::new("up", 4, 8, true, &mesh, DType::F32, 0)?,
-//!         down: Linear::new("down", 8, 4, true, &mesh, DType::F32, 2)?,
+//!         up: Linear::new(4, 8, true, &mesh, DType::F32)?,
+//!         down: Linear::new(8, 4, true, &mesh, DType::F32)?,
 //!     };
+//!     // Materialised replicated here, to compare; built deferred, it would be
+//!     // materialised after the plan, each rank drawing only its shards.
+//!     Materializer::from_seed(0).materialize(&mlp)?;
 //!     let x = Var::constant(distribute_tensor(&Tensor::randn(&[3, 4], DType::F32, 5)?, &mesh, &[Placement::Replicate])?);
 //!     let before = mlp.call(&x)?.value().full_tensor()?;
 //!     // Megatron's MLP: `up` column-wise, `down` row-wise; one all-reduce in forward.
@@ -36,8 +39,8 @@
 //!         .add("up", ColwiseParallel::default())
 //!         .add("down", RowwiseParallel::default());
 //!     parallelize_module(&mlp, &mesh, &plan)?;
-//!     assert_eq!(mlp.up.weight.value().placements(), &[Placement::Shard(0)]);
-//!     assert_eq!(mlp.down.weight.value().placements(), &[Placement::Shard(1)]);
+//!     assert_eq!(mlp.up.weight.value()?.placements(), &[Placement::Shard(0)]);
+//!     assert_eq!(mlp.down.weight.value()?.placements(), &[Placement::Shard(1)]);
 //!     let y = mlp.call(&x)?;
 //!     assert_eq!(y.value().placements(), &[Placement::Replicate]);
 //!     let after = y.value().full_tensor()?.to_f64_vec();
@@ -180,6 +183,8 @@ pub fn parallelize_module(module: &dyn Module, tp_mesh: &DeviceMesh, plan: &Para
             tp_mesh.names()
         )));
     }
+    // The tree names the parameters that errors and checkpoints name.
+    tessera_autograd::nn::name_parameters(module)?;
     let modules = named_modules(module);
     let mut work: Vec<(&str, &dyn Module, &dyn ParallelStyle)> = Vec::new();
     for (pattern, style) in plan.entries() {

@@ -7,7 +7,7 @@ use std::rc::Rc;
 
 use tessera_autograd::nn::{Embedding, LayerNorm, Linear, Module, ModuleHooks, ModuleId, register_module_hooks};
 use tessera_autograd::{Param, Result, Var};
-use tessera_dtensor::{Placement, ReduceOp};
+use tessera_dtensor::{Layout, Placement, ReduceOp};
 use tessera_mesh::DeviceMesh;
 
 use super::{at, tp_dim, tp_error};
@@ -227,20 +227,20 @@ fn layer<'a>(style: &str, module: &'a dyn Module, fqn: &str) -> Result<Layer<'a>
 
 /// The tp dim of the mesh `p` lives on; `p` must be replicated there.
 fn replicated_tp_dim(p: &Param, ctx: &StyleCtx<'_>) -> Result<usize> {
-    let v = p.value();
-    let Some(d) = tp_dim(v.mesh(), ctx.tp_mesh) else {
+    let (mesh, placements) = (p.mesh(), p.placements());
+    let Some(d) = tp_dim(&mesh, ctx.tp_mesh) else {
         return Err(style_error(format!(
             "{}: parameter {} lives on mesh {:?} (dims {:?}), which has no dim matching the tp mesh \
              (dim {:?} of size {}); create the parameters on the mesh the tp mesh was taken from",
             at(ctx.fqn),
             p.name(),
-            v.mesh().shape(),
-            v.mesh().names(),
+            mesh.shape(),
+            mesh.names(),
             ctx.tp_mesh.names(),
             ctx.tp_mesh.size()
         )));
     };
-    if let Some((i, pl)) = v.placements().iter().enumerate().find(|(_, pl)| !pl.is_replicate()) {
+    if let Some((i, pl)) = placements.iter().enumerate().find(|(_, pl)| !pl.is_replicate()) {
         let why = if i == d {
             "it is already tensor-parallel (is the module in the plan twice?)"
         } else {
@@ -251,7 +251,7 @@ fn replicated_tp_dim(p: &Param, ctx: &StyleCtx<'_>) -> Result<usize> {
              replicated parameters: {why}",
             at(ctx.fqn),
             p.name(),
-            v.placements()
+            placements
         )));
     }
     Ok(d)
@@ -261,10 +261,10 @@ fn replicated_tp_dim(p: &Param, ctx: &StyleCtx<'_>) -> Result<usize> {
 fn place(p: &Param, dim: Option<usize>, ctx: &StyleCtx<'_>) -> Result<()> {
     let d = replicated_tp_dim(p, ctx)?;
     if let Some(dim) = dim {
-        let v = p.value();
-        let mut placements = v.placements().to_vec();
+        let mut placements = p.placements();
         placements[d] = Placement::Shard(dim);
-        p.set_value(v.redistribute(&placements)?);
+        let mesh = p.mesh();
+        p.place(Layout::new(mesh.shape(), &placements, &p.shape(), p.dtype())?)?;
         p.set_grad(None);
     }
     Ok(())
