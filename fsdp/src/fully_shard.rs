@@ -127,10 +127,11 @@ fn label(module: &dyn Module) -> String {
     ModuleId::of(module).map_or_else(|_| "a module without parameters".into(), |id| id.to_string())
 }
 
-/// The parameters of `modules` the unit takes: each once, ignored ones left out.
+/// The parameters of `modules` the unit takes: each once (a parameter a module
+/// holds twice, as tied weights are, is one parameter), ignored ones left out.
 ///
 /// # Errors
-/// No modules; a parameter listed twice by one module; no parameters left.
+/// No modules; two parameters under one name; no parameters left.
 fn collect_params(modules: &[&dyn Module], config: &FsdpConfig) -> Result<Vec<Param>> {
     let Some(first) = modules.first() else {
         return Err(Error::module(
@@ -146,14 +147,7 @@ fn collect_params(modules: &[&dyn Module], config: &FsdpConfig) -> Result<Vec<Pa
         if module.parameters().iter().any(|p| !p.is_named()) {
             tessera_autograd::nn::name_parameters(*module)?;
         }
-        let mut mine = HashSet::new();
         for (local, p) in module.named_parameters() {
-            if !mine.insert(p.id()) {
-                return Err(Error::param(
-                    &p.name(),
-                    format!("appears twice in the parameters of {}", label(*module)),
-                ));
-            }
             // A parameter shared by two of the modules belongs to the unit once.
             // Ignored by its name in the tree, or below the module being sharded.
             let ignored = config.ignored_params.iter().any(|n| *n == p.name() || *n == local);

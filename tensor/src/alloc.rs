@@ -11,8 +11,11 @@
 //!   that are overwritten in full ([`reused`], and the crate's own `written`)
 //!   come from there first: no faults, no zeroing (`written` does not zero a
 //!   fresh buffer either: its caller writes every element). The cache holds at
-//!   most 16 buffers and 512 MiB per thread and dies with the thread; cached
-//!   buffers are not tensor storage, so the memory tracker does not count them;
+//!   most 16 buffers and 64 MiB per thread and dies with the thread; cached
+//!   buffers are not tensor storage, so the memory tracker does not count them
+//!   (which is why the cap is small: at 512 MiB, four ranks of a 165M-parameter
+//!   model kept 2.5 GB the tracker never saw, 1.6× their tracked peaks, with no
+//!   gain on the bench model);
 //! - with glibc, the first tensor storage tunes `malloc` to keep freed memory for
 //!   reuse instead of handing it back to the system after every step (a heap
 //!   allocation up to 32 MiB, no trimming below 1 GiB of free top, 64 MiB of top
@@ -41,7 +44,7 @@ pub(crate) const CACHE_BUFFERS: usize = 16;
 /// costs less than looking one up.
 const CACHE_MIN_BYTES: usize = 256 << 10;
 /// Bytes kept per thread.
-pub(crate) const CACHE_BYTES: usize = 512 << 20;
+pub(crate) const CACHE_BYTES: usize = 64 << 20;
 
 thread_local! {
     static CACHE: RefCell<Vec<Buffer>> = const { RefCell::new(Vec::new()) };

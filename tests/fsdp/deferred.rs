@@ -542,3 +542,64 @@ fn training_from_a_seed_agrees_on_every_layout() {
         );
     }
 }
+
+/// Dropout masks follow the same rule as init: a sharded run drops exactly the
+/// elements one rank drops, and the gradient goes through the same mask.
+#[test]
+fn dropout_masks_are_mesh_invariant() {
+    let run = |mesh_shape: Vec<usize>, placements: Vec<Placement>| {
+        let world = mesh_shape.iter().product();
+        launch(world, move |ctx| {
+            let mesh = DeviceMesh::new(ctx.into_comm(), &mesh_shape)?;
+            let full = Tensor::randn(&[6, 10], DType::F32, 4)?;
+            let x = Param::new(distribute_tensor(&full, &mesh, &placements)?);
+            let key = tessera::dtensor::StreamKey::new(3, "blocks.0.dropout").with_stream(2);
+            let y = x.var()?.dropout(0.25, key)?;
+            backward(&y.sum(&[0, 1], false)?)?;
+            let out = y.value().full_tensor()?.to_f64_vec();
+            let grad = x.grad().unwrap().full_tensor()?.to_f64_vec();
+            Ok((out, grad, full.to_f64_vec()))
+        })
+        .unwrap()
+        .swap_remove(0)
+    };
+    let (out, grad, full) = run(vec![1], vec![Placement::Replicate]);
+    let dropped = out.iter().filter(|&&v| v == 0.0).count();
+    assert!((5..=25).contains(&dropped), "{dropped} of 60 dropped at p = 0.25");
+    for ((o, g), x) in out.iter().zip(&grad).zip(&full) {
+        // Kept elements are scaled by 4/3, and their gradient is the scale.
+        if *g == 0.0 {
+            assert_eq!(*o, 0.0);
+        } else {
+            assert!(
+                (g - 1.0 / 0.75).abs() < 1e-6 && (o - x / 0.75).abs() < 1e-5,
+                "{o} {g} {x}"
+            );
+        }
+    }
+    for (mesh, placements) in [
+        (vec![2], vec![Placement::Shard(0)]),
+        (vec![3], vec![Placement::Shard(1)]),
+        (vec![2, 2], vec![Placement::Shard(0), Placement::Shard(1)]),
+        (vec![2, 2], vec![Placement::Replicate, Placement::Shard(0)]),
+    ] {
+        let (o, g, _) = run(mesh.clone(), placements.clone());
+        assert!(
+            o == out && g == grad,
+            "{mesh:?} {placements:?}: another mask than one rank's"
+        );
+    }
+    let e = launch(1, |ctx| {
+        let mesh = DeviceMesh::new(ctx.into_comm(), &[1])?;
+        let x = Var::constant(distribute_tensor(
+            &Tensor::ones(&[2], DType::F32)?,
+            &mesh,
+            &[Placement::Replicate],
+        )?);
+        Ok(x.dropout(1.5, tessera::dtensor::StreamKey::new(0, "d"))
+            .unwrap_err()
+            .to_string())
+    })
+    .unwrap();
+    assert!(e[0].contains("not a probability"), "{}", e[0]);
+}

@@ -119,6 +119,9 @@ pub trait Module: Any {
     /// Every parameter of the tree by fully qualified name (`child.grandchild.local`):
     /// this module's own first, then each child's, depth first; a parameter
     /// reachable under several names (tied weights) only under its first.
+    /// Derived from the tree: a module lists [`own_parameters`](Self::own_parameters)
+    /// and [`named_children`](Self::named_children) rather than overriding this
+    /// (naming, materialising and FSDP walk the tree itself).
     ///
     /// PyTorch: `named_parameters`.
     fn named_parameters(&self) -> Vec<(String, Param)> {

@@ -168,6 +168,43 @@ impl Var {
         Ok(self.unary_op("gelu", y, move |g| g.gelu_backward_with_output(&x, &out)))
     }
 
+    /// Dropout: zeroes each element with probability `p` and scales the others
+    /// by `1/(1 − p)`. The mask is drawn by the counter-based generator from
+    /// `key` at each element's *global* index, so a sharded run drops exactly the
+    /// elements the unsharded run drops, on any mesh and placements (pass a new
+    /// stream per call, e.g. `StreamKey::new(seed, "layers.0.dropout").with_stream(step)`).
+    /// `p = 0` is the identity.
+    ///
+    /// PyTorch: `torch.nn.functional.dropout(x, p, training=True)` (whose mask
+    /// comes from the device generator's offset instead of a key).
+    ///
+    /// # Errors
+    /// `p` outside `[0, 1]`; a `Partial` input (reduce it first); integer inputs.
+    pub fn dropout(&self, p: f64, key: tessera_dtensor::StreamKey) -> Result<Var> {
+        if !(0.0..=1.0).contains(&p) {
+            return Err(crate::Error::Config {
+                op: "dropout",
+                detail: format!("p = {p} is not a probability; pass p in [0, 1]"),
+            });
+        }
+        if p == 0.0 {
+            return Ok(self.clone());
+        }
+        let x = self.value();
+        if !x.dtype().is_float() {
+            return Err(crate::Error::Config {
+                op: "dropout",
+                detail: format!("the input is {}; dropout scales floating-point values", x.dtype()),
+            });
+        }
+        let keep = tessera_dtensor::Distribution::Bernoulli { p: 1.0 - p };
+        let mask = tessera_dtensor::DTensor::random_with_layout(&keep, key, x.mesh(), x.layout().clone())?;
+        let scale = if p < 1.0 { 1.0 / (1.0 - p) } else { 0.0 };
+        let mask = mask.mul_scalar(scale)?;
+        let y = x.mul(&mask)?;
+        Ok(self.unary_op("dropout", y, move |g| g.mul(&mask)))
+    }
+
     /// `max(x, 0)`.
     ///
     /// # Errors

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use safetensors::tensor::{TensorInfo, TensorView};
-use tessera_dtensor::sharding::for_each_region_run;
+use tessera_dtensor::redistribute::for_each_region_run;
 use tessera_dtensor::{DTensor, Layout, PlacementsDisplay, Tensor};
 use tessera_mesh::{DType, DeviceMesh};
 

@@ -18,11 +18,13 @@
 
 mod exec;
 mod plan;
+mod region_runs;
 mod search;
 mod step;
 
 pub(crate) use exec::{execute, for_each_run};
 pub use plan::plan;
+pub use region_runs::for_each_region_run;
 pub use step::{Plan, Step, StepKind};
 
 /// The coordinates of the ranks a step along the mesh dims `group` talks to, in
