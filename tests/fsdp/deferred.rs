@@ -603,3 +603,47 @@ fn dropout_masks_are_mesh_invariant() {
     .unwrap();
     assert!(e[0].contains("not a probability"), "{}", e[0]);
 }
+
+/// Rank 0's values, scattered: every other rank passes nothing and receives its
+/// pieces; a value rank 0 lacks is an error on every rank.
+#[test]
+fn rank0_values_materialize_into_shards() {
+    let whole = launch(1, |ctx| {
+        let mesh = DeviceMesh::new(ctx.into_comm(), &[1])?;
+        let model = Transformer::new(TransformerConfig::TINY, &mesh, DType::F32)?;
+        tessera::autograd::load_state_dict(&model.parameters(), data("tiny_init.safetensors"))?;
+        Ok(gathered_bits(&model)?)
+    })
+    .unwrap()
+    .swap_remove(0);
+    let runs = launch(4, |ctx| {
+        let rank = ctx.rank();
+        let mesh = DeviceMesh::with_names(ctx.into_comm(), &[2, 2], &["dp", "tp"])?;
+        let build = || -> tessera::fsdp::Result<Transformer> {
+            let model = Transformer::new(TransformerConfig::TINY, &mesh, DType::F32)?;
+            model.parallelize(&mesh.dim("tp")?, false)?;
+            model.fully_shard(&mesh.dim("dp")?, &FsdpConfig::default())?;
+            Ok(model)
+        };
+        let values = if rank == 0 {
+            tessera::autograd::read_safetensors(data("tiny_init.safetensors"))?
+        } else {
+            Vec::new()
+        };
+        let model = build()?;
+        Materializer::from_rank0(values.clone()).materialize(&model)?;
+        let bits = gathered_bits(&model)?;
+        // Without the output head's table on rank 0: every rank errs, nothing hangs.
+        let short: Vec<_> = values.into_iter().filter(|(n, _)| n != "output.weight").collect();
+        let e = Materializer::from_rank0(short)
+            .materialize(&build()?)
+            .unwrap_err()
+            .to_string();
+        Ok((bits, e))
+    })
+    .unwrap();
+    for (bits, e) in &runs {
+        assert!(*bits == whole, "rank 0's values differ after scattering");
+        assert!(e.contains("rank 0 has no value for output.weight"), "{e}");
+    }
+}

@@ -10,7 +10,7 @@
 use std::path::{Path, PathBuf};
 
 use tessera_dtensor::checkpoint::Checkpoint;
-use tessera_dtensor::{Layout, check_replicas};
+use tessera_dtensor::{Layout, Tensor, check_replicas};
 use tessera_mesh::{CommunicatorExt, DeviceMesh};
 use tessera_tensor::memory;
 use tessera_tensor::random::{StreamKey, fill_region};
@@ -18,7 +18,7 @@ use tessera_tensor::random::{StreamKey, fill_region};
 use super::Module;
 use super::init::Init;
 use super::names::{fqn_matches, name_parameters};
-use crate::state_dict::SafetensorsReader;
+use crate::state_dict::{SafetensorsReader, scatter_from_rank0};
 use crate::{Error, Param, Result};
 
 /// Where the values come from.
@@ -30,6 +30,8 @@ enum Source {
     Safetensors(PathBuf),
     /// A sharded checkpoint directory ([`tessera_dtensor::checkpoint`]).
     Checkpoint(PathBuf),
+    /// Full tensors by name on rank 0 of the parameters' mesh (empty elsewhere).
+    Rank0(Vec<(String, Tensor)>),
 }
 
 /// What [`Materializer::materialize`] did on this rank.
@@ -101,6 +103,17 @@ impl Materializer {
         Materializer::new(Source::Checkpoint(path.as_ref().to_path_buf()))
     }
 
+    /// Values rank 0 holds: `values` are full tensors by parameter name on rank
+    /// 0 of the parameters' mesh (other ranks pass an empty list, which they
+    /// ignore); each rank receives only its pieces (one all-to-all per parameter
+    /// in which only rank 0 sends), converted to the parameters' dtypes.
+    ///
+    /// PyTorch: `set_model_state_dict(..., full_state_dict=True,
+    /// broadcast_from_rank0=True)`.
+    pub fn from_rank0(values: Vec<(String, Tensor)>) -> Materializer {
+        Materializer::new(Source::Rank0(values))
+    }
+
     fn new(source: Source) -> Materializer {
         Materializer {
             source,
@@ -149,7 +162,18 @@ impl Materializer {
         }
         memory::reset_peak();
         let mut report = MaterializeReport::default();
-        let local = self.fill_all(&params, &mut report);
+        let local = match &self.source {
+            Source::Rank0(values) => {
+                let deferred: Vec<Param> = params
+                    .iter()
+                    .map(|(p, _)| p.clone())
+                    .filter(Param::is_deferred)
+                    .collect();
+                from_rank0(&mesh, values, &deferred, &mut report)?;
+                Ok(())
+            }
+            _ => self.fill_all(&params, &mut report),
+        };
         // Every rank learns whether any failed before anyone communicates again.
         let shared = agree(&mesh, "materialize", local.as_ref().err().map(ToString::to_string));
         local?;
@@ -163,6 +187,7 @@ impl Materializer {
 
     /// Fills every deferred parameter of `params` locally (no communication).
     fn fill_all(&self, params: &[(Param, Option<Init>)], report: &mut MaterializeReport) -> Result<()> {
+        // Rank 0's values come collectively (`from_rank0`), never through here.
         let file = match &self.source {
             Source::Safetensors(path) => Some(SafetensorsReader::open(path)?),
             _ => None,
@@ -201,6 +226,7 @@ impl Materializer {
                         let ckpt = ckpt.as_ref().expect("opened above");
                         Ok(ckpt.load(&name, mesh, layout.clone())?.to_local().clone())
                     }
+                    Source::Rank0(_) => unreachable!("rank 0's values are scattered collectively"),
                 }
             })?;
             let bytes = p.value()?.to_local().size_in_bytes();
@@ -241,6 +267,48 @@ fn check_all(params: &[Param]) -> Result<()> {
     )?;
     for p in params {
         check_replicas(&p.value()?, &p.name())?;
+    }
+    Ok(())
+}
+
+/// Materialises `deferred` from the full tensors rank 0 of `mesh` holds: rank 0
+/// checks every name and shape first and every rank learns its verdict, then
+/// each parameter is scattered from rank 0.
+fn from_rank0(
+    mesh: &DeviceMesh,
+    values: &[(String, Tensor)],
+    deferred: &[Param],
+    report: &mut MaterializeReport,
+) -> Result<()> {
+    let lead = mesh.comm().rank() == 0;
+    let find = |p: &Param| values.iter().find(|(n, _)| *n == p.name()).map(|(_, t)| t);
+    let mut problem = deferred.iter().find(|p| !p.mesh().same_as(mesh)).map(|p| {
+        format!(
+            "{} lives on mesh {}, the model's first parameter on {mesh}; from_rank0 scatters over one mesh",
+            p.name(),
+            p.mesh()
+        )
+    });
+    if lead && problem.is_none() {
+        problem = deferred.iter().find_map(|p| match find(p) {
+            None => Some(format!("rank 0 has no value for {} ({})", p.name(), p.layout())),
+            Some(t) if t.shape() != &p.shape()[..] => Some(format!(
+                "rank 0's value for {} has shape {:?}, the parameter {:?}",
+                p.name(),
+                t.shape(),
+                p.shape()
+            )),
+            Some(_) => None,
+        });
+    }
+    agree(mesh, "materialize", problem)?;
+    let pieces = scatter_from_rank0(deferred, mesh, |p| Ok(find(p).expect("checked above").clone()))?;
+    for (p, v) in deferred.iter().zip(pieces) {
+        let bytes = v.to_local().size_in_bytes();
+        p.set_value(v);
+        report.params += 1;
+        report.local_bytes += bytes;
+        report.largest_local_bytes = report.largest_local_bytes.max(bytes);
     }
     Ok(())
 }

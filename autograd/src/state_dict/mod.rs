@@ -180,6 +180,31 @@ pub fn load_state_dict(params: &[Param], path: impl AsRef<Path>) -> Result<()> {
     }
     let bytes = read?;
     let st = if lead { Some(parse(path, &bytes)?) } else { None };
+    let values = scatter_from_rank0(params, &mesh, |p| {
+        let st = st.as_ref().expect("rank 0 parsed the file");
+        let view = st.tensor(&p.name()).map_err(|e| corrupt(path, e))?;
+        decode(path, &p.name(), &view)
+    })?;
+    for (p, v) in params.iter().zip(values) {
+        p.set_value(v);
+    }
+    Ok(())
+}
+
+/// Each rank's piece of every parameter (in its layout, converted to its
+/// dtype), cut by rank 0 of `mesh` from the full tensors `full_of` gives (called
+/// on rank 0 only, in order) and sent in one all-to-all per parameter in which
+/// only rank 0 sends: no other rank holds a whole tensor it does not replicate.
+/// Collective over `mesh`. Callers check everything `full_of` could fail on
+/// first and share the verdict: a failure on rank 0 here leaves the others
+/// waiting in the all-to-all.
+pub(crate) fn scatter_from_rank0(
+    params: &[Param],
+    mesh: &tessera_mesh::DeviceMesh,
+    mut full_of: impl FnMut(&Param) -> Result<Tensor>,
+) -> Result<Vec<DTensor>> {
+    let comm = mesh.comm();
+    let (me, lead) = (comm.rank(), comm.rank() == 0);
     let coords = tessera_dtensor::sharding::mesh_coords(mesh.shape());
     let mut values = Vec::with_capacity(params.len());
     for p in params {
@@ -189,22 +214,19 @@ pub fn load_state_dict(params: &[Param], path: impl AsRef<Path>) -> Result<()> {
             .map(|c| layout.local_region(c))
             .collect::<tessera_dtensor::Result<_>>()?;
         let counts: Vec<usize> = regions.iter().map(|(_, s)| s.iter().product()).collect();
-        let me = comm.rank();
-        let send = match &st {
-            Some(st) => {
-                let view = st.tensor(&p.name()).map_err(|e| corrupt(path, e))?;
-                let full = decode(path, &p.name(), &view)?.cast(layout.dtype)?;
-                let mut pieces = Vec::with_capacity(regions.len());
-                for (offset, shape) in &regions {
-                    let mut t = full.clone();
-                    for (d, (&o, &n)) in offset.iter().zip(shape).enumerate() {
-                        t = t.narrow(d, o, n)?;
-                    }
-                    pieces.push(t.contiguous().reshape(&[counts[pieces.len()]])?);
+        let send = if lead {
+            let full = full_of(p)?.cast(layout.dtype)?;
+            let mut pieces = Vec::with_capacity(regions.len());
+            for (offset, shape) in &regions {
+                let mut t = full.clone();
+                for (d, (&o, &n)) in offset.iter().zip(shape).enumerate() {
+                    t = t.narrow(d, o, n)?;
                 }
-                Tensor::cat(&pieces, 0)?.to_buffer()
+                pieces.push(t.contiguous().reshape(&[counts[pieces.len()]])?);
             }
-            None => Buffer::zeros(layout.dtype, 0),
+            Tensor::cat(&pieces, 0)?.to_buffer()
+        } else {
+            Buffer::zeros(layout.dtype, 0)
         };
         let send_counts: Vec<usize> = if lead { counts.clone() } else { vec![0; counts.len()] };
         let mut recv_counts = vec![0; counts.len()];
@@ -212,12 +234,9 @@ pub fn load_state_dict(params: &[Param], path: impl AsRef<Path>) -> Result<()> {
         let mut recv = Buffer::zeros(layout.dtype, counts[me]);
         comm.all_to_all_v(send.as_buf(), &send_counts, recv.as_buf_mut(), &recv_counts)?;
         let local = Tensor::from_buffer(recv, &regions[me].1)?;
-        values.push(DTensor::from_local_with_layout(local, &mesh, layout)?);
+        values.push(DTensor::from_local_with_layout(local, mesh, layout)?);
     }
-    for (p, v) in params.iter().zip(values) {
-        p.set_value(v);
-    }
-    Ok(())
+    Ok(values)
 }
 
 /// Every rank of `comm` learns whether rank 0 failed, and its message.
