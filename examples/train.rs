@@ -72,6 +72,37 @@ const USAGE: &str = "usage: train [--world-size N | --mesh RxS] [--tp T [--seque
 [--tokens PATH] [--data-seed N] [--losses-out PATH] [--checkpoint-dir DIR --checkpoint-every N [--async-save] [--keep-checkpoints K]] [--resume DIR] \
 [--save-full PATH]";
 
+/// Every flag with its default (`train --help`).
+const HELP: &str = "\
+mesh and parallelism:
+  --world-size N        ranks (default 4; under mpirun, the number of processes)
+  --mesh RxS            HSDP: replicate over R, shard over S (default: FSDP over all ranks)
+  --tp T                tensor parallelism over T ranks under FSDP (default 0: none)
+  --sequence-parallel   the sequence-parallel TP plan (default: off)
+  --mixed-precision M   bf16 or none (default none)
+  --no-reshard          keep parameters gathered from forward to backward (default: reshard)
+model and data:
+  --dim N --n-layers N --n-heads N --vocab N --seq N
+                        model sizes (default 64, 2, 4, 256, 32: the tiny reference)
+  --init PATH           materialise from a safetensors state dict, each rank reading its bytes
+  --seed N              model seed without --init (default 0; the same model on every mesh)
+  --tokens PATH         token batches, int64 [steps, global_batch, seq+1] (default: generated)
+  --data-seed N         seed of the generated batches (default 1234)
+training:
+  --steps N             steps (default 50)
+  --batch N             rows per data-parallel rank (default 2)
+  --lr F                AdamW learning rate (default 0.001)
+output and checkpoints:
+  --losses-out PATH     JSON: losses, step times, peak memory per rank, init peak, peak RSS
+  --checkpoint-dir DIR --checkpoint-every N
+                        sharded checkpoints every N steps (default: none)
+  --async-save          write checkpoints in the background
+  --keep-checkpoints K  keep the newest K (default 0: all)
+  --resume DIR          continue from a checkpoint saved on any mesh
+  --save-full PATH      consolidated safetensors state dict at the end
+environment: TESSERA_TIMEOUT_S, TESSERA_THREADS_PER_RANK, TESSERA_BACKEND, TESSERA_BF16_DOT,
+  TESSERA_SYSTEM_MALLOC, TESSERA_MPI_CHECK (see tessera::mesh::vars)";
+
 #[derive(Clone, Debug)]
 struct Args {
     world: usize,
@@ -130,7 +161,7 @@ fn parse() -> Result<Args, String> {
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
         if flag == "--help" || flag == "-h" {
-            println!("{USAGE}");
+            println!("{USAGE}\n\n{HELP}");
             std::process::exit(0);
         }
         if flag == "--no-reshard" {
@@ -695,7 +726,16 @@ fn summarize(args: &Args, r0: &RankReport) -> Result<(), BoxError> {
     Ok(())
 }
 
+/// A bar redrawn in place on a terminal; in a redirected log, one line every
+/// tenth of the run (and at the last step) instead of `\r` frames.
 fn progress(step: usize, steps: usize, loss: f64, tok_s: f64) {
+    use std::io::IsTerminal as _;
+    if !std::io::stdout().is_terminal() {
+        if step == steps || step.is_multiple_of(steps.div_ceil(10)) {
+            println!("step {step}/{steps}  loss {loss:.4}  {tok_s:.0} tok/s");
+        }
+        return;
+    }
     const WIDTH: usize = 30;
     let filled = step * WIDTH / steps;
     print!(

@@ -32,7 +32,9 @@ pub fn mpi_env() -> Option<MpiEnv> {
 }
 
 fn mpi_env_from(var: impl Fn(&str) -> Option<String>) -> Option<MpiEnv> {
-    if var("TESSERA_BACKEND").is_some_and(|b| b.trim() == "threads") {
+    // A bad value is an error at launch (`vars::check`); here it forces nothing.
+    let forced = crate::vars::backend_from(&var).ok().flatten();
+    if forced == Some("threads") {
         return None;
     }
     let num = |k: &str| var(k).and_then(|v| v.trim().parse::<usize>().ok());
@@ -52,7 +54,7 @@ fn mpi_env_from(var: impl Fn(&str) -> Option<String>) -> Option<MpiEnv> {
     match found {
         Some(env) => Some(env),
         // Forced MPI with no launcher variables: a singleton MPI process.
-        None if var("TESSERA_BACKEND").is_some_and(|b| b.trim() == "mpi") => Some(MpiEnv {
+        None if forced == Some("mpi") => Some(MpiEnv {
             launcher: "TESSERA_BACKEND=mpi",
             rank: 0,
             size: None,

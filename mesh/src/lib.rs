@@ -45,6 +45,7 @@ pub mod stats;
 #[cfg(feature = "testing")]
 pub mod testing;
 mod threads;
+pub mod vars;
 
 pub use comm::{Communicator, CommunicatorExt, ReduceOp, Work};
 pub use device_mesh::{DeviceMesh, DimRef};

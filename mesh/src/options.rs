@@ -55,9 +55,12 @@ impl LaunchOptions {
     ///
     /// # Errors
     /// [`Error::Launch`](crate::Error::Launch) naming the value when `TESSERA_TIMEOUT_S` is not a number of
-    /// seconds between [`MIN_TIMEOUT`] and [`MAX_TIMEOUT`], or `TESSERA_THREADS_PER_RANK`
-    /// not a whole number in range.
+    /// seconds between [`MIN_TIMEOUT`] and [`MAX_TIMEOUT`], `TESSERA_THREADS_PER_RANK`
+    /// not a whole number in range, or any other Tessera variable set to a value it
+    /// does not accept ([`vars::check`](crate::vars::check)).
     pub fn from_env() -> Result<LaunchOptions> {
+        // Every Tessera variable first, so a typo anywhere stops the job here.
+        crate::vars::check()?;
         let mut opts = LaunchOptions::default();
         if let Some(v) = std::env::var_os("TESSERA_TIMEOUT_S") {
             opts.timeout = parse_timeout(&v.to_string_lossy())?;
@@ -93,7 +96,7 @@ impl LaunchOptions {
 pub const MAX_THREADS_PER_RANK: usize = 1024;
 
 /// Parses a `TESSERA_THREADS_PER_RANK` value: a whole number in 1..=[`MAX_THREADS_PER_RANK`].
-fn parse_threads(v: &str) -> Result<usize> {
+pub(crate) fn parse_threads(v: &str) -> Result<usize> {
     match v.trim().parse::<usize>() {
         Ok(n) if (1..=MAX_THREADS_PER_RANK).contains(&n) => Ok(n),
         _ => Err(crate::Error::Launch(format!(
@@ -104,7 +107,7 @@ fn parse_threads(v: &str) -> Result<usize> {
 }
 
 /// Parses a `TESSERA_TIMEOUT_S` value: seconds within [`MIN_TIMEOUT`]..=[`MAX_TIMEOUT`].
-fn parse_timeout(v: &str) -> Result<Duration> {
+pub(crate) fn parse_timeout(v: &str) -> Result<Duration> {
     let bad = |why: &str| {
         crate::Error::Launch(format!(
             "TESSERA_TIMEOUT_S={v:?} {why}; give seconds between {} and {} (unset means {})",

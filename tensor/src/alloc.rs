@@ -196,7 +196,7 @@ pub(crate) fn with_capacity<T: Element>(op: &'static str, shape: &[usize]) -> Re
 pub(crate) fn tune_malloc_once() {
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {
-        if std::env::var_os("TESSERA_SYSTEM_MALLOC").is_some_and(|v| v != "0") {
+        if tessera_mesh::vars::flag_or("TESSERA_SYSTEM_MALLOC", false) {
             return;
         }
         tune_malloc();

@@ -83,7 +83,7 @@ fn init() -> std::result::Result<Runtime, String> {
         ops: Ops::create()?,
         stats: Arc::new(CommStats::default()),
         in_place: in_place_sentinel(),
-        check_calls: std::env::var("TESSERA_MPI_CHECK").is_ok_and(|v| matches!(v.trim(), "1" | "true" | "yes")),
+        check_calls: crate::vars::flag_or("TESSERA_MPI_CHECK", false),
     };
     watchdog::start(rt.world_rank, rt.world_size, control_comm());
     Ok(rt)

@@ -75,7 +75,7 @@ impl GemmKernel {
     /// PyTorch: the CPU capability dispatch (`ATEN_CPU_CAPABILITY` overrides it).
     pub fn auto_for(dtype: DType) -> GemmKernel {
         static ALLOWED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        let allowed = || *ALLOWED.get_or_init(|| std::env::var("TESSERA_BF16_DOT").map_or(true, |v| v.trim() != "0"));
+        let allowed = || *ALLOWED.get_or_init(|| tessera_mesh::vars::flag_or("TESSERA_BF16_DOT", true));
         if dtype == DType::BF16 && GemmKernel::bf16_dot_detected() && allowed() {
             return GemmKernel::Bf16Dot;
         }

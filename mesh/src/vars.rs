@@ -1,0 +1,182 @@
+//! Tessera's environment variables, read with one policy: unset means the
+//! default; a value outside the accepted ones is an error naming the variable,
+//! the value and what it accepts (never silently ignored or misread).
+//! [`check`] validates all of them, and [`launch`](crate::launch) runs it first,
+//! so a typo stops a job before it starts.
+//!
+//! | variable | accepts | default |
+//! |---|---|---|
+//! | `TESSERA_BACKEND` | `threads`, `mpi` | detected from the launcher's variables |
+//! | `TESSERA_TIMEOUT_S` | seconds, 0.001 to 31536000 | 300 |
+//! | `TESSERA_THREADS_PER_RANK` | 1 to 1024 | the cores divided among the ranks |
+//! | `TESSERA_BF16_DOT` | a flag | on where the CPU has AVX512_BF16 |
+//! | `TESSERA_SYSTEM_MALLOC` | a flag | off (`malloc` tuned to keep freed memory) |
+//! | `TESSERA_MPI_CHECK` | a flag | off (no per-call argument checks under MPI) |
+//!
+//! A flag is `1`, `true`, `yes`, `on` or `0`, `false`, `no`, `off` (any case).
+//!
+//! ```
+//! use tessera_mesh::vars;
+//!
+//! assert_eq!(vars::parse_flag("TESSERA_BF16_DOT", "false").unwrap(), false);
+//! let e = vars::parse_choice("TESSERA_BACKEND", "bogus", &["threads", "mpi"]).unwrap_err();
+//! assert!(e.to_string().contains("accepted: threads, mpi"));
+//! ```
+
+use crate::{Error, Result};
+
+/// The values `TESSERA_BACKEND` accepts.
+pub const BACKENDS: &[&str] = &["threads", "mpi"];
+
+/// The flags: variables that switch something on or off.
+const FLAGS: &[&str] = &["TESSERA_BF16_DOT", "TESSERA_SYSTEM_MALLOC", "TESSERA_MPI_CHECK"];
+
+const TRUE: &[&str] = &["1", "true", "yes", "on"];
+const FALSE: &[&str] = &["0", "false", "no", "off"];
+
+/// Parses the value `v` of the flag `name`.
+///
+/// # Errors
+/// [`Error::Launch`] naming the variable, the value and the accepted spellings.
+pub fn parse_flag(name: &str, v: &str) -> Result<bool> {
+    let t = v.trim().to_ascii_lowercase();
+    if TRUE.contains(&t.as_str()) {
+        Ok(true)
+    } else if FALSE.contains(&t.as_str()) {
+        Ok(false)
+    } else {
+        Err(Error::Launch(format!(
+            "{name}={v:?} is not a flag; accepted: {} (on) or {} (off), or unset for the default",
+            TRUE.join(", "),
+            FALSE.join(", ")
+        )))
+    }
+}
+
+/// Parses the value `v` of `name`, which must be one of `accepted`.
+///
+/// # Errors
+/// [`Error::Launch`] naming the variable, the value and the accepted values.
+pub fn parse_choice(name: &str, v: &str, accepted: &[&'static str]) -> Result<&'static str> {
+    let t = v.trim();
+    accepted.iter().copied().find(|a| *a == t).ok_or_else(|| {
+        Error::Launch(format!(
+            "{name}={v:?} is not an accepted value; accepted: {}, or unset for the default",
+            accepted.join(", ")
+        ))
+    })
+}
+
+/// The flag `name` from the environment: `None` when unset.
+///
+/// # Errors
+/// A value that is not a flag ([`parse_flag`]).
+pub fn flag(name: &str) -> Result<Option<bool>> {
+    flag_from(name, |k| std::env::var(k).ok())
+}
+
+/// The flag `name` from the environment, or `default` when unset or (for
+/// readers that cannot fail, such as a kernel's dispatch) not a flag: a bad
+/// value has already failed [`check`] at launch.
+pub fn flag_or(name: &str, default: bool) -> bool {
+    flag(name).ok().flatten().unwrap_or(default)
+}
+
+/// `TESSERA_BACKEND` from the environment: `None` when unset.
+///
+/// # Errors
+/// A value other than `threads` or `mpi`.
+pub fn backend() -> Result<Option<&'static str>> {
+    backend_from(|k| std::env::var(k).ok())
+}
+
+fn flag_from(name: &str, var: impl Fn(&str) -> Option<String>) -> Result<Option<bool>> {
+    var(name).map(|v| parse_flag(name, &v)).transpose()
+}
+
+pub(crate) fn backend_from(var: impl Fn(&str) -> Option<String>) -> Result<Option<&'static str>> {
+    var("TESSERA_BACKEND")
+        .map(|v| parse_choice("TESSERA_BACKEND", &v, BACKENDS))
+        .transpose()
+}
+
+/// Validates every Tessera variable that is set (the table above).
+///
+/// # Errors
+/// The first variable with a value it does not accept, named with the value
+/// and what it accepts.
+pub fn check() -> Result<()> {
+    check_from(|k| std::env::var(k).ok())
+}
+
+pub(crate) fn check_from(var: impl Fn(&str) -> Option<String>) -> Result<()> {
+    backend_from(&var)?;
+    for name in FLAGS {
+        flag_from(name, &var)?;
+    }
+    if let Some(v) = var("TESSERA_TIMEOUT_S") {
+        crate::options::parse_timeout(&v)?;
+    }
+    if let Some(v) = var("TESSERA_THREADS_PER_RANK") {
+        crate::options::parse_threads(&v)?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn with(vars: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
+        let vars: Vec<(String, String)> = vars.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        move |k| vars.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone())
+    }
+
+    #[test]
+    fn flags_accept_every_spelling_and_nothing_else() {
+        for v in ["1", "true", "TRUE", " yes ", "On"] {
+            assert!(parse_flag("TESSERA_X", v).unwrap(), "{v}");
+        }
+        for v in ["0", "false", "No", "off"] {
+            assert!(!parse_flag("TESSERA_X", v).unwrap(), "{v}");
+        }
+        for v in ["", "2", "enabled", "fals"] {
+            let e = parse_flag("TESSERA_BF16_DOT", v).unwrap_err().to_string();
+            assert!(
+                e.contains("TESSERA_BF16_DOT=") && e.contains("accepted: 1, true"),
+                "{e}"
+            );
+        }
+    }
+
+    #[test]
+    fn every_variable_is_checked_with_one_policy() {
+        assert!(check_from(with(&[])).is_ok());
+        assert!(
+            check_from(with(&[
+                ("TESSERA_BACKEND", "mpi"),
+                ("TESSERA_BF16_DOT", "false"),
+                ("TESSERA_TIMEOUT_S", "30"),
+                ("TESSERA_THREADS_PER_RANK", "2"),
+            ]))
+            .is_ok()
+        );
+        for (k, v, says) in [
+            ("TESSERA_BACKEND", "bogus", "accepted: threads, mpi"),
+            ("TESSERA_BF16_DOT", "nope", "not a flag"),
+            ("TESSERA_SYSTEM_MALLOC", "yes please", "not a flag"),
+            ("TESSERA_MPI_CHECK", "2", "not a flag"),
+            ("TESSERA_TIMEOUT_S", "soon", "TESSERA_TIMEOUT_S"),
+            ("TESSERA_THREADS_PER_RANK", "0", "TESSERA_THREADS_PER_RANK"),
+        ] {
+            let e = check_from(with(&[(k, v)])).unwrap_err().to_string();
+            assert!(e.contains(says) && e.contains(v), "{k}={v}: {e}");
+        }
+        // Unset and set-to-default are different: `false` is read as off.
+        assert_eq!(
+            flag_from("TESSERA_BF16_DOT", with(&[("TESSERA_BF16_DOT", "false")])).unwrap(),
+            Some(false)
+        );
+        assert_eq!(flag_from("TESSERA_BF16_DOT", with(&[])).unwrap(), None);
+    }
+}
