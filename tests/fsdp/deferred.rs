@@ -647,3 +647,31 @@ fn rank0_values_materialize_into_shards() {
         assert!(e.contains("rank 0 has no value for output.weight"), "{e}");
     }
 }
+
+/// `auto_wrap` plans a deferred model by parameter counts (read from shapes,
+/// no storage) and the model materialises into its units' shards: the same
+/// parameters as one rank's.
+#[test]
+fn auto_wrap_plans_a_deferred_model() {
+    use tessera::fsdp::{WrapPolicy, auto_wrap};
+    let whole = materialized(Plan::Single, DType::F32, 5);
+    let got = launch(2, |ctx| {
+        let mesh = DeviceMesh::new(ctx.into_comm(), &[2])?;
+        let model = Transformer::new(CFG, &mesh, DType::F32)?;
+        let units = auto_wrap(&model, &mesh, &FsdpConfig::default(), &WrapPolicy::MinParams(2_000))?;
+        let names: Vec<String> = units.iter().map(|(n, _)| n.clone()).collect();
+        assert!(model.parameters().iter().all(Param::is_deferred), "planning allocated");
+        Materializer::from_seed(5).materialize(&model)?;
+        let w = model.layers[0].feed_forward.w1.weight.value()?;
+        assert_eq!(w.placements(), &[Placement::Shard(0)]);
+        Ok((names, gathered_bits(&model)?))
+    })
+    .unwrap()
+    .swap_remove(0);
+    assert!(
+        got.0.len() >= 3 && got.0.last().map(String::as_str) == Some(""),
+        "units {:?}",
+        got.0
+    );
+    assert!(got.1 == whole, "auto-wrapped shards differ from the whole-tensor init");
+}
