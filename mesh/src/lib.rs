@@ -60,7 +60,8 @@ pub use launcher::{launch, launch_with};
 /// and finalises it at process exit.
 #[cfg(feature = "mpi")]
 pub use mpi;
-pub use options::{DEFAULT_TIMEOUT, LaunchOptions, MAX_THREADS_PER_RANK, MAX_TIMEOUT, MIN_TIMEOUT};
+pub use options::LaunchOptions;
 pub use pieces::{HeldBuf, Pieces};
 pub use rank::{BoxError, RankCtx};
 pub use stats::{CommCounts, CommStats, OpKind};
+pub use vars::{DEFAULT_TIMEOUT, MAX_THREADS_PER_RANK, MAX_TIMEOUT, MIN_TIMEOUT};

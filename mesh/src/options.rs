@@ -6,16 +6,7 @@
 use std::time::Duration;
 
 use crate::Result;
-
-/// How long a rank waits in a collective for peers before giving up, unless
-/// `TESSERA_TIMEOUT_S` says otherwise.
-pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
-
-/// The longest timeout `TESSERA_TIMEOUT_S` may set: one year (effectively none).
-pub const MAX_TIMEOUT: Duration = Duration::from_secs(365 * 24 * 3600);
-
-/// The shortest timeout `TESSERA_TIMEOUT_S` may set.
-pub const MIN_TIMEOUT: Duration = Duration::from_millis(1);
+use crate::vars::{DEFAULT_TIMEOUT, MAX_THREADS_PER_RANK, parse_threads, parse_timeout};
 
 /// Options of [`launch_with`](crate::launch_with).
 #[derive(Clone, Debug)]
@@ -55,7 +46,7 @@ impl LaunchOptions {
     ///
     /// # Errors
     /// [`Error::Launch`](crate::Error::Launch) naming the value when `TESSERA_TIMEOUT_S` is not a number of
-    /// seconds between [`MIN_TIMEOUT`] and [`MAX_TIMEOUT`], `TESSERA_THREADS_PER_RANK`
+    /// seconds between [`MIN_TIMEOUT`](crate::MIN_TIMEOUT) and [`MAX_TIMEOUT`](crate::MAX_TIMEOUT), `TESSERA_THREADS_PER_RANK`
     /// not a whole number in range, or any other Tessera variable set to a value it
     /// does not accept ([`vars::check`](crate::vars::check)).
     pub fn from_env() -> Result<LaunchOptions> {
@@ -92,47 +83,11 @@ impl LaunchOptions {
     }
 }
 
-/// The most threads per rank `TESSERA_THREADS_PER_RANK` may set.
-pub const MAX_THREADS_PER_RANK: usize = 1024;
-
-/// Parses a `TESSERA_THREADS_PER_RANK` value: a whole number in 1..=[`MAX_THREADS_PER_RANK`].
-pub(crate) fn parse_threads(v: &str) -> Result<usize> {
-    match v.trim().parse::<usize>() {
-        Ok(n) if (1..=MAX_THREADS_PER_RANK).contains(&n) => Ok(n),
-        _ => Err(crate::Error::Launch(format!(
-            "TESSERA_THREADS_PER_RANK={v:?} is not a whole number from 1 to {MAX_THREADS_PER_RANK} \
-             (unset means the cores divided among the ranks on this machine)"
-        ))),
-    }
-}
-
-/// Parses a `TESSERA_TIMEOUT_S` value: seconds within [`MIN_TIMEOUT`]..=[`MAX_TIMEOUT`].
-pub(crate) fn parse_timeout(v: &str) -> Result<Duration> {
-    let bad = |why: &str| {
-        crate::Error::Launch(format!(
-            "TESSERA_TIMEOUT_S={v:?} {why}; give seconds between {} and {} (unset means {})",
-            MIN_TIMEOUT.as_secs_f64(),
-            MAX_TIMEOUT.as_secs(),
-            DEFAULT_TIMEOUT.as_secs()
-        ))
-    };
-    let s: f64 = v.trim().parse().map_err(|_| bad("is not a number"))?;
-    if !s.is_finite() {
-        return Err(bad("is not finite"));
-    }
-    if s < MIN_TIMEOUT.as_secs_f64() {
-        return Err(bad("is too short"));
-    }
-    if s > MAX_TIMEOUT.as_secs_f64() {
-        return Err(bad("is too long"));
-    }
-    Ok(Duration::from_secs_f64(s))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::intra_op::cores;
+    use crate::vars::MAX_TIMEOUT;
 
     #[test]
     fn threads_per_rank_values() {

@@ -23,7 +23,17 @@
 //! assert!(e.to_string().contains("accepted: threads, mpi"));
 //! ```
 
+use std::time::Duration;
+
 use crate::{Error, Result};
+
+/// How long a rank waits in a collective for peers before giving up, unless
+/// `TESSERA_TIMEOUT_S` says otherwise.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
+/// The longest timeout `TESSERA_TIMEOUT_S` may set: one year (effectively none).
+pub const MAX_TIMEOUT: Duration = Duration::from_secs(365 * 24 * 3600);
+/// The shortest timeout `TESSERA_TIMEOUT_S` may set.
+pub const MIN_TIMEOUT: Duration = Duration::from_millis(1);
 
 /// The values `TESSERA_BACKEND` accepts.
 pub const BACKENDS: &[&str] = &["threads", "mpi"];
@@ -115,12 +125,49 @@ pub(crate) fn check_from(var: impl Fn(&str) -> Option<String>) -> Result<()> {
         flag_from(name, &var)?;
     }
     if let Some(v) = var("TESSERA_TIMEOUT_S") {
-        crate::options::parse_timeout(&v)?;
+        parse_timeout(&v)?;
     }
     if let Some(v) = var("TESSERA_THREADS_PER_RANK") {
-        crate::options::parse_threads(&v)?;
+        parse_threads(&v)?;
     }
     Ok(())
+}
+
+/// The most threads per rank `TESSERA_THREADS_PER_RANK` may set.
+pub const MAX_THREADS_PER_RANK: usize = 1024;
+
+/// Parses a `TESSERA_THREADS_PER_RANK` value: a whole number in 1..=[`MAX_THREADS_PER_RANK`].
+pub(crate) fn parse_threads(v: &str) -> Result<usize> {
+    match v.trim().parse::<usize>() {
+        Ok(n) if (1..=MAX_THREADS_PER_RANK).contains(&n) => Ok(n),
+        _ => Err(Error::Launch(format!(
+            "TESSERA_THREADS_PER_RANK={v:?} is not a whole number from 1 to {MAX_THREADS_PER_RANK} \
+             (unset means the cores divided among the ranks on this machine)"
+        ))),
+    }
+}
+
+/// Parses a `TESSERA_TIMEOUT_S` value: seconds within [`MIN_TIMEOUT`]..=[`MAX_TIMEOUT`].
+pub(crate) fn parse_timeout(v: &str) -> Result<Duration> {
+    let bad = |why: &str| {
+        Error::Launch(format!(
+            "TESSERA_TIMEOUT_S={v:?} {why}; give seconds between {} and {} (unset means {})",
+            MIN_TIMEOUT.as_secs_f64(),
+            MAX_TIMEOUT.as_secs(),
+            DEFAULT_TIMEOUT.as_secs()
+        ))
+    };
+    let s: f64 = v.trim().parse().map_err(|_| bad("is not a number"))?;
+    if !s.is_finite() {
+        return Err(bad("is not finite"));
+    }
+    if s < MIN_TIMEOUT.as_secs_f64() {
+        return Err(bad("is too short"));
+    }
+    if s > MAX_TIMEOUT.as_secs_f64() {
+        return Err(bad("is too long"));
+    }
+    Ok(Duration::from_secs_f64(s))
 }
 
 #[cfg(test)]
