@@ -324,6 +324,23 @@ impl ShardOrder {
         self.entries.iter().map(|e| (e.tensor_dim, e.mesh_dims.as_slice()))
     }
 
+    /// The order of `placements` that splits each multiply-sharded tensor dim by
+    /// its mesh dims sorted by `keys[mesh dim]` (ties by mesh dim): all-equal keys
+    /// give the default order, and any permutation can occur. For generating
+    /// orders in tests; `keys` holds one key per mesh dim (callers check).
+    #[cfg(any(test, feature = "testing"))]
+    pub(crate) fn from_keys(placements: &[Placement], keys: &[u8]) -> Result<ShardOrder> {
+        let entries: Vec<(usize, Vec<usize>)> = ShardOrder::default_for(placements)
+            .entries()
+            .map(|(d, dims)| {
+                let mut dims = dims.to_vec();
+                dims.sort_by_key(|&m| (keys[m], m));
+                (d, dims)
+            })
+            .collect();
+        ShardOrder::new(placements, entries)
+    }
+
     /// Whether every multiply-sharded dim is split left to right (the default order).
     pub fn is_default(&self) -> bool {
         self.entries.iter().all(|e| e.mesh_dims.windows(2).all(|w| w[0] < w[1]))

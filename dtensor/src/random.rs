@@ -265,17 +265,9 @@ mod tests {
                 )
             })
             .prop_map(|((mesh, shape), placements, keys, dtype, dist, seed, stream)| {
-                let entries: Vec<(usize, Vec<usize>)> = ShardOrder::default_for(&placements)
-                    .entries()
-                    .map(|(d, dims)| {
-                        let mut dims = dims.to_vec();
-                        dims.sort_by_key(|&m| (keys[m], m));
-                        (d, dims)
-                    })
-                    .collect();
-                // INVARIANT: the entries permute the default order's, and the placements
-                // shard only dims of the shape.
-                let order = ShardOrder::new(&placements, entries).unwrap();
+                // INVARIANT: one key per mesh dim, and the placements shard only dims
+                // of the shape.
+                let order = ShardOrder::from_keys(&placements, &keys).unwrap();
                 let layout = Layout::with_order(&mesh, &placements, order, &shape, dtype).unwrap();
                 (layout, dist, StreamKey::new(seed, "prop").with_stream(stream))
             })

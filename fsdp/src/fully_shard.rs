@@ -144,10 +144,11 @@ fn collect_params(modules: &[&dyn Module], config: &FsdpConfig) -> Result<Vec<Pa
     for module in modules {
         // Parameters no tree has named yet take their names below this module
         // (a later walk from the root names them in full).
-        if module.parameters().iter().any(|p| !p.is_named()) {
+        let named = module.named_parameters();
+        if named.iter().any(|(_, p)| !p.is_named()) {
             tessera_autograd::nn::name_parameters(*module)?;
         }
-        for (local, p) in module.named_parameters() {
+        for (local, p) in named {
             // A parameter shared by two of the modules belongs to the unit once.
             // Ignored by its name in the tree, or below the module being sharded.
             let ignored = config.ignored_params.iter().any(|n| *n == p.name() || *n == local);

@@ -9,7 +9,8 @@ use tessera::autograd::nn::{FanMode, Init, Materializer, Module, Nonlinearity, P
 use tessera::autograd::optim::{AdamW, Optimizer};
 use tessera::autograd::{Param, Var, backward, save_checkpoint};
 use tessera::data::{DATA_SEED, batch as data_batch};
-use tessera::dtensor::{Layout, Placement, ShardOrder, Tensor, distribute_tensor};
+use tessera::dtensor::testing::order_from_keys;
+use tessera::dtensor::{Layout, Placement, Tensor, distribute_tensor};
 use tessera::fsdp::FsdpConfig;
 use tessera::models::{Transformer, TransformerConfig};
 use tessera::tensor::memory::{reset_peak, stats};
@@ -54,26 +55,36 @@ impl Plan {
         }
     }
 
-    /// The mesh, the model planned on it (deferred), and what was done.
-    fn build(self, mesh_comm: Box<dyn tessera::Communicator>, dtype: DType) -> tessera::fsdp::Result<Transformer> {
-        let (shape, names): (Vec<usize>, Vec<&str>) = match self {
+    /// The mesh's shape and dim names.
+    fn dims(self) -> (Vec<usize>, Vec<&'static str>) {
+        match self {
             Plan::Single => (vec![1], vec!["dp"]),
             Plan::Fsdp(n) => (vec![n], vec!["dp"]),
             Plan::Hsdp(r, s) => (vec![r, s], vec!["dp_replicate", "dp_shard"]),
             Plan::Tp(t) => (vec![t], vec!["tp"]),
             Plan::FsdpTp(d, t) => (vec![d, t], vec!["dp", "tp"]),
             Plan::HsdpTp(r, s, t) => (vec![r, s, t], vec!["dp_replicate", "dp_shard", "tp"]),
-        };
-        let mesh = DeviceMesh::with_names(mesh_comm, &shape, &names)?;
-        let model = Transformer::new(CFG, &mesh, dtype)?;
+        }
+    }
+
+    /// The plan's mesh over `comm`.
+    fn mesh(self, comm: Box<dyn tessera::Communicator>) -> tessera::mesh::Result<DeviceMesh> {
+        let (shape, names) = self.dims();
+        DeviceMesh::with_names(comm, &shape, &names)
+    }
+
+    /// A deferred `cfg` model planned on `mesh` (this plan's).
+    fn model(self, mesh: &DeviceMesh, cfg: TransformerConfig, dtype: DType) -> tessera::fsdp::Result<Transformer> {
+        let names = self.dims().1;
+        let model = Transformer::new(cfg, mesh, dtype)?;
         let config = FsdpConfig::default();
         match self {
             Plan::Single => {}
             Plan::Fsdp(_) | Plan::Hsdp(..) => {
-                model.fully_shard(&mesh, &config)?;
+                model.fully_shard(mesh, &config)?;
             }
             Plan::Tp(_) => {
-                model.parallelize(&mesh, false)?;
+                model.parallelize(mesh, false)?;
             }
             Plan::FsdpTp(..) | Plan::HsdpTp(..) => {
                 model.parallelize(&mesh.dim("tp")?, false)?;
@@ -81,6 +92,11 @@ impl Plan {
             }
         }
         Ok(model)
+    }
+
+    /// The `CFG` model planned on this plan's mesh over `comm`.
+    fn build(self, comm: Box<dyn tessera::Communicator>, dtype: DType) -> tessera::fsdp::Result<Transformer> {
+        self.model(&self.mesh(comm)?, CFG, dtype)
     }
 }
 
@@ -150,8 +166,8 @@ fn materialized_parameters_equal_whole_tensor_init_on_every_layout() {
 }
 
 /// A random layout on `mesh`: each mesh dim shards a random tensor dim or
-/// replicates, and a tensor dim that two mesh dims shard may split in the
-/// other order.
+/// replicates, and a tensor dim that several mesh dims shard splits in a random
+/// order.
 fn random_layout(rng: &mut Rng, mesh_shape: &[usize], shape: &[usize], dtype: DType) -> Layout {
     let placements: Vec<Placement> = mesh_shape
         .iter()
@@ -163,16 +179,8 @@ fn random_layout(rng: &mut Rng, mesh_shape: &[usize], shape: &[usize], dtype: DT
             }
         })
         .collect();
-    let mut order = ShardOrder::default_for(&placements);
-    for d in 0..shape.len() {
-        let by: Vec<usize> = (0..placements.len())
-            .filter(|&m| placements[m] == Placement::Shard(d))
-            .collect();
-        if by.len() >= 2 && rng.next_u64().is_multiple_of(2) {
-            let reversed: Vec<usize> = by.iter().rev().copied().collect();
-            order = order.with_chain(&placements, d, &reversed).unwrap();
-        }
-    }
+    let keys: Vec<u8> = mesh_shape.iter().map(|_| rng.next_u64() as u8).collect();
+    let order = order_from_keys(&placements, &keys).unwrap();
     Layout::with_order(mesh_shape, &placements, order, shape, dtype).unwrap()
 }
 
@@ -263,20 +271,7 @@ fn init_memory_stays_within_each_ranks_shards() {
         let per_rank = launch(4, move |ctx| {
             reset_peak();
             let before = stats().current_bytes;
-            let names: &[&str] = if matches!(plan, Plan::Fsdp(_)) {
-                &["dp"]
-            } else {
-                &["dp", "tp"]
-            };
-            let shape: &[usize] = if matches!(plan, Plan::Fsdp(_)) { &[4] } else { &[2, 2] };
-            let mesh = DeviceMesh::with_names(ctx.into_comm(), shape, names)?;
-            let model = Transformer::new(cfg, &mesh, DType::F32)?;
-            if names.len() == 2 {
-                model.parallelize(&mesh.dim("tp")?, false)?;
-                model.fully_shard(&mesh.dim("dp")?, &FsdpConfig::default())?;
-            } else {
-                model.fully_shard(&mesh, &FsdpConfig::default())?;
-            }
+            let model = plan.model(&plan.mesh(ctx.into_comm())?, cfg, DType::F32)?;
             assert_eq!(stats().current_bytes, before, "planning allocates nothing");
             let report = Materializer::from_seed(0).materialize(&model)?;
             let peak = stats().peak_bytes - before;
@@ -312,9 +307,7 @@ fn init_memory_stays_within_each_ranks_shards() {
 fn rank_dependent_seeds_are_an_error() {
     let errors = launch(2, |ctx| {
         let seed = 7 + ctx.rank() as u64;
-        let mesh = DeviceMesh::new(ctx.into_comm(), &[2])?;
-        let model = Transformer::new(CFG, &mesh, DType::F32)?;
-        model.fully_shard(&mesh, &FsdpConfig::default())?;
+        let model = Plan::Fsdp(2).build(ctx.into_comm(), DType::F32)?;
         let e = Materializer::from_seed(seed)
             .materialize(&model)
             .unwrap_err()
@@ -340,9 +333,7 @@ fn rank_dependent_seeds_are_an_error() {
 fn diverging_replicas_are_named() {
     let errors = launch(4, |ctx| {
         let rank = ctx.rank();
-        let mesh = DeviceMesh::with_names(ctx.into_comm(), &[2, 2], &["dp_replicate", "dp_shard"])?;
-        let model = Transformer::new(CFG, &mesh, DType::F32)?;
-        model.fully_shard(&mesh, &FsdpConfig::default())?;
+        let model = Plan::Hsdp(2, 2).build(ctx.into_comm(), DType::F32)?;
         Materializer::from_seed(3).materialize(&model)?;
         verify_replicas(&model)?;
         if rank == 2 {
@@ -382,9 +373,7 @@ fn a_deferred_parameter_in_an_op_is_named() {
 #[test]
 fn init_rules_override_module_defaults() {
     let runs = launch(2, |ctx| {
-        let mesh = DeviceMesh::new(ctx.into_comm(), &[2])?;
-        let model = Transformer::new(CFG, &mesh, DType::F32)?;
-        model.fully_shard(&mesh, &FsdpConfig::default())?;
+        let model = Plan::Fsdp(2).build(ctx.into_comm(), DType::F32)?;
         Materializer::from_seed(1)
             .init("*.bias", Init::Constant(0.5))
             .init("layers.*.attention.wq.weight", Init::Zeros)
@@ -435,23 +424,27 @@ fn a_parameter_without_a_scheme_is_named() {
     .unwrap();
 }
 
-/// From the reference safetensors file straight into FSDP×TP shards: the same
-/// parameters as loading it whole on one rank.
-#[test]
-fn safetensors_materialize_into_shards() {
-    let whole = launch(1, |ctx| {
+/// The tiny reference model loaded whole from its init file on one rank: what
+/// every source must reproduce in shards.
+fn tiny_from_file_on_one_rank() -> Bits {
+    launch(1, |ctx| {
         let mesh = DeviceMesh::new(ctx.into_comm(), &[1])?;
         let model = Transformer::new(TransformerConfig::TINY, &mesh, DType::F32)?;
         tessera::autograd::load_state_dict(&model.parameters(), data("tiny_init.safetensors"))?;
         Ok(gathered_bits(&model)?)
     })
     .unwrap()
-    .swap_remove(0);
+    .swap_remove(0)
+}
+
+/// From the reference safetensors file straight into FSDP×TP shards: the same
+/// parameters as loading it whole on one rank.
+#[test]
+fn safetensors_materialize_into_shards() {
+    let whole = tiny_from_file_on_one_rank();
     let sharded = launch(4, |ctx| {
-        let mesh = DeviceMesh::with_names(ctx.into_comm(), &[2, 2], &["dp", "tp"])?;
-        let model = Transformer::new(TransformerConfig::TINY, &mesh, DType::F32)?;
-        model.parallelize(&mesh.dim("tp")?, false)?;
-        model.fully_shard(&mesh.dim("dp")?, &FsdpConfig::default())?;
+        let plan = Plan::FsdpTp(2, 2);
+        let model = plan.model(&plan.mesh(ctx.into_comm())?, TransformerConfig::TINY, DType::F32)?;
         Materializer::from_safetensors(data("tiny_init.safetensors")).materialize(&model)?;
         Ok(gathered_bits(&model)?)
     })
@@ -468,9 +461,7 @@ fn checkpoints_materialize_onto_another_mesh() {
     let saved = {
         let dir = dir.clone();
         launch(2, move |ctx| {
-            let mesh = DeviceMesh::new(ctx.into_comm(), &[2])?;
-            let model = Transformer::new(CFG, &mesh, DType::F32)?;
-            model.fully_shard(&mesh, &FsdpConfig::default())?;
+            let model = Plan::Fsdp(2).build(ctx.into_comm(), DType::F32)?;
             Materializer::from_seed(9).materialize(&model)?;
             save_checkpoint(&dir, &model.parameters(), None, BTreeMap::new())?;
             Ok(gathered_bits(&model)?)
@@ -608,23 +599,12 @@ fn dropout_masks_are_mesh_invariant() {
 /// pieces; a value rank 0 lacks is an error on every rank.
 #[test]
 fn rank0_values_materialize_into_shards() {
-    let whole = launch(1, |ctx| {
-        let mesh = DeviceMesh::new(ctx.into_comm(), &[1])?;
-        let model = Transformer::new(TransformerConfig::TINY, &mesh, DType::F32)?;
-        tessera::autograd::load_state_dict(&model.parameters(), data("tiny_init.safetensors"))?;
-        Ok(gathered_bits(&model)?)
-    })
-    .unwrap()
-    .swap_remove(0);
+    let whole = tiny_from_file_on_one_rank();
     let runs = launch(4, |ctx| {
         let rank = ctx.rank();
-        let mesh = DeviceMesh::with_names(ctx.into_comm(), &[2, 2], &["dp", "tp"])?;
-        let build = || -> tessera::fsdp::Result<Transformer> {
-            let model = Transformer::new(TransformerConfig::TINY, &mesh, DType::F32)?;
-            model.parallelize(&mesh.dim("tp")?, false)?;
-            model.fully_shard(&mesh.dim("dp")?, &FsdpConfig::default())?;
-            Ok(model)
-        };
+        let plan = Plan::FsdpTp(2, 2);
+        let mesh = plan.mesh(ctx.into_comm())?;
+        let build = || plan.model(&mesh, TransformerConfig::TINY, DType::F32);
         let values = if rank == 0 {
             tessera::autograd::read_safetensors(data("tiny_init.safetensors"))?
         } else {

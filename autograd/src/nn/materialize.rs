@@ -48,6 +48,15 @@ pub struct MaterializeReport {
     pub peak_bytes: usize,
 }
 
+impl MaterializeReport {
+    /// Counts one materialised parameter whose local shard holds `bytes`.
+    fn count(&mut self, bytes: usize) {
+        self.params += 1;
+        self.local_bytes += bytes;
+        self.largest_local_bytes = self.largest_local_bytes.max(bytes);
+    }
+}
+
 /// Materialises every deferred parameter of a model: see the module docs.
 ///
 /// ```
@@ -229,10 +238,7 @@ impl Materializer {
                     Source::Rank0(_) => unreachable!("rank 0's values are scattered collectively"),
                 }
             })?;
-            let bytes = p.value()?.to_local().size_in_bytes();
-            report.params += 1;
-            report.local_bytes += bytes;
-            report.largest_local_bytes = report.largest_local_bytes.max(bytes);
+            report.count(p.value()?.to_local().size_in_bytes());
         }
         Ok(())
     }
@@ -304,11 +310,8 @@ fn from_rank0(
     agree(mesh, "materialize", problem)?;
     let pieces = scatter_from_rank0(deferred, mesh, |p| Ok(find(p).expect("checked above").clone()))?;
     for (p, v) in deferred.iter().zip(pieces) {
-        let bytes = v.to_local().size_in_bytes();
+        report.count(v.to_local().size_in_bytes());
         p.set_value(v);
-        report.params += 1;
-        report.local_bytes += bytes;
-        report.largest_local_bytes = report.largest_local_bytes.max(bytes);
     }
     Ok(())
 }

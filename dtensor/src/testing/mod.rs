@@ -138,15 +138,7 @@ pub fn order_from_keys(placements: &[Placement], keys: &[u8]) -> Result<ShardOrd
             detail: format!("{} keys for {} placements", keys.len(), placements.len()),
         }));
     }
-    let entries: Vec<(usize, Vec<usize>)> = ShardOrder::default_for(placements)
-        .entries()
-        .map(|(d, dims)| {
-            let mut dims = dims.to_vec();
-            dims.sort_by_key(|&m| (keys[m], m));
-            (d, dims)
-        })
-        .collect();
-    ShardOrder::new(placements, entries)
+    ShardOrder::from_keys(placements, keys)
 }
 
 /// How a test builds the source tensor of a redistribution.
