@@ -11,6 +11,7 @@ mod common;
 
 mod dtensors;
 mod errors;
+mod one_rank;
 mod resume;
 
 use std::path::{Path, PathBuf};

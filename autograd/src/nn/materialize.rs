@@ -365,23 +365,10 @@ fn check_file_shape(file: &SafetensorsReader, name: &str, layout: &Layout) -> Re
 /// Every rank learns the first failure of any rank, so that all return the same
 /// verdict (and none waits in a collective another rank left).
 fn agree(mesh: &DeviceMesh, op: &'static str, failed: Option<String>) -> Result<()> {
-    let comm = mesh.comm();
-    let msg = failed.unwrap_or_default().into_bytes();
-    let lens = comm.all_gather_vec(&[msg.len() as i64])?;
-    let Some(who) = lens.iter().position(|&n| n > 0) else {
-        return Ok(());
-    };
-    let mut body = msg;
-    body.resize(lens[who] as usize, 0);
-    comm.broadcast_slice(&mut body, who)?;
-    let text = String::from_utf8_lossy(&body);
-    Err(Error::Config {
+    let mine = failed.map_or(Ok(()), |detail| Err(Error::Config { op, detail }));
+    tessera_mesh::agree::agree_on(mesh.comm(), mine, |f| Error::Config {
         op,
-        detail: if who == comm.rank() {
-            text.into_owned()
-        } else {
-            format!("rank {who} failed: {text}")
-        },
+        detail: format!("rank {} failed: {}", f.rank, f.reason),
     })
 }
 

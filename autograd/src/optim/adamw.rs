@@ -207,6 +207,29 @@ impl AdamW {
     pub fn steps(&self, index: usize) -> u64 {
         self.state.get(index).and_then(|s| s.as_ref()).map_or(0, |s| s.step)
     }
+
+    /// The state slot of parameter `index` from its checkpointed tensors, checked.
+    fn slot_of(&self, index: usize, tensors: &[(&str, DTensor)]) -> Result<Slot> {
+        let p = super::param_at(OP, &self.params, index)?;
+        super::only_known(OP, p, tensors, self.state_names())?;
+        let exp_avg = super::StateVec::from_dtensor(OP, p, "exp_avg", super::named(OP, p, tensors, "exp_avg")?)?;
+        let exp_avg_sq =
+            super::StateVec::from_dtensor(OP, p, "exp_avg_sq", super::named(OP, p, tensors, "exp_avg_sq")?)?;
+        let step = super::step_of(OP, p, super::named(OP, p, tensors, "step")?)?;
+        if exp_avg.dtype() != exp_avg_sq.dtype() {
+            return Err(Error::Config {
+                op: OP,
+                detail: format!("the moments of {} differ in dtype", p.name()),
+            });
+        }
+        Ok(Slot {
+            layout: p.layout(),
+            dtype: exp_avg.dtype(),
+            step,
+            exp_avg,
+            exp_avg_sq,
+        })
+    }
 }
 
 impl super::PerParam for AdamW {
@@ -296,27 +319,19 @@ impl Optimizer for AdamW {
         Ok(out)
     }
 
-    fn load_state_tensors(&mut self, index: usize, tensors: &[(&str, DTensor)]) -> Result<()> {
-        let p = super::param_at(OP, &self.params, index)?;
-        super::only_known(OP, p, tensors, self.state_names())?;
-        let exp_avg = super::StateVec::from_dtensor(OP, p, "exp_avg", super::named(OP, p, tensors, "exp_avg")?)?;
-        let exp_avg_sq =
-            super::StateVec::from_dtensor(OP, p, "exp_avg_sq", super::named(OP, p, tensors, "exp_avg_sq")?)?;
-        let step = super::step_of(OP, p, super::named(OP, p, tensors, "step")?)?;
-        if exp_avg.dtype() != exp_avg_sq.dtype() {
-            return Err(Error::Config {
-                op: OP,
-                detail: format!("the moments of {} differ in dtype", p.name()),
-            });
+    fn load_state_tensors(&mut self, states: &[(usize, Vec<(&str, DTensor)>)]) -> Result<()> {
+        let slots: Vec<(usize, Slot)> = states
+            .iter()
+            .map(|(i, ts)| Ok((*i, self.slot_of(*i, ts)?)))
+            .collect::<Result<_>>()?;
+        for (i, slot) in slots {
+            self.state[i] = Some(slot);
         }
-        self.state[index] = Some(Slot {
-            layout: p.layout(),
-            dtype: exp_avg.dtype(),
-            step,
-            exp_avg,
-            exp_avg_sq,
-        });
         Ok(())
+    }
+
+    fn check_state_tensors(&self, states: &[(usize, Vec<(&str, DTensor)>)]) -> Result<()> {
+        states.iter().try_for_each(|(i, ts)| self.slot_of(*i, ts).map(drop))
     }
 
     fn params(&self) -> &[Param] {

@@ -110,9 +110,11 @@ pub trait Optimizer {
     /// A parameter whose layout changed since its state was made.
     fn state_tensors(&self) -> Result<Vec<(usize, &'static str, DTensor)>>;
 
-    /// Replaces the state of parameter `index` by `tensors` (every name of
-    /// [`state_names`](Self::state_names), as `state_tensors` gives them, in
-    /// the parameter's current layout).
+    /// Replaces the state of each listed parameter, `(parameter index, tensors)`,
+    /// by its tensors (every name of [`state_names`](Self::state_names), as
+    /// `state_tensors` gives them, in the parameter's current layout). All or
+    /// nothing: every entry is checked before any state changes, so on error
+    /// the optimizer is as it was.
     ///
     /// PyTorch: `Optimizer.load_state_dict`.
     ///
@@ -120,7 +122,16 @@ pub trait Optimizer {
     /// An index past the parameters, a missing or unknown name, a buffer in
     /// another layout than the parameter's or not floating-point, a step that is
     /// not one `i64`.
-    fn load_state_tensors(&mut self, index: usize, tensors: &[(&str, DTensor)]) -> Result<()>;
+    fn load_state_tensors(&mut self, states: &[(usize, Vec<(&str, DTensor)>)]) -> Result<()>;
+
+    /// Runs every check of [`load_state_tensors`](Self::load_state_tensors)
+    /// on `states` without changing anything: `Ok` exactly when loading them
+    /// would succeed. A collective load checks on every rank and agrees before
+    /// any rank applies.
+    ///
+    /// # Errors
+    /// As `load_state_tensors`.
+    fn check_state_tensors(&self, states: &[(usize, Vec<(&str, DTensor)>)]) -> Result<()>;
 }
 
 /// A step count as an `i64` `[1]` replicated on `mesh`.

@@ -146,6 +146,23 @@ impl Sgd {
     pub fn config(&self) -> &SgdConfig {
         &self.config
     }
+
+    /// The state slot of parameter `index` from its checkpointed tensors, checked.
+    fn slot_of(&self, index: usize, tensors: &[(&str, DTensor)]) -> Result<Slot> {
+        let p = super::param_at(OP, &self.params, index)?;
+        super::only_known(OP, p, tensors, self.state_names())?;
+        let b = super::StateVec::from_dtensor(
+            OP,
+            p,
+            "momentum_buffer",
+            super::named(OP, p, tensors, "momentum_buffer")?,
+        )?;
+        Ok(Slot {
+            layout: p.layout(),
+            dtype: b.dtype(),
+            buf: Some(b),
+        })
+    }
 }
 
 impl super::PerParam for Sgd {
@@ -239,21 +256,19 @@ impl Optimizer for Sgd {
         Ok(out)
     }
 
-    fn load_state_tensors(&mut self, index: usize, tensors: &[(&str, DTensor)]) -> Result<()> {
-        let p = super::param_at(OP, &self.params, index)?;
-        super::only_known(OP, p, tensors, self.state_names())?;
-        let b = super::StateVec::from_dtensor(
-            OP,
-            p,
-            "momentum_buffer",
-            super::named(OP, p, tensors, "momentum_buffer")?,
-        )?;
-        self.state[index] = Some(Slot {
-            layout: p.layout(),
-            dtype: b.dtype(),
-            buf: Some(b),
-        });
+    fn load_state_tensors(&mut self, states: &[(usize, Vec<(&str, DTensor)>)]) -> Result<()> {
+        let slots: Vec<(usize, Slot)> = states
+            .iter()
+            .map(|(i, ts)| Ok((*i, self.slot_of(*i, ts)?)))
+            .collect::<Result<_>>()?;
+        for (i, slot) in slots {
+            self.state[i] = Some(slot);
+        }
         Ok(())
+    }
+
+    fn check_state_tensors(&self, states: &[(usize, Vec<(&str, DTensor)>)]) -> Result<()> {
+        states.iter().try_for_each(|(i, ts)| self.slot_of(*i, ts).map(drop))
     }
 
     fn params(&self) -> &[Param] {

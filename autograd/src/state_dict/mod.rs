@@ -171,17 +171,13 @@ pub fn load_state_dict(params: &[Param], path: impl AsRef<Path>) -> Result<()> {
     } else {
         Ok(Vec::new())
     };
-    let verdict = share_verdict(comm, read.as_ref().err().map(ToString::to_string))?;
-    if let Some(msg) = verdict {
-        return Err(match read {
-            Err(e) => e,
-            Ok(_) => Error::StateDict(msg),
-        });
-    }
-    let bytes = read?;
-    let st = if lead { Some(parse(path, &bytes)?) } else { None };
+    let bytes = agree(comm, read)?;
+    let mut st = None;
     let values = scatter_from_rank0(params, &mesh, |p| {
-        let st = st.as_ref().expect("rank 0 parsed the file");
+        let st = match &mut st {
+            Some(st) => st,
+            None => st.insert(parse(path, &bytes)?),
+        };
         let view = st.tensor(&p.name()).map_err(|e| corrupt(path, e))?;
         decode(path, &p.name(), &view)
     })?;
@@ -195,9 +191,10 @@ pub fn load_state_dict(params: &[Param], path: impl AsRef<Path>) -> Result<()> {
 /// dtype), cut by rank 0 of `mesh` from the full tensors `full_of` gives (called
 /// on rank 0 only, in order) and sent in one all-to-all per parameter in which
 /// only rank 0 sends: no other rank holds a whole tensor it does not replicate.
-/// Collective over `mesh`. Callers check everything `full_of` could fail on
-/// first and share the verdict: a failure on rank 0 here leaves the others
-/// waiting in the all-to-all.
+/// Collective over `mesh`. A failure of `full_of` (a value the file's header
+/// did not reveal as bad) does not leave the others waiting: rank 0 sends zeros
+/// for the rest and every rank returns its error after one last agreement, so
+/// nothing is returned unless every piece arrived.
 pub(crate) fn scatter_from_rank0(
     params: &[Param],
     mesh: &tessera_mesh::DeviceMesh,
@@ -207,6 +204,7 @@ pub(crate) fn scatter_from_rank0(
     let (me, lead) = (comm.rank(), comm.rank() == 0);
     let coords = tessera_dtensor::sharding::mesh_coords(mesh.shape());
     let mut values = Vec::with_capacity(params.len());
+    let mut failed: Option<Error> = None;
     for p in params {
         let layout = p.layout();
         let regions: Vec<(Vec<usize>, Vec<usize>)> = coords
@@ -215,16 +213,26 @@ pub(crate) fn scatter_from_rank0(
             .collect::<tessera_dtensor::Result<_>>()?;
         let counts: Vec<usize> = regions.iter().map(|(_, s)| s.iter().product()).collect();
         let send = if lead {
-            let full = full_of(p)?.cast(layout.dtype)?;
-            let mut pieces = Vec::with_capacity(regions.len());
-            for (offset, shape) in &regions {
-                let mut t = full.clone();
-                for (d, (&o, &n)) in offset.iter().zip(shape).enumerate() {
-                    t = t.narrow(d, o, n)?;
+            let cut = || -> Result<Buffer> {
+                let full = full_of(p)?.cast(layout.dtype)?;
+                let mut pieces = Vec::with_capacity(regions.len());
+                for (offset, shape) in &regions {
+                    let mut t = full.clone();
+                    for (d, (&o, &n)) in offset.iter().zip(shape).enumerate() {
+                        t = t.narrow(d, o, n)?;
+                    }
+                    pieces.push(t.contiguous().reshape(&[counts[pieces.len()]])?);
                 }
-                pieces.push(t.contiguous().reshape(&[counts[pieces.len()]])?);
+                Ok(Tensor::cat(&pieces, 0)?.to_buffer())
+            };
+            match failed.is_none().then(cut) {
+                Some(Ok(buf)) => buf,
+                Some(Err(e)) => {
+                    failed = Some(e);
+                    Buffer::zeros(layout.dtype, counts.iter().sum())
+                }
+                None => Buffer::zeros(layout.dtype, counts.iter().sum()),
             }
-            Tensor::cat(&pieces, 0)?.to_buffer()
         } else {
             Buffer::zeros(layout.dtype, 0)
         };
@@ -236,21 +244,20 @@ pub(crate) fn scatter_from_rank0(
         let local = Tensor::from_buffer(recv, &regions[me].1)?;
         values.push(DTensor::from_local_with_layout(local, mesh, layout)?);
     }
-    Ok(values)
+    let mine = match failed {
+        Some(e) => Err(e),
+        None => Ok(values),
+    };
+    agree(comm, mine)
 }
 
-/// Every rank of `comm` learns whether rank 0 failed, and its message.
-fn share_verdict(comm: &dyn tessera_mesh::Communicator, failed: Option<String>) -> Result<Option<String>> {
-    let msg = failed.unwrap_or_default().into_bytes();
-    let mut head = [i64::from(comm.rank() == 0 && !msg.is_empty()), msg.len() as i64];
-    comm.broadcast_slice(&mut head, 0)?;
-    if head[0] == 0 {
-        return Ok(None);
-    }
-    let mut body = msg;
-    body.resize(head[1] as usize, 0);
-    comm.broadcast_slice(&mut body, 0)?;
-    Ok(Some(String::from_utf8_lossy(&body).into_owned()))
+/// [`tessera_mesh::agree::agree_on`] for state-dict work: every rank of `comm`
+/// returns `Ok` only when every rank's `mine` is; otherwise the same failure
+/// (the failed rank its own error, the others one naming it).
+pub(crate) fn agree<T>(comm: &dyn tessera_mesh::Communicator, mine: Result<T>) -> Result<T> {
+    tessera_mesh::agree::agree_on(comm, mine, |f| {
+        Error::StateDict(format!("rank {} failed: {}", f.rank, f.reason))
+    })
 }
 
 /// Checks a file against `params`: every name present once, nothing else, shapes
@@ -354,17 +361,25 @@ fn load_on_every_rank(params: &[Param], path: &Path) -> Result<()> {
 /// gather first, so no rank is left waiting).
 pub fn save_state_dict_full(params: &[Param], path: impl AsRef<Path>) -> Result<()> {
     let path = path.as_ref();
-    require_names(params)?;
-    let values: Vec<DTensor> = params.iter().map(Param::value).collect::<Result<_>>()?;
-    let entries: Vec<Entry> = params
-        .iter()
-        .zip(&values)
-        .enumerate()
-        .map(|(i, (p, v))| Entry::new(&p.name(), v.dtype(), v.shape(), i))
-        .collect::<Result<_>>()?;
-    check_unique_names(entries.iter().map(|e| e.name.as_str()))?;
-    let entries = sort_entries(entries);
-    let mesh = values.first().map(|v| v.mesh().clone());
+    // What could fail on one rank only (a parameter still deferred there) is
+    // checked and agreed on before the first gather.
+    let prepared = || -> Result<(Vec<DTensor>, Vec<Entry>)> {
+        require_names(params)?;
+        let values: Vec<DTensor> = params.iter().map(Param::value).collect::<Result<_>>()?;
+        let entries: Vec<Entry> = params
+            .iter()
+            .zip(&values)
+            .enumerate()
+            .map(|(i, (p, v))| Entry::new(&p.name(), v.dtype(), v.shape(), i))
+            .collect::<Result<_>>()?;
+        check_unique_names(entries.iter().map(|e| e.name.as_str()))?;
+        Ok((values, sort_entries(entries)))
+    };
+    let mesh = params.first().map(Param::mesh);
+    let (values, entries) = match &mesh {
+        Some(mesh) => agree(mesh.comm(), prepared())?,
+        None => prepared()?,
+    };
     let writer = match &mesh {
         Some(mesh) => mesh.comm().rank() == 0,
         None => tessera_mesh::context::current_rank().is_none_or(|r| r.rank == 0),

@@ -134,9 +134,13 @@ pub struct LoadReport {
 }
 
 /// Loads the checkpoint at `dir` into `params` (each in its current mesh and
-/// placements, whatever the checkpoint was saved with) and `optimizer`'s state.
-/// Each rank reads only the byte ranges of its own pieces. Not collective.
-/// Nothing changes unless everything loads.
+/// placements, whatever the checkpoint was saved with; a deferred parameter is
+/// materialised from it) and `optimizer`'s state. Each rank reads only the byte
+/// ranges of its own pieces. All or nothing, on every rank: each rank stages
+/// what it read and checked, the ranks agree (one all-gather over the widest
+/// of the parameters' meshes), and only then is anything applied; a failure on
+/// any rank is the same error on every rank and leaves every parameter and the
+/// optimizer as they were. Collective over the parameters' mesh.
 ///
 /// PyTorch: `torch.distributed.checkpoint.load` with `set_state_dict`.
 ///
@@ -144,7 +148,8 @@ pub struct LoadReport {
 /// As [`Checkpoint::open`] and [`Checkpoint::load`] (missing, truncated or
 /// corrupt files; a parameter missing or of another shape or dtype), a
 /// checkpoint holding tensors no parameter or optimizer state takes (another
-/// model, or another optimizer), or state the optimizer rejects.
+/// model, or another optimizer), or state the optimizer rejects; on a rank
+/// whose own part loaded, the error names the rank that failed.
 pub fn load_checkpoint(
     dir: impl AsRef<Path>,
     params: &[Param],
@@ -152,16 +157,44 @@ pub fn load_checkpoint(
 ) -> Result<LoadReport> {
     let dir = dir.as_ref();
     super::require_names(params)?;
+    let staged = stage(dir, params, optimizer.as_deref());
+    let staged = match params.iter().map(Param::mesh).max_by_key(|m| m.size()) {
+        Some(mesh) => super::agree(mesh.comm(), staged)?,
+        None => staged?,
+    };
+    if let Some(opt) = optimizer {
+        opt.load_state_tensors(&staged.states).map_err(|e| Error::Config {
+            op: OP,
+            detail: format!("{}: {e}", dir.display()),
+        })?;
+    }
+    for (p, v) in params.iter().zip(staged.values) {
+        p.set_value(v);
+    }
+    Ok(staged.report)
+}
+
+/// What one rank read of a checkpoint and checked, not yet applied.
+struct Staged {
+    values: Vec<DTensor>,
+    states: Vec<(usize, Vec<(&'static str, DTensor)>)>,
+    report: LoadReport,
+}
+
+/// Reads and checks this rank's part of the checkpoint at `dir`: every
+/// parameter's piece, the optimizer's state (each parameter's every name, or
+/// none when it has not stepped, checked by the optimizer), nothing left over.
+fn stage(dir: &Path, params: &[Param], optimizer: Option<&dyn Optimizer>) -> Result<Staged> {
     let ckpt = Checkpoint::open(dir)?;
     let mut used: BTreeSet<String> = BTreeSet::new();
     let mut values = Vec::with_capacity(params.len());
     for p in params {
-        values.push(ckpt.load_like(&p.name(), &p.value()?)?);
-        used.insert(p.name().to_string());
+        let name = p.name();
+        values.push(ckpt.load(&name, &p.mesh(), p.layout())?);
+        used.insert(name);
     }
-    // The optimizer's state, per parameter: all its names, or none (not stepped).
     let mut states: Vec<(usize, Vec<(&'static str, DTensor)>)> = Vec::new();
-    if let Some(opt) = &optimizer {
+    if let Some(opt) = optimizer {
         for (i, p) in opt.params().iter().enumerate() {
             let keys: Vec<(&'static str, String)> = opt
                 .state_names()
@@ -183,24 +216,28 @@ pub fn load_checkpoint(
                     opt.state_names()
                 )));
             }
+            let (mesh, like) = (p.mesh(), p.layout());
             let mut ts = Vec::with_capacity(keys.len());
             for (state, key) in keys {
                 let entry = ckpt.entry(&key)?;
-                let like = p.value()?;
                 let layout = if opt.replicated_state_names().contains(&state) {
-                    let r = vec![Placement::Replicate; like.mesh().ndim()];
-                    Layout::new(like.mesh().shape(), &r, &entry.shape, entry.dtype()?)?
+                    let r = vec![Placement::Replicate; mesh.ndim()];
+                    Layout::new(mesh.shape(), &r, &entry.shape, entry.dtype()?)?
                 } else {
                     Layout {
                         dtype: entry.dtype()?,
-                        ..like.layout().clone()
+                        ..like.clone()
                     }
                 };
-                ts.push((state, ckpt.load(&key, like.mesh(), layout)?));
+                ts.push((state, ckpt.load(&key, &mesh, layout)?));
                 used.insert(key);
             }
             states.push((i, ts));
         }
+        opt.check_state_tensors(&states).map_err(|e| Error::Config {
+            op: OP,
+            detail: format!("{}: {e}", dir.display()),
+        })?;
     }
     let unused: Vec<&String> = ckpt.index().tensors.keys().filter(|k| !used.contains(*k)).collect();
     if !unused.is_empty() {
@@ -211,19 +248,9 @@ pub fn load_checkpoint(
             unused.iter().take(8).collect::<Vec<_>>()
         )));
     }
-    if let Some(opt) = optimizer {
-        for (i, ts) in states {
-            opt.load_state_tensors(i, &ts).map_err(|e| Error::Config {
-                op: OP,
-                detail: format!("{}: {e}", dir.display()),
-            })?;
-        }
-    }
-    for (p, v) in params.iter().zip(values) {
-        p.set_value(v);
-    }
-    Ok(LoadReport {
+    let report = LoadReport {
         metadata: ckpt.metadata().clone(),
         bytes_read: ckpt.bytes_read(),
-    })
+    };
+    Ok(Staged { values, states, report })
 }
