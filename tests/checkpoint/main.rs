@@ -11,6 +11,7 @@ mod common;
 
 mod dtensors;
 mod errors;
+mod fuzz_state_dict;
 mod one_rank;
 mod resume;
 
