@@ -16,6 +16,7 @@ use tessera_autograd::nn::{Module, ModuleId, register_module_hooks};
 use tessera_dtensor::Placement;
 use tessera_mesh::{DType, DeviceMesh};
 
+use crate::agree::{agree, geometry_hash};
 use crate::config::{FsdpConfig, MixedPrecisionPolicy};
 use crate::error::{Error, Result};
 use crate::group::{GatherState, ParamGroup};
@@ -60,8 +61,8 @@ pub fn fully_shard(module: &dyn Module, mesh: &DeviceMesh, config: FsdpConfig) -
 /// # Errors
 /// No modules, and as [`fully_shard`].
 pub fn fully_shard_modules(modules: &[&dyn Module], mesh: &DeviceMesh, config: FsdpConfig) -> Result<FsdpModule> {
-    let (shard_dim, replicate_dim) = resolve_dims(mesh, config.shard_dim.as_deref())?;
-    make_unit(modules, mesh, config, Some(shard_dim), replicate_dim)
+    let dims = resolve_dims(mesh, config.shard_dim.as_deref()).map(|(shard, replicate)| (Some(shard), replicate));
+    make_unit(modules, mesh, config, dims)
 }
 
 /// Makes `module` one data-parallel unit whose parameters stay replicated over
@@ -75,30 +76,39 @@ pub fn fully_shard_modules(modules: &[&dyn Module], mesh: &DeviceMesh, config: F
 /// # Errors
 /// A mesh that is not 1-D, and as [`fully_shard`].
 pub fn replicate(module: &dyn Module, mesh: &DeviceMesh, config: FsdpConfig) -> Result<FsdpModule> {
-    if mesh.ndim() != 1 {
-        return Err(Error::mesh(
+    let dims = if mesh.ndim() == 1 {
+        Ok((None, Some(0)))
+    } else {
+        Err(Error::mesh(
             mesh,
             format!("replicate takes the 1-D data-parallel mesh, got {:?}", mesh.shape()),
-        ));
-    }
-    make_unit(&[module], mesh, config, None, Some(0))
+        ))
+    };
+    make_unit(&[module], mesh, config, dims)
 }
 
-/// The unit of `modules` over the data-parallel `mesh`: `shard_dim` and
-/// `replicate_dim` are dims of `mesh`. Checks everything before changing
+/// The unit of `modules` over the data-parallel `mesh`: `dims` are the shard
+/// and replicate dims of `mesh` (or why they are not). Checks everything, agrees
+/// with the other ranks on the verdict and on the parameters before changing
 /// anything, then shards the parameters and attaches the unit's hooks.
 fn make_unit(
     modules: &[&dyn Module],
     mesh: &DeviceMesh,
     config: FsdpConfig,
-    shard_dim: Option<usize>,
-    replicate_dim: Option<usize>,
+    dims: Result<(Option<usize>, Option<usize>)>,
 ) -> Result<FsdpModule> {
-    let all = collect_params(modules, &config)?;
-    let (children, own) = split_owned(modules, &all)?;
-    let module_ids = unsharded_ids(modules)?;
-    let dtype = unit_dtype(&own, &config)?;
-    let (param_mesh, dims) = dp_dims(&own, mesh, shard_dim, replicate_dim, &config)?;
+    let checked = check_unit(modules, mesh, &config, dims);
+    let geometry = checked.as_ref().map_or(0, |c| geometry_hash(&c.own));
+    let Checked {
+        all,
+        children,
+        own,
+        module_ids,
+        dtype,
+        param_mesh,
+        dims,
+        shard_dim,
+    } = agree(mesh, checked, geometry, "fully_shard on the same modules")?;
     let params = shard_params(own, &param_mesh, dims)?;
     let mut group = ParamGroup::new(params, param_mesh, dims, dtype, config.mp_policy);
     if let Some(size) = config.reshard_after_forward_to {
@@ -120,6 +130,43 @@ fn make_unit(
         dp_placements[s] = Placement::Shard(0);
     }
     Ok(FsdpModule { unit, dp_placements })
+}
+
+/// What [`check_unit`] found on this rank, before the ranks agree.
+struct Checked {
+    all: Vec<Param>,
+    children: Vec<Rc<Unit>>,
+    own: Vec<Param>,
+    module_ids: Vec<ModuleId>,
+    dtype: DType,
+    param_mesh: DeviceMesh,
+    dims: DpDims,
+    shard_dim: Option<usize>,
+}
+
+/// Every check of a unit this rank can make on its own, changing nothing.
+fn check_unit(
+    modules: &[&dyn Module],
+    mesh: &DeviceMesh,
+    config: &FsdpConfig,
+    dims: Result<(Option<usize>, Option<usize>)>,
+) -> Result<Checked> {
+    let (shard_dim, replicate_dim) = dims?;
+    let all = collect_params(modules, config)?;
+    let (children, own) = split_owned(modules, &all)?;
+    let module_ids = unsharded_ids(modules)?;
+    let dtype = unit_dtype(&own, config)?;
+    let (param_mesh, dims) = dp_dims(&own, mesh, shard_dim, replicate_dim, config)?;
+    Ok(Checked {
+        all,
+        children,
+        own,
+        module_ids,
+        dtype,
+        param_mesh,
+        dims,
+        shard_dim,
+    })
 }
 
 /// How a module is named in errors: what it holds.

@@ -81,6 +81,7 @@
 //! (`state.rs`, `FSDPState`), and where unsharded values live (`slot.rs`).
 //! Tensor parallelism ([`tp`]) is a sibling module.
 
+mod agree;
 mod config;
 mod error;
 mod fully_shard;

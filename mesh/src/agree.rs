@@ -6,7 +6,7 @@
 //! collective the failed rank never enters: an operation that mixes local work
 //! that can fail with collectives calls [`agree`] after the local work and before
 //! the next collective (or before applying anything), and every rank returns
-//! the same verdict. A success costs one all-gather of two words per rank.
+//! the same verdict. A success costs one all-gather of three words per rank.
 //!
 //! ```
 //! use tessera_mesh::{agree, launch};
@@ -48,6 +48,21 @@ pub struct Failure {
 /// # Errors
 /// A communication failure.
 pub fn agree(comm: &dyn Communicator, mine: Option<impl Display>) -> Result<Option<Failure>> {
+    agree_with(comm, mine, 0).map(|(failure, _)| failure)
+}
+
+/// [`agree`], with one word from each rank made known to all in the same
+/// all-gather (a hash of what each rank is about to do, say, so that callers
+/// can compare it): `(failure, words)`, `words[q]` = (world rank, word) of
+/// group rank `q`. Collective over `comm`.
+///
+/// # Errors
+/// A communication failure.
+pub fn agree_with(
+    comm: &dyn Communicator,
+    mine: Option<impl Display>,
+    word: u64,
+) -> Result<(Option<Failure>, Vec<(usize, u64)>)> {
     let me = crate::context::current_rank().map_or(comm.rank(), |r| r.rank);
     let reason = mine.map(|e| {
         let s = e.to_string();
@@ -58,19 +73,21 @@ pub fn agree(comm: &dyn Communicator, mine: Option<impl Display>) -> Result<Opti
         }
     });
     let len = reason.as_ref().map_or(0, String::len) as i64;
-    let heads = comm.all_gather_vec(&[len, me as i64])?;
-    let Some(first) = heads.chunks(2).position(|h| h[0] > 0) else {
-        return Ok(None);
+    let heads = comm.all_gather_vec(&[len, me as i64, word as i64])?;
+    let words = heads.chunks(3).map(|h| (h[1] as usize, h[2] as u64)).collect();
+    let Some(first) = heads.chunks(3).position(|h| h[0] > 0) else {
+        return Ok((None, words));
     };
-    let (len, world) = (heads[2 * first] as usize, heads[2 * first + 1] as usize);
+    let (len, world) = (heads[3 * first] as usize, heads[3 * first + 1] as usize);
     let mut body = reason.unwrap_or_default().into_bytes();
     body.resize(len, 0);
     comm.broadcast_slice(&mut body, first)?;
-    Ok(Some(Failure {
+    let failure = Failure {
         rank: world,
         reason: String::from_utf8_lossy(&body).into_owned(),
         is_me: first == comm.rank(),
-    }))
+    };
+    Ok((Some(failure), words))
 }
 
 /// [`agree`] on a typed result: every rank returns `Ok` only when every rank's

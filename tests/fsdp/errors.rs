@@ -300,3 +300,45 @@ fn failed_forward_leaves_fsdp_usable() {
     let d = max_abs_diff(&losses[0], &reference_losses("fsdp_W2_G8")[..5]);
     assert!(d <= 1e-5, "after a failed forward, losses differ by {d}");
 }
+
+#[test]
+fn a_unit_that_differs_or_fails_on_one_rank_fails_every_rank_before_anything_changes() {
+    let seen = launch(2, |ctx| {
+        let mesh = DeviceMesh::new(ctx.into_comm(), &[2])?;
+        let me = mesh.comm().rank();
+        // Rank 1 built its second parameter with another shape.
+        let a = param("a", &[4, 4], DType::F32, &mesh, Placement::Replicate)?;
+        let b = param("b", &[4, 4], DType::F32, &mesh, Placement::Replicate)?;
+        let c = param("c", &[4, 3], DType::F32, &mesh, Placement::Replicate)?;
+        let module = Params(if me == 1 {
+            vec![a.clone(), c]
+        } else {
+            vec![a.clone(), b]
+        });
+        let differ = err_msg(fully_shard(&module, &mesh, FsdpConfig::default()), "shapes differ");
+        assert!(a.placements()[0].is_replicate(), "a refused unit changes nothing");
+        // Rank 1 alone asks for a shard dim the mesh does not have.
+        let config = FsdpConfig {
+            shard_dim: (me == 1).then(|| "tp".to_string()),
+            ..FsdpConfig::default()
+        };
+        let one = err_msg(
+            fully_shard(&Params(vec![a.clone()]), &mesh, config),
+            "bad dim on rank 1",
+        );
+        assert!(a.placements()[0].is_replicate());
+        mesh.comm().barrier()?;
+        Ok((differ, one))
+    })
+    .unwrap();
+    for (r, (differ, one)) in seen.iter().enumerate() {
+        assert!(
+            differ.contains("rank 0 and rank 1 hold different parameters") && differ.contains("fully_shard"),
+            "rank {r}: {differ}"
+        );
+        assert!(one.contains("tp"), "rank {r}: {one}");
+        if r == 0 {
+            assert!(one.contains("rank 1 failed"), "rank 0: {one}");
+        }
+    }
+}

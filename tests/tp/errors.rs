@@ -151,3 +151,45 @@ fn an_input_in_another_layout_than_planned_is_an_error_naming_the_module() {
     })
     .unwrap();
 }
+
+#[test]
+fn a_plan_that_differs_on_one_rank_fails_every_rank_before_anything_changes() {
+    let seen = launch(2, |ctx| {
+        let mesh = DeviceMesh::with_names(ctx.into_comm(), &[1, 2], &["dp", "tp"])?;
+        let tp = mesh.dim("tp")?;
+        let model = Transformer::new(TransformerConfig::TINY, &mesh, DType::F32)?;
+        // Rank 1 shards the output head by rows, rank 0 by columns.
+        let plan = if tp.rank() == 1 {
+            ParallelPlan::new().add("output", RowwiseParallel::default())
+        } else {
+            ParallelPlan::new().add("output", ColwiseParallel::default())
+        };
+        let e = err(parallelize_module(&model, &tp, &plan), "plans differ");
+        assert!(all_replicated(&model), "a refused plan changes nothing");
+        // Rank 1 alone names a module the model does not have.
+        let typo = if tp.rank() == 1 {
+            Transformer::tp_plan().add("layers.*.attn.wq", ColwiseParallel::default())
+        } else {
+            Transformer::tp_plan()
+        };
+        let typo = err(parallelize_module(&model, &tp, &typo), "typo on rank 1");
+        assert!(all_replicated(&model));
+        // The ranks are still in step.
+        mesh.comm().barrier()?;
+        Ok((e, typo))
+    })
+    .unwrap();
+    for (r, (differ, typo)) in seen.iter().enumerate() {
+        has(
+            differ,
+            &[
+                "rank 0 and rank 1 hold different parameters",
+                "parallelize_module with the same plan",
+            ],
+        );
+        has(typo, &["matches no module"]);
+        if r == 0 {
+            has(typo, &["rank 1 failed"]);
+        }
+    }
+}

@@ -176,37 +176,46 @@ fn glob(p: &[u8], s: &[u8]) -> bool {
 /// not replicated (already parallelized, or sharded by FSDP: apply TP first);
 /// each naming the module.
 pub fn parallelize_module(module: &dyn Module, tp_mesh: &DeviceMesh, plan: &ParallelPlan) -> Result<Vec<Applied>> {
-    if tp_mesh.ndim() != 1 {
-        return Err(tp_error(format!(
-            "the tp mesh must be 1-D (pass mesh.dim(\"tp\")), got shape {:?} with dims {:?}",
-            tp_mesh.shape(),
-            tp_mesh.names()
-        )));
-    }
-    // The tree names the parameters that errors and checkpoints name.
-    tessera_autograd::nn::name_parameters(module)?;
     let modules = named_modules(module);
-    let mut work: Vec<(&str, &dyn Module, &dyn ParallelStyle)> = Vec::new();
-    for (pattern, style) in plan.entries() {
-        let hits: Vec<_> = modules.iter().filter(|(n, _)| matches(pattern, n)).collect();
-        if hits.is_empty() {
-            let top: Vec<&str> = modules.iter().skip(1).take(12).map(|(n, _)| n.as_str()).collect();
+    let checked = (|| {
+        if tp_mesh.ndim() != 1 {
             return Err(tp_error(format!(
-                "plan entry `{pattern}` ({style:?}) matches no module (modules: {top:?}{})",
-                if modules.len() > 13 { ", ..." } else { "" }
+                "the tp mesh must be 1-D (pass mesh.dim(\"tp\")), got shape {:?} with dims {:?}",
+                tp_mesh.shape(),
+                tp_mesh.names()
             )));
         }
-        work.extend(hits.into_iter().map(|(n, m)| (n.as_str(), *m, style)));
-    }
-    for &(fqn, m, style) in &work {
-        let ctx = StyleCtx {
-            fqn,
-            root: module,
-            tp_mesh,
-        };
-        style.check(m, &ctx)?;
-        ModuleId::at(module, fqn)?;
-    }
+        // The tree names the parameters that errors and checkpoints name.
+        tessera_autograd::nn::name_parameters(module)?;
+        let mut work: Vec<(&str, &dyn Module, &dyn ParallelStyle)> = Vec::new();
+        for (pattern, style) in plan.entries() {
+            let hits: Vec<_> = modules.iter().filter(|(n, _)| matches(pattern, n)).collect();
+            if hits.is_empty() {
+                let top: Vec<&str> = modules.iter().skip(1).take(12).map(|(n, _)| n.as_str()).collect();
+                return Err(tp_error(format!(
+                    "plan entry `{pattern}` ({style:?}) matches no module (modules: {top:?}{})",
+                    if modules.len() > 13 { ", ..." } else { "" }
+                )));
+            }
+            work.extend(hits.into_iter().map(|(n, m)| (n.as_str(), *m, style)));
+        }
+        for &(fqn, m, style) in &work {
+            let ctx = StyleCtx {
+                fqn,
+                root: module,
+                tp_mesh,
+            };
+            style.check(m, &ctx)?;
+            ModuleId::at(module, fqn)?;
+        }
+        Ok(work)
+    })();
+    // Every rank must apply the same styles to the same parameters.
+    let geometry = checked.as_ref().map_or(0, |work| {
+        let plan: Vec<String> = work.iter().map(|(fqn, _, style)| format!("{fqn}: {style:?}")).collect();
+        crate::agree::geometry_hash_with(&module.parameters(), &plan.join("; "))
+    });
+    let work = crate::agree::agree(tp_mesh, checked, geometry, "parallelize_module with the same plan")?;
     let mut applied = Vec::with_capacity(work.len());
     for (fqn, m, style) in work {
         let ctx = StyleCtx {
