@@ -419,3 +419,143 @@ impl Activity {
         Some(Deadlock { seen, detail })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    use super::*;
+    use crate::OpKind;
+    use crate::threads::sync::Padded;
+
+    /// World rank `rank` waits at barrier point 1 of a group of the world ranks
+    /// `members`, in which the ranks `missing` have not arrived; the group's id is
+    /// its first member.
+    fn wait(a: &Activity, rank: usize, members: &[usize], missing: &[usize]) {
+        let phases: Phases = Arc::new(
+            members
+                .iter()
+                .map(|m| Padded(AtomicU64::new(u64::from(!missing.contains(m)))))
+                .collect(),
+        );
+        assert_eq!(phases[0].0.load(Ordering::Relaxed), u64::from(!missing.contains(&members[0])));
+        let mut desc = Desc::new(OpKind::AllGather);
+        desc.seq = 7;
+        a.begin_wait(rank, members[0] as u64, members, &phases, 1, desc);
+    }
+
+    #[test]
+    fn the_walk_blames_the_nearest_rank_in_no_collective() {
+        // (waits: rank, group members, missing), agents added per rank, exited ranks,
+        // who times out and on whom => blamed rank, chain, words of its state.
+        type Case = (
+            &'static [(usize, &'static [usize], &'static [usize])],
+            &'static [(usize, i64)],
+            &'static [usize],
+            usize,
+            &'static [usize],
+            Option<(usize, &'static str, &'static str)>,
+        );
+        let cases: &[Case] = &[
+            // Rank 2 waits on rank 3, which waits on rank 1, which waits on stalled rank 0.
+            (
+                &[(2, &[2, 3], &[3]), (3, &[1, 3], &[1]), (1, &[0, 1], &[0])],
+                &[],
+                &[],
+                2,
+                &[3],
+                Some((
+                    0,
+                    "rank 3 waits on rank 1 in all_gather(send 0 × u8, recv 0 × u8) (collective #7 of group 1, \
+                     ranks [1, 3]); rank 1 waits on rank 0 in all_gather(send 0 × u8, recv 0 × u8) (collective #7 \
+                     of group 0, ranks [0, 1])",
+                    "it is outside any collective (it has not entered any collective yet)",
+                )),
+            ),
+            // The missing peer is the stalled rank itself.
+            (
+                &[(2, &[0, 2], &[0]), (1, &[0, 1], &[0])],
+                &[],
+                &[],
+                2,
+                &[0],
+                Some((0, "", "it is outside any collective")),
+            ),
+            // Two stalled ranks: the nearer one (a missing peer) is blamed.
+            (
+                &[(2, &[1, 2, 3], &[1, 3]), (1, &[0, 1], &[0])],
+                &[],
+                &[],
+                2,
+                &[1, 3],
+                Some((3, "", "it is outside any collective")),
+            ),
+            // The chain ends at a rank that returned from its closure.
+            (
+                &[(2, &[1, 2], &[1]), (1, &[0, 1], &[0])],
+                &[(0, -1)],
+                &[0],
+                2,
+                &[1],
+                Some((0, "rank 1 waits on rank 0", "it has returned from its closure")),
+            ),
+            // Everyone reached waits, and nobody has an agent outside a wait: no blame.
+            (
+                &[(2, &[0, 2], &[0]), (0, &[0, 1], &[1]), (1, &[0, 1], &[0])],
+                &[],
+                &[],
+                2,
+                &[0],
+                None,
+            ),
+            // Rank 0's closure runs (an agent of its own) while its queued collective
+            // waits on rank 1, which waits on rank 0: rank 0 is the one to look at.
+            (
+                &[(2, &[0, 2], &[0]), (0, &[0, 1], &[1]), (1, &[0, 1], &[0])],
+                &[(0, 1)],
+                &[],
+                2,
+                &[0],
+                Some((0, "", "its own code runs outside any collective while its other threads wait in all_gather")),
+            ),
+        ];
+        for (i, (waits, agents, exited, me, missing, want)) in cases.iter().enumerate() {
+            let a = Activity::new(4);
+            for &(rank, delta) in *agents {
+                a.add(rank, delta);
+            }
+            for (rank, members, miss) in *waits {
+                wait(&a, *rank, members, miss);
+            }
+            let got = a.blame(*me, missing, |r| exited.contains(&r));
+            match (got, want) {
+                (None, None) => {}
+                (Some(b), Some((rank, chain, state))) => {
+                    assert_eq!(b.rank, *rank, "case {i}");
+                    assert!(b.chain().starts_with(chain), "case {i}: {}", b.chain());
+                    assert_eq!(b.nearest().is_none(), chain.is_empty(), "case {i}");
+                    assert!(b.state.starts_with(state), "case {i}: {}", b.state);
+                }
+                (got, want) => panic!("case {i}: got {:?}, want {want:?}", got.map(|b| b.rank)),
+            }
+        }
+    }
+
+    #[test]
+    fn the_last_collective_is_named_with_its_group() {
+        let a = Activity::new(2);
+        assert_eq!(a.last_words(1), "it has not entered any collective yet");
+        let mut d = Desc::new(OpKind::Barrier);
+        d.seq = 4;
+        a.entering(1, 9, &[0, 1], &d);
+        let w = a.last_words(1);
+        assert!(
+            w.starts_with("its last collective was barrier() (collective #4 of group 9, ranks [0, 1]), entered ")
+                && w.ends_with(" ago, and did not pass it"),
+            "{w}"
+        );
+        a.passed(1);
+        assert!(a.last_words(1).contains(" ago, which it passed "), "{}", a.last_words(1));
+    }
+}
