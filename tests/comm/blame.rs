@@ -249,7 +249,11 @@ fn a_timeout_names_the_rank_its_missing_peer_waits_on() {
     let o = Outcome { launch, seen };
     check(&o, 0).unwrap();
     match &o.seen[3] {
-        Some(e @ Error::Timeout { missing, stalled: 0, .. }) => {
+        Some(
+            e @ Error::Timeout {
+                missing, stalled: 0, ..
+            },
+        ) => {
             assert_eq!(missing, &[1], "{e}");
             let msg = e.to_string();
             for needle in [

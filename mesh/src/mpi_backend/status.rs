@@ -18,8 +18,9 @@ use crate::OpKind;
 
 /// Every live communicator's clock.
 static WATCHED: Mutex<Vec<Weak<Watch>>> = Mutex::new(Vec::new());
-/// The collective this process left last, and when (ms since [`epoch`]).
-static LAST: Mutex<Option<(Activity, u64)>> = Mutex::new(None);
+/// The collective this process left last, when (ms since [`epoch`]), and its
+/// group's world ranks (copied in place: no allocation per collective).
+static LAST: Mutex<(Option<(Activity, u64)>, Vec<usize>)> = Mutex::new((None, Vec::new()));
 /// Whether the closure of this process's current (or last) launch has returned.
 static CLOSURE_RETURNED: AtomicBool = AtomicBool::new(false);
 
@@ -133,7 +134,11 @@ impl Drop for WatchGuard<'_> {
     fn drop(&mut self) {
         self.0.since.store(0, Ordering::Release);
         if let Ok(mut last) = LAST.lock() {
-            *last = Some((self.0.activity(), now_ms()));
+            last.0 = Some((self.0.activity(), now_ms()));
+            if last.1 != self.0.members {
+                last.1.clear();
+                last.1.extend_from_slice(&self.0.members);
+            }
         }
     }
 }
@@ -178,7 +183,8 @@ pub(super) struct Snapshot {
     /// ranks of its group (empty: unknown).
     pub(super) waiting: Vec<(Activity, u64, Vec<usize>)>,
     /// The last collective left and how long ago (ms).
-    pub(super) last: Option<(Activity, u64)>,
+    /// With its group's world ranks (empty: unknown).
+    pub(super) last: Option<(Activity, u64, Vec<usize>)>,
     pub(super) closure_returned: bool,
 }
 
@@ -217,12 +223,20 @@ pub(super) fn snapshot() -> Snapshot {
     let last = LAST
         .lock()
         .ok()
-        .and_then(|l| *l)
-        .map(|(a, at)| (a, now.saturating_sub(at)));
+        .and_then(|l| l.0.map(|(a, at)| (a, now.saturating_sub(at), l.1.clone())));
     Snapshot {
         waiting,
         last,
         closure_returned: CLOSURE_RETURNED.load(Ordering::Relaxed),
+    }
+}
+
+/// " (world ranks [0, 1])", for a group small enough to read at a glance.
+fn named(members: &[usize]) -> String {
+    if members.is_empty() || members.len() > MAX_NAMED_MEMBERS {
+        String::new()
+    } else {
+        format!(" (world ranks {members:?})")
     }
 }
 
@@ -237,20 +251,16 @@ pub(super) fn describe(s: &Snapshot) -> (Class, String) {
         let each: Vec<String> = s
             .waiting
             .iter()
-            .map(|(a, ms, members)| {
-                // Named only for groups small enough to read at a glance.
-                let ranks = if members.is_empty() || members.len() > MAX_NAMED_MEMBERS {
-                    String::new()
-                } else {
-                    format!(" (world ranks {members:?})")
-                };
-                format!("waiting {:.1} s in {a}{ranks}", secs(*ms))
-            })
+            .map(|(a, ms, members)| format!("waiting {:.1} s in {a}{}", secs(*ms), named(members)))
             .collect();
         return (Class::Waiting, format!("{returned}{}", each.join("; and ")));
     }
-    let outside = match s.last {
-        Some((a, ms)) => format!("outside any collective for {:.1} s (last: {a})", secs(ms)),
+    let outside = match &s.last {
+        Some((a, ms, members)) => format!(
+            "outside any collective for {:.1} s (last: {a}{})",
+            secs(*ms),
+            named(members)
+        ),
         None => "outside any collective (it has not entered one yet)".to_string(),
     };
     let class = if s.closure_returned {
@@ -275,7 +285,11 @@ pub(super) fn reply(s: &Snapshot, max: usize) -> Vec<u8> {
     ranks.dedup();
     let mut groups = String::new();
     for r in ranks {
-        let item = if groups.is_empty() { r.to_string() } else { format!(",{r}") };
+        let item = if groups.is_empty() {
+            r.to_string()
+        } else {
+            format!(",{r}")
+        };
         if groups.len() + item.len() > MAX_GROUPS_TEXT.min(max / 2) {
             break;
         }
@@ -486,13 +500,16 @@ mod tests {
         let ar = act(OpKind::AllReduce, 5);
         let b = act(OpKind::Barrier, 2);
         case!(vec![], None, false => Class::Outside, "outside any collective (it has not entered one yet)");
-        case!(vec![], Some((b, 3200)), false => Class::Outside,
+        case!(vec![], Some((b, 3200, vec![])), false => Class::Outside,
             "outside any collective for 3.2 s (last: barrier #2 of a group of 2 ranks, where it is rank 1)");
-        case!(vec![(ar, 3100, vec![])], Some((b, 9)), false => Class::Waiting,
+        case!(vec![], Some((b, 3200, vec![2, 5])), false => Class::Outside,
+            "outside any collective for 3.2 s (last: barrier #2 of a group of 2 ranks, where it is rank 1 \
+             (world ranks [2, 5]))");
+        case!(vec![(ar, 3100, vec![])], Some((b, 9, vec![])), false => Class::Waiting,
             "waiting 3.1 s in all_reduce #5 of a group of 2 ranks, where it is rank 1");
         case!(vec![(ar, 3100, vec![0, 3])], None, false => Class::Waiting,
             "waiting 3.1 s in all_reduce #5 of a group of 2 ranks, where it is rank 1 (world ranks [0, 3])");
-        case!(vec![], Some((b, 400)), true => Class::Returned,
+        case!(vec![], Some((b, 400, vec![])), true => Class::Returned,
             "its closure has returned; outside any collective for 0.4 s (last: barrier #2 of a group of 2 ranks, \
              where it is rank 1)");
     }
@@ -527,7 +544,10 @@ mod tests {
     #[test]
     fn a_reply_carries_the_groups_it_waits_in() {
         let s = Snapshot {
-            waiting: vec![(act(OpKind::AllGather, 3), 2900, vec![0, 1]), (act(OpKind::Barrier, 1), 10, vec![1, 3])],
+            waiting: vec![
+                (act(OpKind::AllGather, 3), 2900, vec![0, 1]),
+                (act(OpKind::Barrier, 1), 10, vec![1, 3]),
+            ],
             last: None,
             closure_returned: false,
         };
@@ -572,7 +592,11 @@ mod tests {
         let reached = vec![(1, None, w(&[0, 1])), (0, Some(1), out())];
         assert_eq!(
             blame_lines(&[1, 0], &reached),
-            ["the rank not progressing is rank 0; the waits that lead to it:", "  rank 1: w", "  rank 0: o"]
+            [
+                "the rank not progressing is rank 0; the waits that lead to it:",
+                "  rank 1: w",
+                "  rank 0: o"
+            ]
         );
     }
 }

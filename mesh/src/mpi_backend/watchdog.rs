@@ -284,9 +284,8 @@ fn abort_for(world_rank: usize, world_size: usize, timeout_ms: u64, e: &Expired,
     let window = Duration::from_millis((timeout_ms / 2).clamp(500, 5000));
     let until = Instant::now() + window;
     let mut followed = BTreeSet::new();
-    let answered = |r: &usize, replies: &BTreeMap<usize, Peer>, exits: &Exits| {
-        replies.contains_key(r) || exits.contains_key(r)
-    };
+    let answered =
+        |r: &usize, replies: &BTreeMap<usize, Peer>, exits: &Exits| replies.contains_key(r) || exits.contains_key(r);
     while live && Instant::now() < until && reached.iter().any(|(r, _)| !answered(r, &replies, exits)) {
         std::thread::sleep(POLL);
         if !serve(exits, Some(&mut replies)) {
@@ -314,7 +313,13 @@ fn abort_for(world_rank: usize, world_size: usize, timeout_ms: u64, e: &Expired,
             ask(&more, exits);
         }
     }
-    let status = |r: usize| exits.get(&r).or_else(|| replies.get(&r)).cloned().unwrap_or(Peer::Silent);
+    let status = |r: usize| {
+        exits
+            .get(&r)
+            .or_else(|| replies.get(&r))
+            .cloned()
+            .unwrap_or(Peer::Silent)
+    };
     let statuses: Vec<(usize, Peer)> = peers.iter().map(|&r| (r, status(r))).collect();
     let reached: Vec<Reached> = reached.iter().map(|&(r, via)| (r, via, status(r))).collect();
     let a = e.activity;

@@ -439,7 +439,10 @@ mod tests {
                 .map(|m| Padded(AtomicU64::new(u64::from(!missing.contains(m)))))
                 .collect(),
         );
-        assert_eq!(phases[0].0.load(Ordering::Relaxed), u64::from(!missing.contains(&members[0])));
+        assert_eq!(
+            phases[0].0.load(Ordering::Relaxed),
+            u64::from(!missing.contains(&members[0]))
+        );
         let mut desc = Desc::new(OpKind::AllGather);
         desc.seq = 7;
         a.begin_wait(rank, members[0] as u64, members, &phases, 1, desc);
@@ -517,7 +520,11 @@ mod tests {
                 &[],
                 2,
                 &[0],
-                Some((0, "", "its own code runs outside any collective while its other threads wait in all_gather")),
+                Some((
+                    0,
+                    "",
+                    "its own code runs outside any collective while its other threads wait in all_gather",
+                )),
             ),
         ];
         for (i, (waits, agents, exited, me, missing, want)) in cases.iter().enumerate() {
@@ -556,6 +563,10 @@ mod tests {
             "{w}"
         );
         a.passed(1);
-        assert!(a.last_words(1).contains(" ago, which it passed "), "{}", a.last_words(1));
+        assert!(
+            a.last_words(1).contains(" ago, which it passed "),
+            "{}",
+            a.last_words(1)
+        );
     }
 }

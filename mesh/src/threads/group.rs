@@ -356,10 +356,7 @@ impl Group {
     fn timeout(&self, r: usize, desc: &Desc, missing: &[usize], waited: Duration) -> (Error, Option<Poison>) {
         let (op, seq, me, timeout) = (desc.name(), desc.seq, self.members[r], self.world.timeout);
         let missing: Vec<usize> = missing.iter().map(|&q| self.members[q]).collect();
-        let blame = self
-            .world
-            .activity
-            .blame(me, &missing, |w| self.world.has_exited(w));
+        let blame = self.world.activity.blame(me, &missing, |w| self.world.has_exited(w));
         // A rank that gave up its wait (and so looks stalled to the walk) first
         // poisoned the job; its failure is the one to report.
         if let Err(e) = self.world.check(me) {
@@ -368,7 +365,11 @@ impl Group {
         let direct = format!("did not enter {op} (collective #{seq} of its group) within {timeout:?}");
         let (stalled, detail, reason) = match blame {
             Some(b) => match b.nearest() {
-                None => (b.rank, format!("it never arrived; {}", b.state), format!("{direct}; {}", b.state)),
+                None => (
+                    b.rank,
+                    format!("it never arrived; {}", b.state),
+                    format!("{direct}; {}", b.state),
+                ),
                 Some((waiter, name, k, group, members)) => {
                     let reason = format!(
                         "did not enter {name} (collective #{k} of group {group}, ranks {members:?}), where rank \
