@@ -559,7 +559,7 @@ fn driver(args: &[String]) {
                 "tessera: rank 3:   rank 1: waiting",
                 "in all_reduce #3 of a group of 2 ranks, where it is rank 1 (world ranks [0, 1])",
                 "tessera: rank 3:   rank 0: outside any collective for",
-                "(last: all_reduce #2 of a group of 2 ranks, where it is rank 0 (world ranks [0, 1]))",
+                "(last: all_reduce #2 of a group of 2 ranks, where it is rank 0 (world ranks [0, 2]))",
                 "what the other rank of that group reports:",
             ][..],
         ),
