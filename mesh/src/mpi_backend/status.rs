@@ -20,7 +20,9 @@ use crate::OpKind;
 static WATCHED: Mutex<Vec<Weak<Watch>>> = Mutex::new(Vec::new());
 /// The collective this process left last, when (ms since [`epoch`]), and its
 /// group's world ranks (copied in place: no allocation per collective).
-static LAST: Mutex<(Option<(Activity, u64)>, Vec<usize>)> = Mutex::new((None, Vec::new()));
+static LAST: Mutex<(Option<Left>, Vec<usize>)> = Mutex::new((None, Vec::new()));
+/// A collective left, and when (ms since [`epoch`]).
+type Left = (Activity, u64);
 /// Whether the closure of this process's current (or last) launch has returned.
 static CLOSURE_RETURNED: AtomicBool = AtomicBool::new(false);
 

@@ -76,9 +76,12 @@ struct RankState {
     next_token: u64,
 }
 
+/// A rank's waits, each with the members it was missing.
+type Waits = Vec<(Wait, Vec<usize>)>;
+
 /// One rank's state as one check saw it: version, active agents, and each wait
 /// with the members it was missing.
-type Snapshot = (u64, i64, Vec<(Wait, Vec<usize>)>);
+type Snapshot = (u64, i64, Waits);
 
 /// Every rank's agents, for the cross-group mismatch check, and the last
 /// collective each entered, for naming what a stalled rank last did.
@@ -230,7 +233,7 @@ impl Activity {
     /// rank reached waits), the nearest rank with an agent not waiting (a closure
     /// busy while its asynchronous collectives wait). `None` if neither exists.
     pub(crate) fn blame(&self, me: usize, missing: &[usize], exited: impl Fn(usize) -> bool) -> Option<Blame> {
-        let snap: Vec<(i64, Vec<(Wait, Vec<usize>)>)> = self
+        let snap: Vec<(i64, Waits)> = self
             .ranks
             .iter()
             .map(|m| {
