@@ -19,7 +19,11 @@
 //!   (`abort`), exiting with status 0, never arriving at a collective, or
 //!   returning an error while its own asynchronous collective still waits for a
 //!   slow peer; the job must end promptly with a message naming the rank (and,
-//!   for `fail-exit` and `stall`, what it was doing).
+//!   for `fail-exit` and `stall`, what it was doing);
+//! - `stall-mesh`, `stall-mesh-chain`: on a 2x2 mesh with TP-then-DP traffic,
+//!   rank 0 stalls; the abort names rank 0 as the rank not progressing, also when
+//!   the rank that times out (rank 3 alone, in `stall-mesh-chain`) waits on it only
+//!   through rank 1, which waits on rank 0 in another group.
 //!
 //! The driver also runs the `train` example with 4 threads and under `mpirun -n 4`
 //! and compares the losses, and runs `hsdp_multinode` under `mpirun -n 4` (the
@@ -67,6 +71,7 @@ fn rank_main(scenario: &str) -> Result<(), BoxError> {
         "fsdp" => fsdp(world),
         "fail-error" | "fail-panic" | "fail-abort" | "fail-exit" | "stall" => fail(world, scenario),
         "fail-pending" => fail_pending(world),
+        "stall-mesh" | "stall-mesh-chain" => stall_mesh(world, scenario == "stall-mesh-chain"),
         "mismatch" => mismatch(world),
         other => Err(format!("unknown scenario {other:?}").into()),
     }
@@ -284,6 +289,29 @@ fn fail(world: usize, how: &str) -> Result<(), BoxError> {
     Err("every rank finished, but rank 1 should have failed".into())
 }
 
+/// TP (dim 1) then DP (dim 0) all-reduces on a 2x2 mesh; rank 0 stalls at step
+/// 2. Ranks 1 and 2 then wait on rank 0 directly, rank 3 (DP with rank 1) on
+/// rank 1. With `chain`, only rank 3 has a short timeout, so it is the one that
+/// times out.
+fn stall_mesh(world: usize, chain: bool) -> Result<(), BoxError> {
+    let rank = mpi_env().map_or(0, |e| e.rank);
+    let timeout = if chain && rank != 3 { 60 } else { 3 };
+    let opts = LaunchOptions::default().timeout(Duration::from_secs(timeout));
+    launch_with(&opts, world, |ctx| {
+        let mesh = DeviceMesh::new(ctx.into_comm(), &[2, 2])?;
+        for step in 0..5 {
+            if mesh.rank() == 0 && step == 2 {
+                std::thread::sleep(Duration::from_secs(120));
+            }
+            let mut x = vec![1.0f32; 64];
+            mesh.dim_comm(1)?.all_reduce_slice(&mut x, ReduceOp::Sum)?;
+            mesh.dim_comm(0)?.all_reduce_slice(&mut x, ReduceOp::Sum)?;
+        }
+        Ok(())
+    })?;
+    Err("every rank finished, but rank 0 should have stalled".into())
+}
+
 // ----- the driver -----------------------------------------------------------------
 
 struct Job {
@@ -474,7 +502,7 @@ fn driver(args: &[String]) {
                 "never arrived",
                 "aborting the MPI job",
                 "rank 1: outside any collective for",
-                "(last: all_reduce #2 of a group of 2 ranks, where it is rank 1)",
+                "(last: all_reduce #2 of a group of 2 ranks, where it is rank 1 (world ranks [0, 1]))",
             ],
         ),
         (
@@ -513,6 +541,35 @@ fn driver(args: &[String]) {
             job.took
         );
         ran += 1;
+    }
+    for (scenario, needles) in [
+        (
+            "stall-mesh",
+            &[
+                "never arrived",
+                "the rank not progressing is rank 0",
+                "rank 0: outside any collective for",
+            ][..],
+        ),
+        (
+            "stall-mesh-chain",
+            &[
+                "tessera: rank 3 waited",
+                "the rank not progressing is rank 0; the waits that lead to it:",
+                "tessera: rank 3:   rank 1: waiting",
+                "in all_reduce #3 of a group of 2 ranks, where it is rank 1 (world ranks [0, 1])",
+                "tessera: rank 3:   rank 0: outside any collective for",
+                "(last: all_reduce #2 of a group of 2 ranks, where it is rank 0 (world ranks [0, 2]))",
+                "what the other rank of that group reports:",
+            ][..],
+        ),
+    ] {
+        if want(scenario) {
+            let job = run_mpi(4, &me, &[scenario], &[], minute);
+            expect_failure(&format!("{scenario} on 4 ranks"), &job, needles);
+            assert!(job.took < Duration::from_secs(30), "{scenario}: took {:?}", job.took);
+            ran += 1;
+        }
     }
     if want("train") {
         let train = example("train");

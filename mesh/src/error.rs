@@ -86,9 +86,13 @@ pub enum Error {
         source: Box<dyn std::error::Error + Send + Sync>,
     },
 
-    /// This rank waited too long for peers that never arrived.
+    /// This rank waited too long for peers that never arrived. `stalled` is the
+    /// rank found not progressing: a missing peer itself, or the rank a missing
+    /// peer waits on (through collectives of other groups); `detail` says who
+    /// waits on whom and what the stalled rank last did.
     #[error(
-        "timed out after {after:?} in {op} (collective #{seq} of this group): rank(s) {missing:?} never arrived; raise the timeout (TESSERA_TIMEOUT_S) if they are only slow"
+        "timed out after {after:?} in {op} (collective #{seq} of this group) waiting on rank(s) {missing:?}; \
+         rank {stalled} is not progressing: {detail}; raise the timeout (TESSERA_TIMEOUT_S) if it is only slow"
     )]
     Timeout {
         /// The collective.
@@ -99,6 +103,10 @@ pub enum Error {
         missing: Vec<usize>,
         /// How long this rank waited.
         after: Duration,
+        /// World rank found not progressing (the one to look at).
+        stalled: usize,
+        /// The waits leading from `missing` to `stalled`, and what `stalled` last did.
+        detail: String,
     },
 
     /// A mesh that cannot be built or sliced as asked.

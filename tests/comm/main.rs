@@ -1,5 +1,6 @@
 //! Communicator and mesh tests on the threads backend.
 
+mod blame;
 mod collectives;
 mod failures;
 mod hangs;

@@ -3,6 +3,9 @@
 //! when), the process remembers the last collective it left and whether its
 //! launch closure has returned; [`describe`] turns that into one line a peer's
 //! abort message quotes, and [`report`] lists the peers, likeliest culprits first.
+//! A reply also carries the world ranks of the groups its collectives wait in
+//! ([`reply`]), so that a timed-out rank can follow who waits for whom to the
+//! rank that is not progressing ([`not_progressing`]).
 
 use std::os::raw::c_int;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -15,11 +18,16 @@ use crate::OpKind;
 
 /// Every live communicator's clock.
 static WATCHED: Mutex<Vec<Weak<Watch>>> = Mutex::new(Vec::new());
-/// The collective this process left last, and when (ms since [`epoch`]).
-static LAST: Mutex<Option<(Activity, u64)>> = Mutex::new(None);
+/// The collective this process left last, when (ms since [`epoch`]), and its
+/// group's world ranks (copied in place: no allocation per collective).
+static LAST: Mutex<(Option<Left>, Vec<usize>)> = Mutex::new((None, Vec::new()));
+/// A collective left, and when (ms since [`epoch`]).
+type Left = (Activity, u64);
 /// Whether the closure of this process's current (or last) launch has returned.
 static CLOSURE_RETURNED: AtomicBool = AtomicBool::new(false);
 
+/// A waiting collective's group members are named in its status line up to this many.
+const MAX_NAMED_MEMBERS: usize = 16;
 /// Peers listed one per line in the abort message; the rest are counted.
 const MAX_LISTED: usize = 16;
 /// `EXITING` flags: the process exits (not only finalises MPI); its closure had returned.
@@ -128,7 +136,11 @@ impl Drop for WatchGuard<'_> {
     fn drop(&mut self) {
         self.0.since.store(0, Ordering::Release);
         if let Ok(mut last) = LAST.lock() {
-            *last = Some((self.0.activity(), now_ms()));
+            last.0 = Some((self.0.activity(), now_ms()));
+            if last.1 != self.0.members {
+                last.1.clear();
+                last.1.extend_from_slice(&self.0.members);
+            }
         }
     }
 }
@@ -169,10 +181,12 @@ fn world_ranks(comm: ffi::MPI_Comm, size: usize) -> Vec<usize> {
 /// What this process is doing, as a status class and one line (in the third person).
 #[derive(Clone, Debug, Default)]
 pub(super) struct Snapshot {
-    /// Collectives in progress and how long each has waited (ms).
-    pub(super) waiting: Vec<(Activity, u64)>,
+    /// Collectives in progress, how long each has waited (ms), and the world
+    /// ranks of its group (empty: unknown).
+    pub(super) waiting: Vec<(Activity, u64, Vec<usize>)>,
     /// The last collective left and how long ago (ms).
-    pub(super) last: Option<(Activity, u64)>,
+    /// With its group's world ranks (empty: unknown).
+    pub(super) last: Option<(Activity, u64, Vec<usize>)>,
     pub(super) closure_returned: bool,
 }
 
@@ -205,18 +219,26 @@ pub(super) fn snapshot() -> Snapshot {
         .iter()
         .filter_map(|w| {
             let since = w.since.load(Ordering::Acquire);
-            (since != 0).then(|| (w.activity(), now.saturating_sub(since - 1)))
+            (since != 0).then(|| (w.activity(), now.saturating_sub(since - 1), w.members.clone()))
         })
         .collect();
     let last = LAST
         .lock()
         .ok()
-        .and_then(|l| *l)
-        .map(|(a, at)| (a, now.saturating_sub(at)));
+        .and_then(|l| l.0.map(|(a, at)| (a, now.saturating_sub(at), l.1.clone())));
     Snapshot {
         waiting,
         last,
         closure_returned: CLOSURE_RETURNED.load(Ordering::Relaxed),
+    }
+}
+
+/// " (world ranks [0, 1])", for a group small enough to read at a glance.
+fn named(members: &[usize]) -> String {
+    if members.is_empty() || members.len() > MAX_NAMED_MEMBERS {
+        String::new()
+    } else {
+        format!(" (world ranks {members:?})")
     }
 }
 
@@ -231,12 +253,16 @@ pub(super) fn describe(s: &Snapshot) -> (Class, String) {
         let each: Vec<String> = s
             .waiting
             .iter()
-            .map(|(a, ms)| format!("waiting {:.1} s in {a}", secs(*ms)))
+            .map(|(a, ms, members)| format!("waiting {:.1} s in {a}{}", secs(*ms), named(members)))
             .collect();
         return (Class::Waiting, format!("{returned}{}", each.join("; and ")));
     }
-    let outside = match s.last {
-        Some((a, ms)) => format!("outside any collective for {:.1} s (last: {a})", secs(ms)),
+    let outside = match &s.last {
+        Some((a, ms, members)) => format!(
+            "outside any collective for {:.1} s (last: {a}{})",
+            secs(*ms),
+            named(members)
+        ),
         None => "outside any collective (it has not entered one yet)".to_string(),
     };
     let class = if s.closure_returned {
@@ -247,22 +273,77 @@ pub(super) fn describe(s: &Snapshot) -> (Class, String) {
     (class, format!("{returned}{outside}"))
 }
 
+/// The longest list of group members a reply carries (bytes); a longer one is cut
+/// at a whole rank (the walk then reaches fewer ranks).
+const MAX_GROUPS_TEXT: usize = 2048;
+
+/// The `REPLY` to a query, `max` bytes at most: the class byte, the status line,
+/// then (after a NUL) the world ranks of the groups of the collectives it waits
+/// in, comma-separated.
+pub(super) fn reply(s: &Snapshot, max: usize) -> Vec<u8> {
+    let (class, text) = describe(s);
+    let mut ranks: Vec<usize> = s.waiting.iter().flat_map(|(_, _, m)| m.iter().copied()).collect();
+    ranks.sort_unstable();
+    ranks.dedup();
+    let mut groups = String::new();
+    for r in ranks {
+        let item = if groups.is_empty() {
+            r.to_string()
+        } else {
+            format!(",{r}")
+        };
+        if groups.len() + item.len() > MAX_GROUPS_TEXT.min(max / 2) {
+            break;
+        }
+        groups.push_str(&item);
+    }
+    let room = max.saturating_sub(2 + groups.len());
+    let mut cut = text.len().min(room);
+    while !text.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    let mut msg = vec![class as u8];
+    msg.extend_from_slice(&text.as_bytes()[..cut]);
+    if !groups.is_empty() {
+        msg.push(0);
+        msg.extend_from_slice(groups.as_bytes());
+    }
+    msg
+}
+
 /// What the timed-out rank learnt about one peer.
 #[derive(Clone, Debug)]
 pub(super) enum Peer {
-    Replied(Class, String),
+    /// A `REPLY`: its class, status line, and the world ranks of the groups it waits in.
+    Replied(Class, String, Vec<usize>),
     /// Its `EXITING` notice: flags and its status then.
     Exited(u8, String),
     Silent,
 }
 
 impl Peer {
-    /// A `REPLY`: class byte, then the status line.
+    /// A `REPLY` ([`reply`]): class byte, the status line, then the groups' ranks.
     pub(super) fn from_reply(body: &[u8]) -> Peer {
-        let (class, text) = body
+        let (class, rest) = body
             .split_first()
             .map_or((Class::Outside, &[][..]), |(c, t)| (Class::from_byte(*c), t));
-        Peer::Replied(class, String::from_utf8_lossy(text).into_owned())
+        let (text, groups) = match rest.iter().position(|&b| b == 0) {
+            Some(i) => (&rest[..i], &rest[i + 1..]),
+            None => (rest, &[][..]),
+        };
+        let groups = String::from_utf8_lossy(groups)
+            .split(',')
+            .filter_map(|r| r.parse().ok())
+            .collect();
+        Peer::Replied(class, String::from_utf8_lossy(text).into_owned(), groups)
+    }
+
+    /// The world ranks of the groups a peer waits in (empty unless it waits).
+    pub(super) fn waits_on(&self) -> &[usize] {
+        match self {
+            Peer::Replied(Class::Waiting, _, groups) => groups,
+            _ => &[],
+        }
     }
 
     /// An `EXITING` notice: flags byte, then the status line.
@@ -276,13 +357,13 @@ impl Peer {
         match self {
             Peer::Exited(..) => 5,
             Peer::Silent => 4,
-            Peer::Replied(c, _) => *c as u8 + 1,
+            Peer::Replied(c, ..) => *c as u8 + 1,
         }
     }
 
     fn line(&self, rank: usize) -> String {
         match self {
-            Peer::Replied(_, text) => format!("rank {rank}: {text}"),
+            Peer::Replied(_, text, _) => format!("rank {rank}: {text}"),
             Peer::Silent => format!("rank {rank} did not answer (it exited, or is not responding)"),
             Peer::Exited(flags, text) => {
                 let how = if flags & EXIT_BY_EXIT != 0 {
@@ -310,12 +391,62 @@ pub(super) fn report(peers: &[(usize, Peer)]) -> Vec<String> {
     if !rest.is_empty() {
         let waiting = rest
             .iter()
-            .filter(|(_, p)| matches!(p, Peer::Replied(Class::Waiting, _)))
+            .filter(|(_, p)| matches!(p, Peer::Replied(Class::Waiting, ..)))
             .count();
         lines.push(format!(
             "and {} more ranks ({waiting} of them waiting in collectives)",
             rest.len()
         ));
+    }
+    lines
+}
+
+/// One rank a timed-out rank reached while following who waits for whom: the
+/// rank, the rank whose wait led to it (`None`: a member of the timed-out
+/// collective's group), and what it reported.
+pub(super) type Reached = (usize, Option<usize>, Peer);
+
+/// The rank not progressing among those reached (listed in the order they were
+/// reached), and the chain of ranks from the timed-out group's member to it: the
+/// nearest rank that does not wait in a collective (it is outside any, has
+/// returned or exited, or did not answer), likeliest culprits first among equally
+/// near ones. `None` if every rank reached waits.
+pub(super) fn not_progressing(reached: &[Reached]) -> Option<Vec<usize>> {
+    let parent = |r: usize| reached.iter().find(|(q, ..)| *q == r).and_then(|e| e.1);
+    // From the timed-out group's member to `r`.
+    let path = |r: usize| {
+        let mut p = vec![r];
+        let mut at = parent(r);
+        while let Some(w) = at.filter(|w| !p.contains(w)) {
+            p.push(w);
+            at = parent(w);
+        }
+        p.reverse();
+        p
+    };
+    reached
+        .iter()
+        .enumerate()
+        .filter(|(_, (_, _, p))| !matches!(p, Peer::Replied(Class::Waiting, ..)))
+        .min_by_key(|(i, (r, _, p))| (path(*r).len(), std::cmp::Reverse(p.priority()), *i))
+        .map(|(_, (r, ..))| path(*r))
+}
+
+/// The abort message's lines naming the rank not progressing and the waits that
+/// lead to it (`chain` from [`not_progressing`]).
+pub(super) fn blame_lines(chain: &[usize], reached: &[Reached]) -> Vec<String> {
+    let Some(&blamed) = chain.last() else {
+        return vec!["every rank reached waits in a collective (ranks waiting for each other?)".to_string()];
+    };
+    let mut lines = vec![if chain.len() == 1 {
+        format!("the rank not progressing is rank {blamed}:")
+    } else {
+        format!("the rank not progressing is rank {blamed}; the waits that lead to it:")
+    }];
+    for &r in chain {
+        if let Some((_, _, p)) = reached.iter().find(|(q, ..)| *q == r) {
+            lines.push(format!("  {}", p.line(r)));
+        }
     }
     lines
 }
@@ -371,11 +502,16 @@ mod tests {
         let ar = act(OpKind::AllReduce, 5);
         let b = act(OpKind::Barrier, 2);
         case!(vec![], None, false => Class::Outside, "outside any collective (it has not entered one yet)");
-        case!(vec![], Some((b, 3200)), false => Class::Outside,
+        case!(vec![], Some((b, 3200, vec![])), false => Class::Outside,
             "outside any collective for 3.2 s (last: barrier #2 of a group of 2 ranks, where it is rank 1)");
-        case!(vec![(ar, 3100)], Some((b, 9)), false => Class::Waiting,
+        case!(vec![], Some((b, 3200, vec![2, 5])), false => Class::Outside,
+            "outside any collective for 3.2 s (last: barrier #2 of a group of 2 ranks, where it is rank 1 \
+             (world ranks [2, 5]))");
+        case!(vec![(ar, 3100, vec![])], Some((b, 9, vec![])), false => Class::Waiting,
             "waiting 3.1 s in all_reduce #5 of a group of 2 ranks, where it is rank 1");
-        case!(vec![], Some((b, 400)), true => Class::Returned,
+        case!(vec![(ar, 3100, vec![0, 3])], None, false => Class::Waiting,
+            "waiting 3.1 s in all_reduce #5 of a group of 2 ranks, where it is rank 1 (world ranks [0, 3])");
+        case!(vec![], Some((b, 400, vec![])), true => Class::Returned,
             "its closure has returned; outside any collective for 0.4 s (last: barrier #2 of a group of 2 ranks, \
              where it is rank 1)");
     }
@@ -396,14 +532,73 @@ mod tests {
         line!(4, Peer::from_reply(b"\x00waiting 1.0 s in barrier #1") => "rank 4: waiting 1.0 s in barrier #1");
         line!(5, Peer::from_reply(b"") => "rank 5: ");
 
-        let waiting = || Peer::Replied(Class::Waiting, "w".into());
+        let waiting = || Peer::Replied(Class::Waiting, "w".into(), vec![]);
         let mut peers: Vec<(usize, Peer)> = (1..=20).map(|r| (r, waiting())).collect();
-        peers[17].1 = Peer::Replied(Class::Outside, "stalled".into());
+        peers[17].1 = Peer::Replied(Class::Outside, "stalled".into(), vec![]);
         peers[18].1 = Peer::Silent;
         let lines = report(&peers);
         assert_eq!(lines.len(), MAX_LISTED + 1, "{lines:?}");
         assert!(lines[0].starts_with("rank 19 did not answer"), "{lines:?}");
         assert_eq!(lines[1], "rank 18: stalled");
         assert_eq!(lines[MAX_LISTED], "and 4 more ranks (4 of them waiting in collectives)");
+    }
+
+    #[test]
+    fn a_reply_carries_the_groups_it_waits_in() {
+        let s = Snapshot {
+            waiting: vec![
+                (act(OpKind::AllGather, 3), 2900, vec![0, 1]),
+                (act(OpKind::Barrier, 1), 10, vec![1, 3]),
+            ],
+            last: None,
+            closure_returned: false,
+        };
+        let body = reply(&s, 4096);
+        match Peer::from_reply(&body) {
+            Peer::Replied(Class::Waiting, text, groups) => {
+                assert_eq!(groups, [0, 1, 3]);
+                assert!(text.starts_with("waiting 2.9 s in all_gather #3"), "{text}");
+                assert!(text.contains("(world ranks [1, 3])"), "{text}");
+            }
+            other => panic!("{other:?}"),
+        }
+        // Cut to fit: the groups survive whole, the text is shortened.
+        let short = reply(&s, 40);
+        assert!(short.len() <= 40, "{}", short.len());
+        assert_eq!(Peer::from_reply(&short).waits_on(), [0, 1, 3]);
+        // A rank outside any collective waits on nobody.
+        let idle = reply(&Snapshot::default(), 4096);
+        assert!(Peer::from_reply(&idle).waits_on().is_empty());
+    }
+
+    #[test]
+    fn the_nearest_rank_in_no_collective_is_blamed() {
+        let w = |groups: &[usize]| Peer::Replied(Class::Waiting, "w".into(), groups.to_vec());
+        let out = || Peer::Replied(Class::Outside, "o".into(), vec![]);
+        macro_rules! case {
+            ($reached:expr => $want:expr) => {
+                let reached: Vec<Reached> = $reached;
+                assert_eq!(not_progressing(&reached), $want, "{reached:?}");
+            };
+        }
+        // Rank 3 timed out on rank 1, which waits with rank 0, which is outside.
+        case!(vec![(1, None, w(&[0, 1])), (0, Some(1), out())] => Some(vec![1, 0]));
+        // A member of the timed-out group outside any collective is nearer.
+        case!(vec![(1, None, w(&[0, 1])), (2, None, out()), (0, Some(1), out())] => Some(vec![2]));
+        // Equally near: a rank that did not answer before one outside.
+        case!(vec![(1, None, out()), (2, None, Peer::Silent)] => Some(vec![2]));
+        // Two hops.
+        case!(vec![(1, None, w(&[1, 5])), (5, Some(1), w(&[4, 5])), (4, Some(5), out())] => Some(vec![1, 5, 4]));
+        // Everyone waits.
+        case!(vec![(1, None, w(&[0, 1])), (0, Some(1), w(&[0, 1]))] => None);
+        let reached = vec![(1, None, w(&[0, 1])), (0, Some(1), out())];
+        assert_eq!(
+            blame_lines(&[1, 0], &reached),
+            [
+                "the rank not progressing is rank 0; the waits that lead to it:",
+                "  rank 1: w",
+                "  rank 0: o"
+            ]
+        );
     }
 }

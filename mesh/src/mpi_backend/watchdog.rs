@@ -8,14 +8,17 @@
 //!
 //! - every [`POLL`], each watchdog probes the control communicator and answers
 //!   each `QUERY` with a `REPLY`: one class byte and a short UTF-8 status
-//!   ("waiting 3.1 s in all_reduce #5 ...", "outside any collective for 3.2 s
-//!   ...", "its closure has returned; ...");
+//!   ("waiting 3.1 s in all_reduce #5 ... (world ranks [0, 1])", "outside any
+//!   collective for 3.2 s ...", "its closure has returned; ..."), and the world
+//!   ranks of the groups it waits in;
 //! - when a collective of this process waits longer than the timeout, its
 //!   watchdog sends `QUERY` to the other members of that collective's group,
 //!   collects the replies for a bounded time (answering other watchdogs' queries
-//!   meanwhile: several ranks can time out at once), and aborts the job with the
-//!   collective and each peer's status; a peer that did not answer is named as
-//!   such;
+//!   meanwhile: several ranks can time out at once), asks in turn the members of
+//!   the groups that the waiting ones wait in, and so on, and aborts the job with
+//!   the collective, the rank not progressing (the nearest rank reached that
+//!   waits in no collective, with the waits that lead to it) and each peer's
+//!   status; a peer that did not answer is named as such;
 //! - a process that finalises MPI (at its exit, or because the application
 //!   called `MPI_Finalize`) first sends `EXITING` with its last status to every
 //!   peer (see [`finalizing`] for when), then stops its own watchdog's MPI calls.
@@ -24,7 +27,7 @@
 //! blocks a watchdog. Every MPI call of the watchdog is made under the
 //! [`CONTROL`] lock, after checking that MPI is not being finalised.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::os::raw::{c_int, c_void};
 use std::panic::catch_unwind;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -36,8 +39,8 @@ use mpi::ffi;
 use super::messages::abort_with;
 use super::ops::Handle;
 use super::status::{
-    EXIT_AFTER_RETURN, EXIT_BY_EXIT, Expired, Peer, Snapshot, closure_returned, describe, epoch, expired, report, secs,
-    snapshot,
+    EXIT_AFTER_RETURN, EXIT_BY_EXIT, Expired, Peer, Reached, Snapshot, blame_lines, closure_returned, describe, epoch,
+    expired, not_progressing, reply, report, secs, snapshot,
 };
 
 /// How long a collective may wait before the watchdog aborts the job.
@@ -229,9 +232,7 @@ fn serve(exits: &mut Exits, mut replies: Option<&mut BTreeMap<usize, Peer>>) -> 
         let Some((src, tag, body)) = c.receive() else { break };
         match tag {
             TAG_QUERY => {
-                let (class, text) = describe(&snapshot());
-                let mut msg = vec![class as u8];
-                msg.extend_from_slice(&text.as_bytes()[..text.len().min(MAX_MESSAGE - 1)]);
+                let msg = reply(&snapshot(), MAX_MESSAGE);
                 c.isend(src, TAG_REPLY, msg.into_boxed_slice());
             }
             TAG_REPLY => {
@@ -264,8 +265,10 @@ fn run(world_rank: usize, world_size: usize) {
     }
 }
 
-/// Asks the other members of the expired collective's group what they do, and
-/// aborts the job naming them. Returns only if MPI is being finalised.
+/// Asks the other members of the expired collective's group what they do, then
+/// the members of the groups those that wait wait in, and so on, and aborts the
+/// job naming the rank not progressing and the peers. Returns only if MPI is
+/// being finalised.
 fn abort_for(world_rank: usize, world_size: usize, timeout_ms: u64, e: &Expired, exits: &mut Exits) {
     let members = if e.members.is_empty() {
         (0..world_size).collect()
@@ -273,30 +276,52 @@ fn abort_for(world_rank: usize, world_size: usize, timeout_ms: u64, e: &Expired,
         e.members.clone()
     };
     let peers: Vec<usize> = members.into_iter().filter(|&r| r != world_rank).collect();
-    let ask: Vec<usize> = peers.iter().copied().filter(|r| !exits.contains_key(r)).collect();
-    let live = {
-        let mut c = control();
-        for &r in &ask {
-            c.isend(r, TAG_QUERY, Box::new([b'?']));
-        }
-        c.comm().is_some()
-    };
+    // Every rank reached, in the order reached, with the rank whose wait led to it.
+    let mut reached: Vec<(usize, Option<usize>)> = peers.iter().map(|&r| (r, None)).collect();
+    let mut seen: BTreeSet<usize> = peers.iter().copied().chain([world_rank]).collect();
+    let live = ask(&peers, exits);
     let mut replies = BTreeMap::new();
     let window = Duration::from_millis((timeout_ms / 2).clamp(500, 5000));
     let until = Instant::now() + window;
-    while live && Instant::now() < until && ask.iter().any(|r| !replies.contains_key(r) && !exits.contains_key(r)) {
+    let mut followed = BTreeSet::new();
+    let answered =
+        |r: &usize, replies: &BTreeMap<usize, Peer>, exits: &Exits| replies.contains_key(r) || exits.contains_key(r);
+    while live && Instant::now() < until && reached.iter().any(|(r, _)| !answered(r, &replies, exits)) {
         std::thread::sleep(POLL);
         if !serve(exits, Some(&mut replies)) {
             return;
         }
+        // Follow the waits of the ranks that answered since: ask the members of
+        // the groups they wait in that nobody has asked yet.
+        let mut more = Vec::new();
+        let mut i = 0;
+        while i < reached.len() {
+            let w = reached[i].0;
+            i += 1;
+            let Some(p) = replies.get(&w) else { continue };
+            if !followed.insert(w) {
+                continue;
+            }
+            for &m in p.waits_on() {
+                if m < world_size && seen.insert(m) {
+                    reached.push((m, Some(w)));
+                    more.push(m);
+                }
+            }
+        }
+        if !more.is_empty() {
+            ask(&more, exits);
+        }
     }
-    let statuses: Vec<(usize, Peer)> = peers
-        .iter()
-        .map(|&r| {
-            let p = exits.get(&r).or_else(|| replies.get(&r)).cloned();
-            (r, p.unwrap_or(Peer::Silent))
-        })
-        .collect();
+    let status = |r: usize| {
+        exits
+            .get(&r)
+            .or_else(|| replies.get(&r))
+            .cloned()
+            .unwrap_or(Peer::Silent)
+    };
+    let statuses: Vec<(usize, Peer)> = peers.iter().map(|&r| (r, status(r))).collect();
+    let reached: Vec<Reached> = reached.iter().map(|&(r, via)| (r, via, status(r))).collect();
     let a = e.activity;
     let why = format!(
         "waited {:.1} s in {} (collective #{} of its group of {} ranks, where it is rank {}) for peers that never \
@@ -310,6 +335,7 @@ fn abort_for(world_rank: usize, world_size: usize, timeout_ms: u64, e: &Expired,
     let mut details = Vec::new();
     if !statuses.is_empty() {
         if live {
+            details.extend(blame_lines(&not_progressing(&reached).unwrap_or_default(), &reached));
             details.push(match statuses.len() {
                 1 => "what the other rank of that group reports:".to_string(),
                 n => format!("what the other {n} ranks of that group report:"),
@@ -325,6 +351,16 @@ fn abort_for(world_rank: usize, world_size: usize, timeout_ms: u64, e: &Expired,
         return;
     }
     abort_with(world_rank, &why, &details);
+}
+
+/// Sends `QUERY` to each of `ranks` that has not announced its exit; `false` if
+/// there is no control communicator to ask over.
+fn ask(ranks: &[usize], exits: &Exits) -> bool {
+    let mut c = control();
+    for &r in ranks.iter().filter(|r| !exits.contains_key(r)) {
+        c.isend(r, TAG_QUERY, Box::new([b'?']));
+    }
+    c.comm().is_some()
 }
 
 /// This process finalises MPI: tells its peers (when it is worth it, see

@@ -204,8 +204,20 @@ impl Group {
     /// peer that left, a cross-group mismatch, the timeout) withdraws this rank's
     /// arrival atomically and returns the error, unless the barrier completed
     /// first, in which case the rank is committed and carries on: no peer ever
-    /// reads the buffers of a rank that has left.
+    /// reads the buffers of a rank that has left. The rank's last collective is
+    /// recorded (entered, passed) for a timeout that blames it.
     fn entry_barrier(&self, r: usize, desc: &Desc) -> Result<()> {
+        let me = self.members[r];
+        self.world.activity.entering(me, self.id, &self.members, desc);
+        let out = self.await_entry(r, desc);
+        if out.is_ok() {
+            self.world.activity.passed(me);
+        }
+        out
+    }
+
+    /// [`entry_barrier`](Self::entry_barrier)'s arrival and wait.
+    fn await_entry(&self, r: usize, desc: &Desc) -> Result<()> {
         let me = self.members[r];
         let (my_phase, generation) = self.arrive(r);
         let Some(generation) = generation else {
@@ -331,22 +343,61 @@ impl Group {
             ));
         }
         if waited >= self.world.timeout && !missing.is_empty() {
-            let missing: Vec<usize> = missing.iter().map(|&q| self.members[q]).collect();
-            let reason = format!(
-                "did not enter {op} (collective #{seq} of its group) within {:?}",
-                self.world.timeout
-            );
-            return Some((
-                Error::Timeout {
-                    op,
-                    seq,
-                    missing: missing.clone(),
-                    after: waited,
-                },
-                Some(Poison::new(missing[0], reason)),
-            ));
+            return Some(self.timeout(r, desc, &missing, waited));
         }
         None
+    }
+
+    /// The timeout of group rank `r` in `desc` after `waited`, `missing` (group
+    /// ranks) not having arrived: blames the rank that is not progressing, found by
+    /// following who waits for whom across groups from the missing peers
+    /// ([`Activity::blame`](super::activity::Activity::blame)), or the first
+    /// missing peer if every rank reached waits for another.
+    fn timeout(&self, r: usize, desc: &Desc, missing: &[usize], waited: Duration) -> (Error, Option<Poison>) {
+        let (op, seq, me, timeout) = (desc.name(), desc.seq, self.members[r], self.world.timeout);
+        let missing: Vec<usize> = missing.iter().map(|&q| self.members[q]).collect();
+        let blame = self.world.activity.blame(me, &missing, |w| self.world.has_exited(w));
+        // A rank that gave up its wait (and so looks stalled to the walk) first
+        // poisoned the job; its failure is the one to report.
+        if let Err(e) = self.world.check(me) {
+            return (e, None);
+        }
+        let direct = format!("did not enter {op} (collective #{seq} of its group) within {timeout:?}");
+        let (stalled, detail, reason) = match blame {
+            Some(b) => match b.nearest() {
+                None => (
+                    b.rank,
+                    format!("it never arrived; {}", b.state),
+                    format!("{direct}; {}", b.state),
+                ),
+                Some((waiter, name, k, group, members)) => {
+                    let reason = format!(
+                        "did not enter {name} (collective #{k} of group {group}, ranks {members:?}), where rank \
+                         {waiter} waits for it; rank {me} timed out after {timeout:?} in {op} (collective #{seq} \
+                         of its group) waiting on rank(s) {missing:?}: {}; {}",
+                        b.chain(),
+                        b.state
+                    );
+                    (b.rank, format!("{}; {}", b.chain(), b.state), reason)
+                }
+            },
+            None => (
+                missing[0],
+                "it never arrived (every rank it leads to waits in a collective)".to_string(),
+                direct,
+            ),
+        };
+        (
+            Error::Timeout {
+                op,
+                seq,
+                missing,
+                after: waited,
+                stalled,
+                detail,
+            },
+            Some(Poison::new(stalled, reason)),
+        )
     }
 }
 
