@@ -157,6 +157,7 @@ pub(crate) fn make_temp_dir(dir: &Path, id: &str) -> Result<(PathBuf, WriterLock
     if legacy.is_dir() {
         fs::remove_dir_all(&legacy).map_err(|e| io_error(&legacy, "cannot remove a stale temporary directory", e))?;
     }
+    fs::create_dir_all(&parent).map_err(|e| io_error(&parent, "cannot create", e))?;
     let pid = std::process::id();
     let tmp = parent.join(format!(".{name}.tmp-{pid}-{id}"));
     fs::create_dir(&tmp).map_err(|e| io_error(&tmp, "cannot create the temporary directory", e))?;
