@@ -219,10 +219,11 @@ fn mutate(work: &Path, other: &Path, kind: usize, rng: &mut Rng) -> String {
         }
         _ => {
             let f = pick(rng, &all);
+            let others: Vec<String> = chunk_files.iter().filter(|c| **c != f).cloned().collect();
             let to = if f == INDEX_FILE || rng.below(2) == 0 {
                 format!("{f}.old")
             } else {
-                pick(rng, &chunk_files)
+                pick(rng, &others)
             };
             std::fs::rename(work.join(&f), work.join(&to)).unwrap();
             format!("{f} renamed to {to}")
