@@ -107,8 +107,11 @@ fn load(dir: &Path, dest: Dest) -> Vec<Result<Vec<Tensor>, String>> {
     .expect("loading a damaged checkpoint must not panic")
 }
 
+/// Per destination, per rank, per tensor: the saved local piece.
+type Pieces = Vec<Vec<Vec<Tensor>>>;
+
 /// The saved pieces per destination and rank, checked against the full tensors.
-fn pristine(dir: &Path, seed: u64) -> Vec<Vec<Vec<Tensor>>> {
+fn pristine(dir: &Path, seed: u64) -> Pieces {
     DESTS
         .iter()
         .map(|&dest| {
@@ -238,7 +241,7 @@ fn fault_campaign_never_loads_wrong_values() {
     let _clean = Cleanup(root.clone());
     // Per save world size: the checkpoint, another of the same shapes and
     // layout (other values, its own id), and the saved pieces per destination.
-    let sets: Vec<(usize, PathBuf, PathBuf, Vec<Vec<Vec<Tensor>>>)> = [2usize, 3]
+    let sets: Vec<(usize, PathBuf, PathBuf, Pieces)> = [2usize, 3]
         .iter()
         .map(|&n| {
             let (base, other) = (root.join(format!("base{n}")), root.join(format!("other{n}")));

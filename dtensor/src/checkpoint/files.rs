@@ -6,12 +6,11 @@
 use std::fs::{self, File, OpenOptions};
 use std::io::Write;
 use std::os::unix::fs::FileExt;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use serde_json::{Map, Value, json};
 
 use super::index::{Chunk, dtype_name};
-use super::temps::parent_of;
 use crate::{Error, Result, Tensor};
 
 /// The `format` in a chunk file's `__metadata__`.
@@ -294,6 +293,14 @@ fn exchange(a: &Path, b: &Path) -> Result<()> {
     fs::rename(b, &aside).map_err(|e| io_error(b, "cannot move the old checkpoint aside", e))?;
     fs::rename(a, b).map_err(|e| io_error(b, "cannot rename the new checkpoint into place", e))?;
     fs::rename(&aside, a).map_err(|e| io_error(a, "cannot move the old checkpoint", e))
+}
+
+/// The directory `dir` lies in (`.` for a bare name).
+pub(crate) fn parent_of(dir: &Path) -> PathBuf {
+    match dir.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    }
 }
 
 /// Opens a chunk file for reading.

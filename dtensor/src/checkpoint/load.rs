@@ -57,7 +57,7 @@ impl Checkpoint {
     /// that is missing or shorter than the byte ranges the index gives it.
     pub fn open(dir: impl AsRef<Path>) -> Result<Checkpoint> {
         let dir = dir.as_ref().to_path_buf();
-        temps::remove_stale_temporaries(&temps::parent_of(&dir));
+        temps::remove_stale_temporaries(&files::parent_of(&dir));
         let path = dir.join(INDEX_FILE);
         let text = std::fs::read(&path).map_err(|e| files::io_error(&path, "cannot read the index", e))?;
         let index: Index = serde_json::from_slice(&text)

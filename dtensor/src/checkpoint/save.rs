@@ -200,7 +200,7 @@ impl Staged {
                 format!("rank 0 sent {shared:?}, not a checkpoint id and directory"),
             ));
         };
-        let tmp = temps::parent_of(dir).join(name);
+        let tmp = files::parent_of(dir).join(name);
         let coord = mesh.coordinate();
         let mut list = Vec::new();
         for (name, x) in tensors {

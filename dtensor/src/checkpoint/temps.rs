@@ -24,7 +24,7 @@ use std::io::Write;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
-use super::files::io_error;
+use super::files::{io_error, parent_of};
 use crate::{Error, Result};
 
 /// The lock file inside a checkpoint's temporary directory.
@@ -184,14 +184,6 @@ pub(crate) fn make_temp_dir(dir: &Path, id: &str) -> Result<(PathBuf, WriterLock
             let _ = fs::remove_dir_all(&tmp);
             Err(io_error(&path, "cannot lock the temporary directory", e))
         }
-    }
-}
-
-/// The directory `dir` lies in (`.` for a bare name).
-pub(crate) fn parent_of(dir: &Path) -> PathBuf {
-    match dir.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
-        _ => PathBuf::from("."),
     }
 }
 
