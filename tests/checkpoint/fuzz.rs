@@ -4,8 +4,8 @@
 //! chunk files swapped; a file copied from another checkpoint of the same
 //! shapes; a file truncated or renamed) and loads it onto a mesh of another
 //! layout, so that chunks are read whole and in part. Every rank must load
-//! exactly the saved values or fail: a rank that loads other values is a silent
-//! wrong load, and there must be none. Ranks load independently
+//! exactly the saved values and metadata or fail: a rank that loads anything
+//! else is a silent wrong load, and there must be none. Ranks load independently
 //! (`Checkpoint::load` is not collective), so a case may fail on some ranks
 //! only (those whose bytes the damage touched); such cases are counted apart.
 //!
@@ -14,7 +14,7 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use tessera::dtensor::checkpoint::{Checkpoint, INDEX_FILE, save};
+use tessera::dtensor::checkpoint::{Checkpoint, INDEX_FILE, Index, save};
 use tessera::dtensor::{DTensor, DType, Layout, Placement, Tensor, distribute_tensor};
 use tessera::{DeviceMesh, launch};
 
@@ -64,10 +64,15 @@ fn make(dir: &Path, n: usize, seed: u64) {
             .map(|i| distribute_tensor(&values(i, seed), &mesh, &[place[i]]))
             .collect::<tessera::dtensor::Result<_>>()?;
         let refs: Vec<(&str, &DTensor)> = TENSORS.iter().zip(&xs).map(|(t, x)| (t.0, x)).collect();
-        save(&d, &refs, BTreeMap::from([("step".to_string(), "7".to_string())]))?;
+        save(&d, &refs, saved_meta())?;
         Ok(())
     })
     .unwrap();
+}
+
+/// The metadata saved with the tensors.
+fn saved_meta() -> BTreeMap<String, String> {
+    BTreeMap::from([("step".to_string(), "7".to_string())])
 }
 
 /// A destination: mesh shape and placements (fitted per tensor).
@@ -84,14 +89,14 @@ const DESTS: [Dest; 5] = [
     (&[1], &[Placement::Replicate]),
 ];
 
-/// Per rank: the local pieces of every tensor loaded from `dir` onto `dest`, or
-/// the first error. A panic fails the launch (and the test).
-fn load(dir: &Path, dest: Dest) -> Vec<Result<Vec<Tensor>, String>> {
+/// Per rank: the local pieces of every tensor loaded from `dir` onto `dest` and
+/// the checkpoint's metadata, or the first error. A panic fails the launch (and the test).
+fn load(dir: &Path, dest: Dest) -> Vec<Result<(Vec<Tensor>, BTreeMap<String, String>), String>> {
     let d = dir.to_path_buf();
     let n = dest.0.iter().product();
     launch(n, move |ctx| {
         let mesh = DeviceMesh::new(ctx.into_comm(), dest.0)?;
-        let run = || -> tessera::dtensor::Result<Vec<Tensor>> {
+        let run = || {
             let ckpt = Checkpoint::open(&d)?;
             (0..TENSORS.len())
                 .map(|i| {
@@ -100,7 +105,8 @@ fn load(dir: &Path, dest: Dest) -> Vec<Result<Vec<Tensor>, String>> {
                     let layout = Layout::new(dest.0, &p, shape, dt)?;
                     Ok(ckpt.load(name, &mesh, layout)?.to_local().clone())
                 })
-                .collect()
+                .collect::<tessera::dtensor::Result<Vec<Tensor>>>()
+                .map(|pieces| (pieces, ckpt.metadata().clone()))
         };
         Ok(run().map_err(|e| e.to_string()))
     })
@@ -189,8 +195,16 @@ fn mutate(work: &Path, other: &Path, kind: usize, rng: &mut Rng) -> String {
             let others: Vec<String> = chunk_files.iter().filter(|f| **f != from).cloned().collect();
             let to = pick(rng, &others);
             chunks[k]["file"] = to.clone().into();
+            // Half the time sealed again (as a consistent rewrite of the index
+            // would be), so that the chunk files' headers must catch it.
+            let sealed = rng.below(2) == 0;
+            if sealed {
+                let mut index: Index = serde_json::from_value(v.clone()).unwrap();
+                index.checksum = index.sealed_checksum().unwrap();
+                v = serde_json::to_value(&index).unwrap();
+            }
             std::fs::write(&p, serde_json::to_vec_pretty(&v).unwrap()).unwrap();
-            format!("index.json: chunk {k} of {name} moved from {from} to {to}")
+            format!("index.json: chunk {k} of {name} moved from {from} to {to} (sealed again: {sealed})")
         }
         4 => {
             let a = pick(rng, &chunk_files);
@@ -266,8 +280,8 @@ fn fault_campaign_never_loads_wrong_values() {
         let errs = got.iter().filter(|g| g.is_err()).count();
         per_kind[kind].0 += 1;
         for (r, g) in got.iter().enumerate() {
-            if let Ok(pieces) = g
-                && *pieces != want[d][r]
+            if let Ok((pieces, meta)) = g
+                && (*pieces != want[d][r] || *meta != saved_meta())
             {
                 wrong.push(format!(
                     "case {case} (saved on {n}, {what}, onto {:?}): rank {r}",

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 
 use serde_json::{Map, Value, json};
 
-use super::index::{Chunk, dtype_name};
+use super::index::{Chunk, checksum, dtype_name};
 use crate::{Error, Result, Tensor};
 
 /// The `format` in a chunk file's `__metadata__`.
@@ -32,17 +32,6 @@ pub(crate) struct Written {
     pub(crate) begin: u64,
     pub(crate) end: u64,
     pub(crate) checksums: String,
-}
-
-/// FNV-1a, 64-bit, over `bytes`, as 16 hex digits. Any change of one byte
-/// changes it (each step is a bijection of the state).
-pub(crate) fn checksum(bytes: &[u8]) -> String {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for &b in bytes {
-        h ^= u64::from(b);
-        h = h.wrapping_mul(0x0100_0000_01b3);
-    }
-    format!("{h:016x}")
 }
 
 /// The checksums of each `block` bytes of `bytes` (the last block shorter),

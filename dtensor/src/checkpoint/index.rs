@@ -10,6 +10,9 @@ use tessera_tensor::Error as TensorError;
 
 use crate::{Error, Result};
 
+/// The index's file name, for errors without a path.
+const INDEX_NAME: &str = "index.json";
+
 /// The `format` an index names.
 pub(crate) const FORMAT: &str = "tessera-checkpoint";
 /// The version this code writes and reads: 2 (per-block checksums and a
@@ -40,6 +43,10 @@ pub struct Index {
     pub id: String,
     /// The block size (bytes, a power of two) of the chunks' checksums.
     pub block_size: u64,
+    /// FNV-1a (64-bit) of the index itself, as 16 hex digits
+    /// ([`Index::sealed_checksum`]): an edited or corrupt index (a metadata
+    /// value, a checksum of a block no rank reads) is an error on every rank.
+    pub checksum: String,
     /// Every tensor, by name.
     pub tensors: BTreeMap<String, TensorEntry>,
     /// Free-form strings saved with the tensors (the training step, say).
@@ -100,6 +107,17 @@ pub(crate) fn chunk_key(name: &str, offsets: &[usize]) -> String {
     format!("{name}@{}", o.join(","))
 }
 
+/// FNV-1a, 64-bit, over `bytes`, as 16 hex digits. Any change of one byte
+/// changes it (each step is a bijection of the state).
+pub(crate) fn checksum(bytes: &[u8]) -> String {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for &b in bytes {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    format!("{h:016x}")
+}
+
 /// The safetensors name of a dtype.
 pub(crate) fn dtype_name(d: DType) -> &'static str {
     match d {
@@ -135,6 +153,21 @@ impl TensorEntry {
 }
 
 impl Index {
+    /// The checksum this index should carry: FNV-1a (64-bit) of its compact
+    /// JSON with `checksum` empty.
+    ///
+    /// # Errors
+    /// An index that does not serialize (never, for a valid one).
+    pub fn sealed_checksum(&self) -> Result<String> {
+        let mut unsealed = self.clone();
+        unsealed.checksum.clear();
+        let bytes = serde_json::to_vec(&unsealed).map_err(|e| Error::Checkpoint {
+            path: INDEX_NAME.into(),
+            detail: e.to_string(),
+        })?;
+        Ok(checksum(&bytes))
+    }
+
     /// Checks everything the index says about itself: format and version, a
     /// checkpoint id of 32 hex digits, a block size that is a power of two,
     /// known dtypes, chunks inside their tensor, keys `NAME@OFFSETS`, byte ranges

@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 
 use tessera_mesh::{DType, DeviceMesh};
 
-use super::index::{Chunk, Index, TensorEntry};
+use super::index::{self, Chunk, Index, TensorEntry};
 use super::{INDEX_FILE, ckpt_error, files, temps};
 use crate::redistribute::for_each_run;
 use crate::spec::{PlacementsDisplay, Region};
@@ -53,7 +53,8 @@ impl Checkpoint {
     ///
     /// # Errors
     /// [`Error::Checkpoint`](crate::Error::Checkpoint) naming the file: no `index.json`, an index that is
-    /// not valid JSON of the format or fails [`Index::validate`], a chunk file
+    /// not valid JSON of the format, fails [`Index::validate`] or does not
+    /// match its own checksum, a chunk file
     /// that is missing or shorter than the byte ranges the index gives it.
     pub fn open(dir: impl AsRef<Path>) -> Result<Checkpoint> {
         let dir = dir.as_ref().to_path_buf();
@@ -63,6 +64,17 @@ impl Checkpoint {
         let index: Index = serde_json::from_slice(&text)
             .map_err(|e| ckpt_error(&path, format!("not a valid checkpoint index: {e}")))?;
         index.validate(&path.display().to_string())?;
+        let sealed = index.sealed_checksum()?;
+        if index.checksum != sealed {
+            return Err(ckpt_error(
+                &path,
+                format!(
+                    "the index does not match its checksum ({} recorded, {sealed} computed): it was edited or is \
+                     corrupt",
+                    index.checksum
+                ),
+            ));
+        }
         let mut needed: BTreeMap<&str, (u64, &str)> = BTreeMap::new();
         for (name, t) in &index.tensors {
             for c in &t.chunks {
@@ -281,7 +293,7 @@ impl Checkpoint {
             for k in lo..=hi {
                 let at = ((k - lo) * block) as usize;
                 let bytes = &buf[at..(at + block as usize).min(buf.len())];
-                if files::checksum(bytes) != c.block_checksum(k) {
+                if index::checksum(bytes) != c.block_checksum(k) {
                     let from = c.begin + k * block;
                     return Err(ckpt_error(
                         &path,

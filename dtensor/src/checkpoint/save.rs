@@ -400,15 +400,17 @@ fn write_index(
             t.chunks.push(chunk);
         }
     }
-    let index = Index {
+    let mut index = Index {
         format: index::FORMAT.into(),
         version: index::VERSION,
         id: id.to_string(),
         block_size: index::BLOCK_SIZE,
+        checksum: String::new(),
         tensors: entries,
         metadata,
     };
     index.validate(&dir.join(INDEX_FILE).display().to_string())?;
+    index.checksum = index.sealed_checksum()?;
     let text = serde_json::to_vec_pretty(&index).map_err(|e| ckpt_error(dir, e.to_string()))?;
     files::write_synced(&tmp.join(INDEX_FILE), &text)?;
     lock.remove_file()?;

@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use serde_json::Value;
 use tessera_mesh::{DType, DeviceMesh, launch};
 
-use super::{Checkpoint, INDEX_FILE, save};
+use super::{Checkpoint, INDEX_FILE, Index, save};
 use crate::{Layout, Placement, Tensor, distribute_tensor};
 
 /// A fresh directory under the system's temporary directory, removed on drop.
@@ -99,11 +99,16 @@ fn flip(file: &Path, at: u64) {
     fs::write(file, bytes).unwrap();
 }
 
+/// Edits `index.json` through `f` and seals it again (its own checksum made
+/// to match), as a consistent rewrite would: so that the checks behind the
+/// index's checksum are what a test meets.
 fn edit_index(dir: &Path, f: impl FnOnce(&mut Value)) {
     let p = dir.join(INDEX_FILE);
     let mut v: Value = serde_json::from_slice(&fs::read(&p).unwrap()).unwrap();
     f(&mut v);
-    fs::write(&p, serde_json::to_vec(&v).unwrap()).unwrap();
+    let mut index: Index = serde_json::from_value(v).unwrap();
+    index.checksum = index.sealed_checksum().unwrap();
+    fs::write(&p, serde_json::to_vec(&index).unwrap()).unwrap();
 }
 
 /// Rewrites the safetensors header of chunk file `name` in `dir` through `f`,
@@ -136,7 +141,10 @@ fn edit_header(dir: &Path, name: &str, f: impl FnOnce(&mut Value)) {
 
 fn assert_errs(got: &[(Result<Tensor, String>, u64)], want: &[&str]) {
     for (r, (g, _)) in got.iter().enumerate() {
-        let e = g.as_ref().expect_err("a damaged checkpoint must not load");
+        let e = g
+            .as_ref()
+            .map_err(Clone::clone)
+            .expect_err(&format!("a damaged checkpoint must not load (expected {want:?})"));
         for w in want {
             assert!(e.contains(w), "rank {r}: {e:?} should mention {w:?}");
         }
@@ -271,6 +279,32 @@ fn chunk_headers_are_checked_against_the_index() {
     case!(
         fs::write(&r0, vec![0xffu8; fs::metadata(&r0).unwrap().len() as usize]).unwrap(),
         ["rank00000.safetensors", "not a safetensors file"]
+    );
+    // The index edited without sealing it again (a metadata value, a block
+    // checksum): caught by its own checksum.
+    case!(
+        {
+            let p = work.join(INDEX_FILE);
+            let mut v: Value = serde_json::from_slice(&fs::read(&p).unwrap()).unwrap();
+            v["metadata"]["step"] = "6".into();
+            fs::write(&p, serde_json::to_vec(&v).unwrap()).unwrap();
+        },
+        ["index.json", "does not match its checksum", "edited or is corrupt"]
+    );
+    case!(
+        {
+            let p = work.join(INDEX_FILE);
+            let mut v: Value = serde_json::from_slice(&fs::read(&p).unwrap()).unwrap();
+            let sums = v["tensors"]["w"]["chunks"][1]["checksums"]
+                .as_str()
+                .unwrap()
+                .to_string();
+            let first = if sums.starts_with('0') { "1" } else { "0" };
+            let sums = format!("{first}{}", &sums[1..]);
+            v["tensors"]["w"]["chunks"][1]["checksums"] = sums.into();
+            fs::write(&p, serde_json::to_vec(&v).unwrap()).unwrap();
+        },
+        ["index.json", "does not match its checksum"]
     );
     // The index: an id that is not 32 hex digits, and version 1.
     case!(
