@@ -93,7 +93,8 @@ pub fn async_save(
 
 /// A checkpoint being written in the background ([`async_save`]). Lives on its
 /// rank's thread; dropping it without [`wait`](Self::wait) waits for the
-/// writer but leaves the checkpoint unfinished (the previous one stays).
+/// writer but leaves the checkpoint unfinished (the previous one stays, and
+/// rank 0 removes the temporary directory).
 pub struct AsyncSave {
     staged: Option<Staged>,
     writer: Option<std::thread::JoinHandle<Result<Written>>>,
@@ -134,6 +135,11 @@ impl Drop for AsyncSave {
     fn drop(&mut self) {
         if let Some(w) = self.writer.take() {
             let _ = w.join();
+        }
+        // Never completed: rank 0 removes the temporary directory (best
+        // effort; another rank's writer still in it then fails, unheard).
+        if let Some(Staged { tmp, lock: Some(_), .. }) = &self.staged {
+            let _ = std::fs::remove_dir_all(tmp);
         }
     }
 }

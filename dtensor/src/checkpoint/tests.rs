@@ -427,3 +427,25 @@ fn saving_over_a_checkpoint_leaves_no_temporary() {
     assert_eq!(dir.entries(), ["ck"]);
     assert_eq!(load(&ck, 1, Placement::Replicate)[0].0.as_ref().unwrap(), &full(5.0));
 }
+
+#[test]
+fn an_abandoned_background_save_leaves_no_temporary() {
+    let dir = Scratch::new("abandon");
+    make(&dir.0.join("ck"), 0.0);
+    let d = dir.0.join("ck");
+    launch(2, move |ctx| {
+        let mesh = DeviceMesh::new(ctx.into_comm(), &[2])?;
+        let w = distribute_tensor(&full(9.0), &mesh, &[Placement::Shard(0)])?;
+        let pending = super::async_save(&d, &[("w", &w)], BTreeMap::new())?;
+        mesh.comm().barrier()?;
+        drop(pending);
+        mesh.comm().barrier()?;
+        Ok(())
+    })
+    .unwrap();
+    assert_eq!(dir.entries(), ["ck"]);
+    assert_eq!(
+        load(&dir.0.join("ck"), 1, Placement::Replicate)[0].0.as_ref().unwrap(),
+        &full(0.0)
+    );
+}
