@@ -39,7 +39,9 @@
 //! uninterrupted run would use, and `--losses-out` lists those N−k losses.
 //! `--async-save` writes them in the background while training goes on (one at
 //! a time; `latest` moves once a checkpoint is complete); `--keep-checkpoints K`
-//! removes all but the newest K complete ones. `--save-full PATH`
+//! removes all but the newest K complete ones (directories with a valid
+//! `index.json`; a save's temporaries never count, and those of a save killed
+//! mid-write are removed by the next save or resume). `--save-full PATH`
 //! writes the consolidated safetensors file at the end.
 //!
 //! Under `mpirun` the world size defaults to the number of processes, and only
@@ -60,7 +62,7 @@ use tessera::autograd::{
     Param, Var, backward, load_checkpoint, read_safetensors, save_checkpoint, save_state_dict_full,
 };
 use tessera::data::{DATA_SEED, batch};
-use tessera::dtensor::checkpoint::SaveReport;
+use tessera::dtensor::checkpoint::{Checkpoint, SaveReport};
 use tessera::dtensor::{Placement, Tensor, distribute_tensor_from};
 use tessera::fsdp::{FsdpConfig, MixedPrecisionPolicy};
 use tessera::models::{Transformer, TransformerConfig};
@@ -97,7 +99,7 @@ output and checkpoints:
   --checkpoint-dir DIR --checkpoint-every N
                         sharded checkpoints every N steps (default: none)
   --async-save          write checkpoints in the background
-  --keep-checkpoints K  keep the newest K (default 0: all)
+  --keep-checkpoints K  keep the newest K complete checkpoints (default 0: all)
   --resume DIR          continue from a checkpoint saved on any mesh
   --save-full PATH      consolidated safetensors state dict at the end
 environment: TESSERA_TIMEOUT_S, TESSERA_THREADS_PER_RANK, TESSERA_BACKEND, TESSERA_BF16_DOT,
@@ -336,11 +338,14 @@ fn finish_save(
     if mesh.comm().rank() == 0 {
         write_atomic(dir.join("latest"), name.as_bytes())?;
         if keep > 0 {
-            // Step directories sort by step; `latest` now names the newest.
+            // Step directories sort by step; `latest` now names the newest. Only
+            // complete checkpoints count (a valid index.json): never a
+            // temporary (hidden, and not `step_`) nor a damaged directory.
             let mut steps: Vec<String> = std::fs::read_dir(dir)?
                 .filter_map(|e| e.ok())
                 .map(|e| e.file_name().to_string_lossy().into_owned())
                 .filter(|n| n.starts_with("step_") && n.as_str() <= name)
+                .filter(|n| Checkpoint::open(dir.join(n)).is_ok())
                 .collect();
             steps.sort();
             for old in &steps[..steps.len().saturating_sub(keep)] {

@@ -91,3 +91,47 @@ fn help_lists_every_flag_with_its_default() {
     }
     assert!(help.contains("default 50") && help.contains("default 0.001"), "{help}");
 }
+
+/// `--keep-checkpoints` counts complete checkpoints only: a damaged step
+/// directory (no valid index.json) neither counts nor goes, and a killed
+/// save's temporary (a dead process's, of another step) is removed by the next
+/// save, whatever its name.
+#[test]
+fn kept_checkpoints_are_complete_ones_and_dead_temporaries_go() {
+    let ck = std::env::temp_dir().join(format!("tessera-cli-keep-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&ck);
+    std::fs::create_dir_all(ck.join("step_000003")).unwrap();
+    std::fs::write(ck.join("step_000003").join("index.json"), b"{").unwrap();
+    let mut child = Command::new("true").spawn().unwrap();
+    let dead = child.id();
+    child.wait().unwrap();
+    let tmp = ck.join(format!(".step_000014.tmp-{dead}-00112233445566778899aabbccddeeff"));
+    std::fs::create_dir_all(&tmp).unwrap();
+    std::fs::write(tmp.join("rank00000.safetensors"), vec![0u8; 4096]).unwrap();
+    std::fs::write(tmp.join("writer.lock"), format!("pid {dead}")).unwrap();
+    std::fs::write(ck.join(format!(".latest.tmp-{dead}-0")), b"step_").unwrap();
+    let dir = ck.to_string_lossy().into_owned();
+    let out = train(
+        &[
+            "--world-size",
+            "2",
+            "--steps",
+            "4",
+            "--checkpoint-dir",
+            &dir,
+            "--checkpoint-every",
+            "2",
+            "--keep-checkpoints",
+            "2",
+        ],
+        &[],
+    );
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let mut left: Vec<String> = std::fs::read_dir(&ck)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    left.sort();
+    let _ = std::fs::remove_dir_all(&ck);
+    assert_eq!(left, ["latest", "step_000002", "step_000003", "step_000004"]);
+}

@@ -14,7 +14,7 @@ use tessera::dtensor::testing::test_values;
 use tessera::dtensor::{DTensor, DType, Layout, Placement, ReduceOp, Tensor, distribute_tensor};
 use tessera::{DeviceMesh, launch};
 
-use crate::{Cleanup, files_in, scratch};
+use crate::{Cleanup, Rng, copy_dir, files_in, fuzz_cases, scratch};
 
 /// The tensors of the test checkpoint: name, shape, dtype, placement on 2 ranks.
 const TENSORS: [(&str, &[usize], DType, Placement); 3] = [
@@ -66,14 +66,6 @@ fn pristine() -> Vec<Tensor> {
         .iter()
         .map(|(_, shape, dt, _)| test_values(shape, *dt).unwrap())
         .collect()
-}
-
-fn copy_dir(from: &Path, to: &Path) {
-    let _ = std::fs::remove_dir_all(to);
-    std::fs::create_dir_all(to).unwrap();
-    for f in files_in(from) {
-        std::fs::copy(from.join(&f), to.join(&f)).unwrap();
-    }
 }
 
 fn edit_index(dir: &Path, f: impl FnOnce(&mut Value)) {
@@ -196,22 +188,6 @@ fn partial_tensors_are_not_saved() {
     assert!(!dir.exists());
 }
 
-/// xorshift64*: a small deterministic generator for the fuzz cases.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n.max(1) as u64) as usize
-    }
-}
-
 /// One random index edit: a number nudged, a string or dtype replaced, an
 /// array shortened, a field removed.
 fn mutate_index(v: &mut Value, rng: &mut Rng) {
@@ -227,7 +203,7 @@ fn mutate_index(v: &mut Value, rng: &mut Rng) {
         _ => {
             let n = t["chunks"].as_array().unwrap().len();
             let c = &mut t["chunks"][rng.below(n)];
-            let fields = ["offsets", "shape", "file", "begin", "end", "checksum"];
+            let fields = ["offsets", "shape", "file", "key", "begin", "end", "checksums"];
             let f = fields[rng.below(fields.len())];
             match &mut c[f] {
                 Value::Number(x) => {
@@ -257,10 +233,7 @@ fn mutate_index(v: &mut Value, rng: &mut Rng) {
 /// and never returns anything but the saved values.
 #[test]
 fn fuzzed_checkpoints_never_load_wrong() {
-    let cases: usize = std::env::var("TESSERA_FUZZ_CASES")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(300);
+    let cases = fuzz_cases();
     let base = scratch("fuzzbase");
     let _c = Cleanup(base.clone());
     make(&base);

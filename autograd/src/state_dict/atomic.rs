@@ -3,16 +3,22 @@
 //! never half of one. Shared by the state dict writers and the examples' result
 //! files.
 //!
-//! Temporaries are named `.NAME.tmp-PID-N` (the writing process and a counter).
-//! A writer killed mid-save cannot remove its own, so every new write to `NAME`
-//! first removes the temporaries of `NAME` left by processes that no longer run
-//! (on Linux, where `/proc` tells; elsewhere nothing is removed). Temporaries of
-//! live processes, this one included, are left alone: they may be saves in flight.
+//! Temporaries are named `.NAME.tmp-PID-N` (the writing process and a counter),
+//! and the writer holds an exclusive lock (`flock`) on its temporary until it is
+//! renamed into place. A writer killed mid-save cannot remove its own, so every
+//! new write first removes the temporaries of dead writers in the target's
+//! directory, whatever their target
+//! ([`tessera_dtensor::checkpoint::remove_stale_temporaries`]: unlocked, and
+//! the PID no longer runs here, on Linux, where `/proc` tells; elsewhere nothing
+//! is removed). Temporaries of live writers, this process's included, are left
+//! alone: they may be saves in flight.
 
 use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
+
+use tessera_dtensor::checkpoint::remove_stale_temporaries;
 
 use crate::{Error, Result};
 
@@ -48,7 +54,11 @@ impl AtomicFile {
                 source: std::io::Error::new(std::io::ErrorKind::InvalidInput, "the path names no file"),
             })?
             .to_string_lossy();
-        remove_stale_temporaries(dest, &name);
+        let dir = match dest.parent() {
+            Some(d) if !d.as_os_str().is_empty() => d,
+            _ => Path::new("."),
+        };
+        remove_stale_temporaries(dir);
         let tmp = dest.with_file_name(format!(
             "{}{}-{}",
             temp_prefix(&name),
@@ -64,6 +74,15 @@ impl AtomicFile {
                 action: "cannot create",
                 source,
             })?;
+        // Held until the file is closed (after the rename): a live writer's mark.
+        if let Err(e) = file.try_lock() {
+            let _ = std::fs::remove_file(&tmp);
+            return Err(Error::Io {
+                path: tmp,
+                action: "cannot lock",
+                source: e.into(),
+            });
+        }
         Ok(AtomicFile {
             dest: dest.to_path_buf(),
             tmp,
@@ -119,76 +138,10 @@ fn temp_prefix(name: &str) -> String {
     format!(".{name}.tmp-")
 }
 
-/// The writing process of a temporary file name of the target `name`
-/// (`.NAME.tmp-PID-N`), or `None` for any other name.
-fn temp_owner(file_name: &str, name: &str) -> Option<u32> {
-    let rest = file_name.strip_prefix(&temp_prefix(name))?;
-    let (pid, counter) = rest.split_once('-')?;
-    let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
-    (digits(pid) && digits(counter)).then(|| pid.parse().ok()).flatten()
-}
-
-/// Removes the temporaries of `dest` (named `name`) whose writing process is
-/// gone. Best effort: a directory that cannot be listed or a file that cannot be
-/// removed is left for the next write.
-fn remove_stale_temporaries(dest: &Path, name: &str) {
-    let dir = match dest.parent() {
-        Some(d) if !d.as_os_str().is_empty() => d,
-        _ => Path::new("."),
-    };
-    let Ok(entries) = std::fs::read_dir(dir) else {
-        return;
-    };
-    for entry in entries.flatten() {
-        let file_name = entry.file_name();
-        let Some(pid) = file_name.to_str().and_then(|f| temp_owner(f, name)) else {
-            continue;
-        };
-        if process_is_gone(pid) && std::fs::remove_file(entry.path()).is_ok() {
-            log::info!(
-                "removed {}, a temporary file left by process {pid}, which no longer runs",
-                entry.path().display()
-            );
-        }
-    }
-}
-
-/// Whether process `pid` is certainly not running: `/proc/PID` is missing while
-/// `/proc` is mounted. Never this process.
-#[cfg(target_os = "linux")]
-fn process_is_gone(pid: u32) -> bool {
-    pid != std::process::id() && Path::new("/proc/self").exists() && !Path::new(&format!("/proc/{pid}")).exists()
-}
-
-/// Without `/proc`, liveness is unknown: nothing counts as gone.
-#[cfg(not(target_os = "linux"))]
-fn process_is_gone(_pid: u32) -> bool {
-    false
-}
-
 #[cfg(test)]
 mod tests {
     use super::super::tests::TmpDir;
     use super::*;
-
-    #[test]
-    fn temporary_names() {
-        macro_rules! case {
-            ($file:expr, $want:expr) => {
-                assert_eq!(temp_owner($file, "w.safetensors"), $want, "{}", $file);
-            };
-        }
-        case!(".w.safetensors.tmp-123-0", Some(123));
-        case!(".w.safetensors.tmp-7-45", Some(7));
-        case!(".w.safetensors.tmp-123-", None);
-        case!(".w.safetensors.tmp--0", None);
-        case!(".w.safetensors.tmp-12a-0", None);
-        case!(".w.safetensors.tmp-1-2-3", None);
-        case!(".w.safetensors.tmp.123", None);
-        case!(".x.safetensors.tmp-123-0", None);
-        case!(".w.safetensors.tmp-5.tmp-123-0", None);
-        case!("w.safetensors", None);
-    }
 
     /// The PID of a process that has exited (a child, reaped).
     fn dead_pid() -> u32 {
@@ -206,18 +159,25 @@ mod tests {
         let dead = format!(".w.safetensors.tmp-{}-3", dead_pid());
         let live = format!(".w.safetensors.tmp-{}-999999", std::process::id());
         let other = format!(".other.tmp-{}-0", dead_pid());
-        for name in [&dead, &live, &other] {
+        let held = format!(".held.tmp-{}-0", dead_pid());
+        for name in [&dead, &live, &other, &held] {
             std::fs::write(dir.0.join(name), b"partial").unwrap();
         }
+        // A writer elsewhere (its PID means nothing here) holding its lock.
+        let lock = std::fs::File::options().write(true).open(dir.0.join(&held)).unwrap();
+        lock.try_lock().unwrap();
         write_atomic(&path, b"new").unwrap();
         assert_eq!(std::fs::read(&path).unwrap(), b"new");
-        let mut want = vec![live, other, "w.safetensors".to_string()];
+        let mut want = vec![live.clone(), held, "w.safetensors".to_string()];
         want.sort();
         assert_eq!(
             dir.entries(),
             want,
-            "the dead writer's temporary is gone, the rest stays"
+            "dead writers' temporaries are gone, whatever their target; live ones stay"
         );
+        drop(lock);
+        write_atomic(&path, b"newer").unwrap();
+        assert_eq!(dir.entries(), [live, "w.safetensors".to_string()]);
     }
 
     #[test]

@@ -1,14 +1,22 @@
 //! The files of a checkpoint: one safetensors file per writing rank, written and
-//! fsynced in a temporary directory that replaces the target in one rename.
+//! fsynced in a temporary directory that replaces the target in one rename;
+//! each stamped with the checkpoint's id and its own name, and checked against
+//! the index when a load first opens it.
 
 use std::fs::{self, File, OpenOptions};
 use std::io::Write;
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 use serde_json::{Map, Value, json};
 
-use super::index::dtype_name;
+use super::index::{Chunk, checksum, dtype_name};
 use crate::{Error, Result, Tensor};
+
+/// The `format` in a chunk file's `__metadata__`.
+const FILE_FORMAT: &str = "tessera-checkpoint chunk file";
+/// The largest safetensors header this reader accepts (as safetensors does).
+const MAX_HEADER: u64 = 100 << 20;
 
 pub(crate) fn io_error(path: &Path, what: &str, e: std::io::Error) -> Error {
     Error::Checkpoint {
@@ -17,27 +25,37 @@ pub(crate) fn io_error(path: &Path, what: &str, e: std::io::Error) -> Error {
     }
 }
 
-/// Where a chunk landed in its file: its key, absolute byte range and checksum.
+/// Where a chunk landed in its file: its key, absolute byte range and block
+/// checksums.
 pub(crate) struct Written {
     pub(crate) key: String,
     pub(crate) begin: u64,
     pub(crate) end: u64,
-    pub(crate) checksum: String,
+    pub(crate) checksums: String,
 }
 
-/// FNV-1a, 64-bit, over `bytes`, as 16 hex digits.
-pub(crate) fn checksum(bytes: &[u8]) -> String {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for &b in bytes {
-        h ^= u64::from(b);
-        h = h.wrapping_mul(0x0100_0000_01b3);
-    }
-    format!("{h:016x}")
+/// The checksums of each `block` bytes of `bytes` (the last block shorter),
+/// concatenated.
+pub(crate) fn block_checksums(bytes: &[u8], block: u64) -> String {
+    bytes.chunks(block as usize).map(checksum).collect()
+}
+
+/// What a chunk file is stamped with: the checkpoint's id and its own name.
+pub(crate) struct Stamp<'a> {
+    pub(crate) id: &'a str,
+    pub(crate) file: &'a str,
 }
 
 /// Writes `chunks` (key, contiguous tensor) as one safetensors file at `path`,
-/// streaming one tensor at a time, and fsyncs it. Returns each chunk's range.
-pub(crate) fn write_safetensors(path: &Path, chunks: &[(String, &Tensor)]) -> Result<Vec<Written>> {
+/// stamped with `stamp` in its `__metadata__`, streaming one tensor at a time,
+/// and fsyncs it. Returns each chunk's range and its checksums per `block`
+/// bytes.
+pub(crate) fn write_safetensors(
+    path: &Path,
+    chunks: &[(String, &Tensor)],
+    stamp: &Stamp<'_>,
+    block: u64,
+) -> Result<Vec<Written>> {
     let mut header = Map::new();
     let mut at = 0u64;
     let mut ranges = Vec::with_capacity(chunks.len());
@@ -52,7 +70,7 @@ pub(crate) fn write_safetensors(path: &Path, chunks: &[(String, &Tensor)]) -> Re
     }
     header.insert(
         "__metadata__".into(),
-        json!({"format": "tessera-checkpoint chunk file"}),
+        json!({"format": FILE_FORMAT, "checkpoint": stamp.id, "file": stamp.file}),
     );
     let mut text = Value::Object(header).to_string().into_bytes();
     // Pad the header with spaces so the data starts 8-byte aligned.
@@ -72,7 +90,7 @@ pub(crate) fn write_safetensors(path: &Path, chunks: &[(String, &Tensor)]) -> Re
         let c = t.contiguous();
         let buf = c.as_buf()?;
         let bytes = buf.as_bytes();
-        sums.push(checksum(bytes));
+        sums.push(block_checksums(bytes, block));
         write(&mut w, bytes)?;
     }
     w.flush().map_err(|e| io_error(path, "cannot write", e))?;
@@ -82,13 +100,111 @@ pub(crate) fn write_safetensors(path: &Path, chunks: &[(String, &Tensor)]) -> Re
         .iter()
         .zip(ranges)
         .zip(sums)
-        .map(|(((key, _), (b, e)), checksum)| Written {
+        .map(|(((key, _), (b, e)), checksums)| Written {
             key: key.clone(),
             begin: data_start + b,
             end: data_start + e,
-            checksum,
+            checksums,
         })
         .collect())
+}
+
+/// Checks the safetensors header of the chunk file `path` (open as `file`)
+/// against what the index says of it: stamped with checkpoint `id` and its own
+/// name `file_name`, and holding exactly `chunks` (tensor name, dtype name,
+/// chunk) with their dtypes, shapes and byte ranges.
+///
+/// # Errors
+/// [`Error::Checkpoint`] naming the file and the tensor that disagrees: a file
+/// of another checkpoint, one renamed or swapped, a header that is not
+/// safetensors or describes other chunks.
+pub(crate) fn check_header(
+    path: &Path,
+    file: &File,
+    id: &str,
+    file_name: &str,
+    chunks: &[(&str, &str, &Chunk)],
+) -> Result<()> {
+    let bad = |detail: String| Error::Checkpoint {
+        path: path.display().to_string(),
+        detail,
+    };
+    let len = file
+        .metadata()
+        .map_err(|e| io_error(path, "cannot read the size of", e))?
+        .len();
+    let mut head = [0u8; 8];
+    file.read_exact_at(&mut head, 0)
+        .map_err(|e| io_error(path, "cannot read the safetensors header", e))?;
+    let n = u64::from_le_bytes(head);
+    if n > MAX_HEADER || n > len.saturating_sub(8) {
+        return Err(bad(format!(
+            "not a safetensors file: its header claims {n} bytes of a {len}-byte file"
+        )));
+    }
+    let mut text = vec![0u8; n as usize];
+    file.read_exact_at(&mut text, 8)
+        .map_err(|e| io_error(path, "cannot read the safetensors header", e))?;
+    let header: Map<String, Value> = serde_json::from_slice(&text)
+        .map_err(|e| bad(format!("not a safetensors file: its header is not a JSON object ({e})")))?;
+    let meta = header.get("__metadata__");
+    let field = |k: &str| meta.and_then(|m| m.get(k)).and_then(Value::as_str);
+    if field("format") != Some(FILE_FORMAT) {
+        return Err(bad(format!(
+            "not a chunk file of a checkpoint: its __metadata__ is {}",
+            meta.map_or("missing".to_string(), Value::to_string)
+        )));
+    }
+    if field("checkpoint") != Some(id) {
+        return Err(bad(format!(
+            "belongs to checkpoint {}, but the index is of checkpoint {id}: a file copied from another \
+             checkpoint (tensor {} and the rest of this file cannot be trusted)",
+            field("checkpoint").unwrap_or("(none)"),
+            chunks.first().map_or("-", |c| c.0)
+        )));
+    }
+    if field("file") != Some(file_name) {
+        return Err(bad(format!(
+            "was written as {}, but the index reads it as {file_name}: files renamed or swapped (tensor {})",
+            field("file").unwrap_or("(none)"),
+            chunks.first().map_or("-", |c| c.0)
+        )));
+    }
+    let start = 8 + n;
+    for (name, dtype, c) in chunks {
+        let want = json!({
+            "dtype": dtype,
+            "shape": c.shape,
+            "data_offsets": [c.begin.checked_sub(start), c.end.checked_sub(start)],
+        });
+        match header.get(&c.key) {
+            Some(got) if *got == want => {}
+            Some(got) => {
+                return Err(bad(format!(
+                    "tensor {name}: chunk {} is {got} in the file, but the index says {want}",
+                    c.key
+                )));
+            }
+            None => {
+                return Err(bad(format!(
+                    "tensor {name}: the index puts chunk {} in this file, which does not hold it",
+                    c.key
+                )));
+            }
+        }
+    }
+    let held = header.len() - 1;
+    if held != chunks.len() {
+        let extra = header
+            .keys()
+            .find(|k| *k != "__metadata__" && !chunks.iter().any(|c| &c.2.key == *k))
+            .map_or(String::new(), |k| format!(": {k:?} is not in the index"));
+        return Err(bad(format!(
+            "holds {held} chunks, the index names {} in it{extra}",
+            chunks.len()
+        )));
+    }
+    Ok(())
 }
 
 /// Writes `bytes` to `path` and fsyncs it.
@@ -105,23 +221,6 @@ pub(crate) fn sync_dir(dir: &Path) -> Result<()> {
         .map_err(|e| io_error(dir, "cannot fsync the directory", e))
 }
 
-/// The temporary directory a save into `dir` writes first: a hidden sibling.
-pub(crate) fn temp_dir_for(dir: &Path) -> Result<PathBuf> {
-    let name = dir.file_name().ok_or_else(|| Error::Checkpoint {
-        path: dir.display().to_string(),
-        detail: "a checkpoint directory needs a name (not `/` or `..`)".into(),
-    })?;
-    let parent = parent_of(dir);
-    Ok(parent.join(format!(".{}.tmp", name.to_string_lossy())))
-}
-
-fn parent_of(dir: &Path) -> PathBuf {
-    match dir.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
-        _ => PathBuf::from("."),
-    }
-}
-
 /// Makes `tmp` the checkpoint at `dir` in one atomic step: a rename when `dir`
 /// does not exist, else an exchange of the two (Linux `renameat2`), after which
 /// the old checkpoint, now at `tmp`, is removed. A crash at any point leaves
@@ -131,7 +230,14 @@ pub(crate) fn install(tmp: &Path, dir: &Path) -> Result<()> {
         fs::rename(tmp, dir).map_err(|e| io_error(dir, "cannot rename the new checkpoint into place", e))?;
     } else {
         exchange(tmp, dir)?;
-        fs::remove_dir_all(tmp).map_err(|e| io_error(tmp, "cannot remove the replaced checkpoint", e))?;
+        // A concurrent cleaner may have removed it already (it is a dead
+        // temporary to anyone else now): that is as good.
+        match fs::remove_dir_all(tmp) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                return Err(io_error(tmp, "cannot remove the replaced checkpoint", e));
+            }
+            _ => {}
+        }
     }
     sync_dir(&parent_of(dir))
 }
@@ -178,12 +284,12 @@ fn exchange(a: &Path, b: &Path) -> Result<()> {
     fs::rename(&aside, a).map_err(|e| io_error(a, "cannot move the old checkpoint", e))
 }
 
-/// A fresh, empty `tmp` (a stale one from a killed save is removed).
-pub(crate) fn fresh_dir(tmp: &Path) -> Result<()> {
-    if tmp.exists() {
-        fs::remove_dir_all(tmp).map_err(|e| io_error(tmp, "cannot remove a stale temporary directory", e))?;
+/// The directory `dir` lies in (`.` for a bare name).
+pub(crate) fn parent_of(dir: &Path) -> PathBuf {
+    match dir.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
     }
-    fs::create_dir_all(tmp).map_err(|e| io_error(tmp, "cannot create", e))
 }
 
 /// Opens a chunk file for reading.

@@ -10,10 +10,24 @@ use tessera_tensor::Error as TensorError;
 
 use crate::{Error, Result};
 
+/// The index's file name, for errors without a path.
+const INDEX_NAME: &str = "index.json";
+
 /// The `format` an index names.
 pub(crate) const FORMAT: &str = "tessera-checkpoint";
-/// The version this code writes and reads.
-pub(crate) const VERSION: u32 = 1;
+/// The version this code writes and reads: 2 (per-block checksums and a
+/// checkpoint id; version 1 had one checksum per chunk, which a partial read
+/// could not check, and is no longer read).
+pub(crate) const VERSION: u32 = 2;
+/// The block size a save checksums chunks at: 64 KiB. A load reads and checks
+/// every block its runs touch, so it reads at most its own bytes plus two
+/// partial blocks per contiguous run (and never more than the chunks it
+/// overlaps).
+pub(crate) const BLOCK_SIZE: u64 = 64 << 10;
+/// The largest block size an index may name (1 GiB).
+const MAX_BLOCK_SIZE: u64 = 1 << 30;
+/// Hex digits of one block checksum.
+pub(crate) const CHECKSUM_DIGITS: usize = 16;
 
 /// The index of a checkpoint directory.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -21,8 +35,18 @@ pub(crate) const VERSION: u32 = 1;
 pub struct Index {
     /// Always `"tessera-checkpoint"`.
     pub format: String,
-    /// The format version (1).
+    /// The format version (2).
     pub version: u32,
+    /// The checkpoint's identity: 128 random bits as 32 hex digits, drawn once
+    /// per save and stamped into every chunk file's `__metadata__`, so a file
+    /// of another checkpoint is told apart.
+    pub id: String,
+    /// The block size (bytes, a power of two) of the chunks' checksums.
+    pub block_size: u64,
+    /// FNV-1a (64-bit) of the index itself, as 16 hex digits
+    /// ([`Index::sealed_checksum`]): an edited or corrupt index (a metadata
+    /// value, a checksum of a block no rank reads) is an error on every rank.
+    pub checksum: String,
     /// Every tensor, by name.
     pub tensors: BTreeMap<String, TensorEntry>,
     /// Free-form strings saved with the tensors (the training step, say).
@@ -58,9 +82,40 @@ pub struct Chunk {
     pub begin: u64,
     /// See `begin`.
     pub end: u64,
-    /// FNV-1a (64-bit) of the chunk's bytes, as 16 hex digits: checked whenever
-    /// a load reads the whole chunk.
-    pub checksum: String,
+    /// FNV-1a (64-bit) of each `block_size` block of the chunk's bytes (the
+    /// last one shorter), 16 hex digits each, concatenated: a load checks every
+    /// block it reads, whole chunk or part.
+    pub checksums: String,
+}
+
+impl Chunk {
+    /// The number of checksum blocks of this chunk at `block_size`.
+    pub(crate) fn blocks(&self, block_size: u64) -> u64 {
+        (self.end - self.begin).div_ceil(block_size)
+    }
+
+    /// The checksum of block `k`.
+    pub(crate) fn block_checksum(&self, k: u64) -> &str {
+        let at = k as usize * CHECKSUM_DIGITS;
+        &self.checksums[at..at + CHECKSUM_DIGITS]
+    }
+}
+
+/// A chunk's key in its file: `NAME@OFFSETS` (offsets comma-separated).
+pub(crate) fn chunk_key(name: &str, offsets: &[usize]) -> String {
+    let o: Vec<String> = offsets.iter().map(usize::to_string).collect();
+    format!("{name}@{}", o.join(","))
+}
+
+/// FNV-1a, 64-bit, over `bytes`, as 16 hex digits. Any change of one byte
+/// changes it (each step is a bijection of the state).
+pub(crate) fn checksum(bytes: &[u8]) -> String {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for &b in bytes {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    format!("{h:016x}")
 }
 
 /// The safetensors name of a dtype.
@@ -98,10 +153,26 @@ impl TensorEntry {
 }
 
 impl Index {
-    /// Checks everything the index says about itself: format and version, known
-    /// dtypes, chunks inside their tensor, byte ranges of the right length,
-    /// plain file names, and chunks that tile each tensor exactly. `path` names
-    /// the index in errors.
+    /// The checksum this index should carry: FNV-1a (64-bit) of its compact
+    /// JSON with `checksum` empty.
+    ///
+    /// # Errors
+    /// An index that does not serialize (never, for a valid one).
+    pub fn sealed_checksum(&self) -> Result<String> {
+        let mut unsealed = self.clone();
+        unsealed.checksum.clear();
+        let bytes = serde_json::to_vec(&unsealed).map_err(|e| Error::Checkpoint {
+            path: INDEX_NAME.into(),
+            detail: e.to_string(),
+        })?;
+        Ok(checksum(&bytes))
+    }
+
+    /// Checks everything the index says about itself: format and version, a
+    /// checkpoint id of 32 hex digits, a block size that is a power of two,
+    /// known dtypes, chunks inside their tensor, keys `NAME@OFFSETS`, byte ranges
+    /// of the right length, one checksum per block, plain file names, and
+    /// chunks that tile each tensor exactly. `path` names the index in errors.
     ///
     /// # Errors
     /// [`Error::Checkpoint`] naming the tensor and what is wrong.
@@ -111,9 +182,28 @@ impl Index {
             detail,
         };
         if self.format != FORMAT || self.version != VERSION {
+            let hint = if self.format == FORMAT && self.version < VERSION {
+                "; older versions (one checksum per chunk, which partial reads could not check, and no checkpoint \
+                 id) are not read: save the tensors again with this build (from full tensors written by the \
+                 build that saved them)"
+            } else {
+                ""
+            };
             return Err(bad(format!(
-                "format {:?} version {}; this build reads {FORMAT:?} version {VERSION}",
+                "format {:?} version {}; this build reads {FORMAT:?} version {VERSION}{hint}",
                 self.format, self.version
+            )));
+        }
+        if self.id.len() != 32 || !is_hex(&self.id) {
+            return Err(bad(format!(
+                "checkpoint id {:?}: it must be 32 lowercase hex digits",
+                self.id
+            )));
+        }
+        if !self.block_size.is_power_of_two() || self.block_size > MAX_BLOCK_SIZE {
+            return Err(bad(format!(
+                "block size {}: it must be a power of two up to {MAX_BLOCK_SIZE}",
+                self.block_size
             )));
         }
         for (name, t) in &self.tensors {
@@ -140,6 +230,23 @@ impl Index {
                         c.begin, c.end, c.file, c.shape, t.dtype
                     )));
                 }
+                if c.key != chunk_key(name, &c.offsets) {
+                    return Err(bad(format!(
+                        "tensor {name}: chunk {k} is keyed {:?}, but a chunk at {:?} is keyed {:?}",
+                        c.key,
+                        c.offsets,
+                        chunk_key(name, &c.offsets)
+                    )));
+                }
+                let blocks = c.blocks(self.block_size) as usize;
+                if c.checksums.len() != blocks * CHECKSUM_DIGITS || !is_hex(&c.checksums) {
+                    return Err(bad(format!(
+                        "tensor {name}: chunk {k} needs {blocks} block checksums of {CHECKSUM_DIGITS} hex digits \
+                         ({} digits), got {} characters",
+                        blocks * CHECKSUM_DIGITS,
+                        c.checksums.len()
+                    )));
+                }
                 if c.file.is_empty() || c.file.contains(['/', '\\']) || c.file.starts_with('.') {
                     return Err(bad(format!(
                         "tensor {name}: chunk {k} names the file {:?}; chunk files are plain names inside the \
@@ -164,6 +271,10 @@ impl Index {
         }
         Ok(())
     }
+}
+
+fn is_hex(s: &str) -> bool {
+    s.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
 }
 
 fn checked_numel(shape: &[usize]) -> Option<usize> {

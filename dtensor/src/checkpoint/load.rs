@@ -9,19 +9,31 @@ use std::path::{Path, PathBuf};
 
 use tessera_mesh::{DType, DeviceMesh};
 
-use super::index::{Chunk, Index, TensorEntry};
-use super::{INDEX_FILE, ckpt_error, files};
+use super::index::{self, Chunk, Index, TensorEntry};
+use super::{INDEX_FILE, ckpt_error, files, temps};
 use crate::redistribute::for_each_run;
 use crate::spec::{PlacementsDisplay, Region};
 use crate::{DTensor, Layout, Result, Tensor};
 
 /// A checkpoint directory opened for reading: its index, checked, and the
 /// chunk files it names, checked to exist and be long enough. Lives on one
-/// rank; opening reads only `index.json` and the files' sizes.
+/// rank; opening reads only `index.json` and the files' sizes (and removes
+/// dead writers' temporaries beside the checkpoint).
+///
+/// Every byte a load returns is checked: a chunk file's safetensors header
+/// against the index when a load first opens the file (the checkpoint id and
+/// file name it is stamped with, and the names, dtypes, shapes and byte ranges
+/// of its chunks), and every block of the index's `block_size` that a load
+/// reads against its checksum. A load reads whole blocks: at most its own
+/// bytes plus two partial blocks per contiguous run of its piece inside a
+/// chunk, and never more than the chunks it overlaps.
 pub struct Checkpoint {
     dir: PathBuf,
     index: Index,
+    /// Chunk files opened and checked so far.
     files: RefCell<HashMap<String, File>>,
+    /// Per file: the (tensor, chunk index) pairs the index puts in it.
+    by_file: HashMap<String, Vec<(String, usize)>>,
     bytes_read: Cell<u64>,
 }
 
@@ -41,15 +53,28 @@ impl Checkpoint {
     ///
     /// # Errors
     /// [`Error::Checkpoint`](crate::Error::Checkpoint) naming the file: no `index.json`, an index that is
-    /// not valid JSON of the format or fails [`Index::validate`], a chunk file
+    /// not valid JSON of the format, fails [`Index::validate`] or does not
+    /// match its own checksum, a chunk file
     /// that is missing or shorter than the byte ranges the index gives it.
     pub fn open(dir: impl AsRef<Path>) -> Result<Checkpoint> {
         let dir = dir.as_ref().to_path_buf();
+        temps::remove_stale_temporaries(&files::parent_of(&dir));
         let path = dir.join(INDEX_FILE);
         let text = std::fs::read(&path).map_err(|e| files::io_error(&path, "cannot read the index", e))?;
         let index: Index = serde_json::from_slice(&text)
             .map_err(|e| ckpt_error(&path, format!("not a valid checkpoint index: {e}")))?;
         index.validate(&path.display().to_string())?;
+        let sealed = index.sealed_checksum()?;
+        if index.checksum != sealed {
+            return Err(ckpt_error(
+                &path,
+                format!(
+                    "the index does not match its checksum ({} recorded, {sealed} computed): it was edited or is \
+                     corrupt",
+                    index.checksum
+                ),
+            ));
+        }
         let mut needed: BTreeMap<&str, (u64, &str)> = BTreeMap::new();
         for (name, t) in &index.tensors {
             for c in &t.chunks {
@@ -71,9 +96,16 @@ impl Checkpoint {
                 ));
             }
         }
+        let mut by_file: HashMap<String, Vec<(String, usize)>> = HashMap::new();
+        for (name, t) in &index.tensors {
+            for (k, c) in t.chunks.iter().enumerate() {
+                by_file.entry(c.file.clone()).or_default().push((name.clone(), k));
+            }
+        }
         Ok(Checkpoint {
             dir,
             index,
+            by_file,
             files: RefCell::new(HashMap::new()),
             bytes_read: Cell::new(0),
         })
@@ -178,8 +210,41 @@ impl Checkpoint {
         self.load(name, like.mesh(), like.layout().clone())
     }
 
+    /// Opens chunk file `c.file` and checks its header against the index, once
+    /// per handle (a file that fails is checked again on the next load).
+    fn checked_file(&self, name: &str, c: &Chunk) -> Result<std::cell::RefMut<'_, File>> {
+        let mut files = self.files.borrow_mut();
+        if !files.contains_key(&c.file) {
+            let path = self.dir.join(&c.file);
+            let f = files::open_read(&path)?;
+            let held: Vec<(&str, &str, &Chunk)> = self
+                .by_file
+                .get(&c.file)
+                .into_iter()
+                .flatten()
+                .map(|(t, k)| {
+                    let e = &self.index.tensors[t];
+                    (t.as_str(), e.dtype.as_str(), &e.chunks[*k])
+                })
+                .collect();
+            files::check_header(&path, &f, &self.index.id, &c.file, &held).map_err(|e| match e {
+                crate::Error::Checkpoint { path, detail } => crate::Error::Checkpoint {
+                    path,
+                    detail: format!("loading tensor {name}: {detail}"),
+                },
+                e => e,
+            })?;
+            files.insert(c.file.clone(), f);
+        }
+        // INVARIANT: inserted above when missing.
+        Ok(std::cell::RefMut::map(files, |f| {
+            f.get_mut(&c.file).expect("opened above")
+        }))
+    }
+
     /// Reads the runs of `part` (inside `chunk`, laid out row-major in its file
-    /// range) into `out` (laid out as `mine`).
+    /// range) into `out` (laid out as `mine`): every block the runs touch is
+    /// read whole and checked against its checksum, then the runs copied out.
     #[allow(clippy::too_many_arguments)]
     fn read_part(
         &self,
@@ -192,52 +257,62 @@ impl Checkpoint {
         out: &mut [u8],
     ) -> Result<()> {
         let path = self.dir.join(&c.file);
-        let mut files = self.files.borrow_mut();
-        let file = match files.get(&c.file) {
-            Some(f) => f,
-            None => {
-                let f = files::open_read(&path)?;
-                files.entry(c.file.clone()).or_insert(f)
-            }
-        };
-        if part == chunk {
-            // The whole chunk: one read, checked against its checksum.
-            let mut whole = vec![0u8; (c.end - c.begin) as usize];
-            file.read_exact_at(&mut whole, c.begin)
-                .map_err(|e| files::io_error(&path, &format!("cannot read tensor {name}"), e))?;
-            self.bytes_read.set(self.bytes_read.get() + whole.len() as u64);
-            if files::checksum(&whole) != c.checksum {
-                return Err(ckpt_error(
-                    &path,
-                    format!(
-                        "tensor {name}: chunk {} (bytes {}..{}) does not match its checksum: the file is corrupt",
-                        c.key, c.begin, c.end
-                    ),
-                ));
-            }
-            for_each_run(chunk, mine, part, |src, dst, len| {
-                out[dst * size..(dst + len) * size].copy_from_slice(&whole[src * size..(src + len) * size]);
-            });
-            return Ok(());
-        }
-        let mut failed = None;
-        let mut read = 0u64;
+        let file = self.checked_file(name, c)?;
+        // The runs (element offsets in the chunk and in `out`, length), in
+        // increasing chunk offset, grouped into spans of consecutive blocks.
+        let mut runs = Vec::new();
         for_each_run(chunk, mine, part, |src, dst, len| {
-            if failed.is_some() {
-                return;
-            }
-            let at = c.begin + (src * size) as u64;
-            let buf = &mut out[dst * size..(dst + len) * size];
-            match file.read_exact_at(buf, at) {
-                Ok(()) => read += buf.len() as u64,
-                Err(e) => failed = Some(e),
+            if len > 0 {
+                runs.push((src, dst, len));
             }
         });
-        self.bytes_read.set(self.bytes_read.get() + read);
-        match failed {
-            Some(e) => Err(files::io_error(&path, &format!("cannot read tensor {name}"), e)),
-            None => Ok(()),
+        runs.sort_unstable();
+        let block = self.index.block_size;
+        let chunk_bytes = c.end - c.begin;
+        let mut spans: Vec<(u64, u64, usize)> = Vec::new(); // first block, last block, runs until
+        for (i, &(src, _, len)) in runs.iter().enumerate() {
+            let (lo, hi) = ((src * size) as u64 / block, ((src + len) * size) as u64 - 1);
+            let hi = hi / block;
+            match spans.last_mut() {
+                Some(s) if lo <= s.1 + 1 => {
+                    s.1 = s.1.max(hi);
+                    s.2 = i + 1;
+                }
+                _ => spans.push((lo, hi, i + 1)),
+            }
         }
+        let mut first_run = 0;
+        let mut buf = Vec::new();
+        for (lo, hi, runs_end) in spans {
+            let begin = lo * block;
+            let end = ((hi + 1) * block).min(chunk_bytes);
+            buf.resize((end - begin) as usize, 0);
+            file.read_exact_at(&mut buf, c.begin + begin)
+                .map_err(|e| files::io_error(&path, &format!("cannot read tensor {name}"), e))?;
+            self.bytes_read.set(self.bytes_read.get() + buf.len() as u64);
+            for k in lo..=hi {
+                let at = ((k - lo) * block) as usize;
+                let bytes = &buf[at..(at + block as usize).min(buf.len())];
+                if index::checksum(bytes) != c.block_checksum(k) {
+                    let from = c.begin + k * block;
+                    return Err(ckpt_error(
+                        &path,
+                        format!(
+                            "tensor {name}: chunk {} does not match its checksum in block {k} (bytes {from}..{}): \
+                             the file is corrupt",
+                            c.key,
+                            from + bytes.len() as u64
+                        ),
+                    ));
+                }
+            }
+            for &(src, dst, len) in &runs[first_run..runs_end] {
+                let at = src * size - begin as usize;
+                out[dst * size..(dst + len) * size].copy_from_slice(&buf[at..at + len * size]);
+            }
+            first_run = runs_end;
+        }
+        Ok(())
     }
 }
 

@@ -6,11 +6,19 @@
 //! A checkpoint is a directory holding one safetensors file per writing rank
 //! (`rank00003.safetensors`: that rank's chunks, each named `tensor@offsets`)
 //! and `index.json` ([`Index`]): every tensor's global shape and dtype, and each
-//! chunk's offsets, extents, file and byte range. A save writes a hidden
-//! temporary directory, fsyncs every file and the directory, and then renames
-//! it into place (exchanging it with an older checkpoint of that name in one
-//! step, on Linux), so a save that fails or is killed leaves the previous
-//! checkpoint, never a half-written one.
+//! chunk's offsets, extents, file, byte range and checksums per 64 KiB block.
+//! A save draws a random 128-bit checkpoint id (rank 0, shared with all) and
+//! stamps it into the index and every chunk file; a load checks each file's
+//! header against the index and each block it reads against its checksum, so a
+//! corrupt, renamed, swapped or foreign file is an error naming the file and
+//! tensor, whether a load reads a chunk whole or in part.
+//!
+//! A save writes a hidden temporary directory (`.NAME.tmp-PID-ID`, locked by
+//! its writer), fsyncs every file and the directory, and then renames it into
+//! place (exchanging it with an older checkpoint of that name in one step, on
+//! Linux), so a save that fails or is killed leaves the previous checkpoint,
+//! never a half-written one; the next save or load beside it removes the
+//! temporaries of dead writers ([`remove_stale_temporaries`]).
 //!
 //! PyTorch: `torch.distributed.checkpoint` (`save`, `load`, its
 //! `FileSystemWriter` / `FileSystemReader` and the `.metadata` index).
@@ -41,12 +49,16 @@ mod files;
 mod index;
 mod load;
 mod save;
+mod temps;
+#[cfg(test)]
+mod tests;
 
 use std::path::Path;
 
 pub use index::{Chunk, Index, TensorEntry};
 pub use load::Checkpoint;
 pub use save::{AsyncSave, async_save, save};
+pub use temps::{remove_stale_temporaries, temporary_owner};
 
 use crate::Error;
 

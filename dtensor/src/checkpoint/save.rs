@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 use tessera_mesh::{Communicator, CommunicatorExt, DType, DeviceMesh};
 
 use super::index::{self, Chunk, Index, TensorEntry};
+use super::temps::{self, WriterLock};
 use super::{INDEX_FILE, SaveReport, ckpt_error, files};
 use crate::spec::PlacementsDisplay;
 use crate::{DTensor, Result, Tensor};
@@ -92,7 +93,8 @@ pub fn async_save(
 
 /// A checkpoint being written in the background ([`async_save`]). Lives on its
 /// rank's thread; dropping it without [`wait`](Self::wait) waits for the
-/// writer but leaves the checkpoint unfinished (the previous one stays).
+/// writer but leaves the checkpoint unfinished (the previous one stays, and
+/// rank 0 removes the temporary directory).
 pub struct AsyncSave {
     staged: Option<Staged>,
     writer: Option<std::thread::JoinHandle<Result<Written>>>,
@@ -134,6 +136,11 @@ impl Drop for AsyncSave {
         if let Some(w) = self.writer.take() {
             let _ = w.join();
         }
+        // Never completed: rank 0 removes the temporary directory (best
+        // effort; another rank's writer still in it then fails, unheard).
+        if let Some(Staged { tmp, lock: Some(_), .. }) = &self.staged {
+            let _ = std::fs::remove_dir_all(tmp);
+        }
     }
 }
 
@@ -141,6 +148,8 @@ impl Drop for AsyncSave {
 struct Staged {
     dir: PathBuf,
     tmp: PathBuf,
+    /// Rank 0's lock on `tmp`, held until the checkpoint is installed.
+    lock: Option<WriterLock>,
     mesh: DeviceMesh,
     /// Every tensor's name, global shape and dtype (for the index).
     tensors: Vec<(String, Vec<usize>, DType)>,
@@ -152,28 +161,52 @@ struct Staged {
 /// piece. Plain data, so a background thread can write them.
 #[derive(Clone)]
 struct Chunks {
+    /// The checkpoint's id, stamped into the file.
+    id: String,
     file: String,
     list: Vec<(String, Vec<usize>, Tensor)>,
 }
 
 impl Staged {
-    /// Checks the tensors, makes the temporary directory, picks this rank's chunks.
+    /// Checks the tensors; rank 0 draws the checkpoint's id, removes stale
+    /// temporaries and makes and locks the temporary directory, and tells the
+    /// others both; picks this rank's chunks.
     fn new(dir: &Path, tensors: &[(&str, &DTensor)], metadata: BTreeMap<String, String>) -> Result<Staged> {
         let Some((_, first)) = tensors.first() else {
             return Err(ckpt_error(dir, "nothing to save: no tensors given".into()));
         };
         let mesh = first.mesh().clone();
         let comm = mesh.comm();
-        let tmp = files::temp_dir_for(dir)?;
         let checked = check_tensors(dir, tensors, &mesh);
+        let mut lock = None;
         let made = checked.and_then(|()| {
-            if comm.rank() == 0 {
-                files::fresh_dir(&tmp)
-            } else {
-                Ok(())
+            if comm.rank() != 0 {
+                return Ok(Vec::new());
             }
+            let id = new_id();
+            let (tmp, l) = temps::make_temp_dir(dir, &id)?;
+            lock = Some(l);
+            // INVARIANT: `make_temp_dir` returns a path with a file name.
+            let name = tmp.file_name().expect("a temporary directory has a name");
+            Ok(format!("{id}/{}", name.to_string_lossy()).into_bytes())
         });
-        agree(comm, dir, made.map(|()| Vec::new()))?;
+        let shared = match agree(comm, dir, made) {
+            Ok(all) => all,
+            Err(e) => {
+                if let Some(l) = lock.take() {
+                    let _ = std::fs::remove_dir_all(l.dir());
+                }
+                return Err(e);
+            }
+        };
+        let shared = String::from_utf8_lossy(&shared[0]).into_owned();
+        let Some((id, name)) = shared.split_once('/') else {
+            return Err(ckpt_error(
+                dir,
+                format!("rank 0 sent {shared:?}, not a checkpoint id and directory"),
+            ));
+        };
+        let tmp = files::parent_of(dir).join(name);
         let coord = mesh.coordinate();
         let mut list = Vec::new();
         for (name, x) in tensors {
@@ -190,11 +223,13 @@ impl Staged {
         Ok(Staged {
             dir: dir.to_path_buf(),
             tmp,
+            lock,
             tensors: tensors
                 .iter()
                 .map(|(n, x)| (n.to_string(), x.shape().to_vec(), x.dtype()))
                 .collect(),
             chunks: Chunks {
+                id: id.to_string(),
                 file: format!("rank{:05}.safetensors", mesh.rank()),
                 list,
             },
@@ -209,10 +244,11 @@ impl Staged {
         let Staged {
             dir,
             tmp,
+            lock,
             mesh,
             tensors,
             metadata,
-            ..
+            chunks,
         } = self;
         let comm = mesh.comm();
         let lead = comm.rank() == 0;
@@ -229,8 +265,8 @@ impl Staged {
                 return Err(e);
             }
         };
-        let installed = if lead {
-            let r = write_index(&tmp, &dir, &tensors, &all, metadata);
+        let installed = if let Some(lock) = &lock {
+            let r = write_index(&tmp, &dir, &chunks.id, lock, &tensors, &all, metadata);
             if r.is_err() {
                 let _ = std::fs::remove_dir_all(&tmp);
             }
@@ -238,6 +274,7 @@ impl Staged {
         } else {
             Ok(())
         };
+        drop(lock);
         agree(comm, &dir, installed.map(|()| Vec::new()))?;
         Ok(report)
     }
@@ -249,12 +286,12 @@ impl Chunks {
         if self.list.is_empty() {
             return Ok((Vec::new(), SaveReport::default()));
         }
-        let keyed: Vec<(String, &Tensor)> = self
-            .list
-            .iter()
-            .map(|(n, o, t)| (format!("{n}@{}", join(o)), t))
-            .collect();
-        let ranges = files::write_safetensors(&tmp.join(&self.file), &keyed)?;
+        let keyed: Vec<(String, &Tensor)> = self.list.iter().map(|(n, o, t)| (index::chunk_key(n, o), t)).collect();
+        let stamp = files::Stamp {
+            id: &self.id,
+            file: &self.file,
+        };
+        let ranges = files::write_safetensors(&tmp.join(&self.file), &keyed, &stamp, index::BLOCK_SIZE)?;
         let report = SaveReport {
             chunks: self.list.len(),
             bytes_written: ranges.iter().map(|w| w.end - w.begin).sum(),
@@ -271,7 +308,7 @@ impl Chunks {
                     key: w.key,
                     begin: w.begin,
                     end: w.end,
-                    checksum: w.checksum,
+                    checksums: w.checksums,
                 };
                 (n.clone(), chunk)
             })
@@ -313,15 +350,36 @@ type Listed = (String, Chunk);
 /// What a rank's writer produced: its chunks and its report.
 type Written = (Vec<Listed>, SaveReport);
 
-fn join(v: &[usize]) -> String {
-    v.iter().map(usize::to_string).collect::<Vec<_>>().join(",")
+/// A fresh checkpoint id: 128 random bits as 32 hex digits, from the system's
+/// random source (or, without one, from the standard library's random hash
+/// keys mixed with the time and process).
+fn new_id() -> String {
+    use std::io::Read;
+    let mut bytes = [0u8; 16];
+    let urandom = std::fs::File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut bytes));
+    if urandom.is_err() {
+        use std::hash::{BuildHasher, Hasher};
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
+        for half in bytes.chunks_mut(8) {
+            let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+            h.write_u128(now);
+            h.write_u32(std::process::id());
+            half.copy_from_slice(&h.finish().to_le_bytes());
+        }
+    }
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
-/// Builds, checks and writes the index from every rank's chunk list, then
-/// installs `tmp` as `dir`.
+/// Builds, checks and writes the index (with checkpoint `id`) from every
+/// rank's chunk list, then installs `tmp` as `dir`, removing the lock file of
+/// `lock` first (the lock itself is held until the caller drops it).
 fn write_index(
     tmp: &Path,
     dir: &Path,
+    id: &str,
+    lock: &WriterLock,
     tensors: &[(String, Vec<usize>, DType)],
     lists: &[Vec<u8>],
     metadata: BTreeMap<String, String>,
@@ -348,15 +406,20 @@ fn write_index(
             t.chunks.push(chunk);
         }
     }
-    let index = Index {
+    let mut index = Index {
         format: index::FORMAT.into(),
         version: index::VERSION,
+        id: id.to_string(),
+        block_size: index::BLOCK_SIZE,
+        checksum: String::new(),
         tensors: entries,
         metadata,
     };
     index.validate(&dir.join(INDEX_FILE).display().to_string())?;
+    index.checksum = index.sealed_checksum()?;
     let text = serde_json::to_vec_pretty(&index).map_err(|e| ckpt_error(dir, e.to_string()))?;
     files::write_synced(&tmp.join(INDEX_FILE), &text)?;
+    lock.remove_file()?;
     files::sync_dir(tmp)?;
     files::install(tmp, dir)
 }
