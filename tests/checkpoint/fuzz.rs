@@ -8,12 +8,17 @@
 //! else is a silent wrong load, and there must be none. Ranks load independently
 //! (`Checkpoint::load` is not collective), so a case may fail on some ranks
 //! only (those whose bytes the damage touched); such cases are counted apart.
+//! Each damaged copy is then loaded through the collective `load_checkpoint`,
+//! whose ranks agree before applying: there every rank loads or every rank
+//! fails, and all stay in step.
 //!
 //! Cases: 300 by default, `TESSERA_FUZZ_CASES` overrides (a bad value fails).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
+use tessera::autograd::nn::ParameterDict;
+use tessera::autograd::{Param, load_checkpoint};
 use tessera::dtensor::checkpoint::{Checkpoint, INDEX_FILE, Index, save};
 use tessera::dtensor::{DTensor, DType, Layout, Placement, Tensor, distribute_tensor};
 use tessera::{DeviceMesh, launch};
@@ -114,6 +119,38 @@ fn load(dir: &Path, dest: Dest) -> Vec<Result<Loaded, String>> {
         Ok(run().map_err(|e| e.to_string()))
     })
     .expect("loading a damaged checkpoint must not panic")
+}
+
+/// [`load`] through the collective `load_checkpoint` (the tensors as deferred
+/// parameters, which it materialises): per rank, what it loaded and whether the
+/// ranks were in step afterwards (a barrier passed). The ranks agree before
+/// applying, so every rank must load or every rank fail.
+fn load_agreed(dir: &Path, dest: Dest) -> Vec<(Result<Loaded, String>, bool)> {
+    let d = dir.to_path_buf();
+    let n = dest.0.iter().product();
+    launch(n, move |ctx| {
+        let mesh = DeviceMesh::new(ctx.into_comm(), dest.0)?;
+        let run = || -> tessera::autograd::Result<Loaded> {
+            let mut named = Vec::new();
+            for (i, &(name, shape, dt)) in TENSORS.iter().enumerate() {
+                let p: Vec<Placement> = dest.1.iter().map(|&p| fit(i, p)).collect();
+                let param = Param::deferred(shape, dt, &mesh)?;
+                param.place(Layout::new(dest.0, &p, shape, dt)?)?;
+                named.push((name, param));
+            }
+            let params: Vec<Param> = named.iter().map(|(_, p)| p.clone()).collect();
+            ParameterDict::new(named)?;
+            let report = load_checkpoint(&d, &params, None)?;
+            let pieces = params
+                .iter()
+                .map(|p| Ok(p.value()?.to_local().clone()))
+                .collect::<tessera::autograd::Result<_>>()?;
+            Ok((pieces, report.metadata))
+        };
+        let loaded = run().map_err(|e| e.to_string());
+        Ok((loaded, mesh.comm().barrier().is_ok()))
+    })
+    .expect("loading a damaged checkpoint must not panic or leave a rank behind")
 }
 
 /// Per destination, per rank, per tensor: the saved local piece.
@@ -273,6 +310,7 @@ fn fault_campaign_never_loads_wrong_values() {
     let (mut intact, mut rejected, mut asymmetric) = (0usize, 0usize, 0usize);
     let mut per_kind = [(0usize, 0usize, 0usize); KINDS.len()]; // cases, with an error, on some ranks only
     let mut wrong = Vec::new();
+    let (mut collective_asymmetric, mut out_of_step) = (Vec::new(), 0usize);
     for case in 0..cases {
         let (n, base, other, want) = &sets[case % sets.len()];
         copy_dir(base, &work);
@@ -303,6 +341,28 @@ fn fault_campaign_never_loads_wrong_values() {
         if errs > 0 {
             per_kind[kind].1 += 1;
         }
+        // The same damage through the collective load: all or nothing, in step.
+        let agreed = load_agreed(&work, DESTS[d]);
+        let agreed_errs = agreed.iter().filter(|(g, _)| g.is_err()).count();
+        for (r, (g, in_step)) in agreed.iter().enumerate() {
+            if let Ok((pieces, meta)) = g
+                && (*pieces != want[d][r] || *meta != saved_meta())
+            {
+                wrong.push(format!(
+                    "case {case} (saved on {n}, {what}, onto {:?}): rank {r} of load_checkpoint",
+                    DESTS[d]
+                ));
+            }
+            if !in_step {
+                out_of_step += 1;
+            }
+        }
+        if agreed_errs != 0 && agreed_errs != agreed.len() {
+            collective_asymmetric.push(format!(
+                "case {case} (saved on {n}, {what}, onto {:?}): {agreed:?}",
+                DESTS[d]
+            ));
+        }
     }
     let kinds: Vec<String> = KINDS
         .iter()
@@ -313,10 +373,17 @@ fn fault_campaign_never_loads_wrong_values() {
         "fault campaign: {cases} cases on checkpoints saved on 2 and 3 ranks, loaded onto other layouts: {} silent \
          wrong loads, {rejected} rejected on every rank, {asymmetric} rejected on some ranks only (the others \
          loaded the saved values), {intact} harmless (every rank loaded the saved values); cases with an error, \
-         by mutation: {}",
+         by mutation: {}; through load_checkpoint: {} rank-asymmetric outcomes, {out_of_step} ranks out of step",
         wrong.len(),
-        kinds.join(", ")
+        kinds.join(", "),
+        collective_asymmetric.len()
     );
+    assert!(
+        collective_asymmetric.is_empty(),
+        "load_checkpoint disagreed across ranks:\n{}",
+        collective_asymmetric.join("\n")
+    );
+    assert_eq!(out_of_step, 0, "ranks out of step after load_checkpoint");
     assert!(wrong.is_empty(), "silent wrong loads:\n{}", wrong.join("\n"));
     assert_eq!(intact + rejected + asymmetric, cases);
     if cases >= 100 {
