@@ -28,6 +28,7 @@
 //! MPI library such as OpenMPI and libclang to build). A `cuda` (NCCL) backend is
 //! planned behind its own feature.
 
+pub mod callsite;
 mod comm;
 pub mod context;
 mod device_mesh;
