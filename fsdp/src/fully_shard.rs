@@ -44,7 +44,9 @@ use crate::state::{self, Unit};
 /// replicated on the data-parallel dims, lives on another mesh than the unit's
 /// other parameters, is a scalar, or is not floating-point; parameters of
 /// different dtypes in one unit.
+#[track_caller]
 pub fn fully_shard(module: &dyn Module, mesh: &DeviceMesh, config: FsdpConfig) -> Result<FsdpModule> {
+    let _site = tessera_mesh::callsite::enter();
     fully_shard_modules(&[module], mesh, config)
 }
 
@@ -59,7 +61,9 @@ pub fn fully_shard(module: &dyn Module, mesh: &DeviceMesh, config: FsdpConfig) -
 ///
 /// # Errors
 /// No modules, and as [`fully_shard`].
+#[track_caller]
 pub fn fully_shard_modules(modules: &[&dyn Module], mesh: &DeviceMesh, config: FsdpConfig) -> Result<FsdpModule> {
+    let _site = tessera_mesh::callsite::enter();
     let (shard_dim, replicate_dim) = resolve_dims(mesh, config.shard_dim.as_deref())?;
     make_unit(modules, mesh, config, Some(shard_dim), replicate_dim)
 }
@@ -74,7 +78,9 @@ pub fn fully_shard_modules(modules: &[&dyn Module], mesh: &DeviceMesh, config: F
 ///
 /// # Errors
 /// A mesh that is not 1-D, and as [`fully_shard`].
+#[track_caller]
 pub fn replicate(module: &dyn Module, mesh: &DeviceMesh, config: FsdpConfig) -> Result<FsdpModule> {
+    let _site = tessera_mesh::callsite::enter();
     if mesh.ndim() != 1 {
         return Err(Error::mesh(
             mesh,
@@ -357,7 +363,9 @@ impl FsdpModule {
     ///
     /// # Errors
     /// Communication failures.
+    #[track_caller]
     pub fn unshard(&self) -> Result<()> {
+        let _site = tessera_mesh::callsite::enter();
         self.unit.group.unshard()
     }
 
@@ -368,7 +376,9 @@ impl FsdpModule {
     ///
     /// # Errors
     /// Communication failures.
+    #[track_caller]
     pub fn unshard_async(&self) -> Result<()> {
+        let _site = tessera_mesh::callsite::enter();
         self.unit.group.prefetch()
     }
 
