@@ -88,7 +88,11 @@ fn track_caller_reaches_through_dyn_communicator() {
         Ok(())
     });
     // Both ranks issued it from the same line: the message names it for both.
-    assert!(seen[0].contains("4 × f32") && seen[0].contains("5 × f32"), "{}", seen[0]);
+    assert!(
+        seen[0].contains("4 × f32") && seen[0].contains("5 × f32"),
+        "{}",
+        seen[0]
+    );
 }
 
 #[test]
@@ -217,7 +221,9 @@ fn two_units(mesh: &DeviceMesh) -> Result<Pair, BoxError> {
         b: Linear::new(4, 4, false, mesh, DType::F32)?,
     };
     name_parameters(&pair)?;
-    Materializer::from_seed(0).init("*", Init::Constant(0.25)).materialize(&pair)?;
+    Materializer::from_seed(0)
+        .init("*", Init::Constant(0.25))
+        .materialize(&pair)?;
     fully_shard(&pair.a, mesh, FsdpConfig::default())?;
     fully_shard(&pair.b, mesh, FsdpConfig::default())?;
     Ok(pair)
@@ -352,7 +358,10 @@ fn strict_mode_catches_reordered_same_shape_all_reduces() {
 #[test]
 fn strict_mode_catches_reordered_asynchronous_all_reduces() {
     diverge(&strict(), 2, &[0, 1], |r, comm, at| {
-        let (a, b) = (tessera::mesh::Buffer::zeros(DType::F32, 4), tessera::mesh::Buffer::zeros(DType::F32, 4));
+        let (a, b) = (
+            tessera::mesh::Buffer::zeros(DType::F32, 4),
+            tessera::mesh::Buffer::zeros(DType::F32, 4),
+        );
         let (first, second) = if r == 0 { (a, b) } else { (b, a) };
         if r == 0 {
             at(line!() + 1);
@@ -371,6 +380,7 @@ fn strict_mode_catches_reordered_asynchronous_all_reduces() {
 #[test]
 fn strict_mode_is_off_by_default_so_rank_dependent_lines_run() {
     // Legitimate SPMD code: one broadcast written on two lines.
+    #[allow(clippy::if_same_then_else)] // the point: one call written on two lines
     let body = |r: usize, comm: &dyn Communicator| -> Result<Vec<f32>, BoxError> {
         let mut x = vec![r as f32 + 1.0; 4];
         if r == 0 {
