@@ -175,11 +175,32 @@ fn mismatch(world: usize) -> Result<(), BoxError> {
         let send = vec![1.0f32; 4 + r.min(1)];
         let mut recv = vec![0.0f32; send.len() * world];
         let res = comm.all_gather_slice(&send, &mut recv);
-        expect(
-            "lengths",
-            res,
+        let e = res.err().map(|e| e.to_string()).unwrap_or_default();
+        let site = format!("call sites: rank 0 at tests/mpi.rs:{}:", line!() - 2);
+        for needle in [
             "rank 0 called all_gather(send 4 × f32) but rank 1 called all_gather(send 5 × f32)",
-        );
+            &site,
+        ] {
+            assert!(e.contains(needle), "lengths on rank {r}: {e}");
+        }
+        // Strict mode: two same-shape all-reduces swapped on rank 1.
+        if tessera::mesh::vars::flag_or("TESSERA_STRICT_COLLECTIVES", false) {
+            let (mut a, mut b) = ([1.0f32; 4], [2.0f32; 4]);
+            let res = if r == 0 {
+                comm.all_reduce_slice(&mut a, ReduceOp::Sum)
+            } else {
+                comm.all_reduce_slice(&mut b, ReduceOp::Sum)
+            };
+            let (l0, l1) = (line!() - 4, line!() - 2);
+            let e = res.err().map(|e| e.to_string()).unwrap_or_default();
+            for needle in [
+                "different call sites".to_string(),
+                format!("rank 0 at tests/mpi.rs:{l0}:"),
+                format!("rank 1 at tests/mpi.rs:{l1}:"),
+            ] {
+                assert!(e.contains(&needle), "reorder on rank {r}: {e}");
+            }
+        }
         // Different collectives.
         let mut x = vec![1.0f32; 8];
         let res = if r == 0 {
@@ -469,6 +490,13 @@ fn driver(args: &[String]) {
     if want("mismatch") {
         let job = run_mpi(2, &me, &["mismatch"], &[("TESSERA_MPI_CHECK", "1")], minute);
         expect_ok("mismatch on 2 ranks", &job);
+        assert!(job.stdout.contains("mismatch checks ok on 2 ranks"), "{}", job.stdout);
+        // By default (the digest check) and in strict mode.
+        let job = run_mpi(2, &me, &["mismatch"], &[], minute);
+        expect_ok("mismatch on 2 ranks, default checks", &job);
+        assert!(job.stdout.contains("mismatch checks ok on 2 ranks"), "{}", job.stdout);
+        let job = run_mpi(2, &me, &["mismatch"], &[("TESSERA_STRICT_COLLECTIVES", "1")], minute);
+        expect_ok("mismatch on 2 ranks, strict", &job);
         assert!(job.stdout.contains("mismatch checks ok on 2 ranks"), "{}", job.stdout);
         print!("{}", job.stdout);
         ran += 1;

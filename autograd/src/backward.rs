@@ -18,7 +18,9 @@ use crate::{Error, Result, Var};
 ///
 /// # Errors
 /// A non-scalar loss, a loss that does not require a gradient, or a failing backward rule.
+#[track_caller]
 pub fn backward(loss: &Var) -> Result<()> {
+    let _site = tessera_mesh::callsite::enter();
     if !loss.value().shape().is_empty() {
         return Err(Error::Backward(format!(
             "the loss must be a scalar, got shape {:?}; reduce it (sum or mean) first",

@@ -164,6 +164,7 @@ impl Var {
     ///
     /// # Errors
     /// As [`backward`](crate::backward).
+    #[track_caller]
     pub fn backward(&self) -> Result<()> {
         crate::backward(self)
     }

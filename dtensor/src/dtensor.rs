@@ -53,7 +53,9 @@ pub struct DTensor {
 ///
 /// # Errors
 /// As [`distribute_tensor_from`].
+#[track_caller]
 pub fn distribute_tensor(full: &Tensor, mesh: &DeviceMesh, placements: &[Placement]) -> Result<DTensor> {
+    let _site = tessera_mesh::callsite::enter();
     distribute_tensor_from(full, mesh, placements, Some(0))
 }
 
@@ -61,6 +63,7 @@ pub fn distribute_tensor(full: &Tensor, mesh: &DeviceMesh, placements: &[Placeme
 ///
 /// # Errors
 /// As [`distribute_tensor_with_order_from`].
+#[track_caller]
 pub fn distribute_tensor_with_order(
     full: &Tensor,
     mesh: &DeviceMesh,
@@ -112,6 +115,7 @@ pub fn distribute_tensor_with_order(
 /// not a rank of the mesh, or ranks that pass another source, other placements
 /// or a full tensor of another shape or dtype than the source's; a
 /// communication failure.
+#[track_caller]
 pub fn distribute_tensor_from(
     full: &Tensor,
     mesh: &DeviceMesh,
@@ -131,6 +135,7 @@ pub fn distribute_tensor_from(
 ///
 /// # Errors
 /// As [`distribute_tensor_from`], plus an order that does not describe the placements.
+#[track_caller]
 pub fn distribute_tensor_with_order_from(
     full: &Tensor,
     mesh: &DeviceMesh,
@@ -138,6 +143,7 @@ pub fn distribute_tensor_with_order_from(
     order: ShardOrder,
     src_data_rank: Option<usize>,
 ) -> Result<DTensor> {
+    let _site = tessera_mesh::callsite::enter();
     // With a source, agree first: the checks below then see the same tensor
     // shape on every rank, so they fail on all ranks or none.
     let full = match src_data_rank {
@@ -284,7 +290,9 @@ impl DTensor {
     /// # Errors
     /// Placements that do not fit, `Shard → Partial`, `Partial(a) → Partial(b)`, or a
     /// communication failure.
+    #[track_caller]
     pub fn redistribute(&self, placements: &[Placement]) -> Result<DTensor> {
+        let _site = tessera_mesh::callsite::enter();
         self.redistribute_with_order(placements, ShardOrder::default_for(placements))
     }
 
@@ -292,7 +300,9 @@ impl DTensor {
     ///
     /// # Errors
     /// As [`redistribute`](Self::redistribute).
+    #[track_caller]
     pub fn redistribute_with_order(&self, placements: &[Placement], order: ShardOrder) -> Result<DTensor> {
+        let _site = tessera_mesh::callsite::enter();
         let plan = self.redistribute_plan_with_order(placements, order)?;
         self.run_plan(&plan)
     }
@@ -301,7 +311,9 @@ impl DTensor {
     ///
     /// # Errors
     /// A plan made for another layout, or a communication failure.
+    #[track_caller]
     pub fn run_plan(&self, plan: &Plan) -> Result<DTensor> {
+        let _site = tessera_mesh::callsite::enter().tag(tessera_mesh::callsite::tag_of(&(&plan.src, plan.dst())));
         if &plan.src != self.layout() {
             return Err(Error::Placement {
                 op: "DTensor::run_plan",
@@ -321,7 +333,9 @@ impl DTensor {
     ///
     /// # Errors
     /// A communication failure.
+    #[track_caller]
     pub fn full_tensor(&self) -> Result<Tensor> {
+        let _site = tessera_mesh::callsite::enter();
         let replicated = vec![Placement::Replicate; self.mesh().ndim()];
         Ok(self.redistribute(&replicated)?.local)
     }

@@ -45,7 +45,9 @@ use crate::state::{self, Unit};
 /// replicated on the data-parallel dims, lives on another mesh than the unit's
 /// other parameters, is a scalar, or is not floating-point; parameters of
 /// different dtypes in one unit.
+#[track_caller]
 pub fn fully_shard(module: &dyn Module, mesh: &DeviceMesh, config: FsdpConfig) -> Result<FsdpModule> {
+    let _site = tessera_mesh::callsite::enter();
     fully_shard_modules(&[module], mesh, config)
 }
 
@@ -60,7 +62,9 @@ pub fn fully_shard(module: &dyn Module, mesh: &DeviceMesh, config: FsdpConfig) -
 ///
 /// # Errors
 /// No modules, and as [`fully_shard`].
+#[track_caller]
 pub fn fully_shard_modules(modules: &[&dyn Module], mesh: &DeviceMesh, config: FsdpConfig) -> Result<FsdpModule> {
+    let _site = tessera_mesh::callsite::enter();
     let dims = resolve_dims(mesh, config.shard_dim.as_deref()).map(|(shard, replicate)| (Some(shard), replicate));
     make_unit(modules, mesh, config, dims)
 }
@@ -75,7 +79,9 @@ pub fn fully_shard_modules(modules: &[&dyn Module], mesh: &DeviceMesh, config: F
 ///
 /// # Errors
 /// A mesh that is not 1-D, and as [`fully_shard`].
+#[track_caller]
 pub fn replicate(module: &dyn Module, mesh: &DeviceMesh, config: FsdpConfig) -> Result<FsdpModule> {
+    let _site = tessera_mesh::callsite::enter();
     let dims = if mesh.ndim() == 1 {
         Ok((None, Some(0)))
     } else {
@@ -404,7 +410,9 @@ impl FsdpModule {
     ///
     /// # Errors
     /// Communication failures.
+    #[track_caller]
     pub fn unshard(&self) -> Result<()> {
+        let _site = tessera_mesh::callsite::enter();
         self.unit.group.unshard()
     }
 
@@ -415,7 +423,9 @@ impl FsdpModule {
     ///
     /// # Errors
     /// Communication failures.
+    #[track_caller]
     pub fn unshard_async(&self) -> Result<()> {
+        let _site = tessera_mesh::callsite::enter();
         self.unit.group.prefetch()
     }
 

@@ -166,6 +166,13 @@ impl ParamGroup {
         }
     }
 
+    /// The call-site tag of this unit's collectives: its parameters' names and
+    /// shapes (a rank gathering another unit then fails on every rank).
+    fn tag(&self) -> u64 {
+        let what: Vec<(String, Vec<usize>)> = self.params.iter().map(|p| (p.param.name(), p.param.shape())).collect();
+        tessera_mesh::callsite::tag_of(&what)
+    }
+
     /// Reshards after forward to groups of `size` ranks of the shard dim.
     /// Collective over the parameters' mesh.
     pub(crate) fn regroup_after_forward(&mut self, size: usize) -> Result<()> {
@@ -231,6 +238,7 @@ impl ParamGroup {
     /// Issues the bucket all-gather of the shards (asynchronously); a replicated
     /// group only casts its values to the gather dtype.
     fn issue_gather(&self) -> Result<Gather> {
+        let _site = tessera_mesh::callsite::enter().tag(self.tag());
         let mut from = self.gathered_from.borrow_mut();
         from.clear();
         let values: Vec<DTensor> = self.params.iter().map(|p| p.param.value()).collect::<Result<_, _>>()?;
@@ -487,6 +495,7 @@ impl ParamGroup {
     /// replicated group all-reduces instead (or keeps the contributions while
     /// the all-reduce is off).
     fn reduce(&self, pending: Vec<Option<DTensor>>, all_reduce: bool) -> Result<Option<Reduction>> {
+        let _site = tessera_mesh::callsite::enter().tag(self.tag());
         let dt = self.reduce_dtype();
         let mut params = Vec::new();
         let mut index = Vec::new();

@@ -29,6 +29,7 @@
 //! planned behind its own feature.
 
 pub mod agree;
+pub mod callsite;
 mod comm;
 pub mod context;
 mod device_mesh;

@@ -26,6 +26,25 @@ pub struct LaunchOptions {
     /// PyTorch: `torch.set_num_threads` in each rank (torchrun sets
     /// `OMP_NUM_THREADS=1` when several ranks share a machine).
     pub threads_per_rank: Option<usize>,
+    /// Strict collectives: besides kind, sizes, dtype, reduction, root and tags,
+    /// every rank must issue each collective from the same call site (the user's
+    /// line, see [`callsite`](crate::callsite)). This catches same-shape
+    /// collectives issued in a different order on different ranks (two
+    /// `all_reduce`s swapped), which otherwise silently exchange each other's data.
+    ///
+    /// Off by default, for tests and debugging: legitimate SPMD code may issue one
+    /// collective from different lines on different ranks (`if rank == 0 { ... }
+    /// else { ... }` around a broadcast), which strict mode rejects.
+    /// [`LaunchOptions::from_env`] reads `TESSERA_STRICT_COLLECTIVES`.
+    ///
+    /// PyTorch: `TORCH_DISTRIBUTED_DEBUG=DETAIL`'s collective fingerprint check,
+    /// stricter (it compares call sites too).
+    pub strict_collectives: bool,
+    /// Whether collectives carry fingerprints (call site and tag) and compare
+    /// them across ranks. On by default; under MPI it costs one small
+    /// all-reduce per collective. Turn it off only to measure that cost
+    /// (`TESSERA_FINGERPRINTS=0`); it also turns strict mode off.
+    pub fingerprints: bool,
 }
 
 impl Default for LaunchOptions {
@@ -34,6 +53,8 @@ impl Default for LaunchOptions {
         LaunchOptions {
             timeout: DEFAULT_TIMEOUT,
             threads_per_rank: None,
+            strict_collectives: false,
+            fingerprints: true,
         }
     }
 }
@@ -59,7 +80,25 @@ impl LaunchOptions {
         if let Some(v) = std::env::var_os("TESSERA_THREADS_PER_RANK") {
             opts.threads_per_rank = Some(parse_threads(&v.to_string_lossy())?);
         }
+        if let Some(on) = crate::vars::flag("TESSERA_STRICT_COLLECTIVES")? {
+            opts.strict_collectives = on;
+        }
+        if let Some(on) = crate::vars::flag("TESSERA_FINGERPRINTS")? {
+            opts.fingerprints = on;
+        }
         Ok(opts)
+    }
+
+    /// Sets strict collectives (see [`strict_collectives`](Self::strict_collectives)).
+    pub fn strict_collectives(mut self, on: bool) -> Self {
+        self.strict_collectives = on;
+        self
+    }
+
+    /// Turns collective fingerprints on or off (see [`fingerprints`](Self::fingerprints)).
+    pub fn fingerprints(mut self, on: bool) -> Self {
+        self.fingerprints = on;
+        self
     }
 
     /// Sets the threads each rank's kernels may use (see

@@ -11,7 +11,9 @@
 //! | `TESSERA_THREADS_PER_RANK` | 1 to 1024 | the cores divided among the ranks |
 //! | `TESSERA_BF16_DOT` | a flag | on where the CPU has AVX512_BF16 |
 //! | `TESSERA_SYSTEM_MALLOC` | a flag | off (`malloc` tuned to keep freed memory) |
-//! | `TESSERA_MPI_CHECK` | a flag | off (no per-call argument checks under MPI) |
+//! | `TESSERA_MPI_CHECK` | a flag | off (under MPI, exchange every call's full fingerprint, not only its hash) |
+//! | `TESSERA_STRICT_COLLECTIVES` | a flag | off (call sites need not match; see `LaunchOptions::strict_collectives`) |
+//! | `TESSERA_FINGERPRINTS` | a flag | on (collectives compare call sites' tags; off only to measure the cost) |
 //!
 //! A flag is `1`, `true`, `yes`, `on` or `0`, `false`, `no`, `off` (any case).
 //!
@@ -39,7 +41,13 @@ pub const MIN_TIMEOUT: Duration = Duration::from_millis(1);
 pub const BACKENDS: &[&str] = &["threads", "mpi"];
 
 /// The flags: variables that switch something on or off.
-const FLAGS: &[&str] = &["TESSERA_BF16_DOT", "TESSERA_SYSTEM_MALLOC", "TESSERA_MPI_CHECK"];
+const FLAGS: &[&str] = &[
+    "TESSERA_BF16_DOT",
+    "TESSERA_SYSTEM_MALLOC",
+    "TESSERA_MPI_CHECK",
+    "TESSERA_STRICT_COLLECTIVES",
+    "TESSERA_FINGERPRINTS",
+];
 
 const TRUE: &[&str] = &["1", "true", "yes", "on"];
 const FALSE: &[&str] = &["0", "false", "no", "off"];
@@ -213,6 +221,8 @@ mod tests {
             ("TESSERA_BF16_DOT", "nope", "not a flag"),
             ("TESSERA_SYSTEM_MALLOC", "yes please", "not a flag"),
             ("TESSERA_MPI_CHECK", "2", "not a flag"),
+            ("TESSERA_STRICT_COLLECTIVES", "strict", "not a flag"),
+            ("TESSERA_FINGERPRINTS", "maybe", "not a flag"),
             ("TESSERA_TIMEOUT_S", "soon", "TESSERA_TIMEOUT_S"),
             ("TESSERA_THREADS_PER_RANK", "0", "TESSERA_THREADS_PER_RANK"),
         ] {

@@ -365,7 +365,10 @@ fn fixed_and_variable_forms_are_a_mismatch() {
     });
     for (r, s) in seen.iter().enumerate() {
         assert!(
-            s.contains("rank 0 called all_gather(send 4 × f32, recv 16 × f32) but rank 1 called all_gather_v(send 4 × f32, recv 16 × f32)"),
+            s.contains("rank 0 called all_gather(send 4 × f32, recv 16 × f32) at tests/comm/failures.rs:362:")
+                && s.contains(
+                    "but rank 1 called all_gather_v(send 4 × f32, recv 16 × f32) at tests/comm/failures.rs:360:"
+                ),
             "rank {r}: {s}"
         );
     }

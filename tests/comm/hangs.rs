@@ -74,8 +74,8 @@ fn ranks_waiting_on_different_communicators_all_get_a_mismatch() {
         &seen,
         &[0, 1],
         &[
-            "rank 0 called all_gather(send 4 × f32, recv 8 × f32) on group",
-            "rank 1 called barrier() on group",
+            "rank 0 called all_gather(send 4 × f32, recv 8 × f32) at tests/comm/hangs.rs:64:",
+            "rank 1 called barrier() at tests/comm/hangs.rs:66:",
             "waits there for rank(s) [1]",
             "waits there for rank(s) [0]",
         ],

@@ -2,6 +2,7 @@
 
 mod blame;
 mod collectives;
+mod divergent;
 mod failures;
 mod hangs;
 mod mesh;

@@ -160,7 +160,9 @@ impl Materializer {
     /// A parameter no rule or module default says how to initialise; a file
     /// without a parameter's name, with another shape or a dtype that does not
     /// convert; ranks materialising from different seeds; replicas that differ.
+    #[track_caller]
     pub fn materialize(&self, root: &dyn Module) -> Result<MaterializeReport> {
+        let _site = tessera_mesh::callsite::enter();
         name_parameters(root)?;
         let params = with_schemes(root);
         let Some(mesh) = params.first().map(|(p, _)| p.mesh()) else {
@@ -255,7 +257,9 @@ impl Materializer {
 ///
 /// # Errors
 /// Replicas that differ; a deferred parameter (on any rank).
+#[track_caller]
 pub fn verify_replicas(root: &dyn Module) -> Result<()> {
+    let _site = tessera_mesh::callsite::enter();
     name_parameters(root)?;
     check_all(&root.parameters())
 }

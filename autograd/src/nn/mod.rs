@@ -161,7 +161,9 @@ pub trait Module: Any {
     ///
     /// # Errors
     /// Whatever forward or a hook fails with.
+    #[track_caller]
     fn call(&self, x: &Var) -> Result<Var> {
+        let _site = tessera_mesh::callsite::enter();
         hooks::call(self, x)
     }
 }

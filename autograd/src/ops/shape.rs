@@ -148,7 +148,9 @@ impl Var {
     ///
     /// # Errors
     /// As [`DTensor::redistribute`].
+    #[track_caller]
     pub fn redistribute(&self, placements: &[Placement]) -> Result<Var> {
+        let _site = tessera_mesh::callsite::enter();
         let src = self.value().layout().clone();
         let value = self.value().redistribute(placements)?;
         Ok(self.unary_op("redistribute", value, move |g| {

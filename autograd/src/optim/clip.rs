@@ -33,7 +33,9 @@ const OP: &str = "clip_grad_norm";
 /// # Errors
 /// A negative or NaN `max_norm`, a non-float gradient, a `Partial(product)`
 /// gradient (scaling it is not linear), or a communication failure.
+#[track_caller]
 pub fn clip_grad_norm(params: &[Param], max_norm: f64) -> Result<f64> {
+    let _site = tessera_mesh::callsite::enter().tag(tessera_mesh::callsite::tag_of(&clip_tag(params)));
     if max_norm.is_nan() || max_norm < 0.0 {
         return Err(Error::Config {
             op: OP,
@@ -98,6 +100,12 @@ pub fn clip_grad_norm(params: &[Param], max_norm: f64) -> Result<f64> {
         }
     }
     Ok(total)
+}
+
+/// What `clip_grad_norm` is about, for its call-site tag: every parameter's
+/// name and shape (the same list on every rank in SPMD code).
+fn clip_tag(params: &[Param]) -> Vec<(String, Vec<usize>)> {
+    params.iter().map(|p| (p.name(), p.shape())).collect()
 }
 
 /// This rank's share of `‖g‖²`: the squares of its local elements, or 0 where

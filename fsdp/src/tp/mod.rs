@@ -175,7 +175,9 @@ fn glob(p: &[u8], s: &[u8]) -> bool {
 /// module type it does not support; a parameter on a mesh without the tp dim, or
 /// not replicated (already parallelized, or sharded by FSDP: apply TP first);
 /// each naming the module.
+#[track_caller]
 pub fn parallelize_module(module: &dyn Module, tp_mesh: &DeviceMesh, plan: &ParallelPlan) -> Result<Vec<Applied>> {
+    let _site = tessera_mesh::callsite::enter();
     let modules = named_modules(module);
     let checked = (|| {
         if tp_mesh.ndim() != 1 {

@@ -47,24 +47,28 @@ pub trait Communicator: Send {
     ///
     /// # Errors
     /// Length or dtype mismatches, peer failures, timeouts.
+    #[track_caller]
     fn all_gather(&self, send: Buf<'_>, recv: BufMut<'_>) -> Result<()>;
 
     /// Reduces `send` element-wise across ranks and gives this rank block `rank`.
     ///
     /// # Errors
     /// Length or dtype mismatches, a reduction not defined for the dtype, peer failures.
+    #[track_caller]
     fn reduce_scatter(&self, send: Buf<'_>, recv: BufMut<'_>, op: ReduceOp) -> Result<()>;
 
     /// Copies `root`'s `buf` into every other rank's `buf`.
     ///
     /// # Errors
     /// Length mismatches, an out-of-range root, peer failures.
+    #[track_caller]
     fn broadcast(&self, buf: BufMut<'_>, root: usize) -> Result<()>;
 
     /// Returns once every rank has entered the barrier.
     ///
     /// # Errors
     /// Peer failures, timeouts.
+    #[track_caller]
     fn barrier(&self) -> Result<()>;
 
     /// Splits the group: ranks passing the same `color` form a new group,
@@ -74,6 +78,7 @@ pub trait Communicator: Send {
     ///
     /// # Errors
     /// Peer failures, timeouts.
+    #[track_caller]
     fn split(&self, color: u32, key: u32) -> Result<Box<dyn Communicator>>;
 
     /// Counters of the collectives this rank has issued (shared by every
@@ -91,6 +96,7 @@ pub trait Communicator: Send {
     ///
     /// # Errors
     /// Length mismatches, a reduction not defined for the dtype, peer failures.
+    #[track_caller]
     fn all_reduce(&self, mut buf: BufMut<'_>, op: ReduceOp) -> Result<()> {
         op.check("all_reduce", buf.dtype())?;
         let n = self.size();
@@ -112,6 +118,7 @@ pub trait Communicator: Send {
     ///
     /// # Errors
     /// As [`all_reduce`](Self::all_reduce), plus a `recv` of another length or dtype.
+    #[track_caller]
     fn all_reduce_into(&self, send: Buf<'_>, mut recv: BufMut<'_>, op: ReduceOp) -> Result<()> {
         if send.dtype() != recv.dtype() {
             return Err(Error::DTypeMismatch {
@@ -141,6 +148,7 @@ pub trait Communicator: Send {
     ///
     /// # Errors
     /// Length or dtype mismatches (the length must be a multiple of `size`), peer failures.
+    #[track_caller]
     fn all_to_all(&self, send: Buf<'_>, mut recv: BufMut<'_>) -> Result<()> {
         let n = self.size();
         check_all_to_all(self.rank(), n, &send, &recv)?;
@@ -174,6 +182,7 @@ pub trait Communicator: Send {
     /// [`Error::BadLength`] for counts that are not one per rank or buffers whose
     /// lengths do not match the counts, [`Error::Mismatch`] for ranks passing
     /// different counts, dtype mismatches, peer failures.
+    #[track_caller]
     fn all_gather_v(&self, send: Buf<'_>, recv: BufMut<'_>, counts: &[usize]) -> Result<()> {
         let dtype = check_v_local(self, OpKind::AllGather, &send, &recv, counts, &[])?;
         let block = exchange_v(self, OpKind::AllGather, send.len(), recv.len(), counts, &[])?;
@@ -196,6 +205,7 @@ pub trait Communicator: Send {
     ///
     /// # Errors
     /// As [`all_gather_v`](Self::all_gather_v), or a reduction not defined for the dtype.
+    #[track_caller]
     fn reduce_scatter_v(&self, send: Buf<'_>, mut recv: BufMut<'_>, counts: &[usize], op: ReduceOp) -> Result<()> {
         let dtype = check_v_local(self, OpKind::ReduceScatter, &send, &recv, counts, &[])?;
         op.check("reduce_scatter_v", dtype)?;
@@ -222,6 +232,7 @@ pub trait Communicator: Send {
     /// [`Error::BadLength`] for counts that are not one per rank or buffers whose
     /// lengths do not match their sums, [`Error::Mismatch`] naming both ranks when
     /// a sender's and a receiver's counts disagree, dtype mismatches, peer failures.
+    #[track_caller]
     fn all_to_all_v(
         &self,
         send: Buf<'_>,
@@ -257,6 +268,7 @@ pub trait Communicator: Send {
     /// # Errors
     /// [`Error::BadLength`] when the segments do not sum to `send.len()` or
     /// `recv` does not hold `size · send.len()`; as [`all_gather`](Self::all_gather).
+    #[track_caller]
     fn all_gather_segmented(&self, send: Buf<'_>, mut recv: BufMut<'_>, segments: &[usize]) -> Result<()> {
         check_segments(self, (send.dtype(), send.len()), (recv.dtype(), recv.len()), segments)?;
         let mut rank_major = Buffer::zeros(send.dtype(), recv.len());
@@ -268,6 +280,7 @@ pub trait Communicator: Send {
     /// the gathered buffer in segment order.
     ///
     /// Default: runs the blocking form and returns a finished handle.
+    #[track_caller]
     fn all_gather_segmented_async(&self, send: Buffer, segments: Vec<usize>) -> Work {
         let mut recv = Buffer::zeros(send.dtype(), send.len() * self.size());
         Work::ready(
@@ -279,6 +292,7 @@ pub trait Communicator: Send {
     /// Asynchronous [`all_gather`](Self::all_gather): returns the gathered buffer.
     ///
     /// Default: runs the blocking form and returns a finished handle.
+    #[track_caller]
     fn all_gather_async(&self, send: Buffer) -> Work {
         let mut recv = Buffer::zeros(send.dtype(), send.len() * self.size());
         Work::ready(self.all_gather(send.as_buf(), recv.as_buf_mut()).map(|_| recv))
@@ -287,6 +301,7 @@ pub trait Communicator: Send {
     /// Asynchronous [`reduce_scatter`](Self::reduce_scatter): returns this rank's block.
     ///
     /// Default: runs the blocking form and returns a finished handle.
+    #[track_caller]
     fn reduce_scatter_async(&self, send: Buffer, op: ReduceOp) -> Work {
         let mut recv = Buffer::zeros(send.dtype(), send.len() / self.size().max(1));
         Work::ready(self.reduce_scatter(send.as_buf(), recv.as_buf_mut(), op).map(|_| recv))
@@ -298,6 +313,7 @@ pub trait Communicator: Send {
     /// the pieces where they are.
     ///
     /// Default: packs the pieces into one buffer first.
+    #[track_caller]
     fn all_gather_segmented_pieces_async(&self, send: Pieces, segments: Vec<usize>) -> Work {
         self.all_gather_segmented_async(send.pack(), segments)
     }
@@ -308,6 +324,7 @@ pub trait Communicator: Send {
     /// the pieces where they are.
     ///
     /// Default: packs the pieces into one buffer first.
+    #[track_caller]
     fn reduce_scatter_pieces_async(&self, send: Pieces, op: ReduceOp) -> Work {
         self.reduce_scatter_async(send.pack(), op)
     }
@@ -315,6 +332,7 @@ pub trait Communicator: Send {
     /// Asynchronous in-place [`all_reduce`](Self::all_reduce): returns the reduced buffer.
     ///
     /// Default: runs the blocking form and returns a finished handle.
+    #[track_caller]
     fn all_reduce_async(&self, mut buf: Buffer, op: ReduceOp) -> Work {
         Work::ready(self.all_reduce(buf.as_buf_mut(), op).map(|_| buf))
     }
@@ -322,6 +340,7 @@ pub trait Communicator: Send {
     /// Asynchronous [`all_to_all`](Self::all_to_all).
     ///
     /// Default: runs the blocking form and returns a finished handle.
+    #[track_caller]
     fn all_to_all_async(&self, send: Buffer) -> Work {
         let mut recv = Buffer::zeros(send.dtype(), send.len());
         Work::ready(self.all_to_all(send.as_buf(), recv.as_buf_mut()).map(|_| recv))
@@ -330,6 +349,7 @@ pub trait Communicator: Send {
     /// Asynchronous [`broadcast`](Self::broadcast): returns root's buffer.
     ///
     /// Default: runs the blocking form and returns a finished handle.
+    #[track_caller]
     fn broadcast_async(&self, mut buf: Buffer, root: usize) -> Work {
         Work::ready(self.broadcast(buf.as_buf_mut(), root).map(|_| buf))
     }
@@ -341,6 +361,7 @@ pub trait CommunicatorExt: Communicator {
     ///
     /// # Errors
     /// As [`Communicator::all_gather`].
+    #[track_caller]
     fn all_gather_slice<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
         self.all_gather(T::buf(send), T::buf_mut(recv))
     }
@@ -349,6 +370,7 @@ pub trait CommunicatorExt: Communicator {
     ///
     /// # Errors
     /// As [`Communicator::all_gather`].
+    #[track_caller]
     fn all_gather_vec<T: Element>(&self, send: &[T]) -> Result<Vec<T>> {
         let mut recv = vec![T::default(); send.len() * self.size()];
         self.all_gather(T::buf(send), T::buf_mut(&mut recv))?;
@@ -359,6 +381,7 @@ pub trait CommunicatorExt: Communicator {
     ///
     /// # Errors
     /// As [`Communicator::reduce_scatter`].
+    #[track_caller]
     fn reduce_scatter_slice<T: Element>(&self, send: &[T], recv: &mut [T], op: ReduceOp) -> Result<()> {
         self.reduce_scatter(T::buf(send), T::buf_mut(recv), op)
     }
@@ -367,6 +390,7 @@ pub trait CommunicatorExt: Communicator {
     ///
     /// # Errors
     /// As [`Communicator::all_reduce`].
+    #[track_caller]
     fn all_reduce_slice<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
         self.all_reduce(T::buf_mut(buf), op)
     }
@@ -375,6 +399,7 @@ pub trait CommunicatorExt: Communicator {
     ///
     /// # Errors
     /// As [`Communicator::broadcast`].
+    #[track_caller]
     fn broadcast_slice<T: Element>(&self, buf: &mut [T], root: usize) -> Result<()> {
         self.broadcast(T::buf_mut(buf), root)
     }
@@ -383,6 +408,7 @@ pub trait CommunicatorExt: Communicator {
     ///
     /// # Errors
     /// As [`Communicator::all_to_all`].
+    #[track_caller]
     fn all_to_all_slice<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
         self.all_to_all(T::buf(send), T::buf_mut(recv))
     }

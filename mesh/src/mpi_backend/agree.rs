@@ -1,12 +1,17 @@
-//! The opt-in cross-rank check of every collective (`TESSERA_MPI_CHECK=1`).
+//! The cross-rank check of every collective's fingerprint.
 //!
 //! MPI does not compare what ranks pass to a collective: mismatched calls hang,
-//! truncate or read garbage. With the check on, every collective first
-//! all-gathers a small fingerprint (kind, dtype, length, root, reduction) from
-//! every rank of its communicator and fails on every rank with the same
-//! [`Error::Mismatch`] when they differ, as the threads backend always does. It
-//! costs one small all-gather per collective, so it is off by default (a
-//! debugging aid, like PyTorch's `TORCH_DISTRIBUTED_DEBUG=DETAIL`).
+//! truncate or read garbage. So every collective first agrees on a fingerprint
+//! (kind, dtype, length, root, reduction, sequence number in its communicator,
+//! the call site's tag, and in strict mode the call site's hash): by default
+//! through one all-reduce (max) of four words, a 64-bit digest of the
+//! fingerprint and the tag, each with its complement (max of the complement is
+//! the complement of the min, so one all-reduce tells every rank whether all
+//! agree). Only on a disagreement do the ranks all-gather their full
+//! fingerprints ([`WORDS`] words) and their call sites' strings, and all fail
+//! with the same [`Error::Mismatch`] naming both ranks and both call sites.
+//! `TESSERA_MPI_CHECK=1` takes the full exchange every time (a debugging aid,
+//! like PyTorch's `TORCH_DISTRIBUTED_DEBUG=DETAIL`).
 
 use crate::{DType, Error, OpKind, ReduceOp, Result};
 
@@ -24,8 +29,88 @@ pub(super) struct Fingerprint {
     pub(super) ok: bool,
 }
 
-/// Words per fingerprint on the wire.
+/// Words of a fingerprint's call (kind, dtype, length, root, reduction, ok).
 pub(super) const WORDS: usize = 6;
+/// Words of a full row: the call's, then the sequence number, the tag and the
+/// site's hash (0 outside strict mode).
+pub(super) const ROW: usize = WORDS + 3;
+
+/// A full row: `fp`, then `seq`, `tag` and `site` (the site's hash in strict mode, else 0).
+pub(super) fn row(fp: &Fingerprint, seq: u64, tag: u64, site: u64) -> [i64; ROW] {
+    let c = fp.encode();
+    [c[0], c[1], c[2], c[3], c[4], c[5], seq as i64, tag as i64, site as i64]
+}
+
+/// The four words ranks all-reduce with max: a digest of `row` without its tag
+/// (with it in strict mode, where a tag set on one rank only is a mismatch), and
+/// the tag, each followed by its complement. An unset tag sends `i64::MIN` twice.
+pub(super) fn digest(row: &[i64; ROW], strict: bool) -> [i64; 4] {
+    let tag = row[WORDS + 1];
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for (i, &w) in row.iter().enumerate() {
+        if i == WORDS + 1 && !strict {
+            continue;
+        }
+        for b in w.to_le_bytes() {
+            h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+    let h = (h >> 1) as i64;
+    let (t, nt) = if tag == 0 || strict {
+        (i64::MIN, i64::MIN)
+    } else {
+        let t = ((tag as u64) >> 1) as i64;
+        (t, !t)
+    };
+    [h, !h, t, nt]
+}
+
+/// Whether the all-reduced (max) [`digest`]s of every rank agree: equal
+/// digests, and the tags set are equal.
+pub(super) fn digests_agree(max: &[i64; 4]) -> bool {
+    max[0] == !max[1] && (max[2] == i64::MIN || max[2] == !max[3])
+}
+
+/// Compares every rank's full [`row`] (rank order); on a disagreement returns
+/// the first rank that differs from rank 0 (or rejected its own arguments) and
+/// what differs. `strict` compares the sites' hashes too.
+pub(super) fn compare_rows(rows: &[i64], strict: bool) -> Option<(usize, String)> {
+    let rows: Vec<&[i64]> = rows.chunks(ROW).collect();
+    let calls: Vec<i64> = rows.iter().flat_map(|r| r[..WORDS].iter().copied()).collect();
+    if let Err(e) = compare(&calls) {
+        let q = rows
+            .iter()
+            .position(|r| r[WORDS - 1] == 0)
+            .unwrap_or_else(|| rows.iter().position(|r| r[..WORDS] != rows[0][..WORDS]).unwrap_or(0));
+        let detail = match e {
+            Error::Mismatch { detail } => detail,
+            e => e.to_string(),
+        };
+        return Some((q, detail));
+    }
+    let first = rows[0];
+    for (q, r) in rows.iter().enumerate().skip(1) {
+        let detail = if r[WORDS] != first[WORDS] {
+            format!(
+                "rank 0 is at collective #{} of its communicator but rank {q} at #{}",
+                first[WORDS], r[WORDS]
+            )
+        } else if (r[WORDS + 1] != first[WORDS + 1]) && (strict || (r[WORDS + 1] != 0 && first[WORDS + 1] != 0)) {
+            "the same collective about different things (their entry points' tags differ: e.g. clip_grad_norm \
+             over different parameters, a redistribute of another shape or placements)"
+                .to_string()
+        } else if strict && r[WORDS + 2] != first[WORDS + 2] {
+            "the same collective from different call sites (strict collectives: TESSERA_STRICT_COLLECTIVES / \
+             LaunchOptions::strict_collectives)"
+                .to_string()
+        } else {
+            continue;
+        };
+        let call = Fingerprint::decode(&first[..WORDS]).map_or("a collective".to_string(), |p| p.describe());
+        return Some((q, format!("ranks 0 and {q} both called {call}, but {detail}")));
+    }
+    None
+}
 
 fn index<T: PartialEq>(all: &[T], x: &T) -> i64 {
     all.iter().position(|a| a == x).map_or(-1, |i| i as i64)
@@ -101,8 +186,7 @@ pub(super) fn compare(rows: &[i64]) -> Result<()> {
         if *p != prints[0] {
             return Err(Error::Mismatch {
                 detail: format!(
-                    "rank 0 called {} but rank {q} called {} (ranks of a communicator of {n}; MPI backend with \
-                     TESSERA_MPI_CHECK); every rank must issue the same collectives in the same order",
+                    "rank 0 called {} but rank {q} called {} (ranks of a communicator of {n}; MPI backend); every rank must issue the same collectives in the same order",
                     name(&prints[0]),
                     name(p)
                 ),
@@ -149,6 +233,35 @@ mod tests {
             "{e}"
         );
         assert_eq!(Fingerprint::decode(&r.encode()), Some(r));
+        // Digests: equal rows agree; a tag set on one rank only is ignored
+        // unless strict; different tags or calls do not agree.
+        let max = |ds: &[[i64; 4]]| {
+            let mut m = [i64::MIN; 4];
+            for d in ds {
+                for i in 0..4 {
+                    m[i] = m[i].max(d[i]);
+                }
+            }
+            m
+        };
+        let (x, y) = (row(&a, 3, 0, 0), row(&a, 3, 77, 0));
+        assert!(digests_agree(&max(&[digest(&x, false), digest(&x, false)])));
+        assert!(digests_agree(&max(&[digest(&x, false), digest(&y, false)])));
+        assert!(!digests_agree(&max(&[digest(&x, true), digest(&y, true)])));
+        assert!(!digests_agree(&max(&[
+            digest(&y, false),
+            digest(&row(&a, 3, 78, 0), false)
+        ])));
+        assert!(!digests_agree(&max(&[
+            digest(&x, false),
+            digest(&row(&a, 4, 0, 0), false)
+        ])));
+        let full: Vec<i64> = [y, row(&a, 3, 78, 0)].concat();
+        let (q, why) = compare_rows(&full, false).unwrap();
+        assert!(q == 1 && why.contains("about different things"), "{why}");
+        let full: Vec<i64> = [row(&a, 3, 0, 5), row(&a, 3, 0, 6)].concat();
+        assert!(compare_rows(&full, false).is_none());
+        assert!(compare_rows(&full, true).unwrap().1.contains("different call sites"));
         let bad = Fingerprint { ok: false, ..a };
         let e = compare(&rows(&[a, bad])).unwrap_err().to_string();
         assert!(

@@ -2,11 +2,12 @@
 
 use std::os::raw::c_int;
 use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
 
 use mpi::ffi;
 
 use super::agree::Fingerprint;
-use super::call::{Comm, Exec, agree_on, count, counts, exec, gather_words, print};
+use super::call::{Agreement, Comm, Exec, agree_on, count, counts, exec, gather_words, print};
 use super::messages::error_string;
 use super::ops::{Handle, average, datatype, in_place_send, ptr, ptr_mut};
 use super::runtime::Runtime;
@@ -25,6 +26,8 @@ pub(crate) struct MpiComm {
     rt: &'static Runtime,
     worker: Worker,
     watch: Arc<Watch>,
+    /// Collectives whose fingerprints this communicator has checked.
+    seq: Arc<AtomicU64>,
 }
 
 impl MpiComm {
@@ -61,6 +64,7 @@ impl MpiComm {
             rt,
             worker: Worker::new(rank, format!("tessera-mpi-comm-{}", rt.world_rank), None),
             watch: Watch::new(raw.0, rank, size),
+            seq: Arc::default(),
         }
     }
 
@@ -89,11 +93,24 @@ impl MpiComm {
         exec(&self.watch, kind, self.rank, call)
     }
 
-    /// `local` is this rank's own check of its arguments. With `TESSERA_MPI_CHECK`,
-    /// every rank then compares its call with the others' (a rank whose own check
-    /// failed takes part too, so its peers fail with it instead of waiting for it).
+    /// What the fingerprint check of a collective issued by the caller needs.
+    #[track_caller]
+    fn agreement(&self) -> Agreement {
+        Agreement {
+            site: Some(crate::callsite::here()),
+            seq: self.seq.clone(),
+            full: self.rt.check_calls,
+        }
+    }
+
+    /// `local` is this rank's own check of its arguments. Unless fingerprints
+    /// are off, every rank then compares its call with the others' (a rank whose
+    /// own check failed takes part too, so its peers fail with it instead of
+    /// waiting for it).
+    #[track_caller]
     fn validate(&self, fp: Fingerprint, local: Result<()>) -> Result<()> {
-        if !self.rt.check_calls {
+        let a = self.agreement();
+        if !a.on() {
             return local;
         }
         self.worker.fence();
@@ -101,7 +118,7 @@ impl MpiComm {
             ok: local.is_ok(),
             ..fp
         };
-        let agreed = agree_on(self.raw, &self.watch, self.rank, self.size, fp);
+        let agreed = agree_on(self.raw, &self.watch, self.rank, self.size, fp, &a);
         local.and(agreed)
     }
 
@@ -150,6 +167,7 @@ impl MpiComm {
         Ok(local)
     }
 
+    #[track_caller]
     fn exec_for(&self, kind: OpKind) -> Exec {
         Exec {
             raw: self.raw,
@@ -157,11 +175,12 @@ impl MpiComm {
             rank: self.rank,
             size: self.size,
             kind,
-            check: self.rt.check_calls,
+            check: self.agreement(),
         }
     }
 
     /// Queues `f` (given the communicator) on the communication thread.
+    #[track_caller]
     fn submit(&self, kind: OpKind, bytes: usize, f: impl FnOnce(Exec) -> Result<Buffer> + Send + 'static) -> Work {
         self.rt.stats.record(kind, self.size, bytes);
         let ex = self.exec_for(kind);
@@ -171,15 +190,16 @@ impl MpiComm {
     /// An asynchronous collective whose arguments failed this rank's own checks:
     /// the error, after (with `TESSERA_MPI_CHECK`) telling the peers in the
     /// cross-rank comparison, in issue order, so they fail instead of waiting.
+    #[track_caller]
     fn reject(&self, fp: Fingerprint, e: Error) -> Work {
-        if !self.rt.check_calls {
+        let ex = self.exec_for(fp.kind);
+        if !ex.check.on() {
             return Work::ready(Err(e));
         }
-        let ex = self.exec_for(fp.kind);
         let fp = Fingerprint { ok: false, ..fp };
         self.worker.submit(move || {
             // The comparison fails (this rank's print says so); our own error says more.
-            let _ = agree_on(ex.raw, &ex.watch, ex.rank, ex.size, fp);
+            let _ = agree_on(ex.raw, &ex.watch, ex.rank, ex.size, fp, &ex.check);
             Err(e)
         })
     }

@@ -16,9 +16,11 @@
 //!   bits from the threads backend's (which rounds once), and an f16 `Avg` can
 //!   overflow where the threads backend's does not: reduce in f32 where that
 //!   matters (FSDP's mixed precision reduces gradients in f32).
-//! - `TESSERA_MPI_CHECK=1` compares every collective's arguments across ranks
-//!   before running it ([`agree`]), so mismatched calls fail with
-//!   [`Error::Mismatch`] instead of MPI's undefined behaviour.
+//! - Every collective first agrees on its fingerprint across ranks ([`agree`]:
+//!   one small all-reduce of a digest; the full fingerprints and call sites are
+//!   exchanged only on a disagreement, or every time with `TESSERA_MPI_CHECK=1`),
+//!   so mismatched calls fail with [`Error::Mismatch`] naming both ranks' call
+//!   sites instead of MPI's undefined behaviour.
 //! - A rank whose closure fails or panics prints why and calls `MPI_Abort`, which
 //!   ends every process of the job. A watchdog thread ([`watchdog`]) aborts the
 //!   job when a rank waits in a collective longer than the launch's timeout
@@ -73,6 +75,14 @@ where
             env.launcher, rt.world_size, rt.world_size
         )));
     }
+    call::MODE.store(
+        match (opts.fingerprints, opts.strict_collectives) {
+            (false, _) => call::OFF,
+            (true, false) => call::ON,
+            (true, true) => call::STRICT,
+        },
+        Ordering::Relaxed,
+    );
     watchdog::TIMEOUT_MS.store(
         u64::try_from(opts.timeout.as_millis()).unwrap_or(u64::MAX).max(1),
         Ordering::Relaxed,

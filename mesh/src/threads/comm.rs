@@ -49,11 +49,16 @@ impl ThreadComm {
     /// Queues `f` (a collective on owned buffers) on the communication thread. The
     /// queued collective is an agent of this rank until it completes or is dropped
     /// unrun (see the cross-group mismatch check in `activity`).
+    /// The call site is the caller's (the asynchronous method's caller), captured
+    /// here and set on the communication thread while the collective runs.
+    #[track_caller]
     fn submit(&self, f: impl FnOnce(&Group, usize) -> Result<Buffer> + Send + 'static) -> Work {
         let (group, rank) = (self.group.clone(), self.rank);
+        let site = crate::callsite::here();
         let agent = Agent::start(&group, rank);
         self.worker.submit(move || {
             let _agent = agent;
+            let _site = crate::callsite::issue_at(site);
             f(&group, rank)
         })
     }
@@ -101,12 +106,14 @@ impl Communicator for ThreadComm {
     }
 
     fn all_gather(&self, send: Buf<'_>, mut recv: BufMut<'_>) -> Result<()> {
+        let _site = crate::callsite::issue();
         self.fence();
         self.record(OpKind::AllGather, bytes(&send) * self.size());
         kernels::all_gather(&self.group, self.rank, send, Out::of(&mut recv))
     }
 
     fn all_gather_segmented(&self, send: Buf<'_>, mut recv: BufMut<'_>, segments: &[usize]) -> Result<()> {
+        let _site = crate::callsite::issue();
         crate::comm::check_segments(self, (send.dtype(), send.len()), (recv.dtype(), recv.len()), segments)?;
         self.fence();
         self.record(OpKind::AllGather, bytes(&send) * self.size());
@@ -114,30 +121,35 @@ impl Communicator for ThreadComm {
     }
 
     fn reduce_scatter(&self, send: Buf<'_>, mut recv: BufMut<'_>, op: ReduceOp) -> Result<()> {
+        let _site = crate::callsite::issue();
         self.fence();
         self.record(OpKind::ReduceScatter, bytes(&send));
         kernels::reduce_scatter(&self.group, self.rank, Source::Flat(send), Out::of(&mut recv), op)
     }
 
     fn all_reduce(&self, buf: BufMut<'_>, op: ReduceOp) -> Result<()> {
+        let _site = crate::callsite::issue();
         self.fence();
         self.record(OpKind::AllReduce, bytes(&buf.as_buf()));
         kernels::all_reduce(&self.group, self.rank, None, buf, op)
     }
 
     fn all_reduce_into(&self, send: Buf<'_>, recv: BufMut<'_>, op: ReduceOp) -> Result<()> {
+        let _site = crate::callsite::issue();
         self.fence();
         self.record(OpKind::AllReduce, bytes(&send));
         kernels::all_reduce(&self.group, self.rank, Some(send), recv, op)
     }
 
     fn all_to_all(&self, send: Buf<'_>, mut recv: BufMut<'_>) -> Result<()> {
+        let _site = crate::callsite::issue();
         self.fence();
         self.record(OpKind::AllToAll, bytes(&send));
         kernels::all_to_all(&self.group, self.rank, send, Out::of(&mut recv))
     }
 
     fn all_gather_v(&self, send: Buf<'_>, recv: BufMut<'_>, counts: &[usize]) -> Result<()> {
+        let _site = crate::callsite::issue();
         self.fence();
         let total = counts.iter().fold(0usize, |a, &c| a.saturating_add(c));
         self.record(OpKind::AllGather, total.saturating_mul(send.dtype().size_in_bytes()));
@@ -145,6 +157,7 @@ impl Communicator for ThreadComm {
     }
 
     fn reduce_scatter_v(&self, send: Buf<'_>, recv: BufMut<'_>, counts: &[usize], op: ReduceOp) -> Result<()> {
+        let _site = crate::callsite::issue();
         self.fence();
         self.record(OpKind::ReduceScatter, bytes(&send));
         kernels::reduce_scatter_v(&self.group, self.rank, send, recv, counts, op)
@@ -157,6 +170,7 @@ impl Communicator for ThreadComm {
         recv: BufMut<'_>,
         recv_counts: &[usize],
     ) -> Result<()> {
+        let _site = crate::callsite::issue();
         self.fence();
         self.stats.record_exact(
             OpKind::AllToAll,
@@ -166,18 +180,21 @@ impl Communicator for ThreadComm {
     }
 
     fn broadcast(&self, buf: BufMut<'_>, root: usize) -> Result<()> {
+        let _site = crate::callsite::issue();
         self.fence();
         self.record(OpKind::Broadcast, bytes(&buf.as_buf()));
         kernels::broadcast(&self.group, self.rank, buf, root)
     }
 
     fn barrier(&self) -> Result<()> {
+        let _site = crate::callsite::issue();
         self.fence();
         self.record(OpKind::Barrier, 0);
         kernels::barrier(&self.group, self.rank)
     }
 
     fn split(&self, color: u32, key: u32) -> Result<Box<dyn Communicator>> {
+        let _site = crate::callsite::issue();
         self.fence();
         self.record(OpKind::Split, 0);
         let (group, rank) = split_group(&self.group, self.rank, color, key)?;

@@ -5,11 +5,12 @@ use std::fmt;
 
 use smallvec::SmallVec;
 
+use crate::callsite::CallSite;
 use crate::{DType, OpKind, ReduceOp};
 
 /// What one rank asked a collective to do; published so peers can check it and
 /// read the buffers it names.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Copy, Debug)]
 pub(crate) struct Desc {
     pub(crate) kind: OpKind,
     pub(crate) seq: u64,
@@ -30,6 +31,8 @@ pub(crate) struct Desc {
     /// The variable-count form of `kind` (`all_gather_v`, ...): its counts are
     /// published beside the descriptor ([`Group::enter_v`](super::group::Group::enter_v)).
     pub(crate) v: bool,
+    /// Where the rank issued the collective ([`callsite`](crate::callsite)), when known.
+    pub(crate) site: Option<CallSite>,
 }
 
 impl Desc {
@@ -49,6 +52,7 @@ impl Desc {
             color: 0,
             key: 0,
             v: false,
+            site: None,
         }
     }
 
@@ -69,7 +73,18 @@ impl Default for Desc {
 }
 
 impl fmt::Display for Desc {
+    /// The call, then ` at file:line:col` when its call site is known.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.fmt_call(f)?;
+        match &self.site {
+            Some(site) => write!(f, " at {site}"),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Desc {
+    fn fmt_call(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let (s, r, d) = (self.send_len, self.recv_len, self.dtype);
         match self.kind {
             OpKind::AllGather | OpKind::AllToAll => {

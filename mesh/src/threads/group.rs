@@ -143,6 +143,9 @@ impl Group {
         let seq = self.seqs[r].0.fetch_add(1, Ordering::Relaxed);
         let slot = (seq % 2) as usize;
         desc.seq = seq;
+        if self.world.fingerprints {
+            desc.site = crate::callsite::issuing();
+        }
         if let Some((send, recv)) = counts {
             let mut c = lock(&self.counts[r][slot]);
             c.send.clear();
@@ -160,7 +163,7 @@ impl Group {
         } else {
             Vec::new()
         };
-        if let Err(e) = super::validate::validate(&descs, &all, &self.members) {
+        if let Err(e) = super::validate::validate(&descs, &all, &self.members, self.world.strict) {
             self.world.poison(self.members[r], e.to_string());
             return Err(e);
         }

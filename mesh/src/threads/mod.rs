@@ -71,7 +71,12 @@ where
     F: Fn(RankCtx) -> Result<T, BoxError> + Send + Sync + 'static,
 {
     let job = context::next_job();
-    let world = World::new(job, world_size, opts.timeout);
+    let world = World::new(
+        job,
+        world_size,
+        opts.timeout,
+        (opts.fingerprints, opts.strict_collectives),
+    );
     let (handles, rx) = spawn_ranks(opts, &world, world_size, job, f);
     let started = handles.len();
     let results = collect(opts, &world, &rx, world_size, started);

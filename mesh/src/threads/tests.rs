@@ -11,7 +11,7 @@ use crate::{Error, OpKind};
 
 /// A job of `n` ranks with a short timeout (the committed barrier must ignore it).
 fn group(n: usize) -> (Arc<World>, Arc<Group>) {
-    let world = World::new(u64::MAX, n, Duration::from_millis(50));
+    let world = World::new(u64::MAX, n, Duration::from_millis(50), (true, false));
     let g = Group::new(world.clone(), (0..n).collect());
     (world, g)
 }

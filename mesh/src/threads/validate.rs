@@ -7,8 +7,9 @@ use crate::{Error, Result};
 
 /// `members[q]` is the world rank of group rank `q` (errors name world ranks).
 /// `counts[q]` are rank `q`'s count arrays when every rank called a
-/// variable-count collective (empty otherwise).
-pub(crate) fn validate(d: &[Desc], counts: &[Counts], members: &[usize]) -> Result<()> {
+/// variable-count collective (empty otherwise). Tags that both ranks set must
+/// agree; with `strict`, call sites and tags must be equal too.
+pub(crate) fn validate(d: &[Desc], counts: &[Counts], members: &[usize], strict: bool) -> Result<()> {
     let n = d.len();
     let first = &d[0];
     for (q, dq) in d.iter().enumerate().skip(1) {
@@ -27,6 +28,25 @@ pub(crate) fn validate(d: &[Desc], counts: &[Counts], members: &[usize]) -> Resu
                     members[0], members[q], first.seq
                 ),
             });
+        }
+        if let (Some(a), Some(b)) = (&first.site, &dq.site) {
+            let tags = a.tags_conflict(b) || (strict && a.tag != b.tag);
+            if tags || (strict && !a.same_site(b)) {
+                let why = if tags {
+                    "the same collective about different things (their entry points' tags differ: \
+                     e.g. clip_grad_norm over different parameters, a redistribute of another shape or placements)"
+                } else {
+                    "the same collective from different call sites (strict collectives: \
+                     TESSERA_STRICT_COLLECTIVES / LaunchOptions::strict_collectives)"
+                };
+                return Err(Error::Mismatch {
+                    detail: format!(
+                        "rank {} called {first} but rank {} called {dq} (collective #{} of a group of {n}): {why}; \
+                         every rank must issue the same collectives in the same order",
+                        members[0], members[q], first.seq
+                    ),
+                });
+            }
         }
     }
     let op = first.name();

@@ -39,6 +39,11 @@ pub(crate) struct World {
     /// More ranks than the machine has cores: a waiting rank parks at once
     /// after its spin rather than yielding first.
     pub(crate) oversubscribed: bool,
+    /// Collectives carry their call sites and tags, and tags are compared
+    /// ([`LaunchOptions::fingerprints`](crate::LaunchOptions)).
+    pub(crate) fingerprints: bool,
+    /// Call sites must match too ([`LaunchOptions::strict_collectives`](crate::LaunchOptions::strict_collectives)).
+    pub(crate) strict: bool,
     poisoned: AtomicBool,
     poison: Mutex<Option<Poison>>,
     exited: Vec<AtomicBool>,
@@ -49,10 +54,12 @@ pub(crate) struct World {
 }
 
 impl World {
-    pub(crate) fn new(job: u64, size: usize, timeout: Duration) -> Arc<World> {
+    pub(crate) fn new(job: u64, size: usize, timeout: Duration, (fingerprints, strict): (bool, bool)) -> Arc<World> {
         Arc::new(World {
             job,
             timeout,
+            fingerprints,
+            strict: strict && fingerprints,
             oversubscribed: size > crate::intra_op::cores(),
             poisoned: AtomicBool::new(false),
             poison: Mutex::new(None),
