@@ -278,6 +278,34 @@ fn extra_micro_batch_of_an_fsdp_loop_in_strict_mode() {
     });
 }
 
+#[test]
+fn extra_micro_batch_of_an_fsdp_loop_by_default() {
+    // Rank 0 runs a second micro-batch: its forward waits in an asynchronous
+    // gather of unit `a` (on the mesh dim's group) while rank 1 has gone on to
+    // clip its gradients (an all-reduce on the whole mesh). Each waits for the
+    // other in a different group; rank 0's closure only waits on its own
+    // collective, so the cross-group check finds it well before the timeout.
+    let (_, seen) = diverge(&opts(), 2, &[0, 1], |r, comm, at| {
+        let mesh = DeviceMesh::new(comm, &[2])?;
+        let pair = two_units(&mesh)?;
+        let x = batch(&mesh)?;
+        let micro = if r == 0 { 2 } else { 1 };
+        for _ in 0..micro {
+            at(line!() + 1);
+            let loss = pair.call(&x)?.square()?.mean(&[0, 1], false)?;
+            backward(&loss)?;
+        }
+        at(line!() + 1);
+        clip_grad_norm(&pair.parameters(), 1.0)?;
+        Ok(())
+    });
+    assert!(
+        seen.iter()
+            .all(|e| e.contains("ranks wait for each other in collectives of different groups")),
+        "{seen:?}"
+    );
+}
+
 /// Parameters `p` (4 elements) and `q` (6), `Shard(0)` on a 2-rank mesh, with
 /// gradients of ones.
 struct Two {

@@ -12,7 +12,15 @@ use crate::{Buffer, Element, Error, Result};
 #[must_use = "an asynchronous collective must be waited on"]
 pub struct Work {
     state: WorkState,
+    /// Told `-1` when a thread starts blocking in [`wait`](Work::wait) on an
+    /// unfinished collective and `+1` when it stops (the threads backend's
+    /// activity record: a rank whose closure only waits on its own collectives
+    /// is not progressing by itself).
+    on_block: Option<BlockHook>,
 }
+
+/// See [`Work`]'s `on_block`.
+pub(crate) type BlockHook = Box<dyn Fn(i64) + Send>;
 
 enum WorkState {
     Ready(Result<Buffer>),
@@ -27,6 +35,7 @@ impl Work {
     pub fn ready(result: Result<Buffer>) -> Work {
         Work {
             state: WorkState::Ready(result),
+            on_block: None,
         }
     }
 
@@ -34,7 +43,15 @@ impl Work {
     pub fn pending(rank: usize, rx: mpsc::Receiver<Result<Buffer>>) -> Work {
         Work {
             state: WorkState::Pending { rank, rx },
+            on_block: None,
         }
+    }
+
+    /// Calls `hook(-1)` when [`wait`](Work::wait) blocks and `hook(1)` when it
+    /// returns.
+    pub(crate) fn on_block(mut self, hook: BlockHook) -> Work {
+        self.on_block = Some(hook);
+        self
     }
 
     /// Whether the collective has finished (`wait` will not block).
@@ -62,7 +79,17 @@ impl Work {
     pub fn wait(self) -> Result<Buffer> {
         match self.state {
             WorkState::Ready(r) => r,
-            WorkState::Pending { rank, rx } => rx.recv().unwrap_or_else(|_| Err(disconnected(rank))),
+            WorkState::Pending { rank, rx } => match rx.try_recv() {
+                Ok(r) => r,
+                Err(mpsc::TryRecvError::Disconnected) => Err(disconnected(rank)),
+                Err(mpsc::TryRecvError::Empty) => {
+                    let hook = self.on_block.as_ref();
+                    hook.inspect(|h| h(-1));
+                    let r = rx.recv().unwrap_or_else(|_| Err(disconnected(rank)));
+                    hook.inspect(|h| h(1));
+                    r
+                }
+            },
         }
     }
 

@@ -71,11 +71,21 @@ impl Worker {
     /// Blocks until every issued job has finished, so that a blocking collective
     /// issued next runs after them.
     pub(crate) fn fence(&self) {
+        self.fence_with(|_| {});
+    }
+
+    /// [`fence`](Self::fence), calling `on_block(-1)` before blocking (jobs are
+    /// still queued or running) and `on_block(1)` after.
+    pub(crate) fn fence_with(&self, on_block: impl Fn(i64)) {
         if let Some(t) = self.thread.borrow().as_ref() {
             let (count, cv) = &*t.pending;
             let mut c = lock(count);
-            while *c > 0 {
-                c = cv.wait(c).unwrap_or_else(|e| e.into_inner());
+            if *c > 0 {
+                on_block(-1);
+                while *c > 0 {
+                    c = cv.wait(c).unwrap_or_else(|e| e.into_inner());
+                }
+                on_block(1);
             }
         }
     }

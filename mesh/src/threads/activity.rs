@@ -19,11 +19,17 @@
 //! such a stuck rank waits only for stuck ranks, the wait is a deadlock.
 //!
 //! A closure thread blocked in `Work::wait` or in the fence before a blocking
-//! collective counts as active (it wakes when its own collectives complete, and
-//! counting it idle would race with that hand-over), as does every queued
-//! collective behind one that waits. So a mismatch that only shows through such a
-//! wait is not found here; the timeout still ends it. The check never reports a
-//! job that could still progress.
+//! collective is not an active agent while it blocks: its rank progresses only
+//! through the queued collectives it waits for, each an agent of its own (active
+//! from submission until it completes, except while it waits at an entry
+//! barrier). So a rank whose closure waits on an asynchronous all-gather that
+//! waits for a peer stuck elsewhere is found like a blocking one. When such a
+//! collective completes, its agent ends before the closure thread wakes: for that
+//! moment the rank has neither an active agent nor a wait, which makes it "not
+//! stuck" (below), so the hand-over can never look like a deadlock. A queued
+//! collective behind the one that waits still counts as active, so a mismatch
+//! that only shows behind it is not found here; the timeout ends it. The check
+//! never reports a job that could still progress.
 //!
 //! The state a check reads is versioned per rank, and a deadlock is declared only
 //! when a second look, at least 10 ms later, finds the same ranks in the same

@@ -38,8 +38,11 @@ impl ThreadComm {
     }
 
     /// Waits for queued asynchronous collectives, so blocking ones run in issue order.
+    /// Blocked there, the closure thread is not an active agent of its rank: the
+    /// rank progresses only through the queued collectives, each an agent itself.
     fn fence(&self) {
-        self.worker.fence();
+        let (world, me) = (&self.group.world, self.group.members[self.rank]);
+        self.worker.fence_with(|delta| world.activity.add(me, delta));
     }
 
     fn record(&self, kind: OpKind, bytes: usize) {
@@ -56,11 +59,16 @@ impl ThreadComm {
         let (group, rank) = (self.group.clone(), self.rank);
         let site = crate::callsite::here();
         let agent = Agent::start(&group, rank);
-        self.worker.submit(move || {
-            let _agent = agent;
-            let _site = crate::callsite::issue_at(site);
-            f(&group, rank)
-        })
+        let (world, me) = (group.world.clone(), group.members[rank]);
+        self.worker
+            .submit(move || {
+                let _agent = agent;
+                let _site = crate::callsite::issue_at(site);
+                f(&group, rank)
+            })
+            // A closure thread blocked on the result is not an active agent (as
+            // in `fence`).
+            .on_block(Box::new(move |delta| world.activity.add(me, delta)))
     }
 }
 
