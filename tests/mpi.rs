@@ -14,6 +14,9 @@
 //! - `mismatch` (with `TESSERA_MPI_CHECK=1`): ranks that call different
 //!   collectives, or pass different or invalid lengths, all get errors naming both
 //!   sides, and the communicator stays usable;
+//! - `agree`: a fault on one rank only (a state-dict value rank 0 cannot decode,
+//!   a checkpoint chunk corrupt in rank 1's copy): every rank returns an error,
+//!   nothing is applied, and the ranks stay in step;
 //! - `fail-error`, `fail-panic`, `fail-abort`, `fail-exit`, `stall`,
 //!   `fail-pending`: a rank fails mid-step by returning an error, panicking, dying
 //!   (`abort`), exiting with status 0, never arriving at a collective, or
@@ -39,9 +42,10 @@ use std::time::{Duration, Instant};
 
 use common::{adamw, reference_losses, tiny_model, tokens};
 use tessera::autograd::nn::Module;
+use tessera::autograd::nn::ParameterDict;
 use tessera::autograd::optim::{AdamW, Optimizer};
-use tessera::autograd::{Var, backward};
-use tessera::dtensor::{Placement, distribute_tensor};
+use tessera::autograd::{Param, Var, backward, load_checkpoint, load_state_dict, save_checkpoint};
+use tessera::dtensor::{Placement, Tensor, distribute_tensor};
 use tessera::fsdp::FsdpConfig;
 use tessera::mesh::{OpKind, testing};
 use tessera::{BoxError, CommunicatorExt, DeviceMesh, LaunchOptions, ReduceOp, launch, launch_with, mpi_env};
@@ -73,6 +77,7 @@ fn rank_main(scenario: &str) -> Result<(), BoxError> {
         "fail-pending" => fail_pending(world),
         "stall-mesh" | "stall-mesh-chain" => stall_mesh(world, scenario == "stall-mesh-chain"),
         "mismatch" => mismatch(world),
+        "agree" => agree(world),
         other => Err(format!("unknown scenario {other:?}").into()),
     }
 }
@@ -156,6 +161,99 @@ fn fsdp(world: usize) -> Result<(), BoxError> {
             println!("fsdp parity mesh {shape:?} vs {reference}: max |Δloss| = {d:.3e} over 20 steps");
         }
     }
+    Ok(())
+}
+
+/// A fault on one rank only, under MPI: a state dict whose value rank 0 cannot
+/// decode, and a checkpoint chunk corrupt on rank 1's copy. Every rank returns
+/// an error, nothing is applied, and the ranks stay in step (a barrier after
+/// each passes): no rank is left inside a collective.
+fn agree(world: usize) -> Result<(), BoxError> {
+    launch(world, move |ctx| {
+        let r = ctx.rank();
+        let mesh = DeviceMesh::new(ctx.into_comm(), &[world])?;
+        // One directory for the job, named by rank 0.
+        let mut tag = [i64::from(std::process::id())];
+        mesh.comm().broadcast_slice(&mut tag, 0)?;
+        let dir = std::env::temp_dir().join(format!("tessera-mpi-agree-{}", tag[0]));
+        let _ = std::fs::create_dir_all(&dir);
+        let sharded = |n: usize, scale: f32| {
+            let t = Tensor::from_vec((0..n).map(|i| i as f32 * scale).collect::<Vec<_>>(), &[n])?;
+            distribute_tensor(&t, &mesh, &[Placement::Shard(0)])
+        };
+        // The state dict: `mask` is U64 with a value beyond i64::MAX.
+        let file = dir.join(format!("bad-{r}.safetensors"));
+        let header = br#"{"mask":{"dtype":"U64","shape":[4],"data_offsets":[0,32]},"w":{"dtype":"F32","shape":[4],"data_offsets":[32,48]}}"#;
+        let mut header = header.to_vec();
+        while header.len() % 8 != 0 {
+            header.push(b' ');
+        }
+        let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+        bytes.extend_from_slice(&header);
+        [1u64, 2, u64::MAX, 4]
+            .iter()
+            .for_each(|v| bytes.extend_from_slice(&v.to_le_bytes()));
+        [10f32, 11.0, 12.0, 13.0]
+            .iter()
+            .for_each(|v| bytes.extend_from_slice(&v.to_le_bytes()));
+        std::fs::write(&file, bytes)?;
+        let w = Param::new(sharded(4, 1.0)?);
+        let mask = Param::new(distribute_tensor(
+            &Tensor::from_vec(vec![0i64; 4], &[4])?,
+            &mesh,
+            &[Placement::Shard(0)],
+        )?);
+        ParameterDict::new([("w", w.clone()), ("mask", mask.clone())])?;
+        let e = load_state_dict(&[w.clone(), mask], &file)
+            .err()
+            .ok_or("a bad state dict loaded")?
+            .to_string();
+        assert!(e.contains("beyond i64::MAX"), "rank {r}: {e}");
+        assert_eq!(
+            w.value()?.full_tensor()?,
+            Tensor::from_vec(vec![0f32, 1.0, 2.0, 3.0], &[4])?
+        );
+        mesh.comm().barrier()?;
+        // The checkpoint: saved whole, then rank 1 reads a copy with a flipped byte.
+        let good = dir.join("ckpt");
+        let p = Param::new(sharded(8, 0.5)?);
+        ParameterDict::new([("p", p.clone())])?;
+        save_checkpoint(&good, &[p.clone()], None, Default::default())?;
+        let mine = if r == 1 {
+            let bad = dir.join("ckpt-bad");
+            std::fs::create_dir_all(&bad)?;
+            for f in std::fs::read_dir(&good)? {
+                let f = f?;
+                std::fs::copy(f.path(), bad.join(f.file_name()))?;
+            }
+            let chunk = bad.join("rank00001.safetensors");
+            let mut b = std::fs::read(&chunk)?;
+            let at = b.len() - 2;
+            b[at] ^= 0x10;
+            std::fs::write(&chunk, b)?;
+            bad
+        } else {
+            good.clone()
+        };
+        let q = Param::new(sharded(8, 0.0)?);
+        ParameterDict::new([("p", q.clone())])?;
+        let e = load_checkpoint(&mine, &[q.clone()], None)
+            .err()
+            .ok_or("a corrupt chunk loaded")?
+            .to_string();
+        assert!(r == 1 || e.contains("rank 1 failed"), "rank {r}: {e}");
+        assert_eq!(
+            q.value()?.full_tensor()?,
+            Tensor::from_vec(vec![0f32; 8], &[8])?,
+            "rank {r}: a failed load changed p"
+        );
+        mesh.comm().barrier()?;
+        if r == 0 {
+            println!("agreement checks ok on {world} ranks");
+            let _ = std::fs::remove_dir_all(&dir);
+        }
+        Ok(())
+    })?;
     Ok(())
 }
 
@@ -486,6 +584,13 @@ fn driver(args: &[String]) {
             print!("{}", job.stdout);
             ran += 1;
         }
+    }
+    if want("agree") {
+        let job = run_mpi(2, &me, &["agree"], &[], minute);
+        expect_ok("agreement on 2 ranks", &job);
+        assert!(job.stdout.contains("agreement checks ok on 2 ranks"), "{}", job.stdout);
+        print!("{}", job.stdout);
+        ran += 1;
     }
     if want("mismatch") {
         let job = run_mpi(2, &me, &["mismatch"], &[("TESSERA_MPI_CHECK", "1")], minute);
