@@ -70,6 +70,7 @@ impl Worker {
 
     /// Blocks until every issued job has finished, so that a blocking collective
     /// issued next runs after them.
+    #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
     pub(crate) fn fence(&self) {
         self.fence_with(|_| {});
     }
