@@ -164,10 +164,12 @@ fn round_trip_on_one_and_two_ranks() {
                 let loaded = zeros_like_sample(&mesh, &load_pl)?;
                 let before = mesh.stats();
                 load_state_dict(&loaded, &path)?;
-                // Rank 0 reads: one broadcast of its verdict, then one
-                // all-to-all per tensor hands every rank its piece.
+                // Rank 0 reads: one all-gather agrees on its verdict, one
+                // all-to-all per tensor hands every rank its piece, and one
+                // more all-gather agrees that every piece arrived.
                 let calls = mesh.stats() - before;
-                assert_eq!(calls.calls(tessera_mesh::OpKind::Broadcast), 1);
+                assert_eq!(calls.calls(tessera_mesh::OpKind::AllGather), 2);
+                assert_eq!(calls.calls(tessera_mesh::OpKind::Broadcast), 0);
                 assert_eq!(calls.calls(tessera_mesh::OpKind::AllToAll), loaded.len() as u64);
                 for ((p, (name, t)), pl) in loaded.iter().zip(sample()).zip(load_pl) {
                     assert_eq!(p.name(), name);

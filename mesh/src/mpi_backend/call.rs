@@ -1,7 +1,7 @@
 //! One MPI call as the communicators make it: under the watchdog's clock, its
 //! return code turned into a `Result`, its element counts checked to fit MPI's
-//! `int`, and (with `TESSERA_MPI_CHECK`) the ranks' agreement on its arguments
-//! ([`agree`]) before it.
+//! `int`, and the ranks' agreement on its arguments before it ([`agree`]: a
+//! digest all-reduce by default, full fingerprints with `TESSERA_MPI_CHECK`).
 
 use std::os::raw::c_int;
 use std::sync::Arc;
