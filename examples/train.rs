@@ -62,7 +62,7 @@ use tessera::autograd::{
     Param, Var, backward, load_checkpoint, read_safetensors, save_checkpoint, save_state_dict_full,
 };
 use tessera::data::{DATA_SEED, batch};
-use tessera::dtensor::checkpoint::{Checkpoint, SaveReport};
+use tessera::dtensor::checkpoint::{Checkpoint, SaveReport, remove_checkpoint};
 use tessera::dtensor::{Placement, Tensor, distribute_tensor_from};
 use tessera::fsdp::{FsdpConfig, MixedPrecisionPolicy};
 use tessera::models::{Transformer, TransformerConfig};
@@ -348,8 +348,10 @@ fn finish_save(
                 .filter(|n| Checkpoint::open(dir.join(n)).is_ok())
                 .collect();
             steps.sort();
+            // Retired through a temporary: a kill mid-delete leaves no
+            // half-deleted checkpoint, only a temporary the next save removes.
             for old in &steps[..steps.len().saturating_sub(keep)] {
-                std::fs::remove_dir_all(dir.join(old))?;
+                remove_checkpoint(&dir.join(old))?;
             }
         }
     }

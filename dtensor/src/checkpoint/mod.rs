@@ -58,7 +58,7 @@ use std::path::Path;
 pub use index::{Chunk, Index, TensorEntry};
 pub use load::Checkpoint;
 pub use save::{AsyncSave, async_save, save};
-pub use temps::{remove_stale_temporaries, temporary_owner};
+pub use temps::{remove_checkpoint, remove_stale_temporaries, temporary_owner};
 
 use crate::Error;
 

@@ -138,6 +138,36 @@ impl WriterLock {
     }
 }
 
+/// Removes the checkpoint directory `path` (retiring an old checkpoint, say)
+/// so that a process killed midway leaves no half-deleted checkpoint: it is
+/// first renamed, in one step, to a temporary of this process
+/// (`.NAME.tmp-PID-TAG`), which the next save or load beside it removes if this
+/// process dies, and then deleted. A `path` that does not exist is no error.
+///
+/// # Errors
+/// A directory that cannot be renamed or removed (naming it).
+pub fn remove_checkpoint(path: &Path) -> Result<()> {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let Some(name) = path.file_name() else {
+        return Err(Error::Checkpoint {
+            path: path.display().to_string(),
+            detail: "a checkpoint directory needs a name (not `/` or `..`)".into(),
+        });
+    };
+    let tag = NEXT.fetch_add(1, Ordering::Relaxed);
+    let tmp = parent_of(path).join(format!(
+        ".{}.tmp-{}-{tag:x}",
+        name.to_string_lossy(),
+        std::process::id()
+    ));
+    match fs::rename(path, &tmp) {
+        Ok(()) => fs::remove_dir_all(&tmp).map_err(|e| io_error(&tmp, "cannot remove a retired checkpoint", e)),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(io_error(path, "cannot retire the checkpoint", e)),
+    }
+}
+
 /// Makes the temporary directory of a save into `dir` with tag `id`
 /// (`.NAME.tmp-PID-ID`, beside `dir`) and locks it; first removes stale
 /// temporaries beside `dir` (and a temporary `.NAME.tmp` of an older version of
@@ -233,5 +263,26 @@ mod tests {
         case!("..tmp-1-0", None);
         case!("w.tmp-1-0", None);
         case!("w.safetensors", None);
+    }
+
+    #[test]
+    fn a_retired_checkpoint_goes_through_a_temporary_the_cleaner_knows() {
+        let parent = std::env::temp_dir().join(format!("tessera-retire-{}", std::process::id()));
+        let ckpt = parent.join("step_000007");
+        fs::create_dir_all(&ckpt).unwrap();
+        fs::write(ckpt.join("index.json"), b"{}").unwrap();
+        fs::write(ckpt.join("rank00000.safetensors"), vec![0u8; 64]).unwrap();
+        remove_checkpoint(&ckpt).unwrap();
+        let left: Vec<_> = fs::read_dir(&parent).unwrap().collect();
+        assert!(left.is_empty(), "{left:?}");
+        // Gone already: no error. A directory killed mid-retire is a temporary
+        // of its (dead) process, which the cleaner removes.
+        remove_checkpoint(&ckpt).unwrap();
+        let dead = parent.join(".step_000003.tmp-999999999-0");
+        fs::create_dir_all(&dead).unwrap();
+        fs::write(dead.join("rank00000.safetensors"), vec![0u8; 64]).unwrap();
+        assert_eq!(temporary_owner(".step_000003.tmp-999999999-0"), Some(999_999_999));
+        assert_eq!(remove_stale_temporaries(&parent), vec![dead]);
+        fs::remove_dir_all(&parent).unwrap();
     }
 }

@@ -105,6 +105,24 @@ pub(super) fn agree_on(
     })
 }
 
+/// Runs one call of a fingerprint check under the watchdog's clock, counted as
+/// the collective `kind` it checks ([`Watch::enter_check`]).
+fn exec_check(watch: &Watch, kind: OpKind, rank: usize, call: impl FnOnce() -> c_int) -> Result<()> {
+    let rc = {
+        let _clock = watch.enter_check(kind);
+        call()
+    };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(Error::Mpi {
+            op: kind.name(),
+            rank,
+            reason: error_string(rc),
+        })
+    }
+}
+
 /// All-reduces four words with max over `raw` (the digest check's one call).
 fn max_words(raw: Comm, watch: &Watch, rank: usize, kind: OpKind, words: [i64; 4]) -> Result<[i64; 4]> {
     let mut out = [0i64; 4];
@@ -112,7 +130,7 @@ fn max_words(raw: Comm, watch: &Watch, rank: usize, kind: OpKind, words: [i64; 4
     // SAFETY: MPI is initialised; reading predefined handles.
     let (dt, max) = unsafe { (ffi::RSMPI_INT64_T, ffi::RSMPI_MAX) };
     // SAFETY: both buffers hold 4 i64s.
-    exec(watch, kind, rank, || unsafe {
+    exec_check(watch, kind, rank, || unsafe {
         ffi::MPI_Allreduce(s, r, 4, dt, max, raw.0)
     })?;
     Ok(out)
@@ -161,7 +179,7 @@ pub(super) fn gather_words(
     // SAFETY: MPI is initialised; reading a predefined handle.
     let dt = unsafe { ffi::RSMPI_INT64_T };
     // SAFETY: `row` holds `words` i64s and `all` `words` per rank.
-    exec(watch, kind, rank, || unsafe {
+    exec_check(watch, kind, rank, || unsafe {
         ffi::MPI_Allgather(s, words, dt, r, words, dt, raw.0)
     })?;
     Ok(all)

@@ -86,6 +86,10 @@ pub(crate) struct Watch {
     since: AtomicU64,
     kind: AtomicUsize,
     seq: AtomicU64,
+    /// Set by the fingerprint check's traffic ([`enter_check`](Self::enter_check)),
+    /// which already numbered the collective it checks: that collective's own
+    /// [`enter`](Self::enter) then does not count again.
+    counted: AtomicBool,
     rank: usize,
     size: usize,
     /// The members' world ranks, in the communicator's rank order (empty: unknown).
@@ -99,6 +103,7 @@ impl Watch {
             since: AtomicU64::new(0),
             kind: AtomicUsize::new(0),
             seq: AtomicU64::new(0),
+            counted: AtomicBool::new(false),
             rank,
             size,
             members: world_ranks(comm, size),
@@ -112,9 +117,25 @@ impl Watch {
 
     /// Starts the clock of one collective; it stops when the guard drops.
     pub(crate) fn enter(&self, kind: OpKind) -> WatchGuard<'_> {
+        let counted = self.counted.swap(false, Ordering::Relaxed);
+        self.start(kind, !counted)
+    }
+
+    /// Starts the clock for the fingerprint check of the collective `kind` about
+    /// to be issued: the check's traffic counts as that collective (numbered
+    /// once, however many calls the check makes), so that reports number the
+    /// collectives the caller issued.
+    pub(crate) fn enter_check(&self, kind: OpKind) -> WatchGuard<'_> {
+        let counted = self.counted.swap(true, Ordering::Relaxed);
+        self.start(kind, !counted)
+    }
+
+    fn start(&self, kind: OpKind, count: bool) -> WatchGuard<'_> {
         let i = OpKind::ALL.iter().position(|&k| k == kind).unwrap_or(0);
         self.kind.store(i, Ordering::Relaxed);
-        self.seq.fetch_add(1, Ordering::Relaxed);
+        if count {
+            self.seq.fetch_add(1, Ordering::Relaxed);
+        }
         self.since.store(now_ms() + 1, Ordering::Release);
         WatchGuard(self)
     }
