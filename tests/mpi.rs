@@ -185,7 +185,7 @@ fn agree(world: usize) -> Result<(), BoxError> {
         let file = dir.join(format!("bad-{r}.safetensors"));
         let header = br#"{"mask":{"dtype":"U64","shape":[4],"data_offsets":[0,32]},"w":{"dtype":"F32","shape":[4],"data_offsets":[32,48]}}"#;
         let mut header = header.to_vec();
-        while header.len() % 8 != 0 {
+        while !header.len().is_multiple_of(8) {
             header.push(b' ');
         }
         let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
@@ -218,7 +218,7 @@ fn agree(world: usize) -> Result<(), BoxError> {
         let good = dir.join("ckpt");
         let p = Param::new(sharded(8, 0.5)?);
         ParameterDict::new([("p", p.clone())])?;
-        save_checkpoint(&good, &[p.clone()], None, Default::default())?;
+        save_checkpoint(&good, std::slice::from_ref(&p), None, Default::default())?;
         let mine = if r == 1 {
             let bad = dir.join("ckpt-bad");
             std::fs::create_dir_all(&bad)?;
@@ -237,7 +237,7 @@ fn agree(world: usize) -> Result<(), BoxError> {
         };
         let q = Param::new(sharded(8, 0.0)?);
         ParameterDict::new([("p", q.clone())])?;
-        let e = load_checkpoint(&mine, &[q.clone()], None)
+        let e = load_checkpoint(&mine, std::slice::from_ref(&q), None)
             .err()
             .ok_or("a corrupt chunk loaded")?
             .to_string();

@@ -17,7 +17,8 @@ use crate::error::{Error, Result};
 /// what every rank must call alike (`"fully_shard on the same modules"`). One
 /// all-gather of three words per rank (and a broadcast of the message on failure).
 pub(crate) fn agree<T>(mesh: &DeviceMesh, checked: Result<T>, geometry: u64, what: &str) -> Result<T> {
-    let (failure, words) = tessera_mesh::agree::agree_with(mesh.comm(), checked.as_ref().err(), geometry)?;
+    let tessera_mesh::agree::Verdict { failure, words } =
+        tessera_mesh::agree::agree_with(mesh.comm(), checked.as_ref().err(), geometry)?;
     match (checked, failure) {
         (Err(e), Some(f)) if f.is_me => Err(e),
         (_, Some(f)) => Err(Error::mesh(mesh, format!("rank {} failed: {}", f.rank, f.reason))),

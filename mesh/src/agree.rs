@@ -48,21 +48,25 @@ pub struct Failure {
 /// # Errors
 /// A communication failure.
 pub fn agree(comm: &dyn Communicator, mine: Option<impl Display>) -> Result<Option<Failure>> {
-    agree_with(comm, mine, 0).map(|(failure, _)| failure)
+    agree_with(comm, mine, 0).map(|v| v.failure)
+}
+
+/// What [`agree_with`] made known to every rank.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Verdict {
+    /// The first failure, if any rank failed.
+    pub failure: Option<Failure>,
+    /// `(world rank, word)` of each group rank, in group order.
+    pub words: Vec<(usize, u64)>,
 }
 
 /// [`agree`], with one word from each rank made known to all in the same
 /// all-gather (a hash of what each rank is about to do, say, so that callers
-/// can compare it): `(failure, words)`, `words[q]` = (world rank, word) of
-/// group rank `q`. Collective over `comm`.
+/// can compare it). Collective over `comm`.
 ///
 /// # Errors
 /// A communication failure.
-pub fn agree_with(
-    comm: &dyn Communicator,
-    mine: Option<impl Display>,
-    word: u64,
-) -> Result<(Option<Failure>, Vec<(usize, u64)>)> {
+pub fn agree_with(comm: &dyn Communicator, mine: Option<impl Display>, word: u64) -> Result<Verdict> {
     let me = crate::context::current_rank().map_or(comm.rank(), |r| r.rank);
     let reason = mine.map(|e| {
         let s = e.to_string();
@@ -76,7 +80,7 @@ pub fn agree_with(
     let heads = comm.all_gather_vec(&[len, me as i64, word as i64])?;
     let words = heads.chunks(3).map(|h| (h[1] as usize, h[2] as u64)).collect();
     let Some(first) = heads.chunks(3).position(|h| h[0] > 0) else {
-        return Ok((None, words));
+        return Ok(Verdict { failure: None, words });
     };
     let (len, world) = (heads[3 * first] as usize, heads[3 * first + 1] as usize);
     let mut body = reason.unwrap_or_default().into_bytes();
@@ -87,7 +91,10 @@ pub fn agree_with(
         reason: String::from_utf8_lossy(&body).into_owned(),
         is_me: first == comm.rank(),
     };
-    Ok((Some(failure), words))
+    Ok(Verdict {
+        failure: Some(failure),
+        words,
+    })
 }
 
 /// [`agree`] on a typed result: every rank returns `Ok` only when every rank's

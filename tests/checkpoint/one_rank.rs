@@ -76,7 +76,7 @@ fn f32s(n: usize, scale: f32) -> Tensor {
 fn write_bad_u64(path: &Path) {
     let header = r#"{"mask":{"dtype":"U64","shape":[4],"data_offsets":[0,32]},"w":{"dtype":"F32","shape":[4],"data_offsets":[32,48]}}"#;
     let mut header = header.as_bytes().to_vec();
-    while header.len() % 8 != 0 {
+    while !header.len().is_multiple_of(8) {
         header.push(b' ');
     }
     let mut bytes = (header.len() as u64).to_le_bytes().to_vec();

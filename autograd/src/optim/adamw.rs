@@ -320,18 +320,14 @@ impl Optimizer for AdamW {
     }
 
     fn load_state_tensors(&mut self, states: &[(usize, Vec<(&str, DTensor)>)]) -> Result<()> {
-        let slots: Vec<(usize, Slot)> = states
-            .iter()
-            .map(|(i, ts)| Ok((*i, self.slot_of(*i, ts)?)))
-            .collect::<Result<_>>()?;
-        for (i, slot) in slots {
+        for (i, slot) in super::slots_of(states, |i, ts| self.slot_of(i, ts))? {
             self.state[i] = Some(slot);
         }
         Ok(())
     }
 
     fn check_state_tensors(&self, states: &[(usize, Vec<(&str, DTensor)>)]) -> Result<()> {
-        states.iter().try_for_each(|(i, ts)| self.slot_of(*i, ts).map(drop))
+        super::slots_of(states, |i, ts| self.slot_of(i, ts)).map(drop)
     }
 
     fn params(&self) -> &[Param] {

@@ -145,6 +145,16 @@ pub(crate) fn step_tensor(mesh: &tessera_mesh::DeviceMesh, step: u64) -> Result<
     )?)
 }
 
+/// Every parameter's state slot made from its checkpointed tensors by
+/// `slot_of` (which checks them), all before any is stored: what makes
+/// [`Optimizer::load_state_tensors`] all or nothing.
+pub(crate) fn slots_of<S>(
+    states: &[(usize, Vec<(&str, DTensor)>)],
+    slot_of: impl Fn(usize, &[(&str, DTensor)]) -> Result<S>,
+) -> Result<Vec<(usize, S)>> {
+    states.iter().map(|(i, ts)| Ok((*i, slot_of(*i, ts)?))).collect()
+}
+
 /// Parameter `index` of `params`, or an error naming the count.
 pub(crate) fn param_at<'a>(op: &'static str, params: &'a [Param], index: usize) -> Result<&'a Param> {
     params.get(index).ok_or_else(|| Error::Config {

@@ -53,6 +53,21 @@ pub(super) fn exec(watch: &Watch, kind: OpKind, rank: usize, call: impl FnOnce()
         let _clock = watch.enter(kind);
         call()
     };
+    checked(kind, rank, rc)
+}
+
+/// Runs one call of a fingerprint check under the watchdog's clock, counted as
+/// the collective `kind` it checks ([`Watch::enter_check`]).
+fn exec_check(watch: &Watch, kind: OpKind, rank: usize, call: impl FnOnce() -> c_int) -> Result<()> {
+    let rc = {
+        let _clock = watch.enter_check(kind);
+        call()
+    };
+    checked(kind, rank, rc)
+}
+
+/// An MPI return code as a `Result`.
+fn checked(kind: OpKind, rank: usize, rc: c_int) -> Result<()> {
     if rc == 0 {
         Ok(())
     } else {
@@ -103,24 +118,6 @@ pub(super) fn agree_on(
             sites[0], sites[q]
         ),
     })
-}
-
-/// Runs one call of a fingerprint check under the watchdog's clock, counted as
-/// the collective `kind` it checks ([`Watch::enter_check`]).
-fn exec_check(watch: &Watch, kind: OpKind, rank: usize, call: impl FnOnce() -> c_int) -> Result<()> {
-    let rc = {
-        let _clock = watch.enter_check(kind);
-        call()
-    };
-    if rc == 0 {
-        Ok(())
-    } else {
-        Err(Error::Mpi {
-            op: kind.name(),
-            rank,
-            reason: error_string(rc),
-        })
-    }
 }
 
 /// All-reduces four words with max over `raw` (the digest check's one call).
