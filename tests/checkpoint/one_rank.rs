@@ -11,7 +11,7 @@ use std::time::Duration;
 use tessera::DeviceMesh;
 use tessera::autograd::nn::ParameterDict;
 use tessera::autograd::optim::{AdamW, AdamWConfig, Optimizer};
-use tessera::autograd::{Param, load_checkpoint, load_state_dict, save_state_dict_full};
+use tessera::autograd::{Param, load_checkpoint, load_state_dict, save_checkpoint, save_state_dict_full};
 use tessera::dtensor::checkpoint::save;
 use tessera::dtensor::{DTensor, DType, Placement, Tensor, distribute_tensor};
 use tessera::mesh::{LaunchOptions, launch_with};
@@ -250,4 +250,28 @@ fn a_parameter_deferred_on_one_rank_fails_a_full_save_on_every_rank() {
     });
     assert_agreed(&seen, 1, "deferred");
     assert!(!file.exists(), "a failed save left a file");
+}
+
+#[test]
+fn a_parameter_deferred_on_one_rank_fails_a_checkpoint_save_on_every_rank() {
+    let dir = scratch("one-rank-save");
+    let _c = Cleanup(dir.clone());
+    let d = dir.clone();
+    let seen = on_two_ranks(move |mesh| {
+        let run = || -> tessera::autograd::Result<()> {
+            let (w, v) = (sharded(mesh, &f32s(4, 1.0))?, sharded(mesh, &f32s(6, 1.0))?);
+            // Rank 1 forgot to materialise `w`.
+            let w = if mesh.comm().rank() == 1 {
+                Param::deferred(&[4], DType::F32, mesh)?
+            } else {
+                Param::new(w)
+            };
+            let v = Param::new(v);
+            ParameterDict::new([("v", v.clone()), ("w", w.clone())])?;
+            save_checkpoint(&d, &[v, w], None, BTreeMap::new()).map(drop)
+        };
+        run().map_err(|e| e.to_string())
+    });
+    assert_agreed(&seen, 1, "deferred");
+    assert!(!dir.exists(), "a failed save left a checkpoint");
 }

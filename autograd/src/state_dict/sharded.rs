@@ -40,20 +40,34 @@ pub fn save_checkpoint(
     Ok(save(dir, &refs, metadata)?)
 }
 
-/// The tensors of a model and optimizer checkpoint, by key.
+/// The tensors of a model and optimizer checkpoint, by key, agreed on by every
+/// rank before the save's collectives (a parameter deferred on one rank only, or
+/// optimizer state one rank cannot give, fails every rank: [`agreed`]).
 fn state_of(params: &[Param], optimizer: Option<&dyn Optimizer>) -> Result<Vec<(String, DTensor)>> {
-    super::require_names(params)?;
-    let mut tensors: Vec<(String, DTensor)> = params
-        .iter()
-        .map(|p| Ok((p.name(), p.value()?)))
-        .collect::<Result<_>>()?;
-    if let Some(opt) = optimizer {
-        let names = opt.params();
-        for (i, state, t) in opt.state_tensors()? {
-            tensors.push((state_key(&names[i].name(), state), t));
+    let mine = (|| {
+        super::require_names(params)?;
+        let mut tensors: Vec<(String, DTensor)> = params
+            .iter()
+            .map(|p| Ok((p.name(), p.value()?)))
+            .collect::<Result<_>>()?;
+        if let Some(opt) = optimizer {
+            let names = opt.params();
+            for (i, state, t) in opt.state_tensors()? {
+                tensors.push((state_key(&names[i].name(), state), t));
+            }
         }
+        Ok(tensors)
+    })();
+    agreed(params, mine)
+}
+
+/// Every rank's `mine` agreed on over the widest of the parameters' meshes
+/// ([`super::agree`]); without parameters, `mine` itself.
+fn agreed<T>(params: &[Param], mine: Result<T>) -> Result<T> {
+    match params.iter().map(Param::mesh).max_by_key(|m| m.size()) {
+        Some(mesh) => super::agree(mesh.comm(), mine),
+        None => mine,
     }
-    Ok(tensors)
 }
 
 /// [`save_checkpoint`] in the background ([`async_save`]): the state is staged
@@ -157,11 +171,7 @@ pub fn load_checkpoint(
 ) -> Result<LoadReport> {
     let dir = dir.as_ref();
     super::require_names(params)?;
-    let staged = stage(dir, params, optimizer.as_deref());
-    let staged = match params.iter().map(Param::mesh).max_by_key(|m| m.size()) {
-        Some(mesh) => super::agree(mesh.comm(), staged)?,
-        None => staged?,
-    };
+    let staged = agreed(params, stage(dir, params, optimizer.as_deref()))?;
     if let Some(opt) = optimizer {
         opt.load_state_tensors(&staged.states).map_err(|e| Error::Config {
             op: OP,
