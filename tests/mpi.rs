@@ -736,7 +736,11 @@ fn driver(args: &[String]) {
         mpi_args.extend(["--losses-out", b_str]);
         let job = run_mpi(4, &train, &mpi_args, &[], 5 * minute);
         expect_ok("train under mpirun -n 4", &job);
-        assert!(!job.stdout.contains('\r'), "a log of mpirun holds no \\r frames: {:?}", job.stdout);
+        assert!(
+            !job.stdout.contains('\r'),
+            "a log of mpirun holds no \\r frames: {:?}",
+            job.stdout
+        );
         let (la, lb) = (losses(&a), losses(&b));
         assert_eq!(la.len(), lb.len());
         let d = la.iter().zip(&lb).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max);
