@@ -50,13 +50,12 @@
 #[path = "common/mod.rs"]
 mod common;
 
-use std::collections::BTreeMap;
 use std::io::Write as _;
 use std::path::PathBuf;
 use std::time::Instant;
 
 use tessera::autograd::nn::{MaterializeReport, Materializer, Module};
-use tessera::autograd::optim::{AdamW, AdamWConfig, Optimizer};
+use tessera::autograd::optim::{AdamW, AdamWConfig, LrScheduler, Optimizer, Schedule};
 use tessera::autograd::state_dict::{AsyncCheckpointer, write_atomic};
 use tessera::autograd::{
     Param, Var, backward, load_checkpoint, read_safetensors, save_checkpoint, save_state_dict_full,
@@ -70,7 +69,7 @@ use tessera::tensor::memory;
 use tessera::{BoxError, CommunicatorExt, DType, DeviceMesh, RankCtx, is_lead_process, launch, mpi_env};
 
 const USAGE: &str = "usage: train [--world-size N | --mesh RxS] [--tp T [--sequence-parallel]] [--steps N] [--batch ROWS_PER_RANK] [--dim N] \
-[--n-layers N] [--n-heads N] [--vocab N] [--seq N] [--lr F] [--mixed-precision bf16] [--no-reshard] [--init PATH | --seed N] \
+[--n-layers N] [--n-heads N] [--vocab N] [--seq N] [--lr F] [--lr-schedule S] [--warmup-steps N] [--mixed-precision bf16] [--no-reshard] [--init PATH | --seed N] \
 [--tokens PATH] [--data-seed N] [--losses-out PATH] [--checkpoint-dir DIR --checkpoint-every N [--async-save] [--keep-checkpoints K]] [--resume DIR] \
 [--save-full PATH]";
 
@@ -94,6 +93,9 @@ training:
   --steps N             steps (default 50)
   --batch N             rows per data-parallel rank (default 2)
   --lr F                AdamW learning rate (default 0.001)
+  --lr-schedule S       constant, cosine (warmup, then cosine to 0) or wsd (warmup,
+                        stable, linear decay to 0 over the last tenth) (default constant)
+  --warmup-steps N      linear warmup steps of cosine and wsd (default 0)
 output and checkpoints:
   --losses-out PATH     JSON: losses, step times, peak memory per rank, init peak, peak RSS
   --checkpoint-dir DIR --checkpoint-every N
@@ -119,6 +121,10 @@ struct Args {
     batch: usize,
     model: TransformerConfig,
     lr: f64,
+    /// `constant`, `cosine` (warmup then cosine to 0) or `wsd` (warmup, stable,
+    /// linear decay over the last tenth).
+    lr_schedule: String,
+    warmup_steps: usize,
     init: Option<PathBuf>,
     /// The model seed (without `--init`).
     seed: u64,
@@ -147,6 +153,8 @@ fn parse() -> Result<Args, String> {
         batch: 2,
         model: TransformerConfig::TINY,
         lr: 1e-3,
+        lr_schedule: "constant".to_string(),
+        warmup_steps: 0,
         init: None,
         seed: 0,
         tokens: None,
@@ -209,6 +217,11 @@ fn parse() -> Result<Args, String> {
             "--vocab" => a.model.vocab = num(&value)?,
             "--seq" => a.model.seq = num(&value)?,
             "--lr" => a.lr = value.parse().map_err(|_| format!("--lr: {value:?} is not a number"))?,
+            "--lr-schedule" => match value.as_str() {
+                "constant" | "cosine" | "wsd" => a.lr_schedule = value,
+                other => return Err(format!("--lr-schedule: {other:?} (constant, cosine or wsd)")),
+            },
+            "--warmup-steps" => a.warmup_steps = num(&value)?,
             "--init" => a.init = Some(value.into()),
             "--tokens" => a.tokens = Some(value.into()),
             "--seed" => a.seed = value.parse().map_err(|_| format!("--seed: {value:?} is not a u64"))?,
@@ -244,6 +257,7 @@ fn parse() -> Result<Args, String> {
     if a.world == 0 || a.batch == 0 || a.steps == 0 {
         return Err("--world-size (or the mesh), --batch and --steps must be at least 1".into());
     }
+    schedule(&a).map_err(|e| e.to_string())?;
     if a.keep > 0 && a.checkpoint_dir.is_none() {
         return Err("--keep-checkpoints needs --checkpoint-dir and --checkpoint-every".into());
     }
@@ -468,6 +482,8 @@ struct Job {
     model: Transformer,
     params: Vec<Param>,
     opt: AdamW,
+    /// The learning-rate schedule, stepped with the optimizer.
+    sched: LrScheduler,
     /// How a batch of token rows is placed on the mesh.
     batch_placements: Vec<Placement>,
     /// What materialising the model took on this rank.
@@ -525,14 +541,27 @@ fn setup(ctx: RankCtx, args: &Args) -> Result<Job, BoxError> {
         eps: 1e-8,
         weight_decay: 0.1,
     };
-    let opt = AdamW::new(params.clone(), adamw)?;
+    let mut opt = AdamW::new(params.clone(), adamw)?;
+    let sched = LrScheduler::new(schedule(args)?, &mut opt)?;
     Ok(Job {
         mesh,
         model,
         params,
         opt,
+        sched,
         batch_placements,
         init,
+    })
+}
+
+/// The `--lr-schedule` over the run's `--steps`.
+fn schedule(args: &Args) -> Result<Schedule, BoxError> {
+    let (warmup, total) = (args.warmup_steps as u64, args.steps as u64);
+    Ok(match args.lr_schedule.as_str() {
+        "cosine" => Schedule::warmup_cosine(warmup, total, 0.0)?,
+        "wsd" => Schedule::warmup_stable_decay(warmup, total.div_ceil(10), total, 0.0)?,
+        _ if warmup > 0 => return Err("--warmup-steps needs --lr-schedule cosine or wsd".into()),
+        _ => Schedule::Constant,
     })
 }
 
@@ -549,6 +578,16 @@ fn resume(args: &Args, path: &std::path::Path, job: &mut Job, report: &mut RankR
         .and_then(|s| s.parse().ok())
         .ok_or_else(|| format!("{}: no step in the checkpoint's metadata", dir.display()))?;
     report.resume_bytes = r.bytes_read;
+    // The schedule resumes from its saved state (a checkpoint saved without one
+    // resumes at its step, from the base learning rate of this run).
+    let mut state = r.metadata.clone();
+    state
+        .entry("lr_scheduler.step".into())
+        .or_insert_with(|| report.first_step.to_string());
+    state
+        .entry("lr_scheduler.base_lr".into())
+        .or_insert_with(|| args.lr.to_string());
+    job.sched.load_state(&state, &mut job.opt)?;
     if report.first_step >= args.steps {
         return Err(format!(
             "--resume: the checkpoint is from step {}, --steps is {}: nothing left to train",
@@ -569,6 +608,7 @@ fn train_step(args: &Args, job: &mut Job, tokens: Option<&Tensor>, step: usize) 
     let value = loss.value().full_tensor()?.to_f64_vec()[0];
     backward(&loss)?;
     job.opt.step()?;
+    job.sched.step(&mut job.opt)?;
     job.opt.zero_grad();
     Ok(value)
 }
@@ -593,7 +633,8 @@ impl Checkpoints {
         }
         let t = Instant::now();
         let name = format!("step_{:06}", step + 1);
-        let meta = BTreeMap::from([("step".to_string(), (step + 1).to_string())]);
+        let mut meta = job.sched.state();
+        meta.insert("step".to_string(), (step + 1).to_string());
         let done = if args.async_save {
             let previous = self
                 .background

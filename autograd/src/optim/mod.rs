@@ -25,6 +25,9 @@
 //!   weight decay), each written as one loop over the local elements, in the order
 //!   of operations of PyTorch's single-tensor CPU implementations.
 //! - [`clip_grad_norm`]: the global 2-norm of all gradients, one all_reduce per mesh.
+//! - [`Schedule`] and [`LrScheduler`]: learning-rate schedules (linear, cosine,
+//!   warmup-cosine, warmup-stable-decay, composed in sequence), resumable from
+//!   a checkpoint's metadata.
 //!
 //! The update is element-wise, so a sharded parameter and its sharded gradient (same
 //! placements) are updated shard by shard; replicas of a replicated parameter make
@@ -36,6 +39,7 @@
 
 mod adamw;
 mod clip;
+mod schedule;
 mod sgd;
 
 use std::borrow::Cow;
@@ -49,6 +53,7 @@ use crate::{Error, Param, Result};
 
 pub use adamw::{AdamW, AdamWConfig};
 pub use clip::clip_grad_norm;
+pub use schedule::{LrScheduler, Schedule};
 pub use sgd::{Sgd, SgdConfig};
 
 /// An optimizer over a fixed list of parameters.
