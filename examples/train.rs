@@ -774,14 +774,14 @@ fn summarize(args: &Args, r0: &RankReport) -> Result<(), BoxError> {
     Ok(())
 }
 
-/// A bar redrawn in place on a terminal; in a redirected log, one line every
-/// tenth of the run (and at the last step) instead of `\r` frames. Under an
+/// A bar redrawn in place on a terminal; in a redirected log, one line at the
+/// first step, every tenth of the run and at the last step instead of `\r` frames. Under an
 /// MPI launcher, always lines: `mpirun` gives each rank a pseudo-terminal and
 /// forwards it to wherever its own output goes, usually a log.
 fn progress(step: usize, steps: usize, loss: f64, tok_s: f64) {
     use std::io::IsTerminal as _;
     if !std::io::stdout().is_terminal() || tessera::mpi_env().is_some() {
-        if step == steps || step.is_multiple_of(steps.div_ceil(10)) {
+        if step == 1 || step == steps || step.is_multiple_of(steps.div_ceil(10)) {
             println!("step {step}/{steps}  loss {loss:.4}  {tok_s:.0} tok/s");
         }
         return;
