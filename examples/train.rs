@@ -105,7 +105,8 @@ output and checkpoints:
   --resume DIR          continue from a checkpoint saved on any mesh
   --save-full PATH      consolidated safetensors state dict at the end
 environment: TESSERA_TIMEOUT_S, TESSERA_THREADS_PER_RANK, TESSERA_BACKEND, TESSERA_BF16_DOT,
-  TESSERA_SYSTEM_MALLOC, TESSERA_MPI_CHECK (see tessera::mesh::vars)";
+  TESSERA_SYSTEM_MALLOC, TESSERA_MPI_CHECK, TESSERA_STRICT_COLLECTIVES, TESSERA_FINGERPRINTS
+  (see tessera::mesh::vars)";
 
 #[derive(Clone, Debug)]
 struct Args {
