@@ -226,6 +226,19 @@ fn a_chunk_corrupt_on_one_ranks_disk_fails_every_rank_and_changes_nothing() {
     assert_agreed(&seen, 1, "checksum");
 }
 
+/// Parameters `v` and `w` (named), where rank 1 forgot to materialise `w`.
+fn deferred_on_rank_1(mesh: &DeviceMesh) -> tessera::autograd::Result<[Param; 2]> {
+    let (w, v) = (sharded(mesh, &f32s(4, 1.0))?, sharded(mesh, &f32s(6, 1.0))?);
+    let w = if mesh.comm().rank() == 1 {
+        Param::deferred(&[4], DType::F32, mesh)?
+    } else {
+        Param::new(w)
+    };
+    let v = Param::new(v);
+    ParameterDict::new([("v", v.clone()), ("w", w.clone())])?;
+    Ok([v, w])
+}
+
 #[test]
 fn a_parameter_deferred_on_one_rank_fails_a_full_save_on_every_rank() {
     let dir = scratch("one-rank-full");
@@ -235,15 +248,7 @@ fn a_parameter_deferred_on_one_rank_fails_a_full_save_on_every_rank() {
     let f = file.clone();
     let seen = on_two_ranks(move |mesh| {
         let run = || -> tessera::autograd::Result<()> {
-            let (w, v) = (sharded(mesh, &f32s(4, 1.0))?, sharded(mesh, &f32s(6, 1.0))?);
-            // Rank 1 forgot to materialise `w`.
-            let w = if mesh.comm().rank() == 1 {
-                Param::deferred(&[4], DType::F32, mesh)?
-            } else {
-                Param::new(w)
-            };
-            let v = Param::new(v);
-            ParameterDict::new([("v", v.clone()), ("w", w.clone())])?;
+            let [v, w] = deferred_on_rank_1(mesh)?;
             save_state_dict_full(&[v, w], &f)
         };
         run().map_err(|e| e.to_string())
@@ -259,15 +264,7 @@ fn a_parameter_deferred_on_one_rank_fails_a_checkpoint_save_on_every_rank() {
     let d = dir.clone();
     let seen = on_two_ranks(move |mesh| {
         let run = || -> tessera::autograd::Result<()> {
-            let (w, v) = (sharded(mesh, &f32s(4, 1.0))?, sharded(mesh, &f32s(6, 1.0))?);
-            // Rank 1 forgot to materialise `w`.
-            let w = if mesh.comm().rank() == 1 {
-                Param::deferred(&[4], DType::F32, mesh)?
-            } else {
-                Param::new(w)
-            };
-            let v = Param::new(v);
-            ParameterDict::new([("v", v.clone()), ("w", w.clone())])?;
+            let [v, w] = deferred_on_rank_1(mesh)?;
             save_checkpoint(&d, &[v, w], None, BTreeMap::new()).map(drop)
         };
         run().map_err(|e| e.to_string())
