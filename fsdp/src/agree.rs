@@ -5,8 +5,6 @@
 //! collective, and models built differently on different ranks fail at setup,
 //! not as a mismatched collective mid-step.
 
-use std::hash::{Hash, Hasher};
-
 use tessera_autograd::Param;
 use tessera_mesh::DeviceMesh;
 
@@ -17,24 +15,20 @@ use crate::error::{Error, Result};
 /// what every rank must call alike (`"fully_shard on the same modules"`). One
 /// all-gather of three words per rank (and a broadcast of the message on failure).
 pub(crate) fn agree<T>(mesh: &DeviceMesh, checked: Result<T>, geometry: u64, what: &str) -> Result<T> {
-    let tessera_mesh::agree::Verdict { failure, words } =
-        tessera_mesh::agree::agree_with(mesh.comm(), checked.as_ref().err(), geometry)?;
-    match (checked, failure) {
-        (Err(e), Some(f)) if f.is_me => Err(e),
-        (_, Some(f)) => Err(Error::mesh(mesh, format!("rank {} failed: {}", f.rank, f.reason))),
-        (Err(e), None) => Err(e),
-        (Ok(v), None) => match words.iter().find(|(_, w)| *w != words[0].1) {
-            None => Ok(v),
-            Some((other, _)) => Err(Error::mesh(
-                mesh,
-                format!(
-                    "rank {} and rank {other} hold different parameters here (names, global shapes, dtypes \
-                     or placements differ): every rank must build the same model and call {what}, in the \
-                     same order",
-                    words[0].0
-                ),
-            )),
-        },
+    let (v, words) = tessera_mesh::agree::agree_on_with(mesh.comm(), checked, geometry, |f| {
+        Error::mesh(mesh, format!("rank {} failed: {}", f.rank, f.reason))
+    })?;
+    match words.iter().find(|(_, w)| *w != words[0].1) {
+        None => Ok(v),
+        Some((other, _)) => Err(Error::mesh(
+            mesh,
+            format!(
+                "rank {} and rank {other} hold different parameters here (names, global shapes, dtypes \
+                 or placements differ): every rank must build the same model and call {what}, in the \
+                 same order",
+                words[0].0
+            ),
+        )),
     }
 }
 
@@ -46,16 +40,16 @@ pub(crate) fn geometry_hash(params: &[Param]) -> u64 {
 
 /// [`geometry_hash`] with `extra` folded in.
 pub(crate) fn geometry_hash_with(params: &[Param], extra: &str) -> u64 {
-    let mut h = std::collections::hash_map::DefaultHasher::new();
-    extra.hash(&mut h);
-    for p in params {
-        let layout = p.layout();
-        (
-            p.name(),
-            &layout.shape[..],
-            format!("{:?} {:?}", layout.dtype, layout.placements),
-        )
-            .hash(&mut h);
-    }
-    h.finish()
+    let each: Vec<(String, Vec<usize>, String)> = params
+        .iter()
+        .map(|p| {
+            let layout = p.layout();
+            (
+                p.name(),
+                layout.shape.to_vec(),
+                format!("{:?} {:?}", layout.dtype, layout.placements),
+            )
+        })
+        .collect();
+    tessera_mesh::callsite::tag_of(&(extra, each))
 }

@@ -10,7 +10,7 @@
 //!
 //! PyTorch: `_fsdp_param_group.py` (`FSDPParamGroup`).
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::rc::Rc;
 
 use tessera_autograd::{Binding, Param, is_grad_enabled};
@@ -93,6 +93,8 @@ pub(crate) struct ParamGroup {
     unreduced: Rc<RefCell<Vec<Option<DTensor>>>>,
     /// Where to reshard after forward instead of the whole shard dim (hpZ).
     regroup: Option<Regroup>,
+    /// The call-site tag of the unit's collectives, once computed ([`tag`](Self::tag)).
+    tag: Cell<Option<u64>>,
 }
 
 /// Whether `a` and `b` are the same elements of the same storage.
@@ -163,14 +165,22 @@ impl ParamGroup {
             gathered_from: RefCell::new(Vec::new()),
             unreduced: Rc::new(RefCell::new(vec![None; n])),
             regroup: None,
+            tag: Cell::new(None),
         }
     }
 
-    /// The call-site tag of this unit's collectives: its parameters' names and
-    /// shapes (a rank gathering another unit then fails on every rank).
+    /// The call-site tag of this unit's collectives: its parameters' geometry
+    /// ([`geometry_hash`](crate::agree::geometry_hash): a rank gathering another
+    /// unit then fails on every rank). Computed at the first gather (names are
+    /// settled by then) and kept: gathers are on every step's path.
     fn tag(&self) -> u64 {
-        let what: Vec<(String, Vec<usize>)> = self.params.iter().map(|p| (p.param.name(), p.param.shape())).collect();
-        tessera_mesh::callsite::tag_of(&what)
+        if let Some(tag) = self.tag.get() {
+            return tag;
+        }
+        let params: Vec<Param> = self.params.iter().map(|p| p.param.clone()).collect();
+        let tag = crate::agree::geometry_hash(&params);
+        self.tag.set(Some(tag));
+        tag
     }
 
     /// Reshards after forward to groups of `size` ranks of the shard dim.

@@ -112,12 +112,29 @@ pub fn agree_on<T, E>(
 where
     E: Display + From<crate::Error>,
 {
-    let verdict = agree(comm, mine.as_ref().err())?;
-    match (mine, verdict) {
-        (Ok(v), None) => Ok(v),
+    agree_on_with(comm, mine, 0, peer).map(|(v, _)| v)
+}
+
+/// [`agree_on`] with each rank's `word` ([`agree_with`]): on success, the value
+/// and every rank's `(world rank, word)`, for the caller to compare.
+///
+/// # Errors
+/// As [`agree_on`].
+pub fn agree_on_with<T, E>(
+    comm: &dyn Communicator,
+    mine: std::result::Result<T, E>,
+    word: u64,
+    peer: impl FnOnce(Failure) -> E,
+) -> std::result::Result<(T, Vec<(usize, u64)>), E>
+where
+    E: Display + From<crate::Error>,
+{
+    let Verdict { failure, words } = agree_with(comm, mine.as_ref().err(), word)?;
+    match (mine, failure) {
+        (Ok(v), None) => Ok((v, words)),
         (Err(e), Some(f)) if f.is_me => Err(e),
         (_, Some(f)) => Err(peer(f)),
-        // `agree` reports a failure whenever this rank had one.
+        // `agree_with` reports a failure whenever this rank had one.
         (Err(e), None) => Err(e),
     }
 }
