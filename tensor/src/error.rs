@@ -65,6 +65,17 @@ pub enum Error {
         /// The bytes it needs; `None` when even that count overflows 128 bits.
         bytes: Option<u128>,
     },
+
+    /// The operation needs its tensors on another device, or the device failed
+    /// (a CUDA library that cannot be loaded, a driver error, device memory
+    /// exhausted).
+    #[error("{op}: {detail}")]
+    Device {
+        /// The operation.
+        op: &'static str,
+        /// What was wrong and what to do.
+        detail: String,
+    },
 }
 
 /// "4398046511104 bytes", or "more than 2^128 bytes" when the count overflowed.

@@ -29,6 +29,9 @@
 //! collectives live in the crates above (`tessera-dtensor`, `tessera-mesh`).
 
 pub mod alloc;
+#[cfg(feature = "cuda")]
+pub mod cuda;
+mod device;
 mod error;
 pub mod kernel;
 pub mod memory;
@@ -38,6 +41,7 @@ pub mod random;
 pub mod rng;
 mod tensor;
 
+pub use device::Device;
 pub use error::{Error, Result};
 /// The element types of the half-precision dtypes (`DType::BF16`, `DType::F16`).
 pub use half::{bf16, f16};

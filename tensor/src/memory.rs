@@ -89,6 +89,12 @@ impl Counters {
 /// dozen bytes each) so that a job's peaks can be read after it returns.
 static RANKS: LazyLock<Mutex<HashMap<RankId, Arc<Counters>>>> = LazyLock::new(Default::default);
 
+/// Device (GPU) counters of every rank seen so far, kept apart from host bytes.
+static DEVICE_RANKS: LazyLock<Mutex<HashMap<RankId, Arc<Counters>>>> = LazyLock::new(Default::default);
+
+/// Device counters for threads that work for no rank.
+static DEVICE_NO_RANK: LazyLock<Arc<Counters>> = LazyLock::new(Default::default);
+
 /// Counters for threads that work for no rank.
 static NO_RANK: LazyLock<Arc<Counters>> = LazyLock::new(Default::default);
 
@@ -120,6 +126,34 @@ fn current_counters() -> Arc<Counters> {
             }
         }
     })
+}
+
+/// The device counters of the rank the current thread works for.
+fn current_device_counters() -> Arc<Counters> {
+    let Some(id) = current_rank() else {
+        return Arc::clone(&DEVICE_NO_RANK);
+    };
+    let mut map = DEVICE_RANKS.lock().unwrap_or_else(PoisonError::into_inner);
+    Arc::clone(map.entry(id).or_default())
+}
+
+/// Device memory of the rank the current thread works for: bytes of its live
+/// GPU tensors, all GPUs together (PyTorch: `torch.cuda.memory_allocated` and
+/// `max_memory_allocated`, per rank). The caching allocator's reserved bytes are
+/// `tessera_tensor::cuda::memory_stats`.
+pub fn device_stats() -> MemoryStats {
+    current_device_counters().stats()
+}
+
+/// Device memory of rank `id` (all zero for a rank that never allocated on a GPU).
+pub fn device_stats_of(id: RankId) -> MemoryStats {
+    let map = DEVICE_RANKS.lock().unwrap_or_else(PoisonError::into_inner);
+    map.get(&id).map(|c| c.stats()).unwrap_or_default()
+}
+
+/// Sets the current rank's device peak to its current device bytes.
+pub fn reset_device_peak() {
+    current_device_counters().reset_peak();
 }
 
 /// Memory statistics of the rank the current thread works for (the "no rank"
@@ -155,6 +189,13 @@ impl Allocation {
     /// Charges `bytes` to the rank the current thread works for.
     pub fn charge(bytes: usize) -> Allocation {
         let counters = current_counters();
+        counters.add(bytes);
+        Allocation { counters, bytes }
+    }
+
+    /// Charges `bytes` of device memory to the rank the current thread works for.
+    pub fn charge_device(bytes: usize) -> Allocation {
+        let counters = current_device_counters();
         counters.add(bytes);
         Allocation { counters, bytes }
     }

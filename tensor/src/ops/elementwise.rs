@@ -10,13 +10,19 @@ use crate::{Error, Result, Tensor};
 
 /// A binary element-wise operation, computed in the [`Real`] type of its dtype.
 pub(crate) trait Binary {
+    /// The name of the op's CUDA kernels (`binary_NAME_T`, `scalar_NAME_T`).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    const KERNEL: &'static str;
+
     fn apply<R: Real>(a: R, b: R) -> R;
 }
 
 macro_rules! binary_op {
-    ($name:ident, |$a:ident, $b:ident| $body:expr) => {
+    ($name:ident, $kernel:literal, |$a:ident, $b:ident| $body:expr) => {
         pub(crate) struct $name;
         impl Binary for $name {
+            const KERNEL: &'static str = $kernel;
+
             #[inline(always)]
             fn apply<R: Real>($a: R, $b: R) -> R {
                 $body
@@ -24,13 +30,13 @@ macro_rules! binary_op {
         }
     };
 }
-binary_op!(AddOp, |a, b| a + b);
-binary_op!(SubOp, |a, b| a - b);
-binary_op!(MulOp, |a, b| a * b);
-binary_op!(DivOp, |a, b| a / b);
+binary_op!(AddOp, "add", |a, b| a + b);
+binary_op!(SubOp, "sub", |a, b| a - b);
+binary_op!(MulOp, "mul", |a, b| a * b);
+binary_op!(DivOp, "div", |a, b| a / b);
 // NaN-propagating, as `torch.maximum`.
-binary_op!(MaxOp, |a, b| if a > b || a.is_nan() { a } else { b });
-binary_op!(PowOp, |a, b| a.powf(b));
+binary_op!(MaxOp, "maximum", |a, b| if a > b || a.is_nan() { a } else { b });
+binary_op!(PowOp, "pow", |a, b| a.powf(b));
 
 /// The shape that `a` and `b` broadcast to (NumPy rules: dims are aligned from
 /// the right; each pair must be equal or contain a 1).
@@ -113,6 +119,10 @@ fn repeating<T: Float>(
 fn binary<Op: Binary>(op: &'static str, a: &Tensor, b: &Tensor) -> Result<Tensor> {
     same_dtype(op, a, b)?;
     let shape = broadcast_shapes(op, a.shape(), b.shape())?;
+    #[cfg(feature = "cuda")]
+    if a.is_cuda() || b.is_cuda() {
+        return crate::cuda::ops::binary(Op::KERNEL, op, a, b, &shape);
+    }
     float_dispatch!(op, a.dtype(), T => binary_typed::<T, Op>(op, a, b, &shape))
 }
 
@@ -164,6 +174,10 @@ fn binary_typed<T: Float, Op: Binary>(op: &'static str, a: &Tensor, b: &Tensor, 
 
 /// `op(a, s)` for every element of `a`, with the scalar in the compute type.
 fn binary_scalar<Op: Binary>(op: &'static str, a: &Tensor, s: f64) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if a.is_cuda() {
+        return crate::cuda::ops::scalar(Op::KERNEL, op, a, s);
+    }
     float_dispatch!(op, a.dtype(), T => {
         let s = <T as Float>::Acc::real(s);
         let x = elements::<T>(a)?;

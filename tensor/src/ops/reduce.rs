@@ -254,6 +254,11 @@ impl Tensor {
     /// an integer tensor.
     pub fn sum(&self, dims: &[usize], keepdim: bool) -> Result<Tensor> {
         let mask = reduced_mask("sum", self.shape(), dims)?;
+        #[cfg(feature = "cuda")]
+        if self.is_cuda() {
+            let dims: Vec<usize> = (0..self.rank()).filter(|&d| mask[d]).collect();
+            return crate::cuda::ops::reduce(self, &dims, keepdim, crate::cuda::ops::Reduce::Sum);
+        }
         float_dispatch!("sum", self.dtype(), T => reduce::<T, Sum>("sum", self, &mask, keepdim))
     }
 
@@ -264,6 +269,11 @@ impl Tensor {
     /// As [`sum`](Self::sum).
     pub fn mean(&self, dims: &[usize], keepdim: bool) -> Result<Tensor> {
         let mask = reduced_mask("mean", self.shape(), dims)?;
+        #[cfg(feature = "cuda")]
+        if self.is_cuda() {
+            let dims: Vec<usize> = (0..self.rank()).filter(|&d| mask[d]).collect();
+            return crate::cuda::ops::reduce(self, &dims, keepdim, crate::cuda::ops::Reduce::Mean);
+        }
         float_dispatch!("mean", self.dtype(), T => reduce::<T, Mean>("mean", self, &mask, keepdim))
     }
 
@@ -276,6 +286,11 @@ impl Tensor {
     pub fn max(&self, dims: &[usize], keepdim: bool) -> Result<Tensor> {
         let mask = reduced_mask("max", self.shape(), dims)?;
         self.check_not_empty("max", &mask)?;
+        #[cfg(feature = "cuda")]
+        if self.is_cuda() {
+            let dims: Vec<usize> = (0..self.rank()).filter(|&d| mask[d]).collect();
+            return crate::cuda::ops::reduce(self, &dims, keepdim, crate::cuda::ops::Reduce::Max);
+        }
         float_dispatch!("max", self.dtype(), T => reduce::<T, Max>("max", self, &mask, keepdim))
     }
 

@@ -143,6 +143,43 @@ pub(super) fn ce_targets<'a>(
     Ok((n, c, t))
 }
 
+/// The shape checks of [`ce_targets`] without reading the targets (for device
+/// tensors, whose range the kernel checks).
+#[cfg(feature = "cuda")]
+pub(super) fn ce_shapes(logits: &Tensor, targets: &Tensor) -> Result<()> {
+    const OP: &str = "cross_entropy";
+    if logits.rank() != 2 {
+        return Err(Error::InvalidArgument {
+            op: OP,
+            detail: format!(
+                "logits must be [N, C], got shape {:?}; reshape to 2-D first",
+                logits.shape()
+            ),
+        });
+    }
+    let n = logits.shape()[0];
+    index_shape(OP, targets, n, || format!("logits {:?} need targets", logits.shape()))
+}
+
+/// The dtype and shape checks of [`index_vector`], without reading the entries.
+#[cfg(feature = "cuda")]
+pub(super) fn index_shape(op: &'static str, indices: &Tensor, n: usize, need: impl FnOnce() -> String) -> Result<()> {
+    if indices.dtype() != DType::I64 {
+        return Err(Error::DTypeMismatch {
+            op,
+            expected: DType::I64,
+            got: indices.dtype(),
+        });
+    }
+    if indices.shape() != [n] {
+        return Err(Error::ShapeMismatch {
+            op,
+            detail: format!("{} of shape [{n}], got {:?}", need(), indices.shape()),
+        });
+    }
+    Ok(())
+}
+
 /// The entries of `indices`, which must be an `i64` vector of `n`; `need` says
 /// what asks for them (`"logits [4, 9] need targets"`) in the shape error.
 pub(super) fn index_vector<'a>(

@@ -10,6 +10,10 @@ use crate::{DType, Error, Result, Tensor};
 
 /// A unary element-wise operation, computed in the [`Real`] type of its dtype.
 pub(crate) trait Unary {
+    /// The name of the op's CUDA kernels (`unary_NAME_T`).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    const KERNEL: &'static str;
+
     fn apply<R: Real>(x: R) -> R;
 }
 
@@ -19,9 +23,11 @@ const FRAC_1_SQRT_2: f64 = std::f64::consts::FRAC_1_SQRT_2;
 const FRAC_1_SQRT_2PI: f64 = 0.398_942_280_401_432_7;
 
 macro_rules! unary_op {
-    ($name:ident, |$x:ident| $body:expr) => {
+    ($name:ident, $kernel:literal, |$x:ident| $body:expr) => {
         pub(crate) struct $name;
         impl Unary for $name {
+            const KERNEL: &'static str = $kernel;
+
             #[inline(always)]
             fn apply<R: Real>($x: R) -> R {
                 $body
@@ -29,27 +35,29 @@ macro_rules! unary_op {
         }
     };
 }
-unary_op!(NegOp, |x| -x);
-unary_op!(ExpOp, |x| exp(x));
-unary_op!(LogOp, |x| x.ln());
-unary_op!(SqrtOp, |x| x.sqrt());
-unary_op!(RsqrtOp, |x| R::ONE / x.sqrt());
-unary_op!(TanhOp, |x| x.tanh());
-unary_op!(ErfOp, |x| x.erf());
+unary_op!(NegOp, "neg", |x| -x);
+unary_op!(ExpOp, "exp", |x| exp(x));
+unary_op!(LogOp, "log", |x| x.ln());
+unary_op!(SqrtOp, "sqrt", |x| x.sqrt());
+unary_op!(RsqrtOp, "rsqrt", |x| R::ONE / x.sqrt());
+unary_op!(TanhOp, "tanh", |x| x.tanh());
+unary_op!(ErfOp, "erf", |x| x.erf());
 // 0.5 x (1 + erf(x / sqrt 2)) = 0.5 x erfc(-x / sqrt 2), without the cancellation
 // of 1 + erf for negative x.
 // `erfc` and `exp` are the branch-free `f32` kernels of `fastmath` (libm for `f64`).
-unary_op!(GeluOp, |x| R::real(0.5) * x * erfc(-x * R::real(FRAC_1_SQRT_2)));
+unary_op!(GeluOp, "gelu", |x| R::real(0.5) * x * erfc(-x * R::real(FRAC_1_SQRT_2)));
 // `x <= 0` is false for NaN, so NaN propagates as in PyTorch.
-unary_op!(ReluOp, |x| if x <= R::ZERO { R::ZERO } else { x });
-unary_op!(SigmoidOp, |x| R::ONE / (R::ONE + exp(-x)));
-unary_op!(SiluOp, |x| x / (R::ONE + exp(-x)));
-unary_op!(AbsOp, |x| x.abs());
-unary_op!(SquareOp, |x| x * x);
+unary_op!(ReluOp, "relu", |x| if x <= R::ZERO { R::ZERO } else { x });
+unary_op!(SigmoidOp, "sigmoid", |x| R::ONE / (R::ONE + exp(-x)));
+unary_op!(SiluOp, "silu", |x| x / (R::ONE + exp(-x)));
+unary_op!(AbsOp, "abs", |x| x.abs());
+unary_op!(SquareOp, "square", |x| x * x);
 
 /// `grad * gelu'(x)` with `gelu'(x) = Φ(x) + x φ(x)`.
 pub(crate) struct GeluBackwardOp;
 impl Binary for GeluBackwardOp {
+    const KERNEL: &'static str = "gelu_backward";
+
     #[inline(always)]
     fn apply<R: Real>(g: R, x: R) -> R {
         let cdf = R::real(0.5) * erfc(-x * R::real(FRAC_1_SQRT_2));
@@ -94,6 +102,10 @@ pub fn gelu_backward_shapes(g: &[usize], x: &[usize], y: &[usize]) -> Result<()>
 }
 
 fn unary<Op: Unary>(op: &'static str, t: &Tensor) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if t.is_cuda() {
+        return crate::cuda::ops::unary(Op::KERNEL, op, t);
+    }
     float_dispatch!(op, t.dtype(), T => {
         let x = elements::<T>(t)?;
         let fill = |out: &mut [MaybeUninit<T>]| {
@@ -174,6 +186,10 @@ impl Tensor {
             });
         }
         same_dtype(OP, self, x)?;
+        #[cfg(feature = "cuda")]
+        if self.is_cuda() || x.is_cuda() {
+            return crate::cuda::ops::binary(GeluBackwardOp::KERNEL, OP, self, x, self.shape());
+        }
         float_dispatch!(OP, self.dtype(), T => {
             let (g, x) = (elements::<T>(self)?, elements::<T>(x)?);
             let fill = |out: &mut [MaybeUninit<T>]| {
@@ -231,6 +247,8 @@ impl Tensor {
             output(unsafe { crate::alloc::written(OP, shape, fill)? }, shape)
         }
         match self.dtype() {
+            #[cfg(feature = "cuda")]
+            _ if self.is_cuda() => self.gelu_backward(x),
             DType::F32 => from_output::<f32>(self, x, y),
             DType::F64 => from_output::<f64>(self, x, y),
             _ => self.gelu_backward(x),

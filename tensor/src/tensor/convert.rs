@@ -11,7 +11,7 @@ use crate::{Error, Result};
 impl Tensor {
     /// The elements as `&[T]` when `T` is the dtype, before any contiguity check.
     fn elements<T: Element>(&self, op: &'static str) -> Result<&[T]> {
-        typed::<T>(self.data().as_buf()).ok_or(Error::DTypeMismatch {
+        typed::<T>(self.data()?.as_buf()).ok_or(Error::DTypeMismatch {
             op,
             expected: T::DTYPE,
             got: self.dtype(),
@@ -56,6 +56,10 @@ impl Tensor {
         if dtype == self.dtype() {
             return Ok(self.clone());
         }
+        #[cfg(feature = "cuda")]
+        if self.is_cuda() {
+            return crate::cuda::ops::cast(self, dtype);
+        }
         let span = self.is_contiguous().then(|| self.span());
         Ok(Tensor::from_storage_data(self.converted(dtype, span)?, self.shape()))
     }
@@ -67,7 +71,7 @@ impl Tensor {
     fn converted(&self, dtype: DType, span: Option<std::ops::Range<usize>>) -> Result<Buffer> {
         let layout = self.geometry();
         Ok(
-            with_buffer!(self.data(), src, S => crate::kernel::any_dispatch!("cast", dtype, D => {
+            with_buffer!(self.data()?, src, S => crate::kernel::any_dispatch!("cast", dtype, D => {
                 let mut out = crate::alloc::with_capacity::<D>("cast", self.shape())?;
                 match &span {
                     // The common case (mixed precision) in a loop the compiler can vectorize.
@@ -79,20 +83,50 @@ impl Tensor {
         )
     }
 
+    /// This tensor's elements on `device`: itself when already there, else a
+    /// contiguous copy. PyTorch: `Tensor.to(device)`.
+    ///
+    /// # Errors
+    /// [`Error::Device`] when `device` is a GPU and this build has no `cuda`
+    /// feature, the GPU does not exist, or the copy fails.
+    pub fn to(&self, device: crate::Device) -> Result<Tensor> {
+        if device == self.device() {
+            return Ok(self.clone());
+        }
+        #[cfg(feature = "cuda")]
+        {
+            crate::cuda::ops::to(self, device)
+        }
+        #[cfg(not(feature = "cuda"))]
+        Err(Error::Device {
+            op: "to",
+            detail: format!(
+                "cannot move a tensor to {device}: this build has no GPU support; build with --features cuda"
+            ),
+        })
+    }
+
     /// The elements in row-major logical order (copied from any layout).
     ///
     /// # Errors
     /// [`Error::DTypeMismatch`] when `T` is not the tensor's dtype (use
     /// [`cast`](Self::cast) or [`to_f64_vec`](Self::to_f64_vec)).
     pub fn to_vec<T: Element>(&self) -> Result<Vec<T>> {
+        if self.is_cuda() {
+            return self.to(crate::Device::Cpu)?.to_vec();
+        }
         Ok(self.geometry().gather(self.elements::<T>("to_vec")?))
     }
 
     /// The elements as `f64` in row-major order, from any dtype (for tests and
     /// printing; see [`cast`](Self::cast) for the conversion).
+    ///
+    /// # Panics
+    /// For a device tensor, when the copy to the host fails (a lost GPU).
     pub fn to_f64_vec(&self) -> Vec<f64> {
-        let layout = self.geometry();
-        with_buffer!(self.data(), v, T => layout.offsets().map(|i| v[i].to_f64()).collect())
+        let host = self.on_host();
+        let layout = host.geometry();
+        with_buffer!(host.host_data(), v, T => layout.offsets().map(|i| v[i].to_f64()).collect())
     }
 
     /// The elements of a contiguous tensor, without copying.
@@ -114,26 +148,31 @@ impl Tensor {
     pub fn as_buf(&self) -> Result<Buf<'_>> {
         self.require_contiguous("as_buf")?;
         let span = self.span();
-        Ok(with_buffer!(self.data(), v, _T => Buf::from(&v[span])))
+        Ok(with_buffer!(self.data()?, v, _T => Buf::from(&v[span])))
     }
 
     /// The elements (row-major, copied from any layout) as an owned type-erased
     /// buffer, for the asynchronous collectives.
+    ///
+    /// # Panics
+    /// For a device tensor, when the copy to the host fails (a lost GPU).
     pub fn to_buffer(&self) -> Buffer {
-        let layout = self.geometry();
-        with_buffer!(self.data(), v, _T => Buffer::from(layout.gather(v)))
+        let host = self.on_host();
+        let layout = host.geometry();
+        with_buffer!(host.host_data(), v, _T => Buffer::from(layout.gather(v)))
     }
 
     /// [`to_buffer`](Self::to_buffer) that moves the storage's buffer out instead
     /// of copying it when this tensor is its only holder and spans all of it in
     /// row-major order (a freshly built bucket handed to an asynchronous collective).
     pub fn into_buffer(mut self) -> Buffer {
-        let whole = self.is_contiguous() && self.storage_offset() == 0 && self.numel() == self.data().len();
+        let whole = self.is_contiguous() && self.storage_offset() == 0 && self.numel() == self.0.storage.len();
         if whole
             && let Some(inner) = std::sync::Arc::get_mut(&mut self.0)
             && let Some(storage) = std::sync::Arc::get_mut(&mut inner.storage)
+            && let Some(data) = storage.take_data()
         {
-            return storage.take_data();
+            return data;
         }
         self.to_buffer()
     }
@@ -148,14 +187,25 @@ impl Tensor {
     /// PyTorch: in-place ops (`Tensor.add_` and friends) on a tensor without
     /// other views.
     pub fn try_as_mut_slice<T: Element>(&mut self) -> Option<&mut [T]> {
-        let whole = self.is_contiguous() && self.storage_offset() == 0 && self.numel() == self.data().len();
+        let whole = self.is_contiguous() && self.storage_offset() == 0 && self.numel() == self.0.storage.len();
         if !whole || self.dtype() != T::DTYPE {
             return None;
         }
         let inner = std::sync::Arc::get_mut(&mut self.0)?;
         let storage = std::sync::Arc::get_mut(&mut inner.storage)?;
         // Same dtype (checked above), so the inner slice is a `[T]`: the cast never fails.
-        tessera_mesh::dispatch_buf!(BufMut, storage.data_mut().as_buf_mut(), s, _S => bytemuck::try_cast_slice_mut(s).ok())
+        tessera_mesh::dispatch_buf!(BufMut, storage.data_mut()?.as_buf_mut(), s, _S => bytemuck::try_cast_slice_mut(s).ok())
+    }
+
+    /// Whether this tensor alone holds its storage and spans all of it in
+    /// row-major order: the condition under which a kernel may write it in
+    /// place (host or device) without anyone else seeing the change.
+    pub(crate) fn is_sole_owner(&mut self) -> bool {
+        let whole = self.is_contiguous() && self.storage_offset() == 0 && self.numel() == self.0.storage.len();
+        whole
+            && std::sync::Arc::get_mut(&mut self.0)
+                .and_then(|i| std::sync::Arc::get_mut(&mut i.storage))
+                .is_some()
     }
 
     /// An ndarray view of the elements, with this tensor's strides, without copying.

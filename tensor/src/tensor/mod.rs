@@ -72,8 +72,56 @@ impl Tensor {
         &self.0.geometry
     }
 
-    fn data(&self) -> &Buffer {
+    /// The host buffer (an error naming the device for a device tensor).
+    fn data(&self) -> crate::Result<&Buffer> {
         self.0.storage.data()
+    }
+
+    /// A tensor over fresh device storage, row-major.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn from_cuda(data: crate::cuda::CudaBuffer, shape: &[usize]) -> Tensor {
+        Tensor::from_parts(Arc::new(Storage::new_cuda(data)), Geometry::contiguous(shape))
+    }
+
+    /// The device buffer, for a device tensor.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn cuda_buffer(&self) -> Option<&crate::cuda::CudaBuffer> {
+        self.0.storage.cuda()
+    }
+
+    /// The device that holds the elements. PyTorch: `Tensor.device`.
+    pub fn device(&self) -> crate::Device {
+        self.0.storage.device()
+    }
+
+    /// Whether the elements are on a GPU. PyTorch: `Tensor.is_cuda`.
+    pub fn is_cuda(&self) -> bool {
+        self.device().is_cuda()
+    }
+
+    /// This tensor, or a host copy of a device tensor, for the readers that
+    /// cannot fail (printing, comparing, [`to_f64_vec`](Self::to_f64_vec),
+    /// [`to_buffer`](Self::to_buffer)).
+    ///
+    /// # Panics
+    /// When a device tensor cannot be copied to the host (a lost GPU).
+    fn on_host(&self) -> std::borrow::Cow<'_, Tensor> {
+        if self.is_cuda() {
+            match self.to(crate::Device::Cpu) {
+                Ok(t) => std::borrow::Cow::Owned(t),
+                Err(e) => panic!("copying a {} tensor to the host failed: {e}", self.device()),
+            }
+        } else {
+            std::borrow::Cow::Borrowed(self)
+        }
+    }
+
+    /// The host buffer of a tensor known to be on the host.
+    fn host_data(&self) -> &Buffer {
+        match self.data() {
+            Ok(b) => b,
+            Err(e) => unreachable!("host_data is called on host tensors only: {e}"),
+        }
     }
 
     /// The size of every dim.
@@ -146,9 +194,10 @@ impl PartialEq for Tensor {
         if self.shape() != other.shape() || self.dtype() != other.dtype() {
             return false;
         }
-        let (a, b) = (self.geometry(), other.geometry());
-        with_buffer!(self.data(), x, T => {
-            let Some(y) = storage::typed::<T>(other.data().as_buf()) else {
+        let (this, other) = (self.on_host(), other.on_host());
+        let (a, b) = (this.geometry(), other.geometry());
+        with_buffer!(this.host_data(), x, T => {
+            let Some(y) = storage::typed::<T>(other.host_data().as_buf()) else {
                 return false;
             };
             a.offsets().zip(b.offsets()).all(|(i, j)| x[i] == y[j])
@@ -163,8 +212,12 @@ impl fmt::Debug for Tensor {
     /// `Tensor[2, 3] f32 [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]`, with at most eight values.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "Tensor{:?} {} [", self.shape(), self.dtype())?;
-        with_buffer!(self.data(), x, _T => {
-            for (k, i) in self.geometry().offsets().take(DEBUG_VALUES).enumerate() {
+        if self.is_cuda() {
+            write!(f, "{}: ", self.device())?;
+        }
+        let host = self.on_host();
+        with_buffer!(host.host_data(), x, _T => {
+            for (k, i) in host.geometry().offsets().take(DEBUG_VALUES).enumerate() {
                 if k > 0 {
                     f.write_str(", ")?;
                 }

@@ -82,12 +82,23 @@ impl Tensor {
 
     /// This tensor if it is contiguous, otherwise a row-major copy.
     /// PyTorch: `Tensor.contiguous`.
+    ///
+    /// # Panics
+    /// For a device tensor, when the copy kernel cannot run (device memory
+    /// exhausted, a lost GPU).
     pub fn contiguous(&self) -> Tensor {
         if self.is_contiguous() {
             return self.clone();
         }
+        #[cfg(feature = "cuda")]
+        if self.is_cuda() {
+            match crate::cuda::ops::contiguous(self) {
+                Ok(t) => return t,
+                Err(e) => panic!("contiguous copy on {} failed: {e}", self.device()),
+            }
+        }
         let layout = self.geometry();
-        let data = with_buffer!(self.data(), v, _T => Buffer::from(layout.gather(v)));
+        let data = with_buffer!(self.host_data(), v, _T => Buffer::from(layout.gather(v)));
         Tensor::from_storage_data(data, self.shape())
     }
 
@@ -160,7 +171,11 @@ impl Tensor {
                     detail: format!("the sizes of dim {dim} add up past usize::MAX; concatenate fewer pieces"),
                 })?;
         }
-        let data = with_buffer!(first.data(), _v, T => Buffer::from(cat_rows::<T>(tensors, dim, &shape)?));
+        #[cfg(feature = "cuda")]
+        if tensors.iter().any(Tensor::is_cuda) {
+            return crate::cuda::ops::cat(tensors, dim, &shape);
+        }
+        let data = with_buffer!(first.data()?, _v, T => Buffer::from(cat_rows::<T>(tensors, dim, &shape)?));
         Ok(Tensor::from_storage_data(data, &shape))
     }
 }
@@ -176,7 +191,7 @@ fn cat_rows<T: Element>(tensors: &[Tensor], dim: usize, shape: &[usize]) -> Resu
         .map(|t| {
             // `cat` checked that every piece has dtype `T`, so `typed` is `Some`.
             // Contiguous pieces are read in place (one copy, into `out`).
-            let v = match typed::<T>(t.data().as_buf()) {
+            let v = match typed::<T>(t.host_data().as_buf()) {
                 Some(v) if t.is_contiguous() => {
                     let start = t.storage_offset();
                     Cow::Borrowed(&v[start..start + t.numel()])

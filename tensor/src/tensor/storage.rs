@@ -7,12 +7,23 @@ use crate::kernel::Scalar;
 use crate::memory::Allocation;
 use crate::{Error, Result};
 
+/// Where a storage's elements are.
+#[derive(Debug)]
+pub(crate) enum Data {
+    /// In host memory.
+    Host(Buffer),
+    /// In device memory.
+    #[cfg(feature = "cuda")]
+    Cuda(crate::cuda::CudaBuffer),
+}
+
 /// One flat, immutable buffer that tensors view through a layout.
 ///
-/// Charged to the allocating rank by the memory tracker while it lives.
+/// Charged to the allocating rank by the memory tracker while it lives (host
+/// and device bytes counted apart).
 #[derive(Debug)]
 pub(crate) struct Storage {
-    data: Buffer,
+    data: Data,
     _charge: Allocation,
 }
 
@@ -22,37 +33,99 @@ impl Storage {
         crate::alloc::tune_malloc_once();
         let bytes = data.len() * data.dtype().size_in_bytes();
         Storage {
-            data,
+            data: Data::Host(data),
             _charge: Allocation::charge(bytes),
         }
     }
 
-    pub(crate) fn data(&self) -> &Buffer {
-        &self.data
+    /// Wraps device memory, charging its bytes to the current rank's device bytes.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn new_cuda(data: crate::cuda::CudaBuffer) -> Storage {
+        let bytes = data.len() * data.dtype().size_in_bytes();
+        Storage {
+            data: Data::Cuda(data),
+            _charge: Allocation::charge_device(bytes),
+        }
     }
 
-    /// The buffer, mutably (for the storage's sole owner).
-    pub(crate) fn data_mut(&mut self) -> &mut Buffer {
-        &mut self.data
+    /// The host buffer, or an error naming the device for device storage.
+    pub(crate) fn data(&self) -> Result<&Buffer> {
+        match &self.data {
+            Data::Host(b) => Ok(b),
+            #[cfg(feature = "cuda")]
+            Data::Cuda(b) => Err(Error::Device {
+                op: "host access",
+                detail: format!(
+                    "the tensor is on cuda:{}; copy it to the host first with .to(Device::Cpu)",
+                    b.ordinal()
+                ),
+            }),
+        }
     }
 
-    /// Moves the buffer out (the storage is left empty, and its charge goes
-    /// when it drops).
-    pub(crate) fn take_data(&mut self) -> Buffer {
-        std::mem::replace(&mut self.data, Buffer::U8(Vec::new()))
+    /// The device buffer, if the storage is on a GPU.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn cuda(&self) -> Option<&crate::cuda::CudaBuffer> {
+        match &self.data {
+            Data::Cuda(b) => Some(b),
+            Data::Host(_) => None,
+        }
+    }
+
+    /// The device that holds the elements.
+    pub(crate) fn device(&self) -> crate::Device {
+        match &self.data {
+            Data::Host(_) => crate::Device::Cpu,
+            #[cfg(feature = "cuda")]
+            Data::Cuda(b) => crate::Device::Cuda(b.ordinal()),
+        }
+    }
+
+    /// The number of elements.
+    pub(crate) fn len(&self) -> usize {
+        match &self.data {
+            Data::Host(b) => b.len(),
+            #[cfg(feature = "cuda")]
+            Data::Cuda(b) => b.len(),
+        }
+    }
+
+    /// The host buffer, mutably (for the storage's sole owner); `None` on a device.
+    pub(crate) fn data_mut(&mut self) -> Option<&mut Buffer> {
+        match &mut self.data {
+            Data::Host(b) => Some(b),
+            #[cfg(feature = "cuda")]
+            Data::Cuda(_) => None,
+        }
+    }
+
+    /// Moves the host buffer out (the storage is left empty, and its charge
+    /// goes when it drops); `None` on a device.
+    pub(crate) fn take_data(&mut self) -> Option<Buffer> {
+        match &mut self.data {
+            Data::Host(b) => Some(std::mem::replace(b, Buffer::U8(Vec::new()))),
+            #[cfg(feature = "cuda")]
+            Data::Cuda(_) => None,
+        }
     }
 }
 
 impl Drop for Storage {
     fn drop(&mut self) {
         // Large buffers go back to this thread's cache for the next exchange.
-        crate::alloc::recycle(self.take_data());
+        if let Some(data) = self.take_data() {
+            crate::alloc::recycle(data);
+        }
     }
 }
 
 impl Storage {
     pub(crate) fn dtype(&self) -> DType {
-        self.data.dtype()
+        match &self.data {
+            Data::Host(b) => b.dtype(),
+            #[cfg(feature = "cuda")]
+            Data::Cuda(b) => b.dtype(),
+        }
     }
 }
 

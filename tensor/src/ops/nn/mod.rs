@@ -164,6 +164,10 @@ impl Tensor {
     /// [`Error::DimOutOfRange`]; [`Error::InvalidArgument`] for integer tensors.
     pub fn softmax(&self, dim: usize) -> Result<Tensor> {
         check_dim("softmax", dim, self.rank())?;
+        #[cfg(feature = "cuda")]
+        if self.is_cuda() {
+            return crate::cuda::ops::softmax(self, dim, 1.0, 0, false);
+        }
         float_dispatch!("softmax", self.dtype(), T => {
             // The exponentials in the compute type, so that half types round once.
             map_rows::<T, Vec<_>, 1>("softmax", [self], dim, #[inline(always)] |_, [row], out, e| {
@@ -190,6 +194,10 @@ impl Tensor {
         const OP: &str = "attention_probs";
         check_scores(OP, self, scale)?;
         let (t, last) = (self.shape()[self.rank() - 2], self.rank() - 1);
+        #[cfg(feature = "cuda")]
+        if self.is_cuda() {
+            return crate::cuda::ops::softmax(self, last, scale, if is_causal { t } else { 0 }, false);
+        }
         float_dispatch!(OP, self.dtype(), T => {
             let s = <T as Float>::Acc::real(scale);
             // Scratch: the scaled row (rounded to the dtype, as `mul_scalar` leaves
@@ -207,6 +215,10 @@ impl Tensor {
     /// [`Error::DimOutOfRange`]; [`Error::InvalidArgument`] for integer tensors.
     pub fn log_softmax(&self, dim: usize) -> Result<Tensor> {
         check_dim("log_softmax", dim, self.rank())?;
+        #[cfg(feature = "cuda")]
+        if self.is_cuda() {
+            return crate::cuda::ops::softmax(self, dim, 1.0, 0, true);
+        }
         float_dispatch!("log_softmax", self.dtype(), T => {
             map_rows::<T, Vec<_>, 1>("log_softmax", [self], dim, #[inline(always)] |_, [row], out, e| {
                 let (max, sum) = row_exp_sum(row, e);
@@ -252,6 +264,10 @@ impl Tensor {
         need_dims("layer_norm", self, "dim to normalize")?;
         check_affine(self, weight, "weight")?;
         check_affine(self, bias, "bias")?;
+        #[cfg(feature = "cuda")]
+        if self.is_cuda() {
+            return crate::cuda::ops::norm(self, weight, bias, eps, false);
+        }
         float_dispatch!("layer_norm", self.dtype(), T => layer_norm_typed::<T>(self, weight, bias, eps))
     }
 
@@ -278,6 +294,10 @@ impl Tensor {
             });
         }
         let (v, d) = (self.shape()[0], self.shape()[1]);
+        #[cfg(feature = "cuda")]
+        if self.is_cuda() || indices.is_cuda() {
+            return crate::cuda::ops::embedding(self, indices, 0);
+        }
         let idx = elements::<i64>(indices)?;
         if let Some((pos, &i)) = idx.iter().enumerate().find(|&(_, &i)| i < 0 || i as u64 >= v as u64) {
             return Err(Error::InvalidArgument {
@@ -336,6 +356,11 @@ impl Tensor {
         probs: bool,
     ) -> Result<(Tensor, Option<Tensor>)> {
         const OP: &str = "cross_entropy";
+        #[cfg(feature = "cuda")]
+        if self.is_cuda() || targets.is_cuda() {
+            super::rows::ce_shapes(self, targets)?;
+            return crate::cuda::ops::cross_entropy(self, targets, reduction, probs);
+        }
         let (n, c, t) = ce_targets(self, targets)?;
         float_dispatch!(OP, self.dtype(), T => {
             let x = elements::<T>(self)?;

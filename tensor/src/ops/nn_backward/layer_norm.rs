@@ -25,6 +25,11 @@ impl Tensor {
     pub fn layer_norm_backward(&self, x: &Tensor, weight: Option<&Tensor>, eps: f64) -> Result<Tensor> {
         const OP: &str = "layer_norm_backward";
         ln_backward_checks(OP, self, x, weight)?;
+        #[cfg(feature = "cuda")]
+        if self.is_cuda() {
+            let (_, mean, rstd) = x.layer_norm_with_stats(None, None, eps)?;
+            return crate::cuda::ops::norm_backward(self, x, weight, &mean, &rstd, false);
+        }
         float_dispatch!(OP, self.dtype(), T => ln_input_grad::<T>(self, x, weight, #[inline(always)] |_, row| row_stats(row, eps)))
     }
 
@@ -48,6 +53,10 @@ impl Tensor {
     ) -> Result<Tensor> {
         const OP: &str = "layer_norm_backward";
         ln_backward_checks(OP, self, x, weight)?;
+        #[cfg(feature = "cuda")]
+        if self.is_cuda() {
+            return crate::cuda::ops::norm_backward(self, x, weight, mean, rstd, false);
+        }
         float_dispatch!(OP, self.dtype(), T => {
             let stats = saved_stats(OP, x, mean, rstd)?;
             ln_input_grad::<T>(self, x, weight, #[inline(always)] |r, _| stats[r])
@@ -66,6 +75,11 @@ impl Tensor {
         const OP: &str = "layer_norm_weight_grad";
         ln_backward_checks(OP, self, x, None)?;
         let d = x.shape()[x.rank() - 1];
+        #[cfg(feature = "cuda")]
+        if self.is_cuda() {
+            let (_, mean, rstd) = x.layer_norm_with_stats(None, None, eps)?;
+            return crate::cuda::ops::norm_weight_grad(self, x, &mean, &rstd);
+        }
         float_dispatch!(OP, self.dtype(), T => {
             let xv = elements::<T>(x)?;
             let stats = if d > 0 { all_row_stats(&xv, d, eps) } else { Vec::new() };
@@ -84,6 +98,11 @@ impl Tensor {
         const OP: &str = "layer_norm_weight_grad";
         ln_backward_checks(OP, self, x, None)?;
         let d = x.shape()[x.rank() - 1];
+        #[cfg(feature = "cuda")]
+        if self.is_cuda() {
+            let _ = d;
+            return crate::cuda::ops::norm_weight_grad(self, x, mean, rstd);
+        }
         float_dispatch!(OP, self.dtype(), T => {
             let stats = saved_stats(OP, x, mean, rstd)?;
             ln_weight_grad::<T>(self, &elements::<T>(x)?, d, &stats)

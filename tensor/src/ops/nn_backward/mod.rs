@@ -42,6 +42,10 @@ impl Tensor {
         const OP: &str = "softmax_backward";
         same_shape(OP, self, y, "the softmax output")?;
         check_dim(OP, dim, self.rank())?;
+        #[cfg(feature = "cuda")]
+        if self.is_cuda() || y.is_cuda() {
+            return crate::cuda::ops::softmax_backward(self, y, dim, 1.0);
+        }
         float_dispatch!(OP, self.dtype(), T => map_rows::<T, (), 2>(OP, [self, y], dim, #[inline(always)] |_, [g, y], o, _| {
             softmax_grad_row(g, y, o, #[inline(always)] |d| d);
         }))
@@ -63,6 +67,13 @@ impl Tensor {
         same_shape(OP, self, probs, "probs")?;
         check_scores(OP, probs, scale)?;
         let (t, last) = (probs.shape()[probs.rank() - 2], probs.rank() - 1);
+        #[cfg(feature = "cuda")]
+        if self.is_cuda() || probs.is_cuda() {
+            // Masked keys have probability 0, so the plain softmax gradient
+            // already gives them 0; `t` matters only on the host.
+            let _ = (t, is_causal);
+            return crate::cuda::ops::softmax_backward(self, probs, last, scale);
+        }
         float_dispatch!(OP, self.dtype(), T => {
             let s = <T as Float>::Acc::real(scale);
             map_rows::<T, (), 2>(OP, [self, probs], last, #[inline(always)] |r, [g, y], o, _| {
@@ -93,6 +104,11 @@ impl Tensor {
             });
         }
         let (n, d) = (self.shape()[0], self.shape()[1]);
+        #[cfg(feature = "cuda")]
+        if self.is_cuda() || indices.is_cuda() {
+            super::rows::index_shape(OP, indices, n, || format!("a [{n}, {d}] gradient needs indices"))?;
+            return crate::cuda::ops::embedding_backward(self, indices, rows, first);
+        }
         let idx = index_vector(OP, indices, n, || format!("a [{n}, {d}] gradient needs indices"))?;
         float_dispatch!(OP, self.dtype(), T => {
             let g = elements::<T>(self)?;
@@ -134,6 +150,12 @@ impl Tensor {
     /// # Errors
     /// As [`cross_entropy_with_grad`](Self::cross_entropy_with_grad).
     pub fn cross_entropy_backward(&self, targets: &Tensor, scale: f64) -> Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if self.is_cuda() || targets.is_cuda() {
+            super::rows::ce_shapes(self, targets)?;
+            let p = self.softmax(1)?;
+            return crate::cuda::ops::cross_entropy_backward_from_probs(&p, targets, scale);
+        }
         let (n, c, t) = ce_targets(self, targets)?;
         float_dispatch!("cross_entropy", self.dtype(), T => {
             let x = elements::<T>(self)?;
@@ -172,6 +194,11 @@ impl Tensor {
     /// As [`cross_entropy_with_grad`](Self::cross_entropy_with_grad), for the
     /// probabilities in place of the logits.
     pub fn cross_entropy_backward_from_probs(&self, targets: &Tensor, scale: f64) -> Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if self.is_cuda() || targets.is_cuda() {
+            super::rows::ce_shapes(self, targets)?;
+            return crate::cuda::ops::cross_entropy_backward_from_probs(self, targets, scale);
+        }
         let (n, c, t) = ce_targets(self, targets)?;
         float_dispatch!("cross_entropy", self.dtype(), T => {
             let p = elements::<T>(self)?;

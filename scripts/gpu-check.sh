@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# The GPU checks of the CUDA backend, in one run on a machine with an NVIDIA
+# GPU and CUDA's libraries in its Python environment (no Rust toolchain
+# needed there): the device tests against the host kernels, the kernels'
+# rates beside PyTorch's on the same shapes, and a summary table last.
+#
+#   scripts/gpu-check.sh [DIR]    # DIR holds the prebuilt binaries (default .gpu)
+#
+# Build the binaries on any x86-64 machine first:
+#   scripts/gpu-build.sh          # -> .gpu/cuda-tests, .gpu/bench_cuda
+set -u
+DIR=${1:-.gpu}
+OUT=${OUT:-/tmp/gpu-check}
+mkdir -p "$OUT"
+PY=${PY:-python3}
+
+# CUDA's libraries: the driver's libcuda from the system, NVRTC, cuBLAS and
+# NCCL from the Python environment's nvidia-* wheels (cudarc also looks for
+# the unversioned libnccl.so, which the wheel does not ship: link it).
+SITE=$($PY -c 'import site; print(site.getsitepackages()[0])' 2>/dev/null)
+LIBS=$(find "$SITE/nvidia" -name 'lib*.so*' -printf '%h\n' 2>/dev/null | sort -u | paste -sd:)
+mkdir -p /tmp/tessera-cudalibs
+for lib in nccl nvrtc cublas cublasLt; do
+    f=$(find "$SITE/nvidia" -name "lib$lib.so.*" 2>/dev/null | grep -v alt | sort | head -1)
+    [ -n "$f" ] && ln -sf "$f" /tmp/tessera-cudalibs/lib$lib.so
+done
+export LD_LIBRARY_PATH=/tmp/tessera-cudalibs:$LIBS:${LD_LIBRARY_PATH:-}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+
+status=0
+echo "== device tests (against the host kernels)"
+timeout 150 "$DIR/cuda-tests" --ignored --test-threads=1 --nocapture 2>&1 | tee "$OUT/tests.log"
+[ "${PIPESTATUS[0]}" = 0 ] || status=1
+
+echo "== bench_cuda"
+timeout 100 "$DIR/bench_cuda" --reps 20 2>&1 | tee "$OUT/bench.txt"
+[ "${PIPESTATUS[0]}" = 0 ] || status=1
+
+echo "== PyTorch on the same shapes (TF32 off)"
+timeout 100 $PY - <<'PYEOF' 2>&1 | tee "$OUT/torch.txt"
+import torch, statistics, time
+torch.backends.cuda.matmul.allow_tf32 = False
+torch.backends.cudnn.allow_tf32 = False
+dev = "cuda"
+def bench(f, reps=20):
+    for _ in range(3): f()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter(); f(); torch.cuda.synchronize(); ts.append(time.perf_counter() - t)
+    return statistics.median(ts)
+shapes = [("bench qkv", 128, 128, 384), ("bench mlp", 128, 128, 512), ("bench head", 128, 128, 512),
+          ("large qkv", 4096, 1024, 3072), ("large mlp up", 4096, 1024, 4096), ("large mlp down", 4096, 4096, 1024),
+          ("large head", 4096, 1024, 32000), ("square 8192", 8192, 8192, 8192)]
+print(f"torch {torch.__version__} on {torch.cuda.get_device_name(0)}")
+for dt, name in [(torch.float32, "f32"), (torch.bfloat16, "bf16")]:
+    for label, m, k, n in shapes:
+        a = torch.randn(m, k, device=dev).to(dt); b = torch.randn(k, n, device=dev).to(dt)
+        s = bench(lambda: a @ b, 10 if m * k * n > 1 << 36 else 20)
+        print(f"matmul {label} {m}x{k}x{n}".ljust(40), name.ljust(5), f"{s*1e3:10.3f} ms {2*m*k*n/s/1e12:10.1f} TFLOP/s")
+n = 64 << 20
+for dt, name in [(torch.float32, "f32"), (torch.bfloat16, "bf16")]:
+    x = torch.randn(n // 4096, 4096, device=dev).to(dt); y = torch.randn_like(x); w = torch.randn(4096, device=dev).to(dt)
+    by = n * x.element_size()
+    for label, passes, f in [("add", 3, lambda: x + y), ("gelu", 2, lambda: torch.nn.functional.gelu(x)),
+                             ("softmax rows", 2, lambda: torch.softmax(x, 1)),
+                             ("layer_norm rows", 2, lambda: torch.nn.functional.layer_norm(x, (4096,), w, w)),
+                             ("transpose copy", 2, lambda: x.t().contiguous())]:
+        s = bench(f)
+        print(f"{label} 64M".ljust(40), name.ljust(5), f"{s*1e3:10.3f} ms {passes*by/s/1e9:10.1f} GB/s")
+PYEOF
+
+echo "== summary: Tessera against PyTorch (rate ratio; >= 1 is as fast or faster)"
+$PY - "$OUT/bench.txt" "$OUT/torch.txt" <<'PYEOF'
+import re, sys
+def rows(p):
+    out = {}
+    for line in open(p):
+        m = re.match(r"(.{40}) (\w+)\s+([\d.]+) ms\s+([\d.]+) (\S+)", line)
+        if m: out[(m.group(1).strip(), m.group(2))] = (float(m.group(3)), float(m.group(4)), m.group(5))
+    return out
+ours, theirs = rows(sys.argv[1]), rows(sys.argv[2])
+for k, (ms, rate, unit) in ours.items():
+    t = theirs.get(k)
+    ratio = f"{rate / t[1]:.2f}" if t and t[1] > 0 else "-"
+    print(f"{k[0]:<40} {k[1]:<5} ours {rate:9.1f} torch {t[1] if t else float('nan'):9.1f} {unit:<8} ratio {ratio}")
+PYEOF
+grep -E "^test result|FAILED|panicked" "$OUT/tests.log" | tail -5
+echo "gpu-check exit $status"
+exit $status

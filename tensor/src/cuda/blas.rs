@@ -1,0 +1,140 @@
+//! Matrix products on cuBLAS: f32 in f32 with TF32 off (cuBLAS's default math
+//! mode, PyTorch's `allow_tf32 = False`), bf16 and f16 with f32 accumulation,
+//! f64 in f64.
+
+use std::ffi::c_void;
+use std::sync::{Arc, Mutex, PoisonError};
+
+use cudarc::cublas::{result as blas, sys};
+use cudarc::driver::CudaStream;
+use tessera_mesh::DType;
+
+use super::driver::{Gpu, check_library, cuda_error};
+use crate::{Error, Result};
+
+/// A cuBLAS handle bound to one rank's compute stream.
+pub(crate) struct Blas {
+    handle: Mutex<sys::cublasHandle_t>,
+}
+
+impl Blas {
+    pub(crate) fn new(gpu: &Arc<Gpu>, stream: &Arc<CudaStream>) -> Result<Blas> {
+        check_library("cublas")?;
+        gpu.bind()?;
+        let handle = blas::create_handle().map_err(|e| cuda_error("cublas", e))?;
+        // SAFETY: a fresh handle and a live stream of the same context.
+        unsafe { blas::set_stream(handle, stream.cu_stream() as sys::cudaStream_t) }
+            .map_err(|e| cuda_error("cublas", e))?;
+        Ok(Blas {
+            handle: Mutex::new(handle),
+        })
+    }
+}
+
+impl Drop for Blas {
+    fn drop(&mut self) {
+        let handle = *self.handle.get_mut().unwrap_or_else(PoisonError::into_inner);
+        // SAFETY: the handle was created by `new` and is destroyed once.
+        let _ = unsafe { blas::destroy_handle(handle) };
+    }
+}
+
+/// One operand of a batched product: a device pointer to `[batch, rows, cols]`
+/// elements laid out either row-major (`transposed == false`, rows `ld`
+/// elements apart) or column-major (`transposed == true`, columns `ld` apart),
+/// matrices `batch_stride` elements apart (0 repeats one matrix).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Operand {
+    pub(crate) ptr: u64,
+    pub(crate) transposed: bool,
+    pub(crate) ld: usize,
+    pub(crate) batch_stride: usize,
+}
+
+/// `c[b] = a[b] · b[b]` for `batch` products of `[m, k] · [k, n]`, `c`
+/// row-major and dense.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn gemm(
+    blas: &Blas,
+    dtype: DType,
+    (batch, m, k, n): (usize, usize, usize, usize),
+    a: Operand,
+    b: Operand,
+    c: u64,
+) -> Result<()> {
+    let int = |v: usize, what: &str| {
+        i32::try_from(v).map_err(|_| Error::Device {
+            op: "matmul",
+            detail: format!("{what} {v} is beyond what one cuBLAS call takes (2^31 - 1)"),
+        })
+    };
+    let (data, compute) = match dtype {
+        DType::F32 => (
+            sys::cudaDataType::CUDA_R_32F,
+            sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+        ),
+        DType::BF16 => (
+            sys::cudaDataType::CUDA_R_16BF,
+            sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+        ),
+        DType::F16 => (
+            sys::cudaDataType::CUDA_R_16F,
+            sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+        ),
+        DType::F64 => (
+            sys::cudaDataType::CUDA_R_64F,
+            sys::cublasComputeType_t::CUBLAS_COMPUTE_64F,
+        ),
+        other => {
+            return Err(Error::Device {
+                op: "matmul",
+                detail: format!("dtype {other} has no matrix product on cuda; cast to f32 or bf16"),
+            });
+        }
+    };
+    let (one32, zero32, one64, zero64) = (1f32, 0f32, 1f64, 0f64);
+    let (alpha, beta): (*const c_void, *const c_void) = if dtype == DType::F64 {
+        ((&raw const one64).cast(), (&raw const zero64).cast())
+    } else {
+        ((&raw const one32).cast(), (&raw const zero32).cast())
+    };
+    // Row-major C = A·B is column-major Cᵀ = Bᵀ·Aᵀ: cuBLAS's first operand is B.
+    let op = |t: bool| {
+        if t {
+            sys::cublasOperation_t::CUBLAS_OP_T
+        } else {
+            sys::cublasOperation_t::CUBLAS_OP_N
+        }
+    };
+    let handle = blas.handle.lock().unwrap_or_else(PoisonError::into_inner);
+    // SAFETY: the pointers address live device blocks holding the shapes and
+    // strides described (checked by the caller), on the handle's stream.
+    unsafe {
+        blas::gemm_strided_batched_ex(
+            *handle,
+            op(b.transposed),
+            op(a.transposed),
+            int(n, "n")?,
+            int(m, "m")?,
+            int(k, "k")?,
+            alpha,
+            b.ptr as *const c_void,
+            data,
+            int(b.ld, "leading dim")?,
+            b.batch_stride as i64,
+            a.ptr as *const c_void,
+            data,
+            int(a.ld, "leading dim")?,
+            a.batch_stride as i64,
+            beta,
+            c as *mut c_void,
+            data,
+            int(n, "n")?,
+            (m * n) as i64,
+            int(batch, "batch")?,
+            compute,
+            sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+        )
+    }
+    .map_err(|e| cuda_error("matmul", e))
+}

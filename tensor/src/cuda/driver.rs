@@ -1,0 +1,223 @@
+//! The CUDA libraries, one context per GPU, the compiled kernels, and each
+//! rank's streams.
+//!
+//! cudarc loads every CUDA library at run time and panics when one is missing;
+//! [`check_library`] looks first, so that a machine without a driver or without
+//! NVRTC gets an error naming the library and the fix instead.
+
+use std::collections::HashMap;
+use std::ffi::CString;
+use std::fmt::Display;
+use std::sync::{Arc, LazyLock, Mutex, OnceLock, PoisonError};
+
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream, LaunchConfig};
+use tessera_mesh::context::{RankId, current_rank};
+
+use super::alloc::Pool;
+use super::blas::Blas;
+use crate::{Error, Result};
+
+/// An [`Error::Device`] for a failed CUDA call.
+pub(crate) fn cuda_error(op: &'static str, e: impl Display) -> Error {
+    Error::Device {
+        op,
+        detail: format!("CUDA call failed: {e}"),
+    }
+}
+
+/// Errors unless the CUDA library `lib` (`cuda`, `nvrtc`, `cublas`, `nccl`) can
+/// be loaded under one of the names cudarc tries.
+pub(crate) fn check_library(lib: &'static str) -> Result<()> {
+    static SEEN: LazyLock<Mutex<HashMap<&'static str, bool>>> = LazyLock::new(Default::default);
+    let mut seen = SEEN.lock().unwrap_or_else(PoisonError::into_inner);
+    let names = cudarc::get_lib_name_candidates(lib);
+    let found = *seen.entry(lib).or_insert_with(|| {
+        names.iter().any(|name| {
+            let Ok(c) = CString::new(name.as_str()) else {
+                return false;
+            };
+            // SAFETY: `c` is a valid C string; the handle is closed at once (cudarc
+            // opens the library again itself).
+            unsafe {
+                let handle = libc::dlopen(c.as_ptr(), libc::RTLD_LAZY | libc::RTLD_LOCAL);
+                if handle.is_null() {
+                    false
+                } else {
+                    libc::dlclose(handle);
+                    true
+                }
+            }
+        })
+    });
+    if found {
+        return Ok(());
+    }
+    let what = match lib {
+        "cuda" => "the NVIDIA driver's libcuda (is there a GPU and its driver?)",
+        "nvrtc" => "NVRTC, CUDA's run-time compiler (pip's nvidia-cuda-nvrtc wheel has it)",
+        "cublas" => "cuBLAS (pip's nvidia-cublas wheel has it)",
+        "nccl" => "NCCL (pip's nvidia-nccl-cu13 wheel has it)",
+        _ => "a CUDA library",
+    };
+    Err(Error::Device {
+        op: "cuda",
+        detail: format!(
+            "cannot load {what}: none of {names:?} is on the library path; \
+             put the folder that holds it on LD_LIBRARY_PATH"
+        ),
+    })
+}
+
+/// One GPU: its context, caching allocator and compiled kernels.
+pub(crate) struct Gpu {
+    pub(crate) ordinal: usize,
+    pub(crate) ctx: Arc<CudaContext>,
+    /// Compute capability (major, minor).
+    pub(crate) arch: (i32, i32),
+    pub(crate) pool: Pool,
+    module: OnceLock<std::result::Result<Arc<CudaModule>, String>>,
+    functions: Mutex<HashMap<String, CudaFunction>>,
+}
+
+impl std::fmt::Debug for Gpu {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "cuda:{}", self.ordinal)
+    }
+}
+
+/// How many GPUs the driver sees (0 when there is no driver).
+pub(crate) fn device_count() -> usize {
+    if check_library("cuda").is_err() {
+        return 0;
+    }
+    CudaContext::device_count().map_or(0, |n| n.max(0) as usize)
+}
+
+/// The GPU with this ordinal, its context made on first use.
+pub(crate) fn gpu(ordinal: usize) -> Result<Arc<Gpu>> {
+    static GPUS: LazyLock<Mutex<HashMap<usize, Arc<Gpu>>>> = LazyLock::new(Default::default);
+    let mut gpus = GPUS.lock().unwrap_or_else(PoisonError::into_inner);
+    if let Some(g) = gpus.get(&ordinal) {
+        return Ok(Arc::clone(g));
+    }
+    check_library("cuda")?;
+    let count = CudaContext::device_count().map_err(|e| cuda_error("cuda", e))?;
+    if ordinal >= count.max(0) as usize {
+        return Err(Error::Device {
+            op: "cuda",
+            detail: format!(
+                "cuda:{ordinal} does not exist: the driver sees {count} GPU(s); use cuda:0 to cuda:{}",
+                count - 1
+            ),
+        });
+    }
+    let ctx = CudaContext::new(ordinal).map_err(|e| cuda_error("cuda", e))?;
+    // Tensors order their work by streams and events themselves (below), so
+    // cudarc's own per-buffer event tracking is not used.
+    // SAFETY: no cudarc-managed buffer (`CudaSlice`) is ever made on this context.
+    unsafe { ctx.disable_event_tracking() };
+    let arch = ctx.compute_capability().map_err(|e| cuda_error("cuda", e))?;
+    let g = Arc::new(Gpu {
+        ordinal,
+        ctx,
+        arch,
+        pool: Pool::default(),
+        module: OnceLock::new(),
+        functions: Mutex::default(),
+    });
+    gpus.insert(ordinal, Arc::clone(&g));
+    Ok(g)
+}
+
+impl Gpu {
+    /// Makes this GPU's context current on the calling thread.
+    pub(crate) fn bind(&self) -> Result<()> {
+        self.ctx.bind_to_thread().map_err(|e| cuda_error("cuda", e))
+    }
+
+    /// The kernel `name`, compiling every kernel source for this GPU on first use.
+    pub(crate) fn function(&self, name: &str) -> Result<CudaFunction> {
+        let mut functions = self.functions.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(f) = functions.get(name) {
+            return Ok(f.clone());
+        }
+        let module = self
+            .module
+            .get_or_init(|| {
+                let ptx = super::kernels::compile(self.arch).map_err(|e| e.to_string())?;
+                self.ctx
+                    .load_module(ptx)
+                    .map_err(|e| format!("loading the compiled kernels: {e}"))
+            })
+            .as_ref()
+            .map_err(|detail| Error::Device {
+                op: "cuda",
+                detail: detail.clone(),
+            })?;
+        let f = module.load_function(name).map_err(|e| Error::Device {
+            op: "cuda",
+            detail: format!("kernel {name} is not in the compiled sources: {e}"),
+        })?;
+        functions.insert(name.to_string(), f.clone());
+        Ok(f)
+    }
+}
+
+/// The streams of one rank on one GPU: kernels on `compute`, collectives on
+/// `comm` (ordered against `compute` by events), and the cuBLAS handle bound
+/// to `compute`.
+pub(crate) struct RankStreams {
+    pub(crate) gpu: Arc<Gpu>,
+    pub(crate) compute: Arc<CudaStream>,
+    pub(crate) comm: Arc<CudaStream>,
+    pub(crate) blas: Blas,
+}
+
+// SAFETY: the cuBLAS handle is only used under `blas`'s own mutex, and streams
+// and contexts are thread-safe CUDA objects.
+unsafe impl Send for RankStreams {}
+// SAFETY: as above.
+unsafe impl Sync for RankStreams {}
+
+/// The streams of the rank the calling thread works for, on `gpu`: every thread
+/// of one rank shares them, so a rank's work is ordered whatever thread issues
+/// it; threads outside a launch share one set per GPU.
+pub(crate) fn streams(gpu: &Arc<Gpu>) -> Result<Arc<RankStreams>> {
+    type Key = (Option<RankId>, usize);
+    static STREAMS: LazyLock<Mutex<HashMap<Key, Arc<RankStreams>>>> = LazyLock::new(Default::default);
+    let key = (current_rank(), gpu.ordinal);
+    let mut map = STREAMS.lock().unwrap_or_else(PoisonError::into_inner);
+    if let Some(s) = map.get(&key) {
+        return Ok(Arc::clone(s));
+    }
+    let compute = gpu.ctx.new_stream().map_err(|e| cuda_error("cuda", e))?;
+    let comm = gpu.ctx.new_stream().map_err(|e| cuda_error("cuda", e))?;
+    let blas = Blas::new(gpu, &compute)?;
+    let s = Arc::new(RankStreams {
+        gpu: Arc::clone(gpu),
+        compute,
+        comm,
+        blas,
+    });
+    map.insert(key, Arc::clone(&s));
+    Ok(s)
+}
+
+/// A one-dimensional launch over `n` threads, 256 to a block.
+pub(crate) fn grid_1d(n: usize) -> LaunchConfig {
+    let blocks = n.div_ceil(256).clamp(1, 1 << 20) as u32;
+    LaunchConfig {
+        grid_dim: (blocks, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// One block of `threads` per row, `rows` blocks.
+pub(crate) fn grid_rows(rows: usize, threads: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (rows.clamp(1, u32::MAX as usize) as u32, 1, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}

@@ -1,0 +1,587 @@
+// Tessera's CUDA kernels, compiled at run time by NVRTC (no headers needed).
+//
+// Element types: f32 (`float`), f64 (`double`), bf16 (`bf16`, bits in an
+// unsigned short). bf16 computes in f32 and rounds once per output element
+// (round to nearest even, NaN kept quiet), as the CPU kernels do; sums and the
+// statistics of softmax, normalisations and cross entropy accumulate in f64.
+// Every kernel loops over its grid (grid-stride), so any grid size is correct.
+
+typedef unsigned short bf16;
+typedef long long i64;
+#define NEG_INF (-__longlong_as_double(0x7ff0000000000000LL))
+
+__device__ __forceinline__ float to_f(float x) { return x; }
+__device__ __forceinline__ double to_f(double x) { return x; }
+__device__ __forceinline__ float to_f(bf16 x) { return __uint_as_float(((unsigned int)x) << 16); }
+
+template <typename T> struct Acc { typedef float type; };
+template <> struct Acc<double> { typedef double type; };
+
+template <typename T> __device__ __forceinline__ T from_f(float x);
+template <> __device__ __forceinline__ float from_f<float>(float x) { return x; }
+template <> __device__ __forceinline__ bf16 from_f<bf16>(float x) {
+    unsigned int u = __float_as_uint(x);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (bf16)(u >> 16);
+}
+template <typename T> __device__ __forceinline__ T from_d(double x) { return from_f<T>((float)x); }
+template <> __device__ __forceinline__ double from_d<double>(double x) { return x; }
+// From the compute type (f32, or f64 for f64) to T, rounding once.
+__device__ __forceinline__ void store(float* o, float x) { *o = x; }
+__device__ __forceinline__ void store(bf16* o, float x) { *o = from_f<bf16>(x); }
+__device__ __forceinline__ void store(double* o, double x) { *o = x; }
+
+#define MAX_DIMS 8
+#define GRID_LOOP(i, n) for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (i64)blockDim.x * gridDim.x)
+
+// The shape of an output and the strides (in elements) of up to two inputs
+// over it (stride 0 broadcasts), plus the inputs' offsets.
+struct Geo {
+    int rank;
+    i64 numel;
+    i64 shape[MAX_DIMS];
+    i64 sa[MAX_DIMS];
+    i64 sb[MAX_DIMS];
+    i64 oa;
+    i64 ob;
+};
+
+__device__ __forceinline__ void offsets(const Geo& g, i64 i, i64* a, i64* b) {
+    i64 oa = g.oa, ob = g.ob;
+    if (g.numel < 2147483647LL) {
+        // 32-bit division is several times cheaper than 64-bit on the GPU.
+        unsigned int j = (unsigned int)i;
+        for (int d = g.rank - 1; d >= 0; --d) {
+            unsigned int n = (unsigned int)g.shape[d];
+            unsigned int k = j % n;
+            j /= n;
+            oa += (i64)k * g.sa[d];
+            ob += (i64)k * g.sb[d];
+        }
+    } else {
+        for (int d = g.rank - 1; d >= 0; --d) {
+            i64 n = g.shape[d];
+            i64 k = i % n;
+            i /= n;
+            oa += k * g.sa[d];
+            ob += k * g.sb[d];
+        }
+    }
+    *a = oa;
+    *b = ob;
+}
+
+
+// ---- copies and casts ------------------------------------------------------
+// Copies read `in` through strides sa and write `out` through strides sb.
+
+template <typename T> __device__ void copy_strided(T* out, const T* in, Geo g) {
+    GRID_LOOP(i, g.numel) {
+        i64 a, b;
+        offsets(g, i, &a, &b);
+        out[b] = in[a];
+    }
+}
+extern "C" __global__ void copy_w1(unsigned char* o, const unsigned char* x, Geo g) { copy_strided(o, x, g); }
+extern "C" __global__ void copy_w2(unsigned short* o, const unsigned short* x, Geo g) { copy_strided(o, x, g); }
+extern "C" __global__ void copy_w4(unsigned int* o, const unsigned int* x, Geo g) { copy_strided(o, x, g); }
+extern "C" __global__ void copy_w8(unsigned long long* o, const unsigned long long* x, Geo g) { copy_strided(o, x, g); }
+
+template <typename S, typename D> __device__ void cast_strided(D* out, const S* in, Geo g) {
+    GRID_LOOP(i, g.numel) {
+        i64 a, b;
+        offsets(g, i, &a, &b);
+        out[i] = from_d<D>((double)to_f(in[a]));
+    }
+}
+extern "C" __global__ void cast_f32_bf16(bf16* o, const float* x, Geo g) { cast_strided(o, x, g); }
+extern "C" __global__ void cast_bf16_f32(float* o, const bf16* x, Geo g) { cast_strided(o, x, g); }
+extern "C" __global__ void cast_f32_f64(double* o, const float* x, Geo g) { cast_strided(o, x, g); }
+extern "C" __global__ void cast_f64_f32(float* o, const double* x, Geo g) { cast_strided(o, x, g); }
+extern "C" __global__ void cast_bf16_f64(double* o, const bf16* x, Geo g) { cast_strided(o, x, g); }
+extern "C" __global__ void cast_f64_bf16(bf16* o, const double* x, Geo g) {
+    // f64 to bf16 rounds once, from the f64 value (through f32 would round twice).
+    GRID_LOOP(i, g.numel) {
+        i64 a, b;
+        offsets(g, i, &a, &b);
+        double v = x[a];
+        float f = (float)v;
+        // Nudge f toward v by its lowest bit when the f32 rounding landed on a
+        // bf16 tie, so that the second rounding goes the way v lies.
+        unsigned int u = __float_as_uint(f);
+        if ((u & 0xffffu) == 0x8000u && (double)f != v) {
+            u += ((double)f < v) == (f > 0.0f) ? 1u : (unsigned int)-1;
+            f = __uint_as_float(u);
+        }
+        o[i] = from_f<bf16>(f);
+    }
+}
+
+// ---- element-wise ------------------------------------------------------------
+
+// Each op is a functor over the compute type A (f32, or f64 for f64).
+#define BINARY_OPS(X)                                   \
+    X(add, a + b)                                       \
+    X(sub, a - b)                                       \
+    X(mul, a * b)                                       \
+    X(div, a / b)                                       \
+    X(maximum, (a != a || a > b) ? a : b)               \
+    X(pow, pow_(a, b))                                  \
+    X(gelu_backward, gelu_bwd(a, b))                    \
+    X(silu_backward, silu_bwd(a, b))
+
+__device__ __forceinline__ float pow_(float a, float b) { return powf(a, b); }
+__device__ __forceinline__ double pow_(double a, double b) { return pow(a, b); }
+__device__ __forceinline__ float gelu_bwd(float g, float x) {
+    float cdf = 0.5f * erfcf(-x * 0.70710678118654752f);
+    float pdf = 0.39894228040143268f * expf(-0.5f * x * x);
+    return g * (cdf + x * pdf);
+}
+__device__ __forceinline__ double gelu_bwd(double g, double x) {
+    double cdf = 0.5 * erfc(-x * 0.70710678118654752);
+    double pdf = 0.39894228040143268 * exp(-0.5 * x * x);
+    return g * (cdf + x * pdf);
+}
+__device__ __forceinline__ float silu_bwd(float g, float x) {
+    float s = 1.0f / (1.0f + expf(-x));
+    return g * s * (1.0f + x * (1.0f - s));
+}
+__device__ __forceinline__ double silu_bwd(double g, double x) {
+    double s = 1.0 / (1.0 + exp(-x));
+    return g * s * (1.0 + x * (1.0 - s));
+}
+
+#define BINARY_FUNCTOR(name, expr) \
+    struct Op_##name { template <typename A> __device__ __forceinline__ A operator()(A a, A b) const { return expr; } };
+BINARY_OPS(BINARY_FUNCTOR)
+
+#define UNARY_OPS(X)                                                 \
+    X(neg, -x)                                                       \
+    X(exp, exp(x))                                                   \
+    X(log, log(x))                                                   \
+    X(sqrt, sqrt(x))                                                 \
+    X(rsqrt, (A)1 / sqrt(x))                                         \
+    X(tanh, tanh(x))                                                 \
+    X(erf, erf(x))                                                   \
+    X(gelu, (A)0.5 * x * erfc(-x * (A)0.70710678118654752))          \
+    X(relu, x <= (A)0 ? (A)0 : x)                                    \
+    X(sigmoid, (A)1 / ((A)1 + exp(-x)))                              \
+    X(silu, x / ((A)1 + exp(-x)))                                    \
+    X(abs, fabs(x))                                                  \
+    X(square, x * x)
+
+#define UNARY_FUNCTOR(name, expr) \
+    struct Op_##name { template <typename A> __device__ __forceinline__ A operator()(A x) const { return expr; } };
+UNARY_OPS(UNARY_FUNCTOR)
+
+// 16 bytes of T: N elements loaded or stored at once.
+template <typename T> struct Pack {
+    enum { N = 16 / sizeof(T) };
+    T v[N];
+};
+
+__device__ __forceinline__ bool aligned16(const void* a, const void* b, const void* c) {
+    return ((((unsigned long long)a) | ((unsigned long long)b) | ((unsigned long long)c)) & 15ull) == 0;
+}
+
+// out = f(x, y) for dense x, y: 16 bytes per thread when aligned, then the tail.
+template <typename T, typename F> __device__ void dense2(T* out, const T* x, const T* y, i64 n, F f) {
+    typedef typename Acc<T>::type A;
+    const int N = Pack<T>::N;
+    i64 nv = aligned16(out, x, y) ? n / N : 0;
+    GRID_LOOP(v, nv) {
+        Pack<T> a = ((const Pack<T>*)x)[v], b = ((const Pack<T>*)y)[v], o;
+#pragma unroll
+        for (int k = 0; k < N; ++k) store(&o.v[k], f((A)to_f(a.v[k]), (A)to_f(b.v[k])));
+        ((Pack<T>*)out)[v] = o;
+    }
+    GRID_LOOP(t, n - nv * N) {
+        i64 i = nv * N + t;
+        store(&out[i], f((A)to_f(x[i]), (A)to_f(y[i])));
+    }
+}
+
+// out = f(x, s) for dense x and a scalar.
+template <typename T, typename F> __device__ void dense_scalar(T* out, const T* x, double s, i64 n, F f) {
+    typedef typename Acc<T>::type A;
+    const int N = Pack<T>::N;
+    A b = (A)s;
+    i64 nv = aligned16(out, x, x) ? n / N : 0;
+    GRID_LOOP(v, nv) {
+        Pack<T> a = ((const Pack<T>*)x)[v], o;
+#pragma unroll
+        for (int k = 0; k < N; ++k) store(&o.v[k], f((A)to_f(a.v[k]), b));
+        ((Pack<T>*)out)[v] = o;
+    }
+    GRID_LOOP(t, n - nv * N) {
+        i64 i = nv * N + t;
+        store(&out[i], f((A)to_f(x[i]), b));
+    }
+}
+
+// out = f(x) for dense x.
+template <typename T, typename F> __device__ void dense1(T* out, const T* x, i64 n, F f) {
+    typedef typename Acc<T>::type A;
+    const int N = Pack<T>::N;
+    i64 nv = aligned16(out, x, x) ? n / N : 0;
+    GRID_LOOP(v, nv) {
+        Pack<T> a = ((const Pack<T>*)x)[v], o;
+#pragma unroll
+        for (int k = 0; k < N; ++k) store(&o.v[k], f((A)to_f(a.v[k])));
+        ((Pack<T>*)out)[v] = o;
+    }
+    GRID_LOOP(t, n - nv * N) {
+        i64 i = nv * N + t;
+        store(&out[i], f((A)to_f(x[i])));
+    }
+}
+
+// out = f(x[i], y[offsets]) through strides (broadcast, views).
+template <typename T, typename F> __device__ void strided2(T* out, const T* x, const T* y, Geo g, F f) {
+    typedef typename Acc<T>::type A;
+    GRID_LOOP(i, g.numel) {
+        i64 ia, ib;
+        offsets(g, i, &ia, &ib);
+        store(&out[i], f((A)to_f(x[ia]), (A)to_f(y[ib])));
+    }
+}
+
+// out = f(x[i], y[i % period]) for dense x and a dense y that repeats (a bias).
+template <typename T, typename F> __device__ void rows2(T* out, const T* x, const T* y, i64 n, i64 period, F f) {
+    typedef typename Acc<T>::type A;
+    bool small = n < 2147483647LL;
+    GRID_LOOP(i, n) {
+        i64 j = small ? (i64)((unsigned int)i % (unsigned int)period) : i % period;
+        store(&out[i], f((A)to_f(x[i]), (A)to_f(y[j])));
+    }
+}
+
+#define BINARY_KERNELS_T(name, T, ty)                                                                                    \
+    extern "C" __global__ void binary_##name##_##ty(T* o, const T* a, const T* b, Geo g) { strided2(o, a, b, g, Op_##name()); } \
+    extern "C" __global__ void dense_##name##_##ty(T* o, const T* a, const T* b, i64 n) { dense2(o, a, b, n, Op_##name()); }   \
+    extern "C" __global__ void rows_##name##_##ty(T* o, const T* a, const T* b, i64 n, i64 p) { rows2(o, a, b, n, p, Op_##name()); } \
+    extern "C" __global__ void scalar_##name##_##ty(T* o, const T* a, double s, i64 n) { dense_scalar(o, a, s, n, Op_##name()); }
+#define BINARY_KERNELS(name, expr) BINARY_KERNELS_T(name, float, f32) BINARY_KERNELS_T(name, double, f64) BINARY_KERNELS_T(name, bf16, bf16)
+BINARY_OPS(BINARY_KERNELS)
+
+#define UNARY_KERNELS_T(name, T, ty) \
+    extern "C" __global__ void unary_##name##_##ty(T* o, const T* x, i64 n) { dense1(o, x, n, Op_##name()); }
+#define UNARY_KERNELS(name, expr) UNARY_KERNELS_T(name, float, f32) UNARY_KERNELS_T(name, double, f64) UNARY_KERNELS_T(name, bf16, bf16)
+UNARY_OPS(UNARY_KERNELS)
+
+extern "C" __global__ void fill_f32(float* o, double v, i64 n) { GRID_LOOP(i, n) o[i] = (float)v; }
+extern "C" __global__ void fill_f64(double* o, double v, i64 n) { GRID_LOOP(i, n) o[i] = v; }
+extern "C" __global__ void fill_bf16(bf16* o, double v, i64 n) { GRID_LOOP(i, n) o[i] = from_d<bf16>(v); }
+
+// ---- block reductions --------------------------------------------------------
+
+// Sum of `v` over the block (blockDim.x a multiple of 32, at most 1024).
+__device__ double block_sum(double v) {
+    __shared__ double part[32];
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(0xffffffffu, v, o);
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    __syncthreads();
+    if (lane == 0) part[warp] = v;
+    __syncthreads();
+    int warps = blockDim.x >> 5;
+    v = (threadIdx.x < warps) ? part[threadIdx.x] : 0.0;
+    if (warp == 0)
+        for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(0xffffffffu, v, o);
+    __shared__ double total;
+    if (threadIdx.x == 0) total = v;
+    __syncthreads();
+    return total;
+}
+
+// Maximum of `v` over the block; NaN wins.
+__device__ double block_max(double v) {
+    __shared__ double part[32];
+    for (int o = 16; o > 0; o >>= 1) {
+        double w = __shfl_down_sync(0xffffffffu, v, o);
+        v = (v != v || v >= w) ? v : w;
+    }
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    __syncthreads();
+    if (lane == 0) part[warp] = v;
+    __syncthreads();
+    int warps = blockDim.x >> 5;
+    v = (threadIdx.x < warps) ? part[threadIdx.x] : NEG_INF;
+    if (warp == 0)
+        for (int o = 16; o > 0; o >>= 1) {
+            double w = __shfl_down_sync(0xffffffffu, v, o);
+            v = (v != v || v >= w) ? v : w;
+        }
+    __shared__ double total;
+    if (threadIdx.x == 0) total = v;
+    __syncthreads();
+    return total;
+}
+
+// out[r] = scale · Σ_j x[r, j] (or the maximum), one block per row.
+template <typename T> __device__ void reduce_rows(T* out, const T* x, i64 rows, i64 n, double scale, int is_max) {
+    for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
+        const T* row = x + r * n;
+        double acc = is_max ? NEG_INF : 0.0;
+        for (i64 j = threadIdx.x; j < n; j += blockDim.x) {
+            double v = (double)to_f(row[j]);
+            acc = is_max ? ((acc != acc || acc >= v) ? acc : v) : acc + v;
+        }
+        acc = is_max ? block_max(acc) : block_sum(acc);
+        if (threadIdx.x == 0) out[r] = from_d<T>(is_max ? acc : acc * scale);
+    }
+}
+extern "C" __global__ void reduce_rows_f32(float* o, const float* x, i64 rows, i64 n, double s, int m) { reduce_rows(o, x, rows, n, s, m); }
+extern "C" __global__ void reduce_rows_f64(double* o, const double* x, i64 rows, i64 n, double s, int m) { reduce_rows(o, x, rows, n, s, m); }
+extern "C" __global__ void reduce_rows_bf16(bf16* o, const bf16* x, i64 rows, i64 n, double s, int m) { reduce_rows(o, x, rows, n, s, m); }
+
+// ---- softmax family -----------------------------------------------------------
+
+// How many keys of row `r` count: all, or with a causal mask over rows of
+// `period` queries, keys 0..=q for query q = r % period.
+__device__ __forceinline__ i64 kept(i64 r, i64 n, i64 period) { return period > 0 ? min(n, r % period + 1) : n; }
+
+// Softmax (log = 0) or log-softmax (log = 1) of scale · x along rows of n.
+template <typename T> __device__ void softmax_rows(T* out, const T* x, i64 rows, i64 n, double scale, i64 period, int log_) {
+    typedef typename Acc<T>::type A;
+    for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
+        const T* row = x + r * n;
+        T* o = out + r * n;
+        i64 keep = kept(r, n, period);
+        // The scaled score rounded to the dtype, as mul_scalar leaves it.
+        #define SCORE(j) ((double)to_f(from_d<T>((double)((A)to_f(row[j]) * (A)scale))))
+        double m = NEG_INF;
+        for (i64 j = threadIdx.x; j < keep; j += blockDim.x) { double v = SCORE(j); m = (m != m || m >= v) ? m : v; }
+        m = block_max(m);
+        double s = 0.0;
+        for (i64 j = threadIdx.x; j < keep; j += blockDim.x) s += (double)(A)exp((A)(SCORE(j) - m));
+        s = block_sum(s);
+        for (i64 j = threadIdx.x; j < n; j += blockDim.x) {
+            if (j >= keep) { o[j] = from_d<T>(log_ ? NEG_INF : 0.0); continue; }
+            double v = SCORE(j) - m;
+            o[j] = log_ ? from_d<T>(v - log(s)) : from_d<T>((double)(A)exp((A)v) * (1.0 / s));
+        }
+        #undef SCORE
+    }
+}
+extern "C" __global__ void softmax_rows_f32(float* o, const float* x, i64 rows, i64 n, double sc, i64 p, int l) { softmax_rows(o, x, rows, n, sc, p, l); }
+extern "C" __global__ void softmax_rows_f64(double* o, const double* x, i64 rows, i64 n, double sc, i64 p, int l) { softmax_rows(o, x, rows, n, sc, p, l); }
+extern "C" __global__ void softmax_rows_bf16(bf16* o, const bf16* x, i64 rows, i64 n, double sc, i64 p, int l) { softmax_rows(o, x, rows, n, sc, p, l); }
+
+// dx = scale · y · (g − Σ g·y) along rows (masked keys have y = 0).
+template <typename T> __device__ void softmax_backward_rows(T* out, const T* g, const T* y, i64 rows, i64 n, double scale) {
+    for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
+        const T* gr = g + r * n;
+        const T* yr = y + r * n;
+        double dot = 0.0;
+        for (i64 j = threadIdx.x; j < n; j += blockDim.x) dot += (double)to_f(gr[j]) * (double)to_f(yr[j]);
+        dot = block_sum(dot);
+        for (i64 j = threadIdx.x; j < n; j += blockDim.x) {
+            double v = (double)to_f(yr[j]) * ((double)to_f(gr[j]) - dot);
+            out[r * n + j] = from_d<T>(v * scale);
+        }
+    }
+}
+extern "C" __global__ void softmax_backward_rows_f32(float* o, const float* g, const float* y, i64 rows, i64 n, double s) { softmax_backward_rows(o, g, y, rows, n, s); }
+extern "C" __global__ void softmax_backward_rows_f64(double* o, const double* g, const double* y, i64 rows, i64 n, double s) { softmax_backward_rows(o, g, y, rows, n, s); }
+extern "C" __global__ void softmax_backward_rows_bf16(bf16* o, const bf16* g, const bf16* y, i64 rows, i64 n, double s) { softmax_backward_rows(o, g, y, rows, n, s); }
+
+// ---- normalisations ---------------------------------------------------------------
+
+// Layer norm (rms = 0) or RMSNorm (rms = 1) of rows of n: y = x̂·w + b with
+// x̂ = (x − mean)·rstd (no mean for RMSNorm); writes mean and rstd per row (f64).
+template <typename T> __device__ void norm_rows(T* out, double* mean_out, double* rstd_out, const T* x, const T* w, const T* b,
+                                                i64 rows, i64 n, double eps, int rms) {
+    for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
+        const T* row = x + r * n;
+        double s = 0.0;
+        if (!rms) {
+            for (i64 j = threadIdx.x; j < n; j += blockDim.x) s += (double)to_f(row[j]);
+            s = block_sum(s);
+        }
+        double mean = rms ? 0.0 : s / (double)n;
+        double q = 0.0;
+        for (i64 j = threadIdx.x; j < n; j += blockDim.x) { double d = (double)to_f(row[j]) - mean; q += d * d; }
+        q = block_sum(q);
+        double rstd = 1.0 / sqrt(q / (double)n + eps);
+        for (i64 j = threadIdx.x; j < n; j += blockDim.x) {
+            double v = ((double)to_f(row[j]) - mean) * rstd;
+            if (w) v *= (double)to_f(w[j]);
+            if (b) v += (double)to_f(b[j]);
+            out[r * n + j] = from_d<T>(v);
+        }
+        if (threadIdx.x == 0) { mean_out[r] = mean; rstd_out[r] = rstd; }
+    }
+}
+extern "C" __global__ void norm_rows_f32(float* o, double* m, double* rs, const float* x, const float* w, const float* b, i64 rows, i64 n, double eps, int rms) { norm_rows(o, m, rs, x, w, b, rows, n, eps, rms); }
+extern "C" __global__ void norm_rows_f64(double* o, double* m, double* rs, const double* x, const double* w, const double* b, i64 rows, i64 n, double eps, int rms) { norm_rows(o, m, rs, x, w, b, rows, n, eps, rms); }
+extern "C" __global__ void norm_rows_bf16(bf16* o, double* m, double* rs, const bf16* x, const bf16* w, const bf16* b, i64 rows, i64 n, double eps, int rms) { norm_rows(o, m, rs, x, w, b, rows, n, eps, rms); }
+
+// dx of layer norm (rms = 0) or RMSNorm (rms = 1) given dy = g:
+// with h = g·w, dx = rstd·(h − mean(h) − x̂·mean(h·x̂)) (no mean(h) term for RMSNorm).
+template <typename T> __device__ void norm_backward_rows(T* out, const T* g, const T* x, const T* w, const double* mean_in, const double* rstd_in,
+                                                         i64 rows, i64 n, int rms) {
+    for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
+        double mean = mean_in[r], rstd = rstd_in[r];
+        double sh = 0.0, shx = 0.0;
+        for (i64 j = threadIdx.x; j < n; j += blockDim.x) {
+            double h = (double)to_f(g[r * n + j]) * (w ? (double)to_f(w[j]) : 1.0);
+            double xh = ((double)to_f(x[r * n + j]) - mean) * rstd;
+            sh += h;
+            shx += h * xh;
+        }
+        sh = block_sum(sh) / (double)n;
+        shx = block_sum(shx) / (double)n;
+        if (rms) sh = 0.0;
+        for (i64 j = threadIdx.x; j < n; j += blockDim.x) {
+            double h = (double)to_f(g[r * n + j]) * (w ? (double)to_f(w[j]) : 1.0);
+            double xh = ((double)to_f(x[r * n + j]) - mean) * rstd;
+            out[r * n + j] = from_d<T>(rstd * (h - sh - xh * shx));
+        }
+    }
+}
+extern "C" __global__ void norm_backward_rows_f32(float* o, const float* g, const float* x, const float* w, const double* m, const double* rs, i64 rows, i64 n, int rms) { norm_backward_rows(o, g, x, w, m, rs, rows, n, rms); }
+extern "C" __global__ void norm_backward_rows_f64(double* o, const double* g, const double* x, const double* w, const double* m, const double* rs, i64 rows, i64 n, int rms) { norm_backward_rows(o, g, x, w, m, rs, rows, n, rms); }
+extern "C" __global__ void norm_backward_rows_bf16(bf16* o, const bf16* g, const bf16* x, const bf16* w, const double* m, const double* rs, i64 rows, i64 n, int rms) { norm_backward_rows(o, g, x, w, m, rs, rows, n, rms); }
+
+// dw[j] = Σ_r g[r, j]·x̂[r, j]: a thread per column, rows in order.
+template <typename T> __device__ void norm_weight_grad(T* out, const T* g, const T* x, const double* mean_in, const double* rstd_in, i64 rows, i64 n) {
+    GRID_LOOP(j, n) {
+        double acc = 0.0;
+        for (i64 r = 0; r < rows; ++r)
+            acc += (double)to_f(g[r * n + j]) * (((double)to_f(x[r * n + j]) - (double)mean_in[r]) * (double)rstd_in[r]);
+        out[j] = from_d<T>(acc);
+    }
+}
+extern "C" __global__ void norm_weight_grad_f32(float* o, const float* g, const float* x, const double* m, const double* rs, i64 rows, i64 n) { norm_weight_grad(o, g, x, m, rs, rows, n); }
+extern "C" __global__ void norm_weight_grad_f64(double* o, const double* g, const double* x, const double* m, const double* rs, i64 rows, i64 n) { norm_weight_grad(o, g, x, m, rs, rows, n); }
+extern "C" __global__ void norm_weight_grad_bf16(bf16* o, const bf16* g, const bf16* x, const double* m, const double* rs, i64 rows, i64 n) { norm_weight_grad(o, g, x, m, rs, rows, n); }
+
+// ---- cross entropy ------------------------------------------------------------------
+
+// loss[r] = logsumexp(x[r]) − x[r, t[r]] (f64), and, when probs is not null,
+// the row's softmax. A target out of range sets *bad to its row + 1.
+template <typename T> __device__ void cross_entropy_rows(double* loss, T* probs, const T* x, const i64* t, i64 rows, i64 n, i64* bad) {
+    typedef typename Acc<T>::type A;
+    for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
+        const T* row = x + r * n;
+        double m = NEG_INF;
+        for (i64 j = threadIdx.x; j < n; j += blockDim.x) { double v = to_f(row[j]); m = (m != m || m >= v) ? m : v; }
+        m = block_max(m);
+        double s = 0.0;
+        for (i64 j = threadIdx.x; j < n; j += blockDim.x) s += (double)(A)exp((A)((double)to_f(row[j]) - m));
+        s = block_sum(s);
+        i64 target = t[r];
+        if (threadIdx.x == 0) {
+            if (target < 0 || target >= n) { atomicMax((unsigned long long*)bad, (unsigned long long)(r + 1)); loss[r] = 0.0; }
+            else loss[r] = log(s) + m - (double)to_f(row[target]);
+        }
+        if (probs)
+            for (i64 j = threadIdx.x; j < n; j += blockDim.x)
+                probs[r * n + j] = from_d<T>((double)(A)exp((A)((double)to_f(row[j]) - m)) * (1.0 / s));
+    }
+}
+extern "C" __global__ void cross_entropy_rows_f32(double* l, float* p, const float* x, const i64* t, i64 rows, i64 n, i64* bad) { cross_entropy_rows(l, p, x, t, rows, n, bad); }
+extern "C" __global__ void cross_entropy_rows_f64(double* l, double* p, const double* x, const i64* t, i64 rows, i64 n, i64* bad) { cross_entropy_rows(l, p, x, t, rows, n, bad); }
+extern "C" __global__ void cross_entropy_rows_bf16(double* l, bf16* p, const bf16* x, const i64* t, i64 rows, i64 n, i64* bad) { cross_entropy_rows(l, p, x, t, rows, n, bad); }
+
+// dx = scale · (p − onehot(t)) from probabilities p.
+template <typename T> __device__ void cross_entropy_backward(T* out, const T* p, const i64* t, i64 rows, i64 n, double scale) {
+    GRID_LOOP(i, rows * n) {
+        i64 r = i / n, j = i % n;
+        double v = (double)to_f(p[i]) - (t[r] == j ? 1.0 : 0.0);
+        out[i] = from_d<T>(v * scale);
+    }
+}
+extern "C" __global__ void cross_entropy_backward_f32(float* o, const float* p, const i64* t, i64 rows, i64 n, double s) { cross_entropy_backward(o, p, t, rows, n, s); }
+extern "C" __global__ void cross_entropy_backward_f64(double* o, const double* p, const i64* t, i64 rows, i64 n, double s) { cross_entropy_backward(o, p, t, rows, n, s); }
+extern "C" __global__ void cross_entropy_backward_bf16(bf16* o, const bf16* p, const i64* t, i64 rows, i64 n, double s) { cross_entropy_backward(o, p, t, rows, n, s); }
+
+// Σ of n f64 values in order, into one f64 (scale applied).
+extern "C" __global__ void sum_f64_ordered(double* out, const double* x, i64 n, double scale) {
+    double s = 0.0;
+    for (i64 j = threadIdx.x; j < n; j += blockDim.x) s += x[j];
+    s = block_sum(s);
+    if (threadIdx.x == 0) *out = s * scale;
+}
+
+// ---- embedding ----------------------------------------------------------------------
+
+// out[i, :] = table[idx[i] − first, :] (rows of d words of any width); an index
+// outside [first, first + rows) sets *bad to its position + 1 and writes zeros.
+template <typename W> __device__ void embedding(W* out, const W* table, const i64* idx, i64 n, i64 d, i64 rows, i64 first, i64* bad) {
+    GRID_LOOP(i, n * d) {
+        i64 k = i / d, j = i % d;
+        i64 r = idx[k] - first;
+        if (r < 0 || r >= rows) {
+            if (j == 0) atomicMax((unsigned long long*)bad, (unsigned long long)(k + 1));
+            out[i] = (W)0;
+        } else {
+            out[i] = table[r * d + j];
+        }
+    }
+}
+extern "C" __global__ void embedding_w2(unsigned short* o, const unsigned short* t, const i64* idx, i64 n, i64 d, i64 rows, i64 first, i64* bad) { embedding(o, t, idx, n, d, rows, first, bad); }
+extern "C" __global__ void embedding_w4(unsigned int* o, const unsigned int* t, const i64* idx, i64 n, i64 d, i64 rows, i64 first, i64* bad) { embedding(o, t, idx, n, d, rows, first, bad); }
+extern "C" __global__ void embedding_w8(unsigned long long* o, const unsigned long long* t, const i64* idx, i64 n, i64 d, i64 rows, i64 first, i64* bad) { embedding(o, t, idx, n, d, rows, first, bad); }
+
+// acc[idx[i] − first, :] += g[i, :] into an f32 table (indices outside the
+// range are skipped: the rows belong to another rank's shard).
+template <typename T> __device__ void embedding_backward(float* acc, const T* g, const i64* idx, i64 n, i64 d, i64 rows, i64 first) {
+    GRID_LOOP(i, n * d) {
+        i64 k = i / d, j = i % d;
+        i64 r = idx[k] - first;
+        if (r >= 0 && r < rows) atomicAdd(acc + r * d + j, (float)to_f(g[i]));
+    }
+}
+extern "C" __global__ void embedding_backward_f32(float* a, const float* g, const i64* idx, i64 n, i64 d, i64 rows, i64 first) { embedding_backward(a, g, idx, n, d, rows, first); }
+extern "C" __global__ void embedding_backward_bf16(float* a, const bf16* g, const i64* idx, i64 n, i64 d, i64 rows, i64 first) { embedding_backward(a, g, idx, n, d, rows, first); }
+
+// ---- collectives on one GPU ------------------------------------------------------------
+
+#define MAX_PEERS 16
+struct Peers {
+    int n;
+    unsigned long long ptr[MAX_PEERS];
+};
+
+// out[i] = op over peers p of peer[p][offset + i], peers in rank order (op: 0
+// sum, 1 average, 2 max, 3 min, 4 product), accumulated in the compute type.
+template <typename T> __device__ void reduce_peers(T* out, Peers peers, i64 offset, i64 len, int op) {
+    typedef typename Acc<T>::type A;
+    GRID_LOOP(i, len) {
+        A acc = to_f(((const T*)peers.ptr[0])[offset + i]);
+        for (int p = 1; p < peers.n; ++p) {
+            A v = to_f(((const T*)peers.ptr[p])[offset + i]);
+            if (op == 0 || op == 1) acc += v;
+            else if (op == 2) acc = (acc != acc || acc >= v) ? acc : v;
+            else if (op == 3) acc = (acc != acc || acc <= v) ? acc : v;
+            else acc *= v;
+        }
+        if (op == 1) acc /= (A)peers.n;
+        out[i] = from_d<T>((double)acc);
+    }
+}
+extern "C" __global__ void reduce_peers_f32(float* o, Peers p, i64 off, i64 len, int op) { reduce_peers(o, p, off, len, op); }
+extern "C" __global__ void reduce_peers_f64(double* o, Peers p, i64 off, i64 len, int op) { reduce_peers(o, p, off, len, op); }
+extern "C" __global__ void reduce_peers_bf16(bf16* o, Peers p, i64 off, i64 len, int op) { reduce_peers(o, p, off, len, op); }
+
+// ---- optimizer ---------------------------------------------------------------------------
+
+// One AdamW step in place (PyTorch's `torch.optim.AdamW`, not fused): decoupled
+// weight decay, bias-corrected moments; p, m, v in f32 or the parameter dtype.
+template <typename T> __device__ void adamw(T* p, const T* g, T* m, T* v, i64 n, double lr, double b1, double b2, double eps,
+                                            double wd, double bc1, double bc2) {
+    GRID_LOOP(i, n) {
+        float pi = to_f(p[i]), gi = to_f(g[i]);
+        pi = pi * (float)(1.0 - lr * wd);
+        float mi = (float)b1 * to_f(m[i]) + (float)(1.0 - b1) * gi;
+        float vi = (float)b2 * to_f(v[i]) + (float)(1.0 - b2) * gi * gi;
+        float denom = sqrtf(vi) / (float)sqrt(bc2) + (float)eps;
+        pi = pi - (float)(lr / bc1) * (mi / denom);
+        p[i] = from_f<T>(pi);
+        m[i] = from_f<T>(mi);
+        v[i] = from_f<T>(vi);
+    }
+}
+extern "C" __global__ void adamw_f32(float* p, const float* g, float* m, float* v, i64 n, double lr, double b1, double b2, double eps, double wd, double bc1, double bc2) { adamw(p, g, m, v, n, lr, b1, b2, eps, wd, bc1, bc2); }

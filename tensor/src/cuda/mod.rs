@@ -1,0 +1,123 @@
+//! Tensors on NVIDIA GPUs (feature `cuda`): storage in device memory from a
+//! caching allocator, kernels compiled at run time by NVRTC, matrix products on
+//! cuBLAS, and collectives between ranks on one GPU or over NCCL.
+//!
+//! Nothing CUDA is needed to build: cudarc loads the driver, NVRTC, cuBLAS and
+//! NCCL when first used, and a missing library is an [`Error::Device`](crate::Error::Device)
+//! naming it.
+//!
+//! ```no_run
+//! use tessera_tensor::{DType, Device, Tensor};
+//!
+//! let x = Tensor::randn(&[64, 128], DType::F32, 0)?.to(Device::Cuda(0))?;
+//! let w = Tensor::randn(&[128, 32], DType::F32, 1)?.to(Device::Cuda(0))?;
+//! let y = x.matmul(&w)?.gelu()?; // on the GPU
+//! assert_eq!(y.device(), Device::Cuda(0));
+//! let back = y.to(Device::Cpu)?;
+//! assert!(back.allclose(&x.to(Device::Cpu)?.matmul(&w.to(Device::Cpu)?)?.gelu()?, 1e-5, 1e-5));
+//! # Ok::<(), tessera_tensor::Error>(())
+//! ```
+//!
+//! Each rank has a compute stream and a communication stream per GPU; all of a
+//! rank's kernels run in order on its compute stream, so freed device memory
+//! is reused at once on that stream, and memory another stream used waits for
+//! an event (PyTorch: the caching allocator and `record_stream`).
+
+mod alloc;
+mod blas;
+mod buffer;
+pub mod comm;
+mod driver;
+mod kernels;
+pub(crate) mod ops;
+
+pub use alloc::CudaMemoryStats;
+pub(crate) use buffer::CudaBuffer;
+pub use kernels::{SOURCE as KERNEL_SOURCE, compile_ptx};
+
+use crate::Result;
+
+/// Whether a CUDA driver and at least one GPU are present.
+/// PyTorch: `torch.cuda.is_available()`.
+pub fn is_available() -> bool {
+    driver::device_count() > 0
+}
+
+/// How many GPUs the driver sees (0 without a driver).
+/// PyTorch: `torch.cuda.device_count()`.
+pub fn device_count() -> usize {
+    driver::device_count()
+}
+
+/// The name of GPU `ordinal` (`"NVIDIA H100 80GB HBM3"`).
+///
+/// # Errors
+/// [`Error::Device`](crate::Error::Device) when there is no such GPU.
+pub fn device_name(ordinal: usize) -> Result<String> {
+    let gpu = driver::gpu(ordinal)?;
+    gpu.ctx.name().map_err(|e| driver::cuda_error("device_name", e))
+}
+
+/// The caching allocator's statistics on GPU `ordinal` (all ranks together).
+/// PyTorch: `torch.cuda.memory_stats`.
+///
+/// # Errors
+/// [`Error::Device`](crate::Error::Device) when there is no such GPU.
+pub fn memory_stats(ordinal: usize) -> Result<CudaMemoryStats> {
+    Ok(driver::gpu(ordinal)?.pool.stats())
+}
+
+/// Sets the peaks of [`memory_stats`] to the current values.
+/// PyTorch: `torch.cuda.reset_peak_memory_stats`.
+///
+/// # Errors
+/// [`Error::Device`](crate::Error::Device) when there is no such GPU.
+pub fn reset_peak_memory_stats(ordinal: usize) -> Result<()> {
+    driver::gpu(ordinal)?.pool.reset_peaks();
+    Ok(())
+}
+
+/// Gives the allocator's cached blocks on GPU `ordinal` back to the driver.
+/// PyTorch: `torch.cuda.empty_cache`.
+///
+/// # Errors
+/// [`Error::Device`](crate::Error::Device) when there is no such GPU or the driver fails.
+pub fn empty_cache(ordinal: usize) -> Result<()> {
+    let gpu = driver::gpu(ordinal)?;
+    gpu.pool.empty_cache(&gpu)
+}
+
+/// Waits until the calling rank's work on GPU `ordinal` has finished.
+/// PyTorch: `torch.cuda.synchronize`.
+///
+/// # Errors
+/// [`Error::Device`](crate::Error::Device) when there is no such GPU or a kernel failed.
+pub fn synchronize(ordinal: usize) -> Result<()> {
+    let gpu = driver::gpu(ordinal)?;
+    let s = driver::streams(&gpu)?;
+    s.compute
+        .synchronize()
+        .map_err(|e| driver::cuda_error("synchronize", e))?;
+    s.comm.synchronize().map_err(|e| driver::cuda_error("synchronize", e))
+}
+
+/// One AdamW step in place, on the GPU (PyTorch: `torch.optim.AdamW`'s
+/// single-tensor update): with `t = step` (counting from 1),
+/// `m = β₁m + (1-β₁)g`, `v = β₂v + (1-β₂)g²`,
+/// `p = p(1 - lr·λ) - lr/(1-β₁ᵗ) · m / (√v/√(1-β₂ᵗ) + ε)`.
+/// `hyper` is `(lr, β₁, β₂, ε, λ)`. Every tensor is contiguous f32 on one GPU,
+/// and `param`, `exp_avg` and `exp_avg_sq` each hold their storage alone.
+///
+/// # Errors
+/// [`Error::Device`](crate::Error::Device) for other dtypes, layouts, sizes,
+/// shared storage or devices.
+pub fn adamw_step(
+    param: &mut crate::Tensor,
+    grad: &crate::Tensor,
+    exp_avg: &mut crate::Tensor,
+    exp_avg_sq: &mut crate::Tensor,
+    hyper: (f64, f64, f64, f64, f64),
+    step: u64,
+) -> Result<()> {
+    ops::adamw_step(param, grad, exp_avg, exp_avg_sq, hyper, step)
+}

@@ -1,0 +1,88 @@
+//! Where a tensor's storage lives.
+
+use std::fmt;
+use std::str::FromStr;
+
+use crate::{Error, Result};
+
+/// The device that holds a tensor's storage. PyTorch: `torch.device`.
+///
+/// `Cuda(n)` is the `n`-th GPU; it exists in every build so that code naming it
+/// compiles everywhere, and using it in a build without the `cuda` feature is an
+/// error that says so.
+///
+/// ```
+/// use tessera_tensor::Device;
+///
+/// assert_eq!("cuda:1".parse::<Device>()?, Device::Cuda(1));
+/// assert_eq!("cuda".parse::<Device>()?, Device::Cuda(0));
+/// assert_eq!(Device::Cpu.to_string(), "cpu");
+/// assert!("gpu".parse::<Device>().is_err());
+/// # Ok::<(), tessera_tensor::Error>(())
+/// ```
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Device {
+    /// Host memory (the default).
+    #[default]
+    Cpu,
+    /// The GPU with this ordinal (`cuda:N`).
+    Cuda(usize),
+}
+
+impl Device {
+    /// Whether this is a GPU.
+    pub fn is_cuda(self) -> bool {
+        matches!(self, Device::Cuda(_))
+    }
+}
+
+impl fmt::Display for Device {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Device::Cpu => f.write_str("cpu"),
+            Device::Cuda(n) => write!(f, "cuda:{n}"),
+        }
+    }
+}
+
+impl FromStr for Device {
+    type Err = Error;
+
+    /// `cpu`, `cuda` (GPU 0) or `cuda:N`.
+    fn from_str(s: &str) -> Result<Device> {
+        let bad = || Error::InvalidArgument {
+            op: "device",
+            detail: format!("{s:?} is not a device; use cpu, cuda or cuda:N"),
+        };
+        match s {
+            "cpu" => Ok(Device::Cpu),
+            "cuda" => Ok(Device::Cuda(0)),
+            _ => {
+                let n = s.strip_prefix("cuda:").ok_or_else(bad)?;
+                n.parse().map(Device::Cuda).map_err(|_| bad())
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{DType, Tensor};
+
+    #[test]
+    fn host_tensors_and_moves() {
+        let t = Tensor::arange(3, DType::F32).unwrap();
+        assert_eq!((t.device(), t.is_cuda()), (Device::Cpu, false));
+        assert!(t.to(Device::Cpu).unwrap().shares_storage(&t), "a move to where it is does not copy");
+        for bad in ["cuda:", "cuda:x", "CPU", "cuda:-1"] {
+            let e = bad.parse::<Device>().unwrap_err().to_string();
+            assert!(e.contains(bad) && e.contains("cuda:N"), "{e}");
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            let e = t.to(Device::Cuda(0)).unwrap_err().to_string();
+            assert!(e.contains("--features cuda"), "{e}");
+        }
+    }
+}
