@@ -13,6 +13,9 @@ use std::time::Instant;
 
 use tessera::tensor::{DType, Device, Tensor, cuda};
 
+/// A memory-bound case: its name, passes over the data, and the call.
+type Case<'a> = (&'static str, f64, Box<dyn FnMut() -> Tensor + 'a>);
+
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
@@ -76,7 +79,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let y = Tensor::randn(&[n / 4096, 4096], DType::F32, 4)?.cast(dtype)?.to(gpu)?;
         let w = Tensor::randn(&[4096], DType::F32, 5)?.cast(dtype)?.to(gpu)?;
         let bytes = (n * dtype.size_in_bytes()) as f64;
-        let cases: Vec<(&str, f64, Box<dyn FnMut() -> Tensor>)> = vec![
+        let cases: Vec<Case> = vec![
             ("add", 3.0, Box::new(|| x.add(&y).expect("add"))),
             ("gelu", 2.0, Box::new(|| x.gelu().expect("gelu"))),
             ("softmax rows", 2.0, Box::new(|| x.softmax(1).expect("softmax"))),

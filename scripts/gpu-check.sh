@@ -32,6 +32,10 @@ echo "== device tests (against the host kernels)"
 timeout 150 "$DIR/cuda-tests" --ignored --test-threads=1 --nocapture 2>&1 | tee "$OUT/tests.log"
 [ "${PIPESTATUS[0]}" = 0 ] || status=1
 
+echo "== DTensor on one GPU (against the host)"
+timeout 150 "$DIR/cuda-dtensor-tests" --ignored --test-threads=1 --nocapture 2>&1 | tee "$OUT/dtensor.log"
+[ "${PIPESTATUS[0]}" = 0 ] || status=1
+
 echo "== bench_cuda"
 timeout 100 "$DIR/bench_cuda" --reps 20 2>&1 | tee "$OUT/bench.txt"
 [ "${PIPESTATUS[0]}" = 0 ] || status=1
@@ -85,6 +89,6 @@ for k, (ms, rate, unit) in ours.items():
     ratio = f"{rate / t[1]:.2f}" if t and t[1] > 0 else "-"
     print(f"{k[0]:<40} {k[1]:<5} ours {rate:9.1f} torch {t[1] if t else float('nan'):9.1f} {unit:<8} ratio {ratio}")
 PYEOF
-grep -E "^test result|FAILED|panicked" "$OUT/tests.log" | tail -5
+grep -E "^test result|FAILED|panicked" "$OUT/tests.log" "$OUT/dtensor.log" | tail -8
 echo "gpu-check exit $status"
 exit $status

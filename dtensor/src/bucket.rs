@@ -65,6 +65,7 @@ use tessera_tensor::memory::Allocation;
 
 use crate::sharding::{padded_chunk_size, shard_size_and_offset, split_chain};
 use crate::spec::{Layout, PlacementsDisplay};
+use crate::tensor_comm::{HostComm, TensorComm, device_group, tensor_path_forced};
 use crate::{DTensor, Error, Placement, Result, ShardOrder, Tensor};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -107,6 +108,9 @@ enum Flight {
         /// The send and receive buffers while the collective runs.
         _charge: Allocation,
     },
+    /// The tensor path (device tensors): the received flat tensor, ordered
+    /// after the collective on the device's streams.
+    Done(Tensor),
 }
 
 /// A bucket collective in flight; [`wait`](Self::wait) returns one DTensor per
@@ -402,12 +406,23 @@ fn communicate(
             Held::push_padded(&mut send, flat, r * e.padded, e.padded)?;
         }
     }
+    let comm = mesh.dim_comm(mesh_dim)?;
+    let on_device = flats.iter().any(Tensor::is_cuda);
+    if on_device || tensor_path_forced() {
+        let group: Box<dyn TensorComm> = if on_device {
+            device_group(comm, &flats[0])?
+        } else {
+            Box::new(HostComm(comm))
+        };
+        return Ok(Flight::Done(on_tensors(
+            kind, world, dtype, &flats, entries, block, &*group,
+        )?));
+    }
     let size = dtype.size_in_bytes();
     let recv_len = if kind == Kind::Gather { world * block } else { block };
     // The output only: a gather's or reduce-scatter's send is views of the
     // inputs, already counted; an all-reduce's packed send is its output.
     let charge = Allocation::charge(recv_len * size);
-    let comm = mesh.dim_comm(mesh_dim)?;
     let work = match kind {
         // Segment order: each tensor's pieces from all ranks side by side, so
         // that `wait` hands out views of the buffer instead of copying them out.
@@ -417,6 +432,44 @@ fn communicate(
         Kind::AllReduce => comm.all_reduce_async(send.pack(), ReduceOp::Sum),
     };
     Ok(Flight::Comm { work, _charge: charge })
+}
+
+/// [`communicate`] in whole-tensor ops and collectives (the path of device
+/// tensors): the same send layout, built by concatenating views and zero pads.
+fn on_tensors(
+    kind: Kind,
+    world: usize,
+    dtype: DType,
+    flats: &[Tensor],
+    entries: &[Entry],
+    block: usize,
+    comm: &dyn TensorComm,
+) -> Result<Tensor> {
+    let device = flats[0].device();
+    let ranks = if kind == Kind::Scatter { world } else { 1 };
+    let mut pieces = Vec::new();
+    for r in 0..ranks {
+        for (flat, e) in flats.iter().zip(entries) {
+            let (start, len) = (r * e.padded, e.padded);
+            let real = flat.numel().saturating_sub(start).min(len);
+            if real > 0 {
+                pieces.push(flat.narrow(0, start, real)?);
+            }
+            if len > real {
+                pieces.push(Tensor::assemble(&[len - real], dtype, device, &[])?);
+            }
+        }
+    }
+    let send = if pieces.is_empty() {
+        Tensor::assemble(&[0], dtype, device, &[])?
+    } else {
+        Tensor::cat(&pieces, 0)?
+    };
+    match kind {
+        Kind::Gather => comm.all_gather_segmented(&send, &entries.iter().map(|e| e.padded).collect::<Vec<_>>()),
+        Kind::Scatter => comm.reduce_scatter_v(&send, &vec![block; world], ReduceOp::Sum),
+        Kind::AllReduce => comm.all_reduce(&send, ReduceOp::Sum),
+    }
 }
 
 /// Gathers every input over `mesh_dim` in one all-gather, in `dtype`: each input
@@ -490,6 +543,7 @@ impl BucketWork {
                     })
                     .collect();
             }
+            Flight::Done(data) => data,
             Flight::Comm { work, _charge } => {
                 let buf = work.wait()?;
                 if buf.dtype() != dtype || buf.len() != recv_len {

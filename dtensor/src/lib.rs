@@ -41,6 +41,7 @@ pub mod replicas;
 pub mod sharding;
 mod spec;
 mod strategy;
+mod tensor_comm;
 #[cfg(feature = "testing")]
 pub mod testing;
 
@@ -53,5 +54,5 @@ pub use replicas::{check_replicas, tensor_hash};
 pub use spec::{DTensorSpec, Layout, Placements, PlacementsDisplay};
 pub use strategy::Linearity;
 pub use tessera_mesh::{DType, ReduceOp};
-pub use tessera_tensor::Tensor;
 pub use tessera_tensor::random::{Distribution, StreamKey};
+pub use tessera_tensor::{Device, Tensor};

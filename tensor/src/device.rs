@@ -74,7 +74,10 @@ mod tests {
     fn host_tensors_and_moves() {
         let t = Tensor::arange(3, DType::F32).unwrap();
         assert_eq!((t.device(), t.is_cuda()), (Device::Cpu, false));
-        assert!(t.to(Device::Cpu).unwrap().shares_storage(&t), "a move to where it is does not copy");
+        assert!(
+            t.to(Device::Cpu).unwrap().shares_storage(&t),
+            "a move to where it is does not copy"
+        );
         for bad in ["cuda:", "cuda:x", "CPU", "cuda:-1"] {
             let e = bad.parse::<Device>().unwrap_err().to_string();
             assert!(e.contains(bad) && e.contains("cuda:N"), "{e}");

@@ -480,3 +480,63 @@ fn adamw_matches_the_host_formula() {
         .to_string();
     assert!(err.contains("only handle"), "{err}");
 }
+
+/// Uneven and segmented collectives between ranks sharing the GPU, against
+/// the same data gathered on the host.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn uneven_collectives_on_one_gpu() {
+    let world = 3;
+    launch(world, move |ctx| {
+        let r = ctx.rank();
+        let group = cuda::comm::LocalGroup::new(ctx.comm())?;
+        // Rank p holds p + 2 elements valued 100·p + i.
+        let counts: Vec<usize> = (0..world).map(|p| p + 2).collect();
+        let mine: Vec<f32> = (0..counts[r]).map(|i| (100 * r + i) as f32).collect();
+        let got = group.all_gather_v(&gpu(&Tensor::from_slice(&mine, &[counts[r]])?), &counts)?;
+        let want: Vec<f32> = (0..world)
+            .flat_map(|p| (0..counts[p]).map(move |i| (100 * p + i) as f32))
+            .collect();
+        assert_eq!(host(&got).to_vec::<f32>()?, want, "all_gather_v on rank {r}");
+        // reduce_scatter_v of i64: every rank sends 0..9 plus its rank.
+        let send: Vec<i64> = (0..9).map(|i| i + r as i64).collect();
+        let got = group.reduce_scatter_v(&gpu(&Tensor::from_slice(&send, &[9])?), &[2, 3, 4], ReduceOp::Sum)?;
+        let start = [0, 2, 5][r];
+        let want: Vec<i64> = (0..[2, 3, 4][r]).map(|i| 3 * (start + i) as i64 + 3).collect();
+        assert_eq!(host(&got).to_vec::<i64>()?, want, "reduce_scatter_v on rank {r}");
+        // all_to_all_v: rank p sends q + 1 copies of 10·p + q to rank q.
+        let send_counts: Vec<usize> = (0..world).map(|q| q + 1).collect();
+        let send: Vec<f32> = (0..world)
+            .flat_map(|q| std::iter::repeat_n((10 * r + q) as f32, q + 1))
+            .collect();
+        let recv_counts = vec![r + 1; world];
+        let got = group.all_to_all_v(
+            &gpu(&Tensor::from_slice(&send, &[send.len()])?),
+            &send_counts,
+            &recv_counts,
+        )?;
+        let want: Vec<f32> = (0..world)
+            .flat_map(|p| std::iter::repeat_n((10 * p + r) as f32, r + 1))
+            .collect();
+        assert_eq!(host(&got).to_vec::<f32>()?, want, "all_to_all_v on rank {r}");
+        // Segmented gather: segments [2, 1] of every rank side by side.
+        let seg: Vec<f32> = (0..3).map(|i| (10 * r + i) as f32).collect();
+        let got = group.all_gather_segmented(&gpu(&Tensor::from_slice(&seg, &[3])?), &[2, 1])?;
+        let mut want = Vec::new();
+        for p in 0..world {
+            want.extend([(10 * p) as f32, (10 * p + 1) as f32]);
+        }
+        for p in 0..world {
+            want.push((10 * p + 2) as f32);
+        }
+        assert_eq!(host(&got).to_vec::<f32>()?, want, "all_gather_segmented on rank {r}");
+        // Counts that disagree are refused on every rank.
+        let e = group
+            .all_gather_v(&gpu(&Tensor::from_slice(&mine, &[counts[r]])?), &[1, 1])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("counts"), "{e}");
+        Ok(())
+    })
+    .unwrap();
+}

@@ -6,7 +6,9 @@
 
 use proptest::prelude::*;
 use tessera::dtensor::bucket::{all_gather_bucket, all_reduce_bucket, reduce_scatter_bucket};
-use tessera::dtensor::testing::{global_shape, mesh_shape, order_from_keys, partial_local, placements, test_values};
+use tessera::dtensor::testing::{
+    global_shape, mesh_shape, order_from_keys, partial_local, placements, test_values, with_tensor_path,
+};
 use tessera::dtensor::{DTensor, DType, Layout, Placement, ReduceOp, ShardOrder, Tensor, distribute_tensor_with_order};
 
 use crate::harness::{close, config, on_mesh};
@@ -104,6 +106,7 @@ fn run(
     members: &[Member],
     step: Step,
     gather_dtype: DType,
+    tensor_path: bool,
 ) -> Result<Vec<Outcome>, TestCaseError> {
     let members = members.to_vec();
     on_mesh(mesh, move |m| {
@@ -127,12 +130,19 @@ fn run(
             .collect::<Result<_, tessera::BoxError>>()?;
         let before = m.dim_comm(mesh_dim)?.stats().snapshot();
         let s0 = m.stats();
-        let outs = match step {
-            Step::Gather => all_gather_bucket(&inputs, mesh_dim, gather_dtype)?,
-            Step::Scatter => reduce_scatter_bucket(&inputs, mesh_dim)?,
-            Step::AllReduce => all_reduce_bucket(&inputs, mesh_dim)?,
-        }
-        .wait()?;
+        let bucket = || -> tessera::dtensor::Result<Vec<DTensor>> {
+            match step {
+                Step::Gather => all_gather_bucket(&inputs, mesh_dim, gather_dtype)?,
+                Step::Scatter => reduce_scatter_bucket(&inputs, mesh_dim)?,
+                Step::AllReduce => all_reduce_bucket(&inputs, mesh_dim)?,
+            }
+            .wait()
+        };
+        let outs = if tensor_path {
+            with_tensor_path(bucket)?
+        } else {
+            bucket()?
+        };
         let on_dim = m.dim_comm(mesh_dim)?.stats().snapshot() - before;
         let total = (m.stats() - s0).total_calls();
         let mut pairs = Vec::new();
@@ -155,7 +165,19 @@ fn check(
     step: Step,
     gather_dtype: DType,
 ) -> Result<(), TestCaseError> {
-    let outs = run(mesh, mesh_dim, members, step, gather_dtype)?;
+    check_with(mesh, mesh_dim, members, step, gather_dtype, false)
+}
+
+/// [`check`], the bucket run through the tensor path when `tensor_path`.
+fn check_with(
+    mesh: &[usize],
+    mesh_dim: usize,
+    members: &[Member],
+    step: Step,
+    gather_dtype: DType,
+    tensor_path: bool,
+) -> Result<(), TestCaseError> {
+    let outs = run(mesh, mesh_dim, members, step, gather_dtype, tensor_path)?;
     let want_calls = u64::from(mesh[mesh_dim] > 1);
     for (r, (pairs, on_dim, total)) in outs.iter().enumerate() {
         prop_assert_eq!(*on_dim, want_calls, "rank {}: collectives on mesh dim {}", r, mesh_dim);
@@ -200,6 +222,18 @@ proptest! {
     #[test]
     fn all_reduce_matches_redistribute((mesh, dim, members, dtype) in bucket(Step::AllReduce)) {
         check(&mesh, dim, &members, Step::AllReduce, dtype)?;
+    }
+
+    /// The tensor path (which GPU tensors take) gives each step's results too.
+    #[test]
+    fn tensor_path_matches_redistribute(
+        (step, (mesh, dim, members, dtype)) in prop_oneof![
+            bucket(Step::Gather).prop_map(|c| (Step::Gather, c)),
+            bucket(Step::Scatter).prop_map(|c| (Step::Scatter, c)),
+            bucket(Step::AllReduce).prop_map(|c| (Step::AllReduce, c)),
+        ]
+    ) {
+        check_with(&mesh, dim, &members, step, dtype, true)?;
     }
 }
 

@@ -3,7 +3,9 @@
 
 use proptest::prelude::*;
 use tessera::dtensor::redistribute::{Plan, StepKind, plan};
-use tessera::dtensor::testing::{all_coords, collective_bound, expected_local, shard_swap, transition};
+use tessera::dtensor::testing::{
+    all_coords, collective_bound, expected_local, shard_swap, transition, with_tensor_path,
+};
 use tessera::dtensor::{Placement, Tensor};
 use tessera::mesh::{CommCounts, OpKind};
 
@@ -170,6 +172,28 @@ proptest! {
             prop_assert_eq!(z, x, "coord {:?}: back differs from the source", coord);
             let want = expected_local(&full, &t.dst, coord).map_err(|e| TestCaseError::fail(e.to_string()))?;
             prop_assert_eq!(y, &want, "coord {:?}: there", coord);
+        }
+    }
+
+    /// (e) the tensor path (whole-tensor packing, assembly and collectives,
+    /// which GPU tensors take) gives every rank the same local tensor as the
+    /// slice path, bit for bit, moving the plan's bytes.
+    #[test]
+    fn tensor_path_equals_slice_path(t in transition(true, true)) {
+        let outs = on_case(&t, |t, mesh| {
+            let x = source(t, mesh)?;
+            let plan = x.redistribute_plan_with_order(&t.dst.placements, t.dst.order.clone())?;
+            let a = x.redistribute_with_order(&t.dst.placements, t.dst.order.clone())?;
+            let s0 = mesh.stats();
+            let b = with_tensor_path(|| x.redistribute_with_order(&t.dst.placements, t.dst.order.clone()))?;
+            let moved = (mesh.stats() - s0).total_bytes();
+            Ok((mesh.coordinate().to_vec(), a.to_local().clone(), b.to_local().clone(), moved, plan.bytes()))
+        })?;
+        for (coord, a, b, moved, planned) in &outs {
+            let bits = |t: &Tensor| t.to_f64_vec().iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            prop_assert_eq!(a.shape(), b.shape(), "coord {:?}", coord);
+            prop_assert_eq!(bits(a), bits(b), "coord {:?}: the tensor path differs", coord);
+            prop_assert_eq!(moved, planned, "coord {:?}: bytes", coord);
         }
     }
 }

@@ -14,6 +14,7 @@ use tessera_mesh::{Communicator, DeviceMesh, Element, ReduceOp};
 use super::step::{Plan, StepKind};
 use super::{group_coords, group_index};
 use crate::spec::{Layout, Region};
+use crate::tensor_comm::{HostComm, TensorComm, tensor_path_forced};
 use crate::{Result, Tensor};
 use tessera_tensor::alloc::{checked_len, reused};
 
@@ -51,7 +52,13 @@ pub(crate) fn execute(local: &Tensor, mesh: &DeviceMesh, plan: &Plan) -> Result<
             coord,
             group: &step.mesh_dims,
         };
-        t = tessera_tensor::any_dispatch!("redistribute", t.dtype(), T => ex.run::<T>(&t, step.kind)?);
+        t = if t.is_cuda() {
+            ex.run_on_device(&t, step.kind)?
+        } else if tensor_path_forced() {
+            ex.run_tensors(&t, step.kind, &HostComm(comm))?
+        } else {
+            tessera_tensor::any_dispatch!("redistribute", t.dtype(), T => ex.run::<T>(&t, step.kind)?)
+        };
     }
     Ok(t)
 }
@@ -139,6 +146,117 @@ impl Exchange<'_> {
         };
         Ok(Tensor::from_vec(out, &mine_after.shape)?)
     }
+}
+
+impl Exchange<'_> {
+    /// [`run`](Self::run) for a tensor on a GPU: the tensor path over the
+    /// GPU's collectives between ranks that share it.
+    fn run_on_device(&self, t: &Tensor, kind: StepKind) -> Result<Tensor> {
+        let group = crate::tensor_comm::device_group(self.comm, t)?;
+        self.run_tensors(t, kind, &*group)
+    }
+
+    /// [`run`](Self::run) in whole-tensor ops (views, copies, concatenation,
+    /// [`Tensor::assemble`]) and whole-tensor collectives: what device
+    /// tensors, whose elements the host cannot slice, take.
+    fn run_tensors(&self, t: &Tensor, kind: StepKind, comm: &dyn TensorComm) -> Result<Tensor> {
+        let mine_before = self.before.region(self.coord)?;
+        let mine_after = self.after.region(self.coord)?;
+        checked_len(OP, &mine_after.shape, t.dtype())?;
+        let me = group_index(&self.before.mesh_shape, self.coord, self.group);
+        let flat = match kind {
+            StepKind::Slice => pack_tensor(t, &mine_before, std::slice::from_ref(&mine_after))?,
+            StepKind::Partition { op } => {
+                if self.group.iter().all(|&m| self.coord[m] == 0) {
+                    return Ok(t.clone());
+                }
+                return Ok(match op {
+                    ReduceOp::Sum => Tensor::assemble(t.shape(), t.dtype(), t.device(), &[])?,
+                    ReduceOp::Product => Tensor::ones(t.shape(), t.dtype())?.to(t.device())?,
+                    _ => t.clone(),
+                });
+            }
+            StepKind::AllReduce { op } => comm.all_reduce(&t.contiguous().reshape(&[t.numel()])?, op)?,
+            StepKind::AllGather => {
+                let pieces = self.regions(self.before)?;
+                let counts: Vec<usize> = pieces.iter().map(Region::numel).collect();
+                let recv = comm.all_gather_v(&t.contiguous().reshape(&[t.numel()])?, &counts)?;
+                place_tensor(recv, &mine_after, &pieces)?
+            }
+            StepKind::ReduceScatter { op, .. } => {
+                let pieces = self.regions(self.after)?;
+                let counts: Vec<usize> = pieces.iter().map(Region::numel).collect();
+                let send = pack_tensor(t, &mine_before, &pieces)?;
+                let _ = me;
+                comm.reduce_scatter_v(&send, &counts, op)?
+            }
+            StepKind::AllToAll => {
+                let outgoing: Vec<Region> = self
+                    .regions(self.after)?
+                    .iter()
+                    .map(|r| mine_before.intersect(r))
+                    .collect();
+                let incoming: Vec<Region> = self
+                    .regions(self.before)?
+                    .iter()
+                    .map(|r| r.intersect(&mine_after))
+                    .collect();
+                let send_counts: Vec<usize> = outgoing.iter().map(Region::numel).collect();
+                let recv_counts: Vec<usize> = incoming.iter().map(Region::numel).collect();
+                let send = pack_tensor(t, &mine_before, &outgoing)?;
+                let recv = comm.all_to_all_v(&send, &send_counts, &recv_counts)?;
+                place_tensor(recv, &mine_after, &incoming)?
+            }
+        };
+        Ok(flat.reshape(&mine_after.shape)?)
+    }
+}
+
+/// The box `part` of `t` (laid out as `outer`), as a view.
+fn box_of(t: &Tensor, outer: &Region, part: &Region) -> Result<Tensor> {
+    let rel = part.relative_to(outer);
+    let mut v = t.clone();
+    for (d, (&at, &len)) in rel.iter().zip(&part.shape).enumerate() {
+        v = v.narrow(d, at, len)?;
+    }
+    Ok(v)
+}
+
+/// [`pack`] for whole tensors: the parts of `t` (laid out as `outer`)
+/// flattened and concatenated in order, a flat view when they already are.
+fn pack_tensor(t: &Tensor, outer: &Region, parts: &[Region]) -> Result<Tensor> {
+    let flat = t.contiguous().reshape(&[t.numel()])?;
+    if tiles_in_order(outer, parts) {
+        return Ok(flat);
+    }
+    // Empty parts (a peer whose box misses this rank's) send nothing.
+    let pieces = parts
+        .iter()
+        .filter(|p| p.numel() > 0)
+        .map(|p| Ok(box_of(t, outer, p)?.contiguous().reshape(&[p.numel()])?))
+        .collect::<Result<Vec<Tensor>>>()?;
+    if pieces.is_empty() {
+        return Ok(flat.narrow(0, 0, 0)?);
+    }
+    Ok(Tensor::cat(&pieces, 0)?)
+}
+
+/// [`place_all`] for whole tensors: the concatenated `parts` of the flat
+/// `data` placed into a tensor laid out as `outer` (flat); `data` itself when
+/// the parts tile `outer` in order.
+fn place_tensor(data: Tensor, outer: &Region, parts: &[Region]) -> Result<Tensor> {
+    if tiles_in_order(outer, parts) {
+        return Ok(data);
+    }
+    let mut at = 0;
+    let mut boxes = Vec::with_capacity(parts.len());
+    for p in parts.iter().filter(|p| p.numel() > 0) {
+        boxes.push((p.relative_to(outer), data.narrow(0, at, p.numel())?.reshape(&p.shape)?));
+        at += p.numel();
+    }
+    let refs: Vec<(&[usize], &Tensor)> = boxes.iter().map(|(o, b)| (&o[..], b)).collect();
+    let out = Tensor::assemble(&outer.shape, data.dtype(), data.device(), &refs)?;
+    Ok(out.reshape(&[outer.numel()])?)
 }
 
 /// A buffer of `n` elements for this rank's new region `r`; an allocation error

@@ -22,6 +22,8 @@ mod region_runs;
 mod search;
 mod step;
 
+#[cfg(any(test, feature = "testing"))]
+pub use crate::tensor_comm::with_tensor_path;
 pub(crate) use exec::{execute, for_each_run};
 pub use plan::plan;
 pub use region_runs::for_each_region_run;

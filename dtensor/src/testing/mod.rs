@@ -19,6 +19,8 @@
 
 pub mod oracle;
 
+pub use crate::redistribute::with_tensor_path;
+
 use std::fmt;
 
 use proptest::prelude::*;

@@ -99,60 +99,81 @@ impl<'a> LocalGroup<'a> {
     }
 
     /// One exchange: every rank's input is made ready, its address, element
-    /// count and dtype swapped with its peers (checked equal), and `work`
-    /// enqueued on the communication stream once every peer's input is ready;
-    /// the compute stream then waits for `work` and for every peer's reads of
-    /// this rank's input (so that its memory is not reused before).
+    /// count, dtype and `extra` words swapped with its peers (the dtype checked
+    /// equal, and the count too when `same_count`), and `work` enqueued on the
+    /// communication stream once every peer's input is ready; the compute
+    /// stream then waits for `work` and for every peer's reads of this rank's
+    /// input (so that its memory is not reused before).
     fn exchange(
         &self,
         op: &'static str,
         t: &Tensor,
         out_shape: &[usize],
-        work: impl FnOnce(&RankStreams, &Tensor, &[u64]) -> Result<()>,
+        extra: &[i64],
+        same_count: bool,
+        work: impl FnOnce(&RankStreams, &Tensor, &[Peer]) -> Result<()>,
     ) -> Result<Tensor> {
         let t = ops::contiguous(t)?;
         let s = ops::rank_streams(&t)?;
         let out = ops::empty_like_on(&s, out_shape, t.dtype())?;
         s.gpu.bind()?;
         let ready = s.compute.record_event(None).map_err(|e| cuda_error(op, e))?;
-        let mine = [
+        let mut mine = vec![
+            i64::from(std::process::id()),
             ops::address(&t) as i64,
             ready.cu_event() as i64,
             t.numel() as i64,
             dtype_code(t.dtype()),
+            s.gpu.ordinal as i64,
+            extra.len() as i64,
         ];
+        mine.extend_from_slice(extra);
+        let words = mine.len();
+        // Every rank sends as many words (a mismatch is the host collective's error).
         let all = self.comm.all_gather_vec::<i64>(&mine).map_err(comm_error)?;
-        let peers: Vec<&[i64]> = all.chunks_exact(4).collect();
-        if let Some((r, p)) = peers
-            .iter()
-            .enumerate()
-            .find(|(_, p)| p[2] != mine[2] || p[3] != mine[3])
-        {
-            return Err(Error::Device {
-                op,
-                detail: format!(
-                    "rank {} has {} elements of dtype code {} but rank {r} has {} of code {}; every rank must pass the same shape and dtype",
-                    self.comm.rank(),
-                    mine[2],
-                    mine[3],
-                    p[2],
-                    p[3]
-                ),
-            });
+        let records: Vec<&[i64]> = all.chunks_exact(words).collect();
+        let me = self.comm.rank();
+        for (r, p) in records.iter().enumerate() {
+            let problem = if p[0] != mine[0] {
+                Some("runs in another process: ranks that share a GPU this way must be threads of one process (use NCCL across processes)".to_string())
+            } else if p[5] != mine[5] {
+                Some(format!("uses cuda:{} but rank {me} uses cuda:{}", p[5], mine[5]))
+            } else if p[4] != mine[4] {
+                Some("passes another dtype; every rank must pass the same dtype".to_string())
+            } else if same_count && p[3] != mine[3] {
+                Some(format!(
+                    "passes {} elements but rank {me} passes {}; every rank must pass the same shape",
+                    p[3], mine[3]
+                ))
+            } else {
+                None
+            };
+            if let Some(why) = problem {
+                return Err(Error::Device {
+                    op,
+                    detail: format!("rank {r} {why}"),
+                });
+            }
         }
-        for p in &peers {
+        for p in &records {
             // SAFETY: each peer's event is alive until the closing barrier.
             unsafe {
                 result::stream::wait_event(
                     s.comm.cu_stream(),
-                    p[1] as sys::CUevent,
+                    p[2] as sys::CUevent,
                     sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
                 )
             }
             .map_err(|e| cuda_error(op, e))?;
         }
-        let addrs: Vec<u64> = peers.iter().map(|p| p[0] as u64).collect();
-        work(&s, &out, &addrs)?;
+        let peers: Vec<Peer> = records
+            .iter()
+            .map(|p| Peer {
+                addr: p[1] as u64,
+                extra: p[7..].to_vec(),
+            })
+            .collect();
+        work(&s, &out, &peers)?;
         let done = s.comm.record_event(None).map_err(|e| cuda_error(op, e))?;
         s.compute.wait(&done).map_err(|e| cuda_error(op, e))?;
         let dones = self
@@ -176,6 +197,190 @@ impl<'a> LocalGroup<'a> {
         ops::used_on(&out, &s.comm)?;
         Ok(out)
     }
+
+    /// Copies `len` elements of `size` bytes from `src` (element `from`) to
+    /// `dst` (element `to`) on the communication stream.
+    fn copy(
+        s: &RankStreams,
+        op: &'static str,
+        (dst, to): (u64, usize),
+        (src, from): (u64, usize),
+        len: usize,
+        size: usize,
+    ) -> Result<()> {
+        if len == 0 {
+            return Ok(());
+        }
+        // SAFETY: the caller's counts keep both ranges inside live buffers.
+        unsafe {
+            result::memcpy_dtod_async(
+                dst + (to * size) as u64,
+                src + (from * size) as u64,
+                len * size,
+                s.comm.cu_stream(),
+            )
+        }
+        .map_err(|e| cuda_error(op, e))
+    }
+
+    /// Every rank's flat `t` concatenated (1-D), rank `r` giving `counts[r]`
+    /// elements. PyTorch: `all_gather` with uneven sizes.
+    ///
+    /// # Errors
+    /// As [`DeviceCollectives::all_gather`], and when this rank's `t` does not
+    /// hold `counts[rank]` elements.
+    pub fn all_gather_v(&self, t: &Tensor, counts: &[usize]) -> Result<Tensor> {
+        self.check_counts("all_gather_v", t, counts, counts.get(self.rank()).copied())?;
+        let size = t.dtype().size_in_bytes();
+        let total = counts.iter().sum::<usize>();
+        self.exchange("all_gather_v", t, &[total], &[], false, |s, out, peers| {
+            let mut at = 0;
+            for (p, peer) in peers.iter().enumerate() {
+                Self::copy(
+                    s,
+                    "all_gather_v",
+                    (ops::address(out), at),
+                    (peer.addr, 0),
+                    counts[p],
+                    size,
+                )?;
+                at += counts[p];
+            }
+            Ok(())
+        })
+    }
+
+    /// Every rank's flat `t` split into `segments` (lengths, the same on every
+    /// rank), gathered segment by segment: segment `i` of every rank side by
+    /// side, in rank order. PyTorch: FSDP2's per-parameter all-gather output.
+    ///
+    /// # Errors
+    /// As [`DeviceCollectives::all_gather`], and when the segments do not add up
+    /// to `t`'s elements.
+    pub fn all_gather_segmented(&self, t: &Tensor, segments: &[usize]) -> Result<Tensor> {
+        if segments.iter().sum::<usize>() != t.numel() {
+            return Err(Error::Device {
+                op: "all_gather_segmented",
+                detail: format!("segments {segments:?} do not add up to the {} elements sent", t.numel()),
+            });
+        }
+        let (size, world) = (t.dtype().size_in_bytes(), self.size());
+        self.exchange(
+            "all_gather_segmented",
+            t,
+            &[t.numel() * world],
+            &[],
+            true,
+            |s, out, peers| {
+                let mut off = 0;
+                for &len in segments {
+                    for (p, peer) in peers.iter().enumerate() {
+                        Self::copy(
+                            s,
+                            "all_gather_segmented",
+                            (ops::address(out), world * off + p * len),
+                            (peer.addr, off),
+                            len,
+                            size,
+                        )?;
+                    }
+                    off += len;
+                }
+                Ok(())
+            },
+        )
+    }
+
+    /// The `op`-reduction over ranks of the flat `t` split by `counts`, of which
+    /// this rank gets part `rank` (`counts[rank]` elements).
+    ///
+    /// # Errors
+    /// As [`DeviceCollectives::reduce_scatter`], and when `t` does not hold
+    /// `Σ counts` elements.
+    pub fn reduce_scatter_v(&self, t: &Tensor, counts: &[usize], op: ReduceOp) -> Result<Tensor> {
+        self.check_counts("reduce_scatter_v", t, counts, Some(counts.iter().sum()))?;
+        let (rank, code) = (self.rank(), op_code(op)?);
+        let start: usize = counts[..rank].iter().sum();
+        let len = counts[rank];
+        self.exchange("reduce_scatter_v", t, &[len], &[], true, |s, out, peers| {
+            ops::reduce_peers(s, out, peer_ptrs(peers), start, len, code)
+        })
+    }
+
+    /// Each rank sends `send_counts[p]` elements of its flat `t` (in peer
+    /// order) to peer `p` and receives `recv_counts[p]` from it, concatenated
+    /// in peer order. PyTorch: `all_to_all_single` with split sizes.
+    ///
+    /// # Errors
+    /// As [`DeviceCollectives::all_gather`], and for counts that disagree
+    /// between senders and receivers or with `t`.
+    pub fn all_to_all_v(&self, t: &Tensor, send_counts: &[usize], recv_counts: &[usize]) -> Result<Tensor> {
+        const OP: &str = "all_to_all_v";
+        self.check_counts(OP, t, send_counts, Some(send_counts.iter().sum()))?;
+        self.check_counts(OP, t, recv_counts, None)?;
+        let (rank, size) = (self.rank(), t.dtype().size_in_bytes());
+        let extra: Vec<i64> = send_counts.iter().map(|&c| c as i64).collect();
+        let total = recv_counts.iter().sum::<usize>();
+        self.exchange(OP, t, &[total], &extra, false, |s, out, peers| {
+            let mut at = 0;
+            for (p, peer) in peers.iter().enumerate() {
+                let sends: Vec<usize> = peer.extra.iter().map(|&c| c as usize).collect();
+                if sends[rank] != recv_counts[p] {
+                    return Err(Error::Device {
+                        op: OP,
+                        detail: format!(
+                            "rank {p} sends {} elements to rank {rank}, which expects {}",
+                            sends[rank], recv_counts[p]
+                        ),
+                    });
+                }
+                let from: usize = sends[..rank].iter().sum();
+                Self::copy(s, OP, (ops::address(out), at), (peer.addr, from), recv_counts[p], size)?;
+                at += recv_counts[p];
+            }
+            Ok(())
+        })
+    }
+
+    /// Errors unless `counts` has one entry per rank and, when `want` is given,
+    /// `t` holds `want` elements.
+    fn check_counts(&self, op: &'static str, t: &Tensor, counts: &[usize], want: Option<usize>) -> Result<()> {
+        if counts.len() != self.size() {
+            return Err(Error::Device {
+                op,
+                detail: format!("{} counts for {} ranks; pass one per rank", counts.len(), self.size()),
+            });
+        }
+        if let Some(w) = want
+            && t.numel() != w
+        {
+            return Err(Error::Device {
+                op,
+                detail: format!(
+                    "this rank passes {} elements but the counts {counts:?} say {w}",
+                    t.numel()
+                ),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// A peer's side of an exchange.
+struct Peer {
+    addr: u64,
+    extra: Vec<i64>,
+}
+
+fn peer_ptrs(peers: &[Peer]) -> Peers {
+    let mut p = Peers {
+        n: peers.len() as i32,
+        ..Peers::default()
+    };
+    for (slot, peer) in p.ptr.iter_mut().zip(peers) {
+        *slot = peer.addr;
+    }
+    p
 }
 
 fn dtype_code(d: DType) -> i64 {
@@ -197,14 +402,10 @@ impl DeviceCollectives for LocalGroup<'_> {
             shape.push(1);
         }
         shape[0] *= self.size();
-        let bytes = t.size_in_bytes();
-        self.exchange("all_gather", t, &shape, |s, out, addrs| {
-            let base = ops::address(out);
-            for (p, &src) in addrs.iter().enumerate() {
-                // SAFETY: `out` holds `size` inputs' bytes; each peer's input is
-                // alive and ready (waited for above).
-                unsafe { result::memcpy_dtod_async(base + (p * bytes) as u64, src, bytes, s.comm.cu_stream()) }
-                    .map_err(|e| cuda_error("all_gather", e))?;
+        let (n, size) = (t.numel(), t.dtype().size_in_bytes());
+        self.exchange("all_gather", t, &shape, &[], true, |s, out, peers| {
+            for (p, peer) in peers.iter().enumerate() {
+                Self::copy(s, "all_gather", (ops::address(out), p * n), (peer.addr, 0), n, size)?;
             }
             Ok(())
         })
@@ -226,25 +427,17 @@ impl DeviceCollectives for LocalGroup<'_> {
         shape[0] /= size;
         let len = t.numel() / size;
         let rank = self.rank();
-        self.exchange("reduce_scatter", t, &shape, |s, out, addrs| {
-            let mut peers = Peers {
-                n: addrs.len() as i32,
-                ..Peers::default()
-            };
-            peers.ptr[..addrs.len()].copy_from_slice(addrs);
-            ops::reduce_peers(s, out, peers, rank * len, len, op_code(op)?)
+        let code = op_code(op)?;
+        self.exchange("reduce_scatter", t, &shape, &[], true, |s, out, peers| {
+            ops::reduce_peers(s, out, peer_ptrs(peers), rank * len, len, code)
         })
     }
 
     fn all_reduce(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
         let len = t.numel();
-        self.exchange("all_reduce", t, t.shape(), |s, out, addrs| {
-            let mut peers = Peers {
-                n: addrs.len() as i32,
-                ..Peers::default()
-            };
-            peers.ptr[..addrs.len()].copy_from_slice(addrs);
-            ops::reduce_peers(s, out, peers, 0, len, op_code(op)?)
+        let code = op_code(op)?;
+        self.exchange("all_reduce", t, t.shape(), &[], true, |s, out, peers| {
+            ops::reduce_peers(s, out, peer_ptrs(peers), 0, len, code)
         })
     }
 }

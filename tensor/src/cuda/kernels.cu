@@ -565,6 +565,20 @@ template <typename T> __device__ void reduce_peers(T* out, Peers peers, i64 offs
 extern "C" __global__ void reduce_peers_f32(float* o, Peers p, i64 off, i64 len, int op) { reduce_peers(o, p, off, len, op); }
 extern "C" __global__ void reduce_peers_f64(double* o, Peers p, i64 off, i64 len, int op) { reduce_peers(o, p, off, len, op); }
 extern "C" __global__ void reduce_peers_bf16(bf16* o, Peers p, i64 off, i64 len, int op) { reduce_peers(o, p, off, len, op); }
+// Integers: exact, wrapping as the host's (no average: the caller refuses it).
+extern "C" __global__ void reduce_peers_i64(i64* out, Peers peers, i64 offset, i64 len, int op) {
+    GRID_LOOP(i, len) {
+        unsigned long long acc = (unsigned long long)((const i64*)peers.ptr[0])[offset + i];
+        for (int p = 1; p < peers.n; ++p) {
+            i64 v = ((const i64*)peers.ptr[p])[offset + i];
+            if (op == 0) acc += (unsigned long long)v;
+            else if (op == 2) acc = (i64)acc >= v ? acc : (unsigned long long)v;
+            else if (op == 3) acc = (i64)acc <= v ? acc : (unsigned long long)v;
+            else acc *= (unsigned long long)v;
+        }
+        out[i] = (i64)acc;
+    }
+}
 
 // ---- optimizer ---------------------------------------------------------------------------
 

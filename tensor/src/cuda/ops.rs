@@ -220,6 +220,39 @@ pub(crate) fn cat(tensors: &[Tensor], dim: usize, shape: &[usize]) -> Result<Ten
     Ok(out)
 }
 
+/// A zeroed tensor of `shape` with each piece copied in at its offset
+/// (arguments checked by the caller).
+pub(crate) fn assemble(
+    shape: &[usize],
+    dtype: DType,
+    device: Device,
+    pieces: &[(&[usize], &Tensor)],
+) -> Result<Tensor> {
+    let out = full(device, shape, 0.0, dtype).or_else(|_| zeros_any(device, shape, dtype))?;
+    let s = streams_for("assemble", &[&out])?;
+    let strides = contiguous_strides(shape);
+    for (offset, piece) in pieces {
+        let at: i64 = offset.iter().zip(&strides).map(|(&o, &s)| o as i64 * s).sum();
+        copy_into(&s, "assemble", piece, buf(&out), &strides, at as usize)?;
+    }
+    Ok(out)
+}
+
+/// Zeros of any dtype (integers and bytes included), by a memset.
+fn zeros_any(device: Device, shape: &[usize], dtype: DType) -> Result<Tensor> {
+    let Device::Cuda(ordinal) = device else {
+        return Tensor::zeros(shape, dtype);
+    };
+    let gpu = driver::gpu(ordinal)?;
+    let s = driver::streams(&gpu)?;
+    let out = empty(&s, shape, dtype, "zeros")?;
+    gpu.bind()?;
+    // SAFETY: the block holds the tensor's bytes; zeroed on the rank's stream.
+    unsafe { cudarc::driver::result::memset_d8_async(ptr(&out), 0, out.size_in_bytes(), s.compute.cu_stream()) }
+        .map_err(|e| cuda_error("zeros", e))?;
+    Ok(out)
+}
+
 /// `t` converted to `dtype`.
 pub(crate) fn cast(t: &Tensor, dtype: DType) -> Result<Tensor> {
     if t.dtype() == dtype {
@@ -976,7 +1009,16 @@ pub(crate) fn reduce_peers(
     len: usize,
     op: i32,
 ) -> Result<()> {
-    let ty = kernel_dtype("reduce", out.dtype())?;
+    let ty = match out.dtype() {
+        DType::I64 if op == 1 => {
+            return Err(Error::Device {
+                op: "reduce",
+                detail: "an average of i64 tensors is not an integer; cast to a float dtype first".into(),
+            });
+        }
+        DType::I64 => "i64",
+        other => kernel_dtype("reduce", other)?,
+    };
     let f = s.gpu.function(&format!("reduce_peers_{ty}"))?;
     let mut b = s.comm.launch_builder(&f);
     let (o, off, l) = (ptr(out), offset as i64, len as i64);

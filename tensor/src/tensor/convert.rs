@@ -187,8 +187,7 @@ impl Tensor {
     /// PyTorch: in-place ops (`Tensor.add_` and friends) on a tensor without
     /// other views.
     pub fn try_as_mut_slice<T: Element>(&mut self) -> Option<&mut [T]> {
-        let whole = self.is_contiguous() && self.storage_offset() == 0 && self.numel() == self.0.storage.len();
-        if !whole || self.dtype() != T::DTYPE {
+        if !self.is_sole_owner() || self.dtype() != T::DTYPE {
             return None;
         }
         let inner = std::sync::Arc::get_mut(&mut self.0)?;

@@ -2,7 +2,7 @@
 
 use std::borrow::Cow;
 
-use tessera_mesh::{Buffer, Element};
+use tessera_mesh::{Buffer, DType, Element};
 
 use super::Tensor;
 use super::geometry::{Geometry, checked_numel};
@@ -178,6 +178,113 @@ impl Tensor {
         let data = with_buffer!(first.data()?, _v, T => Buffer::from(cat_rows::<T>(tensors, dim, &shape)?));
         Ok(Tensor::from_storage_data(data, &shape))
     }
+}
+
+impl Tensor {
+    /// A new contiguous tensor of `shape` on `device` in which each `(offset,
+    /// piece)` is copied to the box at `offset` (elements no piece covers are
+    /// zero): the inverse of cutting a tensor into [`narrow`](Self::narrow)ed
+    /// boxes. PyTorch: `out = torch.zeros(shape); out[box] = piece` for each piece.
+    ///
+    /// # Errors
+    /// [`Error::ShapeMismatch`] for a piece whose rank differs from `shape`'s or
+    /// whose box leaves it; [`Error::DTypeMismatch`] for a piece of another
+    /// dtype; [`Error::Device`] for a piece on another device.
+    pub fn assemble(
+        shape: &[usize],
+        dtype: DType,
+        device: crate::Device,
+        pieces: &[(&[usize], &Tensor)],
+    ) -> Result<Tensor> {
+        const OP: &str = "assemble";
+        for (i, (offset, piece)) in pieces.iter().enumerate() {
+            if piece.dtype() != dtype {
+                return Err(Error::DTypeMismatch {
+                    op: OP,
+                    expected: dtype,
+                    got: piece.dtype(),
+                });
+            }
+            if piece.device() != device {
+                return Err(Error::Device {
+                    op: OP,
+                    detail: format!("piece {i} is on {} but the output is on {device}", piece.device()),
+                });
+            }
+            let fits = offset.len() == shape.len()
+                && piece.rank() == shape.len()
+                && (0..shape.len()).all(|d| offset[d] + piece.shape()[d] <= shape[d]);
+            if !fits {
+                return Err(Error::ShapeMismatch {
+                    op: OP,
+                    detail: format!(
+                        "piece {i} of shape {:?} at {offset:?} does not fit in {shape:?}",
+                        piece.shape()
+                    ),
+                });
+            }
+        }
+        #[cfg(feature = "cuda")]
+        if device.is_cuda() {
+            return crate::cuda::ops::assemble(shape, dtype, device, pieces);
+        }
+        #[cfg(not(feature = "cuda"))]
+        if device.is_cuda() {
+            return Err(Error::Device {
+                op: OP,
+                detail: format!(
+                    "cannot assemble a tensor on {device}: this build has no GPU support; build with --features cuda"
+                ),
+            });
+        }
+        let strides = Geometry::contiguous(shape).strides;
+        let mut out = Tensor::zeros(shape, dtype)?;
+        let dst = out.host_buffer_mut();
+        for (offset, piece) in pieces {
+            let piece = piece.contiguous();
+            let base: usize = offset.iter().zip(&strides).map(|(o, s)| o * s).sum();
+            let src = piece.host_data();
+            let inner = piece.shape().last().copied().unwrap_or(1);
+            let rows = piece.numel().checked_div(inner).unwrap_or(0);
+            let pshape = piece.shape().to_vec();
+            // Row by row: the row's start in the output from its index.
+            for r in 0..rows {
+                let (mut rem, mut at) = (r, base);
+                for d in (0..pshape.len().saturating_sub(1)).rev() {
+                    at += (rem % pshape[d]) * strides[d];
+                    rem /= pshape[d];
+                }
+                let from = piece.storage_offset() + r * inner;
+                copy_run(src, from, dst, at, inner);
+            }
+        }
+        Ok(out)
+    }
+
+    /// The host buffer of a fresh tensor this handle alone holds.
+    fn host_buffer_mut(&mut self) -> &mut Buffer {
+        // INVARIANT: called on tensors just made by a constructor, whose one
+        // handle holds host storage alone.
+        let inner = std::sync::Arc::get_mut(&mut self.0).expect("a fresh tensor has one handle");
+        let storage = std::sync::Arc::get_mut(&mut inner.storage).expect("a fresh tensor's storage has one holder");
+        storage.data_mut().expect("a host tensor has a host buffer")
+    }
+}
+
+/// Copies `len` elements of `src` from `from` into `dst` at `to` (same dtype).
+fn copy_run(src: &Buffer, from: usize, dst: &mut Buffer, to: usize, len: usize) {
+    with_buffer!(src, s, T => {
+        if let Some(d) = typed_mut::<T>(dst) {
+            d[to..to + len].copy_from_slice(&s[from..from + len]);
+        }
+    })
+}
+
+fn typed_mut<T: Element>(b: &mut Buffer) -> Option<&mut [T]> {
+    if b.dtype() != T::DTYPE {
+        return None;
+    }
+    tessera_mesh::dispatch_buf!(BufMut, b.as_buf_mut(), s, _S => bytemuck::try_cast_slice_mut(s).ok())
 }
 
 /// The elements of `tensors` (all of dtype `T`, shapes checked) concatenated
@@ -439,5 +546,47 @@ mod tests {
         case!(t.transpose(0, 1).unwrap(), [6], false, vec![0, 3, 1, 4, 2, 5]);
         case!(iota(&[0, 3]), [3, 0], true, Vec::<i64>::new());
         case!(iota(&[1]), [0usize; 0], true, vec![0]);
+    }
+}
+
+#[cfg(test)]
+mod assemble_tests {
+    use super::*;
+    use crate::Device;
+
+    #[test]
+    fn boxes_reassemble_and_misfits_are_refused() {
+        let t = Tensor::arange(60, DType::F32).unwrap().reshape(&[3, 4, 5]).unwrap();
+        // A 2×2 grid of boxes over dims 1 and 2, uneven.
+        let boxes = [
+            ([0, 0, 0], [3, 3, 2]),
+            ([0, 0, 2], [3, 3, 3]),
+            ([0, 3, 0], [3, 1, 2]),
+            ([0, 3, 2], [3, 1, 3]),
+        ];
+        let pieces: Vec<([usize; 3], Tensor)> = boxes
+            .iter()
+            .map(|(o, s)| (*o, t.narrow(1, o[1], s[1]).unwrap().narrow(2, o[2], s[2]).unwrap()))
+            .collect();
+        let refs: Vec<(&[usize], &Tensor)> = pieces.iter().map(|(o, p)| (&o[..], p)).collect();
+        assert_eq!(Tensor::assemble(&[3, 4, 5], DType::F32, Device::Cpu, &refs).unwrap(), t);
+        // Uncovered elements are zero.
+        let one = Tensor::assemble(
+            &[2, 2],
+            DType::I64,
+            Device::Cpu,
+            &[(&[1, 1][..], &Tensor::full(&[1, 1], 7.0, DType::I64).unwrap())],
+        )
+        .unwrap();
+        assert_eq!(one.to_vec::<i64>().unwrap(), vec![0, 0, 0, 7]);
+        let big = Tensor::ones(&[2, 3], DType::F32).unwrap();
+        let e = Tensor::assemble(&[2, 2], DType::F32, Device::Cpu, &[(&[0, 0][..], &big)])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("does not fit"), "{e}");
+        let e = Tensor::assemble(&[2, 3], DType::BF16, Device::Cpu, &[(&[0, 0][..], &big)])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("bf16"), "{e}");
     }
 }
