@@ -135,3 +135,75 @@ fn device_buckets_equal_host() {
         println!("buckets on one GPU: {world} ranks ok");
     }
 }
+
+/// The tiny Transformer's loss and gradients on the GPU equal the host's, on
+/// one rank and under FSDP on 2 ranks sharing the GPU (parameters moved to
+/// the GPU after materialisation; tokens on the GPU).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn tiny_transformer_forward_backward_on_gpu() {
+    use tessera::autograd::nn::{Materializer, Module};
+    use tessera::autograd::{Var, backward};
+    use tessera::dtensor::{Placement, distribute_tensor_from};
+    use tessera::fsdp::FsdpConfig;
+    use tessera::models::{Transformer, TransformerConfig};
+
+    for world in [1, 2] {
+        let out = launch(world, move |ctx| {
+            let mesh = DeviceMesh::new(ctx.into_comm(), &[world])?;
+            let cfg = TransformerConfig::TINY;
+            let rows = Tensor::from_vec(
+                tessera::data::batch(tessera::data::DATA_SEED, 0, 0..4, cfg.seq + 1, cfg.vocab as u64),
+                &[4, cfg.seq + 1],
+            )?;
+            let mut results = Vec::new();
+            for device in [Device::Cpu, GPU] {
+                let model = Transformer::new(cfg, &mesh, DType::F32)?;
+                if world > 1 {
+                    model.fully_shard(&mesh, &FsdpConfig::default())?;
+                }
+                Materializer::from_seed(7).materialize(&model)?;
+                let params = model.parameters();
+                for p in &params {
+                    let v = p.value()?;
+                    p.set_value(DTensor::from_local_with_layout(
+                        v.to_local().to(device)?,
+                        &mesh,
+                        v.layout().clone(),
+                    )?);
+                }
+                let x = distribute_tensor_from(&rows, &mesh, &[Placement::Shard(0)], None)?;
+                let x = DTensor::from_local_with_layout(x.to_local().to(device)?, &mesh, x.layout().clone())?;
+                let loss = model.loss(&Var::constant(x))?;
+                let value = loss.value().full_tensor()?.to_f64_vec()[0];
+                backward(&loss)?;
+                let grads: Vec<Tensor> = params
+                    .iter()
+                    .map(|p| Ok(p.grad().ok_or("no gradient")?.to_local().to(Device::Cpu)?))
+                    .collect::<Result<_, tessera::BoxError>>()?;
+                results.push((value, grads));
+            }
+            let (host, dev) = (&results[0], &results[1]);
+            let worst = host
+                .1
+                .iter()
+                .zip(&dev.1)
+                .map(|(h, d)| {
+                    let (h, d) = (h.to_f64_vec(), d.to_f64_vec());
+                    let num: f64 = h.iter().zip(&d).map(|(a, b)| (a - b).powi(2)).sum();
+                    let den: f64 = h.iter().map(|a| a * a).sum();
+                    (num / den.max(1e-30)).sqrt()
+                })
+                .fold(0.0f64, f64::max);
+            Ok((host.0, dev.0, worst))
+        })
+        .unwrap();
+        for (r, (h, d, worst)) in out.iter().enumerate() {
+            println!(
+                "tiny transformer on {world} rank(s), rank {r}: loss host {h:.8} gpu {d:.8}, worst gradient rel_err {worst:.2e}"
+            );
+            assert!((h - d).abs() <= 1e-5 * h.abs(), "loss {h} vs {d}");
+            assert!(*worst < 1e-4, "gradients differ: {worst:.2e}");
+        }
+    }
+}

@@ -399,13 +399,6 @@ fn communicate(
         .iter()
         .map(|t| t.contiguous().reshape(&[t.numel()]))
         .collect::<tessera_tensor::Result<Vec<_>>>()?;
-    let ranks = if kind == Kind::Scatter { world } else { 1 };
-    let mut send = Pieces::new(dtype);
-    for r in 0..ranks {
-        for (flat, e) in flats.iter().zip(entries) {
-            Held::push_padded(&mut send, flat, r * e.padded, e.padded)?;
-        }
-    }
     let comm = mesh.dim_comm(mesh_dim)?;
     let on_device = flats.iter().any(Tensor::is_cuda);
     if on_device || tensor_path_forced() {
@@ -417,6 +410,13 @@ fn communicate(
         return Ok(Flight::Done(on_tensors(
             kind, world, dtype, &flats, entries, block, &*group,
         )?));
+    }
+    let ranks = if kind == Kind::Scatter { world } else { 1 };
+    let mut send = Pieces::new(dtype);
+    for r in 0..ranks {
+        for (flat, e) in flats.iter().zip(entries) {
+            Held::push_padded(&mut send, flat, r * e.padded, e.padded)?;
+        }
     }
     let size = dtype.size_in_bytes();
     let recv_len = if kind == Kind::Gather { world * block } else { block };

@@ -32,6 +32,23 @@ __device__ __forceinline__ void store(float* o, float x) { *o = x; }
 __device__ __forceinline__ void store(bf16* o, float x) { *o = from_f<bf16>(x); }
 __device__ __forceinline__ void store(double* o, double x) { *o = x; }
 
+// Math in the argument's precision: f32 arguments call the f32 functions
+// (a bare `exp(float)` could promote to f64, several times slower).
+__device__ __forceinline__ float m_exp(float x) { return expf(x); }
+__device__ __forceinline__ double m_exp(double x) { return exp(x); }
+__device__ __forceinline__ float m_log(float x) { return logf(x); }
+__device__ __forceinline__ double m_log(double x) { return log(x); }
+__device__ __forceinline__ float m_sqrt(float x) { return sqrtf(x); }
+__device__ __forceinline__ double m_sqrt(double x) { return sqrt(x); }
+__device__ __forceinline__ float m_tanh(float x) { return tanhf(x); }
+__device__ __forceinline__ double m_tanh(double x) { return tanh(x); }
+__device__ __forceinline__ float m_erf(float x) { return erff(x); }
+__device__ __forceinline__ double m_erf(double x) { return erf(x); }
+__device__ __forceinline__ float m_erfc(float x) { return erfcf(x); }
+__device__ __forceinline__ double m_erfc(double x) { return erfc(x); }
+__device__ __forceinline__ float m_abs(float x) { return fabsf(x); }
+__device__ __forceinline__ double m_abs(double x) { return fabs(x); }
+
 #define MAX_DIMS 8
 #define GRID_LOOP(i, n) for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (i64)blockDim.x * gridDim.x)
 
@@ -158,17 +175,17 @@ BINARY_OPS(BINARY_FUNCTOR)
 
 #define UNARY_OPS(X)                                                 \
     X(neg, -x)                                                       \
-    X(exp, exp(x))                                                   \
-    X(log, log(x))                                                   \
-    X(sqrt, sqrt(x))                                                 \
-    X(rsqrt, (A)1 / sqrt(x))                                         \
-    X(tanh, tanh(x))                                                 \
-    X(erf, erf(x))                                                   \
-    X(gelu, (A)0.5 * x * erfc(-x * (A)0.70710678118654752))          \
+    X(exp, m_exp(x))                                                   \
+    X(log, m_log(x))                                                   \
+    X(sqrt, m_sqrt(x))                                                 \
+    X(rsqrt, (A)1 / m_sqrt(x))                                         \
+    X(tanh, m_tanh(x))                                                 \
+    X(erf, m_erf(x))                                                   \
+    X(gelu, (A)0.5 * x * m_erfc(-x * (A)0.70710678118654752))          \
     X(relu, x <= (A)0 ? (A)0 : x)                                    \
-    X(sigmoid, (A)1 / ((A)1 + exp(-x)))                              \
-    X(silu, x / ((A)1 + exp(-x)))                                    \
-    X(abs, fabs(x))                                                  \
+    X(sigmoid, (A)1 / ((A)1 + m_exp(-x)))                              \
+    X(silu, x / ((A)1 + m_exp(-x)))                                    \
+    X(abs, m_abs(x))                                                  \
     X(square, x * x)
 
 #define UNARY_FUNCTOR(name, expr) \
@@ -176,7 +193,7 @@ BINARY_OPS(BINARY_FUNCTOR)
 UNARY_OPS(UNARY_FUNCTOR)
 
 // 16 bytes of T: N elements loaded or stored at once.
-template <typename T> struct Pack {
+template <typename T> struct __align__(16) Pack {
     enum { N = 16 / sizeof(T) };
     T v[N];
 };
@@ -354,12 +371,12 @@ template <typename T> __device__ void softmax_rows(T* out, const T* x, i64 rows,
         for (i64 j = threadIdx.x; j < keep; j += blockDim.x) { double v = SCORE(j); m = (m != m || m >= v) ? m : v; }
         m = block_max(m);
         double s = 0.0;
-        for (i64 j = threadIdx.x; j < keep; j += blockDim.x) s += (double)(A)exp((A)(SCORE(j) - m));
+        for (i64 j = threadIdx.x; j < keep; j += blockDim.x) s += (double)m_exp((A)(SCORE(j) - m));
         s = block_sum(s);
         for (i64 j = threadIdx.x; j < n; j += blockDim.x) {
             if (j >= keep) { o[j] = from_d<T>(log_ ? NEG_INF : 0.0); continue; }
             double v = SCORE(j) - m;
-            o[j] = log_ ? from_d<T>(v - log(s)) : from_d<T>((double)(A)exp((A)v) * (1.0 / s));
+            o[j] = log_ ? from_d<T>(v - log(s)) : from_d<T>((double)m_exp((A)v) * (1.0 / s));
         }
         #undef SCORE
     }
@@ -404,11 +421,14 @@ template <typename T> __device__ void norm_rows(T* out, double* mean_out, double
         for (i64 j = threadIdx.x; j < n; j += blockDim.x) { double d = (double)to_f(row[j]) - mean; q += d * d; }
         q = block_sum(q);
         double rstd = 1.0 / sqrt(q / (double)n + eps);
+        // The per-element affine in the compute type (f32 for f32 and bf16).
+        typedef typename Acc<T>::type A;
+        A am = (A)mean, ar = (A)rstd;
         for (i64 j = threadIdx.x; j < n; j += blockDim.x) {
-            double v = ((double)to_f(row[j]) - mean) * rstd;
-            if (w) v *= (double)to_f(w[j]);
-            if (b) v += (double)to_f(b[j]);
-            out[r * n + j] = from_d<T>(v);
+            A v = ((A)to_f(row[j]) - am) * ar;
+            if (w) v *= (A)to_f(w[j]);
+            if (b) v += (A)to_f(b[j]);
+            store(&out[r * n + j], v);
         }
         if (threadIdx.x == 0) { mean_out[r] = mean; rstd_out[r] = rstd; }
     }
@@ -469,7 +489,7 @@ template <typename T> __device__ void cross_entropy_rows(double* loss, T* probs,
         for (i64 j = threadIdx.x; j < n; j += blockDim.x) { double v = to_f(row[j]); m = (m != m || m >= v) ? m : v; }
         m = block_max(m);
         double s = 0.0;
-        for (i64 j = threadIdx.x; j < n; j += blockDim.x) s += (double)(A)exp((A)((double)to_f(row[j]) - m));
+        for (i64 j = threadIdx.x; j < n; j += blockDim.x) s += (double)m_exp((A)((double)to_f(row[j]) - m));
         s = block_sum(s);
         i64 target = t[r];
         if (threadIdx.x == 0) {
@@ -478,7 +498,7 @@ template <typename T> __device__ void cross_entropy_rows(double* loss, T* probs,
         }
         if (probs)
             for (i64 j = threadIdx.x; j < n; j += blockDim.x)
-                probs[r * n + j] = from_d<T>((double)(A)exp((A)((double)to_f(row[j]) - m)) * (1.0 / s));
+                probs[r * n + j] = from_d<T>((double)m_exp((A)((double)to_f(row[j]) - m)) * (1.0 / s));
     }
 }
 extern "C" __global__ void cross_entropy_rows_f32(double* l, float* p, const float* x, const i64* t, i64 rows, i64 n, i64* bad) { cross_entropy_rows(l, p, x, t, rows, n, bad); }
