@@ -62,7 +62,7 @@ use tessera::autograd::{
 };
 use tessera::data::{DATA_SEED, batch};
 use tessera::dtensor::checkpoint::{Checkpoint, SaveReport, remove_checkpoint};
-use tessera::dtensor::{Placement, Tensor, distribute_tensor_from};
+use tessera::dtensor::{Device, Placement, Tensor, distribute_tensor_from};
 use tessera::fsdp::{FsdpConfig, MixedPrecisionPolicy};
 use tessera::models::{Transformer, TransformerConfig};
 use tessera::tensor::memory;
@@ -71,7 +71,7 @@ use tessera::{BoxError, CommunicatorExt, DType, DeviceMesh, RankCtx, is_lead_pro
 const USAGE: &str = "usage: train [--world-size N | --mesh RxS] [--tp T [--sequence-parallel]] [--steps N] [--batch ROWS_PER_RANK] [--dim N] \
 [--n-layers N] [--n-heads N] [--vocab N] [--seq N] [--lr F] [--lr-schedule S] [--warmup-steps N] [--mixed-precision bf16] [--no-reshard] [--init PATH | --seed N] \
 [--tokens PATH] [--data-seed N] [--losses-out PATH] [--checkpoint-dir DIR --checkpoint-every N [--async-save] [--keep-checkpoints K]] [--resume DIR] \
-[--save-full PATH]";
+[--save-full PATH] [--device cpu|cuda|cuda:N]";
 
 /// Every flag with its default (`train --help`).
 const HELP: &str = "\
@@ -82,6 +82,9 @@ mesh and parallelism:
   --sequence-parallel   the sequence-parallel TP plan (default: off)
   --mixed-precision M   bf16 or none (default none)
   --no-reshard          keep parameters gathered from forward to backward (default: reshard)
+  --device D            cpu, or cuda / cuda:N: every rank computes on that GPU, ranks
+                        sharing it as threads (needs a build with --features cuda;
+                        default cpu)
 model and data:
   --dim N --n-layers N --n-heads N --vocab N --seq N
                         model sizes (default 64, 2, 4, 256, 32: the tiny reference)
@@ -139,6 +142,8 @@ struct Args {
     keep: usize,
     resume: Option<PathBuf>,
     save_full: Option<PathBuf>,
+    /// Where the ranks compute (`--device`).
+    device: Device,
 }
 
 fn parse() -> Result<Args, String> {
@@ -167,6 +172,7 @@ fn parse() -> Result<Args, String> {
         keep: 0,
         resume: None,
         save_full: None,
+        device: Device::Cpu,
     };
     let mut world_given = false;
     let mut it = std::env::args().skip(1);
@@ -193,6 +199,7 @@ fn parse() -> Result<Args, String> {
                 .map_err(|_| format!("{flag}: {v:?} is not a whole number"))
         };
         match flag.as_str() {
+            "--device" => a.device = value.parse().map_err(|e| format!("--device: {e}"))?,
             "--world-size" => {
                 a.world = num(&value)?;
                 world_given = true;
@@ -268,6 +275,18 @@ fn parse() -> Result<Args, String> {
     if a.checkpoint_dir.is_some() != (a.checkpoint_every > 0) {
         return Err("--checkpoint-dir and --checkpoint-every N (N ≥ 1) go together".into());
     }
+    if a.device.is_cuda() {
+        if !cfg!(feature = "cuda") {
+            return Err("--device cuda needs a build with the cuda feature: \
+                        cargo run --release --features cuda --example train -- --device cuda"
+                .into());
+        }
+        if a.checkpoint_dir.is_some() || a.resume.is_some() || a.save_full.is_some() || mpi_env().is_some() {
+            return Err("--device cuda runs in-process ranks without checkpoints so far; \
+                        drop --checkpoint-dir, --resume, --save-full (and mpirun)"
+                .into());
+        }
+    }
     if a.sequence_parallel && a.tp == 0 {
         return Err("--sequence-parallel needs --tp T".into());
     }
@@ -333,6 +352,8 @@ struct RankReport {
     saved_bytes: Vec<u64>,
     /// Every rank's tracked peak while materialising the model, and its shards' bytes.
     init_peak_bytes: Vec<usize>,
+    /// Peak bytes of device tensors per rank (0 on the CPU).
+    device_peak_bytes: Vec<usize>,
     init_local_bytes: Vec<usize>,
     /// Bytes this rank read resuming, and the seconds it took.
     resume_bytes: u64,
@@ -460,7 +481,7 @@ fn banner(args: &Args) -> String {
     };
     format!(
         "training a {}-layer Transformer (dim {}, {} heads, vocab {}, seq {}; {} parameters), {layout}, \
-         global batch {}{}{}",
+         global batch {}{}{}{}",
         cfg.n_layers,
         cfg.dim,
         cfg.n_heads,
@@ -473,6 +494,11 @@ fn banner(args: &Args) -> String {
             ", no reshard after forward"
         } else {
             ""
+        },
+        if args.device.is_cuda() {
+            format!(", on {} (ranks sharing it)", args.device)
+        } else {
+            String::new()
         },
     )
 }
@@ -502,7 +528,7 @@ fn setup(ctx: RankCtx, args: &Args) -> Result<Job, BoxError> {
         (false, 2) => &["dp_replicate", "dp_shard"],
         (false, _) => &["dp"],
     };
-    let mesh = DeviceMesh::with_names(ctx.into_comm(), &args.mesh, names)?;
+    let mesh = DeviceMesh::with_names(ctx.into_comm(), &args.mesh, names)?.on_device(args.device);
     let model = Transformer::new(args.model, &mesh, DType::F32)?;
     let params = model.parameters();
     let fsdp = FsdpConfig {
@@ -676,6 +702,7 @@ fn train_rank(ctx: RankCtx, args: &Args, tokens: Option<&Tensor>) -> Result<Rank
     }
     let mut checkpoints = Checkpoints::default();
     memory::reset_peak();
+    memory::reset_device_peak();
     let start = Instant::now();
     let tokens_per_step = (args.global_batch() * args.model.seq) as f64;
     for step in report.first_step..args.steps {
@@ -698,13 +725,14 @@ fn train_rank(ctx: RankCtx, args: &Args, tokens: Option<&Tensor>) -> Result<Rank
     if let Some(path) = &args.save_full {
         save_state_dict_full(&job.params, path)?;
     }
-    let peak = memory::stats().peak_bytes;
+    let (peak, device_peak) = (memory::stats().peak_bytes, memory::device_stats().peak_bytes);
     let all = job
         .mesh
         .comm()
-        .all_gather_vec(&[peak, job.init.peak_bytes, job.init.local_bytes].map(|b| b as i64))?;
-    let column = |i: usize| all.chunks(3).map(|c| c[i] as usize).collect();
+        .all_gather_vec(&[peak, job.init.peak_bytes, job.init.local_bytes, device_peak].map(|b| b as i64))?;
+    let column = |i: usize| all.chunks(4).map(|c| c[i] as usize).collect();
     (report.peak_bytes, report.init_peak_bytes, report.init_local_bytes) = (column(0), column(1), column(2));
+    report.device_peak_bytes = column(3);
     Ok(report)
 }
 
@@ -728,6 +756,13 @@ fn summarize(args: &Args, r0: &RankReport) -> Result<(), BoxError> {
         human(peak),
         human(unsharded)
     );
+    if args.device.is_cuda() {
+        println!(
+            "device: peak tensor memory per rank {} on {}",
+            human(r0.device_peak_bytes.iter().copied().max().unwrap_or(0)),
+            args.device
+        );
+    }
     let rss = common::peak_rss_bytes();
     println!(
         "init: {} per rank at most while materialising (its shards: {}); process peak RSS {}",
@@ -767,6 +802,7 @@ fn summarize(args: &Args, r0: &RankReport) -> Result<(), BoxError> {
             "step_time_s": r0.step_time_s,
             "peak_bytes_per_rank": r0.peak_bytes,
             "init_peak_bytes_per_rank": r0.init_peak_bytes,
+            "device_peak_bytes_per_rank": r0.device_peak_bytes,
             "peak_rss_bytes": rss,
         });
         common::write_atomic(path, &serde_json::to_string_pretty(&json)?)?;

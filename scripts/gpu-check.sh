@@ -5,6 +5,7 @@
 # rates beside PyTorch's on the same shapes, and a summary table last.
 #
 #   scripts/gpu-check.sh [DIR]    # DIR holds the prebuilt binaries (default .gpu)
+#   SKIP_BENCH=1 scripts/gpu-check.sh   # the checks without the timings
 #
 # Build the binaries on any x86-64 machine first:
 #   scripts/gpu-build.sh          # -> .gpu/cuda-tests, .gpu/bench_cuda
@@ -36,6 +37,38 @@ echo "== DTensor on one GPU (against the host)"
 timeout 150 "$DIR/cuda-dtensor-tests" --ignored --test-threads=1 --nocapture 2>&1 | tee "$OUT/dtensor.log"
 [ "${PIPESTATUS[0]}" = 0 ] || status=1
 
+echo "== train --device cuda against PyTorch's losses (tests/data/tiny_reference.json)"
+D=tests/data
+train() {
+    name=$1
+    shift
+    timeout 120 "$DIR/train" --device cuda --steps 20 --init $D/tiny_init.safetensors \
+        --tokens $D/tiny_tokens_G16.safetensors --losses-out "$OUT/$name.json" "$@" >"$OUT/$name.log" 2>&1 ||
+        { echo "$name failed:"; tail -3 "$OUT/$name.log"; status=1; }
+}
+train single_G8 --world-size 1 --batch 8
+train fsdp_W2_G8 --world-size 2 --batch 4
+train fsdp_tp_2x2_G8 --world-size 4 --tp 2 --batch 4
+train fsdp_W2_G8_bf16 --world-size 2 --batch 4 --mixed-precision bf16
+$PY - "$OUT" <<'PYEOF' || status=1
+import json, os, sys
+out = sys.argv[1]
+ref = json.load(open("tests/data/tiny_reference.json"))["runs"]
+bad = 0
+for run, tol in [("single_G8", 1e-5), ("fsdp_W2_G8", 1e-5), ("fsdp_tp_2x2_G8", 1e-5), ("fsdp_W2_G8_bf16", 1e-3)]:
+    p = os.path.join(out, run + ".json")
+    if not os.path.exists(p):
+        print(f"parity {run:<18} no result"); bad += 1; continue
+    got = json.load(open(p))["loss"]
+    want = ref[run]["loss"]
+    worst = max(abs(a - b) for a, b in zip(got, want))
+    ok = len(got) == len(want) and worst <= tol
+    bad += not ok
+    print(f"parity {run:<18} max |dloss| {worst:.2e} over {len(got)} steps (tolerance {tol:g}) {'ok' if ok else 'FAILED'}")
+sys.exit(1 if bad else 0)
+PYEOF
+
+if [ -z "${SKIP_BENCH:-}" ]; then
 echo "== bench_cuda"
 timeout 100 "$DIR/bench_cuda" --reps 20 2>&1 | tee "$OUT/bench.txt"
 [ "${PIPESTATUS[0]}" = 0 ] || status=1
@@ -89,6 +122,7 @@ for k, (ms, rate, unit) in ours.items():
     ratio = f"{rate / t[1]:.2f}" if t and t[1] > 0 else "-"
     print(f"{k[0]:<40} {k[1]:<5} ours {rate:9.1f} torch {t[1] if t else float('nan'):9.1f} {unit:<8} ratio {ratio}")
 PYEOF
+fi
 grep -E "^test result|FAILED|panicked" "$OUT/tests.log" "$OUT/dtensor.log" | tail -8
 echo "gpu-check exit $status"
 exit $status

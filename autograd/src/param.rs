@@ -365,7 +365,8 @@ impl Param {
 
     /// Materialises a deferred parameter with this rank's local shard, which
     /// `local` computes from the mesh and layout (a materialised parameter is left
-    /// as it is, and `local` is not called). Not collective.
+    /// as it is, and `local` is not called), on the mesh's
+    /// [device](DeviceMesh::device). Not collective.
     ///
     /// # Errors
     /// Whatever `local` fails with; a local tensor of another shape or dtype than
@@ -389,6 +390,8 @@ impl Param {
                 ),
             });
         }
+        // Made on the host, kept on the mesh's device.
+        let t = t.to(mesh.device())?;
         self.set_value(DTensor::from_local_with_layout(t, &mesh, layout)?);
         Ok(())
     }

@@ -159,7 +159,9 @@ pub fn distribute_tensor_with_order_from(
         0,
         "distributing a replicated tensor needs no communication"
     );
-    let local = redistribute::execute(&full, mesh, &plan)?;
+    // The piece moves to the mesh's device after it is cut (the whole tensor
+    // never goes there).
+    let local = redistribute::execute(&full, mesh, &plan)?.to(mesh.device())?;
     Ok(DTensor {
         local,
         spec: DTensorSpec::new(mesh, dst)?,
@@ -231,6 +233,34 @@ impl DTensor {
     /// otherwise. The spec is unchanged: an in-place update of the local piece.
     pub fn try_local_mut_slice<T: tessera_mesh::Element>(&mut self) -> Option<&mut [T]> {
         self.local.try_as_mut_slice()
+    }
+
+    /// Runs `f` on this rank's local tensor for an in-place update (a device
+    /// optimizer step): the spec is kept, so `f` must leave the local tensor's
+    /// shape, dtype and device as they were.
+    ///
+    /// # Errors
+    /// Whatever `f` returns; [`Error::Placement`] when `f` changed the shape,
+    /// dtype or device (a bug in `f`: the DTensor must then be dropped).
+    pub fn update_local(&mut self, f: impl FnOnce(&mut Tensor) -> Result<()>) -> Result<()> {
+        let before = (self.local.shape().to_vec(), self.local.dtype(), self.local.device());
+        f(&mut self.local)?;
+        let l = &self.local;
+        if (l.shape(), l.dtype(), l.device()) != (&before.0[..], before.1, before.2) {
+            return Err(Error::Placement {
+                op: "update_local",
+                detail: format!(
+                    "an in-place update turned the local {} {:?} on {} into {} {:?} on {}",
+                    before.1,
+                    before.0,
+                    before.2,
+                    l.dtype(),
+                    l.shape(),
+                    l.device()
+                ),
+            });
+        }
+        Ok(())
     }
 
     /// The spec.

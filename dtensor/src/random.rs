@@ -77,7 +77,8 @@ impl DTensor {
         }
         let spec = DTensorSpec::new(mesh, layout)?;
         let (offset, local_shape) = spec.layout().local_region(mesh.coordinate())?;
-        let local = fill_region(dist, key, spec.shape(), &offset, &local_shape, spec.dtype())?;
+        // Drawn on the host (the counter-based stream is the host's), then moved.
+        let local = fill_region(dist, key, spec.shape(), &offset, &local_shape, spec.dtype())?.to(mesh.device())?;
         Ok(DTensor::from_parts(local, spec))
     }
 }

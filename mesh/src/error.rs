@@ -113,6 +113,10 @@ pub enum Error {
     #[error("invalid mesh: {0}")]
     Mesh(String),
 
+    /// A device name that is not one (`"gpu"` for `"cuda"`).
+    #[error("invalid device: {0}")]
+    Device(String),
+
     /// Bad launch arguments or a backend that could not start.
     #[error("launch: {0}")]
     Launch(String),

@@ -32,6 +32,7 @@ pub mod agree;
 pub mod callsite;
 mod comm;
 pub mod context;
+mod device;
 mod device_mesh;
 mod dtype;
 mod env;
@@ -50,6 +51,7 @@ mod threads;
 pub mod vars;
 
 pub use comm::{Communicator, CommunicatorExt, ReduceOp, Work};
+pub use device::Device;
 pub use device_mesh::{DeviceMesh, DimRef};
 pub use dtype::{Buf, BufMut, Buffer, DType, Element};
 pub use env::{MpiEnv, is_lead_process, mpi_env};

@@ -31,7 +31,6 @@
 pub mod alloc;
 #[cfg(feature = "cuda")]
 pub mod cuda;
-mod device;
 mod error;
 pub mod kernel;
 pub mod memory;
@@ -41,9 +40,8 @@ pub mod random;
 pub mod rng;
 mod tensor;
 
-pub use device::Device;
 pub use error::{Error, Result};
 /// The element types of the half-precision dtypes (`DType::BF16`, `DType::F16`).
 pub use half::{bf16, f16};
 pub use tensor::{Tensor, chunk_size_and_offset};
-pub use tessera_mesh::{DType, Element};
+pub use tessera_mesh::{DType, Device, Element};

@@ -256,13 +256,23 @@ impl super::PerParam for AdamW {
                 }
             }
             None => {
-                let n = r.value.to_local().numel();
+                let local = r.value.to_local();
+                let (n, device) = (local.numel(), local.device());
+                if device.is_cuda() && r.dtype != DType::F32 {
+                    return Err(Error::Config {
+                        op: OP,
+                        detail: format!(
+                            "parameter {name} computes in {} on {device}; the GPU step takes f32 parameters",
+                            r.dtype
+                        ),
+                    });
+                }
                 self.state[r.index] = Some(Slot {
                     layout: r.value.layout().clone(),
                     dtype: r.dtype,
                     step: 0,
-                    exp_avg: StateVec::zeros(r.dtype, n),
-                    exp_avg_sq: StateVec::zeros(r.dtype, n),
+                    exp_avg: StateVec::zeros_on(r.dtype, n, device)?,
+                    exp_avg_sq: StateVec::zeros_on(r.dtype, n, device)?,
                 });
             }
         }
@@ -270,6 +280,10 @@ impl super::PerParam for AdamW {
     }
 
     fn update<F: Real>(&mut self, r: Ready) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        if r.value.to_local().is_cuda() {
+            return self.update_on_device(r);
+        }
         let p = &self.params[r.index];
         // INVARIANT: `prepare` created the slot for every ready parameter.
         let slot = self.state[r.index].as_mut().expect("state prepared");
@@ -290,6 +304,55 @@ impl super::PerParam for AdamW {
             });
         }
         update_local::<F>(p, r.value, |data| kernel(&scalars, data, &grad, m, v))?;
+        slot.step += 1;
+        Ok(())
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl AdamW {
+    /// [`update`](super::PerParam::update) of a parameter on a GPU: the
+    /// device kernel with the host's f32 scalars, in place on the parameter's
+    /// local tensor and the moments.
+    fn update_on_device(&mut self, r: Ready) -> Result<()> {
+        let p = &self.params[r.index];
+        // INVARIANT: `prepare` created the slot for every ready parameter.
+        let slot = self.state[r.index].as_mut().expect("state prepared");
+        let s = Scalars::<f32>::new(&self.config, slot.step + 1);
+        let scalars = tessera_tensor::cuda::AdamScalars {
+            decay: s.decay,
+            lerp_weight: s.lerp_weight,
+            beta2: s.beta2,
+            one_minus_beta2: s.one_minus_beta2,
+            bias_correction2_sqrt: s.bias_correction2_sqrt,
+            eps: s.eps,
+            neg_step_size: s.neg_step_size,
+            lerp_small: i32::from(s.lerp_small),
+        };
+        let grad = r.grad.to_local().cast(DType::F32)?;
+        let (m, v) = (&mut slot.exp_avg, &mut slot.exp_avg_sq);
+        let (Some(m), Some(v)) = (m.device_mut(), v.device_mut()) else {
+            return Err(Error::Config {
+                op: OP,
+                detail: format!("the state of {} is on the host but the parameter is on a GPU", p.name()),
+            });
+        };
+        // The copy of the value `ready_param` took goes first, so that the
+        // parameter may hold its storage alone and be updated in place.
+        drop(r.value);
+        let mut current = p.value_mut()?;
+        current.update_local(|local| {
+            let flat_grad = grad.reshape(&[grad.numel()])?;
+            let mut flat = local.reshape(&[local.numel()])?;
+            // `reshape` of a contiguous tensor is a view: the local tensor is
+            // released while the kernel runs so the view holds the storage alone.
+            let shape = local.shape().to_vec();
+            *local = tessera_tensor::Tensor::scalar(0.0, DType::F32)?;
+            let stepped = tessera_tensor::cuda::adamw_step(&mut flat, &flat_grad, m, v, scalars);
+            // Back in place first, whether or not the step ran.
+            *local = flat.reshape(&shape)?;
+            Ok(stepped?)
+        })?;
         slot.step += 1;
         Ok(())
     }

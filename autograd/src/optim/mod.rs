@@ -386,6 +386,8 @@ pub(crate) fn with_local<F: Real>(value: &DTensor, data: Vec<F>) -> Result<DTens
 /// dtype, charged to the rank's memory tracker.
 pub(crate) struct StateVec {
     data: Buffer,
+    /// The state on a GPU (then `data` is empty): the device tensor, flat.
+    device: Option<Tensor>,
     _charge: Allocation,
 }
 
@@ -398,7 +400,12 @@ impl StateVec {
             dtype: self.data.dtype(),
             ..layout.clone()
         };
-        let local = Tensor::from_buffer(self.data.clone(), &layout.local_shape(value.mesh().coordinate())?)?;
+        let shape = layout.local_shape(value.mesh().coordinate())?;
+        let local = match &self.device {
+            // A host copy: the state stays the optimizer's alone (updated in place).
+            Some(t) => t.to(tessera_tensor::Device::Cpu)?.reshape(&shape)?,
+            None => Tensor::from_buffer(self.data.clone(), &shape)?,
+        };
         Ok(DTensor::from_local_with_layout(local, value.mesh(), layout)?)
     }
 
@@ -420,23 +427,55 @@ impl StateVec {
                 ),
             });
         }
+        let device = now.to_local().device();
+        if device.is_cuda() {
+            let flat = t.to_local().reshape(&[t.to_local().numel()])?.to(device)?;
+            // A copy the optimizer holds alone (the loaded tensor may be shared).
+            let own = Tensor::assemble(flat.shape(), flat.dtype(), device, &[(&[0][..], &flat)])?;
+            return Ok(StateVec {
+                data: Buffer::zeros(own.dtype(), 0),
+                device: Some(own),
+                _charge: Allocation::charge(0),
+            });
+        }
         let data = t.to_local().to_buffer();
         let bytes = data.len() * data.dtype().size_in_bytes();
         Ok(StateVec {
             data,
+            device: None,
             _charge: Allocation::charge(bytes),
         })
     }
 
     pub(crate) fn dtype(&self) -> DType {
-        self.data.dtype()
+        self.device.as_ref().map_or(self.data.dtype(), Tensor::dtype)
     }
 
     pub(crate) fn zeros(dtype: DType, len: usize) -> StateVec {
         StateVec {
             data: Buffer::zeros(dtype, len),
+            device: None,
             _charge: Allocation::charge(len * dtype.size_in_bytes()),
         }
+    }
+
+    /// Zeros on `device` (the host's [`zeros`](Self::zeros) for the CPU; a
+    /// device tensor, charged to the rank's device bytes, for a GPU).
+    pub(crate) fn zeros_on(dtype: DType, len: usize, device: tessera_tensor::Device) -> Result<StateVec> {
+        if !device.is_cuda() {
+            return Ok(StateVec::zeros(dtype, len));
+        }
+        Ok(StateVec {
+            data: Buffer::zeros(dtype, 0),
+            device: Some(Tensor::assemble(&[len], dtype, device, &[])?),
+            _charge: Allocation::charge(0),
+        })
+    }
+
+    /// The state's device tensor, when it lives on a GPU.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn device_mut(&mut self) -> Option<&mut Tensor> {
+        self.device.as_mut()
     }
 
     /// The elements as `F`.

@@ -173,6 +173,16 @@ impl super::PerParam for Sgd {
     }
 
     fn prepare(&mut self, r: &Ready) -> Result<()> {
+        if r.value.to_local().is_cuda() {
+            return Err(Error::Config {
+                op: OP,
+                detail: format!(
+                    "parameter {} is on {}: SGD has no GPU step yet; use AdamW, or train on the CPU",
+                    self.params[r.index].name(),
+                    r.value.to_local().device()
+                ),
+            });
+        }
         let name = self.params[r.index].name();
         match &self.state[r.index] {
             Some(slot) => {

@@ -171,7 +171,7 @@ impl DTensor {
     /// # Errors
     /// Never for a valid tensor.
     pub fn zeros_like(&self) -> Result<DTensor> {
-        let local = Tensor::zeros(self.to_local().shape(), self.dtype())?;
+        let local = Tensor::assemble(self.to_local().shape(), self.dtype(), self.to_local().device(), &[])?;
         DTensor::from_local_with_layout(local, self.mesh(), self.layout().clone())
     }
 
@@ -180,7 +180,12 @@ impl DTensor {
     /// # Errors
     /// A layout that does not fit the mesh.
     pub fn zeros_with_layout(mesh: &tessera_mesh::DeviceMesh, layout: &crate::Layout) -> Result<DTensor> {
-        let local = Tensor::zeros(&layout.local_shape(mesh.coordinate())?, layout.dtype)?;
+        let local = Tensor::assemble(
+            &layout.local_shape(mesh.coordinate())?,
+            layout.dtype,
+            mesh.device(),
+            &[],
+        )?;
         DTensor::from_local_with_layout(local, mesh, layout.clone())
     }
 
@@ -209,7 +214,8 @@ impl DTensor {
         };
         let layout = crate::Layout::with_order(&l.mesh_shape, &placements, order, &l.shape, l.dtype)?;
         let shape = layout.local_shape(self.mesh().coordinate())?;
-        DTensor::from_local_with_layout(Tensor::full(&shape, value, self.dtype())?, self.mesh(), layout)
+        let local = Tensor::full(&shape, value, self.dtype())?.to(self.to_local().device())?;
+        DTensor::from_local_with_layout(local, self.mesh(), layout)
     }
 
     /// `x · s`: linear, so shards and partial values are kept.

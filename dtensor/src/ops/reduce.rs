@@ -50,7 +50,7 @@ impl DTensor {
         dispatch("max", &[self], &cands, &out, self.dtype(), |l, _| {
             if dims.iter().any(|&d| l[0].shape()[d] == 0) {
                 let shape = reduced_shape("max", l[0].shape(), dims, keepdim)?;
-                return Ok(Tensor::full(&shape, f64::NEG_INFINITY, l[0].dtype())?);
+                return Ok(Tensor::full(&shape, f64::NEG_INFINITY, l[0].dtype())?.to(l[0].device())?);
             }
             Ok(l[0].max(dims, keepdim)?)
         })

@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use smallvec::SmallVec;
 
-use crate::{CommCounts, Communicator, Error, Result};
+use crate::{CommCounts, Communicator, Device, Error, Result};
 
 #[cfg(test)]
 mod tests;
@@ -58,6 +58,8 @@ struct Inner {
     dim_comm_ids: Vec<u64>,
     /// Multi-dim slices made so far, by dim indices (see [`DeviceMesh::slice`]).
     slices: RefCell<Vec<(Vec<usize>, DeviceMesh)>>,
+    /// Where this mesh's ranks compute (see [`DeviceMesh::on_device`]).
+    device: crate::Device,
 }
 
 /// A fresh process-wide number for a communicator a mesh holds.
@@ -169,6 +171,7 @@ impl DeviceMesh {
                 dim_comm_ids: dim_comms.iter().map(|_| next_comm_id()).collect(),
                 dim_comms,
                 slices: RefCell::default(),
+                device: Device::Cpu,
             }),
         })
     }
@@ -245,6 +248,35 @@ impl DeviceMesh {
     /// [`same_as`](Self::same_as) compares, so error messages can name it.
     pub fn comm_id(&self) -> u64 {
         self.inner.comm_id
+    }
+
+    /// Where this mesh's ranks compute: DTensors distributed onto it, made by
+    /// materialisation or built by ops put their local tensors there.
+    /// PyTorch: `DeviceMesh.device_type`.
+    pub fn device(&self) -> Device {
+        self.inner.device
+    }
+
+    /// This mesh with its ranks computing on `device` (PyTorch:
+    /// `init_device_mesh("cuda", shape)`); the meshes later made from it
+    /// ([`dim`](Self::dim), [`slice`](Self::slice), ...) inherit it. It shares
+    /// this mesh's communicators.
+    pub fn on_device(self, device: Device) -> DeviceMesh {
+        let i = &self.inner;
+        DeviceMesh {
+            inner: Rc::new(Inner {
+                shape: i.shape.clone(),
+                names: i.names.clone(),
+                ranks: i.ranks.clone(),
+                coord: i.coord.clone(),
+                comm: Rc::clone(&i.comm),
+                dim_comms: i.dim_comms.clone(),
+                comm_id: i.comm_id,
+                dim_comm_ids: i.dim_comm_ids.clone(),
+                slices: RefCell::default(),
+                device,
+            }),
+        }
     }
 
     /// Counters of the collectives this rank has issued (all its communicators).

@@ -37,6 +37,7 @@ impl DeviceMesh {
                 comm_id: inner.dim_comm_ids[i],
                 dim_comm_ids: vec![inner.dim_comm_ids[i]],
                 slices: RefCell::default(),
+                device: self.inner.device,
             }),
         })
     }
@@ -112,6 +113,7 @@ impl DeviceMesh {
                 comm_id: inner.comm_id,
                 dim_comm_ids,
                 slices: RefCell::default(),
+                device: self.inner.device,
             }),
         })
     }
@@ -196,6 +198,7 @@ impl DeviceMesh {
                 comm_id: inner.comm_id,
                 dim_comm_ids,
                 slices: RefCell::default(),
+                device: self.inner.device,
             }),
         })
     }
@@ -287,6 +290,7 @@ impl DeviceMesh {
                 comm_id: next_comm_id(),
                 dim_comm_ids: idx.iter().map(|&d| inner.dim_comm_ids[d]).collect(),
                 slices: RefCell::default(),
+                device: self.inner.device,
             }),
         };
         inner.slices.borrow_mut().push((idx, sliced.clone()));

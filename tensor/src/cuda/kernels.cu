@@ -602,20 +602,24 @@ extern "C" __global__ void reduce_peers_i64(i64* out, Peers peers, i64 offset, i
 
 // ---- optimizer ---------------------------------------------------------------------------
 
-// One AdamW step in place (PyTorch's `torch.optim.AdamW`, not fused): decoupled
-// weight decay, bias-corrected moments; p, m, v in f32 or the parameter dtype.
-template <typename T> __device__ void adamw(T* p, const T* g, T* m, T* v, i64 n, double lr, double b1, double b2, double eps,
-                                            double wd, double bc1, double bc2) {
+// One AdamW step in place, PyTorch's `_single_tensor_adam` with decoupled
+// weight decay, in f32 with the host's scalars and operation order (so the
+// result has the host kernel's bits): lerp for the first moment, no fused
+// multiply-adds elsewhere.
+struct AdamScalars {
+    float decay, lerp_weight, beta2, one_minus_beta2, bias_correction2_sqrt, eps, neg_step_size;
+    int lerp_small;
+};
+extern "C" __global__ void adamw_f32(float* p, const float* g, float* m, float* v, i64 n, AdamScalars s) {
+    float w = s.lerp_weight, w1 = s.lerp_weight - 1.0f;
     GRID_LOOP(i, n) {
-        float pi = to_f(p[i]), gi = to_f(g[i]);
-        pi = pi * (float)(1.0 - lr * wd);
-        float mi = (float)b1 * to_f(m[i]) + (float)(1.0 - b1) * gi;
-        float vi = (float)b2 * to_f(v[i]) + (float)(1.0 - b2) * gi * gi;
-        float denom = sqrtf(vi) / (float)sqrt(bc2) + (float)eps;
-        pi = pi - (float)(lr / bc1) * (mi / denom);
-        p[i] = from_f<T>(pi);
-        m[i] = from_f<T>(mi);
-        v[i] = from_f<T>(vi);
+        float pi = p[i] * s.decay;
+        float gi = g[i];
+        float mi = s.lerp_small ? fmaf(w, gi - m[i], m[i]) : fmaf(w1, gi - m[i], gi);
+        float vi = v[i] * s.beta2 + s.one_minus_beta2 * gi * gi;
+        float denom = sqrtf(vi) / s.bias_correction2_sqrt + s.eps;
+        p[i] = pi + s.neg_step_size * mi / denom;
+        m[i] = mi;
+        v[i] = vi;
     }
 }
-extern "C" __global__ void adamw_f32(float* p, const float* g, float* m, float* v, i64 n, double lr, double b1, double b2, double eps, double wd, double bc1, double bc2) { adamw(p, g, m, v, n, lr, b1, b2, eps, wd, bc1, bc2); }

@@ -101,23 +101,24 @@ pub fn synchronize(ordinal: usize) -> Result<()> {
     s.comm.synchronize().map_err(|e| driver::cuda_error("synchronize", e))
 }
 
-/// One AdamW step in place, on the GPU (PyTorch: `torch.optim.AdamW`'s
-/// single-tensor update): with `t = step` (counting from 1),
-/// `m = β₁m + (1-β₁)g`, `v = β₂v + (1-β₂)g²`,
-/// `p = p(1 - lr·λ) - lr/(1-β₁ᵗ) · m / (√v/√(1-β₂ᵗ) + ε)`.
-/// `hyper` is `(lr, β₁, β₂, ε, λ)`. Every tensor is contiguous f32 on one GPU,
-/// and `param`, `exp_avg` and `exp_avg_sq` each hold their storage alone.
+pub use ops::AdamScalars;
+
+/// One AdamW step in place on the GPU: PyTorch's `torch.optim.AdamW`
+/// single-tensor update with the per-step `scalars` (rounded to f32 as the host
+/// kernel rounds them), in the host kernel's order of operations:
+/// `p ← p·decay`, `m ← lerp(m, g, 1−β₁)`, `v ← β₂v + (1−β₂)g²`,
+/// `p ← p − step · m / (√v / √(1−β₂ᵗ) + ε)`. Every tensor is f32 on one GPU
+/// with the same element count; a tensor whose storage another handle shares
+/// is copied first (the other handle sees no change).
 ///
 /// # Errors
-/// [`Error::Device`](crate::Error::Device) for other dtypes, layouts, sizes,
-/// shared storage or devices.
+/// [`Error::Device`](crate::Error::Device) for other dtypes, sizes or devices.
 pub fn adamw_step(
     param: &mut crate::Tensor,
     grad: &crate::Tensor,
     exp_avg: &mut crate::Tensor,
     exp_avg_sq: &mut crate::Tensor,
-    hyper: (f64, f64, f64, f64, f64),
-    step: u64,
+    scalars: AdamScalars,
 ) -> Result<()> {
-    ops::adamw_step(param, grad, exp_avg, exp_avg_sq, hyper, step)
+    ops::adamw_step(param, grad, exp_avg, exp_avg_sq, scalars)
 }

@@ -1030,24 +1030,57 @@ pub(crate) fn reduce_peers(
     Ok(())
 }
 
-/// One AdamW step in place on f32 device tensors `p`, `m`, `v` (each the sole
-/// holder of its storage) with gradient `g`.
+/// The per-step scalars of an AdamW step, in f32 (`kernels.cu`'s `AdamScalars`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct AdamScalars {
+    /// `1 − lr·λ`.
+    pub decay: f32,
+    /// `1 − β₁` (the weight of `lerp`).
+    pub lerp_weight: f32,
+    /// `β₂`.
+    pub beta2: f32,
+    /// `1 − β₂`.
+    pub one_minus_beta2: f32,
+    /// `√(1 − β₂ᵗ)`.
+    pub bias_correction2_sqrt: f32,
+    /// `ε`.
+    pub eps: f32,
+    /// `−lr / (1 − β₁ᵗ)`.
+    pub neg_step_size: f32,
+    /// Whether `|1 − β₁| < ½` (1 or 0; PyTorch's `lerp` switches formula there).
+    pub lerp_small: i32,
+}
+
+// SAFETY: plain old data laid out as the kernel's struct.
+unsafe impl DeviceRepr for AdamScalars {}
+
+/// A private copy of `t` when another handle shares its storage (copy on
+/// write), so that an in-place kernel changes nothing anyone else sees.
+fn make_unique(t: &mut Tensor) -> Result<()> {
+    if !t.is_sole_owner() {
+        *t = assemble(t.shape(), t.dtype(), t.device(), &[(&vec![0; t.rank()], t)])?;
+    }
+    Ok(())
+}
+
+/// One AdamW step in place on f32 device tensors `p`, `m`, `v` with gradient
+/// `g` (each of `p`, `m`, `v` copied first if another handle shares it).
 pub(crate) fn adamw_step(
     p: &mut Tensor,
     g: &Tensor,
     m: &mut Tensor,
     v: &mut Tensor,
-    (lr, beta1, beta2, eps, weight_decay): (f64, f64, f64, f64, f64),
-    step: u64,
+    scalars: AdamScalars,
 ) -> Result<()> {
     const OP: &str = "adamw";
     let s = streams_for(OP, &[p, g, m, v])?;
     for t in [&*p, g, &*m, &*v] {
-        if t.dtype() != DType::F32 || !t.is_contiguous() || t.numel() != p.numel() {
+        if t.dtype() != DType::F32 || t.numel() != p.numel() {
             return Err(Error::Device {
                 op: OP,
                 detail: format!(
-                    "the CUDA AdamW step takes contiguous f32 tensors of {} elements, got {} {:?}",
+                    "the CUDA AdamW step takes f32 tensors of {} elements, got {} {:?}",
                     p.numel(),
                     t.dtype(),
                     t.shape()
@@ -1055,16 +1088,12 @@ pub(crate) fn adamw_step(
             });
         }
     }
-    if !(p.is_sole_owner() && m.is_sole_owner() && v.is_sole_owner()) {
-        return Err(Error::Device {
-            op: OP,
-            detail: "the parameter and its moments must each be the only handle on their storage (drop other clones and views first)".into(),
-        });
+    let g = contiguous(g)?;
+    for t in [&mut *p, &mut *m, &mut *v] {
+        make_unique(t)?;
     }
     let n = p.numel() as i64;
-    let step = i32::try_from(step).unwrap_or(i32::MAX);
-    let (bc1, bc2) = (1.0 - beta1.powi(step), 1.0 - beta2.powi(step));
-    let (pp, gp, mp, vp) = (ptr(p), ptr(g), ptr(m), ptr(v));
+    let (pp, gp, mp, vp) = (ptr(p), ptr(&g), ptr(m), ptr(v));
     launch!(
         s,
         OP,
@@ -1075,12 +1104,6 @@ pub(crate) fn adamw_step(
         &mp,
         &vp,
         &n,
-        &lr,
-        &beta1,
-        &beta2,
-        &eps,
-        &weight_decay,
-        &bc1,
-        &bc2
+        &scalars
     )
 }

@@ -453,3 +453,23 @@ mod tests {
         );
     }
 }
+
+#[cfg(test)]
+mod device_tests {
+    use crate::{DType, Device, Tensor};
+
+    #[test]
+    fn host_tensors_and_moves() {
+        let t = Tensor::arange(3, DType::F32).unwrap();
+        assert_eq!((t.device(), t.is_cuda()), (Device::Cpu, false));
+        assert!(
+            t.to(Device::Cpu).unwrap().shares_storage(&t),
+            "a move to where it is does not copy"
+        );
+        #[cfg(not(feature = "cuda"))]
+        {
+            let e = t.to(Device::Cuda(0)).unwrap_err().to_string();
+            assert!(e.contains("--features cuda"), "{e}");
+        }
+    }
+}
