@@ -137,8 +137,8 @@ fn device_buckets_equal_host() {
 }
 
 /// The tiny Transformer's loss and gradients on the GPU equal the host's, on
-/// one rank and under FSDP on 2 ranks sharing the GPU (parameters moved to
-/// the GPU after materialisation; tokens on the GPU).
+/// one rank and under FSDP on 2 ranks sharing the GPU (a mesh on the GPU:
+/// parameters materialised there, tokens distributed there).
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn tiny_transformer_forward_backward_on_gpu() {
@@ -150,7 +150,7 @@ fn tiny_transformer_forward_backward_on_gpu() {
 
     for world in [1, 2] {
         let out = launch(world, move |ctx| {
-            let mesh = DeviceMesh::new(ctx.into_comm(), &[world])?;
+            let host_mesh = DeviceMesh::new(ctx.into_comm(), &[world])?;
             let cfg = TransformerConfig::TINY;
             let rows = Tensor::from_vec(
                 tessera::data::batch(tessera::data::DATA_SEED, 0, 0..4, cfg.seq + 1, cfg.vocab as u64),
@@ -158,6 +158,7 @@ fn tiny_transformer_forward_backward_on_gpu() {
             )?;
             let mut results = Vec::new();
             for device in [Device::Cpu, GPU] {
+                let mesh = host_mesh.clone().on_device(device);
                 let model = Transformer::new(cfg, &mesh, DType::F32)?;
                 if world > 1 {
                     model.fully_shard(&mesh, &FsdpConfig::default())?;

@@ -49,7 +49,7 @@ pub(crate) fn expand_like(g: &DTensor, like: &DTensor) -> tessera_dtensor::Resul
 /// small helpers of backward rules).
 pub(crate) fn map_f64(t: &Tensor, f: impl Fn(f64) -> f64) -> tessera_dtensor::Result<Tensor> {
     let v: Vec<f64> = t.to_f64_vec().into_iter().map(f).collect();
-    Ok(Tensor::from_vec(v, t.shape())?.cast(t.dtype())?)
+    Ok(Tensor::from_vec(v, t.shape())?.cast(t.dtype())?.to(t.device())?)
 }
 
 impl Var {

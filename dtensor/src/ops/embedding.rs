@@ -139,7 +139,7 @@ fn masked_embedding(table: &Tensor, indices: &Tensor, offset: usize, vocab: usiz
     let mut out_shape = indices.shape().to_vec();
     out_shape.push(table.shape()[1]);
     if rows == 0 {
-        return Ok(Tensor::zeros(&out_shape, table.dtype())?);
+        return Ok(Tensor::zeros(&out_shape, table.dtype())?.to(table.device())?);
     }
     let mine = |i: i64| (offset..offset + rows).contains(&(i as usize));
     let local: Vec<i64> = idx
@@ -149,8 +149,11 @@ fn masked_embedding(table: &Tensor, indices: &Tensor, offset: usize, vocab: usiz
     let mask: Vec<f64> = idx.iter().map(|&i| f64::from(u8::from(mine(i)))).collect();
     let mut mask_shape = indices.shape().to_vec();
     mask_shape.push(1);
-    let looked = table.embedding(&Tensor::from_vec(local, indices.shape())?)?;
-    Ok(looked.mul(&Tensor::from_vec(mask, &mask_shape)?.cast(table.dtype())?)?)
+    // The shifted indices and the mask are made on the host (the indices
+    // were read there to check them) and go where the table is.
+    let device = table.device();
+    let looked = table.embedding(&Tensor::from_vec(local, indices.shape())?.to(device)?)?;
+    Ok(looked.mul(&Tensor::from_vec(mask, &mask_shape)?.cast(table.dtype())?.to(device)?)?)
 }
 
 /// The output placements of `embedding_backward` for its inputs' layouts after

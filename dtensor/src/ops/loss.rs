@@ -154,7 +154,9 @@ impl DTensor {
                 let offset = ctx.offset(0)?[cd];
                 let (total, row_lse) = class_parallel_rows(mesh, &class_dims, &l[0], &l[1], offset, vocab, wire)?;
                 lse = Some(row_lse);
-                Ok(Tensor::from_vec(vec![total * scale], &[])?.cast(l[0].dtype())?)
+                Ok(Tensor::from_vec(vec![total * scale], &[])?
+                    .cast(l[0].dtype())?
+                    .to(l[0].device())?)
             },
         )?;
         let layout = Layout::new(mesh.shape(), targets.placements(), targets.shape(), DType::F64)?;
@@ -243,7 +245,9 @@ impl DTensor {
                         }
                     }
                 }
-                Ok(Tensor::from_vec(x, l[0].shape())?.cast(l[0].dtype())?)
+                Ok(Tensor::from_vec(x, l[0].shape())?
+                    .cast(l[0].dtype())?
+                    .to(l[0].device())?)
             },
         )
     }
@@ -271,7 +275,7 @@ impl DTensor {
             |l, _| {
                 let n = l[1].numel();
                 if n == 0 {
-                    return Ok(Tensor::zeros(l[0].shape(), l[0].dtype())?);
+                    return Ok(Tensor::zeros(l[0].shape(), l[0].dtype())?.to(l[0].device())?);
                 }
                 let flat = l[0].reshape(&[n, c])?;
                 let t = l[1].contiguous().reshape(&[n])?;
@@ -366,7 +370,7 @@ fn class_parallel_rows(
     all_reduce_rows(mesh, class_dims, &mut stats, ReduceOp::Sum, wire)?;
     let lse: Vec<f64> = (0..n).map(|i| stats[i].ln() + max[i]).collect();
     let total = lse.iter().zip(&stats[n..]).map(|(l, x)| l - x).sum();
-    Ok((total, Tensor::from_vec(lse, targets.shape())?))
+    Ok((total, Tensor::from_vec(lse, targets.shape())?.to(logits.device())?))
 }
 
 /// All-reduces `buf` with `op` over the mesh dims `dims` (one collective over the

@@ -136,7 +136,9 @@ impl Tensor {
         attn.check(OP, self.shape(), k.shape(), v.shape())?;
         same_dtype(OP, self, k)?;
         same_dtype(OP, self, v)?;
-        if self.shape().iter().chain(k.shape()).chain(v.shape()).any(|&d| d == 0) {
+        // On a GPU (and for empty shapes) the chain of ops: products on
+        // cuBLAS and the softmax kernel.
+        if self.is_cuda() || self.shape().iter().chain(k.shape()).chain(v.shape()).any(|&d| d == 0) {
             return chain_forward(self, k, v, attn);
         }
         match self.dtype() {
@@ -181,7 +183,7 @@ impl Tensor {
         if need == [false; 3] {
             return Ok([None, None, None]);
         }
-        if q.shape().iter().chain(k.shape()).chain(v.shape()).any(|&d| d == 0) {
+        if self.is_cuda() || q.shape().iter().chain(k.shape()).chain(v.shape()).any(|&d| d == 0) {
             return chain_backward(self, q, k, v, probs, attn, need);
         }
         match self.dtype() {

@@ -56,7 +56,8 @@ impl Storage {
             Data::Cuda(b) => Err(Error::Device {
                 op: "host access",
                 detail: format!(
-                    "the tensor is on cuda:{}; copy it to the host first with .to(Device::Cpu)",
+                    "the tensor is on cuda:{}, and this operation reads its elements on the host \
+                     (it has no CUDA kernel yet); copy it with .to(Device::Cpu) first",
                     b.ordinal()
                 ),
             }),
