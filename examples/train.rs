@@ -354,6 +354,10 @@ struct RankReport {
     init_peak_bytes: Vec<usize>,
     /// Peak bytes of device tensors per rank (0 on the CPU).
     device_peak_bytes: Vec<usize>,
+    /// On a GPU: the caching allocator's reserved bytes after each step, and
+    /// its peak allocated and reserved bytes (all ranks on the GPU together).
+    device_reserved_bytes: Vec<usize>,
+    device_allocator_peaks: (usize, usize),
     init_local_bytes: Vec<usize>,
     /// Bytes this rank read resuming, and the seconds it took.
     resume_bytes: u64,
@@ -710,6 +714,9 @@ fn train_rank(ctx: RankCtx, args: &Args, tokens: Option<&Tensor>) -> Result<Rank
         let value = train_step(args, &mut job, tokens, step)?;
         report.losses.push(value);
         report.step_time_s.push(t.elapsed().as_secs_f64());
+        if let Some(stats) = device_memory(args)? {
+            report.device_reserved_bytes.push(stats.0);
+        }
         checkpoints.after_step(args, &job, step, &mut report)?;
         if rank == 0 {
             let done = step + 1 - report.first_step;
@@ -733,7 +740,22 @@ fn train_rank(ctx: RankCtx, args: &Args, tokens: Option<&Tensor>) -> Result<Rank
     let column = |i: usize| all.chunks(4).map(|c| c[i] as usize).collect();
     (report.peak_bytes, report.init_peak_bytes, report.init_local_bytes) = (column(0), column(1), column(2));
     report.device_peak_bytes = column(3);
+    if let Some((_, allocated, reserved)) = device_memory(args)? {
+        report.device_allocator_peaks = (allocated, reserved);
+    }
     Ok(report)
+}
+
+/// On a GPU: the caching allocator's reserved bytes now, and its peak
+/// allocated and reserved bytes (all ranks on the GPU together).
+fn device_memory(args: &Args) -> Result<Option<(usize, usize, usize)>, BoxError> {
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(n) = args.device {
+        let s = tessera::tensor::cuda::memory_stats(n)?;
+        return Ok(Some((s.reserved_bytes, s.peak_allocated_bytes, s.peak_reserved_bytes)));
+    }
+    let _ = args;
+    Ok(None)
 }
 
 /// Prints the run's summary from rank 0's report and writes `--losses-out`.
@@ -757,10 +779,18 @@ fn summarize(args: &Args, r0: &RankReport) -> Result<(), BoxError> {
         human(unsharded)
     );
     if args.device.is_cuda() {
+        let reserved = &r0.device_reserved_bytes;
         println!(
-            "device: peak tensor memory per rank {} on {}",
+            "device: peak tensor memory per rank {} (all ranks {}); the allocator on {}: peak in use {}, \
+             peak reserved {}, reserved after step 1 {} and after step {} {}",
             human(r0.device_peak_bytes.iter().copied().max().unwrap_or(0)),
-            args.device
+            human(r0.device_peak_bytes.iter().sum()),
+            args.device,
+            human(r0.device_allocator_peaks.0),
+            human(r0.device_allocator_peaks.1),
+            human(reserved.first().copied().unwrap_or(0)),
+            reserved.len(),
+            human(reserved.last().copied().unwrap_or(0)),
         );
     }
     let rss = common::peak_rss_bytes();
@@ -803,6 +833,9 @@ fn summarize(args: &Args, r0: &RankReport) -> Result<(), BoxError> {
             "peak_bytes_per_rank": r0.peak_bytes,
             "init_peak_bytes_per_rank": r0.init_peak_bytes,
             "device_peak_bytes_per_rank": r0.device_peak_bytes,
+            "device_reserved_bytes_per_step": r0.device_reserved_bytes,
+            "device_allocator_peak_allocated_bytes": r0.device_allocator_peaks.0,
+            "device_allocator_peak_reserved_bytes": r0.device_allocator_peaks.1,
             "peak_rss_bytes": rss,
         });
         common::write_atomic(path, &serde_json::to_string_pretty(&json)?)?;
