@@ -150,6 +150,10 @@ fn element_wise_and_reductions() {
                 .unwrap(),
             dtype,
         );
+        // Column sums over leading dims: uneven column tiles and row counts.
+        let big = rand(&[3, 1367, 333], dtype, 15);
+        check("sum dims 0,1 (columns)", &gpu(&big).sum(&[0, 1], false).unwrap(), &big.sum(&[0, 1], false).unwrap(), dtype);
+        check("mean dim 0 keepdim (columns)", &gpu(&big).mean(&[0], true).unwrap(), &big.mean(&[0], true).unwrap(), dtype);
         check(
             "sum dim 0",
             &da.sum(&[0], false).unwrap(),
@@ -230,6 +234,15 @@ fn transformer_ops() {
                 .layer_norm_backward_with_stats(&dh, &dmean, &drstd, Some(&dw))
                 .unwrap(),
             &gy.layer_norm_backward_with_stats(&h, &mean, &rstd, Some(&w)).unwrap(),
+            dtype,
+        );
+        let (hb, gb) = (rand(&[2000, 1030], dtype, 16), rand(&[2000, 1030], dtype, 17));
+        let (_, mb, rb) = hb.layer_norm_with_stats(None, None, 1e-5).unwrap();
+        let (_, dmb, drb) = gpu(&hb).layer_norm_with_stats(None, None, 1e-5).unwrap();
+        check(
+            "layer_norm_weight_grad 2000x1030",
+            &gpu(&gb).layer_norm_weight_grad_with_stats(&gpu(&hb), &dmb, &drb).unwrap(),
+            &gb.layer_norm_weight_grad_with_stats(&hb, &mb, &rb).unwrap(),
             dtype,
         );
         check(

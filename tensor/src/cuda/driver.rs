@@ -213,6 +213,15 @@ pub(crate) fn grid_1d(n: usize) -> LaunchConfig {
     }
 }
 
+/// Blocks of 32 columns × 32 lanes over `n` columns (`kernels.cu`'s `column_sums`).
+pub(crate) fn grid_columns(n: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (n.div_ceil(32).clamp(1, u32::MAX as usize) as u32, 1, 1),
+        block_dim: (1024, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
 /// One block of `threads` per row, `rows` blocks.
 pub(crate) fn grid_rows(rows: usize, threads: u32) -> LaunchConfig {
     LaunchConfig {

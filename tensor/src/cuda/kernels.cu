@@ -464,18 +464,38 @@ extern "C" __global__ void norm_backward_rows_f32(float* o, const float* g, cons
 extern "C" __global__ void norm_backward_rows_f64(double* o, const double* g, const double* x, const double* w, const double* m, const double* rs, i64 rows, i64 n, int rms) { norm_backward_rows(o, g, x, w, m, rs, rows, n, rms); }
 extern "C" __global__ void norm_backward_rows_bf16(bf16* o, const bf16* g, const bf16* x, const bf16* w, const double* m, const double* rs, i64 rows, i64 n, int rms) { norm_backward_rows(o, g, x, w, m, rs, rows, n, rms); }
 
-// dw[j] = Σ_r g[r, j]·x̂[r, j]: a thread per column, rows in order.
-template <typename T> __device__ void norm_weight_grad(T* out, const T* g, const T* x, const double* mean_in, const double* rstd_in, i64 rows, i64 n) {
-    GRID_LOOP(j, n) {
-        double acc = 0.0;
-        for (i64 r = 0; r < rows; ++r)
-            acc += (double)to_f(g[r * n + j]) * (((double)to_f(x[r * n + j]) - (double)mean_in[r]) * (double)rstd_in[r]);
-        out[j] = from_d<T>(acc);
+// Column sums of a [rows, n] matrix in f64: a block of 32 columns × 32 lanes
+// (1024 threads); lane l adds rows l, l + 32, ... of its column (a warp reads
+// 32 neighbouring columns of one row at once), then the 32 lanes' sums are
+// added in lane order. With `norm`, each element is g·x̂ (x̂ = (x − mean)·rstd
+// of its row): the weight gradient of layer norm and RMSNorm.
+template <typename T> __device__ void column_sums(T* out, const T* g, const T* x, const double* mean_in, const double* rstd_in,
+                                                  i64 rows, i64 n, double scale, int norm) {
+    __shared__ double part[32][33];
+    int c = threadIdx.x & 31, lane = threadIdx.x >> 5;
+    i64 j = (i64)blockIdx.x * 32 + c;
+    double acc = 0.0;
+    if (j < n) {
+        for (i64 r = lane; r < rows; r += 32) {
+            double v = (double)to_f(g[r * n + j]);
+            if (norm) v *= ((double)to_f(x[r * n + j]) - mean_in[r]) * rstd_in[r];
+            acc += v;
+        }
+    }
+    part[lane][c] = acc;
+    __syncthreads();
+    if (lane == 0 && j < n) {
+        double s = 0.0;
+        for (int l = 0; l < 32; ++l) s += part[l][c];
+        out[j] = from_d<T>(s * scale);
     }
 }
-extern "C" __global__ void norm_weight_grad_f32(float* o, const float* g, const float* x, const double* m, const double* rs, i64 rows, i64 n) { norm_weight_grad(o, g, x, m, rs, rows, n); }
-extern "C" __global__ void norm_weight_grad_f64(double* o, const double* g, const double* x, const double* m, const double* rs, i64 rows, i64 n) { norm_weight_grad(o, g, x, m, rs, rows, n); }
-extern "C" __global__ void norm_weight_grad_bf16(bf16* o, const bf16* g, const bf16* x, const double* m, const double* rs, i64 rows, i64 n) { norm_weight_grad(o, g, x, m, rs, rows, n); }
+extern "C" __global__ void norm_weight_grad_f32(float* o, const float* g, const float* x, const double* m, const double* rs, i64 rows, i64 n) { column_sums(o, g, x, m, rs, rows, n, 1.0, 1); }
+extern "C" __global__ void norm_weight_grad_f64(double* o, const double* g, const double* x, const double* m, const double* rs, i64 rows, i64 n) { column_sums(o, g, x, m, rs, rows, n, 1.0, 1); }
+extern "C" __global__ void norm_weight_grad_bf16(bf16* o, const bf16* g, const bf16* x, const double* m, const double* rs, i64 rows, i64 n) { column_sums(o, g, x, m, rs, rows, n, 1.0, 1); }
+extern "C" __global__ void sum_columns_f32(float* o, const float* g, i64 rows, i64 n, double s) { column_sums(o, g, (const float*)0, (const double*)0, (const double*)0, rows, n, s, 0); }
+extern "C" __global__ void sum_columns_f64(double* o, const double* g, i64 rows, i64 n, double s) { column_sums(o, g, (const double*)0, (const double*)0, (const double*)0, rows, n, s, 0); }
+extern "C" __global__ void sum_columns_bf16(bf16* o, const bf16* g, i64 rows, i64 n, double s) { column_sums(o, g, (const bf16*)0, (const double*)0, (const double*)0, rows, n, s, 0); }
 
 // ---- cross entropy ------------------------------------------------------------------
 

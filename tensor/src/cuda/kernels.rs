@@ -65,7 +65,7 @@ mod tests {
                 "softmax_backward_rows_f32",
                 "norm_rows_f32",
                 "norm_backward_rows_bf16",
-                "norm_weight_grad_f32",
+                "norm_weight_grad_f32", "sum_columns_f32", "sum_columns_bf16",
                 "cross_entropy_rows_f32",
                 "cross_entropy_backward_bf16",
                 "sum_f64_ordered",

@@ -11,7 +11,7 @@ use tessera_mesh::DType;
 
 use super::blas::{self, Operand};
 use super::buffer::CudaBuffer;
-use super::driver::{self, RankStreams, cuda_error, grid_1d, grid_rows};
+use super::driver::{self, RankStreams, cuda_error, grid_1d, grid_columns, grid_rows};
 use crate::ops::Reduction;
 use crate::{Device, Error, Result, Tensor};
 
@@ -419,6 +419,22 @@ pub(crate) fn reduce(t: &Tensor, dims: &[usize], keepdim: bool, kind: Reduce) ->
     let op = kind.op();
     let s = streams_for(op, &[t])?;
     let ty = kernel_dtype(op, t.dtype())?;
+    // Sums over leading dims (bias gradients, means over a batch): column sums
+    // of the contiguous tensor as [rows, n], without moving the reduced dims last.
+    let leading = dims.iter().enumerate().all(|(i, &d)| d == i);
+    if leading && kind != Reduce::Max && !dims.is_empty() && t.numel() > 0 {
+        let rows: usize = dims.iter().map(|&d| t.shape()[d]).product();
+        let n = t.numel() / rows;
+        let shape: Vec<usize> = (0..t.rank())
+            .filter_map(|d| if dims.contains(&d) { keepdim.then_some(1) } else { Some(t.shape()[d]) })
+            .collect();
+        let x = contiguous(t)?;
+        let out = empty(&s, &shape, t.dtype(), op)?;
+        let scale = if kind == Reduce::Mean { 1.0 / rows as f64 } else { 1.0 };
+        let (o, xp, r, nn) = (ptr(&out), ptr(&x), rows as i64, n as i64);
+        launch!(s, op, format!("sum_columns_{ty}"), grid_columns(n), &o, &xp, &r, &nn, &scale)?;
+        return Ok(out);
+    }
     // The kept dims first, the reduced ones last: rows of `n` to reduce.
     let kept: Vec<usize> = (0..t.rank()).filter(|d| !dims.contains(d)).collect();
     let order: Vec<usize> = kept.iter().chain(dims).copied().collect();
@@ -687,7 +703,7 @@ pub(crate) fn norm_weight_grad(g: &Tensor, x: &Tensor, mean: &Tensor, rstd: &Ten
             s,
             OP,
             format!("norm_weight_grad_{ty}"),
-            grid_1d(n),
+            grid_columns(n),
             &o,
             &gp,
             &xp,
