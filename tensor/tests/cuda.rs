@@ -152,8 +152,18 @@ fn element_wise_and_reductions() {
         );
         // Column sums over leading dims: uneven column tiles and row counts.
         let big = rand(&[3, 1367, 333], dtype, 15);
-        check("sum dims 0,1 (columns)", &gpu(&big).sum(&[0, 1], false).unwrap(), &big.sum(&[0, 1], false).unwrap(), dtype);
-        check("mean dim 0 keepdim (columns)", &gpu(&big).mean(&[0], true).unwrap(), &big.mean(&[0], true).unwrap(), dtype);
+        check(
+            "sum dims 0,1 (columns)",
+            &gpu(&big).sum(&[0, 1], false).unwrap(),
+            &big.sum(&[0, 1], false).unwrap(),
+            dtype,
+        );
+        check(
+            "mean dim 0 keepdim (columns)",
+            &gpu(&big).mean(&[0], true).unwrap(),
+            &big.mean(&[0], true).unwrap(),
+            dtype,
+        );
         check(
             "sum dim 0",
             &da.sum(&[0], false).unwrap(),
@@ -241,7 +251,9 @@ fn transformer_ops() {
         let (_, dmb, drb) = gpu(&hb).layer_norm_with_stats(None, None, 1e-5).unwrap();
         check(
             "layer_norm_weight_grad 2000x1030",
-            &gpu(&gb).layer_norm_weight_grad_with_stats(&gpu(&hb), &dmb, &drb).unwrap(),
+            &gpu(&gb)
+                .layer_norm_weight_grad_with_stats(&gpu(&hb), &dmb, &drb)
+                .unwrap(),
             &gb.layer_norm_weight_grad_with_stats(&hb, &mb, &rb).unwrap(),
             dtype,
         );

@@ -426,13 +426,29 @@ pub(crate) fn reduce(t: &Tensor, dims: &[usize], keepdim: bool, kind: Reduce) ->
         let rows: usize = dims.iter().map(|&d| t.shape()[d]).product();
         let n = t.numel() / rows;
         let shape: Vec<usize> = (0..t.rank())
-            .filter_map(|d| if dims.contains(&d) { keepdim.then_some(1) } else { Some(t.shape()[d]) })
+            .filter_map(|d| {
+                if dims.contains(&d) {
+                    keepdim.then_some(1)
+                } else {
+                    Some(t.shape()[d])
+                }
+            })
             .collect();
         let x = contiguous(t)?;
         let out = empty(&s, &shape, t.dtype(), op)?;
         let scale = if kind == Reduce::Mean { 1.0 / rows as f64 } else { 1.0 };
         let (o, xp, r, nn) = (ptr(&out), ptr(&x), rows as i64, n as i64);
-        launch!(s, op, format!("sum_columns_{ty}"), grid_columns(n), &o, &xp, &r, &nn, &scale)?;
+        launch!(
+            s,
+            op,
+            format!("sum_columns_{ty}"),
+            grid_columns(n),
+            &o,
+            &xp,
+            &r,
+            &nn,
+            &scale
+        )?;
         return Ok(out);
     }
     // The kept dims first, the reduced ones last: rows of `n` to reduce.
