@@ -74,7 +74,7 @@ PYEOF
 fi
 if [ -z "${SKIP_BENCH:-}" ]; then
 echo "== bench_cuda"
-timeout 100 "$DIR/bench_cuda" --reps 20 2>&1 | tee "$OUT/bench.txt"
+timeout 100 "$DIR/bench_cuda" --reps 10 2>&1 | tee "$OUT/bench.txt"
 [ "${PIPESTATUS[0]}" = 0 ] || status=1
 
 echo "== PyTorch on the same shapes (TF32 off)"
