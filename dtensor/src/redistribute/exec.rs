@@ -63,6 +63,9 @@ pub(crate) fn execute(local: &Tensor, mesh: &DeviceMesh, plan: &Plan) -> Result<
     Ok(t)
 }
 
+/// Outgoing and incoming regions of an all-to-all, and their element counts.
+type AllToAllParts = (Vec<Region>, Vec<Region>, Vec<usize>, Vec<usize>);
+
 /// One step's context.
 struct Exchange<'a> {
     comm: &'a dyn Communicator,
@@ -78,6 +81,24 @@ impl Exchange<'_> {
             .iter()
             .map(|c| layout.region(c))
             .collect()
+    }
+
+    /// An all-to-all's parts: what this rank's current region sends to each
+    /// peer, what it receives from each, and their element counts.
+    fn all_to_all_parts(&self, mine_before: &Region, mine_after: &Region) -> Result<AllToAllParts> {
+        let outgoing: Vec<Region> = self
+            .regions(self.after)?
+            .iter()
+            .map(|r| mine_before.intersect(r))
+            .collect();
+        let incoming: Vec<Region> = self
+            .regions(self.before)?
+            .iter()
+            .map(|r| r.intersect(mine_after))
+            .collect();
+        let send_counts = outgoing.iter().map(Region::numel).collect();
+        let recv_counts = incoming.iter().map(Region::numel).collect();
+        Ok((outgoing, incoming, send_counts, recv_counts))
     }
 
     fn run<T: Element>(&self, t: &Tensor, kind: StepKind) -> Result<Tensor> {
@@ -125,18 +146,8 @@ impl Exchange<'_> {
                 recv
             }
             StepKind::AllToAll => {
-                let outgoing: Vec<Region> = self
-                    .regions(self.after)?
-                    .iter()
-                    .map(|r| mine_before.intersect(r))
-                    .collect();
-                let incoming: Vec<Region> = self
-                    .regions(self.before)?
-                    .iter()
-                    .map(|r| r.intersect(&mine_after))
-                    .collect();
-                let send_counts: Vec<usize> = outgoing.iter().map(Region::numel).collect();
-                let recv_counts: Vec<usize> = incoming.iter().map(Region::numel).collect();
+                let (outgoing, incoming, send_counts, recv_counts) =
+                    self.all_to_all_parts(&mine_before, &mine_after)?;
                 let send = pack(src, &mine_before, &outgoing)?;
                 let mut recv = buffer_for::<T>(recv_counts.iter().sum(), &mine_after)?;
                 self.comm
@@ -191,18 +202,8 @@ impl Exchange<'_> {
                 comm.reduce_scatter_v(&send, &counts, op)?
             }
             StepKind::AllToAll => {
-                let outgoing: Vec<Region> = self
-                    .regions(self.after)?
-                    .iter()
-                    .map(|r| mine_before.intersect(r))
-                    .collect();
-                let incoming: Vec<Region> = self
-                    .regions(self.before)?
-                    .iter()
-                    .map(|r| r.intersect(&mine_after))
-                    .collect();
-                let send_counts: Vec<usize> = outgoing.iter().map(Region::numel).collect();
-                let recv_counts: Vec<usize> = incoming.iter().map(Region::numel).collect();
+                let (outgoing, incoming, send_counts, recv_counts) =
+                    self.all_to_all_parts(&mine_before, &mine_after)?;
                 let send = pack_tensor(t, &mine_before, &outgoing)?;
                 let recv = comm.all_to_all_v(&send, &send_counts, &recv_counts)?;
                 place_tensor(recv, &mine_after, &incoming)?

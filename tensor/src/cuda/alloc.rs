@@ -10,9 +10,9 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
 
-use cudarc::driver::{CudaEvent, CudaStream, result, sys};
+use cudarc::driver::{CudaContext, CudaEvent, CudaStream, result, sys};
 
-use super::driver::{Gpu, cuda_error};
+use super::library::cuda_error;
 use crate::{Error, Result};
 
 /// Statistics of one GPU's caching allocator (PyTorch:
@@ -66,12 +66,25 @@ struct Inner {
 }
 
 /// One GPU's pool of device memory.
-#[derive(Default)]
 pub(crate) struct Pool {
+    ctx: Arc<CudaContext>,
+    ordinal: usize,
     inner: Mutex<Inner>,
 }
 
 impl Pool {
+    pub(crate) fn new(ctx: Arc<CudaContext>, ordinal: usize) -> Arc<Pool> {
+        Arc::new(Pool {
+            ctx,
+            ordinal,
+            inner: Mutex::default(),
+        })
+    }
+
+    fn bind(&self) -> Result<()> {
+        self.ctx.bind_to_thread().map_err(|e| cuda_error("cuda", e))
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
         // Every update is a single call that leaves the maps consistent.
         self.inner.lock().unwrap_or_else(PoisonError::into_inner)
@@ -89,8 +102,8 @@ impl Pool {
 
     /// Gives every cached block back to the driver (PyTorch:
     /// `torch.cuda.empty_cache`). Blocks in use or waiting for another stream stay.
-    pub(crate) fn empty_cache(&self, gpu: &Gpu) -> Result<()> {
-        gpu.bind()?;
+    pub(crate) fn empty_cache(&self) -> Result<()> {
+        self.bind()?;
         let mut inner = self.lock();
         Self::collect_pending(&mut inner);
         let free = std::mem::take(&mut inner.free);
@@ -118,10 +131,14 @@ impl Pool {
     }
 
     /// A block of at least `bytes` for work on `stream`.
-    pub(crate) fn allocate(gpu: &Arc<Gpu>, stream: &Arc<CudaStream>, bytes: usize, op: &'static str) -> Result<Block> {
+    pub(crate) fn allocate(
+        pool: &Arc<Pool>,
+        stream: &Arc<CudaStream>,
+        bytes: usize,
+        op: &'static str,
+    ) -> Result<Block> {
         let size = size_class(bytes);
         let key = stream_key(stream);
-        let pool = &gpu.pool;
         let mut inner = pool.lock();
         let mut ptr = inner.free.get_mut(&(key, size)).and_then(Vec::pop);
         if ptr.is_none() && !inner.pending.is_empty() {
@@ -131,25 +148,25 @@ impl Pool {
         let ptr = match ptr {
             Some(p) => p,
             None => {
-                gpu.bind()?;
+                pool.bind()?;
                 // SAFETY: a plain device allocation of `size` bytes.
                 let fresh = match unsafe { result::malloc_sync(size) } {
                     Ok(p) => p,
                     Err(_) => {
                         // Out of memory: give the cache back and try once more.
                         drop(inner);
-                        pool.empty_cache(gpu)?;
+                        pool.empty_cache()?;
                         inner = pool.lock();
                         // SAFETY: as above.
                         unsafe { result::malloc_sync(size) }.map_err(|e| {
-                            let (free, total) = gpu.ctx.mem_get_info().unwrap_or((0, 0));
+                            let (free, total) = pool.ctx.mem_get_info().unwrap_or((0, 0));
                             Error::Device {
                                 op,
                                 detail: format!(
                                     "cuda:{} is out of memory allocating {size} bytes ({e}): tensors hold \
                                      {} bytes, the allocator {} bytes, the GPU has {free} of {total} bytes \
                                      free; use a smaller batch or shard over more ranks",
-                                    gpu.ordinal, inner.stats.allocated_bytes, inner.stats.reserved_bytes
+                                    pool.ordinal, inner.stats.allocated_bytes, inner.stats.reserved_bytes
                                 ),
                             }
                         })?
@@ -169,7 +186,7 @@ impl Pool {
             ptr,
             size,
             stream: key,
-            gpu: Arc::clone(gpu),
+            pool: Arc::clone(pool),
             uses: Mutex::default(),
         })
     }
@@ -184,24 +201,24 @@ pub(crate) struct Block {
     ptr: sys::CUdeviceptr,
     size: usize,
     stream: usize,
-    gpu: Arc<Gpu>,
+    pool: Arc<Pool>,
     /// Events recorded after uses on other streams.
     uses: Mutex<Vec<CudaEvent>>,
 }
 
 impl std::fmt::Debug for Block {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Block({:#x}, {} bytes on {:?})", self.ptr, self.size, self.gpu)
+        write!(
+            f,
+            "Block({:#x}, {} bytes on cuda:{})",
+            self.ptr, self.size, self.pool.ordinal
+        )
     }
 }
 
 impl Block {
     pub(crate) fn ptr(&self) -> sys::CUdeviceptr {
         self.ptr
-    }
-
-    pub(crate) fn gpu(&self) -> &Arc<Gpu> {
-        &self.gpu
     }
 
     /// Notes that `stream`, not the block's own, used the block: it is reused
@@ -219,7 +236,7 @@ impl Block {
 impl Drop for Block {
     fn drop(&mut self) {
         let events = std::mem::take(self.uses.get_mut().unwrap_or_else(PoisonError::into_inner));
-        let mut inner = self.gpu.pool.lock();
+        let mut inner = self.pool.lock();
         inner.stats.allocated_bytes -= self.size;
         if events.is_empty() {
             inner.free.entry((self.stream, self.size)).or_default().push(self.ptr);

@@ -6,10 +6,10 @@ use std::ffi::c_void;
 use std::sync::{Arc, Mutex, PoisonError};
 
 use cudarc::cublas::{result as blas, sys};
-use cudarc::driver::CudaStream;
+use cudarc::driver::{CudaContext, CudaStream};
 use tessera_mesh::DType;
 
-use super::driver::{Gpu, check_library, cuda_error};
+use super::library::{check_library, cuda_error};
 use crate::{Error, Result};
 
 /// A cuBLAS handle bound to one rank's compute stream.
@@ -18,9 +18,9 @@ pub(crate) struct Blas {
 }
 
 impl Blas {
-    pub(crate) fn new(gpu: &Arc<Gpu>, stream: &Arc<CudaStream>) -> Result<Blas> {
+    pub(crate) fn new(ctx: &Arc<CudaContext>, stream: &Arc<CudaStream>) -> Result<Blas> {
         check_library("cublas")?;
-        gpu.bind()?;
+        ctx.bind_to_thread().map_err(|e| cuda_error("cublas", e))?;
         let handle = blas::create_handle().map_err(|e| cuda_error("cublas", e))?;
         // SAFETY: a fresh handle and a live stream of the same context.
         unsafe { blas::set_stream(handle, stream.cu_stream() as sys::cudaStream_t) }

@@ -6,12 +6,14 @@ use cudarc::driver::result;
 use tessera_mesh::{Buffer, DType};
 
 use super::alloc::{Block, Pool};
-use super::driver::{self, Gpu, RankStreams, cuda_error};
+use super::driver::{self, Gpu, RankStreams};
+use super::library::cuda_error;
 use crate::{Error, Result};
 
 /// `len` elements of `dtype` in a block of device memory.
 #[derive(Debug)]
 pub(crate) struct CudaBuffer {
+    gpu: Arc<Gpu>,
     block: Block,
     len: usize,
     dtype: DType,
@@ -29,8 +31,13 @@ impl CudaBuffer {
                 dtype,
                 bytes: None,
             })?;
-        let block = Pool::allocate(&streams.gpu, &streams.compute, bytes, op)?;
-        Ok(CudaBuffer { block, len, dtype })
+        let block = Pool::allocate(&streams.gpu.pool, &streams.compute, bytes, op)?;
+        Ok(CudaBuffer {
+            gpu: Arc::clone(&streams.gpu),
+            block,
+            len,
+            dtype,
+        })
     }
 
     /// A copy of host `data` on GPU `ordinal`.
@@ -88,11 +95,11 @@ impl CudaBuffer {
     }
 
     pub(crate) fn gpu(&self) -> &Arc<Gpu> {
-        self.block.gpu()
+        &self.gpu
     }
 
     pub(crate) fn ordinal(&self) -> usize {
-        self.block.gpu().ordinal
+        self.gpu.ordinal
     }
 
     pub(crate) fn block(&self) -> &Block {

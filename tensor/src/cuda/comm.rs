@@ -17,7 +17,8 @@ use cudarc::driver::{result, sys};
 use cudarc::nccl::{result as nccl, sys as nccl_sys};
 use tessera_mesh::{Communicator, CommunicatorExt, DType, ReduceOp};
 
-use super::driver::{RankStreams, check_library, cuda_error};
+use super::driver::RankStreams;
+use super::library::{check_library, cuda_error};
 use super::ops::{self, Peers};
 use crate::{Error, Result, Tensor};
 

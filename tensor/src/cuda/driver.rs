@@ -1,13 +1,7 @@
-//! The CUDA libraries, one context per GPU, the compiled kernels, and each
+//! One context per GPU with its allocator and compiled kernels, and each
 //! rank's streams.
-//!
-//! cudarc loads every CUDA library at run time and panics when one is missing;
-//! [`check_library`] looks first, so that a machine without a driver or without
-//! NVRTC gets an error naming the library and the fix instead.
 
 use std::collections::HashMap;
-use std::ffi::CString;
-use std::fmt::Display;
 use std::sync::{Arc, LazyLock, Mutex, OnceLock, PoisonError};
 
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream, LaunchConfig};
@@ -15,58 +9,8 @@ use tessera_mesh::context::{RankId, current_rank};
 
 use super::alloc::Pool;
 use super::blas::Blas;
+use super::library::{check_library, cuda_error};
 use crate::{Error, Result};
-
-/// An [`Error::Device`] for a failed CUDA call.
-pub(crate) fn cuda_error(op: &'static str, e: impl Display) -> Error {
-    Error::Device {
-        op,
-        detail: format!("CUDA call failed: {e}"),
-    }
-}
-
-/// Errors unless the CUDA library `lib` (`cuda`, `nvrtc`, `cublas`, `nccl`) can
-/// be loaded under one of the names cudarc tries.
-pub(crate) fn check_library(lib: &'static str) -> Result<()> {
-    static SEEN: LazyLock<Mutex<HashMap<&'static str, bool>>> = LazyLock::new(Default::default);
-    let mut seen = SEEN.lock().unwrap_or_else(PoisonError::into_inner);
-    let names = cudarc::get_lib_name_candidates(lib);
-    let found = *seen.entry(lib).or_insert_with(|| {
-        names.iter().any(|name| {
-            let Ok(c) = CString::new(name.as_str()) else {
-                return false;
-            };
-            // SAFETY: `c` is a valid C string; the handle is closed at once (cudarc
-            // opens the library again itself).
-            unsafe {
-                let handle = libc::dlopen(c.as_ptr(), libc::RTLD_LAZY | libc::RTLD_LOCAL);
-                if handle.is_null() {
-                    false
-                } else {
-                    libc::dlclose(handle);
-                    true
-                }
-            }
-        })
-    });
-    if found {
-        return Ok(());
-    }
-    let what = match lib {
-        "cuda" => "the NVIDIA driver's libcuda (is there a GPU and its driver?)",
-        "nvrtc" => "NVRTC, CUDA's run-time compiler (pip's nvidia-cuda-nvrtc wheel has it)",
-        "cublas" => "cuBLAS (pip's nvidia-cublas wheel has it)",
-        "nccl" => "NCCL (pip's nvidia-nccl-cu13 wheel has it)",
-        _ => "a CUDA library",
-    };
-    Err(Error::Device {
-        op: "cuda",
-        detail: format!(
-            "cannot load {what}: none of {names:?} is on the library path; \
-             put the folder that holds it on LD_LIBRARY_PATH"
-        ),
-    })
-}
 
 /// One GPU: its context, caching allocator and compiled kernels.
 pub(crate) struct Gpu {
@@ -74,7 +18,7 @@ pub(crate) struct Gpu {
     pub(crate) ctx: Arc<CudaContext>,
     /// Compute capability (major, minor).
     pub(crate) arch: (i32, i32),
-    pub(crate) pool: Pool,
+    pub(crate) pool: Arc<Pool>,
     module: OnceLock<std::result::Result<Arc<CudaModule>, String>>,
     functions: Mutex<HashMap<String, CudaFunction>>,
 }
@@ -119,9 +63,9 @@ pub(crate) fn gpu(ordinal: usize) -> Result<Arc<Gpu>> {
     let arch = ctx.compute_capability().map_err(|e| cuda_error("cuda", e))?;
     let g = Arc::new(Gpu {
         ordinal,
+        pool: Pool::new(Arc::clone(&ctx), ordinal),
         ctx,
         arch,
-        pool: Pool::default(),
         module: OnceLock::new(),
         functions: Mutex::default(),
     });
@@ -192,7 +136,7 @@ pub(crate) fn streams(gpu: &Arc<Gpu>) -> Result<Arc<RankStreams>> {
     }
     let compute = gpu.ctx.new_stream().map_err(|e| cuda_error("cuda", e))?;
     let comm = gpu.ctx.new_stream().map_err(|e| cuda_error("cuda", e))?;
-    let blas = Blas::new(gpu, &compute)?;
+    let blas = Blas::new(&gpu.ctx, &compute)?;
     let s = Arc::new(RankStreams {
         gpu: Arc::clone(gpu),
         compute,

@@ -5,7 +5,7 @@
 
 use cudarc::nvrtc::{CompileOptions, Ptx, compile_ptx_with_opts};
 
-use super::driver::check_library;
+use super::library::check_library;
 use crate::{Error, Result};
 
 /// The CUDA C source of every kernel.

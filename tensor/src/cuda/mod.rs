@@ -29,6 +29,7 @@ mod buffer;
 pub mod comm;
 mod driver;
 mod kernels;
+mod library;
 pub(crate) mod ops;
 
 pub use alloc::CudaMemoryStats;
@@ -55,7 +56,7 @@ pub fn device_count() -> usize {
 /// [`Error::Device`](crate::Error::Device) when there is no such GPU.
 pub fn device_name(ordinal: usize) -> Result<String> {
     let gpu = driver::gpu(ordinal)?;
-    gpu.ctx.name().map_err(|e| driver::cuda_error("device_name", e))
+    gpu.ctx.name().map_err(|e| library::cuda_error("device_name", e))
 }
 
 /// The caching allocator's statistics on GPU `ordinal` (all ranks together).
@@ -83,8 +84,7 @@ pub fn reset_peak_memory_stats(ordinal: usize) -> Result<()> {
 /// # Errors
 /// [`Error::Device`](crate::Error::Device) when there is no such GPU or the driver fails.
 pub fn empty_cache(ordinal: usize) -> Result<()> {
-    let gpu = driver::gpu(ordinal)?;
-    gpu.pool.empty_cache(&gpu)
+    driver::gpu(ordinal)?.pool.empty_cache()
 }
 
 /// Waits until the calling rank's work on GPU `ordinal` has finished.
@@ -97,8 +97,8 @@ pub fn synchronize(ordinal: usize) -> Result<()> {
     let s = driver::streams(&gpu)?;
     s.compute
         .synchronize()
-        .map_err(|e| driver::cuda_error("synchronize", e))?;
-    s.comm.synchronize().map_err(|e| driver::cuda_error("synchronize", e))
+        .map_err(|e| library::cuda_error("synchronize", e))?;
+    s.comm.synchronize().map_err(|e| library::cuda_error("synchronize", e))
 }
 
 pub use ops::AdamScalars;

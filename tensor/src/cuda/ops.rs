@@ -11,7 +11,8 @@ use tessera_mesh::DType;
 
 use super::blas::{self, Operand};
 use super::buffer::CudaBuffer;
-use super::driver::{self, RankStreams, cuda_error, grid_1d, grid_columns, grid_rows};
+use super::driver::{self, RankStreams, grid_1d, grid_columns, grid_rows};
+use super::library::cuda_error;
 use crate::ops::Reduction;
 use crate::{Device, Error, Result, Tensor};
 
@@ -351,45 +352,33 @@ fn repeats(small: &[usize], shape: &[usize]) -> bool {
 
 /// `kernel(a, scalar)` element-wise.
 pub(crate) fn scalar(kernel: &str, op: &'static str, a: &Tensor, v: f64) -> Result<Tensor> {
-    let s = streams_for(op, &[a])?;
-    let ty = kernel_dtype(op, a.dtype())?;
-    let a = contiguous(a)?;
-    let out = empty(&s, a.shape(), a.dtype(), op)?;
-    let n = a.numel() as i64;
-    if n > 0 {
-        let (o, x) = (ptr(&out), ptr(&a));
-        launch!(
-            s,
-            op,
-            format!("scalar_{kernel}_{ty}"),
-            grid_1d((n as usize).div_ceil(4)),
-            &o,
-            &x,
-            &v,
-            &n
-        )?;
-    }
-    Ok(out)
+    dense_map(op, &format!("scalar_{kernel}"), a, Some(v))
 }
 
 /// `kernel(a)` element-wise.
 pub(crate) fn unary(kernel: &str, op: &'static str, a: &Tensor) -> Result<Tensor> {
+    dense_map(op, &format!("unary_{kernel}"), a, None)
+}
+
+/// The dense one-input kernel `name_T` over `a` (made contiguous), with the
+/// scalar argument when there is one; each thread takes 16 bytes.
+fn dense_map(op: &'static str, name: &str, a: &Tensor, scalar: Option<f64>) -> Result<Tensor> {
     let s = streams_for(op, &[a])?;
     let ty = kernel_dtype(op, a.dtype())?;
     let a = contiguous(a)?;
     let out = empty(&s, a.shape(), a.dtype(), op)?;
     let n = a.numel() as i64;
     if n > 0 {
-        let (o, x) = (ptr(&out), ptr(&a));
-        launch!(
-            s,
-            op,
-            format!("unary_{kernel}_{ty}"),
+        let (o, x, name, grid) = (
+            ptr(&out),
+            ptr(&a),
+            format!("{name}_{ty}"),
             grid_1d((n as usize).div_ceil(4)),
-            &o,
-            &x,
-            &n
-        )?;
+        );
+        match scalar {
+            Some(v) => launch!(s, op, name, grid, &o, &x, &v, &n)?,
+            None => launch!(s, op, name, grid, &o, &x, &n)?,
+        }
     }
     Ok(out)
 }
@@ -419,21 +408,21 @@ pub(crate) fn reduce(t: &Tensor, dims: &[usize], keepdim: bool, kind: Reduce) ->
     let op = kind.op();
     let s = streams_for(op, &[t])?;
     let ty = kernel_dtype(op, t.dtype())?;
+    let shape: Vec<usize> = (0..t.rank())
+        .filter_map(|d| {
+            if dims.contains(&d) {
+                keepdim.then_some(1)
+            } else {
+                Some(t.shape()[d])
+            }
+        })
+        .collect();
     // Sums over leading dims (bias gradients, means over a batch): column sums
     // of the contiguous tensor as [rows, n], without moving the reduced dims last.
     let leading = dims.iter().enumerate().all(|(i, &d)| d == i);
     if leading && kind != Reduce::Max && !dims.is_empty() && t.numel() > 0 {
         let rows: usize = dims.iter().map(|&d| t.shape()[d]).product();
         let n = t.numel() / rows;
-        let shape: Vec<usize> = (0..t.rank())
-            .filter_map(|d| {
-                if dims.contains(&d) {
-                    keepdim.then_some(1)
-                } else {
-                    Some(t.shape()[d])
-                }
-            })
-            .collect();
         let x = contiguous(t)?;
         let out = empty(&s, &shape, t.dtype(), op)?;
         let scale = if kind == Reduce::Mean { 1.0 / rows as f64 } else { 1.0 };
@@ -457,15 +446,6 @@ pub(crate) fn reduce(t: &Tensor, dims: &[usize], keepdim: bool, kind: Reduce) ->
     let x = contiguous(&t.permute(&order)?)?;
     let n: usize = dims.iter().map(|&d| t.shape()[d]).product();
     let rows: usize = kept.iter().map(|&d| t.shape()[d]).product();
-    let shape: Vec<usize> = (0..t.rank())
-        .filter_map(|d| {
-            if dims.contains(&d) {
-                keepdim.then_some(1)
-            } else {
-                Some(t.shape()[d])
-            }
-        })
-        .collect();
     if n == 0 {
         let v = match kind {
             Reduce::Sum => 0.0,
@@ -744,8 +724,19 @@ fn flag(s: &RankStreams, op: &'static str) -> Result<Tensor> {
     Ok(t)
 }
 
-fn read_flag(t: &Tensor) -> Result<i64> {
-    Ok(to(t, Device::Cpu)?.to_vec::<i64>()?[0])
+/// Errors when a kernel set the flag `bad` to position `k + 1`: `what` says
+/// what was wrong with `indices[k]`.
+fn check_flag(bad: &Tensor, op: &'static str, indices: &Tensor, what: impl FnOnce(i64, usize) -> String) -> Result<()> {
+    let k = to(bad, Device::Cpu)?.to_vec::<i64>()?[0];
+    if k <= 0 {
+        return Ok(());
+    }
+    let at = k as usize - 1;
+    let value = to(indices, Device::Cpu)?.reshape(&[indices.numel()])?.to_vec::<i64>()?[at];
+    Err(Error::InvalidArgument {
+        op,
+        detail: what(value, at),
+    })
 }
 
 /// Cross entropy of logits `x` `[n, c]` against `targets` `[n]` (i64, on the
@@ -785,14 +776,9 @@ pub(crate) fn cross_entropy(
             &bp
         )?;
     }
-    let row = read_flag(&bad)?;
-    if row > 0 {
-        let t = to(targets, Device::Cpu)?.to_vec::<i64>()?[row as usize - 1];
-        return Err(Error::InvalidArgument {
-            op: OP,
-            detail: format!("target {t} of row {} is out of range for {c} classes", row - 1),
-        });
-    }
+    check_flag(&bad, OP, targets, |t, row| {
+        format!("target {t} of row {row} is not a class of 0..{c}")
+    })?;
     let loss = match reduction {
         Reduction::None => cast(&losses, x.dtype())?,
         Reduction::Sum | Reduction::Mean => {
@@ -882,17 +868,12 @@ pub(crate) fn embedding(table: &Tensor, indices: &Tensor, first: usize) -> Resul
             &bp
         )?;
     }
-    let k = read_flag(&bad)?;
-    if k > 0 {
-        let i = to(indices, Device::Cpu)?.to_vec::<i64>()?[k as usize - 1];
-        return Err(Error::InvalidArgument {
-            op: OP,
-            detail: format!(
-                "index {i} (position {}) is out of range for a table of {rows} rows",
-                k - 1
-            ),
-        });
-    }
+    check_flag(&bad, OP, indices, |i, at| {
+        format!(
+            "index {i} (element {at} of indices of shape {:?}) is out of range for a table of {rows} rows",
+            indices.shape()
+        )
+    })?;
     Ok(out)
 }
 

@@ -123,17 +123,9 @@ pub(super) fn ce_targets<'a>(
     targets: &'a Tensor,
 ) -> Result<(usize, usize, std::borrow::Cow<'a, [i64]>)> {
     const OP: &str = "cross_entropy";
-    if logits.rank() != 2 {
-        return Err(Error::InvalidArgument {
-            op: OP,
-            detail: format!(
-                "logits must be [N, C], got shape {:?}; reshape to 2-D first",
-                logits.shape()
-            ),
-        });
-    }
+    ce_shapes(logits, targets)?;
     let (n, c) = (logits.shape()[0], logits.shape()[1]);
-    let t = index_vector(OP, targets, n, || format!("logits {:?} need targets", logits.shape()))?;
+    let t = elements::<i64>(targets)?;
     if let Some((row, &k)) = t.iter().enumerate().find(|&(_, &k)| k < 0 || k as u64 >= c as u64) {
         return Err(Error::InvalidArgument {
             op: OP,
@@ -145,7 +137,6 @@ pub(super) fn ce_targets<'a>(
 
 /// The shape checks of [`ce_targets`] without reading the targets (for device
 /// tensors, whose range the kernel checks).
-#[cfg(feature = "cuda")]
 pub(super) fn ce_shapes(logits: &Tensor, targets: &Tensor) -> Result<()> {
     const OP: &str = "cross_entropy";
     if logits.rank() != 2 {
@@ -162,7 +153,6 @@ pub(super) fn ce_shapes(logits: &Tensor, targets: &Tensor) -> Result<()> {
 }
 
 /// The dtype and shape checks of [`index_vector`], without reading the entries.
-#[cfg(feature = "cuda")]
 pub(super) fn index_shape(op: &'static str, indices: &Tensor, n: usize, need: impl FnOnce() -> String) -> Result<()> {
     if indices.dtype() != DType::I64 {
         return Err(Error::DTypeMismatch {
@@ -188,19 +178,7 @@ pub(super) fn index_vector<'a>(
     n: usize,
     need: impl FnOnce() -> String,
 ) -> Result<std::borrow::Cow<'a, [i64]>> {
-    if indices.dtype() != DType::I64 {
-        return Err(Error::DTypeMismatch {
-            op,
-            expected: DType::I64,
-            got: indices.dtype(),
-        });
-    }
-    if indices.shape() != [n] {
-        return Err(Error::ShapeMismatch {
-            op,
-            detail: format!("{} of shape [{n}], got {:?}", need(), indices.shape()),
-        });
-    }
+    index_shape(op, indices, n, need)?;
     elements::<i64>(indices)
 }
 
