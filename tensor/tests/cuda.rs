@@ -264,6 +264,23 @@ fn transformer_ops() {
             dtype,
         );
 
+        let (y, rstd) = h.rms_norm_with_stats(Some(&w), 1e-5).unwrap();
+        let (dy, drstd) = dh.rms_norm_with_stats(Some(&dw), 1e-5).unwrap();
+        check("rms_norm", &dy, &y, dtype);
+        check("rms_norm rstd", &drstd, &rstd, DType::F32);
+        check(
+            "rms_norm_backward",
+            &gpu(&gy).rms_norm_backward_with_stats(&dh, &drstd, Some(&dw)).unwrap(),
+            &gy.rms_norm_backward_with_stats(&h, &rstd, Some(&w)).unwrap(),
+            dtype,
+        );
+        check(
+            "rms_norm_weight_grad",
+            &gpu(&gy).rms_norm_weight_grad_with_stats(&dh, &drstd).unwrap(),
+            &gy.rms_norm_weight_grad_with_stats(&h, &rstd).unwrap(),
+            dtype,
+        );
+
         let logits = rand(&[37, 300], dtype, 10);
         let targets = Tensor::from_vec((0..37).map(|i| (i * 41 % 300) as i64).collect(), &[37]).unwrap();
         let (dl, dt) = (gpu(&logits), gpu(&targets));

@@ -263,6 +263,8 @@ grad! {
     layer_norm_plain: [signed(&[2, 3, 5])] => |v| v[0].layer_norm(None, None, 1e-5);
     layer_norm_weight: [signed(&[3, 5]), signed(&[5])] => |v| v[0].layer_norm(Some(&v[1]), None, 1e-3);
     layer_norm_bias: [signed(&[3, 5]), signed(&[5])] => |v| v[0].layer_norm(None, Some(&v[1]), 1e-3);
+    rms_norm_weight: [signed(&[3, 5]), signed(&[5])] => |v| v[0].rms_norm(Some(&v[1]), 1e-5);
+    rms_norm_plain: [signed(&[2, 3, 5])] => |v| v[0].rms_norm(None, 1e-3);
     embedding: [signed(&[6, 3]), index(&[2, 5], 6)] => |v| v[0].embedding(&v[1]);
     embedding_flat: [signed(&[4, 2]), index(&[9], 4)] => |v| v[0].embedding(&v[1]);
     cross_entropy_mean: [signed(&[4, 5]), index(&[4], 5)] => |v| v[0].mul_scalar(2.0)?.cross_entropy(&v[1], Mean);

@@ -1,4 +1,4 @@
-//! The neural-network ops: softmax, log_softmax, layer_norm, embedding,
+//! The neural-network ops: softmax, log_softmax, layer_norm, rms_norm, embedding,
 //! cross_entropy, causal_mask.
 
 use proptest::prelude::*;
@@ -55,6 +55,18 @@ proptest! {
             // The statistics the backward takes, placed as the output.
             op!("layer_norm_with_stats mean", |x| Ok(x[0].layer_norm_with_stats(Some(&x[1]), None, 1e-5)?.1)),
             op!("layer_norm_with_stats rstd", |x| Ok(x[0].layer_norm_with_stats(None, Some(&x[2]), 1e-5)?.2)),
+        ])?;
+    }
+
+    /// RMSNorm over the last dim, with and without its weight, and its `rstd`.
+    #[test]
+    fn rms_norm(c in plain([&[3, 5][..], &[4, 6], &[2, 3, 5], &[3, 5, 7]].iter().map(|s| {
+        vec![float(s), float(&[s[s.len() - 1]])]
+    }).collect())) {
+        check(c, [
+            op!("rms_norm(w)", |x| x[0].rms_norm(Some(&x[1]), 1e-5)),
+            op!("rms_norm(-)", |x| x[0].rms_norm(None, 1e-5)),
+            op!("rms_norm_with_stats rstd", |x| Ok(x[0].rms_norm_with_stats(Some(&x[1]), 1e-5)?.1)),
         ])?;
     }
 

@@ -157,6 +157,44 @@ impl Module for LayerNorm {
     }
 }
 
+/// RMSNorm over the last dim with a weight (LLaMA's norm): see
+/// [`Var::rms_norm`].
+///
+/// PyTorch: `torch.nn.RMSNorm` (weight ones).
+pub struct RMSNorm {
+    /// `[dim]`.
+    pub weight: Param,
+    /// Added to the mean of squares.
+    pub eps: f64,
+}
+
+impl RMSNorm {
+    /// A deferred RMSNorm replicated on `mesh`; default init weight ones.
+    ///
+    /// # Errors
+    /// Sizes a tensor cannot have.
+    pub fn new(dim: usize, eps: f64, mesh: &DeviceMesh, dtype: DType) -> Result<RMSNorm> {
+        Ok(RMSNorm {
+            weight: Param::deferred(&[dim], dtype, mesh)?,
+            eps,
+        })
+    }
+}
+
+impl Module for RMSNorm {
+    fn own_parameters(&self) -> Vec<(String, Param)> {
+        vec![("weight".into(), self.weight.clone())]
+    }
+
+    fn init_scheme(&self, param: &str) -> Option<Init> {
+        (param == "weight").then_some(Init::Ones)
+    }
+
+    fn forward(&self, x: &Var) -> Result<Var> {
+        x.rms_norm(Some(&self.weight.var()?), self.eps)
+    }
+}
+
 /// Free-standing parameters by name, with no forward of its own: the root of a
 /// tree for parameters that belong to no layer (a learned scale, the parameters
 /// of a hand-written function). Its names are its keys.

@@ -1,5 +1,5 @@
 //! Modules: [`Module`] (a tree of named children and parameters, and a forward),
-//! [`named_modules`], [`Linear`], [`Embedding`], [`LayerNorm`]; names from the
+//! [`named_modules`], [`Linear`], [`Embedding`], [`LayerNorm`], [`RMSNorm`]; names from the
 //! tree ([`name_parameters`]); init schemes ([`Init`]) and materialising a
 //! deferred model ([`Materializer`]).
 //!
@@ -17,7 +17,7 @@ mod names;
 
 pub use hooks::{HookHandle, ModuleHooks, ModuleId, module_hooks_len, register_module_hooks};
 pub use init::{FanMode, Init, Nonlinearity};
-pub use layers::{Embedding, LayerNorm, Linear, ParameterDict};
+pub use layers::{Embedding, LayerNorm, Linear, ParameterDict, RMSNorm};
 pub use materialize::{MaterializeReport, Materializer, verify_replicas};
 pub use names::{fqn_matches, name_parameters};
 

@@ -223,6 +223,43 @@ impl Var {
         }))
     }
 
+    /// RMSNorm over the last dim with an optional `[D]` weight (see
+    /// [`DTensor::rms_norm_with_stats`]). PyTorch: `torch.nn.functional.rms_norm`.
+    ///
+    /// # Errors
+    /// Shapes that do not fit.
+    pub fn rms_norm(&self, weight: Option<&Var>, eps: f64) -> Result<Var> {
+        let x = self.value().clone();
+        let (value, rstd) = x.rms_norm_with_stats(weight.map(Var::value), eps)?;
+        let w = weight.map(Var::saved);
+        let mut inputs: SmallVec<[&Var; 2]> = smallvec![self];
+        inputs.extend(weight);
+        Ok(Var::from_op("rms_norm", value, &inputs, move |g| {
+            let w = w.as_ref().map(|w| w.get()).transpose()?;
+            // A pending sum in `g` is reduced once, to `x`'s placements, for
+            // both gradients (as in `layer_norm`).
+            let reduced;
+            let g = if g.placements().iter().any(|p| p.is_partial()) {
+                let target: Vec<Placement> = g
+                    .placements()
+                    .iter()
+                    .zip(x.placements())
+                    .map(|(p, xp)| if p.is_partial() { *xp } else { *p })
+                    .collect();
+                reduced = g.redistribute(&target)?;
+                &reduced
+            } else {
+                g
+            };
+            let mut out: SmallVec<[Option<DTensor>; 3]> =
+                smallvec![Some(g.rms_norm_backward_with_stats(&x, &rstd, w.as_ref())?)];
+            if w.is_some() {
+                out.push(Some(g.rms_norm_weight_grad_with_stats(&x, &rstd)?));
+            }
+            Ok(out)
+        }))
+    }
+
     /// Rows of this `[V, D]` table picked by `indices` (`i64`). The table's
     /// gradient comes in its own sharding when it is sharded (see `embedding_backward`).
     ///

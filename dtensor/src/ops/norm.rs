@@ -142,4 +142,85 @@ impl DTensor {
             |l, _| Ok(l[0].layer_norm_weight_grad_with_stats(&l[1], &l[2], &l[3])?),
         )
     }
+
+    /// RMSNorm over the last dim with an optional `[D]` weight (replicated);
+    /// the last dim is replicated, other shards kept.
+    /// PyTorch: `torch.nn.functional.rms_norm` on DTensors.
+    ///
+    /// # Errors
+    /// Shapes or dtypes that do not fit.
+    pub fn rms_norm(&self, weight: Option<&DTensor>, eps: f64) -> Result<DTensor> {
+        Ok(self.rms_norm_with_stats(weight, eps)?.0)
+    }
+
+    /// [`rms_norm`](Self::rms_norm), also returning the per-row
+    /// `rstd` its backward takes (shaped as the input with the last dim 1,
+    /// placed as the output). See [`Tensor::rms_norm_with_stats`](crate::Tensor::rms_norm_with_stats).
+    ///
+    /// PyTorch: `torch.nn.functional.rms_norm` on DTensors.
+    ///
+    /// # Errors
+    /// Shapes or dtypes that do not fit.
+    pub fn rms_norm_with_stats(&self, weight: Option<&DTensor>, eps: f64) -> Result<(DTensor, DTensor)> {
+        let r = self.shape().len();
+        if r == 0 {
+            return Err(Error::from(TensorError::InvalidArgument {
+                op: "rms_norm",
+                detail: "the input must have rank ≥ 1".into(),
+            }));
+        }
+        let mut inputs: SmallVec<[&DTensor; 2]> = smallvec![self];
+        inputs.extend(weight);
+        let cands = keep_shards_except_with(r, &[r - 1], 1, inputs.len() - 1, self.mesh().ndim());
+        let mut stats = None;
+        let out = dispatch("rms_norm", &inputs, &cands, self.shape(), self.dtype(), |l, _| {
+            let (out, rstd) = l[0].rms_norm_with_stats(l.get(1), eps)?;
+            stats = Some(rstd);
+            Ok(out)
+        })?;
+        let mut stat_shape = self.shape().to_vec();
+        stat_shape[r - 1] = 1;
+        // INVARIANT: the kernel ran (dispatch returned its output).
+        let rstd = stats.expect("the kernel ran");
+        let rstd = DTensor::from_local(rstd, self.mesh(), out.placements(), &stat_shape)?;
+        Ok((out, rstd))
+    }
+
+    /// The input gradient of RMSNorm from the forward's `rstd` (see
+    /// [`Tensor::rms_norm_backward_with_stats`](crate::Tensor::rms_norm_backward_with_stats)),
+    /// for the gradient `self`, sharded like `x` off the last dim, the weight replicated.
+    ///
+    /// # Errors
+    /// Shapes or dtypes that do not fit, a failed redistribution.
+    pub fn rms_norm_backward_with_stats(&self, x: &DTensor, rstd: &DTensor, w: Option<&DTensor>) -> Result<DTensor> {
+        let last = x.shape().len() - 1;
+        let cands = keep_shards_except_with(last + 1, &[last], 3, usize::from(w.is_some()), x.mesh().ndim());
+        let mut inputs: SmallVec<[&DTensor; 4]> = smallvec![self, x, rstd];
+        inputs.extend(w);
+        dispatch("rms_norm_backward", &inputs, &cands, x.shape(), x.dtype(), |l, _| {
+            Ok(l[0].rms_norm_backward_with_stats(&l[1], &l[2], l.get(3))?)
+        })
+    }
+
+    /// The weight gradient of RMSNorm, `Σ_rows g · x̂` (see
+    /// [`Tensor::rms_norm_weight_grad_with_stats`](crate::Tensor::rms_norm_weight_grad_with_stats)):
+    /// a partial sum when the rows are sharded; `self` is the output's gradient.
+    ///
+    /// # Errors
+    /// Shapes or dtypes that do not fit, a failed redistribution.
+    pub fn rms_norm_weight_grad_with_stats(&self, x: &DTensor, rstd: &DTensor) -> Result<DTensor> {
+        let (r, s) = (Placement::Replicate, Placement::Shard);
+        let last = x.shape().len() - 1;
+        let mut options: Vec<DimOption> = vec![(smallvec![r, r, r], r)];
+        options.extend((0..last).map(|d| (smallvec![s(d), s(d), s(d)], Placement::Partial(ReduceOp::Sum))));
+        let cands = product(&vec![options; x.mesh().ndim()], 3);
+        dispatch(
+            "rms_norm_weight_grad",
+            &[self, x, rstd],
+            &cands,
+            &[x.shape()[last]],
+            x.dtype(),
+            |l, _| Ok(l[0].rms_norm_weight_grad_with_stats(&l[1], &l[2])?),
+        )
+    }
 }

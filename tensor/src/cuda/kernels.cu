@@ -426,6 +426,12 @@ template <typename T> __device__ void norm_rows(T* out, double* mean_out, double
         A am = (A)mean, ar = (A)rstd;
         for (i64 j = threadIdx.x; j < n; j += blockDim.x) {
             A v = ((A)to_f(row[j]) - am) * ar;
+            if (rms) {
+                // RMSNorm rounds the normalised value to T before the weight.
+                T y1;
+                store(&y1, v);
+                v = (A)to_f(y1);
+            }
             if (w) v *= (A)to_f(w[j]);
             if (b) v += (A)to_f(b[j]);
             store(&out[r * n + j], v);

@@ -40,6 +40,7 @@ mod matmul;
 mod nn;
 mod nn_backward;
 mod reduce;
+mod rms_norm;
 mod rows;
 mod shape;
 #[cfg(test)]
