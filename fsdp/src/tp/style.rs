@@ -214,8 +214,10 @@ fn layer<'a>(style: &str, module: &'a dyn Module, fqn: &str) -> Result<Layer<'a>
     if let Some(e) = any.downcast_ref::<Embedding>() {
         return Ok(Layer::Embedding(e));
     }
-    let found = if any.is::<LayerNorm>() || any.is::<RMSNorm>() {
-        "a norm layer (use SequenceParallel, or leave it replicated)"
+    let found = if any.is::<LayerNorm>() {
+        "a LayerNorm (use SequenceParallel, or leave it replicated)"
+    } else if any.is::<RMSNorm>() {
+        "an RMSNorm (use SequenceParallel, or leave it replicated)"
     } else if module.own_parameters().is_empty() && !module.named_children().is_empty() {
         "a container (name its Linear or Embedding children, e.g. with `*`)"
     } else {
