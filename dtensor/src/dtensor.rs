@@ -223,6 +223,26 @@ impl DTensor {
         Ok(DTensor { local, spec })
     }
 
+    /// The value of a one-element DTensor as `f64` (collective when it is
+    /// sharded or a pending reduction: every rank gets the value).
+    /// PyTorch: `Tensor.item()`.
+    ///
+    /// # Errors
+    /// [`Error::Placement`] for a tensor of more than one element; a failed redistribution.
+    pub fn item(&self) -> Result<f64> {
+        let n: usize = self.shape().iter().product();
+        if n != 1 {
+            return Err(Error::Placement {
+                op: "item",
+                detail: format!(
+                    "item() needs one element, but the tensor has shape {:?} ({n} elements)",
+                    self.shape()
+                ),
+            });
+        }
+        Ok(self.full_tensor()?.to_f64_vec()[0])
+    }
+
     /// This rank's local tensor.
     pub fn to_local(&self) -> &Tensor {
         &self.local
@@ -398,6 +418,22 @@ mod tests {
     /// `full_tensor` of a DTensor whose spec claims a `[2^40]` f32 global tensor
     /// (4 TiB) over a small local piece: the gather's receive buffer, sized from
     /// the spec, fails with an error on every rank instead of aborting.
+    #[test]
+    fn item_reduces_and_refuses_many_elements() {
+        let out = launch(2, |ctx| {
+            let mesh = DeviceMesh::new(ctx.into_comm(), &[2])?;
+            let mine = Tensor::full(&[], 1.0 + mesh.rank() as f64, DType::F32)?;
+            let partial = DTensor::from_local(mine, &mesh, &[Placement::Partial(ReduceOp::Sum)], &[])?;
+            let whole = crate::distribute_tensor(&Tensor::arange(2, DType::F32)?, &mesh, &[Placement::Shard(0)])?;
+            Ok((partial.item()?, whole.item().unwrap_err().to_string()))
+        })
+        .unwrap();
+        for (v, e) in out {
+            assert_eq!(v, 3.0, "1 + 2 on every rank");
+            assert!(e.contains("one element") && e.contains("[2]"), "{e}");
+        }
+    }
+
     #[test]
     fn full_tensor_of_a_huge_global_shape_is_an_error() {
         // (On one rank the gather is local: no receive buffer, nothing to allocate.)

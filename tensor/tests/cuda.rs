@@ -128,6 +128,13 @@ fn element_wise_and_reductions() {
         check("div", &da.div(&dpos).unwrap(), &a.div(&pos).unwrap(), dtype);
         check("maximum", &da.maximum(&db).unwrap(), &a.maximum(&b).unwrap(), dtype);
         check("pow", &dpos.pow(1.7).unwrap(), &pos.pow(1.7).unwrap(), dtype);
+        check("minimum", &da.minimum(&db).unwrap(), &a.minimum(&b).unwrap(), dtype);
+        check(
+            "clamp",
+            &da.clamp(Some(-0.5), Some(0.5)).unwrap(),
+            &a.clamp(Some(-0.5), Some(0.5)).unwrap(),
+            dtype,
+        );
         for (name, f) in [
             ("neg", Tensor::neg as fn(&Tensor) -> tessera_tensor::Result<Tensor>),
             ("exp", Tensor::exp),

@@ -263,6 +263,8 @@ grad! {
     layer_norm_plain: [signed(&[2, 3, 5])] => |v| v[0].layer_norm(None, None, 1e-5);
     layer_norm_weight: [signed(&[3, 5]), signed(&[5])] => |v| v[0].layer_norm(Some(&v[1]), None, 1e-3);
     layer_norm_bias: [signed(&[3, 5]), signed(&[5])] => |v| v[0].layer_norm(None, Some(&v[1]), 1e-3);
+    clamp_both: [signed(&[3, 5])] => |v| v[0].clamp(Some(-0.3), Some(0.4));
+    clamp_max: [signed(&[2, 3, 5])] => |v| v[0].clamp(None, Some(0.2));
     rms_norm_weight: [signed(&[3, 5]), signed(&[5])] => |v| v[0].rms_norm(Some(&v[1]), 1e-5);
     rms_norm_plain: [signed(&[2, 3, 5])] => |v| v[0].rms_norm(None, 1e-3);
     embedding: [signed(&[6, 3]), index(&[2, 5], 6)] => |v| v[0].embedding(&v[1]);

@@ -41,7 +41,7 @@ fn pairs(kind: fn(&[usize]) -> Arg) -> Vec<Vec<Arg>> {
 proptest! {
     #![proptest_config(config())]
 
-    /// add, sub, mul and maximum with broadcasting.
+    /// add, sub, mul, maximum and minimum with broadcasting.
     #[test]
     fn binary_ops(c in plain(broadcast_pairs(float))) {
         check(c, [
@@ -49,6 +49,7 @@ proptest! {
             op!("sub", |x| x[0].sub(&x[1])),
             op!("mul", |x| x[0].mul(&x[1])),
             op!("maximum", |x| x[0].maximum(&x[1])),
+            op!("minimum", |x| x[0].minimum(&x[1])),
         ])?;
     }
 
@@ -72,6 +73,8 @@ proptest! {
             op!("abs", |x| x[0].abs()),
             op!("square", |x| x[0].square()),
             op!("pow(3)", |x| x[0].pow(3.0)),
+            op!("clamp(-0.5, 0.5)", |x| x[0].clamp(Some(-0.5), Some(0.5))),
+            op!("clamp(min 0.1)", |x| x[0].clamp(Some(0.1), None)),
         ])?;
     }
 

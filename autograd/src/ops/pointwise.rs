@@ -218,6 +218,22 @@ impl Var {
         }))
     }
 
+    /// Every element limited to `[min, max]`; the gradient passes where
+    /// `min ≤ x ≤ max` and is zero where the input was clamped.
+    /// PyTorch: `torch.clamp`.
+    ///
+    /// # Errors
+    /// Both bounds absent, integer inputs.
+    pub fn clamp(&self, min: Option<f64>, max: Option<f64>) -> Result<Var> {
+        let x = self.value().clone();
+        let (lo, hi) = (min.unwrap_or(f64::NEG_INFINITY), max.unwrap_or(f64::INFINITY));
+        Ok(self.unary_op("clamp", x.clamp(min, max)?, move |g| {
+            g.binary("clamp_backward", &x, Linearity::FirstOnly, |g, x| {
+                Ok(g.mul(&map_f64(x, |v| if (lo..=hi).contains(&v) { 1.0 } else { 0.0 })?)?)
+            })
+        }))
+    }
+
     /// `1/(1 + e⁻ˣ)`.
     ///
     /// # Errors

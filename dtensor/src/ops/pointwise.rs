@@ -48,6 +48,7 @@ binary! {
     mul => Linearity::Multiplicative, "Element-wise `self · rhs` with broadcasting; a partial times a replicated value stays partial.";
     div => Linearity::FirstOnly, "Element-wise `self / rhs` with broadcasting; a partial numerator over a replicated divisor stays partial.";
     maximum => Linearity::None, "Element-wise maximum with broadcasting (partial inputs are reduced first).";
+    minimum => Linearity::None, "Element-wise minimum with broadcasting (partial inputs are reduced first).";
 }
 
 macro_rules! unary {
@@ -249,6 +250,15 @@ impl DTensor {
     /// Integer inputs, communication failures.
     pub fn sub_scalar(&self, s: f64) -> Result<DTensor> {
         self.unary("sub_scalar", Linearity::None, |t| Ok(t.sub_scalar(s)?))
+    }
+
+    /// Every element limited to `[min, max]` (a partial input is reduced first).
+    /// PyTorch: `torch.clamp` on DTensors.
+    ///
+    /// # Errors
+    /// Both bounds absent, integer inputs, communication failures.
+    pub fn clamp(&self, min: Option<f64>, max: Option<f64>) -> Result<DTensor> {
+        self.unary("clamp", Linearity::None, |t| Ok(t.clamp(min, max)?))
     }
 
     /// `xᵉ`.

@@ -144,6 +144,7 @@ extern "C" __global__ void cast_f64_bf16(bf16* o, const double* x, Geo g) {
     X(mul, a * b)                                       \
     X(div, a / b)                                       \
     X(maximum, (a != a || a > b) ? a : b)               \
+    X(minimum, (a != a || a < b) ? a : b)               \
     X(pow, pow_(a, b))                                  \
     X(gelu_backward, gelu_bwd(a, b))                    \
     X(silu_backward, silu_bwd(a, b))

@@ -80,6 +80,8 @@ mod tests {
             ];
             let ops = [
                 "binary_add",
+                "binary_minimum",
+                "scalar_minimum",
                 "binary_sub",
                 "binary_mul",
                 "binary_div",

@@ -36,6 +36,7 @@ binary_op!(MulOp, "mul", |a, b| a * b);
 binary_op!(DivOp, "div", |a, b| a / b);
 // NaN-propagating, as `torch.maximum`.
 binary_op!(MaxOp, "maximum", |a, b| if a > b || a.is_nan() { a } else { b });
+binary_op!(MinOp, "minimum", |a, b| if a < b || a.is_nan() { a } else { b });
 binary_op!(PowOp, "pow", |a, b| a.powf(b));
 
 /// The shape that `a` and `b` broadcast to (NumPy rules: dims are aligned from
@@ -227,6 +228,32 @@ binary_methods! {
     div, div_scalar, DivOp, "torch.div";
     /// Element-wise maximum; NaN wins (propagates).
     maximum, maximum_scalar, MaxOp, "torch.maximum";
+    /// Element-wise minimum; NaN wins (propagates).
+    minimum, minimum_scalar, MinOp, "torch.minimum";
+}
+
+impl Tensor {
+    /// Every element limited to `[min, max]` (either bound may be absent);
+    /// NaN stays NaN. PyTorch: `torch.clamp`.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when both bounds are absent, or for integer tensors.
+    pub fn clamp(&self, min: Option<f64>, max: Option<f64>) -> Result<Tensor> {
+        let mut out = match (min, max) {
+            (None, None) => {
+                return Err(Error::InvalidArgument {
+                    op: "clamp",
+                    detail: "at least one of min and max must be given".into(),
+                });
+            }
+            (Some(lo), _) => self.maximum_scalar(lo)?,
+            (None, _) => self.clone(),
+        };
+        if let Some(hi) = max {
+            out = out.minimum_scalar(hi)?;
+        }
+        Ok(out)
+    }
 }
 
 impl Tensor {
@@ -271,6 +298,31 @@ mod tests {
             })
             .collect();
         (out, v)
+    }
+
+    #[test]
+    fn minimum_and_clamp() {
+        let x = Tensor::from_vec(vec![-2.0f32, -0.5, 0.0, 0.7, 3.0, f32::NAN], &[6]).unwrap();
+        let y = x.clamp(Some(-1.0), Some(1.0)).unwrap().to_vec::<f32>().unwrap();
+        assert_eq!(&y[..5], &[-1.0, -0.5, 0.0, 0.7, 1.0]);
+        assert!(y[5].is_nan(), "NaN stays NaN");
+        assert_eq!(
+            x.clamp(None, Some(0.0)).unwrap().to_vec::<f32>().unwrap()[..5],
+            [-2.0, -0.5, 0.0, 0.0, 0.0]
+        );
+        assert_eq!(
+            x.clamp(Some(0.5), None).unwrap().to_vec::<f32>().unwrap()[..5],
+            [0.5, 0.5, 0.5, 0.7, 3.0]
+        );
+        let e = x.clamp(None, None).unwrap_err().to_string();
+        assert!(e.contains("at least one of min and max"), "{e}");
+        let m = x
+            .minimum(&Tensor::full(&[6], 0.1, DType::F32).unwrap())
+            .unwrap()
+            .to_vec::<f32>()
+            .unwrap();
+        assert_eq!(&m[..5], &[-2.0, -0.5, 0.0, 0.1, 0.1]);
+        assert!(m[5].is_nan());
     }
 
     #[test]
