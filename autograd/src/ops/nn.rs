@@ -190,21 +190,8 @@ impl Var {
             let last = x.shape().len() - 1;
             let w = w.as_ref().map(|w| w.get()).transpose()?;
             // A pending sum in `g` (the input gradient of column-parallel layers) is
-            // reduced once, to `x`'s placements, for all three gradients (each would
-            // otherwise reduce it on its own).
-            let reduced;
-            let g = if g.placements().iter().any(|p| p.is_partial()) {
-                let target: Vec<Placement> = g
-                    .placements()
-                    .iter()
-                    .zip(x.placements())
-                    .map(|(p, xp)| if p.is_partial() { *xp } else { *p })
-                    .collect();
-                reduced = g.redistribute(&target)?;
-                &reduced
-            } else {
-                g
-            };
+            // reduced once, for all three gradients (each would otherwise reduce it).
+            let g = &reduce_partial_like(g, &x)?;
             let stats = [&mean, &rstd];
             let mut out: SmallVec<[Option<DTensor>; 3]> = smallvec![Some(g.layer_norm_backward_with_stats(
                 &x,
@@ -236,21 +223,8 @@ impl Var {
         inputs.extend(weight);
         Ok(Var::from_op("rms_norm", value, &inputs, move |g| {
             let w = w.as_ref().map(|w| w.get()).transpose()?;
-            // A pending sum in `g` is reduced once, to `x`'s placements, for
-            // both gradients (as in `layer_norm`).
-            let reduced;
-            let g = if g.placements().iter().any(|p| p.is_partial()) {
-                let target: Vec<Placement> = g
-                    .placements()
-                    .iter()
-                    .zip(x.placements())
-                    .map(|(p, xp)| if p.is_partial() { *xp } else { *p })
-                    .collect();
-                reduced = g.redistribute(&target)?;
-                &reduced
-            } else {
-                g
-            };
+            // A pending sum in `g` is reduced once, for both gradients.
+            let g = &reduce_partial_like(g, &x)?;
             let mut out: SmallVec<[Option<DTensor>; 3]> =
                 smallvec![Some(g.rms_norm_backward_with_stats(&x, &rstd, w.as_ref())?)];
             if w.is_some() {
@@ -333,4 +307,20 @@ fn bias_for(prod: &DTensor, bias: &DTensor) -> tessera_dtensor::Result<DTensor> 
         // Only Replicate mesh dims change, so the bias's shard order still fits.
         bias.redistribute_with_order(&target, bias.layout().order.clone())
     }
+}
+
+/// `g` with its pending sums reduced to `x`'s placements on those mesh dims
+/// (itself when nothing is pending): one reduction for all the gradients a
+/// norm's backward computes from it.
+fn reduce_partial_like(g: &DTensor, x: &DTensor) -> tessera_dtensor::Result<DTensor> {
+    if !g.placements().iter().any(|p| p.is_partial()) {
+        return Ok(g.clone());
+    }
+    let target: Vec<Placement> = g
+        .placements()
+        .iter()
+        .zip(x.placements())
+        .map(|(p, xp)| if p.is_partial() { *xp } else { *p })
+        .collect();
+    g.redistribute(&target)
 }

@@ -6,30 +6,12 @@
 //! (`(x.float() * rsqrt(x.float().pow(2).mean(-1) + eps)).type_as(x) * w`).
 //! The mean of squares accumulates in `f64`.
 
-use super::rows::need_dims;
+use super::rows::{check_norm_weight as check_weight, need_dims};
 use super::{elements, output, same_dtype};
 use crate::kernel::{Float, Real, float_dispatch};
 use crate::{DType, Error, Result, Tensor};
 
 const OP: &str = "rms_norm";
-
-/// Errors unless `w` is a `[d]` weight of `x`'s dtype for `x`'s last dim `d`.
-fn check_weight(op: &'static str, x: &Tensor, w: Option<&Tensor>) -> Result<()> {
-    let Some(w) = w else { return Ok(()) };
-    same_dtype(op, x, w)?;
-    let d = x.shape()[x.rank() - 1];
-    if w.shape() != [d] {
-        return Err(Error::ShapeMismatch {
-            op,
-            detail: format!(
-                "weight has shape {:?} but input {:?} normalizes a last dim of {d}; pass a [{d}] weight",
-                w.shape(),
-                x.shape()
-            ),
-        });
-    }
-    Ok(())
-}
 
 /// Errors unless `rstd` is `x`'s shape with the last dim 1.
 fn check_stats(op: &'static str, x: &Tensor, rstd: &Tensor) -> Result<()> {

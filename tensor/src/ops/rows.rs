@@ -135,6 +135,24 @@ pub(super) fn ce_targets<'a>(
     Ok((n, c, t))
 }
 
+/// Errors unless `w` (when given) is a `[d]` tensor of `x`'s dtype for `x`'s
+/// last dim `d`: the weight of a norm over the last dim.
+pub(super) fn check_norm_weight(op: &'static str, x: &Tensor, w: Option<&Tensor>) -> Result<()> {
+    let Some(w) = w else { return Ok(()) };
+    super::same_dtype(op, x, w)?;
+    let d = x.shape()[x.rank() - 1];
+    if w.shape() != [d] {
+        return Err(Error::ShapeMismatch {
+            op,
+            detail: format!(
+                "weight has shape {:?} but the input's last dim is {d}; pass a [{d}] weight",
+                w.shape()
+            ),
+        });
+    }
+    Ok(())
+}
+
 /// The shape checks of [`ce_targets`] without reading the targets (for device
 /// tensors, whose range the kernel checks).
 pub(super) fn ce_shapes(logits: &Tensor, targets: &Tensor) -> Result<()> {

@@ -8,7 +8,7 @@ use crate::kernel::Simd;
 use crate::kernel::{Float, float_dispatch, par_blocks, par_parts};
 use crate::ops::reduce::sum_map_f64;
 use crate::ops::rows::{all_row_stats, filled, map_rows, row_stats};
-use crate::ops::{elements, output, same_dtype};
+use crate::ops::{elements, output};
 use crate::{Error, Result, Tensor};
 
 impl Tensor {
@@ -115,19 +115,7 @@ impl Tensor {
 fn ln_backward_checks(op: &'static str, g: &Tensor, x: &Tensor, weight: Option<&Tensor>) -> Result<()> {
     same_shape(op, g, x, "the input")?;
     need_rank(op, x)?;
-    let Some(w) = weight else { return Ok(()) };
-    same_dtype(op, x, w)?;
-    let d = x.shape()[x.rank() - 1];
-    if w.shape() != [d] {
-        return Err(Error::ShapeMismatch {
-            op,
-            detail: format!(
-                "weight has shape {:?} but the input's last dim is {d}; pass a [{d}] weight",
-                w.shape()
-            ),
-        });
-    }
-    Ok(())
+    super::super::rows::check_norm_weight(op, x, weight)
 }
 
 /// The per-row `(mean, rstd)` of `x` that [`Tensor::layer_norm_with_stats`]
