@@ -341,18 +341,9 @@ impl AdamW {
         // parameter may hold its storage alone and be updated in place.
         drop(r.value);
         let mut current = p.value_mut()?;
-        current.update_local(|local| {
-            let flat_grad = grad.reshape(&[grad.numel()])?;
-            let mut flat = local.reshape(&[local.numel()])?;
-            // `reshape` of a contiguous tensor is a view: the local tensor is
-            // released while the kernel runs so the view holds the storage alone.
-            let shape = local.shape().to_vec();
-            *local = tessera_tensor::Tensor::scalar(0.0, DType::F32)?;
-            let stepped = tessera_tensor::cuda::adamw_step(&mut flat, &flat_grad, m, v, scalars);
-            // Back in place first, whether or not the step ran.
-            *local = flat.reshape(&shape)?;
-            Ok(stepped?)
-        })?;
+        // The kernel takes any shapes of one element count, and copies the
+        // parameter first only if another handle shares its storage.
+        current.update_local(|local| Ok(tessera_tensor::cuda::adamw_step(local, &grad, m, v, scalars)?))?;
         slot.step += 1;
         Ok(())
     }

@@ -163,9 +163,8 @@ pub(crate) fn to(t: &Tensor, device: Device) -> Result<Tensor> {
     match (t.device(), device) {
         (a, b) if a == b => Ok(t.clone()),
         (Device::Cpu, Device::Cuda(n)) => {
-            let host = t.contiguous();
-            let buffer = host.to_buffer();
-            Ok(Tensor::from_cuda(CudaBuffer::from_host(n, &buffer)?, t.shape()))
+            // `to_buffer` gathers any layout row-major: one host copy.
+            Ok(Tensor::from_cuda(CudaBuffer::from_host(n, &t.to_buffer())?, t.shape()))
         }
         (Device::Cuda(_), Device::Cpu) => {
             let c = contiguous(t)?;
@@ -229,7 +228,7 @@ pub(crate) fn assemble(
     device: Device,
     pieces: &[(&[usize], &Tensor)],
 ) -> Result<Tensor> {
-    let out = full(device, shape, 0.0, dtype).or_else(|_| zeros_any(device, shape, dtype))?;
+    let out = zeros_any(device, shape, dtype)?;
     let s = streams_for("assemble", &[&out])?;
     let strides = contiguous_strides(shape);
     for (offset, piece) in pieces {
