@@ -267,6 +267,12 @@ grad! {
     clamp_max: [signed(&[2, 3, 5])] => |v| v[0].clamp(None, Some(0.2));
     rms_norm_weight: [signed(&[3, 5]), signed(&[5])] => |v| v[0].rms_norm(Some(&v[1]), 1e-5);
     rms_norm_plain: [signed(&[2, 3, 5])] => |v| v[0].rms_norm(None, 1e-3);
+    rotary: [signed(&[2, 3, 2, 4])] => |v| {
+        let (cos, sin) = tessera::tensor::ops::rotary_tables(&[0, 2, 5], 4, 10.0).unwrap();
+        v[0].rotary_embedding(&cos, &sin)
+    };
+    repeat_interleave_heads: [signed(&[2, 3, 2, 4])] => |v| v[0].repeat_interleave(2, 2);
+    repeat_interleave_last: [signed(&[3, 2])] => |v| v[0].repeat_interleave(3, 1);
     embedding: [signed(&[6, 3]), index(&[2, 5], 6)] => |v| v[0].embedding(&v[1]);
     embedding_flat: [signed(&[4, 2]), index(&[9], 4)] => |v| v[0].embedding(&v[1]);
     cross_entropy_mean: [signed(&[4, 5]), index(&[4], 5)] => |v| v[0].mul_scalar(2.0)?.cross_entropy(&v[1], Mean);

@@ -1,5 +1,5 @@
-//! The neural-network ops: softmax, log_softmax, layer_norm, rms_norm, embedding,
-//! cross_entropy, causal_mask.
+//! The neural-network ops: softmax, log_softmax, layer_norm, rms_norm, rotary
+//! embeddings, key/value head repetition, embedding, cross_entropy, causal_mask.
 
 use proptest::prelude::*;
 use tessera::dtensor::{DTensor, Placement, Tensor};
@@ -68,6 +68,37 @@ proptest! {
             op!("rms_norm(-)", |x| x[0].rms_norm(None, 1e-5)),
             op!("rms_norm_with_stats rstd", |x| Ok(x[0].rms_norm_with_stats(Some(&x[1]), 1e-5)?.1)),
         ])?;
+    }
+
+    /// Rotary embeddings of `[B, S, H, D]` and `[S, H, D]` (sequence, head and
+    /// batch shards kept; the tables' rows follow a sequence shard) and their
+    /// backward.
+    #[test]
+    fn rotary_embedding(c in plain(singles(&[&[2, 5, 3, 4], &[3, 4, 2, 6], &[5, 3, 4]]))) {
+        let s = &c.args[0].shape;
+        let (seq, d) = (s[s.len() - 3], s[s.len() - 1]);
+        let positions: Vec<usize> = (0..seq).map(|p| 3 * p + 1).collect();
+        let (cos, sin) = tessera::tensor::ops::rotary_tables(&positions, d, 100.0).unwrap();
+        check(c, [
+            op!("rotary_embedding", [cos, sin], |x| x[0].rotary_embedding(&cos, &sin)),
+            op!("rotary_embedding_backward", [cos, sin], |x| x[0].rotary_embedding_backward(&cos, &sin)),
+        ])?;
+    }
+
+    /// Key/value head repetition along each dim, and the group sums of its backward.
+    #[test]
+    fn repeat_interleave(c in plain(singles(&[&[2, 4, 2, 3], &[3, 2, 5], &[4, 6]]))) {
+        let rank = c.args[0].shape.len();
+        let mut ops: Vec<Op> = Vec::new();
+        for dim in 0..rank {
+            ops.push(op!(format!("repeat_interleave(2, {dim})"), |x| x[0].repeat_interleave(2, dim)).exact());
+            if c.args[0].shape[dim] % 2 == 0 {
+                ops.push(op!(format!("repeat_interleave_backward(2, {dim})"), |x| {
+                    x[0].repeat_interleave_backward(2, dim)
+                }));
+            }
+        }
+        check(c, ops)?;
     }
 
     /// Embedding of a `[7, 4]` table (and a `[5, 3]` one).

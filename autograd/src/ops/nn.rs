@@ -234,6 +234,22 @@ impl Var {
         }))
     }
 
+    /// Rotary position embedding of `[.., S, H, D]` with `f32` tables `[S, D]`
+    /// (see [`DTensor::rotary_embedding`]); the gradient is the transposed
+    /// rotation, which needs neither the input nor the output.
+    ///
+    /// PyTorch: the reference LLaMA's `apply_rotary_pos_emb`.
+    ///
+    /// # Errors
+    /// As [`DTensor::rotary_embedding`].
+    pub fn rotary_embedding(&self, cos: &tessera_dtensor::Tensor, sin: &tessera_dtensor::Tensor) -> Result<Var> {
+        let value = self.value().rotary_embedding(cos, sin)?;
+        let (cos, sin) = (cos.clone(), sin.clone());
+        Ok(self.unary_op("rotary_embedding", value, move |g| {
+            g.rotary_embedding_backward(&cos, &sin)
+        }))
+    }
+
     /// Rows of this `[V, D]` table picked by `indices` (`i64`). The table's
     /// gradient comes in its own sharding when it is sharded (see `embedding_backward`).
     ///

@@ -75,6 +75,20 @@ impl Var {
         }))
     }
 
+    /// Each slice along `dim` repeated `repeats` times in place (see
+    /// [`DTensor::repeat_interleave`]); the gradient sums each group.
+    ///
+    /// PyTorch: `torch.repeat_interleave(x, repeats, dim)` (LLaMA's `repeat_kv`).
+    ///
+    /// # Errors
+    /// As [`DTensor::repeat_interleave`].
+    pub fn repeat_interleave(&self, repeats: usize, dim: usize) -> Result<Var> {
+        let value = self.value().repeat_interleave(repeats, dim)?;
+        Ok(self.unary_op("repeat_interleave", value, move |g| {
+            g.repeat_interleave_backward(repeats, dim)
+        }))
+    }
+
     /// Concatenation along `dim`.
     ///
     /// # Errors

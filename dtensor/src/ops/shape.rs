@@ -10,7 +10,7 @@ use crate::{DTensor, Error, Placement, ReduceOp, Result, Tensor};
 
 /// Per-mesh-dim options of a one-input op that moves dim `d` to `map(d)` (`None`:
 /// that dim cannot stay sharded). Replicate and linear partials are kept.
-fn remap_options(rank: usize, map: impl Fn(usize) -> Option<usize>) -> Vec<DimOption> {
+pub(super) fn remap_options(rank: usize, map: impl Fn(usize) -> Option<usize>) -> Vec<DimOption> {
     let r = Placement::Replicate;
     let mut options: Vec<DimOption> = vec![(smallvec![r], r)];
     for op in [ReduceOp::Sum, ReduceOp::Avg] {

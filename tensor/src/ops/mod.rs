@@ -41,6 +41,7 @@ mod nn;
 mod nn_backward;
 mod reduce;
 mod rms_norm;
+mod rotary;
 mod rows;
 mod shape;
 #[cfg(test)]
@@ -54,6 +55,7 @@ use tessera_mesh::Element;
 pub use attention::Attention;
 pub use matmul::{Causal, GemmKernel};
 pub use nn::Reduction;
+pub use rotary::rotary_tables;
 pub use unary::gelu_backward_shapes;
 
 use crate::kernel::{Simd, par_parts, par_rows};

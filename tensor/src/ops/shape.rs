@@ -1,4 +1,5 @@
-//! Shape ops that kernels need: `permute` (a view) and `broadcast_to` (a copy).
+//! Shape ops that kernels need: `permute` (a view), `broadcast_to` and
+//! `repeat_interleave` (copies).
 
 use ndarray::IxDyn;
 
@@ -87,6 +88,69 @@ impl Tensor {
             out.extend(wide.iter().copied());
             Tensor::from_vec(out, shape)
         })
+    }
+}
+
+impl Tensor {
+    /// Each slice along `dim` repeated `repeats` times in place: `[.., n, ..]`
+    /// becomes `[.., n·repeats, ..]` with slice `i` of the output equal to slice
+    /// `i / repeats` of the input (`[a, a, b, b]` for 2 repeats of `[a, b]`), as
+    /// new contiguous storage. Every dtype, every device. Grouped-query attention
+    /// repeats its key/value heads so.
+    ///
+    /// PyTorch: `torch.repeat_interleave(x, repeats, dim)` with an integer
+    /// `repeats` (LLaMA's `repeat_kv`).
+    ///
+    /// # Errors
+    /// [`Error::DimOutOfRange`]; [`Error::InvalidArgument`] for `repeats == 0`.
+    pub fn repeat_interleave(&self, repeats: usize, dim: usize) -> Result<Tensor> {
+        const OP: &str = "repeat_interleave";
+        super::check_dim(OP, dim, self.rank())?;
+        if repeats == 0 {
+            return Err(Error::InvalidArgument {
+                op: OP,
+                detail: "repeats must be at least 1".into(),
+            });
+        }
+        if repeats == 1 {
+            return Ok(self.clone());
+        }
+        let mut unsqueezed = self.shape().to_vec();
+        unsqueezed.insert(dim + 1, 1);
+        let x = self.reshape(&unsqueezed)?;
+        let copies = vec![x; repeats];
+        let mut out = self.shape().to_vec();
+        out[dim] *= repeats;
+        Tensor::cat(&copies, dim + 1)?.reshape(&out)
+    }
+
+    /// The gradient of [`repeat_interleave`](Self::repeat_interleave) for the
+    /// output gradient `self`: each group of `repeats` consecutive slices along
+    /// `dim` summed (`[.., n·repeats, ..]` to `[.., n, ..]`).
+    ///
+    /// # Errors
+    /// [`Error::DimOutOfRange`]; [`Error::ShapeMismatch`] when `repeats` does not
+    /// divide the size of `dim`; integer tensors.
+    pub fn repeat_interleave_backward(&self, repeats: usize, dim: usize) -> Result<Tensor> {
+        const OP: &str = "repeat_interleave_backward";
+        super::check_dim(OP, dim, self.rank())?;
+        let n = self.shape()[dim];
+        if repeats == 0 || !n.is_multiple_of(repeats) {
+            return Err(Error::ShapeMismatch {
+                op: OP,
+                detail: format!(
+                    "dim {dim} of {:?} is not a whole number of groups of {repeats}",
+                    self.shape()
+                ),
+            });
+        }
+        if repeats == 1 {
+            return Ok(self.clone());
+        }
+        let mut grouped = self.shape().to_vec();
+        grouped[dim] = n / repeats;
+        grouped.insert(dim + 1, repeats);
+        self.reshape(&grouped)?.sum(&[dim + 1], false)
     }
 }
 
@@ -194,5 +258,32 @@ mod tests {
             "broadcast_to: shape mismatch: cannot broadcast [2, 3] to [3]; each dim must equal \
              the target's (aligned from the right) or be 1"
         );
+    }
+
+    #[test]
+    fn repeat_interleave_repeats_slices_in_place_and_its_backward_sums_the_groups() {
+        let x = iota(&[2, 3, 2]);
+        let y = x.repeat_interleave(2, 1).unwrap();
+        assert_eq!(y.shape(), &[2, 6, 2]);
+        let want: Vec<i64> = vec![
+            0, 1, 0, 1, 2, 3, 2, 3, 4, 5, 4, 5, 6, 7, 6, 7, 8, 9, 8, 9, 10, 11, 10, 11,
+        ];
+        assert_eq!(y.to_vec::<i64>().unwrap(), want);
+        assert_eq!(
+            x.repeat_interleave(3, 2).unwrap().to_vec::<i64>().unwrap()[..6],
+            [0, 0, 0, 1, 1, 1]
+        );
+        let g = iota(&[1, 4]).cast(DType::F32).unwrap();
+        let back = g.repeat_interleave_backward(2, 1).unwrap();
+        assert_eq!(back.to_vec::<f32>().unwrap(), [1.0, 5.0]);
+        assert!(
+            x.repeat_interleave(0, 1)
+                .unwrap_err()
+                .to_string()
+                .contains("at least 1")
+        );
+        assert!(x.repeat_interleave(2, 3).is_err());
+        let err = g.repeat_interleave_backward(3, 1).unwrap_err().to_string();
+        assert!(err.contains("groups of 3"), "{err}");
     }
 }
