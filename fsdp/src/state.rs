@@ -9,7 +9,7 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use std::rc::{Rc, Weak};
 
 use smallvec::smallvec;
-use tessera_autograd::nn::{ModuleHooks, ModuleId};
+use tessera_autograd::nn::{Inputs, ModuleHooks, ModuleId};
 use tessera_autograd::{Var, queue_callback};
 
 use crate::error::Result;
@@ -78,11 +78,11 @@ impl Unit {
     /// The forward of a unit made from several modules begins with the first
     /// of them and ends with the last (every one runs once per forward, in any
     /// order or nested); the others only cast their inputs.
-    fn pre_forward_impl(&self, x: &Var) -> Result<Var> {
+    fn pre_forward_impl(&self, inputs: Inputs) -> Result<Inputs> {
         let entered = self.entered.get();
         self.entered.set(entered + 1);
         if entered > 0 {
-            return self.cast_input(x);
+            return self.cast_inputs(inputs);
         }
         let me = self.rc();
         let next = match enter_forward(&me) {
@@ -92,7 +92,7 @@ impl Unit {
                 None
             }
         };
-        let r = self.prepare_forward(next, x);
+        let r = self.prepare_forward(next, inputs);
         if r.is_err() {
             self.forward_failed();
         }
@@ -101,7 +101,7 @@ impl Unit {
 
     /// Pre-forward after the context recorded it: gather, prefetch, bind the
     /// unsharded parameters, input cast.
-    fn prepare_forward(&self, next: Option<Rc<Unit>>, x: &Var) -> Result<Var> {
+    fn prepare_forward(&self, next: Option<Rc<Unit>>, inputs: Inputs) -> Result<Inputs> {
         self.group.unshard()?;
         let targets = match &*self.forward_prefetch.borrow() {
             Some(list) => list.iter().filter_map(Weak::upgrade).collect(),
@@ -118,14 +118,22 @@ impl Unit {
                 None => Ok(()),
             })
         })?;
-        self.cast_input(x)
+        self.cast_inputs(inputs)
     }
 
-    fn cast_input(&self, x: &Var) -> Result<Var> {
+    /// Every floating-point input, positional or named, cast to the parameter
+    /// dtype of mixed precision (when it casts inputs); others left alone.
+    fn cast_inputs(&self, inputs: Inputs) -> Result<Inputs> {
         let mp = self.group.mp;
         match mp.param_dtype {
-            Some(dt) if mp.cast_forward_inputs && x.value().dtype().is_float() => Ok(x.cast(dt)?),
-            _ => Ok(x.clone()),
+            Some(dt) if mp.cast_forward_inputs => Ok(inputs.map(|_, x| {
+                if x.value().dtype().is_float() {
+                    x.cast(dt)
+                } else {
+                    Ok(x)
+                }
+            })?),
+            _ => Ok(inputs),
         }
     }
 
@@ -208,8 +216,8 @@ impl Unit {
 }
 
 impl ModuleHooks for Unit {
-    fn pre_forward(&self, input: &Var) -> tessera_autograd::Result<Var> {
-        Ok(self.pre_forward_impl(input)?)
+    fn pre_forward(&self, inputs: Inputs) -> tessera_autograd::Result<Inputs> {
+        Ok(self.pre_forward_impl(inputs)?)
     }
 
     fn post_forward(&self, output: Var) -> tessera_autograd::Result<Var> {

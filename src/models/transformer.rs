@@ -264,10 +264,7 @@ impl Transformer {
     ///
     /// PyTorch: the sequence-parallel plan of TorchTitan's Llama.
     pub fn tp_plan_sequence_parallel() -> ParallelPlan {
-        let seq_in = PrepareModuleInput {
-            input_layouts: Some(TpLayout::Shard(1)),
-            desired_input_layouts: Some(TpLayout::Replicate),
-        };
+        let seq_in = PrepareModuleInput::new(Some(TpLayout::Shard(1)), Some(TpLayout::Replicate));
         let row_to_seq = RowwiseParallel {
             input_layouts: None,
             output_layouts: TpLayout::Shard(1),
@@ -289,7 +286,7 @@ impl Transformer {
                 },
             )
             .add("layers.*.attention_norm", SequenceParallel::default())
-            .add("layers.*.attention", seq_in)
+            .add("layers.*.attention", seq_in.clone())
             .add("layers.*.attention.wq", ColwiseParallel::default())
             .add("layers.*.attention.wk", ColwiseParallel::default())
             .add("layers.*.attention.wv", ColwiseParallel::default())

@@ -6,7 +6,7 @@ use std::cell::RefCell;
 use std::rc::Rc;
 
 use smallvec::smallvec;
-use tessera::autograd::nn::{Module, ModuleHooks, ModuleId, register_module_hooks};
+use tessera::autograd::nn::{Inputs, Module, ModuleHooks, ModuleId, register_module_hooks};
 use tessera::autograd::{Var, backward};
 use tessera::fsdp::{FsdpConfig, FsdpModule, GatherState};
 use tessera::models::FsdpUnits;
@@ -57,16 +57,17 @@ impl ModuleHooks for Probe {
     /// Runs after the unit's own pre-forward (registered after it): records the
     /// states there, and wraps the input so that backward records them again
     /// once the module's backward (and its FSDP post-backward) is done.
-    fn pre_forward(&self, x: &Var) -> tessera::autograd::Result<Var> {
+    fn pre_forward(&self, inputs: Inputs) -> tessera::autograd::Result<Inputs> {
         self.log
             .borrow_mut()
             .push((format!("forward {}", self.name), states(&self.units)));
         let (units, log, name) = (self.units.clone(), self.log.clone(), self.name);
-        Ok(Var::from_op("probe", x.value().clone(), &[x], move |g| {
+        let x = inputs.single()?;
+        Ok(Inputs::from(Var::from_op("probe", x.value().clone(), &[x], move |g| {
             log.borrow_mut()
                 .push((format!("after backward {name}"), states(&units)));
             Ok(smallvec![Some(g.clone())])
-        }))
+        })))
     }
 
     fn post_forward(&self, out: Var) -> tessera::autograd::Result<Var> {

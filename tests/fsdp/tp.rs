@@ -7,7 +7,7 @@
 use std::cell::RefCell;
 use std::rc::Rc;
 
-use tessera::autograd::nn::{Module, ModuleHooks, ModuleId, register_module_hooks};
+use tessera::autograd::nn::{Inputs, Module, ModuleHooks, ModuleId, register_module_hooks};
 use tessera::autograd::optim::{AdamW, Optimizer, clip_grad_norm};
 use tessera::autograd::{Param, Var, backward, read_safetensors, save_state_dict_full};
 use tessera::dtensor::{Placement, ShardOrder, Tensor, distribute_tensor};
@@ -321,12 +321,12 @@ struct Seen {
 }
 
 impl ModuleHooks for Seen {
-    fn pre_forward(&self, input: &Var) -> tessera::autograd::Result<Var> {
+    fn pre_forward(&self, inputs: Inputs) -> tessera::autograd::Result<Inputs> {
         let v = self.param.var()?;
         let v = v.value();
         self.placements.borrow_mut().push(v.placements().to_vec());
         assert!(v.layout().order.is_default());
-        Ok(input.clone())
+        Ok(inputs)
     }
 
     fn post_forward(&self, output: Var) -> tessera::autograd::Result<Var> {

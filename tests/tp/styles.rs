@@ -2,7 +2,7 @@
 //! and the gradients of the parameters and of the input, on tp = 2, 3, 4 with
 //! sizes that do not divide (torch.chunk's uneven splits, empty shards included).
 
-use tessera::autograd::nn::{Embedding, LayerNorm, Linear, Materializer, Module};
+use tessera::autograd::nn::{Embedding, Inputs, LayerNorm, Linear, Materializer, Module};
 use tessera::autograd::{Param, Var, backward};
 use tessera::dtensor::{DType, Placement, Tensor, distribute_tensor};
 use tessera::fsdp::tp::{
@@ -138,10 +138,10 @@ const CASES: &[Case] = &[
         name: "prepare input: sequence shards gathered",
         build: linear,
         style: || {
-            on_root(PrepareModuleInput {
-                input_layouts: Some(TpLayout::Shard(1)),
-                desired_input_layouts: Some(TpLayout::Replicate),
-            })
+            on_root(PrepareModuleInput::new(
+                Some(TpLayout::Shard(1)),
+                Some(TpLayout::Replicate),
+            ))
         },
         x_shape: &[2, 3, 5],
         tokens: None,
@@ -255,4 +255,114 @@ fn every_style_matches_one_rank_on_full_tensors() {
         .unwrap();
         eprintln!("tp={tp}: every style within {:e} of one rank", worst[0]);
     }
+}
+
+/// `fc(x) + skip` with `skip` positional or named (`"skip"`): a module of two inputs.
+struct TwoInputs {
+    fc: Linear,
+}
+
+impl Module for TwoInputs {
+    fn named_children(&self) -> Vec<(String, &dyn Module)> {
+        vec![("fc".into(), &self.fc)]
+    }
+
+    fn forward(&self, x: &Var) -> R<Var> {
+        self.fc.call(x)
+    }
+
+    fn forward_with(&self, inputs: &Inputs) -> R<Var> {
+        let skip = match inputs.named("skip") {
+            Some(s) => s,
+            None => inputs.get(1)?,
+        };
+        // Both inputs must arrive replicated on tp: the output is compared to one rank.
+        for v in [inputs.get(0)?, skip] {
+            assert_eq!(
+                v.value().placements(),
+                [Placement::Replicate],
+                "an input was not laid out"
+            );
+        }
+        self.fc.call(inputs.get(0)?)?.add(skip)
+    }
+}
+
+/// PrepareModuleInput lays out every positional input by position and named
+/// inputs by name (`None` entries left alone), and refuses a call whose
+/// positional inputs the plan does not count.
+#[test]
+fn prepare_module_input_lays_out_each_input_of_a_several_input_module() {
+    launch(2, |ctx| {
+        let mesh = DeviceMesh::new(ctx.into_comm(), &[2])?;
+        let full = |seed| Tensor::randn(&[2, 4, 5], DType::F64, seed);
+        let (x, skip) = (full(1)?, full(2)?);
+        let on = |t: &Tensor, p| -> R<Var> { Ok(Var::constant(distribute_tensor(t, &mesh, &[p])?)) };
+        let build = || -> R<TwoInputs> {
+            let m = TwoInputs {
+                fc: Linear::new(5, 5, false, &mesh, DType::F64)?,
+            };
+            Materializer::from_seed(4).materialize(&m)?;
+            Ok(m)
+        };
+        let reference = {
+            let m = build()?;
+            m.call_with(
+                Inputs::new()
+                    .arg(&on(&x, Placement::Replicate)?)
+                    .arg(&on(&skip, Placement::Replicate)?),
+            )?
+        };
+        let want = reference.value().full_tensor()?.to_f64_vec();
+        // Positional: x arrives sequence-sharded, skip is left alone (already replicated).
+        let m = build()?;
+        let positional = PrepareModuleInput {
+            input_layouts: vec![Some(TpLayout::Shard(1)), None],
+            desired_input_layouts: vec![Some(TpLayout::Replicate), None],
+            ..PrepareModuleInput::default()
+        };
+        parallelize_module(&m, &mesh, &on_root(positional))?;
+        let (xs, skip_r) = (on(&x, Placement::Shard(1))?, on(&skip, Placement::Replicate)?);
+        let got = m.call_with(Inputs::new().arg(&xs).arg(&skip_r))?;
+        assert_eq!(got.value().full_tensor()?.to_f64_vec(), want);
+        let err = m.call_with(Inputs::from(&xs)).unwrap_err().to_string();
+        assert!(
+            err.contains("called with 1 positional inputs but the plan lays out 2"),
+            "{err}"
+        );
+        // Named: skip arrives sharded on the last dim under its name.
+        let m = build()?;
+        let named = PrepareModuleInput {
+            input_kwarg_layouts: vec![("skip".into(), TpLayout::Shard(-1))],
+            desired_input_kwarg_layouts: vec![("skip".into(), TpLayout::Replicate)],
+            ..PrepareModuleInput::new(Some(TpLayout::Shard(1)), Some(TpLayout::Replicate))
+        };
+        parallelize_module(&m, &mesh, &on_root(named))?;
+        let skip_s = on(&skip, Placement::Shard(2))?;
+        let got = m.call_with(Inputs::new().arg(&xs).kwarg("skip", &skip_s))?;
+        assert_eq!(got.value().full_tensor()?.to_f64_vec(), want);
+        // The named layout is checked as a positional one is.
+        let err = m
+            .call_with(Inputs::new().arg(&xs).kwarg("skip", &skip_r))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("its input `skip` arrives R on the tp dim but the plan says Shard(-1)"),
+            "{err}"
+        );
+        // Lists of different lengths are refused before anything changes.
+        let m = build()?;
+        let bad = PrepareModuleInput {
+            input_layouts: vec![None, None],
+            desired_input_layouts: vec![None],
+            ..PrepareModuleInput::default()
+        };
+        let err = parallelize_module(&m, &mesh, &on_root(bad)).unwrap_err().to_string();
+        assert!(
+            err.contains("input_layouts has 2 entries but desired_input_layouts 1"),
+            "{err}"
+        );
+        Ok(())
+    })
+    .unwrap();
 }

@@ -78,7 +78,7 @@ struct Log {
 }
 
 impl ModuleHooks for Log {
-    fn pre_forward(&self, input: &Var) -> Result<Var> {
+    fn pre_forward(&self, inputs: Inputs) -> Result<Inputs> {
         self.log.borrow_mut().push(format!("{}:pre", self.tag));
         if self.fail {
             return Err(Error::Config {
@@ -86,7 +86,7 @@ impl ModuleHooks for Log {
                 detail: format!("{} fails", self.tag),
             });
         }
-        input.mul_scalar(self.scale)
+        inputs.map(|_, x| x.mul_scalar(self.scale))
     }
 
     fn post_forward(&self, output: Var) -> Result<Var> {
@@ -247,6 +247,91 @@ fn get_submodule_names_what_is_missing() {
         );
         let err = ModuleId::at(&net, "head").unwrap_err().to_string();
         assert!(err.contains("the root has no child `head`"), "{err}");
+        Ok(())
+    })
+    .unwrap();
+}
+
+/// A module of two positional inputs and an optional named one:
+/// `fc(x) · gate + bias`, where `bias` is named.
+struct Gated {
+    fc: Linear,
+}
+
+impl Module for Gated {
+    fn named_children(&self) -> Vec<(String, &dyn Module)> {
+        vec![("fc".into(), &self.fc)]
+    }
+
+    fn forward(&self, _x: &Var) -> Result<Var> {
+        Err(Error::Config {
+            op: "Gated",
+            detail: "needs (x, gate)".into(),
+        })
+    }
+
+    fn forward_with(&self, inputs: &Inputs) -> Result<Var> {
+        let y = self.fc.call(inputs.get(0)?)?.mul(inputs.get(1)?)?;
+        match inputs.named("bias") {
+            Some(b) => y.add(b),
+            None => Ok(y),
+        }
+    }
+}
+
+#[test]
+fn a_module_of_several_inputs_runs_between_hooks_that_see_them_all() {
+    launch(1, |ctx| {
+        let mesh = DeviceMesh::new(ctx.into_comm(), &[1])?;
+        let m = Gated {
+            fc: Linear::new(3, 3, false, &mesh, DType::F64)?,
+        };
+        crate::nn::Materializer::from_seed(3).materialize(&m)?;
+        let (x, gate) = (input(&mesh)?, input(&mesh)?.mul_scalar(0.5)?);
+        let bias = input(&mesh)?.mul_scalar(-1.0)?;
+        let direct = m.fc.forward(&x)?.mul(&gate)?.add(&bias)?;
+        let inputs = Inputs::new().arg(&x).arg(&gate).kwarg("bias", &bias);
+        assert_eq!(values(&m.call_with(inputs.clone())?)?, values(&direct)?);
+        // A hook scaling every input by 2: fc(2x)·2g + 2b = 4·fc(x)·g + 2b.
+        let log = Rc::new(RefCell::new(Vec::new()));
+        let h = register_module_hooks(&ModuleId::of(&m)?, hook("m", &log, 2.0));
+        let hooked = m.call_with(inputs)?;
+        let want =
+            m.fc.forward(&x)?
+                .mul(&gate)?
+                .mul_scalar(4.0)?
+                .add(&bias.mul_scalar(2.0)?)?;
+        let (got, want) = (values(&hooked)?, values(&want)?);
+        assert!(
+            got.iter().zip(&want).all(|(a, b)| (a - b).abs() < 1e-12),
+            "{got:?} vs {want:?}"
+        );
+        assert_eq!(*log.borrow(), ["m:pre", "m:post"]);
+        assert!(h.remove());
+        // Missing inputs are named; a one-input module refuses several.
+        let err = m.call_with(Inputs::from(&x)).unwrap_err().to_string();
+        assert!(
+            err.contains("needs positional input 1 but was called with 1 positional input"),
+            "{err}"
+        );
+        let err =
+            m.fc.call_with(Inputs::new().arg(&x).kwarg("mask", &x))
+                .unwrap_err()
+                .to_string();
+        assert!(
+            err.contains("takes one input but was called with 1 positional input and `mask`"),
+            "{err}"
+        );
+        // `call` runs forward_with too (with one positional input).
+        assert!(m.call(&x).unwrap_err().to_string().contains("needs positional input 1"));
+        assert!(m.forward(&x).unwrap_err().to_string().contains("needs (x, gate)"));
+        assert!(
+            Inputs::new()
+                .require("positions")
+                .unwrap_err()
+                .to_string()
+                .contains("`positions`")
+        );
         Ok(())
     })
     .unwrap();

@@ -25,18 +25,19 @@ use std::fmt;
 use std::hash::{Hash, Hasher};
 use std::rc::Rc;
 
-use super::{Module, join};
+use super::{Inputs, Module, join};
 use crate::{Error, Result, Var};
 
 /// What runs around a hooked module's forward.
 ///
 /// PyTorch: `register_forward_pre_hook` / `register_forward_hook`.
 pub trait ModuleHooks {
-    /// Runs before forward; its result is what forward (or the next hook) receives.
+    /// Runs before forward with every input of the call; its result is what
+    /// forward (or the next hook) receives.
     ///
     /// # Errors
     /// Whatever the hook fails with; the module's forward does not run.
-    fn pre_forward(&self, input: &Var) -> Result<Var>;
+    fn pre_forward(&self, inputs: Inputs) -> Result<Inputs>;
 
     /// Runs after forward; its result is what the caller (or the next hook) receives.
     ///
@@ -357,14 +358,14 @@ fn find(children: Vec<(String, &dyn Module)>, want: usize, ty: TypeId) -> Option
     None
 }
 
-/// Runs `m`'s forward on `x` between its hooks, if any.
-pub(crate) fn call<M: Module + ?Sized>(m: &M, x: &Var) -> Result<Var> {
+/// Runs `m`'s forward on `inputs` between its hooks, if any.
+pub(crate) fn call<M: Module + ?Sized>(m: &M, inputs: Inputs) -> Result<Var> {
     let (active, relative) = REGISTRY.with(|r| {
         let r = r.borrow();
         (!r.hooks.is_empty(), r.relative > 0)
     });
     if !active {
-        return m.forward(x);
+        return m.forward_with(&inputs);
     }
     let key = key_of_call(m, relative);
     let hooks: Vec<Rc<dyn ModuleHooks>> = key.as_ref().map_or_else(Vec::new, |k| {
@@ -388,24 +389,23 @@ pub(crate) fn call<M: Module + ?Sized>(m: &M, x: &Var) -> Result<Var> {
         unsafe { std::mem::transmute::<&(dyn Fn() -> Vec<(String, *const dyn Module)> + '_), &'static Lister>(lister) };
     STACK.with(|s| s.borrow_mut().push(Frame { key, children }));
     let _guard = FrameGuard;
-    run(m, x, &hooks)
+    run(m, inputs, &hooks)
 }
 
 /// Pre hooks in order, forward, post hooks in order; on failure, the hooks whose
 /// pre ran are told, last first.
-fn run<M: Module + ?Sized>(m: &M, x: &Var, hooks: &[Rc<dyn ModuleHooks>]) -> Result<Var> {
+fn run<M: Module + ?Sized>(m: &M, mut inputs: Inputs, hooks: &[Rc<dyn ModuleHooks>]) -> Result<Var> {
     let unwind = |ran: usize| hooks[..ran].iter().rev().for_each(|h| h.forward_failed());
-    let mut x = x.clone();
     for (i, h) in hooks.iter().enumerate() {
-        match h.pre_forward(&x) {
-            Ok(y) => x = y,
+        match h.pre_forward(inputs) {
+            Ok(y) => inputs = y,
             Err(e) => {
                 unwind(i);
                 return Err(e);
             }
         }
     }
-    let mut out = match m.forward(&x) {
+    let mut out = match m.forward_with(&inputs) {
         Ok(out) => out,
         Err(e) => {
             unwind(hooks.len());

@@ -11,12 +11,14 @@
 
 mod hooks;
 pub mod init;
+mod inputs;
 mod layers;
 mod materialize;
 mod names;
 
 pub use hooks::{HookHandle, ModuleHooks, ModuleId, module_hooks_len, register_module_hooks};
 pub use init::{FanMode, Init, Nonlinearity};
+pub use inputs::{InputSlot, Inputs};
 pub use layers::{Embedding, LayerNorm, Linear, ParameterDict, RMSNorm};
 pub use materialize::{MaterializeReport, Materializer, verify_replicas};
 pub use names::{fqn_matches, name_parameters};
@@ -110,11 +112,26 @@ pub trait Module: Any {
         Vec::new()
     }
 
-    /// The forward computation.
+    /// The forward computation of a single input.
     ///
     /// # Errors
     /// Shapes that do not fit, communication failures.
     fn forward(&self, x: &Var) -> Result<Var>;
+
+    /// The forward computation of a call with several inputs (positional and
+    /// named: tokens and positions, a mask, a cache); [`call_with`](Self::call_with)
+    /// runs it between the hooks. Default: [`forward`](Self::forward) of the one
+    /// positional input, an error for anything else. A module taking several
+    /// inputs overrides this and keeps `forward` for its one-input use (or an
+    /// error naming what it needs).
+    ///
+    /// PyTorch: `forward(*args, **kwargs)`.
+    ///
+    /// # Errors
+    /// As [`forward`](Self::forward); inputs the module does not take.
+    fn forward_with(&self, inputs: &Inputs) -> Result<Var> {
+        self.forward(inputs.single()?)
+    }
 
     /// Every parameter of the tree by fully qualified name (`child.grandchild.local`):
     /// this module's own first, then each child's, depth first; a parameter
@@ -152,7 +169,8 @@ pub trait Module: Any {
         self.named_parameters().into_iter().map(|(_, p)| p).collect()
     }
 
-    /// Calls the module: [`forward`](Self::forward) between the hooks attached to
+    /// Calls the module with one input: [`forward_with`](Self::forward_with) (by
+    /// default [`forward`](Self::forward)) between the hooks attached to
     /// it (see [`register_module_hooks`]; a parallelism layer attaches its hooks
     /// so). Models call their submodules with `call`, so wrapping a
     /// submodule needs no change to the model.
@@ -164,7 +182,20 @@ pub trait Module: Any {
     #[track_caller]
     fn call(&self, x: &Var) -> Result<Var> {
         let _site = tessera_mesh::callsite::enter();
-        hooks::call(self, x)
+        hooks::call(self, Inputs::from(x))
+    }
+
+    /// Calls the module with several inputs: [`forward_with`](Self::forward_with)
+    /// between the hooks, which see every input.
+    ///
+    /// PyTorch: `module(*args, **kwargs)`.
+    ///
+    /// # Errors
+    /// Whatever forward or a hook fails with.
+    #[track_caller]
+    fn call_with(&self, inputs: Inputs) -> Result<Var> {
+        let _site = tessera_mesh::callsite::enter();
+        hooks::call(self, inputs)
     }
 }
 

@@ -6,7 +6,7 @@ use std::fmt;
 use std::rc::Rc;
 
 use tessera_autograd::nn::{
-    Embedding, LayerNorm, Linear, Module, ModuleHooks, ModuleId, RMSNorm, register_module_hooks,
+    Embedding, InputSlot, Inputs, LayerNorm, Linear, Module, ModuleHooks, ModuleId, RMSNorm, register_module_hooks,
 };
 use tessera_autograd::{Param, Result, Var};
 use tessera_dtensor::{Layout, Placement, ReduceOp};
@@ -176,16 +176,92 @@ impl Default for SequenceParallel {
     }
 }
 
-/// Lays out a module's input: expected in `input_layouts`, redistributed to
-/// `desired_input_layouts` (either `None`: left as it arrives).
+/// Lays out a module's inputs: each positional input expected in its entry of
+/// `input_layouts` and redistributed to its entry of `desired_input_layouts`
+/// (`None`: left as it arrives, for inputs that are not laid out, such as
+/// positions); named inputs likewise by name. The module must be called with
+/// exactly as many positional inputs as the lists have entries; named inputs
+/// the lists do not name pass unchanged.
 ///
-/// PyTorch: `PrepareModuleInput` (one positional input).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+/// ```
+/// use tessera_fsdp::tp::{PrepareModuleInput, TpLayout};
+///
+/// // An attention block called with (hidden states, positions): gather the
+/// // sequence-sharded states, leave the positions alone.
+/// let style = PrepareModuleInput {
+///     input_layouts: vec![Some(TpLayout::Shard(1)), None],
+///     desired_input_layouts: vec![Some(TpLayout::Replicate), None],
+///     ..PrepareModuleInput::default()
+/// };
+/// assert_eq!(PrepareModuleInput::new(Some(TpLayout::Shard(1)), Some(TpLayout::Replicate)).input_layouts.len(), 1);
+/// # let _ = style;
+/// ```
+///
+/// PyTorch: `PrepareModuleInput` (`input_layouts`, `desired_input_layouts`,
+/// `input_kwarg_layouts`, `desired_input_kwarg_layouts`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct PrepareModuleInput {
-    /// The layout the input arrives in (checked), if given.
-    pub input_layouts: Option<TpLayout>,
-    /// The layout the module receives, if given.
-    pub desired_input_layouts: Option<TpLayout>,
+    /// The layout each positional input arrives in (checked), if given.
+    pub input_layouts: Vec<Option<TpLayout>>,
+    /// The layout the module receives each positional input in, if given.
+    pub desired_input_layouts: Vec<Option<TpLayout>>,
+    /// The layout named inputs arrive in (checked).
+    pub input_kwarg_layouts: Vec<(String, TpLayout)>,
+    /// The layout the module receives named inputs in.
+    pub desired_input_kwarg_layouts: Vec<(String, TpLayout)>,
+}
+
+impl PrepareModuleInput {
+    /// One positional input: expected in `input`, redistributed to `desired`.
+    pub fn new(input: Option<TpLayout>, desired: Option<TpLayout>) -> PrepareModuleInput {
+        PrepareModuleInput {
+            input_layouts: vec![input],
+            desired_input_layouts: vec![desired],
+            ..PrepareModuleInput::default()
+        }
+    }
+
+    /// The expected and wanted layouts of each input, checked for agreement.
+    fn lays(&self, fqn: &str) -> Result<InputLays> {
+        if self.input_layouts.len() != self.desired_input_layouts.len() {
+            return Err(style_error(format!(
+                "PrepareModuleInput on {}: input_layouts has {} entries but desired_input_layouts {}; \
+                 give one entry per positional input in both (None for an input left alone)",
+                at(fqn),
+                self.input_layouts.len(),
+                self.desired_input_layouts.len()
+            )));
+        }
+        let args = self
+            .input_layouts
+            .iter()
+            .zip(&self.desired_input_layouts)
+            .map(|(&expect, &want)| Lay { expect, want })
+            .collect();
+        let mut kwargs: Vec<(String, Lay)> = Vec::new();
+        for (name, l) in &self.input_kwarg_layouts {
+            kwargs.push((
+                name.clone(),
+                Lay {
+                    expect: Some(*l),
+                    want: None,
+                },
+            ));
+        }
+        for (name, l) in &self.desired_input_kwarg_layouts {
+            match kwargs.iter_mut().find(|(n, _)| n == name) {
+                Some((_, lay)) => lay.want = Some(*l),
+                None => kwargs.push((
+                    name.clone(),
+                    Lay {
+                        expect: None,
+                        want: Some(*l),
+                    },
+                )),
+            }
+        }
+        Ok(InputLays::All { args, kwargs })
+    }
 }
 
 /// Lays out a module's output: expected in `output_layouts`, redistributed to
@@ -303,16 +379,53 @@ impl Lay {
     };
 }
 
+/// How a style lays out a call's inputs.
+#[derive(Clone, Debug)]
+enum InputLays {
+    /// The first positional input (the layer styles); the others pass unchanged.
+    First(Lay),
+    /// Every positional input by position (their count checked) and named inputs by name.
+    All { args: Vec<Lay>, kwargs: Vec<(String, Lay)> },
+}
+
 /// The hooks a style attaches.
 struct TpHooks {
     fqn: String,
     style: &'static str,
     tp_mesh: DeviceMesh,
-    input: Lay,
+    input: InputLays,
     output: Lay,
 }
 
 impl TpHooks {
+    fn lay_inputs(&self, inputs: Inputs) -> Result<Inputs> {
+        match &self.input {
+            InputLays::First(lay) => inputs.map(|slot, x| match slot {
+                InputSlot::Positional(0) => self.lay(&x, *lay, "input"),
+                _ => Ok(x),
+            }),
+            InputLays::All { args, kwargs } => {
+                if inputs.args().len() != args.len() {
+                    return Err(style_error(format!(
+                        "{} on {}: the module was called with {} positional inputs but the plan lays out {}; \
+                         give one entry per positional input (None for an input left alone)",
+                        self.style,
+                        at(&self.fqn),
+                        inputs.args().len(),
+                        args.len()
+                    )));
+                }
+                inputs.map(|slot, x| match slot {
+                    InputSlot::Positional(i) => self.lay(&x, args[i], &slot.to_string()),
+                    InputSlot::Named(n) => match kwargs.iter().find(|(k, _)| k == n) {
+                        Some((_, lay)) => self.lay(&x, *lay, &slot.to_string()),
+                        None => Ok(x),
+                    },
+                })
+            }
+        }
+    }
+
     fn lay(&self, x: &Var, lay: Lay, what: &str) -> Result<Var> {
         if lay.expect.is_none() && lay.want.is_none() {
             return Ok(x.clone());
@@ -354,8 +467,8 @@ impl TpHooks {
 }
 
 impl ModuleHooks for TpHooks {
-    fn pre_forward(&self, input: &Var) -> Result<Var> {
-        self.lay(input, self.input, "input")
+    fn pre_forward(&self, inputs: Inputs) -> Result<Inputs> {
+        self.lay_inputs(inputs)
     }
 
     fn post_forward(&self, output: Var) -> Result<Var> {
@@ -363,7 +476,7 @@ impl ModuleHooks for TpHooks {
     }
 }
 
-fn attach(ctx: &StyleCtx<'_>, style: &'static str, input: Lay, output: Lay) -> Result<()> {
+fn attach(ctx: &StyleCtx<'_>, style: &'static str, input: InputLays, output: Lay) -> Result<()> {
     let id = ModuleId::at(ctx.root, ctx.fqn)?;
     register_module_hooks(
         &id,
@@ -403,7 +516,7 @@ impl ParallelStyle for ColwiseParallel {
             expect: Some(TpLayout::Shard(-1)),
             want: Some(self.output_layouts),
         };
-        attach(ctx, "ColwiseParallel", input, output)
+        attach(ctx, "ColwiseParallel", InputLays::First(input), output)
     }
 }
 
@@ -430,7 +543,7 @@ impl ParallelStyle for RowwiseParallel {
             expect: Some(TpLayout::Partial),
             want: Some(self.output_layouts),
         };
-        attach(ctx, "RowwiseParallel", input, output)
+        attach(ctx, "RowwiseParallel", InputLays::First(input), output)
     }
 }
 
@@ -449,17 +562,17 @@ impl ParallelStyle for SequenceParallel {
             expect: None,
             want: Some(seq),
         };
-        attach(ctx, "SequenceParallel", input, Lay::KEEP)
+        attach(ctx, "SequenceParallel", InputLays::First(input), Lay::KEEP)
     }
 }
 
 impl ParallelStyle for PrepareModuleInput {
+    fn check(&self, _module: &dyn Module, ctx: &StyleCtx<'_>) -> Result<()> {
+        self.lays(ctx.fqn).map(|_| ())
+    }
+
     fn apply(&self, _module: &dyn Module, ctx: &StyleCtx<'_>) -> Result<()> {
-        let input = Lay {
-            expect: self.input_layouts,
-            want: self.desired_input_layouts,
-        };
-        attach(ctx, "PrepareModuleInput", input, Lay::KEEP)
+        attach(ctx, "PrepareModuleInput", self.lays(ctx.fqn)?, Lay::KEEP)
     }
 }
 
@@ -469,6 +582,6 @@ impl ParallelStyle for PrepareModuleOutput {
             expect: self.output_layouts,
             want: self.desired_output_layouts,
         };
-        attach(ctx, "PrepareModuleOutput", Lay::KEEP, output)
+        attach(ctx, "PrepareModuleOutput", InputLays::First(Lay::KEEP), output)
     }
 }
