@@ -1,5 +1,104 @@
-//! Reference models.
+//! Reference models: the GPT-style [`Transformer`] and the LLaMA-style
+//! [`Llama`], both built deferred, with their tensor-parallel plans and FSDP
+//! units, and what a training loop needs of either ([`CausalLm`]).
 
+mod llama;
 mod transformer;
 
-pub use transformer::{Attention, Block, FeedForward, FsdpUnits, Transformer, TransformerConfig};
+pub use llama::{FeedForward as LlamaFeedForward, Llama, LlamaAttention, LlamaBlock, LlamaConfig};
+pub use transformer::{Attention, Block, FeedForward, Transformer, TransformerConfig};
+
+use tessera_autograd::nn::{Materializer, Module};
+use tessera_autograd::{Result, Var};
+use tessera_dtensor::{DType, Placement, Tensor, distribute_tensor_from};
+use tessera_fsdp::tp::Applied;
+use tessera_fsdp::{FsdpConfig, FsdpModule, fully_shard};
+use tessera_mesh::DeviceMesh;
+use tessera_tensor::ops::Reduction;
+
+/// The FSDP units of a model sharded block by block (see [`CausalLm::fully_shard`]).
+pub struct FsdpUnits {
+    /// The root unit (embeddings, final norm, output); its setters recurse into the blocks.
+    pub root: FsdpModule,
+    /// One unit per block, in order.
+    pub blocks: Vec<FsdpModule>,
+}
+
+/// A next-token language model as a training loop drives it: its
+/// tensor-parallel plan, its FSDP units, its loss and its initialisation. The
+/// reference models implement it; so can a user's own.
+pub trait CausalLm: Module {
+    /// Applies the model's tensor-parallel plan over `tp_mesh` (with
+    /// `sequence_parallel`, its sequence-parallel plan).
+    ///
+    /// # Errors
+    /// Sizes the tp mesh does not split; as [`parallelize_module`](tessera_fsdp::tp::parallelize_module).
+    fn parallelize(&self, tp_mesh: &DeviceMesh, sequence_parallel: bool) -> tessera_fsdp::Result<Vec<Applied>>;
+
+    /// The blocks, in order: each becomes an FSDP unit of its own.
+    fn blocks(&self) -> Vec<&dyn Module>;
+
+    /// Applies FSDP bottom-up as PyTorch's recipe does: each block becomes a
+    /// unit, then the root takes what is left (embeddings, final norm, output).
+    /// Every unit gets `config`.
+    ///
+    /// # Errors
+    /// As [`fully_shard`].
+    fn fully_shard(&self, mesh: &DeviceMesh, config: &FsdpConfig) -> tessera_fsdp::Result<FsdpUnits>
+    where
+        Self: Sized,
+    {
+        let blocks = self
+            .blocks()
+            .into_iter()
+            .map(|b| fully_shard(b, mesh, config.clone()))
+            .collect::<tessera_fsdp::Result<Vec<_>>>()?;
+        let root = fully_shard(self, mesh, config.clone())?;
+        Ok(FsdpUnits { root, blocks })
+    }
+
+    /// The mean next-token cross entropy of token rows `[B, T+1]`: inputs
+    /// `row[..T]`, targets `row[1..]`, computed in `f32` whatever the logits'
+    /// dtype (see [`Var::cross_entropy`]).
+    ///
+    /// # Errors
+    /// Rows shorter than 2 tokens, shapes that do not fit.
+    fn loss(&self, rows: &Var) -> Result<Var>
+    where
+        Self: Sized,
+    {
+        next_token_loss(self, rows)
+    }
+
+    /// How [`Materializer::from_seed`] initialises this model: `seed` plus the
+    /// model's own rules. Default: the layers' own schemes.
+    fn materializer(&self, seed: u64) -> Materializer {
+        Materializer::from_seed(seed)
+    }
+
+    /// Number of parameters (elements).
+    fn num_params(&self) -> usize;
+
+    /// One line for a banner: the architecture and its sizes.
+    fn describe(&self) -> String;
+}
+
+/// The mean next-token cross entropy of `model` on token rows `[B, T+1]`.
+fn next_token_loss(model: &dyn Module, rows: &Var) -> Result<Var> {
+    let t = rows.value().shape()[1].saturating_sub(1);
+    let inputs = rows.narrow(1, 0, t)?;
+    let targets = rows.narrow(1, 1, t)?;
+    model.call(&inputs)?.cross_entropy(&targets, Reduction::Mean)
+}
+
+/// Positions `0..t` (`i64`), replicated on `mesh`: built on every rank from no
+/// source, so no hash exchange on the hot path.
+fn positions(t: usize, mesh: &DeviceMesh) -> Result<Var> {
+    let p = distribute_tensor_from(
+        &Tensor::arange(t, DType::I64)?,
+        mesh,
+        &vec![Placement::Replicate; mesh.ndim()],
+        None,
+    )?;
+    Ok(Var::constant(p))
+}

@@ -4,14 +4,15 @@
 
 use tessera_autograd::nn::{Embedding, LayerNorm, Linear, Module, name_parameters};
 use tessera_autograd::{Result, Var};
-use tessera_dtensor::{DType, Placement, Tensor, distribute_tensor_from};
+use tessera_dtensor::DType;
+use tessera_fsdp::FsdpConfig;
 use tessera_fsdp::tp::{
     Applied, ColwiseParallel, ParallelPlan, PrepareModuleInput, RowwiseParallel, SequenceParallel, TpLayout,
     parallelize_module,
 };
-use tessera_fsdp::{FsdpConfig, FsdpModule, fully_shard};
 use tessera_mesh::DeviceMesh;
-use tessera_tensor::ops::Reduction;
+
+use super::{CausalLm, FsdpUnits, next_token_loss, positions};
 
 /// Sizes of a [`Transformer`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -152,14 +153,6 @@ impl Module for Block {
     }
 }
 
-/// The FSDP units of a [`Transformer`] (see [`Transformer::fully_shard`]).
-pub struct FsdpUnits {
-    /// The root unit (embeddings, final norm, output); its setters recurse into the blocks.
-    pub root: FsdpModule,
-    /// One unit per block, in order.
-    pub blocks: Vec<FsdpModule>,
-}
-
 /// The reference Transformer: `h0 = tok[tokens] + pos[0..T]`, blocks, final norm,
 /// untied output projection. Forward maps `i64` tokens `[B, T]` to logits `[B, T, V]`.
 pub struct Transformer {
@@ -215,13 +208,7 @@ impl Transformer {
     /// # Errors
     /// As [`fully_shard`].
     pub fn fully_shard(&self, mesh: &DeviceMesh, config: &FsdpConfig) -> tessera_fsdp::Result<FsdpUnits> {
-        let blocks = self
-            .layers
-            .iter()
-            .map(|b| fully_shard(b, mesh, config.clone()))
-            .collect::<tessera_fsdp::Result<Vec<_>>>()?;
-        let root = fully_shard(self, mesh, config.clone())?;
-        Ok(FsdpUnits { root, blocks })
+        CausalLm::fully_shard(self, mesh, config)
     }
 
     /// The tensor-parallel plan of the reference runs (Megatron style, no sequence
@@ -341,17 +328,8 @@ impl Transformer {
     /// # Errors
     /// `T` longer than the position table, indices out of range.
     pub fn embed(&self, tokens: &Var) -> Result<Var> {
-        let t = tokens.value().shape()[1];
-        let mesh = tokens.value().mesh();
-        // `0..T` on every rank by construction, built on every forward: no
-        // source rank, so no hash exchange on the hot path.
-        let positions = distribute_tensor_from(
-            &Tensor::arange(t, DType::I64)?,
-            mesh,
-            &vec![Placement::Replicate; mesh.ndim()],
-            None,
-        )?;
-        let pos = self.pos_embeddings.call(&Var::constant(positions))?;
+        let positions = positions(tokens.value().shape()[1], tokens.value().mesh())?;
+        let pos = self.pos_embeddings.call(&positions)?;
         self.tok_embeddings.call(tokens)?.add(&pos)
     }
 
@@ -364,21 +342,12 @@ impl Transformer {
     }
 
     /// The mean next-token cross entropy of rows `[B, T+1]` (inputs `row[..T]`,
-    /// targets `row[1..]`), computed in f32 when the logits are bf16 or f16.
+    /// targets `row[1..]`), computed in f32 whatever the logits' dtype.
     ///
     /// # Errors
     /// Rows shorter than 2 tokens, shapes that do not fit.
     pub fn loss(&self, rows: &Var) -> Result<Var> {
-        let t = rows.value().shape()[1].saturating_sub(1);
-        let inputs = rows.narrow(1, 0, t)?;
-        let targets = rows.narrow(1, 1, t)?;
-        let logits = self.call(&inputs)?;
-        // Low-precision logits are upcast: the loss is computed in f32.
-        let logits = match logits.value().dtype() {
-            DType::BF16 | DType::F16 => logits.cast(DType::F32)?,
-            _ => logits,
-        };
-        logits.cross_entropy(&targets, Reduction::Mean)
+        next_token_loss(self, rows)
     }
 }
 
@@ -399,6 +368,28 @@ impl Module for Transformer {
             h = l.call(&h)?;
         }
         self.head(&h)
+    }
+}
+
+impl CausalLm for Transformer {
+    fn parallelize(&self, tp_mesh: &DeviceMesh, sequence_parallel: bool) -> tessera_fsdp::Result<Vec<Applied>> {
+        Transformer::parallelize(self, tp_mesh, sequence_parallel)
+    }
+
+    fn blocks(&self) -> Vec<&dyn Module> {
+        self.layers.iter().map(|b| b as &dyn Module).collect()
+    }
+
+    fn num_params(&self) -> usize {
+        self.cfg.num_params()
+    }
+
+    fn describe(&self) -> String {
+        let c = &self.cfg;
+        format!(
+            "{}-layer Transformer (dim {}, {} heads, vocab {}, seq {})",
+            c.n_layers, c.dim, c.n_heads, c.vocab, c.seq
+        )
     }
 }
 

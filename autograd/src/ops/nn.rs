@@ -1,7 +1,7 @@
 //! Matmul and the neural-network ops, with their gradients.
 
 use smallvec::{SmallVec, smallvec};
-use tessera_dtensor::{DTensor, Placement, ReduceOp};
+use tessera_dtensor::{DTensor, DType, Placement, ReduceOp};
 use tessera_tensor::ops::{Attention, Reduction};
 
 use crate::{Result, Var};
@@ -270,11 +270,20 @@ impl Var {
     /// ([`DTensor::cross_entropy_class_parallel`]): no gather in forward, and a
     /// backward without communication whose gradient has the logits' placements.
     ///
-    /// PyTorch: `F.cross_entropy`, under `loss_parallel()` for class-sharded logits.
+    /// The loss is computed in `f32` when the logits are `bf16` or `f16`: they
+    /// are upcast first (exactly), the loss is `f32`, and the logits' gradient
+    /// is rounded back to their dtype, as torchtitan's `logits.float()` before
+    /// the loss does; no model upcasts by hand.
+    ///
+    /// PyTorch: `F.cross_entropy(logits.float(), ..)`, under `loss_parallel()`
+    /// for class-sharded logits.
     ///
     /// # Errors
     /// As [`DTensor::cross_entropy`].
     pub fn cross_entropy(&self, targets: &Var, reduction: Reduction) -> Result<Var> {
+        if matches!(self.value().dtype(), DType::BF16 | DType::F16) {
+            return self.cast(DType::F32)?.cross_entropy(targets, reduction);
+        }
         let (logits, t) = (self.value().clone(), targets.value().clone());
         let n: usize = t.shape().iter().product();
         let scale = if reduction == Reduction::Mean {
