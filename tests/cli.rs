@@ -1,7 +1,8 @@
 //! The main job as a user meets it: Tessera variables with values they do not
 //! accept stop the job naming what they accept, `train --help` lists every flag
 //! with its default, a redirected log gets progress lines, not `\r` frames, and
-//! checkpoints kept and saves killed mid-write leave no temporaries behind.
+//! checkpoints kept and saves killed mid-write leave no temporaries behind;
+//! `--model llama` trains the LLaMA reference as PyTorch does.
 //! (Runs the `train` example, which `cargo test` builds.)
 
 use std::path::PathBuf;
@@ -74,6 +75,10 @@ fn help_lists_every_flag_with_its_default() {
         "--n-heads",
         "--vocab",
         "--seq",
+        "--model",
+        "--n-kv-heads",
+        "--ffn-hidden",
+        "--rope-theta",
         "--init",
         "--seed",
         "--tokens",
@@ -306,4 +311,78 @@ fn a_learning_rate_schedule_changes_the_run_and_resumes_exactly() {
     let _ = std::fs::remove_dir_all(&dir);
     assert_eq!(first, whole[..4]);
     assert_eq!(rest, whole[4..], "the resumed run left the schedule");
+}
+
+/// `train --model llama` from the reference's initial weights and tokens
+/// matches PyTorch's FSDP×TP run at every step, and LLaMA's flags are checked.
+#[test]
+fn train_model_llama_matches_pytorch_and_checks_its_flags() {
+    let data = |f: &str| format!("{}/tests/data/{f}", env!("CARGO_MANIFEST_DIR"));
+    let out_path = std::env::temp_dir().join(format!("tessera-cli-llama-{}.json", std::process::id()));
+    let (init, tokens, out) = (
+        data("llama_tiny_init.safetensors"),
+        data("tiny_tokens_G16.safetensors"),
+        out_path.to_string_lossy().into_owned(),
+    );
+    let o = train(
+        &[
+            "--model",
+            "llama",
+            "--n-kv-heads",
+            "2",
+            "--ffn-hidden",
+            "192",
+            "--world-size",
+            "4",
+            "--tp",
+            "2",
+            "--batch",
+            "4",
+            "--steps",
+            "20",
+            "--init",
+            &init,
+            "--tokens",
+            &tokens,
+            "--losses-out",
+            &out,
+        ],
+        &[],
+    );
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let log = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        log.contains("2-layer LLaMA (dim 64, 4 heads / 2 kv heads, ffn 192"),
+        "{log}"
+    );
+    let got = losses(&out_path);
+    let _ = std::fs::remove_file(&out_path);
+    let reference: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(data("llama_reference.json")).unwrap()).unwrap();
+    let want: Vec<f64> = reference["runs"]["fsdp_tp_2x2_G8"]["loss"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_f64().unwrap())
+        .collect();
+    assert_eq!(got.len(), want.len());
+    for (s, (a, b)) in got.iter().zip(&want).enumerate() {
+        assert!((a - b).abs() < 1e-5, "step {s}: {a} vs PyTorch {b}");
+    }
+    for (args, says) in [
+        (&["--n-kv-heads", "2"][..], "are for --model llama"),
+        (
+            &["--model", "llama", "--n-kv-heads", "3"],
+            "n_kv_heads 3 must divide n_heads 4",
+        ),
+        (
+            &["--model", "llama", "--rope-theta", "-1"],
+            "rope_theta -1 must be finite and positive",
+        ),
+        (&["--model", "mamba"], "--model: \"mamba\" (gpt or llama)"),
+    ] {
+        let o = train(args, &[]);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success() && err.contains(says), "{args:?}: {err}");
+    }
 }

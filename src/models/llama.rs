@@ -67,8 +67,12 @@ impl LlamaConfig {
         2 * self.vocab * d + self.n_layers * block + d
     }
 
-    /// Errors unless the sizes make a model.
-    fn check(&self) -> Result<()> {
+    /// Checks that the sizes make a model ([`Llama::new`] does too).
+    ///
+    /// # Errors
+    /// Heads that do not divide the width, key/value heads that do not divide
+    /// the query heads, an odd head dim, a theta that is not finite and positive.
+    pub fn check(&self) -> Result<()> {
         let bad = |detail: String| Err(Error::Config { op: "Llama", detail });
         if self.n_heads == 0 || !self.dim.is_multiple_of(self.n_heads) {
             return bad(format!("n_heads {} must divide dim {}", self.n_heads, self.dim));
@@ -526,14 +530,6 @@ impl CausalLm for Llama {
 
     fn num_params(&self) -> usize {
         self.cfg.num_params()
-    }
-
-    fn describe(&self) -> String {
-        let c = &self.cfg;
-        format!(
-            "{}-layer LLaMA (dim {}, {} heads / {} kv heads, ffn {}, vocab {}, seq {}, rope theta {})",
-            c.n_layers, c.dim, c.n_heads, c.n_kv_heads, c.ffn_hidden, c.vocab, c.seq, c.rope_theta
-        )
     }
 }
 

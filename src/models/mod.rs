@@ -78,9 +78,6 @@ pub trait CausalLm: Module {
 
     /// Number of parameters (elements).
     fn num_params(&self) -> usize;
-
-    /// One line for a banner: the architecture and its sizes.
-    fn describe(&self) -> String;
 }
 
 /// The mean next-token cross entropy of `model` on token rows `[B, T+1]`.

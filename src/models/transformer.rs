@@ -383,14 +383,6 @@ impl CausalLm for Transformer {
     fn num_params(&self) -> usize {
         self.cfg.num_params()
     }
-
-    fn describe(&self) -> String {
-        let c = &self.cfg;
-        format!(
-            "{}-layer Transformer (dim {}, {} heads, vocab {}, seq {})",
-            c.n_layers, c.dim, c.n_heads, c.vocab, c.seq
-        )
-    }
 }
 
 #[cfg(test)]

@@ -1,0 +1,366 @@
+//! The command line of `train`: flags, their defaults and checks.
+
+use std::path::PathBuf;
+
+use tessera::data::{DATA_SEED, batch};
+use tessera::dtensor::{Device, Tensor};
+use tessera::models::{LlamaConfig, TransformerConfig};
+use tessera::{BoxError, mpi_env};
+
+use crate::schedule;
+
+pub(crate) const USAGE: &str = "usage: train [--world-size N | --mesh RxS] [--tp T [--sequence-parallel]] [--steps N] [--batch ROWS_PER_RANK] [--dim N] \
+[--n-layers N] [--n-heads N] [--vocab N] [--seq N] [--model gpt|llama [--n-kv-heads K] [--ffn-hidden H] [--rope-theta F]] [--lr F] [--lr-schedule S] [--warmup-steps N] [--mixed-precision bf16] [--no-reshard] [--init PATH | --seed N] \
+[--tokens PATH] [--data-seed N] [--losses-out PATH] [--checkpoint-dir DIR --checkpoint-every N [--async-save] [--keep-checkpoints K]] [--resume DIR] \
+[--save-full PATH] [--device cpu|cuda|cuda:N]";
+
+/// Every flag with its default (`train --help`).
+pub(crate) const HELP: &str = "\
+mesh and parallelism:
+  --world-size N        ranks (default 4; under mpirun, the number of processes)
+  --mesh RxS            HSDP: replicate over R, shard over S (default: FSDP over all ranks)
+  --tp T                tensor parallelism over T ranks under FSDP (default 0: none)
+  --sequence-parallel   the sequence-parallel TP plan (default: off)
+  --mixed-precision M   bf16 or none (default none)
+  --no-reshard          keep parameters gathered from forward to backward (default: reshard)
+  --device D            cpu, or cuda / cuda:N: every rank computes on that GPU, ranks
+                        sharing it as threads (needs a build with --features cuda;
+                        default cpu)
+model and data:
+  --model M             gpt (learned positions, LayerNorm, GELU MLP: the default) or llama
+                        (RMSNorm, rotary positions, grouped-query attention, SwiGLU)
+  --dim N --n-layers N --n-heads N --vocab N --seq N
+                        model sizes (default 64, 2, 4, 256, 32: the tiny reference)
+  --n-kv-heads K        llama: key/value heads (default n_heads / 2, at least 1)
+  --ffn-hidden H        llama: SwiGLU hidden units (default 3 * dim)
+  --rope-theta F        llama: base of the rotary frequencies (default 10000)
+  --init PATH           materialise from a safetensors state dict, each rank reading its bytes
+  --seed N              model seed without --init (default 0; the same model on every mesh)
+  --tokens PATH         token batches, int64 [steps, global_batch, seq+1] (default: generated)
+  --data-seed N         seed of the generated batches (default 1234)
+training:
+  --steps N             steps (default 50)
+  --batch N             rows per data-parallel rank (default 2)
+  --lr F                AdamW learning rate (default 0.001)
+  --lr-schedule S       constant, cosine (warmup, then cosine to 0) or wsd (warmup,
+                        stable, linear decay to 0 over the last tenth) (default constant)
+  --warmup-steps N      linear warmup steps of cosine and wsd (default 0)
+output and checkpoints:
+  --losses-out PATH     JSON: losses, step times, peak memory per rank, init peak, peak RSS
+  --checkpoint-dir DIR --checkpoint-every N
+                        sharded checkpoints every N steps (default: none)
+  --async-save          write checkpoints in the background
+  --keep-checkpoints K  keep the newest K complete checkpoints (default 0: all)
+  --resume DIR          continue from a checkpoint saved on any mesh
+  --save-full PATH      consolidated safetensors state dict at the end
+environment: TESSERA_TIMEOUT_S, TESSERA_THREADS_PER_RANK, TESSERA_BACKEND, TESSERA_BF16_DOT,
+  TESSERA_SYSTEM_MALLOC, TESSERA_MPI_CHECK, TESSERA_STRICT_COLLECTIVES, TESSERA_FINGERPRINTS
+  (see tessera::mesh::vars)";
+
+/// The reference model `--model` names.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Arch {
+    /// `models::Transformer`.
+    Gpt,
+    /// `models::Llama`.
+    Llama,
+}
+
+#[derive(Clone, Debug)]
+pub(crate) struct Args {
+    pub(crate) world: usize,
+    /// `[R, S]` for HSDP, `[world]` for FSDP.
+    pub(crate) mesh: Vec<usize>,
+    pub(crate) bf16: bool,
+    pub(crate) no_reshard: bool,
+    /// Tensor-parallel ranks (0: no TP).
+    pub(crate) tp: usize,
+    pub(crate) sequence_parallel: bool,
+    pub(crate) steps: usize,
+    pub(crate) batch: usize,
+    pub(crate) model: TransformerConfig,
+    pub(crate) arch: Arch,
+    /// LLaMA's sizes beyond `model` (`None`: the defaults).
+    pub(crate) n_kv_heads: Option<usize>,
+    pub(crate) ffn_hidden: Option<usize>,
+    pub(crate) rope_theta: Option<f64>,
+    pub(crate) lr: f64,
+    /// `constant`, `cosine` (warmup then cosine to 0) or `wsd` (warmup, stable,
+    /// linear decay over the last tenth).
+    pub(crate) lr_schedule: String,
+    pub(crate) warmup_steps: usize,
+    pub(crate) init: Option<PathBuf>,
+    /// The model seed (without `--init`).
+    pub(crate) seed: u64,
+    pub(crate) tokens: Option<PathBuf>,
+    pub(crate) data_seed: u64,
+    pub(crate) losses_out: Option<PathBuf>,
+    pub(crate) checkpoint_dir: Option<PathBuf>,
+    pub(crate) checkpoint_every: usize,
+    pub(crate) async_save: bool,
+    /// Completed checkpoints to keep (0: all).
+    pub(crate) keep: usize,
+    pub(crate) resume: Option<PathBuf>,
+    pub(crate) save_full: Option<PathBuf>,
+    /// Where the ranks compute (`--device`).
+    pub(crate) device: Device,
+}
+
+pub(crate) fn parse() -> Result<Args, String> {
+    let mut a = Args {
+        // Under mpirun: one rank per process.
+        world: mpi_env().and_then(|e| e.size).unwrap_or(4),
+        mesh: Vec::new(),
+        bf16: false,
+        no_reshard: false,
+        tp: 0,
+        sequence_parallel: false,
+        steps: 50,
+        batch: 2,
+        model: TransformerConfig::TINY,
+        arch: Arch::Gpt,
+        n_kv_heads: None,
+        ffn_hidden: None,
+        rope_theta: None,
+        lr: 1e-3,
+        lr_schedule: "constant".to_string(),
+        warmup_steps: 0,
+        init: None,
+        seed: 0,
+        tokens: None,
+        data_seed: DATA_SEED,
+        losses_out: None,
+        checkpoint_dir: None,
+        checkpoint_every: 0,
+        async_save: false,
+        keep: 0,
+        resume: None,
+        save_full: None,
+        device: Device::Cpu,
+    };
+    let mut world_given = false;
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        if flag == "--help" || flag == "-h" {
+            println!("{USAGE}\n\n{HELP}");
+            std::process::exit(0);
+        }
+        if flag == "--no-reshard" {
+            a.no_reshard = true;
+            continue;
+        }
+        if flag == "--sequence-parallel" {
+            a.sequence_parallel = true;
+            continue;
+        }
+        if flag == "--async-save" {
+            a.async_save = true;
+            continue;
+        }
+        let value = it.next().ok_or_else(|| format!("{flag} needs a value"))?;
+        let num = |v: &str| {
+            v.parse::<usize>()
+                .map_err(|_| format!("{flag}: {v:?} is not a whole number"))
+        };
+        match flag.as_str() {
+            "--device" => a.device = value.parse().map_err(|e| format!("--device: {e}"))?,
+            "--world-size" => {
+                a.world = num(&value)?;
+                world_given = true;
+            }
+            "--mesh" => {
+                let dims: Vec<usize> = value.split(['x', 'X']).map(num).collect::<Result<_, _>>()?;
+                if dims.len() != 2 {
+                    return Err(format!("--mesh: {value:?} is not RxS (e.g. 2x2)"));
+                }
+                a.mesh = dims;
+            }
+            "--mixed-precision" => match value.as_str() {
+                "bf16" => a.bf16 = true,
+                "none" | "f32" => a.bf16 = false,
+                other => return Err(format!("--mixed-precision: {other:?} (bf16 or none)")),
+            },
+            "--tp" => a.tp = num(&value)?,
+            "--steps" => a.steps = num(&value)?,
+            "--batch" => a.batch = num(&value)?,
+            "--dim" => a.model.dim = num(&value)?,
+            "--n-layers" => a.model.n_layers = num(&value)?,
+            "--n-heads" => a.model.n_heads = num(&value)?,
+            "--vocab" => a.model.vocab = num(&value)?,
+            "--seq" => a.model.seq = num(&value)?,
+            "--model" => {
+                a.arch = match value.as_str() {
+                    "gpt" => Arch::Gpt,
+                    "llama" => Arch::Llama,
+                    other => return Err(format!("--model: {other:?} (gpt or llama)")),
+                }
+            }
+            "--n-kv-heads" => a.n_kv_heads = Some(num(&value)?),
+            "--ffn-hidden" => a.ffn_hidden = Some(num(&value)?),
+            "--rope-theta" => {
+                a.rope_theta = Some(
+                    value
+                        .parse()
+                        .map_err(|_| format!("--rope-theta: {value:?} is not a number"))?,
+                )
+            }
+            "--lr" => a.lr = value.parse().map_err(|_| format!("--lr: {value:?} is not a number"))?,
+            "--lr-schedule" => match value.as_str() {
+                "constant" | "cosine" | "wsd" => a.lr_schedule = value,
+                other => return Err(format!("--lr-schedule: {other:?} (constant, cosine or wsd)")),
+            },
+            "--warmup-steps" => a.warmup_steps = num(&value)?,
+            "--init" => a.init = Some(value.into()),
+            "--tokens" => a.tokens = Some(value.into()),
+            "--seed" => a.seed = value.parse().map_err(|_| format!("--seed: {value:?} is not a u64"))?,
+            "--data-seed" => a.data_seed = value.parse().map_err(|_| format!("--data-seed: {value:?}"))?,
+            "--losses-out" => a.losses_out = Some(value.into()),
+            "--checkpoint-dir" => a.checkpoint_dir = Some(value.into()),
+            "--checkpoint-every" => a.checkpoint_every = num(&value)?,
+            "--keep-checkpoints" => a.keep = num(&value)?,
+            "--resume" => a.resume = Some(value.into()),
+            "--save-full" => a.save_full = Some(value.into()),
+            other => return Err(format!("unknown flag {other}")),
+        }
+    }
+    if a.mesh.is_empty() {
+        a.mesh = vec![a.world];
+    } else {
+        let n = a.mesh[0] * a.mesh[1] * a.tp.max(1);
+        if world_given && n != a.world {
+            return Err(format!(
+                "--mesh {}x{}{} has {n} ranks, --world-size says {}",
+                a.mesh[0],
+                a.mesh[1],
+                if a.tp > 0 {
+                    format!(" with --tp {}", a.tp)
+                } else {
+                    String::new()
+                },
+                a.world
+            ));
+        }
+        a.world = n;
+    }
+    if a.world == 0 || a.batch == 0 || a.steps == 0 {
+        return Err("--world-size (or the mesh), --batch and --steps must be at least 1".into());
+    }
+    schedule(&a).map_err(|e| e.to_string())?;
+    if a.keep > 0 && a.checkpoint_dir.is_none() {
+        return Err("--keep-checkpoints needs --checkpoint-dir and --checkpoint-every".into());
+    }
+    if a.async_save && a.checkpoint_dir.is_none() {
+        return Err("--async-save needs --checkpoint-dir and --checkpoint-every".into());
+    }
+    if a.checkpoint_dir.is_some() != (a.checkpoint_every > 0) {
+        return Err("--checkpoint-dir and --checkpoint-every N (N ≥ 1) go together".into());
+    }
+    if a.device.is_cuda() {
+        if !cfg!(feature = "cuda") {
+            return Err("--device cuda needs a build with the cuda feature: \
+                        cargo run --release --features cuda --example train -- --device cuda"
+                .into());
+        }
+        if a.checkpoint_dir.is_some() || a.resume.is_some() || a.save_full.is_some() || mpi_env().is_some() {
+            return Err("--device cuda runs in-process ranks without checkpoints so far; \
+                        drop --checkpoint-dir, --resume, --save-full (and mpirun)"
+                .into());
+        }
+    }
+    if a.arch == Arch::Gpt && (a.n_kv_heads.is_some() || a.ffn_hidden.is_some() || a.rope_theta.is_some()) {
+        return Err("--n-kv-heads, --ffn-hidden and --rope-theta are for --model llama".into());
+    }
+    if a.arch == Arch::Llama {
+        a.llama().check().map_err(|e| format!("--model llama: {e}"))?;
+    }
+    if a.sequence_parallel && a.tp == 0 {
+        return Err("--sequence-parallel needs --tp T".into());
+    }
+    if a.tp > 0 {
+        if a.mesh.len() == 2 {
+            a.mesh.push(a.tp);
+        } else if !a.world.is_multiple_of(a.tp) {
+            return Err(format!("--tp {} must divide --world-size {}", a.tp, a.world));
+        } else {
+            a.mesh = vec![a.world / a.tp, a.tp];
+        }
+    }
+    Ok(a)
+}
+
+impl Args {
+    /// Data-parallel ranks: each takes `batch` rows.
+    pub(crate) fn dp(&self) -> usize {
+        self.world.checked_div(self.tp).unwrap_or(self.world)
+    }
+
+    /// The LLaMA configuration of `--model llama`: the shared sizes, then its own.
+    pub(crate) fn llama(&self) -> LlamaConfig {
+        let m = self.model;
+        LlamaConfig {
+            vocab: m.vocab,
+            dim: m.dim,
+            n_layers: m.n_layers,
+            n_heads: m.n_heads,
+            n_kv_heads: self.n_kv_heads.unwrap_or((m.n_heads / 2).max(1)),
+            ffn_hidden: self.ffn_hidden.unwrap_or(3 * m.dim),
+            rope_theta: self.rope_theta.unwrap_or(10000.0),
+            norm_eps: 1e-5,
+            seq: m.seq,
+        }
+    }
+
+    /// Parameters of the model (elements).
+    pub(crate) fn num_params(&self) -> usize {
+        match self.arch {
+            Arch::Gpt => self.model.num_params(),
+            Arch::Llama => self.llama().num_params(),
+        }
+    }
+
+    /// The model in words, with its sizes.
+    pub(crate) fn describe(&self) -> String {
+        let m = self.model;
+        match self.arch {
+            Arch::Gpt => format!(
+                "{}-layer Transformer (dim {}, {} heads, vocab {}, seq {})",
+                m.n_layers, m.dim, m.n_heads, m.vocab, m.seq
+            ),
+            Arch::Llama => {
+                let c = self.llama();
+                format!(
+                    "{}-layer LLaMA (dim {}, {} heads / {} kv heads, ffn {}, vocab {}, seq {}, rope theta {})",
+                    c.n_layers, c.dim, c.n_heads, c.n_kv_heads, c.ffn_hidden, c.vocab, c.seq, c.rope_theta
+                )
+            }
+        }
+    }
+
+    /// Rows of a step over all data-parallel ranks.
+    pub(crate) fn global_batch(&self) -> usize {
+        self.dp() * self.batch
+    }
+}
+
+/// Token rows `[world·batch, seq+1]` of `step`: from the file if given, else generated.
+pub(crate) fn rows(args: &Args, file: Option<&Tensor>, step: usize) -> Result<Tensor, BoxError> {
+    let g = args.global_batch();
+    let len = args.model.seq + 1;
+    match file {
+        Some(t) => {
+            let s = t.shape();
+            if s.len() != 3 || s[2] != len || s[1] < g || step >= s[0] {
+                return Err(format!(
+                    "--tokens holds {s:?}; this run needs [≥{} steps, ≥{g} rows, {len}]",
+                    args.steps
+                )
+                .into());
+            }
+            Ok(t.narrow(0, step, 1)?.narrow(1, 0, g)?.contiguous().reshape(&[g, len])?)
+        }
+        None => {
+            let v = batch(args.data_seed, step as u64, 0..g as u64, len, args.model.vocab as u64);
+            Ok(Tensor::from_vec(v, &[g, len])?)
+        }
+    }
+}

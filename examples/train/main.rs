@@ -1,0 +1,336 @@
+//! The main job: trains a reference model (`--model gpt`, the GPT-style
+//! `Transformer`, by default; `--model llama`, the LLaMA-style `Llama`) on in-process ranks (or, built
+//! with `--features mpi` and started by `mpirun -n N`, one rank per process) on the
+//! reference data generator, printing progress and a summary.
+//!
+//! ```text
+//! cargo run --release --example train -- [--world-size 4 | --mesh RxS] [--tp T [--sequence-parallel]]
+//!     [--steps 50] [--batch 2] [--dim 64 --n-layers 2 --n-heads 4 --vocab 256 --seq 32] [--lr 1e-3]
+//!     [--model gpt | --model llama [--n-kv-heads K] [--ffn-hidden H] [--rope-theta F]]
+//!     [--mixed-precision bf16] [--no-reshard]
+//!     [--init PATH | --seed 0] [--tokens PATH] [--data-seed 1234] [--losses-out PATH]
+//! ```
+//!
+//! The model is built deferred (`Transformer::new`, `Llama::new`: shapes, no storage), planned
+//! and sharded, and only then materialised (`Materializer`): each rank allocates
+//! its own shards and fills them from `--init PATH` (a safetensors file, reading
+//! only this rank's bytes) or from `--seed` (the counter-based generator: the
+//! same parameters bit for bit on every mesh). No rank ever holds the whole model.
+//!
+//! Each block of the model is an FSDP unit and the root takes the rest
+//! (`CausalLm::fully_shard`): parameters, gradients and AdamW states are sharded
+//! over the ranks, each unit's parameters are all-gathered for its forward and
+//! backward, and its gradients reduce-scattered. `--mesh RxS` trains HSDP on an
+//! `R × S` mesh (replicate over R, shard over S). The batch (`--batch` rows per
+//! rank) is split over all ranks; every step is the single-device step on the
+//! global batch.
+//!
+//! `--tp T` adds tensor parallelism under FSDP: a `(dp, tp)` mesh with
+//! `dp = world / T`, the model's plan (`Transformer::tp_plan`, `Llama::tp_plan`;
+//! with `--sequence-parallel`, their `tp_plan_sequence_parallel`) over `tp`,
+//! then FSDP over `dp` (`fully_shard` on `mesh.dim("dp")`); with `--mesh RxS`,
+//! a `(dp_replicate, dp_shard, tp)` mesh of `R·S·T` ranks and HSDP over the first
+//! two dims. `--batch` stays rows per data-parallel rank: `--world-size 2 --tp 2
+//! --batch 8` trains every rank on the same 8 rows (pure TP, FSDP over one rank).
+//!
+//! `--checkpoint-dir DIR --checkpoint-every N` saves a sharded checkpoint of the
+//! model and AdamW every N steps (`DIR/step_000010/`, and `DIR/latest` naming the
+//! newest); `--resume DIR` (such a directory, or one checkpoint in it, saved on
+//! any mesh, TP or not) loads one and goes on: `--steps` counts the whole run,
+//! so a run resumed after step k trains steps k+1..N on the batches the
+//! uninterrupted run would use, and `--losses-out` lists those N−k losses.
+//! `--async-save` writes them in the background while training goes on (one at
+//! a time; `latest` moves once a checkpoint is complete); `--keep-checkpoints K`
+//! removes all but the newest K complete ones (directories with a valid
+//! `index.json`; a save's temporaries never count, and those of a save killed
+//! mid-write are removed by the next save or resume). `--save-full PATH`
+//! writes the consolidated safetensors file at the end.
+//!
+//! Under `mpirun` the world size defaults to the number of processes, and only
+//! rank 0 prints and writes `--losses-out`.
+
+#[path = "../common/mod.rs"]
+mod common;
+
+mod args;
+mod checkpoints;
+mod report;
+
+use std::time::Instant;
+
+use tessera::autograd::nn::{MaterializeReport, Materializer};
+use tessera::autograd::optim::{AdamW, AdamWConfig, LrScheduler, Optimizer, Schedule};
+use tessera::autograd::{Param, Var, backward, load_checkpoint, read_safetensors, save_state_dict_full};
+use tessera::dtensor::{Placement, Tensor, distribute_tensor_from};
+use tessera::fsdp::{FsdpConfig, MixedPrecisionPolicy};
+use tessera::models::{CausalLm, Llama, Transformer};
+use tessera::tensor::memory;
+use tessera::{BoxError, CommunicatorExt, DType, DeviceMesh, RankCtx, is_lead_process, launch};
+
+use args::{Arch, Args, USAGE, parse, rows};
+use checkpoints::{Checkpoints, resume_dir};
+use report::{RankReport, banner, progress, summarize};
+
+fn main() {
+    let args = match parse() {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("train: {e}\n{USAGE}");
+            std::process::exit(2);
+        }
+    };
+    if let Err(e) = run(&args) {
+        eprintln!("train: {e}");
+        std::process::exit(1);
+    }
+}
+
+fn run(args: &Args) -> Result<(), BoxError> {
+    let tokens = read_tokens(args)?;
+    let lead = is_lead_process();
+    if lead {
+        println!("{}", banner(args));
+    }
+    let reports = launch(args.world, {
+        let args = args.clone();
+        move |ctx| train_rank(ctx, &args, tokens.as_ref())
+    })?;
+    if lead {
+        summarize(args, &reports[0])?;
+    }
+    Ok(())
+}
+
+/// The `tokens` tensor of `--tokens`, if given.
+fn read_tokens(args: &Args) -> Result<Option<Tensor>, BoxError> {
+    let Some(p) = &args.tokens else {
+        return Ok(None);
+    };
+    let (_, t) = read_safetensors(p)?
+        .into_iter()
+        .find(|(n, _)| n == "tokens")
+        .ok_or_else(|| format!("{}: no tensor named \"tokens\"", p.display()))?;
+    Ok(Some(t))
+}
+
+/// One rank's model, optimizer and mesh, ready to train.
+struct Job<M> {
+    mesh: DeviceMesh,
+    model: M,
+    params: Vec<Param>,
+    opt: AdamW,
+    /// The learning-rate schedule, stepped with the optimizer.
+    sched: LrScheduler,
+    /// How a batch of token rows is placed on the mesh.
+    batch_placements: Vec<Placement>,
+    /// What materialising the model took on this rank.
+    init: MaterializeReport,
+}
+
+/// Builds the mesh and the deferred model, applies tensor parallelism (printing
+/// the plan on the lead rank) and FSDP, materialises this rank's shards from
+/// `--init` or `--seed`, and makes the optimizer.
+fn setup<M: CausalLm>(
+    ctx: RankCtx,
+    args: &Args,
+    build: fn(&Args, &DeviceMesh) -> tessera::autograd::Result<M>,
+) -> Result<Job<M>, BoxError> {
+    let rank = ctx.rank();
+    let names: &[&str] = match (args.tp > 0, args.mesh.len()) {
+        (true, 3) => &["dp_replicate", "dp_shard", "tp"],
+        (true, _) => &["dp", "tp"],
+        (false, 2) => &["dp_replicate", "dp_shard"],
+        (false, _) => &["dp"],
+    };
+    let mesh = DeviceMesh::with_names(ctx.into_comm(), &args.mesh, names)?.on_device(args.device);
+    let model = build(args, &mesh)?;
+    let params = model.parameters();
+    let fsdp = FsdpConfig {
+        reshard_after_forward: args.no_reshard.then_some(false),
+        mp_policy: if args.bf16 {
+            MixedPrecisionPolicy::bf16()
+        } else {
+            MixedPrecisionPolicy::default()
+        },
+        ..FsdpConfig::default()
+    };
+    let batch_placements = if args.tp > 0 {
+        let applied = model.parallelize(&mesh.dim("tp")?, args.sequence_parallel)?;
+        if rank == 0 && is_lead_process() {
+            println!("plan:");
+            for a in &applied {
+                println!("  {:<28} {}", a.fqn, a.style);
+            }
+        }
+        let dp = mesh.slice(&names[..names.len() - 1])?;
+        model.fully_shard(&dp, &fsdp)?;
+        let mut p = vec![Placement::Shard(0); args.mesh.len()];
+        p[args.mesh.len() - 1] = Placement::Replicate;
+        p
+    } else {
+        model.fully_shard(&mesh, &fsdp)?;
+        vec![Placement::Shard(0); args.mesh.len()]
+    };
+    let init = match &args.init {
+        Some(path) => Materializer::from_safetensors(path),
+        None => model.materializer(args.seed),
+    }
+    .materialize(&model)?;
+    let adamw = AdamWConfig {
+        lr: args.lr,
+        betas: (0.9, 0.95),
+        eps: 1e-8,
+        weight_decay: 0.1,
+    };
+    let mut opt = AdamW::new(params.clone(), adamw)?;
+    let sched = LrScheduler::new(schedule(args)?, &mut opt)?;
+    Ok(Job {
+        mesh,
+        model,
+        params,
+        opt,
+        sched,
+        batch_placements,
+        init,
+    })
+}
+
+/// The `--lr-schedule` over the run's `--steps`.
+fn schedule(args: &Args) -> Result<Schedule, BoxError> {
+    let (warmup, total) = (args.warmup_steps as u64, args.steps as u64);
+    Ok(match args.lr_schedule.as_str() {
+        "cosine" => Schedule::warmup_cosine(warmup, total, 0.0)?,
+        "wsd" => Schedule::warmup_stable_decay(warmup, total.div_ceil(10), total, 0.0)?,
+        _ if warmup > 0 => return Err("--warmup-steps needs --lr-schedule cosine or wsd".into()),
+        _ => Schedule::Constant,
+    })
+}
+
+/// Loads the `--resume` checkpoint into the model and optimizer, recording the
+/// step it is from and what reading it cost.
+fn resume<M>(args: &Args, path: &std::path::Path, job: &mut Job<M>, report: &mut RankReport) -> Result<(), BoxError> {
+    let t = Instant::now();
+    let dir = resume_dir(path)?;
+    let r = load_checkpoint(&dir, &job.params, Some(&mut job.opt))?;
+    report.resume_s = t.elapsed().as_secs_f64();
+    report.first_step = r
+        .metadata
+        .get("step")
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(|| format!("{}: no step in the checkpoint's metadata", dir.display()))?;
+    report.resume_bytes = r.bytes_read;
+    // The schedule resumes from its saved state (a checkpoint saved without one
+    // resumes at its step, from the base learning rate of this run).
+    let mut state = r.metadata.clone();
+    state
+        .entry("lr_scheduler.step".into())
+        .or_insert_with(|| report.first_step.to_string());
+    state
+        .entry("lr_scheduler.base_lr".into())
+        .or_insert_with(|| args.lr.to_string());
+    job.sched.load_state(&state, &mut job.opt)?;
+    if report.first_step >= args.steps {
+        return Err(format!(
+            "--resume: the checkpoint is from step {}, --steps is {}: nothing left to train",
+            report.first_step, args.steps
+        )
+        .into());
+    }
+    Ok(())
+}
+
+/// One training step on the rows of `step`: forward, backward, the optimizer's
+/// update. Returns the loss.
+fn train_step<M: CausalLm>(
+    args: &Args,
+    job: &mut Job<M>,
+    tokens: Option<&Tensor>,
+    step: usize,
+) -> Result<f64, BoxError> {
+    // Every rank builds the same global rows of the step (seeded by the step):
+    // each keeps its piece, with no hash exchange per step.
+    let x = distribute_tensor_from(&rows(args, tokens, step)?, &job.mesh, &job.batch_placements, None)?;
+    let loss = job.model.loss(&Var::constant(x))?;
+    let value = loss.value().full_tensor()?.to_f64_vec()[0];
+    backward(&loss)?;
+    job.opt.step()?;
+    job.sched.step(&mut job.opt)?;
+    job.opt.zero_grad();
+    Ok(value)
+}
+
+/// What every rank runs: setup, resumption, the steps with their checkpoints,
+/// the final saves, and the report (with every rank's peak memory).
+fn train_rank(ctx: RankCtx, args: &Args, tokens: Option<&Tensor>) -> Result<RankReport, BoxError> {
+    match args.arch {
+        Arch::Gpt => train_model(ctx, args, tokens, |a, mesh| Transformer::new(a.model, mesh, DType::F32)),
+        Arch::Llama => train_model(ctx, args, tokens, |a, mesh| Llama::new(a.llama(), mesh, DType::F32)),
+    }
+}
+
+/// [`train_rank`] for the model `build` makes.
+fn train_model<M: CausalLm>(
+    ctx: RankCtx,
+    args: &Args,
+    tokens: Option<&Tensor>,
+    build: fn(&Args, &DeviceMesh) -> tessera::autograd::Result<M>,
+) -> Result<RankReport, BoxError> {
+    let rank = ctx.rank();
+    let mut job = setup(ctx, args, build)?;
+    let mut report = RankReport::default();
+    if let Some(path) = &args.resume {
+        resume(args, path, &mut job, &mut report)?;
+    }
+    let mut checkpoints = Checkpoints::default();
+    memory::reset_peak();
+    memory::reset_device_peak();
+    let start = Instant::now();
+    let tokens_per_step = (args.global_batch() * args.model.seq) as f64;
+    for step in report.first_step..args.steps {
+        let t = Instant::now();
+        let value = train_step(args, &mut job, tokens, step)?;
+        report.losses.push(value);
+        report.step_time_s.push(t.elapsed().as_secs_f64());
+        if let Some(stats) = device_memory(args)? {
+            report.device_reserved_bytes.push(stats.0);
+        }
+        checkpoints.after_step(args, &job, step, &mut report)?;
+        if rank == 0 {
+            let done = step + 1 - report.first_step;
+            progress(
+                step + 1,
+                args.steps,
+                value,
+                done as f64 * tokens_per_step / start.elapsed().as_secs_f64(),
+            );
+        }
+    }
+    checkpoints.finish(args, &job, &mut report)?;
+    if let Some(path) = &args.save_full {
+        save_state_dict_full(&job.params, path)?;
+    }
+    let (peak, device_peak) = (memory::stats().peak_bytes, memory::device_stats().peak_bytes);
+    let all = job
+        .mesh
+        .comm()
+        .all_gather_vec(&[peak, job.init.peak_bytes, job.init.local_bytes, device_peak].map(|b| b as i64))?;
+    let column = |i: usize| all.chunks(4).map(|c| c[i] as usize).collect();
+    (report.peak_bytes, report.init_peak_bytes, report.init_local_bytes) = (column(0), column(1), column(2));
+    report.device_peak_bytes = column(3);
+    if let Some((_, allocated, reserved)) = device_memory(args)? {
+        report.device_allocator_peaks = (allocated, reserved);
+    }
+    Ok(report)
+}
+
+/// On a GPU: the caching allocator's reserved bytes now, and its peak
+/// allocated and reserved bytes (all ranks on the GPU together).
+fn device_memory(args: &Args) -> Result<Option<(usize, usize, usize)>, BoxError> {
+    #[cfg(feature = "cuda")]
+    if let tessera::dtensor::Device::Cuda(n) = args.device {
+        let s = tessera::tensor::cuda::memory_stats(n)?;
+        return Ok(Some((s.reserved_bytes, s.peak_allocated_bytes, s.peak_reserved_bytes)));
+    }
+    let _ = args;
+    Ok(None)
+}

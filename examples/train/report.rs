@@ -1,0 +1,197 @@
+//! What a run reports: the banner, per-rank reports, progress and the summary.
+
+use std::io::Write as _;
+
+use tessera::BoxError;
+
+use crate::args::Args;
+use crate::common;
+
+#[derive(Default)]
+pub(crate) struct RankReport {
+    /// The step the run started from (0, or the resumed checkpoint's).
+    pub(crate) first_step: usize,
+    pub(crate) losses: Vec<f64>,
+    pub(crate) step_time_s: Vec<f64>,
+    /// Every rank's peak tensor memory (gathered, so MPI's rank 0 knows them all).
+    pub(crate) peak_bytes: Vec<usize>,
+    /// Per checkpoint: the seconds training waited for it (the whole save, or
+    /// for a background one its staging and the end of the one before).
+    pub(crate) save_s: Vec<f64>,
+    /// Per completed checkpoint: bytes all ranks wrote together.
+    pub(crate) saved_bytes: Vec<u64>,
+    /// Every rank's tracked peak while materialising the model, and its shards' bytes.
+    pub(crate) init_peak_bytes: Vec<usize>,
+    /// Peak bytes of device tensors per rank (0 on the CPU).
+    pub(crate) device_peak_bytes: Vec<usize>,
+    /// On a GPU: the caching allocator's reserved bytes after each step, and
+    /// its peak allocated and reserved bytes (all ranks on the GPU together).
+    pub(crate) device_reserved_bytes: Vec<usize>,
+    pub(crate) device_allocator_peaks: (usize, usize),
+    pub(crate) init_local_bytes: Vec<usize>,
+    /// Bytes this rank read resuming, and the seconds it took.
+    pub(crate) resume_bytes: u64,
+    pub(crate) resume_s: f64,
+}
+
+/// The line that says what this run trains, and how it is parallelised.
+pub(crate) fn banner(args: &Args) -> String {
+    let layout = if args.tp > 0 {
+        let sp = if args.sequence_parallel {
+            " with sequence parallelism"
+        } else {
+            ""
+        };
+        if args.mesh.len() == 3 {
+            format!(
+                "HSDP over (dp_replicate, dp_shard) on TP over {} ranks{sp}: a {}x{}x{} mesh",
+                args.tp, args.mesh[0], args.mesh[1], args.mesh[2]
+            )
+        } else {
+            format!(
+                "FSDP over dp on TP over {} ranks{sp}: a (dp, tp) = {}x{} mesh",
+                args.tp, args.mesh[0], args.mesh[1]
+            )
+        }
+    } else if args.mesh.len() == 2 {
+        format!("HSDP on a {}x{} mesh (replicate x shard)", args.mesh[0], args.mesh[1])
+    } else {
+        format!("FSDP on {} ranks", args.world)
+    };
+    format!(
+        "training a {} ({} parameters), {layout}, global batch {}{}{}{}",
+        args.describe(),
+        args.num_params(),
+        args.global_batch(),
+        if args.bf16 { ", bf16 mixed precision" } else { "" },
+        if args.no_reshard {
+            ", no reshard after forward"
+        } else {
+            ""
+        },
+        if args.device.is_cuda() {
+            format!(", on {} (ranks sharing it)", args.device)
+        } else {
+            String::new()
+        },
+    )
+}
+
+/// Prints the run's summary from rank 0's report and writes `--losses-out`.
+pub(crate) fn summarize(args: &Args, r0: &RankReport) -> Result<(), BoxError> {
+    let cfg = args.model;
+    println!();
+    let total: f64 = r0.step_time_s.iter().sum();
+    let tokens_seen = ((args.steps - r0.first_step) * args.global_batch() * cfg.seq) as f64;
+    let peak = r0.peak_bytes.iter().copied().max().unwrap_or(0);
+    // One unsharded rank holds every parameter, its gradient and two AdamW
+    // states in f32 before any activation.
+    let unsharded = 16 * args.num_params();
+    println!(
+        "done on mesh {:?}: loss {:.4} -> {:.4}; {:.0} tokens/s; peak tensor memory per rank {} (one unsharded rank \
+         needs {} for parameters, gradients and AdamW states alone)",
+        args.mesh,
+        r0.losses[0],
+        r0.losses[r0.losses.len() - 1],
+        tokens_seen / total,
+        human(peak),
+        human(unsharded)
+    );
+    if args.device.is_cuda() {
+        let reserved = &r0.device_reserved_bytes;
+        println!(
+            "device: peak tensor memory per rank {} (all ranks {}); the allocator on {}: peak in use {}, \
+             peak reserved {}, reserved after step 1 {} and after step {} {}",
+            human(r0.device_peak_bytes.iter().copied().max().unwrap_or(0)),
+            human(r0.device_peak_bytes.iter().sum()),
+            args.device,
+            human(r0.device_allocator_peaks.0),
+            human(r0.device_allocator_peaks.1),
+            human(reserved.first().copied().unwrap_or(0)),
+            reserved.len(),
+            human(reserved.last().copied().unwrap_or(0)),
+        );
+    }
+    let rss = common::peak_rss_bytes();
+    println!(
+        "init: {} per rank at most while materialising (its shards: {}); process peak RSS {}",
+        human(r0.init_peak_bytes.iter().copied().max().unwrap_or(0)),
+        human(r0.init_local_bytes.iter().copied().max().unwrap_or(0)),
+        rss.map_or_else(|| "unknown".to_string(), human)
+    );
+    if let Some(path) = &args.resume {
+        println!(
+            "resumed from {} after step {} in {:.3} s: {} read by rank 0",
+            path.display(),
+            r0.first_step,
+            r0.resume_s,
+            human(r0.resume_bytes as usize)
+        );
+    }
+    if let Some(bytes) = r0.saved_bytes.last() {
+        let n = r0.save_s.len();
+        let secs: f64 = r0.save_s.iter().sum();
+        println!(
+            "checkpoints: {n} saved in {}{}, training waited {:.3} s per save on average; {} written per save by \
+             all ranks together",
+            args.checkpoint_dir
+                .as_ref()
+                .map_or(String::new(), |d| d.display().to_string()),
+            if args.async_save { " in the background" } else { "" },
+            secs / n as f64,
+            human(*bytes as usize)
+        );
+    }
+    if let Some(path) = &args.save_full {
+        println!("wrote the consolidated state dict {}", path.display());
+    }
+    if let Some(path) = &args.losses_out {
+        let json = serde_json::json!({
+            "loss": r0.losses,
+            "step_time_s": r0.step_time_s,
+            "peak_bytes_per_rank": r0.peak_bytes,
+            "init_peak_bytes_per_rank": r0.init_peak_bytes,
+            "device_peak_bytes_per_rank": r0.device_peak_bytes,
+            "device_reserved_bytes_per_step": r0.device_reserved_bytes,
+            "device_allocator_peak_allocated_bytes": r0.device_allocator_peaks.0,
+            "device_allocator_peak_reserved_bytes": r0.device_allocator_peaks.1,
+            "peak_rss_bytes": rss,
+        });
+        common::write_atomic(path, &serde_json::to_string_pretty(&json)?)?;
+        println!("wrote {}", path.display());
+    }
+    Ok(())
+}
+
+/// A bar redrawn in place on a terminal; in a redirected log, one line at the
+/// first step, every tenth of the run and at the last step instead of `\r` frames. Under an
+/// MPI launcher, always lines: `mpirun` gives each rank a pseudo-terminal and
+/// forwards it to wherever its own output goes, usually a log.
+pub(crate) fn progress(step: usize, steps: usize, loss: f64, tok_s: f64) {
+    use std::io::IsTerminal as _;
+    if !std::io::stdout().is_terminal() || tessera::mpi_env().is_some() {
+        if step == 1 || step == steps || step.is_multiple_of(steps.div_ceil(10)) {
+            println!("step {step}/{steps}  loss {loss:.4}  {tok_s:.0} tok/s");
+        }
+        return;
+    }
+    const WIDTH: usize = 30;
+    let filled = step * WIDTH / steps;
+    print!(
+        "\r[{}{}] step {step}/{steps}  loss {loss:.4}  {tok_s:.0} tok/s",
+        "#".repeat(filled),
+        " ".repeat(WIDTH - filled)
+    );
+    let _ = std::io::stdout().flush();
+}
+
+pub(crate) fn human(bytes: usize) -> String {
+    const UNITS: [&str; 4] = ["B", "KiB", "MiB", "GiB"];
+    let mut v = bytes as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u + 1 < UNITS.len() {
+        v /= 1024.0;
+        u += 1;
+    }
+    format!("{v:.1} {}", UNITS[u])
+}
