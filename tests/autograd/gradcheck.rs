@@ -273,6 +273,20 @@ grad! {
     };
     repeat_interleave_heads: [signed(&[2, 3, 2, 4])] => |v| v[0].repeat_interleave(2, 2);
     repeat_interleave_last: [signed(&[3, 2])] => |v| v[0].repeat_interleave(3, 1);
+    where_cond: [index(&[3, 1], 2), signed(&[3, 4]), signed(&[4])] => |v| v[0].cast(DType::U8)?.where_cond(&v[1], &v[2]);
+    masked_fill: [signed(&[3, 4]), index(&[4], 2)] => |v| v[0].masked_fill(&v[1].cast(DType::U8)?, 7.0);
+    index_select: [signed(&[4, 3]), index(&[6], 4)] => |v| v[0].index_select(0, &v[1]);
+    index_select_inner: [signed(&[2, 5, 3]), index(&[4], 5)] => |v| v[0].index_select(1, &v[1]);
+    gather: [signed(&[3, 5]), index(&[3, 4], 5)] => |v| v[0].gather(1, &v[1]);
+    split_pieces: [signed(&[5, 3])] => |v| {
+        let p = v[0].split(2, 0)?;
+        Var::cat(&[&p[2], &p[0].mul_scalar(2.0)?, &p[1]], 0)
+    };
+    chunk_pieces: [signed(&[2, 7])] => |v| {
+        let p = v[0].chunk(3, 1)?;
+        p[0].sum(&[1], true)?.add(&p[2].mul_scalar(3.0)?.sum(&[1], true)?)
+    };
+    stack: [signed(&[3, 2]), signed(&[3, 2])] => |v| Var::stack(&[&v[0], &v[1].mul_scalar(0.5)?, &v[0]], 1);
     embedding: [signed(&[6, 3]), index(&[2, 5], 6)] => |v| v[0].embedding(&v[1]);
     embedding_flat: [signed(&[4, 2]), index(&[9], 4)] => |v| v[0].embedding(&v[1]);
     cross_entropy_mean: [signed(&[4, 5]), index(&[4], 5)] => |v| v[0].mul_scalar(2.0)?.cross_entropy(&v[1], Mean);

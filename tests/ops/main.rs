@@ -15,4 +15,5 @@ mod errors;
 mod harness;
 mod nn;
 mod pointwise;
+mod select;
 mod shape;

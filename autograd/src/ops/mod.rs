@@ -5,6 +5,7 @@
 
 mod nn;
 mod pointwise;
+mod select;
 mod shape;
 
 use smallvec::{SmallVec, smallvec};

@@ -15,6 +15,7 @@ mod matmul;
 mod norm;
 mod pointwise;
 mod reduce;
+mod select;
 mod shape;
 
 pub use pointwise::broadcast_shape;

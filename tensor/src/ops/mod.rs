@@ -43,7 +43,9 @@ mod reduce;
 mod rms_norm;
 mod rotary;
 mod rows;
+mod select;
 mod shape;
+mod split;
 #[cfg(test)]
 mod testutil;
 mod unary;
@@ -56,6 +58,8 @@ pub use attention::Attention;
 pub use matmul::{Causal, GemmKernel};
 pub use nn::Reduction;
 pub use rotary::rotary_tables;
+pub use select::check_gather;
+pub use split::{check_split, chunk_sizes, split_sizes, stack_pieces};
 pub use unary::gelu_backward_shapes;
 
 use crate::kernel::{Simd, par_parts, par_rows};

@@ -159,6 +159,28 @@ impl<T: Float> Reducer<T> for ArgMax {
     }
 }
 
+struct ArgMin;
+impl<T: Float> Reducer<T> for ArgMin {
+    /// Best value, its index, and how many elements were seen.
+    type State = (T::Acc, i64, i64);
+    type Out = i64;
+    fn init() -> Self::State {
+        (-T::Acc::NEG_INFINITY, 0, 0)
+    }
+    #[inline(always)]
+    fn push(s: &mut Self::State, x: T) {
+        let x = x.to_acc();
+        // The first minimum wins; the first NaN beats everything.
+        if !s.0.is_nan() && (x < s.0 || x.is_nan()) {
+            (s.0, s.1) = (x, s.2);
+        }
+        s.2 += 1;
+    }
+    fn finish(s: Self::State, _count: usize) -> i64 {
+        s.1
+    }
+}
+
 /// Which dims a reduction removes, checked: a mask over the input's dims.
 fn reduced_mask(op: &'static str, shape: &[usize], dims: &[usize]) -> Result<Vec<bool>> {
     let mut mask = vec![false; shape.len()];
@@ -304,6 +326,18 @@ impl Tensor {
         let mask = reduced_mask("argmax", self.shape(), &[dim])?;
         self.check_not_empty("argmax", &mask)?;
         float_dispatch!("argmax", self.dtype(), T => reduce::<T, ArgMax>("argmax", self, &mask, keepdim))
+    }
+
+    /// The index (`i64`) of the smallest value along `dim`, the first one on
+    /// ties (a NaN counts as smallest). PyTorch: `torch.argmin(x, dim, keepdim)`.
+    ///
+    /// # Errors
+    /// [`Error::DimOutOfRange`]; [`Error::InvalidArgument`] for an empty `dim`
+    /// or an integer tensor.
+    pub fn argmin(&self, dim: usize, keepdim: bool) -> Result<Tensor> {
+        let mask = reduced_mask("argmin", self.shape(), &[dim])?;
+        self.check_not_empty("argmin", &mask)?;
+        float_dispatch!("argmin", self.dtype(), T => reduce::<T, ArgMin>("argmin", self, &mask, keepdim))
     }
 
     /// The sum of all elements as a rank-0 tensor (0 when empty).

@@ -213,6 +213,14 @@ impl Tensor {
     /// [`Error::DTypeMismatch`] when `T` is not the tensor's dtype.
     pub fn view<T: Element>(&self) -> Result<ArrayViewD<'_, T>> {
         let all = self.elements::<T>("view")?;
+        if self.numel() == 0 {
+            // No element to reach: any strides would do, and ndarray accepts
+            // only in-bounds ones, which an empty storage may not have.
+            return ArrayViewD::from_shape(IxDyn(self.shape()), &all[..0]).map_err(|e| Error::InvalidArgument {
+                op: "view",
+                detail: format!("internal error: an empty view of shape {:?}: {e}", self.shape()),
+            });
+        }
         let shape = IxDyn(self.shape()).strides(IxDyn(self.strides()));
         // The layout's invariant keeps every element inside the storage, so
         // ndarray accepts it; an error here would be a bug in a view op.
