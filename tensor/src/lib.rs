@@ -31,6 +31,7 @@
 pub mod alloc;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+mod dim;
 mod error;
 pub mod kernel;
 pub mod memory;
@@ -40,6 +41,7 @@ pub mod random;
 pub mod rng;
 mod tensor;
 
+pub use dim::{Dim, resolve_dims};
 pub use error::{Error, Result};
 /// The element types of the half-precision dtypes (`DType::BF16`, `DType::F16`).
 pub use half::{bf16, f16};

@@ -1,8 +1,8 @@
 //! Gradients of sharded runs equal those of one rank seeing the full tensors.
 //!
-//! Six small models (an MLP with gelu, layer norm + linear, causal attention as a
-//! chain of ops and as the fused op, embedding + cross entropy, and one using the
-//! remaining ops) run on meshes `[2]`, `[4]` and `[2, 2]` with the batch sharded
+//! Seven small models (an MLP with gelu, layer norm + linear, causal attention as a
+//! chain of ops and as the fused op, embedding + cross entropy, one using the
+//! remaining ops, and one of a LLaMA's ops with negative dims) run on meshes `[2]`, `[4]` and `[2, 2]` with the batch sharded
 //! (evenly, unevenly, with empty shards)
 //! and the parameters replicated or sharded; a sharded parameter is redistributed
 //! to replicated inside the forward, so its gradient comes home through the
@@ -134,7 +134,49 @@ const MISC: Model = Model {
     },
 };
 
-const MODELS: [&Model; 6] = [&MLP, &LN_LINEAR, &ATTENTION, &FUSED_ATTENTION, &EMBEDDING_CE, &MISC];
+/// The ops of a LLaMA-style model and its tooling, with negative dims: RMSNorm,
+/// rotary embeddings, key/value head repetition, split and stack, masked_fill and
+/// where_cond by a per-row mask, gather and index_select, argmax as an index.
+const LLAMA_OPS: Model = Model {
+    name: "llama ops",
+    params: &[("w", &[4]), ("s", &[2]), ("t", &[4, 4])],
+    data: |b| {
+        vec![
+            uniform(&[b, 3, 2, 4], 8),
+            indices(&[b, 3, 1, 1], 2, 9),
+            indices(&[b, 3, 4, 2], 4, 10),
+        ]
+    },
+    float_data: false,
+    loss: |p, d| {
+        let (cos, sin) = tessera::tensor::ops::rotary_tables(&[0, 1, 2], 4, 100.0)?;
+        let x = d[0].rms_norm(Some(&p[0]), 1e-5)?.rotary_embedding(&cos, &sin)?;
+        let x = x.repeat_interleave(2, -2)?; // [b, 3, 4, 4]
+        let halves = x.split(2, -1)?;
+        let y = Var::stack(&[&halves[1], &halves[0].mul(&p[1])?], -1)?.reshape(&[x.value().shape()[0], 3, 4, 4])?;
+        let mask = d[1].cast(tessera::dtensor::DType::U8)?;
+        let y = mask
+            .where_cond(&x, &y.masked_fill(&mask, 0.5)?)?
+            .add(&y.masked_fill(&mask, -0.5)?)?;
+        let picked = y.gather(-1, &d[2])?; // [b, 3, 4, 2]
+        let index = p[2].argmax(-1, false)?; // [4] i64, a constant
+        let z = y.matmul(&p[2])?.index_select(-1, &index)?;
+        picked
+            .square()?
+            .mean(&[-1, -2, 1, 0], false)?
+            .add(&z.mean(&[0, 1, 2, 3], false)?)
+    },
+};
+
+const MODELS: [&Model; 7] = [
+    &MLP,
+    &LN_LINEAR,
+    &ATTENTION,
+    &FUSED_ATTENTION,
+    &EMBEDDING_CE,
+    &MISC,
+    &LLAMA_OPS,
+];
 
 /// One rank's results: the loss, and each parameter's full gradient and placements.
 struct RankOut {
@@ -312,6 +354,11 @@ fn embedding_and_cross_entropy() {
 #[test]
 fn misc_ops() {
     check_model(&MISC);
+}
+
+#[test]
+fn llama_ops() {
+    check_model(&LLAMA_OPS);
 }
 
 /// The comparison itself fails when a gradient is off (here: a different batch

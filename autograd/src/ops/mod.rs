@@ -1,7 +1,8 @@
 //! Differentiable ops on [`Var`]s. Each forward runs the sharded DTensor op; each
 //! backward rule is written with DTensor ops too, so gradients are sharded,
 //! partial or replicated exactly as single-device semantics require, with no
-//! communication beyond what their placements imply.
+//! communication beyond what their placements imply. Dims may be negative (`-1`: the last),
+//! as in PyTorch ([`Dim`](tessera_dtensor::Dim)).
 
 mod nn;
 mod pointwise;

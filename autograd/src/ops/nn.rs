@@ -105,7 +105,8 @@ impl Var {
     ///
     /// # Errors
     /// `dim` out of range.
-    pub fn softmax(&self, dim: usize) -> Result<Var> {
+    pub fn softmax(&self, dim: impl tessera_dtensor::Dim) -> Result<Var> {
+        let dim = dim.resolve("softmax", self.value().shape().len())?;
         let y = self.value().softmax(dim)?;
         let out = y.clone();
         Ok(self.unary_op("softmax", y, move |g| g.softmax_backward(&out, dim)))
@@ -115,7 +116,8 @@ impl Var {
     ///
     /// # Errors
     /// `dim` out of range.
-    pub fn log_softmax(&self, dim: usize) -> Result<Var> {
+    pub fn log_softmax(&self, dim: impl tessera_dtensor::Dim) -> Result<Var> {
+        let dim = dim.resolve("log_softmax", self.value().shape().len())?;
         let y = self.value().log_softmax(dim)?;
         let out = y.clone();
         Ok(self.unary_op("log_softmax", y, move |g| {

@@ -71,7 +71,8 @@ impl Var {
     ///
     /// # Errors
     /// As [`DTensor::index_select`].
-    pub fn index_select(&self, dim: usize, index: &Var) -> Result<Var> {
+    pub fn index_select(&self, dim: impl tessera_dtensor::Dim, index: &Var) -> Result<Var> {
+        let dim = dim.resolve("index_select", self.value().shape().len())?;
         let idx = index.value().clone();
         let value = self.value().index_select(dim, &idx)?;
         let size = self.value().shape()[dim];
@@ -87,7 +88,8 @@ impl Var {
     ///
     /// # Errors
     /// As [`DTensor::gather`].
-    pub fn gather(&self, dim: usize, index: &Var) -> Result<Var> {
+    pub fn gather(&self, dim: impl tessera_dtensor::Dim, index: &Var) -> Result<Var> {
+        let dim = dim.resolve("gather", self.value().shape().len())?;
         let idx = index.value().clone();
         let value = self.value().gather(dim, &idx)?;
         let shape = self.value().shape().to_vec();
@@ -103,7 +105,8 @@ impl Var {
     ///
     /// # Errors
     /// As [`DTensor::argmax`].
-    pub fn argmax(&self, dim: usize, keepdim: bool) -> Result<Var> {
+    pub fn argmax(&self, dim: impl tessera_dtensor::Dim, keepdim: bool) -> Result<Var> {
+        let dim = dim.resolve("argmax", self.value().shape().len())?;
         Ok(Var::constant(self.value().argmax(dim, keepdim)?))
     }
 
@@ -113,7 +116,8 @@ impl Var {
     ///
     /// # Errors
     /// As [`DTensor::argmin`].
-    pub fn argmin(&self, dim: usize, keepdim: bool) -> Result<Var> {
+    pub fn argmin(&self, dim: impl tessera_dtensor::Dim, keepdim: bool) -> Result<Var> {
+        let dim = dim.resolve("argmin", self.value().shape().len())?;
         Ok(Var::constant(self.value().argmin(dim, keepdim)?))
     }
 
@@ -124,7 +128,8 @@ impl Var {
     ///
     /// # Errors
     /// `dim` out of range, `split_size == 0` for a non-empty dim.
-    pub fn split(&self, split_size: usize, dim: usize) -> Result<Vec<Var>> {
+    pub fn split(&self, split_size: usize, dim: impl tessera_dtensor::Dim) -> Result<Vec<Var>> {
+        let dim = dim.resolve("split", self.value().shape().len())?;
         self.split_with_sizes(&split_sizes("split", self.value().shape(), split_size, dim)?, dim)
     }
 
@@ -134,7 +139,8 @@ impl Var {
     ///
     /// # Errors
     /// Sizes that do not add up to the dim; `dim` out of range.
-    pub fn split_with_sizes(&self, sizes: &[usize], dim: usize) -> Result<Vec<Var>> {
+    pub fn split_with_sizes(&self, sizes: &[usize], dim: impl tessera_dtensor::Dim) -> Result<Vec<Var>> {
+        let dim = dim.resolve("split_with_sizes", self.value().shape().len())?;
         tessera_tensor::ops::check_split("split_with_sizes", self.value().shape(), sizes, dim)?;
         let mut at = 0;
         sizes
@@ -153,7 +159,8 @@ impl Var {
     ///
     /// # Errors
     /// `dim` out of range, `n == 0`.
-    pub fn chunk(&self, n: usize, dim: usize) -> Result<Vec<Var>> {
+    pub fn chunk(&self, n: usize, dim: impl tessera_dtensor::Dim) -> Result<Vec<Var>> {
+        let dim = dim.resolve("chunk", self.value().shape().len())?;
         self.split_with_sizes(&chunk_sizes("chunk", self.value().shape(), n, dim)?, dim)
     }
 
@@ -163,7 +170,9 @@ impl Var {
     ///
     /// # Errors
     /// No vars, shapes that differ, `dim` past the rank.
-    pub fn stack(xs: &[&Var], dim: usize) -> Result<Var> {
+    pub fn stack(xs: &[&Var], dim: impl tessera_dtensor::Dim) -> Result<Var> {
+        // No tensors: any dim resolves, and the missing input is the error below.
+        let dim = dim.resolve("stack", xs.first().map_or(usize::MAX, |x| x.value().shape().len() + 1))?;
         let pieces = stack_pieces("stack", xs.iter().map(|x| x.value().shape()), dim)?;
         let unsqueezed = xs
             .iter()

@@ -11,7 +11,11 @@ impl Var {
     ///
     /// # Errors
     /// Dims out of range.
-    pub fn transpose(&self, d0: usize, d1: usize) -> Result<Var> {
+    pub fn transpose(&self, d0: impl tessera_dtensor::Dim, d1: impl tessera_dtensor::Dim) -> Result<Var> {
+        let (d0, d1) = (
+            d0.resolve("transpose", self.value().shape().len())?,
+            d1.resolve("transpose", self.value().shape().len())?,
+        );
         Ok(self.unary_op("transpose", self.value().transpose(d0, d1)?, move |g| {
             g.transpose(d0, d1)
         }))
@@ -21,7 +25,8 @@ impl Var {
     ///
     /// # Errors
     /// Not a permutation.
-    pub fn permute(&self, dims: &[usize]) -> Result<Var> {
+    pub fn permute(&self, dims: &[impl tessera_dtensor::Dim]) -> Result<Var> {
+        let dims = &tessera_tensor::resolve_dims(dims, "permute", self.value().shape().len())?[..];
         let mut inverse = vec![0; dims.len()];
         for (i, &d) in dims.iter().enumerate() {
             if d < inverse.len() {
@@ -44,7 +49,8 @@ impl Var {
     ///
     /// # Errors
     /// A range outside the dim.
-    pub fn narrow(&self, dim: usize, start: usize, len: usize) -> Result<Var> {
+    pub fn narrow(&self, dim: impl tessera_dtensor::Dim, start: usize, len: usize) -> Result<Var> {
+        let dim = dim.resolve("narrow", self.value().shape().len())?;
         let value = self.value().narrow(dim, start, len)?;
         // Keep only a zero tensor's recipe, not the input (it may be a parameter).
         let (mesh, layout) = (self.value().mesh().clone(), self.value().layout().clone());
@@ -82,7 +88,8 @@ impl Var {
     ///
     /// # Errors
     /// As [`DTensor::repeat_interleave`].
-    pub fn repeat_interleave(&self, repeats: usize, dim: usize) -> Result<Var> {
+    pub fn repeat_interleave(&self, repeats: usize, dim: impl tessera_dtensor::Dim) -> Result<Var> {
+        let dim = dim.resolve("repeat_interleave", self.value().shape().len())?;
         let value = self.value().repeat_interleave(repeats, dim)?;
         Ok(self.unary_op("repeat_interleave", value, move |g| {
             g.repeat_interleave_backward(repeats, dim)
@@ -93,7 +100,9 @@ impl Var {
     ///
     /// # Errors
     /// As [`DTensor::cat`].
-    pub fn cat(xs: &[&Var], dim: usize) -> Result<Var> {
+    pub fn cat(xs: &[&Var], dim: impl tessera_dtensor::Dim) -> Result<Var> {
+        // No tensors: any dim resolves, and the missing input is the error below.
+        let dim = dim.resolve("cat", xs.first().map_or(usize::MAX, |x| x.value().shape().len()))?;
         let values: Vec<&DTensor> = xs.iter().map(|v| v.value()).collect();
         let value = DTensor::cat(&values, dim)?;
         let sizes: Vec<usize> = values.iter().map(|v| v.shape()[dim]).collect();
@@ -112,7 +121,8 @@ impl Var {
     ///
     /// # Errors
     /// Dims out of range.
-    pub fn sum(&self, dims: &[usize], keepdim: bool) -> Result<Var> {
+    pub fn sum(&self, dims: &[impl tessera_dtensor::Dim], keepdim: bool) -> Result<Var> {
+        let dims = &tessera_tensor::resolve_dims(dims, "sum", self.value().shape().len())?[..];
         let x = self.value().clone();
         let value = x.sum(dims, keepdim)?;
         let dims = dims.to_vec();
@@ -123,7 +133,8 @@ impl Var {
     ///
     /// # Errors
     /// Dims out of range.
-    pub fn mean(&self, dims: &[usize], keepdim: bool) -> Result<Var> {
+    pub fn mean(&self, dims: &[impl tessera_dtensor::Dim], keepdim: bool) -> Result<Var> {
+        let dims = &tessera_tensor::resolve_dims(dims, "mean", self.value().shape().len())?[..];
         let x = self.value().clone();
         let value = x.mean(dims, keepdim)?;
         let count: usize = dims.iter().map(|&d| x.shape()[d]).product();
@@ -137,7 +148,8 @@ impl Var {
     ///
     /// # Errors
     /// Dims out of range or empty.
-    pub fn max(&self, dims: &[usize], keepdim: bool) -> Result<Var> {
+    pub fn max(&self, dims: &[impl tessera_dtensor::Dim], keepdim: bool) -> Result<Var> {
+        let dims = &tessera_tensor::resolve_dims(dims, "max", self.value().shape().len())?[..];
         let x = self.value().clone();
         let value = x.max(dims, keepdim)?;
         let m = value.clone();

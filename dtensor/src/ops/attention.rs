@@ -189,7 +189,8 @@ impl DTensor {
     ///
     /// # Errors
     /// As [`Tensor::repeat_interleave`].
-    pub fn repeat_interleave(&self, repeats: usize, dim: usize) -> Result<DTensor> {
+    pub fn repeat_interleave(&self, repeats: usize, dim: impl tessera_tensor::Dim) -> Result<DTensor> {
+        let dim = dim.resolve("repeat_interleave", self.shape().len())?;
         let op = "repeat_interleave";
         let mut out_shape = self.shape().to_vec();
         check_dim(op, dim, out_shape.len())?;
@@ -206,7 +207,8 @@ impl DTensor {
     ///
     /// # Errors
     /// As [`Tensor::repeat_interleave_backward`].
-    pub fn repeat_interleave_backward(&self, repeats: usize, dim: usize) -> Result<DTensor> {
+    pub fn repeat_interleave_backward(&self, repeats: usize, dim: impl tessera_tensor::Dim) -> Result<DTensor> {
+        let dim = dim.resolve("repeat_interleave_backward", self.shape().len())?;
         let op = "repeat_interleave_backward";
         let mut out_shape = self.shape().to_vec();
         check_dim(op, dim, out_shape.len())?;

@@ -12,7 +12,8 @@ impl DTensor {
     ///
     /// # Errors
     /// `dim` out of range, integer inputs.
-    pub fn softmax(&self, dim: usize) -> Result<DTensor> {
+    pub fn softmax(&self, dim: impl tessera_tensor::Dim) -> Result<DTensor> {
+        let dim = dim.resolve("softmax", self.shape().len())?;
         let cands = keep_shards_except(self.shape().len(), &[dim], self.mesh().ndim());
         dispatch("softmax", &[self], &cands, self.shape(), self.dtype(), |l, _| {
             Ok(l[0].softmax(dim)?)
@@ -23,7 +24,8 @@ impl DTensor {
     ///
     /// # Errors
     /// `dim` out of range, integer inputs.
-    pub fn log_softmax(&self, dim: usize) -> Result<DTensor> {
+    pub fn log_softmax(&self, dim: impl tessera_tensor::Dim) -> Result<DTensor> {
+        let dim = dim.resolve("log_softmax", self.shape().len())?;
         let cands = keep_shards_except(self.shape().len(), &[dim], self.mesh().ndim());
         dispatch("log_softmax", &[self], &cands, self.shape(), self.dtype(), |l, _| {
             Ok(l[0].log_softmax(dim)?)
@@ -89,7 +91,8 @@ impl DTensor {
     /// Shapes or dtypes that differ, a dim out of range.
     ///
     /// PyTorch: `torch.ops.aten._softmax_backward_data`.
-    pub fn softmax_backward(&self, y: &DTensor, dim: usize) -> Result<DTensor> {
+    pub fn softmax_backward(&self, y: &DTensor, dim: impl tessera_tensor::Dim) -> Result<DTensor> {
+        let dim = dim.resolve("softmax_backward", self.shape().len())?;
         let g = self;
         let cands = keep_shards_except_with(y.shape().len(), &[dim], 2, 0, y.mesh().ndim());
         dispatch("softmax_backward", &[g, y], &cands, y.shape(), y.dtype(), |l, _| {

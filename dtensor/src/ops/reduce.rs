@@ -11,7 +11,8 @@ impl DTensor {
     ///
     /// # Errors
     /// Dims out of range, integer inputs.
-    pub fn sum(&self, dims: &[usize], keepdim: bool) -> Result<DTensor> {
+    pub fn sum(&self, dims: &[impl tessera_tensor::Dim], keepdim: bool) -> Result<DTensor> {
+        let dims = &tessera_tensor::resolve_dims(dims, "sum", self.shape().len())?[..];
         let out = reduced_shape("sum", self.shape(), dims, keepdim)?;
         let cands = reduction(self.shape().len(), dims, keepdim, ReduceOp::Sum, self.mesh().ndim());
         dispatch("sum", &[self], &cands, &out, self.dtype(), |l, _| {
@@ -24,7 +25,8 @@ impl DTensor {
     ///
     /// # Errors
     /// Dims out of range, integer inputs.
-    pub fn mean(&self, dims: &[usize], keepdim: bool) -> Result<DTensor> {
+    pub fn mean(&self, dims: &[impl tessera_tensor::Dim], keepdim: bool) -> Result<DTensor> {
+        let dims = &tessera_tensor::resolve_dims(dims, "mean", self.shape().len())?[..];
         let out = reduced_shape("mean", self.shape(), dims, keepdim)?;
         let count: usize = dims.iter().map(|&d| self.shape()[d]).product();
         let cands = reduction(self.shape().len(), dims, keepdim, ReduceOp::Sum, self.mesh().ndim());
@@ -38,7 +40,8 @@ impl DTensor {
     ///
     /// # Errors
     /// Dims out of range, an empty reduced dim, integer inputs.
-    pub fn max(&self, dims: &[usize], keepdim: bool) -> Result<DTensor> {
+    pub fn max(&self, dims: &[impl tessera_tensor::Dim], keepdim: bool) -> Result<DTensor> {
+        let dims = &tessera_tensor::resolve_dims(dims, "max", self.shape().len())?[..];
         let out = reduced_shape("max", self.shape(), dims, keepdim)?;
         if let Some(&d) = dims.iter().find(|&&d| self.shape()[d] == 0) {
             return Err(Error::from(TensorError::InvalidArgument {

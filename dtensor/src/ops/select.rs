@@ -106,7 +106,8 @@ impl DTensor {
     ///
     /// # Errors
     /// As [`Tensor::index_select`].
-    pub fn index_select(&self, dim: usize, index: &DTensor) -> Result<DTensor> {
+    pub fn index_select(&self, dim: impl tessera_tensor::Dim, index: &DTensor) -> Result<DTensor> {
+        let dim = dim.resolve("index_select", self.shape().len())?;
         const OP: &str = "index_select";
         let rank = self.shape().len();
         check_dim(OP, dim, rank)?;
@@ -133,7 +134,13 @@ impl DTensor {
     ///
     /// # Errors
     /// As [`Tensor::index_select_backward`].
-    pub fn index_select_backward(&self, dim: usize, index: &DTensor, size: usize) -> Result<DTensor> {
+    pub fn index_select_backward(
+        &self,
+        dim: impl tessera_tensor::Dim,
+        index: &DTensor,
+        size: usize,
+    ) -> Result<DTensor> {
+        let dim = dim.resolve("index_select_backward", self.shape().len())?;
         const OP: &str = "index_select_backward";
         let rank = self.shape().len();
         check_dim(OP, dim, rank)?;
@@ -161,7 +168,8 @@ impl DTensor {
     ///
     /// # Errors
     /// As [`Tensor::gather`].
-    pub fn gather(&self, dim: usize, index: &DTensor) -> Result<DTensor> {
+    pub fn gather(&self, dim: impl tessera_tensor::Dim, index: &DTensor) -> Result<DTensor> {
+        let dim = dim.resolve("gather", self.shape().len())?;
         const OP: &str = "gather";
         check_gather(OP, self.shape(), dim, index.shape(), index.dtype())?;
         let cands = self.gather_candidates(dim, index, self.shape(), false);
@@ -177,7 +185,8 @@ impl DTensor {
     ///
     /// # Errors
     /// As [`Tensor::gather_backward`].
-    pub fn gather_backward(&self, dim: usize, index: &DTensor, shape: &[usize]) -> Result<DTensor> {
+    pub fn gather_backward(&self, dim: impl tessera_tensor::Dim, index: &DTensor, shape: &[usize]) -> Result<DTensor> {
+        let dim = dim.resolve("gather_backward", self.shape().len())?;
         const OP: &str = "gather_backward";
         check_gather(OP, shape, dim, index.shape(), index.dtype())?;
         if self.shape() != index.shape() {
@@ -236,7 +245,8 @@ impl DTensor {
     ///
     /// # Errors
     /// As [`Tensor::argmax`].
-    pub fn argmax(&self, dim: usize, keepdim: bool) -> Result<DTensor> {
+    pub fn argmax(&self, dim: impl tessera_tensor::Dim, keepdim: bool) -> Result<DTensor> {
+        let dim = dim.resolve("argmax", self.shape().len())?;
         self.arg_reduce("argmax", dim, keepdim, |t| t.argmax(dim, keepdim))
     }
 
@@ -247,7 +257,8 @@ impl DTensor {
     ///
     /// # Errors
     /// As [`Tensor::argmin`].
-    pub fn argmin(&self, dim: usize, keepdim: bool) -> Result<DTensor> {
+    pub fn argmin(&self, dim: impl tessera_tensor::Dim, keepdim: bool) -> Result<DTensor> {
+        let dim = dim.resolve("argmin", self.shape().len())?;
         self.arg_reduce("argmin", dim, keepdim, |t| t.argmin(dim, keepdim))
     }
 
@@ -288,7 +299,8 @@ impl DTensor {
     ///
     /// # Errors
     /// As [`Tensor::split`].
-    pub fn split(&self, split_size: usize, dim: usize) -> Result<Vec<DTensor>> {
+    pub fn split(&self, split_size: usize, dim: impl tessera_tensor::Dim) -> Result<Vec<DTensor>> {
+        let dim = dim.resolve("split", self.shape().len())?;
         self.split_with_sizes(&split_sizes("split", self.shape(), split_size, dim)?, dim)
     }
 
@@ -298,7 +310,8 @@ impl DTensor {
     ///
     /// # Errors
     /// As [`Tensor::split_with_sizes`].
-    pub fn split_with_sizes(&self, sizes: &[usize], dim: usize) -> Result<Vec<DTensor>> {
+    pub fn split_with_sizes(&self, sizes: &[usize], dim: impl tessera_tensor::Dim) -> Result<Vec<DTensor>> {
+        let dim = dim.resolve("split_with_sizes", self.shape().len())?;
         check_split("split_with_sizes", self.shape(), sizes, dim)?;
         let mut at = 0;
         sizes
@@ -317,7 +330,8 @@ impl DTensor {
     ///
     /// # Errors
     /// `dim` out of range, `n == 0`.
-    pub fn chunk(&self, n: usize, dim: usize) -> Result<Vec<DTensor>> {
+    pub fn chunk(&self, n: usize, dim: impl tessera_tensor::Dim) -> Result<Vec<DTensor>> {
+        let dim = dim.resolve("chunk", self.shape().len())?;
         self.split_with_sizes(&chunk_sizes("chunk", self.shape(), n, dim)?, dim)
     }
 
@@ -328,7 +342,9 @@ impl DTensor {
     ///
     /// # Errors
     /// No tensors, shapes that differ, `dim` past the rank.
-    pub fn stack(xs: &[&DTensor], dim: usize) -> Result<DTensor> {
+    pub fn stack(xs: &[&DTensor], dim: impl tessera_tensor::Dim) -> Result<DTensor> {
+        // No tensors: any dim resolves, and the missing input is the error below.
+        let dim = dim.resolve("stack", xs.first().map_or(usize::MAX, |x| x.shape().len() + 1))?;
         let pieces = stack_pieces("stack", xs.iter().map(|x| x.shape()), dim)?;
         let unsqueezed = xs
             .iter()

@@ -29,7 +29,11 @@ impl DTensor {
     ///
     /// # Errors
     /// Dims out of range.
-    pub fn transpose(&self, d0: usize, d1: usize) -> Result<DTensor> {
+    pub fn transpose(&self, d0: impl tessera_tensor::Dim, d1: impl tessera_tensor::Dim) -> Result<DTensor> {
+        let (d0, d1) = (
+            d0.resolve("transpose", self.shape().len())?,
+            d1.resolve("transpose", self.shape().len())?,
+        );
         let rank = self.shape().len();
         let mut perm: Vec<usize> = (0..rank).collect();
         if d0 >= rank || d1 >= rank {
@@ -47,7 +51,8 @@ impl DTensor {
     ///
     /// # Errors
     /// `dims` not a permutation of the dims.
-    pub fn permute(&self, dims: &[usize]) -> Result<DTensor> {
+    pub fn permute(&self, dims: &[impl tessera_tensor::Dim]) -> Result<DTensor> {
+        let dims = &tessera_tensor::resolve_dims(dims, "permute", self.shape().len())?[..];
         let rank = self.shape().len();
         let mut seen = vec![false; rank];
         if dims.len() != rank || dims.iter().any(|&d| d >= rank || std::mem::replace(&mut seen[d], true)) {
@@ -140,7 +145,8 @@ impl DTensor {
     ///
     /// # Errors
     /// A range past the dim's end.
-    pub fn narrow(&self, dim: usize, start: usize, len: usize) -> Result<DTensor> {
+    pub fn narrow(&self, dim: impl tessera_tensor::Dim, start: usize, len: usize) -> Result<DTensor> {
+        let dim = dim.resolve("narrow", self.shape().len())?;
         let rank = self.shape().len();
         if dim >= rank || start + len > self.shape()[dim] {
             return Err(Error::from(TensorError::InvalidArgument {
@@ -162,7 +168,9 @@ impl DTensor {
     ///
     /// # Errors
     /// No inputs, shapes that differ off `dim`, different dtypes or meshes.
-    pub fn cat(xs: &[&DTensor], dim: usize) -> Result<DTensor> {
+    pub fn cat(xs: &[&DTensor], dim: impl tessera_tensor::Dim) -> Result<DTensor> {
+        // No tensors: any dim resolves, and the missing input is the error below.
+        let dim = dim.resolve("cat", xs.first().map_or(usize::MAX, |x| x.shape().len()))?;
         let first = xs.first().ok_or_else(|| {
             Error::from(TensorError::InvalidArgument {
                 op: "cat",

@@ -33,6 +33,8 @@
 //!   shape ops ([`Tensor::permute`], [`Tensor::broadcast_to`]) and
 //!   [`Tensor::embedding`]'s table accept every dtype.
 //! - Operands must have the same dtype: there is no type promotion.
+//! - Every dim argument is a [`Dim`](crate::Dim): a `usize`, or a signed
+//!   integer where `-1` is the last dim, as in PyTorch.
 
 mod attention;
 mod elementwise;

@@ -274,7 +274,8 @@ impl Tensor {
     /// # Errors
     /// [`Error::DimOutOfRange`]; [`Error::InvalidArgument`] for a repeated dim or
     /// an integer tensor.
-    pub fn sum(&self, dims: &[usize], keepdim: bool) -> Result<Tensor> {
+    pub fn sum(&self, dims: &[impl crate::Dim], keepdim: bool) -> Result<Tensor> {
+        let dims = &crate::resolve_dims(dims, "sum", self.rank())?[..];
         let mask = reduced_mask("sum", self.shape(), dims)?;
         #[cfg(feature = "cuda")]
         if self.is_cuda() {
@@ -289,7 +290,8 @@ impl Tensor {
     ///
     /// # Errors
     /// As [`sum`](Self::sum).
-    pub fn mean(&self, dims: &[usize], keepdim: bool) -> Result<Tensor> {
+    pub fn mean(&self, dims: &[impl crate::Dim], keepdim: bool) -> Result<Tensor> {
+        let dims = &crate::resolve_dims(dims, "mean", self.rank())?[..];
         let mask = reduced_mask("mean", self.shape(), dims)?;
         #[cfg(feature = "cuda")]
         if self.is_cuda() {
@@ -305,7 +307,8 @@ impl Tensor {
     /// # Errors
     /// As [`sum`](Self::sum), and [`Error::InvalidArgument`] when a reduced dim
     /// is empty (a maximum of nothing).
-    pub fn max(&self, dims: &[usize], keepdim: bool) -> Result<Tensor> {
+    pub fn max(&self, dims: &[impl crate::Dim], keepdim: bool) -> Result<Tensor> {
+        let dims = &crate::resolve_dims(dims, "max", self.rank())?[..];
         let mask = reduced_mask("max", self.shape(), dims)?;
         self.check_not_empty("max", &mask)?;
         #[cfg(feature = "cuda")]
@@ -322,7 +325,8 @@ impl Tensor {
     /// # Errors
     /// [`Error::DimOutOfRange`]; [`Error::InvalidArgument`] for an empty `dim`
     /// or an integer tensor.
-    pub fn argmax(&self, dim: usize, keepdim: bool) -> Result<Tensor> {
+    pub fn argmax(&self, dim: impl crate::Dim, keepdim: bool) -> Result<Tensor> {
+        let dim = dim.resolve("argmax", self.rank())?;
         let mask = reduced_mask("argmax", self.shape(), &[dim])?;
         self.check_not_empty("argmax", &mask)?;
         float_dispatch!("argmax", self.dtype(), T => reduce::<T, ArgMax>("argmax", self, &mask, keepdim))
@@ -334,7 +338,8 @@ impl Tensor {
     /// # Errors
     /// [`Error::DimOutOfRange`]; [`Error::InvalidArgument`] for an empty `dim`
     /// or an integer tensor.
-    pub fn argmin(&self, dim: usize, keepdim: bool) -> Result<Tensor> {
+    pub fn argmin(&self, dim: impl crate::Dim, keepdim: bool) -> Result<Tensor> {
+        let dim = dim.resolve("argmin", self.rank())?;
         let mask = reduced_mask("argmin", self.shape(), &[dim])?;
         self.check_not_empty("argmin", &mask)?;
         float_dispatch!("argmin", self.dtype(), T => reduce::<T, ArgMin>("argmin", self, &mask, keepdim))

@@ -123,7 +123,8 @@ impl Tensor {
     ///
     /// # Errors
     /// A `dim` out of range; an index that is not `i64 [n]` or out of range; device tensors.
-    pub fn index_select(&self, dim: usize, index: &Tensor) -> Result<Tensor> {
+    pub fn index_select(&self, dim: impl crate::Dim, index: &Tensor) -> Result<Tensor> {
+        let dim = dim.resolve("index_select", self.rank())?;
         const OP: &str = "index_select";
         host_only(OP, &[self, index])?;
         check_dim(OP, dim, self.rank())?;
@@ -154,7 +155,8 @@ impl Tensor {
     ///
     /// # Errors
     /// Shapes that do not fit the index; indices out of range; integer tensors.
-    pub fn index_select_backward(&self, dim: usize, index: &Tensor, size: usize) -> Result<Tensor> {
+    pub fn index_select_backward(&self, dim: impl crate::Dim, index: &Tensor, size: usize) -> Result<Tensor> {
+        let dim = dim.resolve("index_select_backward", self.rank())?;
         const OP: &str = "index_select_backward";
         host_only(OP, &[self, index])?;
         check_dim(OP, dim, self.rank())?;
@@ -201,7 +203,8 @@ impl Tensor {
     /// # Errors
     /// A `dim` out of range; an index of another rank, larger than this tensor
     /// on a dim other than `dim`, not `i64`, or out of range; device tensors.
-    pub fn gather(&self, dim: usize, index: &Tensor) -> Result<Tensor> {
+    pub fn gather(&self, dim: impl crate::Dim, index: &Tensor) -> Result<Tensor> {
+        let dim = dim.resolve("gather", self.rank())?;
         const OP: &str = "gather";
         let (map, shape) = gather_map(OP, self.shape(), dim, index)?;
         host_only(OP, &[self, index])?;
@@ -219,7 +222,8 @@ impl Tensor {
     ///
     /// # Errors
     /// As [`gather`](Self::gather); a gradient not shaped as the index; integer tensors.
-    pub fn gather_backward(&self, dim: usize, index: &Tensor, shape: &[usize]) -> Result<Tensor> {
+    pub fn gather_backward(&self, dim: impl crate::Dim, index: &Tensor, shape: &[usize]) -> Result<Tensor> {
+        let dim = dim.resolve("gather_backward", self.rank())?;
         const OP: &str = "gather_backward";
         let (map, want) = gather_map(OP, shape, dim, index)?;
         host_only(OP, &[self, index])?;

@@ -14,7 +14,8 @@ impl Tensor {
     /// # Errors
     /// [`Error::InvalidArgument`] when `dims` is not a permutation of
     /// `0..rank` (wrong length or a repeated dim); [`Error::DimOutOfRange`].
-    pub fn permute(&self, dims: &[usize]) -> Result<Tensor> {
+    pub fn permute(&self, dims: &[impl crate::Dim]) -> Result<Tensor> {
+        let dims = &crate::resolve_dims(dims, "permute", self.rank())?[..];
         let rank = self.rank();
         if dims.len() != rank {
             return Err(Error::InvalidArgument {
@@ -103,7 +104,8 @@ impl Tensor {
     ///
     /// # Errors
     /// [`Error::DimOutOfRange`]; [`Error::InvalidArgument`] for `repeats == 0`.
-    pub fn repeat_interleave(&self, repeats: usize, dim: usize) -> Result<Tensor> {
+    pub fn repeat_interleave(&self, repeats: usize, dim: impl crate::Dim) -> Result<Tensor> {
+        let dim = dim.resolve("repeat_interleave", self.rank())?;
         const OP: &str = "repeat_interleave";
         super::check_dim(OP, dim, self.rank())?;
         if repeats == 0 {
@@ -131,7 +133,8 @@ impl Tensor {
     /// # Errors
     /// [`Error::DimOutOfRange`]; [`Error::ShapeMismatch`] when `repeats` does not
     /// divide the size of `dim`; integer tensors.
-    pub fn repeat_interleave_backward(&self, repeats: usize, dim: usize) -> Result<Tensor> {
+    pub fn repeat_interleave_backward(&self, repeats: usize, dim: impl crate::Dim) -> Result<Tensor> {
+        let dim = dim.resolve("repeat_interleave_backward", self.rank())?;
         const OP: &str = "repeat_interleave_backward";
         super::check_dim(OP, dim, self.rank())?;
         let n = self.shape()[dim];

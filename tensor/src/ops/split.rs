@@ -12,7 +12,8 @@ impl Tensor {
     ///
     /// # Errors
     /// [`Error::DimOutOfRange`]; [`Error::InvalidArgument`] for `split_size == 0`.
-    pub fn split(&self, split_size: usize, dim: usize) -> Result<Vec<Tensor>> {
+    pub fn split(&self, split_size: usize, dim: impl crate::Dim) -> Result<Vec<Tensor>> {
+        let dim = dim.resolve("split", self.rank())?;
         self.split_with_sizes(&split_sizes("split", self.shape(), split_size, dim)?, dim)
     }
 
@@ -22,7 +23,8 @@ impl Tensor {
     ///
     /// # Errors
     /// [`Error::DimOutOfRange`]; [`Error::ShapeMismatch`] when the sizes do not add up.
-    pub fn split_with_sizes(&self, sizes: &[usize], dim: usize) -> Result<Vec<Tensor>> {
+    pub fn split_with_sizes(&self, sizes: &[usize], dim: impl crate::Dim) -> Result<Vec<Tensor>> {
+        let dim = dim.resolve("split_with_sizes", self.rank())?;
         check_split("split_with_sizes", self.shape(), sizes, dim)?;
         let mut at = 0;
         sizes
@@ -42,7 +44,9 @@ impl Tensor {
     ///
     /// # Errors
     /// An empty list, shapes or dtypes that differ, `dim` past the rank.
-    pub fn stack(tensors: &[Tensor], dim: usize) -> Result<Tensor> {
+    pub fn stack(tensors: &[Tensor], dim: impl crate::Dim) -> Result<Tensor> {
+        // No tensors: any dim resolves, and the missing input is the error below.
+        let dim = dim.resolve("stack", tensors.first().map_or(usize::MAX, |t| t.rank() + 1))?;
         let pieces = stack_pieces("stack", tensors.iter().map(Tensor::shape), dim)?;
         let unsqueezed = tensors
             .iter()

@@ -143,7 +143,8 @@ impl Tensor {
     ///
     /// # Errors
     /// [`Error::DimOutOfRange`](crate::Error::DimOutOfRange) when `dim >= rank`.
-    pub fn dim(&self, dim: usize) -> crate::Result<usize> {
+    pub fn dim(&self, dim: impl crate::Dim) -> crate::Result<usize> {
+        let dim = dim.resolve("dim", self.rank())?;
         self.geometry().check_dim("dim", dim)?;
         Ok(self.shape()[dim])
     }

@@ -39,7 +39,8 @@ impl Tensor {
     /// # Errors
     /// [`Error::DimOutOfRange`], or [`Error::InvalidArgument`] when
     /// `start + len` exceeds the dim's size.
-    pub fn narrow(&self, dim: usize, start: usize, len: usize) -> Result<Tensor> {
+    pub fn narrow(&self, dim: impl crate::Dim, start: usize, len: usize) -> Result<Tensor> {
+        let dim = dim.resolve("narrow", self.rank())?;
         Ok(self.with_geometry(self.geometry().narrow(dim, start, len)?))
     }
 
@@ -53,7 +54,8 @@ impl Tensor {
     ///
     /// # Errors
     /// [`Error::DimOutOfRange`], or [`Error::InvalidArgument`] when `n` is 0.
-    pub fn chunk(&self, n: usize, dim: usize) -> Result<Vec<Tensor>> {
+    pub fn chunk(&self, n: usize, dim: impl crate::Dim) -> Result<Vec<Tensor>> {
+        let dim = dim.resolve("chunk", self.rank())?;
         self.geometry().check_dim("chunk", dim)?;
         if n == 0 {
             return Err(Error::InvalidArgument {
@@ -76,7 +78,11 @@ impl Tensor {
     ///
     /// # Errors
     /// [`Error::DimOutOfRange`] for either dim.
-    pub fn transpose(&self, d0: usize, d1: usize) -> Result<Tensor> {
+    pub fn transpose(&self, d0: impl crate::Dim, d1: impl crate::Dim) -> Result<Tensor> {
+        let (d0, d1) = (
+            d0.resolve("transpose", self.rank())?,
+            d1.resolve("transpose", self.rank())?,
+        );
         Ok(self.with_geometry(self.geometry().transpose(d0, d1)?))
     }
 
@@ -133,7 +139,9 @@ impl Tensor {
     /// [`Error::ShapeMismatch`] naming the first piece whose rank or other dims
     /// differ from piece 0's; [`Error::DTypeMismatch`] for a piece of another dtype;
     /// [`Error::OutOfMemory`] when the output cannot be allocated.
-    pub fn cat(tensors: &[Tensor], dim: usize) -> Result<Tensor> {
+    pub fn cat(tensors: &[Tensor], dim: impl crate::Dim) -> Result<Tensor> {
+        // No tensors: any dim resolves, and the missing input is the error below.
+        let dim = dim.resolve("cat", tensors.first().map_or(usize::MAX, Tensor::rank))?;
         let Some(first) = tensors.first() else {
             return Err(Error::InvalidArgument {
                 op: "cat",

@@ -162,7 +162,8 @@ impl Tensor {
     ///
     /// # Errors
     /// [`Error::DimOutOfRange`]; [`Error::InvalidArgument`] for integer tensors.
-    pub fn softmax(&self, dim: usize) -> Result<Tensor> {
+    pub fn softmax(&self, dim: impl crate::Dim) -> Result<Tensor> {
+        let dim = dim.resolve("softmax", self.rank())?;
         check_dim("softmax", dim, self.rank())?;
         #[cfg(feature = "cuda")]
         if self.is_cuda() {
@@ -213,7 +214,8 @@ impl Tensor {
     ///
     /// # Errors
     /// [`Error::DimOutOfRange`]; [`Error::InvalidArgument`] for integer tensors.
-    pub fn log_softmax(&self, dim: usize) -> Result<Tensor> {
+    pub fn log_softmax(&self, dim: impl crate::Dim) -> Result<Tensor> {
+        let dim = dim.resolve("log_softmax", self.rank())?;
         check_dim("log_softmax", dim, self.rank())?;
         #[cfg(feature = "cuda")]
         if self.is_cuda() {

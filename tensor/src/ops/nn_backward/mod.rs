@@ -38,7 +38,8 @@ impl Tensor {
     /// # Errors
     /// [`Error::ShapeMismatch`] when the shapes differ; [`Error::DTypeMismatch`];
     /// [`Error::DimOutOfRange`]; [`Error::InvalidArgument`] for integer tensors.
-    pub fn softmax_backward(&self, y: &Tensor, dim: usize) -> Result<Tensor> {
+    pub fn softmax_backward(&self, y: &Tensor, dim: impl crate::Dim) -> Result<Tensor> {
+        let dim = dim.resolve("softmax_backward", self.rank())?;
         const OP: &str = "softmax_backward";
         same_shape(OP, self, y, "the softmax output")?;
         check_dim(OP, dim, self.rank())?;

@@ -1,0 +1,107 @@
+//! Dims as PyTorch takes them: counted from the front (`0`, `1`, ...) or, when
+//! negative, from the back (`-1` is the last dim).
+
+use crate::{Error, Result};
+
+/// A dim of a tensor, wherever an op takes one: a `usize` counts from the
+/// front; a signed integer (`i32`, `i64`, `isize`) counts from the back when
+/// negative (`-1`: the last dim), as PyTorch's dims do. An integer literal
+/// works as either (`x.softmax(-1)`, `x.narrow(1, 0, 4)`).
+///
+/// ```
+/// use tessera_tensor::{DType, Dim, Tensor};
+///
+/// let x = Tensor::zeros(&[2, 3, 4], DType::F32)?;
+/// assert_eq!(x.sum(&[-1], false)?.shape(), &[2, 3]);
+/// assert_eq!(x.transpose(0, -1)?.shape(), &[4, 3, 2]);
+/// assert_eq!((-2).resolve("example", 3)?, 1);
+/// assert!((-4).resolve("example", 3).is_err());
+/// # Ok::<(), tessera_tensor::Error>(())
+/// ```
+pub trait Dim: Copy {
+    /// The dim of a tensor of rank `rank`, counted from the front.
+    ///
+    /// # Errors
+    /// A dim outside `-rank..rank`, naming `op` and the range.
+    fn resolve(self, op: &'static str, rank: usize) -> Result<usize>;
+}
+
+impl Dim for usize {
+    fn resolve(self, op: &'static str, rank: usize) -> Result<usize> {
+        if self < rank {
+            Ok(self)
+        } else {
+            Err(Error::DimOutOfRange { op, dim: self, rank })
+        }
+    }
+}
+
+macro_rules! signed_dim {
+    ($($t:ty),*) => {$(
+        impl Dim for $t {
+            fn resolve(self, op: &'static str, rank: usize) -> Result<usize> {
+                let d = i128::from(self as i64);
+                let r = rank as i128;
+                let at = if d < 0 { r + d } else { d };
+                if (0..r).contains(&at) {
+                    Ok(at as usize)
+                } else {
+                    Err(Error::InvalidArgument {
+                        op,
+                        detail: format!(
+                            "dim {self} is out of range for a tensor of rank {rank} (dims are {}..={})",
+                            -r,
+                            r - 1
+                        ),
+                    })
+                }
+            }
+        }
+    )*};
+}
+signed_dim!(i32, i64, isize);
+
+/// Every dim of `dims` resolved for a tensor of rank `rank`.
+///
+/// # Errors
+/// The first dim out of range.
+pub fn resolve_dims(dims: &[impl Dim], op: &'static str, rank: usize) -> Result<Vec<usize>> {
+    dims.iter().map(|d| d.resolve(op, rank)).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::{DType, Tensor};
+
+    use super::*;
+
+    #[test]
+    fn negative_dims_count_from_the_back_in_every_op() {
+        let x = Tensor::randn(&[2, 3, 4], DType::F64, 5).unwrap();
+        let v = |t: Tensor| t.to_f64_vec();
+        assert_eq!(v(x.softmax(-1).unwrap()), v(x.softmax(2).unwrap()));
+        assert_eq!(v(x.log_softmax(-3).unwrap()), v(x.log_softmax(0).unwrap()));
+        assert_eq!(v(x.narrow(-2, 1, 2).unwrap()), v(x.narrow(1, 1, 2).unwrap()));
+        assert_eq!(v(x.mean(&[-1, 0], true).unwrap()), v(x.mean(&[2, 0], true).unwrap()));
+        assert_eq!(v(x.argmax(-1, false).unwrap()), v(x.argmax(2, false).unwrap()));
+        assert_eq!(v(x.permute(&[-1, 0, 1]).unwrap()), v(x.permute(&[2, 0, 1]).unwrap()));
+        assert_eq!(
+            v(x.repeat_interleave(2, -2).unwrap()),
+            v(x.repeat_interleave(2, 1).unwrap())
+        );
+        let pair = [x.clone(), x.clone()];
+        assert_eq!(Tensor::cat(&pair, -1).unwrap().shape(), &[2, 3, 8]);
+        // A stack's dim counts in the result's rank: -1 is a new last dim.
+        assert_eq!(Tensor::stack(&pair, -1).unwrap().shape(), &[2, 3, 4, 2]);
+        assert_eq!(x.split(3, -1).unwrap().len(), 2);
+        assert_eq!(x.dim(-1).unwrap(), 4);
+        let err = x.softmax(-4).unwrap_err().to_string();
+        assert!(
+            err.contains("dim -4 is out of range for a tensor of rank 3 (dims are -3..=2)"),
+            "{err}"
+        );
+        assert!(x.softmax(3usize).is_err());
+        assert_eq!(resolve_dims(&[-1i64, 0], "t", 2).unwrap(), [1, 0]);
+        assert_eq!((-1isize).resolve("t", 1).unwrap(), 0);
+    }
+}
