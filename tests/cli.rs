@@ -2,22 +2,28 @@
 //! accept stop the job naming what they accept, `train --help` lists every flag
 //! with its default, a redirected log gets progress lines, not `\r` frames, and
 //! checkpoints kept and saves killed mid-write leave no temporaries behind;
-//! `--model llama` trains the LLaMA reference as PyTorch does.
+//! `--model llama` trains the LLaMA reference as PyTorch does; the user-model
+//! example resumes on another mesh.
 //! (Runs the `train` example, which `cargo test` builds.)
 
 use std::path::PathBuf;
 use std::process::{Command, Output};
 
-/// The `train` example beside this test binary.
-fn train_exe() -> PathBuf {
+/// The example `name` beside this test binary.
+fn example_exe(name: &str) -> PathBuf {
     let exe = std::env::current_exe().unwrap();
     let profile_dir = exe
         .parent()
         .and_then(std::path::Path::parent)
         .expect("target/<profile>/deps/<test>");
-    let train: PathBuf = profile_dir.join("examples").join("train");
-    assert!(train.exists(), "{} is missing: `cargo test` builds it", train.display());
-    train
+    let path: PathBuf = profile_dir.join("examples").join(name);
+    assert!(path.exists(), "{} is missing: `cargo test` builds it", path.display());
+    path
+}
+
+/// The `train` example beside this test binary.
+fn train_exe() -> PathBuf {
+    example_exe("train")
 }
 
 fn train(args: &[&str], env: &[(&str, &str)]) -> Output {
@@ -385,4 +391,17 @@ fn train_model_llama_matches_pytorch_and_checks_its_flags() {
         let err = String::from_utf8_lossy(&o.stderr);
         assert!(!o.status.success() && err.contains(says), "{args:?}: {err}");
     }
+}
+
+/// The user-model example: a LLaMA-style model written on the public API with
+/// its own plan trains on FSDP×TP, checkpoints, and resumes on FSDP alone,
+/// going on as the uninterrupted run does (the example checks it and fails
+/// otherwise).
+#[test]
+fn the_user_model_example_resumes_on_another_mesh() {
+    let out = Command::new(example_exe("custom_llama")).output().unwrap();
+    let log = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{log}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(log.contains("resumed after step 6 with FSDP on 2 ranks"), "{log}");
+    assert!(log.contains("max |Δloss| of the resumed steps"), "{log}");
 }

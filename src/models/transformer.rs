@@ -206,7 +206,7 @@ impl Transformer {
     /// projection. Every unit gets `config`.
     ///
     /// # Errors
-    /// As [`fully_shard`].
+    /// As [`fully_shard`](tessera_fsdp::fully_shard).
     pub fn fully_shard(&self, mesh: &DeviceMesh, config: &FsdpConfig) -> tessera_fsdp::Result<FsdpUnits> {
         CausalLm::fully_shard(self, mesh, config)
     }

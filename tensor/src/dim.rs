@@ -40,10 +40,13 @@ macro_rules! signed_dim {
     ($($t:ty),*) => {$(
         impl Dim for $t {
             fn resolve(self, op: &'static str, rank: usize) -> Result<usize> {
-                let d = i128::from(self as i64);
-                let r = rank as i128;
-                let at = if d < 0 { r + d } else { d };
-                if (0..r).contains(&at) {
+                let (d, r) = (i128::from(self as i64), rank as i128);
+                if d >= 0 {
+                    // From the front: as a `usize` dim (a literal `3` is an `i32`).
+                    return usize::try_from(d).unwrap_or(usize::MAX).resolve(op, rank);
+                }
+                let at = r + d;
+                if at >= 0 {
                     Ok(at as usize)
                 } else {
                     Err(Error::InvalidArgument {
@@ -100,7 +103,10 @@ mod tests {
             err.contains("dim -4 is out of range for a tensor of rank 3 (dims are -3..=2)"),
             "{err}"
         );
-        assert!(x.softmax(3usize).is_err());
+        assert!(matches!(
+            x.softmax(3),
+            Err(Error::DimOutOfRange { dim: 3, rank: 3, .. })
+        ));
         assert_eq!(resolve_dims(&[-1i64, 0], "t", 2).unwrap(), [1, 0]);
         assert_eq!((-1isize).resolve("t", 1).unwrap(), 0);
     }

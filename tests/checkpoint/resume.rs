@@ -9,8 +9,9 @@ use std::path::PathBuf;
 use tessera::autograd::nn::Module;
 use tessera::autograd::optim::{AdamW, Optimizer, Sgd, SgdConfig};
 use tessera::autograd::{Var, backward, load_checkpoint, save_checkpoint};
-use tessera::dtensor::{Placement, distribute_tensor};
+use tessera::dtensor::{DType, Placement, distribute_tensor};
 use tessera::fsdp::FsdpConfig;
+use tessera::models::{Transformer, TransformerConfig};
 use tessera::{DeviceMesh, launch};
 
 use crate::common::{adamw, max_abs_diff, tiny_model, tokens};
@@ -34,6 +35,8 @@ struct Leg {
     to: usize,
     load: Option<PathBuf>,
     save: Option<PathBuf>,
+    /// Build the model deferred (no storage): the checkpoint materialises it.
+    deferred: bool,
 }
 
 /// Rank 0's losses of `leg`.
@@ -41,7 +44,11 @@ fn run(leg: Leg) -> Vec<f64> {
     let toks = tokens();
     launch(leg.mesh.iter().product(), move |ctx| {
         let mesh = DeviceMesh::with_names(ctx.into_comm(), leg.mesh, leg.names)?;
-        let model = tiny_model(&mesh)?;
+        let model = if leg.deferred {
+            Transformer::new(TransformerConfig::TINY, &mesh, DType::F32)?
+        } else {
+            tiny_model(&mesh)?
+        };
         let tp = leg.names.last() == Some(&"tp");
         let mut batch = vec![Placement::Shard(0); mesh.ndim()];
         if tp {
@@ -100,6 +107,7 @@ fn leg(on: (&'static [usize], &'static [&'static str]), opt: Opt, from: usize, t
         to,
         load: None,
         save: None,
+        deferred: false,
     }
 }
 
@@ -235,4 +243,24 @@ fn async_saves_snapshot_their_step() {
         ..leg(FSDP2, Opt::AdamW, 5, 6)
     });
     assert_eq!(from_b, whole[5..]);
+}
+
+/// A deferred model (shapes, no storage, no init) resumed on another mesh:
+/// the checkpoint materialises its parameters and AdamW's state alone.
+#[test]
+fn a_deferred_model_is_materialised_by_the_checkpoint() {
+    let dir = scratch("resume-deferred");
+    let _c = Cleanup(dir.clone());
+    let whole = run(leg(FSDP_TP, Opt::AdamW, 0, 5));
+    run(Leg {
+        save: Some(dir.clone()),
+        ..leg(FSDP_TP, Opt::AdamW, 0, 2)
+    });
+    let rest = run(Leg {
+        load: Some(dir.clone()),
+        deferred: true,
+        ..leg(FSDP2, Opt::AdamW, 2, 5)
+    });
+    let d = max_abs_diff(&rest, &whole[2..]);
+    assert!(d < 1e-6, "{rest:?} vs {:?}", &whole[2..]);
 }

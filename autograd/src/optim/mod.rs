@@ -414,8 +414,10 @@ impl StateVec {
     /// # Errors
     /// Another layout than the parameter's, or a non-float dtype.
     pub(crate) fn from_dtensor(op: &'static str, param: &Param, name: &str, t: &DTensor) -> Result<StateVec> {
-        let now = param.value()?;
-        if !same_placement(t.layout(), now.layout()) || !t.dtype().is_float() {
+        // The parameter's layout and device, not its value: a deferred
+        // parameter (loaded from the same checkpoint) has none yet.
+        let layout = param.layout();
+        if !same_placement(t.layout(), &layout) || !t.dtype().is_float() {
             return Err(Error::Config {
                 op,
                 detail: format!(
@@ -423,11 +425,11 @@ impl StateVec {
                     param.name(),
                     t.layout(),
                     t.dtype(),
-                    now.layout()
+                    layout
                 ),
             });
         }
-        let device = now.to_local().device();
+        let device = param.mesh().device();
         if device.is_cuda() {
             let flat = t.to_local().reshape(&[t.to_local().numel()])?.to(device)?;
             // A copy the optimizer holds alone (the loaded tensor may be shared).
