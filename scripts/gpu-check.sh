@@ -40,30 +40,38 @@ timeout 150 "$DIR/cuda-dtensor-tests" --ignored --test-threads=1 --nocapture 2>&
 
 fi
 if [ -z "${SKIP_PARITY:-}" ]; then
-echo "== train --device cuda against PyTorch's losses (tests/data/tiny_reference.json)"
+echo "== train --device cuda against PyTorch's losses (tests/data/tiny_reference.json, llama_reference.json)"
 D=tests/data
 train() {
     name=$1
-    shift
-    timeout 120 "$DIR/train" --device cuda --steps 20 --init $D/tiny_init.safetensors \
+    init=$2
+    shift 2
+    timeout 120 "$DIR/train" --device cuda --steps 20 --init "$D/$init" \
         --tokens $D/tiny_tokens_G16.safetensors --losses-out "$OUT/$name.json" "$@" >"$OUT/$name.log" 2>&1 ||
         { echo "$name failed:"; tail -3 "$OUT/$name.log"; status=1; }
 }
-train single_G8 --world-size 1 --batch 8
-train fsdp_W2_G8 --world-size 2 --batch 4
-train fsdp_tp_2x2_G8 --world-size 4 --tp 2 --batch 4
-train fsdp_W2_G8_bf16 --world-size 2 --batch 4 --mixed-precision bf16
+train single_G8 tiny_init.safetensors --world-size 1 --batch 8
+train fsdp_W2_G8 tiny_init.safetensors --world-size 2 --batch 4
+train fsdp_tp_2x2_G8 tiny_init.safetensors --world-size 4 --tp 2 --batch 4
+train fsdp_W2_G8_bf16 tiny_init.safetensors --world-size 2 --batch 4 --mixed-precision bf16
+LLAMA="llama_tiny_init.safetensors --model llama --n-kv-heads 2 --ffn-hidden 192"
+train llama_single_G8 $LLAMA --world-size 1 --batch 8
+train llama_fsdp_tp_2x2_G8 $LLAMA --world-size 4 --tp 2 --batch 4
+train llama_fsdp_W2_G8_bf16 $LLAMA --world-size 2 --batch 4 --mixed-precision bf16
 $PY - "$OUT" <<'PYEOF' || status=1
 import json, os, sys
 out = sys.argv[1]
-ref = json.load(open("tests/data/tiny_reference.json"))["runs"]
+refs = {"": json.load(open("tests/data/tiny_reference.json"))["runs"],
+        "llama_": json.load(open("tests/data/llama_reference.json"))["runs"]}
 bad = 0
-for run, tol in [("single_G8", 1e-5), ("fsdp_W2_G8", 1e-5), ("fsdp_tp_2x2_G8", 1e-5), ("fsdp_W2_G8_bf16", 1e-3)]:
+for run, tol in [("single_G8", 1e-5), ("fsdp_W2_G8", 1e-5), ("fsdp_tp_2x2_G8", 1e-5), ("fsdp_W2_G8_bf16", 1e-3),
+                 ("llama_single_G8", 1e-5), ("llama_fsdp_tp_2x2_G8", 1e-5), ("llama_fsdp_W2_G8_bf16", 1e-3)]:
     p = os.path.join(out, run + ".json")
     if not os.path.exists(p):
         print(f"parity {run:<18} no result"); bad += 1; continue
     got = json.load(open(p))["loss"]
-    want = ref[run]["loss"]
+    prefix = "llama_" if run.startswith("llama_") else ""
+    want = refs[prefix][run[len(prefix):]]["loss"]
     worst = max(abs(a - b) for a, b in zip(got, want))
     ok = len(got) == len(want) and worst <= tol
     bad += not ok
