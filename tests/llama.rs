@@ -7,8 +7,7 @@
 
 mod common;
 
-use common::{adamw, data, max_abs_diff, tokens};
-use serde_json::Value;
+use common::{adamw, data, max_abs_diff, reference_losses_in, tokens};
 use tessera::autograd::nn::{Materializer, Module};
 use tessera::autograd::optim::{AdamW, Optimizer};
 use tessera::autograd::{Var, backward, read_safetensors};
@@ -21,14 +20,7 @@ use tessera::{DType, DeviceMesh, launch};
 
 /// The reference's losses of `run`.
 fn reference(run: &str) -> Vec<f64> {
-    let text = std::fs::read_to_string(data("llama_reference.json")).unwrap();
-    let v: Value = serde_json::from_str(&text).unwrap();
-    v["runs"][run]["loss"]
-        .as_array()
-        .unwrap_or_else(|| panic!("no reference run {run}"))
-        .iter()
-        .map(|x| x.as_f64().unwrap())
-        .collect()
+    reference_losses_in("llama_reference.json", run)
 }
 
 /// How a run is laid out.

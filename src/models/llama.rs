@@ -8,14 +8,11 @@ use tessera_autograd::nn::{Embedding, Init, Inputs, Linear, Materializer, Module
 use tessera_autograd::{Error, Result, Var};
 use tessera_dtensor::{DType, Tensor};
 use tessera_fsdp::FsdpConfig;
-use tessera_fsdp::tp::{
-    Applied, ColwiseParallel, ParallelPlan, PrepareModuleInput, RowwiseParallel, SequenceParallel, TpLayout,
-    parallelize_module,
-};
+use tessera_fsdp::tp::{Applied, ParallelPlan};
 use tessera_mesh::DeviceMesh;
 use tessera_tensor::ops::rotary_tables;
 
-use super::{CausalLm, FsdpUnits, next_token_loss, positions};
+use super::{CausalLm, FsdpUnits, Sublayer, TpNames, next_token_loss, parallelize_plan, positions};
 
 /// Sizes of a [`Llama`].
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -311,6 +308,28 @@ pub struct Llama {
     cfg: LlamaConfig,
 }
 
+/// The modules of LLaMA's tensor-parallel plans (the attention's second input,
+/// its positions, is not laid out).
+const LLAMA_TP: TpNames = TpNames {
+    embeddings: &[("tok_embeddings", 1)],
+    sublayers: &[
+        Sublayer {
+            norm: "layers.*.attention_norm",
+            module: "layers.*.attention",
+            extra_inputs: 1,
+            column: &["wq", "wk", "wv"],
+            row: "wo",
+        },
+        Sublayer {
+            norm: "layers.*.ffn_norm",
+            module: "layers.*.feed_forward",
+            extra_inputs: 0,
+            column: &["w1", "w3"],
+            row: "w2",
+        },
+    ],
+};
+
 impl Llama {
     /// A deferred model replicated on `mesh`: every parameter has its shape,
     /// dtype and name but no storage. Plan and shard it
@@ -350,32 +369,11 @@ impl Llama {
     ///
     /// PyTorch: torchtitan's `apply_tp` with `enable_async_tp=False`, no loss parallel.
     pub fn tp_plan() -> ParallelPlan {
-        ParallelPlan::new()
-            .add(
-                "tok_embeddings",
-                RowwiseParallel {
-                    input_layouts: Some(TpLayout::Replicate),
-                    output_layouts: TpLayout::Replicate,
-                },
-            )
-            .add("layers.*.attention.wq", ColwiseParallel::default())
-            .add("layers.*.attention.wk", ColwiseParallel::default())
-            .add("layers.*.attention.wv", ColwiseParallel::default())
-            .add("layers.*.attention.wo", RowwiseParallel::default())
-            .add("layers.*.feed_forward.w1", ColwiseParallel::default())
-            .add("layers.*.feed_forward.w2", RowwiseParallel::default())
-            .add("layers.*.feed_forward.w3", ColwiseParallel::default())
-            .add(
-                "output",
-                ColwiseParallel {
-                    input_layouts: TpLayout::Replicate,
-                    output_layouts: TpLayout::Replicate,
-                },
-            )
+        super::tp_plan(&LLAMA_TP, false)
     }
 
     /// torchtitan's sequence-parallel plan: activations between blocks sharded
-    /// along the sequence (`Shard(1)`), the norms [`SequenceParallel`], the
+    /// along the sequence (`Shard(1)`), the norms [`SequenceParallel`](tessera_fsdp::tp::SequenceParallel), the
     /// attention's and the MLP's inputs gathered (`PrepareModuleInput`; the
     /// attention's positions, its second input, left alone) and their outputs
     /// reduce-scattered back; the output head gathers the sequence and leaves the
@@ -384,46 +382,7 @@ impl Llama {
     ///
     /// PyTorch: torchtitan's `apply_tp` with sequence parallelism and loss parallel.
     pub fn tp_plan_sequence_parallel() -> ParallelPlan {
-        let gather = |extra: usize| PrepareModuleInput {
-            input_layouts: std::iter::once(Some(TpLayout::Shard(1)))
-                .chain(std::iter::repeat_n(None, extra))
-                .collect(),
-            desired_input_layouts: std::iter::once(Some(TpLayout::Replicate))
-                .chain(std::iter::repeat_n(None, extra))
-                .collect(),
-            ..PrepareModuleInput::default()
-        };
-        let row_to_seq = RowwiseParallel {
-            input_layouts: None,
-            output_layouts: TpLayout::Shard(1),
-        };
-        ParallelPlan::new()
-            .add(
-                "tok_embeddings",
-                RowwiseParallel {
-                    input_layouts: Some(TpLayout::Replicate),
-                    output_layouts: TpLayout::Shard(1),
-                },
-            )
-            .add("layers.*.attention_norm", SequenceParallel::default())
-            .add("layers.*.attention", gather(1))
-            .add("layers.*.attention.wq", ColwiseParallel::default())
-            .add("layers.*.attention.wk", ColwiseParallel::default())
-            .add("layers.*.attention.wv", ColwiseParallel::default())
-            .add("layers.*.attention.wo", row_to_seq)
-            .add("layers.*.ffn_norm", SequenceParallel::default())
-            .add("layers.*.feed_forward", gather(0))
-            .add("layers.*.feed_forward.w1", ColwiseParallel::default())
-            .add("layers.*.feed_forward.w2", row_to_seq)
-            .add("layers.*.feed_forward.w3", ColwiseParallel::default())
-            .add("norm", SequenceParallel::default())
-            .add(
-                "output",
-                ColwiseParallel {
-                    input_layouts: TpLayout::Shard(1),
-                    output_layouts: TpLayout::Shard(-1),
-                },
-            )
+        super::tp_plan(&LLAMA_TP, true)
     }
 
     /// Applies [`tp_plan`](Self::tp_plan) (or, with `sequence_parallel`,
@@ -431,26 +390,22 @@ impl Llama {
     ///
     /// # Errors
     /// A tp size not dividing the key/value heads (each rank holds whole key/value
-    /// heads and the query heads that use them); as [`parallelize_module`].
+    /// heads and the query heads that use them); as [`parallelize_module`](tessera_fsdp::tp::parallelize_module).
     pub fn parallelize(&self, tp_mesh: &DeviceMesh, sequence_parallel: bool) -> tessera_fsdp::Result<Vec<Applied>> {
-        let tp = tp_mesh.size();
-        if tp == 0 || !self.cfg.n_kv_heads.is_multiple_of(tp) {
-            return Err(Error::Config {
-                op: "Llama::parallelize",
-                detail: format!(
-                    "tensor parallelism over {tp} ranks must give each rank whole key/value heads; \
-                     use a tp size dividing n_kv_heads {}",
-                    self.cfg.n_kv_heads
-                ),
-            }
-            .into());
-        }
-        let plan = if sequence_parallel {
-            Llama::tp_plan_sequence_parallel()
-        } else {
-            Llama::tp_plan()
+        let kv = self.cfg.n_kv_heads;
+        let why = move |tp: usize| {
+            format!(
+                "tensor parallelism over {tp} ranks must give each rank whole key/value heads; \
+                 use a tp size dividing n_kv_heads {kv}"
+            )
         };
-        parallelize_module(self, tp_mesh, &plan)
+        parallelize_plan(
+            self,
+            &LLAMA_TP,
+            tp_mesh,
+            sequence_parallel,
+            ("Llama::parallelize", kv, why),
+        )
     }
 
     /// FSDP per block, then the root (see [`CausalLm::fully_shard`]).

@@ -11,7 +11,9 @@ pub use transformer::{Attention, Block, FeedForward, Transformer, TransformerCon
 use tessera_autograd::nn::{Materializer, Module};
 use tessera_autograd::{Result, Var};
 use tessera_dtensor::{DType, Placement, Tensor, distribute_tensor_from};
-use tessera_fsdp::tp::Applied;
+use tessera_fsdp::tp::{
+    Applied, ColwiseParallel, ParallelPlan, PrepareModuleInput, RowwiseParallel, SequenceParallel, TpLayout,
+};
 use tessera_fsdp::{FsdpConfig, FsdpModule, fully_shard};
 use tessera_mesh::DeviceMesh;
 use tessera_tensor::ops::Reduction;
@@ -98,4 +100,94 @@ fn positions(t: usize, mesh: &DeviceMesh) -> Result<Var> {
         None,
     )?;
     Ok(Var::constant(p))
+}
+
+/// A block's sublayer as the tensor-parallel plans see it: the norm before
+/// `module`, `module` itself (whose first input sequence parallelism gathers;
+/// its `extra_inputs` more, such as positions, are left alone), its
+/// column-parallel input projections and its row-parallel output projection
+/// (names relative to `module`).
+struct Sublayer {
+    norm: &'static str,
+    module: &'static str,
+    extra_inputs: usize,
+    column: &'static [&'static str],
+    row: &'static str,
+}
+
+/// The module names a reference model's tensor-parallel plans are made of.
+struct TpNames {
+    /// Embedding tables, with the dim of the sequence in their output (token
+    /// embeddings `[B, T, D]`: 1; a position table's `[T, D]`: 0).
+    embeddings: &'static [(&'static str, isize)],
+    sublayers: &'static [Sublayer],
+}
+
+/// The Megatron-style plan of a reference model (torchtitan's): embeddings
+/// row-wise, each sublayer's input projections column-wise and its output
+/// projection row-wise, the output head column-wise; norms replicated. Without
+/// sequence parallelism activations between sublayers are replicated (two
+/// all-reduces per block); with it they are sharded along the sequence, the
+/// norms run [`SequenceParallel`], each sublayer's input is gathered and its
+/// output reduce-scattered, and the head leaves the logits sharded by class
+/// (loss parallel).
+fn tp_plan(names: &TpNames, sequence_parallel: bool) -> ParallelPlan {
+    use TpLayout::{Replicate, Shard};
+    let sp = sequence_parallel;
+    let between = |seq_dim: isize| if sp { Shard(seq_dim) } else { Replicate };
+    let mut plan = ParallelPlan::new();
+    for &(name, seq_dim) in names.embeddings {
+        let style = RowwiseParallel {
+            input_layouts: Some(Replicate),
+            output_layouts: between(seq_dim),
+        };
+        plan = plan.add(name, style);
+    }
+    for s in names.sublayers {
+        if sp {
+            let gather = |layout| {
+                std::iter::once(Some(layout))
+                    .chain(std::iter::repeat_n(None, s.extra_inputs))
+                    .collect()
+            };
+            let inputs = PrepareModuleInput {
+                input_layouts: gather(Shard(1)),
+                desired_input_layouts: gather(Replicate),
+                ..PrepareModuleInput::default()
+            };
+            plan = plan.add(s.norm, SequenceParallel::default()).add(s.module, inputs);
+        }
+        for c in s.column {
+            plan = plan.add(&format!("{}.{c}", s.module), ColwiseParallel::default());
+        }
+        let out = RowwiseParallel {
+            input_layouts: None,
+            output_layouts: between(1),
+        };
+        plan = plan.add(&format!("{}.{}", s.module, s.row), out);
+    }
+    if sp {
+        plan = plan.add("norm", SequenceParallel::default());
+    }
+    let head = ColwiseParallel {
+        input_layouts: between(1),
+        output_layouts: if sp { Shard(-1) } else { Replicate },
+    };
+    plan.add("output", head)
+}
+
+/// Applies the plan of `names` over `tp_mesh` to `model`, after checking that
+/// the tp size divides `heads` (`detail` says why it must, given the tp size).
+fn parallelize_plan(
+    model: &dyn Module,
+    names: &TpNames,
+    tp_mesh: &DeviceMesh,
+    sequence_parallel: bool,
+    (op, heads, detail): (&'static str, usize, impl Fn(usize) -> String),
+) -> tessera_fsdp::Result<Vec<Applied>> {
+    let tp = tp_mesh.size();
+    if tp == 0 || !heads.is_multiple_of(tp) {
+        return Err(tessera_autograd::Error::Config { op, detail: detail(tp) }.into());
+    }
+    tessera_fsdp::tp::parallelize_module(model, tp_mesh, &tp_plan(names, sequence_parallel))
 }

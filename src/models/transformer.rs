@@ -6,13 +6,10 @@ use tessera_autograd::nn::{Embedding, LayerNorm, Linear, Module, name_parameters
 use tessera_autograd::{Result, Var};
 use tessera_dtensor::DType;
 use tessera_fsdp::FsdpConfig;
-use tessera_fsdp::tp::{
-    Applied, ColwiseParallel, ParallelPlan, PrepareModuleInput, RowwiseParallel, SequenceParallel, TpLayout,
-    parallelize_module,
-};
+use tessera_fsdp::tp::{Applied, ParallelPlan};
 use tessera_mesh::DeviceMesh;
 
-use super::{CausalLm, FsdpUnits, next_token_loss, positions};
+use super::{CausalLm, FsdpUnits, Sublayer, TpNames, next_token_loss, parallelize_plan, positions};
 
 /// Sizes of a [`Transformer`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -169,6 +166,27 @@ pub struct Transformer {
     cfg: TransformerConfig,
 }
 
+/// The modules of the GPT model's tensor-parallel plans.
+const GPT_TP: TpNames = TpNames {
+    embeddings: &[("tok_embeddings", 1), ("pos_embeddings", 0)],
+    sublayers: &[
+        Sublayer {
+            norm: "layers.*.attention_norm",
+            module: "layers.*.attention",
+            extra_inputs: 0,
+            column: &["wq", "wk", "wv"],
+            row: "wo",
+        },
+        Sublayer {
+            norm: "layers.*.ffn_norm",
+            module: "layers.*.feed_forward",
+            extra_inputs: 0,
+            column: &["w1"],
+            row: "w2",
+        },
+    ],
+};
+
 impl Transformer {
     /// A deferred model replicated on `mesh`: every parameter has its shape,
     /// dtype and name (`layers.0.attention.wq.weight`) but no storage. Plan and
@@ -220,76 +238,19 @@ impl Transformer {
     ///
     /// PyTorch: the reference's `parallelize_module` plan.
     pub fn tp_plan() -> ParallelPlan {
-        let replicated = RowwiseParallel {
-            input_layouts: Some(TpLayout::Replicate),
-            output_layouts: TpLayout::Replicate,
-        };
-        ParallelPlan::new()
-            .add("tok_embeddings", replicated)
-            .add("pos_embeddings", replicated)
-            .add("layers.*.attention.wq", ColwiseParallel::default())
-            .add("layers.*.attention.wk", ColwiseParallel::default())
-            .add("layers.*.attention.wv", ColwiseParallel::default())
-            .add("layers.*.attention.wo", RowwiseParallel::default())
-            .add("layers.*.feed_forward.w1", ColwiseParallel::default())
-            .add("layers.*.feed_forward.w2", RowwiseParallel::default())
-            .add(
-                "output",
-                ColwiseParallel {
-                    input_layouts: TpLayout::Replicate,
-                    output_layouts: TpLayout::Replicate,
-                },
-            )
+        super::tp_plan(&GPT_TP, false)
     }
 
     /// The sequence-parallel plan: as [`tp_plan`](Self::tp_plan), but activations
     /// between blocks are sharded along the sequence (`Shard(1)`), the norms run
-    /// [`SequenceParallel`], each all-reduce becomes an all-gather before the
+    /// [`SequenceParallel`](tessera_fsdp::tp::SequenceParallel), each all-reduce becomes an all-gather before the
     /// attention and the MLP plus a reduce-scatter after them (the same bytes),
     /// and the output head leaves the logits sharded by class (`Shard(-1)`), so the
     /// loss is computed without gathering them (loss parallel).
     ///
     /// PyTorch: the sequence-parallel plan of TorchTitan's Llama.
     pub fn tp_plan_sequence_parallel() -> ParallelPlan {
-        let seq_in = PrepareModuleInput::new(Some(TpLayout::Shard(1)), Some(TpLayout::Replicate));
-        let row_to_seq = RowwiseParallel {
-            input_layouts: None,
-            output_layouts: TpLayout::Shard(1),
-        };
-        ParallelPlan::new()
-            .add(
-                "tok_embeddings",
-                RowwiseParallel {
-                    input_layouts: Some(TpLayout::Replicate),
-                    output_layouts: TpLayout::Shard(1),
-                },
-            )
-            .add(
-                // Positions `[T, D]`: the sequence is dim 0.
-                "pos_embeddings",
-                RowwiseParallel {
-                    input_layouts: Some(TpLayout::Replicate),
-                    output_layouts: TpLayout::Shard(0),
-                },
-            )
-            .add("layers.*.attention_norm", SequenceParallel::default())
-            .add("layers.*.attention", seq_in.clone())
-            .add("layers.*.attention.wq", ColwiseParallel::default())
-            .add("layers.*.attention.wk", ColwiseParallel::default())
-            .add("layers.*.attention.wv", ColwiseParallel::default())
-            .add("layers.*.attention.wo", row_to_seq)
-            .add("layers.*.ffn_norm", SequenceParallel::default())
-            .add("layers.*.feed_forward", seq_in)
-            .add("layers.*.feed_forward.w1", ColwiseParallel::default())
-            .add("layers.*.feed_forward.w2", row_to_seq)
-            .add("norm", SequenceParallel::default())
-            .add(
-                "output",
-                ColwiseParallel {
-                    input_layouts: TpLayout::Shard(1),
-                    output_layouts: TpLayout::Shard(-1),
-                },
-            )
+        super::tp_plan(&GPT_TP, true)
     }
 
     /// Applies [`tp_plan`](Self::tp_plan) (or, with `sequence_parallel`,
@@ -297,25 +258,21 @@ impl Transformer {
     /// `tp_mesh` (a dim of the parameters' mesh, or all of it).
     ///
     /// # Errors
-    /// `n_heads` not divisible by the tp size; as [`parallelize_module`].
+    /// `n_heads` not divisible by the tp size; as [`parallelize_module`](tessera_fsdp::tp::parallelize_module).
     pub fn parallelize(&self, tp_mesh: &DeviceMesh, sequence_parallel: bool) -> tessera_fsdp::Result<Vec<Applied>> {
-        let tp = tp_mesh.size();
-        if tp == 0 || !self.cfg.n_heads.is_multiple_of(tp) {
-            return Err(tessera_autograd::Error::Config {
-                op: "Transformer::parallelize",
-                detail: format!(
-                    "tensor parallelism over {tp} ranks splits the {} attention heads evenly; use a tp size dividing n_heads",
-                    self.cfg.n_heads
-                ),
-            }
-            .into());
-        }
-        let plan = if sequence_parallel {
-            Transformer::tp_plan_sequence_parallel()
-        } else {
-            Transformer::tp_plan()
+        let heads = self.cfg.n_heads;
+        let why = move |tp: usize| {
+            format!(
+                "tensor parallelism over {tp} ranks splits the {heads} attention heads evenly; use a tp size dividing n_heads"
+            )
         };
-        parallelize_module(self, tp_mesh, &plan)
+        parallelize_plan(
+            self,
+            &GPT_TP,
+            tp_mesh,
+            sequence_parallel,
+            ("Transformer::parallelize", heads, why),
+        )
     }
 
     /// The configuration.

@@ -19,17 +19,21 @@ pub(crate) fn data(name: &str) -> PathBuf {
 
 /// `runs.<run>.loss` of the PyTorch reference (20 steps).
 pub(crate) fn reference_losses(run: &str) -> Vec<f64> {
-    let text = std::fs::read_to_string(data("tiny_reference.json")).unwrap();
+    reference_losses_in("tiny_reference.json", run)
+}
+
+/// The losses of `run` in the reference file `file` (in `tests/data`).
+pub(crate) fn reference_losses_in(file: &str, run: &str) -> Vec<f64> {
+    let text = std::fs::read_to_string(data(file)).unwrap();
     let v: Value = serde_json::from_str(&text).unwrap();
     v["runs"][run]["loss"]
         .as_array()
-        .unwrap_or_else(|| panic!("no reference run {run}"))
+        .unwrap_or_else(|| panic!("no reference run {run} in {file}"))
         .iter()
         .map(|x| x.as_f64().unwrap())
         .collect()
 }
 
-/// Tokens `[20, 16, 33]` of the reference: step `s` uses rows `0..G` of `tokens[s]`.
 pub(crate) fn tokens() -> Tensor {
     let all = read_safetensors(data("tiny_tokens_G16.safetensors")).unwrap();
     all.into_iter().find(|(n, _)| n == "tokens").unwrap().1

@@ -4,7 +4,7 @@
 
 use smallvec::smallvec;
 use tessera_dtensor::{DTensor, Placement, Tensor};
-use tessera_tensor::ops::{chunk_sizes, split_sizes, stack_pieces};
+use tessera_tensor::ops::{chunk_sizes, split_ranges, split_sizes, stack_pieces};
 
 use super::unbroadcast;
 use crate::{Result, Var};
@@ -141,14 +141,9 @@ impl Var {
     /// Sizes that do not add up to the dim; `dim` out of range.
     pub fn split_with_sizes(&self, sizes: &[usize], dim: impl tessera_dtensor::Dim) -> Result<Vec<Var>> {
         let dim = dim.resolve("split_with_sizes", self.value().shape().len())?;
-        tessera_tensor::ops::check_split("split_with_sizes", self.value().shape(), sizes, dim)?;
-        let mut at = 0;
-        sizes
-            .iter()
-            .map(|&n| {
-                at += n;
-                self.narrow(dim, at - n, n)
-            })
+        split_ranges("split_with_sizes", self.value().shape(), sizes, dim)?
+            .into_iter()
+            .map(|(start, len)| self.narrow(dim, start, len))
             .collect()
     }
 

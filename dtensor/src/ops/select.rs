@@ -4,7 +4,7 @@
 
 use smallvec::smallvec;
 use tessera_tensor::Error as TensorError;
-use tessera_tensor::ops::{check_gather, check_split, chunk_sizes, split_sizes, stack_pieces};
+use tessera_tensor::ops::{check_gather, chunk_sizes, split_ranges, split_sizes, stack_pieces};
 
 use super::{dispatch, same_dtypes};
 use crate::strategy::{Candidate, DimOption, Linearity, keep_shards_except, pointwise, product};
@@ -312,14 +312,9 @@ impl DTensor {
     /// As [`Tensor::split_with_sizes`].
     pub fn split_with_sizes(&self, sizes: &[usize], dim: impl tessera_tensor::Dim) -> Result<Vec<DTensor>> {
         let dim = dim.resolve("split_with_sizes", self.shape().len())?;
-        check_split("split_with_sizes", self.shape(), sizes, dim)?;
-        let mut at = 0;
-        sizes
-            .iter()
-            .map(|&n| {
-                at += n;
-                self.narrow(dim, at - n, n)
-            })
+        split_ranges("split_with_sizes", self.shape(), sizes, dim)?
+            .into_iter()
+            .map(|(start, len)| self.narrow(dim, start, len))
             .collect()
     }
 

@@ -61,7 +61,7 @@ pub use matmul::{Causal, GemmKernel};
 pub use nn::Reduction;
 pub use rotary::rotary_tables;
 pub use select::check_gather;
-pub use split::{check_split, chunk_sizes, split_sizes, stack_pieces};
+pub use split::{chunk_sizes, split_ranges, split_sizes, stack_pieces};
 pub use unary::gelu_backward_shapes;
 
 use crate::kernel::{Simd, par_parts, par_rows};

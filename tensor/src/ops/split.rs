@@ -25,15 +25,9 @@ impl Tensor {
     /// [`Error::DimOutOfRange`]; [`Error::ShapeMismatch`] when the sizes do not add up.
     pub fn split_with_sizes(&self, sizes: &[usize], dim: impl crate::Dim) -> Result<Vec<Tensor>> {
         let dim = dim.resolve("split_with_sizes", self.rank())?;
-        check_split("split_with_sizes", self.shape(), sizes, dim)?;
-        let mut at = 0;
-        sizes
-            .iter()
-            .map(|&n| {
-                let piece = self.narrow(dim, at, n);
-                at += n;
-                piece
-            })
+        split_ranges("split_with_sizes", self.shape(), sizes, dim)?
+            .into_iter()
+            .map(|(start, len)| self.narrow(dim, start, len))
             .collect()
     }
 
@@ -96,21 +90,31 @@ pub fn chunk_sizes(op: &'static str, shape: &[usize], n: usize, dim: usize) -> R
     split_sizes(op, shape, shape[dim].div_ceil(n), dim)
 }
 
-/// Errors unless `sizes` add up to dim `dim` of `shape`.
-pub fn check_split(op: &'static str, shape: &[usize], sizes: &[usize], dim: usize) -> Result<()> {
+/// The `(start, len)` of each piece of a split of dim `dim` of `shape` into
+/// `sizes`, checked: the sizes add up to the dim.
+///
+/// # Errors
+/// `dim` out of range; sizes that do not add up.
+pub fn split_ranges(op: &'static str, shape: &[usize], sizes: &[usize], dim: usize) -> Result<Vec<(usize, usize)>> {
     check_dim(op, dim, shape.len())?;
     let total: usize = sizes.iter().sum();
-    if total == shape[dim] {
-        Ok(())
-    } else {
-        Err(Error::ShapeMismatch {
+    if total != shape[dim] {
+        return Err(Error::ShapeMismatch {
             op,
             detail: format!(
                 "the sizes {sizes:?} add up to {total}, but dim {dim} of {shape:?} has {}",
                 shape[dim]
             ),
-        })
+        });
     }
+    let mut at = 0;
+    Ok(sizes
+        .iter()
+        .map(|&n| {
+            at += n;
+            (at - n, n)
+        })
+        .collect())
 }
 
 /// The shape of each piece of a stack along `dim` (a 1 inserted at `dim`).
