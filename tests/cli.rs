@@ -93,6 +93,7 @@ fn help_lists_every_flag_with_its_default() {
         "--batch",
         "--lr",
         "--losses-out",
+        "--metrics-out",
         "--checkpoint-dir",
         "--checkpoint-every",
         "--async-save",
@@ -404,4 +405,100 @@ fn the_user_model_example_resumes_on_another_mesh() {
     assert!(out.status.success(), "{log}\n{}", String::from_utf8_lossy(&out.stderr));
     assert!(log.contains("resumed after step 6 with FSDP on 2 ranks"), "{log}");
     assert!(log.contains("max |Δloss| of the resumed steps"), "{log}");
+}
+
+/// `--metrics-out` writes one JSON line per step: its loss (the `--losses-out`
+/// loss), the learning rate the update used, the gradients' global norm (the
+/// same on one rank and on two for the same global batch), step time, tokens/s,
+/// utilisation, and every rank's bytes; measuring changes nothing in training.
+#[test]
+fn metrics_out_writes_a_line_per_step_that_agrees_across_meshes() {
+    let dir = std::env::temp_dir().join(format!("tessera-cli-metrics-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = |name: &str| dir.join(name).to_string_lossy().into_owned();
+    let run = |world: &str, batch: &str, metrics: Option<&str>, out: &str| {
+        let out_path = path(out);
+        let mut args = vec![
+            "--world-size",
+            world,
+            "--batch",
+            batch,
+            "--steps",
+            "3",
+            "--lr-schedule",
+            "cosine",
+            "--warmup-steps",
+            "2",
+            "--losses-out",
+            &out_path,
+        ];
+        let m = metrics.map(path);
+        if let Some(m) = &m {
+            args.extend(["--metrics-out", m.as_str()]);
+        }
+        let o = train(&args, &[]);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let log = String::from_utf8_lossy(&o.stdout);
+        // The summary's utilisation, where the FMA peak can be measured.
+        assert!(!fma_measurable() || log.contains("model FLOPs utilisation"), "{log}");
+        losses(&dir.join(out))
+    };
+    let read = |name: &str| -> Vec<serde_json::Value> {
+        std::fs::read_to_string(dir.join(name))
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect()
+    };
+    let one = run("1", "4", Some("one.jsonl"), "one.json");
+    let two = run("2", "2", Some("two.jsonl"), "two.json");
+    let plain = run("2", "2", None, "plain.json");
+    assert_eq!(two, plain, "measuring the gradient norm changed training");
+    assert!(!dir.join("plain.jsonl").exists());
+    let (m1, m2) = (read("one.jsonl"), read("two.jsonl"));
+    let _ = std::fs::remove_dir_all(&dir);
+    assert_eq!((m1.len(), m2.len()), (3, 3));
+    let f = |v: &serde_json::Value, k: &str| v[k].as_f64().unwrap_or_else(|| panic!("{k} in {v}"));
+    for (i, (a, b)) in m1.iter().zip(&m2).enumerate() {
+        assert_eq!(a["step"], i + 1);
+        assert_eq!(
+            (f(a, "loss"), f(b, "loss")),
+            (one[i], two[i]),
+            "the loss is the --losses-out loss"
+        );
+        let (ga, gb) = (f(a, "grad_norm"), f(b, "grad_norm"));
+        assert!(
+            ga > 0.0 && (ga - gb).abs() <= 1e-6 * ga,
+            "step {i}: grad norm {ga} on one rank, {gb} on two"
+        );
+        assert_eq!(f(a, "lr"), f(b, "lr"));
+        assert!(f(b, "step_time_s") > 0.0 && f(b, "tokens_per_s") > 0.0);
+        if let Some(mfu) = b["mfu"].as_f64() {
+            assert!(mfu > 0.0 && mfu <= 1.0, "{mfu}");
+        }
+        let (used, peak) = (
+            b["bytes_in_use_per_rank"].as_array().unwrap(),
+            b["peak_bytes_per_rank"].as_array().unwrap(),
+        );
+        assert_eq!((used.len(), peak.len()), (2, 2));
+        assert!(
+            used.iter()
+                .zip(peak)
+                .all(|(u, p)| u.as_u64() <= p.as_u64() && p.as_u64() > Some(0))
+        );
+    }
+    // Linear warmup over 2 steps, then cosine decay.
+    let lr: Vec<f64> = m1.iter().map(|v| f(v, "lr")).collect();
+    assert!(lr[0] < lr[1] && lr[1] < lr[2], "{lr:?}");
+}
+
+/// Whether `train` can measure this CPU's FMA peak (x86-64 with AVX2 and FMA).
+fn fma_measurable() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
 }

@@ -11,7 +11,7 @@ use crate::schedule;
 
 pub(crate) const USAGE: &str = "usage: train [--world-size N | --mesh RxS] [--tp T [--sequence-parallel]] [--steps N] [--batch ROWS_PER_RANK] [--dim N] \
 [--n-layers N] [--n-heads N] [--vocab N] [--seq N] [--model gpt|llama [--n-kv-heads K] [--ffn-hidden H] [--rope-theta F]] [--lr F] [--lr-schedule S] [--warmup-steps N] [--mixed-precision bf16] [--no-reshard] [--init PATH | --seed N] \
-[--tokens PATH] [--data-seed N] [--losses-out PATH] [--checkpoint-dir DIR --checkpoint-every N [--async-save] [--keep-checkpoints K]] [--resume DIR] \
+[--tokens PATH] [--data-seed N] [--losses-out PATH] [--metrics-out PATH] [--checkpoint-dir DIR --checkpoint-every N [--async-save] [--keep-checkpoints K]] [--resume DIR] \
 [--save-full PATH] [--device cpu|cuda|cuda:N]";
 
 /// Every flag with its default (`train --help`).
@@ -47,6 +47,8 @@ training:
   --warmup-steps N      linear warmup steps of cosine and wsd (default 0)
 output and checkpoints:
   --losses-out PATH     JSON: losses, step times, peak memory per rank, init peak, peak RSS
+  --metrics-out PATH    one JSON line per step: loss, lr, grad norm, step time, tokens/s,
+                        model FLOPs utilisation, bytes in use and peak per rank (default: none)
   --checkpoint-dir DIR --checkpoint-every N
                         sharded checkpoints every N steps (default: none)
   --async-save          write checkpoints in the background
@@ -95,6 +97,8 @@ pub(crate) struct Args {
     pub(crate) tokens: Option<PathBuf>,
     pub(crate) data_seed: u64,
     pub(crate) losses_out: Option<PathBuf>,
+    /// One JSON line per step (`--metrics-out`).
+    pub(crate) metrics_out: Option<PathBuf>,
     pub(crate) checkpoint_dir: Option<PathBuf>,
     pub(crate) checkpoint_every: usize,
     pub(crate) async_save: bool,
@@ -130,6 +134,7 @@ pub(crate) fn parse() -> Result<Args, String> {
         tokens: None,
         data_seed: DATA_SEED,
         losses_out: None,
+        metrics_out: None,
         checkpoint_dir: None,
         checkpoint_every: 0,
         async_save: false,
@@ -215,6 +220,7 @@ pub(crate) fn parse() -> Result<Args, String> {
             "--seed" => a.seed = value.parse().map_err(|_| format!("--seed: {value:?} is not a u64"))?,
             "--data-seed" => a.data_seed = value.parse().map_err(|_| format!("--data-seed: {value:?}"))?,
             "--losses-out" => a.losses_out = Some(value.into()),
+            "--metrics-out" => a.metrics_out = Some(value.into()),
             "--checkpoint-dir" => a.checkpoint_dir = Some(value.into()),
             "--checkpoint-every" => a.checkpoint_every = num(&value)?,
             "--keep-checkpoints" => a.keep = num(&value)?,

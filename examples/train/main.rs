@@ -54,11 +54,13 @@ mod common;
 
 mod args;
 mod checkpoints;
+mod metrics;
 mod report;
 
 use std::time::Instant;
 
 use tessera::autograd::nn::{MaterializeReport, Materializer};
+use tessera::autograd::optim::clip_grad_norm;
 use tessera::autograd::optim::{AdamW, AdamWConfig, LrScheduler, Optimizer, Schedule};
 use tessera::autograd::{Param, Var, backward, load_checkpoint, read_safetensors, save_state_dict_full};
 use tessera::dtensor::{Placement, Tensor, distribute_tensor_from};
@@ -69,6 +71,7 @@ use tessera::{BoxError, CommunicatorExt, DType, DeviceMesh, RankCtx, is_lead_pro
 
 use args::{Arch, Args, USAGE, parse, rows};
 use checkpoints::{Checkpoints, resume_dir};
+use metrics::{MetricsWriter, StepMetrics};
 use report::{RankReport, banner, progress, summarize};
 
 fn main() {
@@ -91,12 +94,14 @@ fn run(args: &Args) -> Result<(), BoxError> {
     if lead {
         println!("{}", banner(args));
     }
+    // Measured before the ranks start, on a quiet machine.
+    let peak = metrics::machine_peak_flops();
     let reports = launch(args.world, {
         let args = args.clone();
-        move |ctx| train_rank(ctx, &args, tokens.as_ref())
+        move |ctx| train_rank(ctx, &args, tokens.as_ref(), peak.map(|p| p.0))
     })?;
     if lead {
-        summarize(args, &reports[0])?;
+        summarize(args, &reports[0], peak)?;
     }
     Ok(())
 }
@@ -239,32 +244,59 @@ fn resume<M>(args: &Args, path: &std::path::Path, job: &mut Job<M>, report: &mut
     Ok(())
 }
 
+/// What a step returns: its loss, the learning rate its update used, and with
+/// `--metrics-out` the gradients' global norm before the update.
+struct StepOut {
+    loss: f64,
+    lr: f64,
+    grad_norm: Option<f64>,
+}
+
 /// One training step on the rows of `step`: forward, backward, the optimizer's
-/// update. Returns the loss.
+/// update.
 fn train_step<M: CausalLm>(
     args: &Args,
     job: &mut Job<M>,
     tokens: Option<&Tensor>,
     step: usize,
-) -> Result<f64, BoxError> {
+) -> Result<StepOut, BoxError> {
     // Every rank builds the same global rows of the step (seeded by the step):
     // each keeps its piece, with no hash exchange per step.
     let x = distribute_tensor_from(&rows(args, tokens, step)?, &job.mesh, &job.batch_placements, None)?;
     let loss = job.model.loss(&Var::constant(x))?;
     let value = loss.value().full_tensor()?.to_f64_vec()[0];
     backward(&loss)?;
+    // Measured only (max_norm infinite: the gradients are left as they are).
+    let grad_norm = match args.metrics_out {
+        Some(_) => Some(clip_grad_norm(&job.params, f64::INFINITY)?),
+        None => None,
+    };
+    let lr = job.opt.lr();
     job.opt.step()?;
     job.sched.step(&mut job.opt)?;
     job.opt.zero_grad();
-    Ok(value)
+    Ok(StepOut {
+        loss: value,
+        lr,
+        grad_norm,
+    })
 }
 
 /// What every rank runs: setup, resumption, the steps with their checkpoints,
 /// the final saves, and the report (with every rank's peak memory).
-fn train_rank(ctx: RankCtx, args: &Args, tokens: Option<&Tensor>) -> Result<RankReport, BoxError> {
+fn train_rank(
+    ctx: RankCtx,
+    args: &Args,
+    tokens: Option<&Tensor>,
+    peak_flops: Option<f64>,
+) -> Result<RankReport, BoxError> {
     match args.arch {
-        Arch::Gpt => train_model(ctx, args, tokens, |a, mesh| Transformer::new(a.model, mesh, DType::F32)),
-        Arch::Llama => train_model(ctx, args, tokens, |a, mesh| Llama::new(a.llama(), mesh, DType::F32)),
+        Arch::Gpt => train_model(ctx, args, tokens, peak_flops, |a, mesh| {
+            Transformer::new(a.model, mesh, DType::F32)
+        }),
+        Arch::Llama => train_model(ctx, args, tokens, peak_flops, |a, mesh| {
+            Llama::new(a.llama(), mesh, DType::F32)
+        }),
     }
 }
 
@@ -273,6 +305,7 @@ fn train_model<M: CausalLm>(
     ctx: RankCtx,
     args: &Args,
     tokens: Option<&Tensor>,
+    peak_flops: Option<f64>,
     build: fn(&Args, &DeviceMesh) -> tessera::autograd::Result<M>,
 ) -> Result<RankReport, BoxError> {
     let rank = ctx.rank();
@@ -286,11 +319,40 @@ fn train_model<M: CausalLm>(
     memory::reset_device_peak();
     let start = Instant::now();
     let tokens_per_step = (args.global_batch() * args.model.seq) as f64;
+    let mut writer = match &args.metrics_out {
+        Some(path) if rank == 0 => Some(MetricsWriter::create(path, args, peak_flops)?),
+        _ => None,
+    };
+    // With metrics, the tracker's peak is reset every step; the run's is kept here.
+    let mut run_peak = 0;
     for step in report.first_step..args.steps {
         let t = Instant::now();
-        let value = train_step(args, &mut job, tokens, step)?;
+        let out = train_step(args, &mut job, tokens, step)?;
+        let value = out.loss;
         report.losses.push(value);
         report.step_time_s.push(t.elapsed().as_secs_f64());
+        if args.metrics_out.is_some() {
+            let now = memory::stats();
+            run_peak = run_peak.max(now.peak_bytes);
+            memory::reset_peak();
+            // Every rank's bytes (a collective: every rank takes part).
+            let all = job
+                .mesh
+                .comm()
+                .all_gather_vec(&[now.current_bytes as i64, now.peak_bytes as i64])?;
+            let column = |i: usize| all.chunks(2).map(|c| c[i] as usize).collect();
+            if let Some(w) = &mut writer {
+                w.write(&StepMetrics {
+                    step: step + 1,
+                    loss: value,
+                    lr: out.lr,
+                    grad_norm: out.grad_norm.unwrap_or(f64::NAN),
+                    step_time_s: t.elapsed().as_secs_f64(),
+                    bytes_in_use: column(0),
+                    peak_bytes: column(1),
+                })?;
+            }
+        }
         if let Some(stats) = device_memory(args)? {
             report.device_reserved_bytes.push(stats.0);
         }
@@ -309,7 +371,10 @@ fn train_model<M: CausalLm>(
     if let Some(path) = &args.save_full {
         save_state_dict_full(&job.params, path)?;
     }
-    let (peak, device_peak) = (memory::stats().peak_bytes, memory::device_stats().peak_bytes);
+    let (peak, device_peak) = (
+        memory::stats().peak_bytes.max(run_peak),
+        memory::device_stats().peak_bytes,
+    );
     let all = job
         .mesh
         .comm()

@@ -6,6 +6,7 @@ use tessera::BoxError;
 
 use crate::args::Args;
 use crate::common;
+use crate::metrics;
 
 #[derive(Default)]
 pub(crate) struct RankReport {
@@ -78,7 +79,7 @@ pub(crate) fn banner(args: &Args) -> String {
 }
 
 /// Prints the run's summary from rank 0's report and writes `--losses-out`.
-pub(crate) fn summarize(args: &Args, r0: &RankReport) -> Result<(), BoxError> {
+pub(crate) fn summarize(args: &Args, r0: &RankReport, peak_flops: Option<(f64, usize)>) -> Result<(), BoxError> {
     let cfg = args.model;
     println!();
     let total: f64 = r0.step_time_s.iter().sum();
@@ -97,6 +98,20 @@ pub(crate) fn summarize(args: &Args, r0: &RankReport) -> Result<(), BoxError> {
         human(peak),
         human(unsharded)
     );
+    // Model FLOPs (6 per parameter and token, plus attention) against the
+    // f32 FMA peak of the cores, measured before training.
+    let achieved = tokens_seen / total * metrics::flops_per_token(args);
+    match peak_flops {
+        Some((p, cores)) if !args.device.is_cuda() => println!(
+            "model FLOPs utilisation {:.1}%: {:.2} GFLOP/s of the f32 FMA peak {:.1} GFLOP/s ({cores} cores at {:.1}, \
+             measured)",
+            100.0 * achieved / p,
+            achieved / 1e9,
+            p / 1e9,
+            p / 1e9 / cores as f64
+        ),
+        _ => {}
+    }
     if args.device.is_cuda() {
         let reserved = &r0.device_reserved_bytes;
         println!(
@@ -156,6 +171,9 @@ pub(crate) fn summarize(args: &Args, r0: &RankReport) -> Result<(), BoxError> {
             "device_allocator_peak_allocated_bytes": r0.device_allocator_peaks.0,
             "device_allocator_peak_reserved_bytes": r0.device_allocator_peaks.1,
             "peak_rss_bytes": rss,
+            "tokens_per_s": tokens_seen / total,
+            "model_flops_per_s": achieved,
+            "mfu": peak_flops.map(|(p, _)| achieved / p),
         });
         common::write_atomic(path, &serde_json::to_string_pretty(&json)?)?;
         println!("wrote {}", path.display());
