@@ -67,9 +67,17 @@ impl FsdpParam {
         let p = &layout.placements.clone()[..];
         if let Some(d) = (0..p.len()).find(|&d| dims.contains(d) && !p[d].is_replicate()) {
             let hint = if p[d].is_shard() {
-                "is it already sharded by FSDP?"
+                let named = param_mesh
+                    .names()
+                    .get(d)
+                    .map_or(String::new(), |n| format!(" (\"{n}\")"));
+                format!(
+                    "mesh dim {d}{named} shards it already, as tensor parallelism does on its dim: fully_shard \
+                     over the data-parallel dims only (mesh.slice(&[\"dp\"]) or FsdpConfig::shard_dim), or \
+                     distribute the parameter replicated on them"
+                )
             } else {
-                "reduce it first"
+                "reduce it first".to_string()
             };
             return Err(Error::param(
                 name,

@@ -142,7 +142,7 @@ fn bad_configurations() {
             "already sharded",
             fully_shard(&m, &mesh, cfg()),
             "sharded.weight",
-            "already sharded"
+            "mesh dim 0 shards it already"
         );
         assert_eq!(fine.value()?.placements(), &[rep], "a refused module is left as it was");
         assert!(!fine.value()?.to_local().shape().is_empty());

@@ -4,6 +4,7 @@
 use tessera::autograd::Var;
 use tessera::autograd::nn::{Linear, Materializer, Module};
 use tessera::dtensor::{DType, Placement, Tensor, distribute_tensor};
+use tessera::fsdp::FsdpConfig;
 use tessera::fsdp::tp::{ColwiseParallel, ParallelPlan, RowwiseParallel, TpLayout, parallelize_module};
 use tessera::models::{Transformer, TransformerConfig};
 use tessera::{DeviceMesh, launch};
@@ -83,6 +84,17 @@ fn bad_plans_are_refused_by_name_and_change_nothing() {
             &err(model.parallelize(&tp, false), "twice"),
             &["`tok_embeddings`", "already tensor-parallel"],
         );
+        // FSDP over a mesh that includes the tp dim: the hint names the dim, not FSDP.
+        let over_tp = err(model.fully_shard(&mesh, &FsdpConfig::default()), "fsdp over tp");
+        has(
+            &over_tp,
+            &[
+                "mesh dim 1 (\"tp\") shards it already",
+                "tensor parallelism",
+                "mesh.slice",
+            ],
+        );
+        assert!(!over_tp.contains("by FSDP?"), "{over_tp}");
         let dp_mesh = DeviceMesh::with_names(mesh.comm().split(0, mesh.rank() as u32)?, &[2, 1], &["dp", "tp"])?;
         let sharded = Linear::new(4, 6, true, &dp_mesh, DType::F32)?;
         let mut layout = sharded.weight.layout();
