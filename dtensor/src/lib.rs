@@ -32,6 +32,7 @@ pub mod bucket;
 pub mod checkpoint;
 mod dtensor;
 mod error;
+pub mod explicit;
 mod memo;
 pub mod ops;
 mod placement;

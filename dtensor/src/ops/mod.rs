@@ -91,6 +91,11 @@ pub(crate) fn dispatch(
     }
     let mut locals = Vec::with_capacity(inputs.len());
     let mut after = Vec::with_capacity(inputs.len());
+    // Every rank makes the same choice, so every rank refuses alike, before
+    // any input moves.
+    for (i, p) in choice.plans.iter().enumerate().filter(|(_, p)| !p.steps.is_empty()) {
+        crate::explicit::check_implicit(op, i, p)?;
+    }
     for (x, p) in inputs.iter().zip(&choice.plans) {
         locals.push(if p.steps.is_empty() {
             x.to_local().clone()
