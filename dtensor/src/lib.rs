@@ -56,4 +56,4 @@ pub use spec::{DTensorSpec, Layout, Placements, PlacementsDisplay};
 pub use strategy::Linearity;
 pub use tessera_mesh::{DType, ReduceOp};
 pub use tessera_tensor::random::{Distribution, StreamKey};
-pub use tessera_tensor::{Device, Dim, Tensor};
+pub use tessera_tensor::{Device, Dim, ShapeSize, Tensor};

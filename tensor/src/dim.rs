@@ -1,5 +1,6 @@
 //! Dims as PyTorch takes them: counted from the front (`0`, `1`, ...) or, when
-//! negative, from the back (`-1` is the last dim).
+//! negative, from the back (`-1` is the last dim); and shapes with one size
+//! inferred (`-1`).
 
 use crate::{Error, Result};
 
@@ -72,6 +73,72 @@ pub fn resolve_dims(dims: &[impl Dim], op: &'static str, rank: usize) -> Result<
     dims.iter().map(|d| d.resolve(op, rank)).collect()
 }
 
+/// A size in the shape given to a reshape: a `usize`, or a signed integer where
+/// `-1` stands for the one size that makes the element count match, as
+/// PyTorch's `view` and `reshape` take it (`x.reshape(&[b, t, -1, 16])`).
+pub trait ShapeSize: Copy {
+    /// The size, or `None` for `-1`.
+    ///
+    /// # Errors
+    /// A negative size other than `-1`.
+    fn size(self, op: &'static str) -> Result<Option<usize>>;
+}
+
+impl ShapeSize for usize {
+    fn size(self, _op: &'static str) -> Result<Option<usize>> {
+        Ok(Some(self))
+    }
+}
+
+macro_rules! signed_size {
+    ($($t:ty),*) => {$(
+        impl ShapeSize for $t {
+            fn size(self, op: &'static str) -> Result<Option<usize>> {
+                match self {
+                    -1 => Ok(None),
+                    s if s >= 0 => Ok(Some(s as usize)),
+                    s => Err(Error::InvalidArgument {
+                        op,
+                        detail: format!("size {s} in a shape; sizes are ≥ 0, or -1 for the one inferred"),
+                    }),
+                }
+            }
+        }
+    )*};
+}
+signed_size!(i32, i64, isize);
+
+/// `shape` with its `-1` (at most one) replaced by the size that makes its
+/// element count `numel`.
+///
+/// # Errors
+/// Two `-1`s, a negative size, or no size that makes the counts match.
+pub fn infer_shape(op: &'static str, shape: &[impl ShapeSize], numel: usize) -> Result<Vec<usize>> {
+    let sizes: Vec<Option<usize>> = shape.iter().map(|s| s.size(op)).collect::<Result<_>>()?;
+    let inferred: Vec<usize> = (0..sizes.len()).filter(|&i| sizes[i].is_none()).collect();
+    let known: usize = sizes.iter().flatten().product();
+    let shown = || {
+        let parts: Vec<String> = sizes.iter().map(|s| s.map_or("-1".into(), |v| v.to_string())).collect();
+        format!("[{}]", parts.join(", "))
+    };
+    match inferred[..] {
+        [] => Ok(sizes.into_iter().flatten().collect()),
+        [at] if known > 0 && numel.is_multiple_of(known) => {
+            let mut out: Vec<usize> = sizes.iter().map(|s| s.unwrap_or(0)).collect();
+            out[at] = numel / known;
+            Ok(out)
+        }
+        [_] => Err(Error::ShapeMismatch {
+            op,
+            detail: format!("no size for the -1 in {} makes {numel} elements", shown()),
+        }),
+        _ => Err(Error::InvalidArgument {
+            op,
+            detail: format!("{} has more than one -1; at most one size is inferred", shown()),
+        }),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use crate::{DType, Tensor};
@@ -109,5 +176,26 @@ mod tests {
         ));
         assert_eq!(resolve_dims(&[-1i64, 0], "t", 2).unwrap(), [1, 0]);
         assert_eq!((-1isize).resolve("t", 1).unwrap(), 0);
+    }
+
+    #[test]
+    fn one_size_of_a_reshape_may_be_inferred() {
+        let x = Tensor::arange(24, DType::F32).unwrap();
+        assert_eq!(x.reshape(&[2, -1, 4]).unwrap().shape(), &[2, 3, 4]);
+        assert_eq!(x.reshape(&[-1]).unwrap().shape(), &[24]);
+        assert_eq!(x.reshape(&[4usize, 6]).unwrap().shape(), &[4, 6]);
+        assert_eq!(
+            infer_shape("t", &[0i64, -1], 0)
+                .unwrap_err()
+                .to_string()
+                .contains("no size"),
+            true
+        );
+        let err = x.reshape(&[-1, -1]).unwrap_err().to_string();
+        assert!(err.contains("[-1, -1] has more than one -1"), "{err}");
+        let err = x.reshape(&[5, -1]).unwrap_err().to_string();
+        assert!(err.contains("no size for the -1 in [5, -1] makes 24 elements"), "{err}");
+        let err = x.reshape(&[-2, 12]).unwrap_err().to_string();
+        assert!(err.contains("size -2"), "{err}");
     }
 }

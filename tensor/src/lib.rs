@@ -41,7 +41,7 @@ pub mod random;
 pub mod rng;
 mod tensor;
 
-pub use dim::{Dim, resolve_dims};
+pub use dim::{Dim, ShapeSize, infer_shape, resolve_dims};
 pub use error::{Error, Result};
 /// The element types of the half-precision dtypes (`DType::BF16`, `DType::F16`).
 pub use half::{bf16, f16};

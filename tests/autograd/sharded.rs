@@ -136,7 +136,8 @@ const MISC: Model = Model {
 
 /// The ops of a LLaMA-style model and its tooling, with negative dims: RMSNorm,
 /// rotary embeddings, key/value head repetition, split and stack, masked_fill and
-/// where_cond by a per-row mask, gather and index_select, argmax as an index.
+/// where_cond by a per-row mask, gather and index_select, argmax as an index, a
+/// reshape inferring its batch size (`-1`).
 const LLAMA_OPS: Model = Model {
     name: "llama ops",
     params: &[("w", &[4]), ("s", &[2]), ("t", &[4, 4])],
@@ -153,7 +154,7 @@ const LLAMA_OPS: Model = Model {
         let x = d[0].rms_norm(Some(&p[0]), 1e-5)?.rotary_embedding(&cos, &sin)?;
         let x = x.repeat_interleave(2, -2)?; // [b, 3, 4, 4]
         let halves = x.split(2, -1)?;
-        let y = Var::stack(&[&halves[1], &halves[0].mul(&p[1])?], -1)?.reshape(&[x.value().shape()[0], 3, 4, 4])?;
+        let y = Var::stack(&[&halves[1], &halves[0].mul(&p[1])?], -1)?.reshape(&[-1, 3, 4, 4])?;
         let mask = d[1].cast(tessera::dtensor::DType::U8)?;
         let y = mask
             .where_cond(&x, &y.masked_fill(&mask, 0.5)?)?

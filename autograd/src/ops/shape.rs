@@ -36,11 +36,12 @@ impl Var {
         Ok(self.unary_op("permute", self.value().permute(dims)?, move |g| g.permute(&inverse)))
     }
 
-    /// A new shape with the same elements.
+    /// A new shape with the same elements; one size may be `-1`, inferred from
+    /// the element count. PyTorch: `Tensor.reshape` / `view`.
     ///
     /// # Errors
     /// Another element count.
-    pub fn reshape(&self, shape: &[usize]) -> Result<Var> {
+    pub fn reshape(&self, shape: &[impl tessera_dtensor::ShapeSize]) -> Result<Var> {
         let orig = self.value().shape().to_vec();
         Ok(self.unary_op("reshape", self.value().reshape(shape)?, move |g| g.reshape(&orig)))
     }

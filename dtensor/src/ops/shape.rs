@@ -72,10 +72,12 @@ impl DTensor {
     /// The same elements in a new shape. A shard survives when its dim keeps its size
     /// and the dims before it hold the same number of elements (e.g. splitting or
     /// merging the dims after a batch-sharded dim); otherwise the input is gathered.
+    /// One size may be `-1`, inferred from the element count.
     ///
     /// # Errors
     /// A shape with another element count.
-    pub fn reshape(&self, shape: &[usize]) -> Result<DTensor> {
+    pub fn reshape(&self, shape: &[impl tessera_tensor::ShapeSize]) -> Result<DTensor> {
+        let shape = &tessera_tensor::infer_shape("reshape", shape, self.shape().iter().product())?[..];
         let a = self.shape();
         if a.iter().product::<usize>() != shape.iter().product::<usize>() {
             return Err(Error::from(TensorError::ShapeMismatch {

@@ -109,11 +109,13 @@ impl Tensor {
     }
 
     /// The same elements (row-major order) in another shape: a view when this
-    /// tensor is contiguous, a copy otherwise. PyTorch: `Tensor.reshape`.
+    /// tensor is contiguous, a copy otherwise; one size may be `-1`, inferred
+    /// from the element count. PyTorch: `Tensor.reshape`.
     ///
     /// # Errors
     /// [`Error::ShapeMismatch`] when `shape` holds another number of elements.
-    pub fn reshape(&self, shape: &[usize]) -> Result<Tensor> {
+    pub fn reshape(&self, shape: &[impl crate::ShapeSize]) -> Result<Tensor> {
+        let shape = &crate::infer_shape("reshape", shape, self.numel())?[..];
         let n = checked_numel("reshape", shape)?;
         if n != self.numel() {
             return Err(Error::ShapeMismatch {
