@@ -94,8 +94,9 @@ fn run(args: &Args) -> Result<(), BoxError> {
     if lead {
         println!("{}", banner(args));
     }
-    // Measured before the ranks start, on a quiet machine.
-    let peak = metrics::machine_peak_flops();
+    // Measured before the ranks start, on a quiet machine, by the process that
+    // prints the summary and holds rank 0 (which writes --metrics-out).
+    let peak = if lead { metrics::machine_peak_flops() } else { None };
     let reports = launch(args.world, {
         let args = args.clone();
         move |ctx| train_rank(ctx, &args, tokens.as_ref(), peak.map(|p| p.0))

@@ -200,14 +200,14 @@ fn rotary_composed(x: &Tensor, cos: &Tensor, sin: &Tensor, backward: bool) -> Re
     // Tables `[S, 1, D]` broadcast over batch rows and heads.
     let table = |t: &Tensor| -> Result<Tensor> { t.cast(compute)?.reshape(&[s, 1, hd]) };
     let (c, sn) = (table(cos)?, table(sin)?);
-    let (lo, hi) = (xf.narrow(r - 1, 0, h)?, xf.narrow(r - 1, h, h)?);
     let out = if backward {
         // g·cos + rotate_halfᵀ(g·sin), rotate_halfᵀ(y) = [y[h..], −y[..h]].
         let gs = xf.mul(&sn)?;
         let rot = Tensor::cat(&[gs.narrow(r - 1, h, h)?, gs.narrow(r - 1, 0, h)?.neg()?], r - 1)?;
         xf.mul(&c)?.add(&rot)?
     } else {
-        let rot = Tensor::cat(&[hi.neg()?, lo], r - 1)?;
+        // x·cos + rotate_half(x)·sin, rotate_half(x) = [−x[h..], x[..h]].
+        let rot = Tensor::cat(&[xf.narrow(r - 1, h, h)?.neg()?, xf.narrow(r - 1, 0, h)?], r - 1)?;
         xf.mul(&c)?.add(&rot.mul(&sn)?)?
     };
     out.cast(x.dtype())
