@@ -184,6 +184,19 @@ for name in ["bench_f32", "bench_bf16", "large_f32", "large_bf16"]:
           f"{theirs['peak_allocated_bytes']/2**20:.0f} MiB; reserved growth from step 3 to {len(r)}: {growth} B")
 PYEOF
 fi
+if [ -z "${SKIP_PROFILE:-}" ]; then
+echo "== where the large config's step goes (train --profile: every op waits for its kernels)"
+for mp in none bf16; do
+    timeout 120 "$DIR/train" --device cuda --world-size 1 --dim 1024 --n-layers 8 --n-heads 16 --vocab 32000 \
+        --seq 512 --batch 8 --steps 8 --mixed-precision $mp --losses-out "$OUT/plain_$mp.json" >/dev/null 2>&1 &&
+        $PY -c 'import json,statistics,sys; t=json.load(open(sys.argv[1]))["step_time_s"][2:]; print(f"-- unprofiled: {statistics.median(t)*1e3:.2f} ms per step (median of {len(t)})")' "$OUT/plain_$mp.json"
+    timeout 120 "$DIR/train" --device cuda --world-size 1 --dim 1024 --n-layers 8 --n-heads 16 --vocab 32000 \
+        --seq 512 --batch 8 --steps 6 --mixed-precision $mp --profile >"$OUT/profile_$mp.log" 2>&1 ||
+        { echo "profile $mp failed:"; tail -3 "$OUT/profile_$mp.log"; status=1; }
+    echo "-- mixed precision $mp"
+    sed -n '/^profile of/,/^init:/p' "$OUT/profile_$mp.log" | grep -v '^init:'
+done
+fi
 grep -E "^test result|FAILED|panicked" "$OUT/tests.log" "$OUT/dtensor.log" 2>/dev/null | tail -8
 echo "gpu-check exit $status"
 exit $status

@@ -64,6 +64,31 @@ fn false_is_a_flag_value_and_a_redirected_log_gets_lines() {
     }
 }
 
+/// `--profile` prints where rank 0's steps went (per kind of work, then the
+/// ops by time, the matrix products among them with their calls per step);
+/// without it there is no table.
+#[test]
+fn profile_prints_the_ops_of_rank_0() {
+    let args = ["--world-size", "2", "--steps", "4"];
+    let out = train(&[&args[..], &["--profile"]].concat(), &[]);
+    let log = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(log.contains("profile of rank 0 over 2 steps:"), "{log}");
+    for kind in ["gemm", "communication", "optimizer", "other"] {
+        assert!(log.lines().any(|l| l.trim_start().starts_with(kind)), "no {kind} line: {log}");
+    }
+    // The tiny model's step: per layer 6 products forward, 12 backward
+    // (attention's own products run inside the attention op), and the head's 3.
+    let matmul = log
+        .lines()
+        .find(|l| l.trim_start().starts_with("matmul "))
+        .unwrap_or_else(|| panic!("no matmul line: {log}"));
+    assert!(matmul.contains(" 39 calls"), "{matmul}");
+    let plain = train(&args, &[]);
+    assert!(plain.status.success());
+    assert!(!String::from_utf8_lossy(&plain.stdout).contains("profile of"));
+}
+
 #[test]
 fn help_lists_every_flag_with_its_default() {
     let out = train(&["--help"], &[]);
@@ -100,6 +125,7 @@ fn help_lists_every_flag_with_its_default() {
         "--keep-checkpoints",
         "--resume",
         "--save-full",
+        "--profile",
     ] {
         let line = help
             .lines()

@@ -142,45 +142,66 @@ fn device_buckets_equal_host() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn tiny_transformer_forward_backward_on_gpu() {
-    use tessera::autograd::nn::{Materializer, Module};
+    use tessera::models::{Transformer, TransformerConfig};
+    let cfg = TransformerConfig::TINY;
+    model_forward_backward_on_gpu("tiny transformer", (cfg.seq, cfg.vocab), |mesh| {
+        Transformer::new(TransformerConfig::TINY, mesh, DType::F32)
+    });
+}
+
+/// The LLaMA-style model (RMSNorm, rotary positions, grouped-query attention,
+/// SwiGLU) on the GPU: the same loss and gradients as on the host.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn tiny_llama_forward_backward_on_gpu() {
+    use tessera::models::{Llama, LlamaConfig};
+    let cfg = LlamaConfig::TINY;
+    model_forward_backward_on_gpu("tiny llama", (cfg.seq, cfg.vocab), |mesh| {
+        Llama::new(LlamaConfig::TINY, mesh, DType::F32)
+    });
+}
+
+/// `build`'s model on 1 and 2 ranks, on the host and on the GPU (FSDP over
+/// the ranks, parameters materialised there, tokens distributed there): the
+/// same loss and gradients.
+fn model_forward_backward_on_gpu<M: tessera::models::CausalLm>(
+    name: &str,
+    (seq, vocab): (usize, usize),
+    build: fn(&DeviceMesh) -> tessera::autograd::Result<M>,
+) {
+    use tessera::autograd::nn::Materializer;
     use tessera::autograd::{Var, backward};
     use tessera::dtensor::{Placement, distribute_tensor_from};
     use tessera::fsdp::FsdpConfig;
-    use tessera::models::{Transformer, TransformerConfig};
 
     for world in [1, 2] {
         let out = launch(world, move |ctx| {
             let host_mesh = DeviceMesh::new(ctx.into_comm(), &[world])?;
-            let cfg = TransformerConfig::TINY;
             let rows = Tensor::from_vec(
-                tessera::data::batch(tessera::data::DATA_SEED, 0, 0..4, cfg.seq + 1, cfg.vocab as u64),
-                &[4, cfg.seq + 1],
+                tessera::data::batch(tessera::data::DATA_SEED, 0, 0..4, seq + 1, vocab as u64),
+                &[4, seq + 1],
             )?;
             let mut results = Vec::new();
             for device in [Device::Cpu, GPU] {
                 let mesh = host_mesh.clone().on_device(device);
-                let model = Transformer::new(cfg, &mesh, DType::F32)?;
+                let model = build(&mesh)?;
                 if world > 1 {
                     model.fully_shard(&mesh, &FsdpConfig::default())?;
                 }
                 Materializer::from_seed(7).materialize(&model)?;
                 let params = model.parameters();
-                for p in &params {
-                    let v = p.value()?;
-                    p.set_value(DTensor::from_local_with_layout(
-                        v.to_local().to(device)?,
-                        &mesh,
-                        v.layout().clone(),
-                    )?);
-                }
                 let x = distribute_tensor_from(&rows, &mesh, &[Placement::Shard(0)], None)?;
-                let x = DTensor::from_local_with_layout(x.to_local().to(device)?, &mesh, x.layout().clone())?;
+                assert_eq!(x.to_local().device(), device);
                 let loss = model.loss(&Var::constant(x))?;
                 let value = loss.value().full_tensor()?.to_f64_vec()[0];
                 backward(&loss)?;
                 let grads: Vec<Tensor> = params
                     .iter()
-                    .map(|p| Ok(p.grad().ok_or("no gradient")?.to_local().to(Device::Cpu)?))
+                    .map(|p| {
+                        let g = p.grad().ok_or("no gradient")?;
+                        assert_eq!(g.to_local().device(), device, "{}", p.name());
+                        Ok(g.to_local().to(Device::Cpu)?)
+                    })
                     .collect::<Result<_, tessera::BoxError>>()?;
                 results.push((value, grads));
             }
@@ -201,7 +222,7 @@ fn tiny_transformer_forward_backward_on_gpu() {
         .unwrap();
         for (r, (h, d, worst)) in out.iter().enumerate() {
             println!(
-                "tiny transformer on {world} rank(s), rank {r}: loss host {h:.8} gpu {d:.8}, worst gradient rel_err {worst:.2e}"
+                "{name} on {world} rank(s), rank {r}: loss host {h:.8} gpu {d:.8}, worst gradient rel_err {worst:.2e}"
             );
             assert!((h - d).abs() <= 1e-5 * h.abs(), "loss {h} vs {d}");
             assert!(*worst < 1e-4, "gradients differ: {worst:.2e}");

@@ -12,7 +12,7 @@ use crate::schedule;
 pub(crate) const USAGE: &str = "usage: train [--world-size N | --mesh RxS] [--tp T [--sequence-parallel]] [--steps N] [--batch ROWS_PER_RANK] [--dim N] \
 [--n-layers N] [--n-heads N] [--vocab N] [--seq N] [--model gpt|llama [--n-kv-heads K] [--ffn-hidden H] [--rope-theta F]] [--lr F] [--lr-schedule S] [--warmup-steps N] [--mixed-precision bf16] [--no-reshard] [--init PATH | --seed N] \
 [--tokens PATH] [--data-seed N] [--losses-out PATH] [--metrics-out PATH] [--checkpoint-dir DIR --checkpoint-every N [--async-save] [--keep-checkpoints K]] [--resume DIR] \
-[--save-full PATH] [--device cpu|cuda|cuda:N]";
+[--save-full PATH] [--device cpu|cuda|cuda:N] [--profile]";
 
 /// Every flag with its default (`train --help`).
 pub(crate) const HELP: &str = "\
@@ -55,6 +55,9 @@ output and checkpoints:
   --keep-checkpoints K  keep the newest K complete checkpoints (default 0: all)
   --resume DIR          continue from a checkpoint saved on any mesh
   --save-full PATH      consolidated safetensors state dict at the end
+  --profile             print where rank 0's step time went, per op and kind of work, over
+                        the steps after the first two (on a GPU every op waits for its
+                        kernels, so steps run slower: device time per op)
 environment: TESSERA_TIMEOUT_S, TESSERA_THREADS_PER_RANK, TESSERA_BACKEND, TESSERA_BF16_DOT,
   TESSERA_SYSTEM_MALLOC, TESSERA_MPI_CHECK, TESSERA_STRICT_COLLECTIVES, TESSERA_FINGERPRINTS
   (see tessera::mesh::vars)";
@@ -108,6 +111,8 @@ pub(crate) struct Args {
     pub(crate) save_full: Option<PathBuf>,
     /// Where the ranks compute (`--device`).
     pub(crate) device: Device,
+    /// Time ops and kinds of work on rank 0 (`--profile`).
+    pub(crate) profile: bool,
 }
 
 pub(crate) fn parse() -> Result<Args, String> {
@@ -142,6 +147,7 @@ pub(crate) fn parse() -> Result<Args, String> {
         resume: None,
         save_full: None,
         device: Device::Cpu,
+        profile: false,
     };
     let mut world_given = false;
     let mut it = std::env::args().skip(1);
@@ -160,6 +166,10 @@ pub(crate) fn parse() -> Result<Args, String> {
         }
         if flag == "--async-save" {
             a.async_save = true;
+            continue;
+        }
+        if flag == "--profile" {
+            a.profile = true;
             continue;
         }
         let value = it.next().ok_or_else(|| format!("{flag} needs a value"))?;

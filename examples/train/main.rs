@@ -66,13 +66,13 @@ use tessera::autograd::{Param, Var, backward, load_checkpoint, read_safetensors,
 use tessera::dtensor::{Placement, Tensor, distribute_tensor_from};
 use tessera::fsdp::{FsdpConfig, MixedPrecisionPolicy};
 use tessera::models::{CausalLm, Llama, Transformer};
-use tessera::tensor::memory;
+use tessera::tensor::{memory, profile};
 use tessera::{BoxError, CommunicatorExt, DType, DeviceMesh, RankCtx, is_lead_process, launch};
 
 use args::{Arch, Args, USAGE, parse, rows};
 use checkpoints::{Checkpoints, resume_dir};
 use metrics::{MetricsWriter, StepMetrics};
-use report::{RankReport, banner, progress, summarize};
+use report::{RankReport, StepProfile, banner, progress, summarize};
 
 fn main() {
     let args = match parse() {
@@ -265,7 +265,6 @@ fn train_step<M: CausalLm>(
     // each keeps its piece, with no hash exchange per step.
     let x = distribute_tensor_from(&rows(args, tokens, step)?, &job.mesh, &job.batch_placements, None)?;
     let loss = job.model.loss(&Var::constant(x))?;
-    let value = loss.value().full_tensor()?.to_f64_vec()[0];
     backward(&loss)?;
     // Measured only (max_norm infinite: the gradients are left as they are).
     let grad_norm = match args.metrics_out {
@@ -276,6 +275,10 @@ fn train_step<M: CausalLm>(
     job.opt.step()?;
     job.sched.step(&mut job.opt)?;
     job.opt.zero_grad();
+    // Read once the whole step is queued: on a GPU, reading waits for the
+    // device, and reading before backward would keep the host from queueing
+    // backward's kernels while forward's run.
+    let value = loss.value().full_tensor()?.to_f64_vec()[0];
     Ok(StepOut {
         loss: value,
         lr,
@@ -326,7 +329,17 @@ fn train_model<M: CausalLm>(
     };
     // With metrics, the tracker's peak is reset every step; the run's is kept here.
     let mut run_peak = 0;
+    // `--profile`: rank 0's ops over the steps after the first two.
+    let profiled_from = (report.first_step + 2).min(args.steps.saturating_sub(1));
+    if args.profile && rank == 0 {
+        profile::enable(true);
+        profile::sync_device(args.device.is_cuda());
+    }
     for step in report.first_step..args.steps {
+        if args.profile && rank == 0 && step == profiled_from {
+            profile::take();
+            profile::take_ops();
+        }
         let t = Instant::now();
         let out = train_step(args, &mut job, tokens, step)?;
         let value = out.loss;
@@ -367,6 +380,16 @@ fn train_model<M: CausalLm>(
                 done as f64 * tokens_per_step / start.elapsed().as_secs_f64(),
             );
         }
+    }
+    if args.profile && rank == 0 {
+        let steps = args.steps - profiled_from;
+        report.profile = Some(StepProfile {
+            steps,
+            step_s: report.step_time_s[report.step_time_s.len() - steps..].iter().sum(),
+            kinds: profile::take(),
+            ops: profile::take_ops(),
+        });
+        profile::enable(false);
     }
     checkpoints.finish(args, &job, &mut report)?;
     if let Some(path) = &args.save_full {

@@ -3,6 +3,7 @@
 use std::io::Write as _;
 
 use tessera::BoxError;
+use tessera::tensor::profile::{Kind, OpTime, Profile};
 
 use crate::args::Args;
 use crate::common;
@@ -33,6 +34,69 @@ pub(crate) struct RankReport {
     /// Bytes this rank read resuming, and the seconds it took.
     pub(crate) resume_bytes: u64,
     pub(crate) resume_s: f64,
+    /// Rank 0's profile (`--profile`).
+    pub(crate) profile: Option<StepProfile>,
+}
+
+/// Where rank 0's time went over the profiled steps (`--profile`).
+pub(crate) struct StepProfile {
+    /// Steps profiled, and their wall time together.
+    pub(crate) steps: usize,
+    pub(crate) step_s: f64,
+    /// Exclusive time per kind of work, and per op's local kernels.
+    pub(crate) kinds: Profile,
+    pub(crate) ops: Vec<OpTime>,
+}
+
+impl StepProfile {
+    /// The table `--profile` prints: per kind, then the ops by time (ms per step).
+    fn print(&self, on_device: bool) {
+        let n = self.steps.max(1) as f64;
+        let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3 / n;
+        let step_ms = self.step_s * 1e3 / n;
+        println!(
+            "profile of rank 0 over {} steps{}: {step_ms:.2} ms per step",
+            self.steps,
+            if on_device {
+                " (every op waits for its GPU kernels)"
+            } else {
+                ""
+            }
+        );
+        let mut covered = 0.0;
+        for k in Kind::ALL {
+            let t = ms(self.kinds.time(k));
+            covered += t;
+            if self.kinds.count(k) > 0 {
+                println!(
+                    "  {:<14} {t:8.2} ms  {:5.1}%  {:7.0} calls",
+                    k.name(),
+                    100.0 * t / step_ms,
+                    self.kinds.count(k) as f64 / n
+                );
+            }
+        }
+        println!(
+            "  {:<14} {:8.2} ms  {:5.1}%  (autograd, FSDP hooks, dispatch outside the timed kernels)",
+            "other",
+            (step_ms - covered).max(0.0),
+            100.0 * (step_ms - covered).max(0.0) / step_ms
+        );
+        let mut ops = self.ops.clone();
+        ops.sort_by_key(|o| std::cmp::Reverse(o.time));
+        println!("  ops by time (local kernels):");
+        for o in ops.iter().take(24) {
+            let t = ms(o.time);
+            println!(
+                "    {:<28} {:<12} {t:8.3} ms  {:5.1}%  {:6.0} calls  {:8.1} us/call",
+                o.op,
+                o.kind.name(),
+                100.0 * t / step_ms,
+                o.count as f64 / n,
+                o.time.as_secs_f64() * 1e6 / o.count.max(1) as f64
+            );
+        }
+    }
 }
 
 /// The line that says what this run trains, and how it is parallelised.
@@ -126,6 +190,9 @@ pub(crate) fn summarize(args: &Args, r0: &RankReport, peak_flops: Option<(f64, u
             reserved.len(),
             human(reserved.last().copied().unwrap_or(0)),
         );
+    }
+    if let Some(p) = &r0.profile {
+        p.print(args.device.is_cuda());
     }
     let rss = common::peak_rss_bytes();
     println!(

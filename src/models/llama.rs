@@ -6,7 +6,7 @@ use std::cell::RefCell;
 
 use tessera_autograd::nn::{Embedding, Init, Inputs, Linear, Materializer, Module, RMSNorm, name_parameters};
 use tessera_autograd::{Error, Result, Var};
-use tessera_dtensor::{DType, Tensor};
+use tessera_dtensor::{DType, Device, Tensor};
 use tessera_fsdp::FsdpConfig;
 use tessera_fsdp::tp::{Applied, ParallelPlan};
 use tessera_mesh::DeviceMesh;
@@ -139,7 +139,8 @@ impl LlamaAttention {
                 ),
             });
         }
-        let pos = p.full_tensor()?.to_vec::<i64>()?;
+        // On a GPU, reading them waits for the device: the tables are cached.
+        let pos = p.full_tensor()?.to(Device::Cpu)?.to_vec::<i64>()?;
         if let Some((cached, cos, sin)) = &*self.tables.borrow()
             && *cached == pos
         {

@@ -32,6 +32,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 static ENABLED: AtomicBool = AtomicBool::new(false);
+static SYNC_DEVICE: AtomicBool = AtomicBool::new(false);
 
 /// A kind of work.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -187,6 +188,27 @@ pub fn enabled() -> bool {
     ENABLED.load(Ordering::Relaxed)
 }
 
+/// With timing on, makes every scope wait for the calling rank's queued GPU
+/// work when it opens and when it closes, so that a kernel's device time counts
+/// in the scope that launched it rather than in whichever later scope first
+/// waits for the GPU (the profile's view of a GPU run; it costs the overlap of
+/// host and device, so steps run slower). Off by default; without the `cuda`
+/// feature, or for a rank that has not used a GPU, it changes nothing.
+/// PyTorch's profiler records device time with events instead.
+pub fn sync_device(on: bool) {
+    SYNC_DEVICE.store(on, Ordering::Relaxed);
+}
+
+/// Waits for the calling rank's GPU work when [`sync_device`] asks for it.
+fn wait_for_device() {
+    #[cfg(feature = "cuda")]
+    if SYNC_DEVICE.load(Ordering::Relaxed) {
+        // A failed kernel surfaces again at the op's own next wait: the
+        // profile only times.
+        let _ = crate::cuda::driver::synchronize_rank();
+    }
+}
+
 /// The calling thread's totals since the last `take`, reset.
 pub fn take() -> Profile {
     STATE.with(|s| std::mem::take(&mut s.borrow_mut().totals))
@@ -246,6 +268,7 @@ fn push(kind: Kind, op: Option<&'static str>) -> Scope {
     if !enabled() {
         return Scope { active: false };
     }
+    wait_for_device();
     let pushed = STATE
         .try_with(|s| {
             s.borrow_mut().stack.push(Frame {
@@ -269,6 +292,7 @@ impl Drop for Scope {
         if !self.active {
             return;
         }
+        wait_for_device();
         let _ = STATE.try_with(|s| {
             let mut s = s.borrow_mut();
             let Some(f) = s.stack.pop() else { return };

@@ -82,6 +82,44 @@ fn round_trip_and_views() {
     assert!(e.contains("cuda:0") && e.contains("cpu"), "{e}");
 }
 
+/// Copies of views whose rows are dense (heads of a `[batch, tokens, heads,
+/// size]` tensor, in words of 16 bytes down to one element) and of views
+/// whose rows are not, every dtype: equal to the host's bit for bit.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn copies_of_views() {
+    for dtype in [DType::F32, DType::BF16, DType::F64, DType::I64, DType::U8] {
+        for size in [64, 8, 6, 5, 3] {
+            let t = Tensor::arange(2 * 7 * 3 * size, DType::I64)
+                .unwrap()
+                .cast(dtype)
+                .unwrap()
+                .reshape(&[2, 7, 3, size])
+                .unwrap();
+            let d = gpu(&t);
+            let heads = |x: &Tensor| x.permute(&[0, 2, 1, 3]).unwrap();
+            assert_eq!(
+                host(&heads(&d).contiguous()),
+                heads(&t).contiguous(),
+                "{dtype} heads of {size}"
+            );
+            // Rows starting at odd elements: narrower words or the element kernel.
+            let cut = |x: &Tensor| x.narrow(3, 1, size - 1).unwrap().permute(&[1, 0, 2, 3]).unwrap();
+            assert_eq!(
+                host(&cut(&d).contiguous()),
+                cut(&t).contiguous(),
+                "{dtype} cut rows of {size}"
+            );
+            let cols = |x: &Tensor| x.transpose(2, 3).unwrap();
+            assert_eq!(
+                host(&cols(&d).contiguous()),
+                cols(&t).contiguous(),
+                "{dtype} columns of {size}"
+            );
+        }
+    }
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn casts() {
@@ -195,6 +233,146 @@ fn element_wise_and_reductions() {
             &a.max(&[1], false).unwrap(),
             dtype,
         );
+    }
+}
+
+/// What the LLaMA-style model adds: rotary embeddings (tables on the host or
+/// the device) and their backward, key/value heads repeated and summed back,
+/// SiLU.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn llama_ops() {
+    let (cos, sin) = tessera_tensor::ops::rotary_tables(&[0, 1, 2, 5, 9], 8, 10000.0).unwrap();
+    for dtype in [DType::F32, DType::BF16] {
+        let x = rand(&[3, 5, 4, 8], dtype, 11);
+        let want = x.rotary_embedding(&cos, &sin).unwrap();
+        check(
+            "rotary_embedding",
+            &gpu(&x).rotary_embedding(&cos, &sin).unwrap(),
+            &want,
+            dtype,
+        );
+        check(
+            "rotary_embedding, tables on the GPU",
+            &gpu(&x).rotary_embedding(&gpu(&cos), &gpu(&sin)).unwrap(),
+            &want,
+            dtype,
+        );
+        check(
+            "rotary_embedding_backward",
+            &gpu(&x).rotary_embedding_backward(&cos, &sin).unwrap(),
+            &x.rotary_embedding_backward(&cos, &sin).unwrap(),
+            dtype,
+        );
+        check(
+            "repeat_interleave dim 2",
+            &gpu(&x).repeat_interleave(2, 2).unwrap(),
+            &x.repeat_interleave(2, 2).unwrap(),
+            dtype,
+        );
+        check(
+            "repeat_interleave_backward dim 2",
+            &gpu(&x).repeat_interleave_backward(2, 2).unwrap(),
+            &x.repeat_interleave_backward(2, 2).unwrap(),
+            dtype,
+        );
+        check("silu", &gpu(&x).silu().unwrap(), &x.silu().unwrap(), dtype);
+    }
+}
+
+/// Rows as wide as the warp-per-row kernels take (1024) and one past them,
+/// for the softmax family and the norms, forward and backward.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn row_kernels_at_their_widths() {
+    for dtype in [DType::F32, DType::BF16] {
+        for n in [512, 1000, 1024, 1025] {
+            let x = rand(&[40, n], dtype, 21);
+            let g = rand(&[40, n], dtype, 22);
+            let w = rand(&[n], dtype, 23);
+            let (dx, dg, dw) = (gpu(&x), gpu(&g), gpu(&w));
+            let what = |op: &str| format!("{op} n={n}");
+            check(&what("softmax"), &dx.softmax(1).unwrap(), &x.softmax(1).unwrap(), dtype);
+            let scores = x.reshape(&[1, 40, n]).unwrap();
+            let p = scores.attention_probs(0.125, true).unwrap();
+            check(
+                &what("attention_probs causal"),
+                &gpu(&scores).attention_probs(0.125, true).unwrap(),
+                &p,
+                dtype,
+            );
+            check(
+                &what("softmax_backward"),
+                &dg.softmax_backward(&gpu(&x.softmax(1).unwrap()), 1).unwrap(),
+                &g.softmax_backward(&x.softmax(1).unwrap(), 1).unwrap(),
+                dtype,
+            );
+            let (y, mean, rstd) = x.layer_norm_with_stats(Some(&w), None, 1e-5).unwrap();
+            let (dy, dmean, drstd) = dx.layer_norm_with_stats(Some(&dw), None, 1e-5).unwrap();
+            check(&what("layer_norm"), &dy, &y, dtype);
+            check(
+                &what("layer_norm_backward"),
+                &dg.layer_norm_backward_with_stats(&dx, &dmean, &drstd, Some(&dw))
+                    .unwrap(),
+                &g.layer_norm_backward_with_stats(&x, &mean, &rstd, Some(&w)).unwrap(),
+                dtype,
+            );
+            check(
+                &what("rms_norm"),
+                &dx.rms_norm_with_stats(Some(&dw), 1e-5).unwrap().0,
+                &x.rms_norm_with_stats(Some(&w), 1e-5).unwrap().0,
+                dtype,
+            );
+        }
+    }
+}
+
+/// The causal parts of attention's products against the host's, dense (short
+/// sequences) and in row blocks (long ones, uneven blocks included).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn causal_products() {
+    use tessera_tensor::ops::Causal;
+    for dtype in [DType::F32, DType::BF16] {
+        for (t, s) in [(100, 100), (300, 300), (512, 512), (200, 260)] {
+            let q = rand(&[2, 3, t, 16], dtype, 31);
+            let k = rand(&[2, 3, s, 16], dtype, 32);
+            let kt = k.transpose(2, 3).unwrap();
+            let what = |p: &str| format!("matmul_causal {p} {t}x{s}");
+            let scores = q.matmul_causal(&kt, Causal::Scores).unwrap();
+            check(
+                &what("Scores"),
+                &gpu(&q)
+                    .matmul_causal(&gpu(&k).transpose(2, 3).unwrap(), Causal::Scores)
+                    .unwrap(),
+                &scores,
+                dtype,
+            );
+            if t != s {
+                continue;
+            }
+            // Weights: the causal probabilities times values.
+            let p = scores.attention_probs(0.25, true).unwrap();
+            let v = rand(&[2, 3, s, 8], dtype, 33);
+            check(
+                &what("Weights"),
+                &gpu(&p).matmul_causal(&gpu(&v), Causal::Weights).unwrap(),
+                &p.matmul_causal(&v, Causal::Weights).unwrap(),
+                dtype,
+            );
+            let g = rand(&[2, 3, t, 8], dtype, 34);
+            let pt = p.transpose(2, 3).unwrap();
+            check(
+                &what("WeightsTransposed"),
+                &gpu(&p)
+                    .transpose(2, 3)
+                    .unwrap()
+                    .matmul_causal(&gpu(&g), Causal::WeightsTransposed)
+                    .unwrap(),
+                &pt.matmul_causal(&g, Causal::WeightsTransposed).unwrap(),
+                dtype,
+            );
+        }
     }
 }
 

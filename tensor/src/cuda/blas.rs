@@ -51,8 +51,25 @@ pub(crate) struct Operand {
     pub(crate) batch_stride: usize,
 }
 
+impl Operand {
+    /// The operand starting at element `(row, col)` of each matrix (a block of
+    /// it: the caller's shapes say how far it reaches), for `elem`-byte elements.
+    pub(crate) fn at(self, row: usize, col: usize, elem: usize) -> Operand {
+        let offset = if self.transposed {
+            col * self.ld + row
+        } else {
+            row * self.ld + col
+        };
+        Operand {
+            ptr: self.ptr + (offset * elem) as u64,
+            ..self
+        }
+    }
+}
+
 /// `c[b] = a[b] · b[b]` for `batch` products of `[m, k] · [k, n]`, `c`
-/// row-major and dense.
+/// row-major (`c.transposed` false): rows `c.ld` apart, matrices
+/// `c.batch_stride` apart.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn gemm(
     blas: &Blas,
@@ -60,8 +77,9 @@ pub(crate) fn gemm(
     (batch, m, k, n): (usize, usize, usize, usize),
     a: Operand,
     b: Operand,
-    c: u64,
+    c: Operand,
 ) -> Result<()> {
+    debug_assert!(!c.transposed, "cuBLAS writes the row-major product");
     let int = |v: usize, what: &str| {
         i32::try_from(v).map_err(|_| Error::Device {
             op: "matmul",
@@ -127,10 +145,10 @@ pub(crate) fn gemm(
             int(a.ld, "leading dim")?,
             a.batch_stride as i64,
             beta,
-            c as *mut c_void,
+            c.ptr as *mut c_void,
             data,
-            int(n, "n")?,
-            (m * n) as i64,
+            int(c.ld, "leading dim")?,
+            c.batch_stride as i64,
             int(batch, "batch")?,
             compute,
             sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,

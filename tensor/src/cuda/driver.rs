@@ -123,12 +123,33 @@ unsafe impl Send for RankStreams {}
 // SAFETY: as above.
 unsafe impl Sync for RankStreams {}
 
+type StreamKey = (Option<RankId>, usize);
+
+/// Every rank's streams, by rank and GPU, created at a rank's first use of a GPU.
+static STREAMS: LazyLock<Mutex<HashMap<StreamKey, Arc<RankStreams>>>> = LazyLock::new(Default::default);
+
+/// Waits until the calling rank's work on every GPU it has used has finished
+/// (nothing to wait for, and no driver loaded, when it has used none).
+pub(crate) fn synchronize_rank() -> Result<()> {
+    let rank = current_rank();
+    let mine: Vec<Arc<RankStreams>> = STREAMS
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .iter()
+        .filter(|((r, _), _)| *r == rank)
+        .map(|(_, s)| Arc::clone(s))
+        .collect();
+    for s in mine {
+        s.compute.synchronize().map_err(|e| cuda_error("synchronize", e))?;
+        s.comm.synchronize().map_err(|e| cuda_error("synchronize", e))?;
+    }
+    Ok(())
+}
+
 /// The streams of the rank the calling thread works for, on `gpu`: every thread
 /// of one rank shares them, so a rank's work is ordered whatever thread issues
 /// it; threads outside a launch share one set per GPU.
 pub(crate) fn streams(gpu: &Arc<Gpu>) -> Result<Arc<RankStreams>> {
-    type Key = (Option<RankId>, usize);
-    static STREAMS: LazyLock<Mutex<HashMap<Key, Arc<RankStreams>>>> = LazyLock::new(Default::default);
     let key = (current_rank(), gpu.ordinal);
     let mut map = STREAMS.lock().unwrap_or_else(PoisonError::into_inner);
     if let Some(s) = map.get(&key) {
@@ -157,11 +178,36 @@ pub(crate) fn grid_1d(n: usize) -> LaunchConfig {
     }
 }
 
-/// Blocks of 32 columns × 32 lanes over `n` columns (`kernels.cu`'s `column_sums`).
-pub(crate) fn grid_columns(n: usize) -> LaunchConfig {
+/// Blocks of 32 columns × 32 lanes over `n` columns, times `chunks` of rows
+/// (`kernels.cu`'s `column_sums`).
+pub(crate) fn grid_columns(n: usize, chunks: usize) -> LaunchConfig {
     LaunchConfig {
-        grid_dim: (n.div_ceil(32).clamp(1, u32::MAX as usize) as u32, 1, 1),
+        grid_dim: (
+            n.div_ceil(32).clamp(1, u32::MAX as usize) as u32,
+            chunks.clamp(1, 65535) as u32,
+            1,
+        ),
         block_dim: (1024, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// Rows per block of the warp-per-row kernels (`kernels.cu`'s `WARP_ROWS`).
+const WARP_ROWS_PER_BLOCK: usize = 4;
+
+/// The slots per lane of the warp-per-row kernels for rows of `n` elements (a
+/// power of two with `n ≤ 32·slots`), or `None` for rows longer than 1024,
+/// which take the block-per-row kernels.
+pub(crate) fn warp_slots(n: usize) -> Option<usize> {
+    (n <= 1024).then(|| n.div_ceil(32).next_power_of_two())
+}
+
+/// One warp per row, [`WARP_ROWS_PER_BLOCK`] rows to a block (the kernels loop
+/// over the grid, so the clamp only limits the launch).
+pub(crate) fn grid_warp_rows(rows: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (rows.div_ceil(WARP_ROWS_PER_BLOCK).clamp(1, 1 << 20) as u32, 1, 1),
+        block_dim: (32 * WARP_ROWS_PER_BLOCK as u32, 1, 1),
         shared_mem_bytes: 0,
     }
 }

@@ -105,6 +105,42 @@ extern "C" __global__ void copy_w2(unsigned short* o, const unsigned short* x, G
 extern "C" __global__ void copy_w4(unsigned int* o, const unsigned int* x, Geo g) { copy_strided(o, x, g); }
 extern "C" __global__ void copy_w8(unsigned long long* o, const unsigned long long* x, Geo g) { copy_strided(o, x, g); }
 
+// Zeroes [i, j], j > i, inside the diagonal tiles (block × block) of count
+// row-major [m, n] matrices: one thread per (matrix, row, column of its tile).
+template <typename W> __device__ void causal_zero(W* c, i64 count, i64 m, i64 n, i64 block) {
+    i64 width = min(block, n);
+    GRID_LOOP(t, count * m * width) {
+        i64 jj = t % width, q = t / width;
+        i64 i = q % m, b = q / m;
+        i64 j = (i / block) * block + jj;
+        if (j > i && j < n) c[(b * m + i) * n + j] = (W)0;
+    }
+}
+extern "C" __global__ void causal_zero_w2(unsigned short* c, i64 k, i64 m, i64 n, i64 b) { causal_zero(c, k, m, n, b); }
+extern "C" __global__ void causal_zero_w4(unsigned int* c, i64 k, i64 m, i64 n, i64 b) { causal_zero(c, k, m, n, b); }
+extern "C" __global__ void causal_zero_w8(unsigned long long* c, i64 k, i64 m, i64 n, i64 b) { causal_zero(c, k, m, n, b); }
+
+// Copies whose innermost dim is dense on both sides, in words of W: `inner`
+// words per row, the rows placed by g (over the outer dims, strides in
+// words). One thread per word; the index arithmetic is per row, not per
+// element.
+struct __align__(16) Word16 { unsigned long long lo, hi; };
+template <typename W> __device__ void copy_words(W* out, const W* in, i64 words, i64 inner, Geo g) {
+    bool small = words < 2147483647LL;
+    GRID_LOOP(t, words) {
+        i64 row = small ? (i64)((unsigned int)t / (unsigned int)inner) : t / inner;
+        i64 j = t - row * inner;
+        i64 a, b;
+        offsets(g, row, &a, &b);
+        out[b + j] = in[a + j];
+    }
+}
+extern "C" __global__ void copy_words_w1(unsigned char* o, const unsigned char* x, i64 w, i64 n, Geo g) { copy_words(o, x, w, n, g); }
+extern "C" __global__ void copy_words_w2(unsigned short* o, const unsigned short* x, i64 w, i64 n, Geo g) { copy_words(o, x, w, n, g); }
+extern "C" __global__ void copy_words_w4(unsigned int* o, const unsigned int* x, i64 w, i64 n, Geo g) { copy_words(o, x, w, n, g); }
+extern "C" __global__ void copy_words_w8(unsigned long long* o, const unsigned long long* x, i64 w, i64 n, Geo g) { copy_words(o, x, w, n, g); }
+extern "C" __global__ void copy_words_w16(Word16* o, const Word16* x, i64 w, i64 n, Geo g) { copy_words(o, x, w, n, g); }
+
 template <typename S, typename D> __device__ void cast_strided(D* out, const S* in, Geo g) {
     GRID_LOOP(i, g.numel) {
         i64 a, b;
@@ -112,6 +148,15 @@ template <typename S, typename D> __device__ void cast_strided(D* out, const S* 
         out[i] = from_d<D>((double)to_f(in[a]));
     }
 }
+// Casts of dense inputs: element i to element i, no index arithmetic.
+template <typename S, typename D> __device__ void cast_dense(D* out, const S* in, i64 n) {
+    GRID_LOOP(i, n) out[i] = from_d<D>((double)to_f(in[i]));
+}
+extern "C" __global__ void cast_dense_f32_bf16(bf16* o, const float* x, i64 n) { cast_dense(o, x, n); }
+extern "C" __global__ void cast_dense_bf16_f32(float* o, const bf16* x, i64 n) { cast_dense(o, x, n); }
+extern "C" __global__ void cast_dense_f32_f64(double* o, const float* x, i64 n) { cast_dense(o, x, n); }
+extern "C" __global__ void cast_dense_f64_f32(float* o, const double* x, i64 n) { cast_dense(o, x, n); }
+extern "C" __global__ void cast_dense_bf16_f64(double* o, const bf16* x, i64 n) { cast_dense(o, x, n); }
 extern "C" __global__ void cast_f32_bf16(bf16* o, const float* x, Geo g) { cast_strided(o, x, g); }
 extern "C" __global__ void cast_bf16_f32(float* o, const bf16* x, Geo g) { cast_strided(o, x, g); }
 extern "C" __global__ void cast_f32_f64(double* o, const float* x, Geo g) { cast_strided(o, x, g); }
@@ -404,6 +449,187 @@ extern "C" __global__ void softmax_backward_rows_f32(float* o, const float* g, c
 extern "C" __global__ void softmax_backward_rows_f64(double* o, const double* g, const double* y, i64 rows, i64 n, double s) { softmax_backward_rows(o, g, y, rows, n, s); }
 extern "C" __global__ void softmax_backward_rows_bf16(bf16* o, const bf16* g, const bf16* y, i64 rows, i64 n, double s) { softmax_backward_rows(o, g, y, rows, n, s); }
 
+// ---- rows in one warp -------------------------------------------------------------
+// Rows of at most 32·PER elements, one warp each (blockDim.x / 32 rows per
+// block): the row is read once into registers (element lane + 32·i in slot i)
+// and its statistics reduce by shuffles, with no block barrier. The arithmetic
+// is the block kernels' above; only the order of the f64 sums differs.
+
+__device__ __forceinline__ double warp_max(double v) {
+    for (int o = 16; o > 0; o >>= 1) {
+        double w = __shfl_xor_sync(0xffffffffu, v, o);
+        v = (v != v || v >= w) ? v : w;
+    }
+    return v;
+}
+__device__ __forceinline__ double warp_sum(double v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+#define WARP_ROWS(r, rows)                                                                  \
+    const int lane = threadIdx.x & 31;                                                      \
+    const i64 warps_ = (i64)gridDim.x * (blockDim.x >> 5);                                  \
+    for (i64 r = (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); r < (rows); r += warps_)
+
+template <typename T, int PER> __device__ void softmax_warp(T* out, const T* x, i64 rows, i64 n, double scale, i64 period, int log_) {
+    typedef typename Acc<T>::type A;
+    WARP_ROWS(r, rows) {
+        const T* row = x + r * n;
+        T* o = out + r * n;
+        i64 keep = kept(r, n, period);
+        // The scaled score rounded to the dtype, as mul_scalar leaves it (exact in A).
+        A v[PER];
+        double m = NEG_INF;
+#pragma unroll
+        for (int i = 0; i < PER; ++i) {
+            i64 j = lane + 32 * i;
+            v[i] = (A)0;
+            if (j < keep) {
+                v[i] = (A)to_f(from_d<T>((double)((A)to_f(row[j]) * (A)scale)));
+                double d = (double)v[i];
+                m = (m != m || m >= d) ? m : d;
+            }
+        }
+        m = warp_max(m);
+        double s = 0.0;
+#pragma unroll
+        for (int i = 0; i < PER; ++i)
+            if (lane + 32 * i < keep) s += (double)m_exp((A)((double)v[i] - m));
+        s = warp_sum(s);
+#pragma unroll
+        for (int i = 0; i < PER; ++i) {
+            i64 j = lane + 32 * i;
+            if (j >= n) continue;
+            if (j >= keep) { o[j] = from_d<T>(log_ ? NEG_INF : 0.0); continue; }
+            double d = (double)v[i] - m;
+            o[j] = log_ ? from_d<T>(d - log(s)) : from_d<T>((double)m_exp((A)d) * (1.0 / s));
+        }
+    }
+}
+
+template <typename T, int PER> __device__ void softmax_backward_warp(T* out, const T* g, const T* y, i64 rows, i64 n, double scale) {
+    typedef typename Acc<T>::type A;
+    WARP_ROWS(r, rows) {
+        A gv[PER], yv[PER];
+        double dot = 0.0;
+#pragma unroll
+        for (int i = 0; i < PER; ++i) {
+            i64 j = lane + 32 * i;
+            gv[i] = (A)0;
+            yv[i] = (A)0;
+            if (j < n) {
+                gv[i] = (A)to_f(g[r * n + j]);
+                yv[i] = (A)to_f(y[r * n + j]);
+                dot += (double)gv[i] * (double)yv[i];
+            }
+        }
+        dot = warp_sum(dot);
+#pragma unroll
+        for (int i = 0; i < PER; ++i) {
+            i64 j = lane + 32 * i;
+            if (j < n) out[r * n + j] = from_d<T>((double)yv[i] * ((double)gv[i] - dot) * scale);
+        }
+    }
+}
+
+// Layer norm (rms = 0) or RMSNorm (rms = 1) of rows of at most 32·PER: norm_rows in one warp.
+template <typename T, int PER> __device__ void norm_warp(T* out, double* mean_out, double* rstd_out, const T* x, const T* w, const T* b,
+                                                         i64 rows, i64 n, double eps, int rms) {
+    typedef typename Acc<T>::type A;
+    WARP_ROWS(r, rows) {
+        A xv[PER];
+        double s = 0.0;
+#pragma unroll
+        for (int i = 0; i < PER; ++i) {
+            i64 j = lane + 32 * i;
+            xv[i] = j < n ? (A)to_f(x[r * n + j]) : (A)0;
+            s += (double)xv[i];
+        }
+        double mean = rms ? 0.0 : warp_sum(s) / (double)n;
+        double q = 0.0;
+#pragma unroll
+        for (int i = 0; i < PER; ++i)
+            if (lane + 32 * i < n) { double d = (double)xv[i] - mean; q += d * d; }
+        q = warp_sum(q);
+        double rstd = 1.0 / sqrt(q / (double)n + eps);
+        A am = (A)mean, ar = (A)rstd;
+#pragma unroll
+        for (int i = 0; i < PER; ++i) {
+            i64 j = lane + 32 * i;
+            if (j >= n) continue;
+            A v = (xv[i] - am) * ar;
+            if (rms) {
+                T y1;
+                store(&y1, v);
+                v = (A)to_f(y1);
+            }
+            if (w) v *= (A)to_f(w[j]);
+            if (b) v += (A)to_f(b[j]);
+            store(&out[r * n + j], v);
+        }
+        if (lane == 0) { mean_out[r] = mean; rstd_out[r] = rstd; }
+    }
+}
+
+// dx of layer norm or RMSNorm for rows of at most 32·PER: norm_backward_rows in
+// one warp (g and x kept in registers; h and x̂ recomputed as that kernel does).
+template <typename T, int PER> __device__ void norm_backward_warp(T* out, const T* g, const T* x, const T* w, const double* mean_in,
+                                                                  const double* rstd_in, i64 rows, i64 n, int rms) {
+    typedef typename Acc<T>::type A;
+    WARP_ROWS(r, rows) {
+        double mean = mean_in[r], rstd = rstd_in[r];
+        A gv[PER], xv[PER];
+        double sh = 0.0, shx = 0.0;
+#pragma unroll
+        for (int i = 0; i < PER; ++i) {
+            i64 j = lane + 32 * i;
+            gv[i] = (A)0;
+            xv[i] = (A)0;
+            if (j < n) {
+                gv[i] = (A)to_f(g[r * n + j]);
+                xv[i] = (A)to_f(x[r * n + j]);
+                double h = (double)gv[i] * (w ? (double)to_f(w[j]) : 1.0);
+                sh += h;
+                shx += h * (((double)xv[i] - mean) * rstd);
+            }
+        }
+        sh = warp_sum(sh) / (double)n;
+        shx = warp_sum(shx) / (double)n;
+        if (rms) sh = 0.0;
+#pragma unroll
+        for (int i = 0; i < PER; ++i) {
+            i64 j = lane + 32 * i;
+            if (j >= n) continue;
+            double h = (double)gv[i] * (w ? (double)to_f(w[j]) : 1.0);
+            double xh = ((double)xv[i] - mean) * rstd;
+            out[r * n + j] = from_d<T>(rstd * (h - sh - xh * shx));
+        }
+    }
+}
+
+#define WARP_KERNELS_T(PER, T, ty)                                                                                              \
+    extern "C" __global__ void softmax_warp##PER##_##ty(T* o, const T* x, i64 rows, i64 n, double sc, i64 p, int l) {            \
+        softmax_warp<T, PER>(o, x, rows, n, sc, p, l);                                                                           \
+    }                                                                                                                            \
+    extern "C" __global__ void softmax_backward_warp##PER##_##ty(T* o, const T* g, const T* y, i64 rows, i64 n, double s) {      \
+        softmax_backward_warp<T, PER>(o, g, y, rows, n, s);                                                                      \
+    }                                                                                                                            \
+    extern "C" __global__ void norm_warp##PER##_##ty(T* o, double* m, double* rs, const T* x, const T* w, const T* b, i64 rows, \
+                                                     i64 n, double eps, int rms) {                                               \
+        norm_warp<T, PER>(o, m, rs, x, w, b, rows, n, eps, rms);                                                                 \
+    }                                                                                                                            \
+    extern "C" __global__ void norm_backward_warp##PER##_##ty(T* o, const T* g, const T* x, const T* w, const double* m,        \
+                                                              const double* rs, i64 rows, i64 n, int rms) {                      \
+        norm_backward_warp<T, PER>(o, g, x, w, m, rs, rows, n, rms);                                                             \
+    }
+#define WARP_KERNELS(PER) WARP_KERNELS_T(PER, float, f32) WARP_KERNELS_T(PER, double, f64) WARP_KERNELS_T(PER, bf16, bf16)
+WARP_KERNELS(1)
+WARP_KERNELS(2)
+WARP_KERNELS(4)
+WARP_KERNELS(8)
+WARP_KERNELS(16)
+WARP_KERNELS(32)
+
 // ---- normalisations ---------------------------------------------------------------
 
 // Layer norm (rms = 0) or RMSNorm (rms = 1) of rows of n: y = x̂·w + b with
@@ -472,20 +698,23 @@ extern "C" __global__ void norm_backward_rows_f64(double* o, const double* g, co
 extern "C" __global__ void norm_backward_rows_bf16(bf16* o, const bf16* g, const bf16* x, const bf16* w, const double* m, const double* rs, i64 rows, i64 n, int rms) { norm_backward_rows(o, g, x, w, m, rs, rows, n, rms); }
 
 // Column sums of a [rows, n] matrix in f64: a block of 32 columns × 32 lanes
-// (1024 threads); lane l adds rows l, l + 32, ... of its column (a warp reads
-// 32 neighbouring columns of one row at once), then the 32 lanes' sums are
-// added in lane order. With `norm`, each element is g·x̂ (x̂ = (x − mean)·rstd
-// of its row): the weight gradient of layer norm and RMSNorm.
-template <typename T> __device__ void column_sums(T* out, const T* g, const T* x, const double* mean_in, const double* rstd_in,
-                                                  i64 rows, i64 n, double scale, int norm) {
+// (1024 threads) over the rows of chunk blockIdx.y; lane l adds rows l, l + 32,
+// ... of the chunk in its column (a warp reads 32 neighbouring columns of one
+// row at once), then the 32 lanes' sums are added in lane order. With x not
+// null, each element is g·x̂ (x̂ = (x − mean)·rstd of its row): the weight
+// gradient of layer norm and RMSNorm. One chunk writes out[j] = scale·sum;
+// several write their sums to parts[chunk, j] for column_finish.
+template <typename T> __device__ void column_sums(T* out, double* parts, const T* g, const T* x, const double* mean_in,
+                                                  const double* rstd_in, i64 rows, i64 n, i64 chunk, double scale) {
     __shared__ double part[32][33];
     int c = threadIdx.x & 31, lane = threadIdx.x >> 5;
     i64 j = (i64)blockIdx.x * 32 + c;
+    i64 r0 = (i64)blockIdx.y * chunk, r1 = min(rows, r0 + chunk);
     double acc = 0.0;
     if (j < n) {
-        for (i64 r = lane; r < rows; r += 32) {
+        for (i64 r = r0 + lane; r < r1; r += 32) {
             double v = (double)to_f(g[r * n + j]);
-            if (norm) v *= ((double)to_f(x[r * n + j]) - mean_in[r]) * rstd_in[r];
+            if (x) v *= ((double)to_f(x[r * n + j]) - mean_in[r]) * rstd_in[r];
             acc += v;
         }
     }
@@ -494,15 +723,29 @@ template <typename T> __device__ void column_sums(T* out, const T* g, const T* x
     if (lane == 0 && j < n) {
         double s = 0.0;
         for (int l = 0; l < 32; ++l) s += part[l][c];
+        if (parts) parts[(i64)blockIdx.y * n + j] = s;
+        else out[j] = from_d<T>(s * scale);
+    }
+}
+// out[j] = scale · Σ_k parts[k, j], chunks added in order.
+template <typename T> __device__ void column_finish(T* out, const double* parts, i64 chunks, i64 n, double scale) {
+    GRID_LOOP(j, n) {
+        double s = 0.0;
+        for (i64 k = 0; k < chunks; ++k) s += parts[k * n + j];
         out[j] = from_d<T>(s * scale);
     }
 }
-extern "C" __global__ void norm_weight_grad_f32(float* o, const float* g, const float* x, const double* m, const double* rs, i64 rows, i64 n) { column_sums(o, g, x, m, rs, rows, n, 1.0, 1); }
-extern "C" __global__ void norm_weight_grad_f64(double* o, const double* g, const double* x, const double* m, const double* rs, i64 rows, i64 n) { column_sums(o, g, x, m, rs, rows, n, 1.0, 1); }
-extern "C" __global__ void norm_weight_grad_bf16(bf16* o, const bf16* g, const bf16* x, const double* m, const double* rs, i64 rows, i64 n) { column_sums(o, g, x, m, rs, rows, n, 1.0, 1); }
-extern "C" __global__ void sum_columns_f32(float* o, const float* g, i64 rows, i64 n, double s) { column_sums(o, g, (const float*)0, (const double*)0, (const double*)0, rows, n, s, 0); }
-extern "C" __global__ void sum_columns_f64(double* o, const double* g, i64 rows, i64 n, double s) { column_sums(o, g, (const double*)0, (const double*)0, (const double*)0, rows, n, s, 0); }
-extern "C" __global__ void sum_columns_bf16(bf16* o, const bf16* g, i64 rows, i64 n, double s) { column_sums(o, g, (const bf16*)0, (const double*)0, (const double*)0, rows, n, s, 0); }
+#define COLUMN_KERNELS(T, ty)                                                                                            \
+    extern "C" __global__ void column_sums_##ty(T* o, double* p, const T* g, const T* x, const double* m, const double* rs, \
+                                                i64 rows, i64 n, i64 chunk, double s) {                                  \
+        column_sums(o, p, g, x, m, rs, rows, n, chunk, s);                                                               \
+    }                                                                                                                    \
+    extern "C" __global__ void column_finish_##ty(T* o, const double* p, i64 chunks, i64 n, double s) {                  \
+        column_finish(o, p, chunks, n, s);                                                                               \
+    }
+COLUMN_KERNELS(float, f32)
+COLUMN_KERNELS(double, f64)
+COLUMN_KERNELS(bf16, bf16)
 
 // ---- cross entropy ------------------------------------------------------------------
 

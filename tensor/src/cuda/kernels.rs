@@ -65,9 +65,17 @@ mod tests {
                 "softmax_backward_rows_f32",
                 "norm_rows_f32",
                 "norm_backward_rows_bf16",
-                "norm_weight_grad_f32",
-                "sum_columns_f32",
-                "sum_columns_bf16",
+                "column_sums_f32",
+                "column_sums_bf16",
+                "column_finish_f64",
+                "causal_zero_w2",
+                "causal_zero_w4",
+                "causal_zero_w8",
+                "copy_words_w1",
+                "copy_words_w2",
+                "copy_words_w4",
+                "copy_words_w8",
+                "copy_words_w16",
                 "cross_entropy_rows_f32",
                 "cross_entropy_backward_bf16",
                 "sum_f64_ordered",
@@ -101,6 +109,20 @@ mod tests {
                 .flat_map(|o| ["f32", "f64", "bf16"].map(|t| format!("{o}_{t}")))
                 .collect();
             names.extend(typed.iter().map(String::as_str));
+            // Every warp-per-row kernel a row op can ask for (`ops::row_kernel`).
+            let slots = (0..=1024).filter_map(super::super::driver::warp_slots);
+            let warp: Vec<String> = ["softmax", "softmax_backward", "norm", "norm_backward"]
+                .iter()
+                .flat_map(|f| {
+                    slots
+                        .clone()
+                        .flat_map(move |k| ["f32", "f64", "bf16"].map(|t| format!("{f}_warp{k}_{t}")))
+                })
+                .collect();
+            names.extend(warp.iter().map(String::as_str));
+            let dense_casts =
+                ["f32_bf16", "bf16_f32", "f32_f64", "f64_f32", "bf16_f64"].map(|c| format!("cast_dense_{c}"));
+            names.extend(dense_casts.iter().map(String::as_str));
             for name in names {
                 assert!(
                     ptx.contains(&format!(".entry {name}(")),

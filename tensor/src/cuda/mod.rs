@@ -27,7 +27,7 @@ mod alloc;
 mod blas;
 mod buffer;
 pub mod comm;
-mod driver;
+pub(crate) mod driver;
 mod kernels;
 mod library;
 pub(crate) mod ops;

@@ -104,6 +104,10 @@ impl Tensor {
 
     fn rotary(&self, op: &'static str, cos: &Tensor, sin: &Tensor, backward: bool) -> Result<Tensor> {
         let (s, d) = check_rotary(op, self, cos, sin)?;
+        if self.numel() == 0 {
+            // Nothing to rotate: the tables (wherever they are) are not read.
+            return Tensor::zeros(self.shape(), self.dtype())?.to(self.device());
+        }
         #[cfg(feature = "cuda")]
         if self.is_cuda() {
             return rotary_composed(self, &cos.to(self.device())?, &sin.to(self.device())?, backward);

@@ -1,6 +1,7 @@
 //! Matrix products on cuBLAS.
 
 use super::*;
+use crate::ops::Causal;
 
 // ---- matrix products ------------------------------------------------------------------------
 
@@ -19,9 +20,24 @@ fn matrix_layout(t: &Tensor) -> Option<(bool, usize)> {
     }
 }
 
+/// Rows per block of a causal part's products: a product of `m` rows in
+/// blocks of 128 or more (at most 8 blocks), so that each cuBLAS call stays
+/// large; `m` itself (one dense product) below 256 rows.
+fn causal_block_rows(m: usize) -> usize {
+    if m < 256 {
+        m
+    } else {
+        m.div_ceil(m.div_ceil(128).min(8)).next_multiple_of(64)
+    }
+}
+
 /// `a · b` for `a` `[batch.., m, k]` and `b` `[batch.., k, n]` whose batch
-/// dims are already broadcast to `batch` (shapes checked by the caller).
-pub(crate) fn matmul(a: &Tensor, b: &Tensor, batch: &[usize]) -> Result<Tensor> {
+/// dims are already broadcast to `batch` (shapes checked by the caller), or
+/// the causal `part` of it (see [`Causal`]): in blocks of rows, each block's
+/// product skips the columns (or inner dims) that the mask leaves out, about
+/// half of the flops of a long sequence. Scores are zero above the diagonal,
+/// as on the host.
+pub(crate) fn matmul(a: &Tensor, b: &Tensor, batch: &[usize], part: Causal) -> Result<Tensor> {
     const OP: &str = "matmul";
     let s = streams_for(OP, &[a, b])?;
     let (ra, rb) = (a.rank(), b.rank());
@@ -74,6 +90,59 @@ pub(crate) fn matmul(a: &Tensor, b: &Tensor, batch: &[usize]) -> Result<Tensor> 
     };
     let (oa, _ka) = operand(a)?;
     let (ob, _kb) = operand(b)?;
-    blas::gemm(&s.blas, a.dtype(), (count, m, k, n), oa, ob, ptr(&out))?;
+    let oc = Operand {
+        ptr: ptr(&out),
+        transposed: false,
+        ld: n,
+        batch_stride: m * n,
+    };
+    let dtype = a.dtype();
+    let block = causal_block_rows(m);
+    if part == Causal::Dense || block >= m {
+        blas::gemm(&s.blas, dtype, (count, m, k, n), oa, ob, oc)?;
+        if part == Causal::Scores {
+            // One tile as wide as the matrix: every key past its query.
+            zero_above_diagonal(&s, &out, count, m, n, m.max(n))?;
+        }
+        return Ok(out);
+    }
+    let elem = dtype.size_in_bytes();
+    if part == Causal::Scores {
+        // The blocks right of each block's diagonal tile are not computed.
+        s.gpu.bind()?;
+        // SAFETY: the block holds the output's bytes; zeroed on the rank's stream.
+        unsafe { cudarc::driver::result::memset_d8_async(ptr(&out), 0, out.size_in_bytes(), s.compute.cu_stream()) }
+            .map_err(|e| cuda_error(OP, e))?;
+    }
+    for r0 in (0..m).step_by(block) {
+        let r1 = (r0 + block).min(m);
+        let (a0, c0) = (oa.at(r0, 0, elem), oc.at(r0, 0, elem));
+        match part {
+            // Queries [r0, r1) see keys [0, r1).
+            Causal::Scores => blas::gemm(&s.blas, dtype, (count, r1 - r0, k, r1.min(n)), a0, ob, c0)?,
+            // Weights of queries [r0, r1) are zero past key r1.
+            Causal::Weights => blas::gemm(&s.blas, dtype, (count, r1 - r0, r1.min(k), n), a0, ob, c0)?,
+            // Keys [r0, r1) are seen by queries [r0, k).
+            Causal::WeightsTransposed => {
+                let i0 = r0.min(k);
+                let (a0, b0) = (oa.at(r0, i0, elem), ob.at(i0, 0, elem));
+                blas::gemm(&s.blas, dtype, (count, r1 - r0, k - i0, n), a0, b0, c0)?
+            }
+            Causal::Dense => unreachable!("dense products returned above"),
+        }
+    }
+    if part == Causal::Scores {
+        zero_above_diagonal(&s, &out, count, m, n, block)?;
+    }
     Ok(out)
+}
+
+/// Zeroes the elements `[i, j]`, `j > i`, of the diagonal tiles (`block`
+/// rows and columns each) of `count` row-major `[m, n]` matrices: what the
+/// block products of a causal `Scores` part computed past the diagonal.
+fn zero_above_diagonal(s: &RankStreams, out: &Tensor, count: usize, m: usize, n: usize, block: usize) -> Result<()> {
+    const OP: &str = "matmul_causal";
+    let (o, c, mm, nn, b) = (ptr(out), count as i64, m as i64, n as i64, block as i64);
+    let name = format!("causal_zero_w{}", out.dtype().size_in_bytes());
+    launch!(s, OP, name, grid_1d(count * m * block.min(n)), &o, &c, &mm, &nn, &b)
 }

@@ -11,10 +11,11 @@ use tessera_mesh::DType;
 
 use super::blas::{self, Operand};
 use super::buffer::CudaBuffer;
-use super::driver::{self, RankStreams, grid_1d, grid_columns, grid_rows};
+use super::driver::{self, RankStreams, grid_1d, grid_columns, grid_rows, grid_warp_rows, warp_slots};
 use super::library::cuda_error;
 use crate::ops::Reduction;
 use crate::{Device, Error, Result, Tensor};
+use cudarc::driver::LaunchConfig;
 
 /// The most dims a strided kernel takes.
 const MAX_DIMS: usize = 8;
@@ -151,6 +152,16 @@ macro_rules! launch {
     }};
 }
 
+/// The kernel `{family}_warp{slots}_{ty}` with one warp per row when rows of
+/// `n` fit a warp's registers, else `{family}_rows_{ty}` with a block of
+/// [`row_threads`] per row.
+fn row_kernel(family: &str, ty: &str, rows: usize, n: usize) -> (String, LaunchConfig) {
+    match warp_slots(n) {
+        Some(slots) => (format!("{family}_warp{slots}_{ty}"), grid_warp_rows(rows)),
+        None => (format!("{family}_rows_{ty}"), grid_rows(rows, row_threads(n))),
+    }
+}
+
 /// Threads per row for the row kernels: enough for the row, a multiple of 32.
 fn row_threads(n: usize) -> u32 {
     (n.div_ceil(32) * 32).clamp(32, 512) as u32
@@ -235,11 +246,61 @@ fn copy_into(
     if src.numel() == 0 {
         return Ok(());
     }
-    let g = Geo::new(op, src.shape(), (&strides_of(src), 0), (dst_strides, dst_offset))?;
-    let name = format!("copy_w{}", src.dtype().size_in_bytes());
-    let (o, x) = (dst.ptr(), ptr(src));
+    let src_strides = strides_of(src);
     buf(src).block().used_on(&s.compute)?;
+    let elem = src.dtype().size_in_bytes();
+    let (o, x) = (dst.ptr(), ptr(src));
+    if let Some(word) = row_word(src, &src_strides, (o + (dst_offset * elem) as u64, dst_strides), x) {
+        // Rows dense on both sides: whole words per thread, index arithmetic per row.
+        let r = src.rank();
+        let per = (word / elem) as i64;
+        let in_words = |st: &[i64]| st[..r - 1].iter().map(|&v| v / per).collect::<Vec<_>>();
+        let g = Geo::new(
+            op,
+            &src.shape()[..r - 1],
+            (&in_words(&src_strides), 0),
+            (&in_words(dst_strides), 0),
+        )?;
+        let inner = (src.shape()[r - 1] * elem / word) as i64;
+        let words = src.numel() * elem / word;
+        let (o, n) = (o + (dst_offset * elem) as u64, words as i64);
+        return launch!(
+            s,
+            op,
+            format!("copy_words_w{word}"),
+            grid_1d(words),
+            &o,
+            &x,
+            &n,
+            &inner,
+            &g
+        );
+    }
+    let g = Geo::new(op, src.shape(), (&src_strides, 0), (dst_strides, dst_offset))?;
+    let name = format!("copy_w{elem}");
     launch!(s, op, name, grid_1d(src.numel()), &o, &x, &g)
+}
+
+/// The widest word (16, 8, 4, 2 or 1 bytes, at least an element) in which a
+/// copy of `src` (its `strides`) to `(address, strides)` can move whole rows:
+/// the innermost dim dense on both sides and every row's start on both sides
+/// aligned to the word. `None` for copies without such rows, or with rows
+/// too short to gain.
+fn row_word(src: &Tensor, strides: &[i64], (dst, dst_strides): (u64, &[i64]), src_ptr: u64) -> Option<usize> {
+    let r = src.rank();
+    let elem = src.dtype().size_in_bytes();
+    if r == 0 || strides[r - 1] != 1 || dst_strides[r - 1] != 1 || src.shape()[r - 1] < 4 {
+        return None;
+    }
+    let row_bytes = src.shape()[r - 1] * elem;
+    [16, 8, 4, 2, 1].into_iter().filter(|&w| w >= elem).find(|&w| {
+        let fits = |st: &[i64]| (0..r - 1).all(|d| src.shape()[d] == 1 || (st[d] as usize * elem).is_multiple_of(w));
+        row_bytes.is_multiple_of(w)
+            && src_ptr.is_multiple_of(w as u64)
+            && dst.is_multiple_of(w as u64)
+            && fits(strides)
+            && fits(dst_strides)
+    })
 }
 
 /// A row-major copy of `t` (itself when contiguous).
@@ -317,7 +378,21 @@ pub(crate) fn cast(t: &Tensor, dtype: DType) -> Result<Tensor> {
             (&strides_of(t), 0),
         )?;
         let (o, x) = (ptr(&out), buf(t).ptr());
-        launch!(s, "cast", format!("cast_{from}_{to_}"), grid_1d(t.numel()), &o, &x, &g)?;
+        if t.is_contiguous() && (from, to_) != ("f64", "bf16") {
+            // No index arithmetic (f64 to bf16 keeps its one-rounding kernel).
+            let (x, n) = (ptr(t), t.numel() as i64);
+            launch!(
+                s,
+                "cast",
+                format!("cast_dense_{from}_{to_}"),
+                grid_1d(t.numel()),
+                &o,
+                &x,
+                &n
+            )?;
+        } else {
+            launch!(s, "cast", format!("cast_{from}_{to_}"), grid_1d(t.numel()), &o, &x, &g)?;
+        }
     }
     Ok(out)
 }

@@ -29,18 +29,7 @@ pub(crate) fn reduce(t: &Tensor, dims: &[usize], keepdim: bool, kind: Reduce) ->
         let x = contiguous(t)?;
         let out = empty(&s, &shape, t.dtype(), op)?;
         let scale = if kind == Reduce::Mean { 1.0 / rows as f64 } else { 1.0 };
-        let (o, xp, r, nn) = (ptr(&out), ptr(&x), rows as i64, n as i64);
-        launch!(
-            s,
-            op,
-            format!("sum_columns_{ty}"),
-            grid_columns(n),
-            &o,
-            &xp,
-            &r,
-            &nn,
-            &scale
-        )?;
+        column_sums(&s, op, &out, &x, None, rows, n, scale)?;
         return Ok(out);
     }
     // The kept dims first, the reduced ones last: rows of `n` to reduce.
@@ -135,19 +124,8 @@ pub(crate) fn softmax(t: &Tensor, dim: usize, scale: f64, period: usize, log: bo
     if rows > 0 && n > 0 {
         let (o, xp) = (ptr(&out), ptr(&x));
         let (r, nn, p, lg) = (rows as i64, n as i64, period as i64, i32::from(log));
-        launch!(
-            s,
-            op,
-            format!("softmax_rows_{ty}"),
-            grid_rows(rows, row_threads(n)),
-            &o,
-            &xp,
-            &r,
-            &nn,
-            &scale,
-            &p,
-            &lg
-        )?;
+        let kernel = row_kernel("softmax", ty, rows, n);
+        launch!(s, op, kernel.0, kernel.1, &o, &xp, &r, &nn, &scale, &p, &lg)?;
     }
     restore(out, order)
 }
@@ -164,18 +142,8 @@ pub(crate) fn softmax_backward(g: &Tensor, y: &Tensor, dim: usize, scale: f64) -
     if rows > 0 && n > 0 {
         let (o, gp, yp) = (ptr(&out), ptr(&gc), ptr(&yc));
         let (r, nn) = (rows as i64, n as i64);
-        launch!(
-            s,
-            OP,
-            format!("softmax_backward_rows_{ty}"),
-            grid_rows(rows, row_threads(n)),
-            &o,
-            &gp,
-            &yp,
-            &r,
-            &nn,
-            &scale
-        )?;
+        let kernel = row_kernel("softmax_backward", ty, rows, n);
+        launch!(s, OP, kernel.0, kernel.1, &o, &gp, &yp, &r, &nn, &scale)?;
     }
     restore(out, order)
 }
@@ -218,21 +186,9 @@ pub(crate) fn norm(
         let ((wp, _wk), (bp, _bk)) = (opt_ptr(w)?, opt_ptr(b)?);
         let (o, m, rs, xp) = (ptr(&out), ptr(&mean), ptr(&rstd), ptr(&xc));
         let (r, nn, is_rms) = (rows as i64, n as i64, i32::from(rms));
+        let kernel = row_kernel("norm", ty, rows, n);
         launch!(
-            s,
-            op,
-            format!("norm_rows_{ty}"),
-            grid_rows(rows, row_threads(n)),
-            &o,
-            &m,
-            &rs,
-            &xp,
-            &wp,
-            &bp,
-            &r,
-            &nn,
-            &eps,
-            &is_rms
+            s, op, kernel.0, kernel.1, &o, &m, &rs, &xp, &wp, &bp, &r, &nn, &eps, &is_rms
         )?;
     }
     Ok((out, mean, rstd))
@@ -263,21 +219,8 @@ pub(crate) fn norm_backward(
         let (wp, _wk) = opt_ptr(w)?;
         let (o, gp, xp, mp, rp) = (ptr(&out), ptr(&gc), ptr(&xc), ptr(&mc), ptr(&rc));
         let (r, nn, is_rms) = (rows as i64, n as i64, i32::from(rms));
-        launch!(
-            s,
-            op,
-            format!("norm_backward_rows_{ty}"),
-            grid_rows(rows, row_threads(n)),
-            &o,
-            &gp,
-            &xp,
-            &wp,
-            &mp,
-            &rp,
-            &r,
-            &nn,
-            &is_rms
-        )?;
+        let kernel = row_kernel("norm_backward", ty, rows, n);
+        launch!(s, op, kernel.0, kernel.1, &o, &gp, &xp, &wp, &mp, &rp, &r, &nn, &is_rms)?;
     }
     Ok(out)
 }
@@ -286,28 +229,78 @@ pub(crate) fn norm_backward(
 pub(crate) fn norm_weight_grad(g: &Tensor, x: &Tensor, mean: &Tensor, rstd: &Tensor) -> Result<Tensor> {
     const OP: &str = "norm_weight_grad";
     let s = streams_for(OP, &[g, x, mean, rstd])?;
-    let ty = kernel_dtype(OP, x.dtype())?;
     let (gc, xc, mc, rc) = (contiguous(g)?, contiguous(x)?, contiguous(mean)?, contiguous(rstd)?);
     let (rows, n) = rows_of(x);
     let out = empty(&s, &[n], x.dtype(), OP)?;
     if n > 0 {
-        let (o, gp, xp, mp, rp) = (ptr(&out), ptr(&gc), ptr(&xc), ptr(&mc), ptr(&rc));
-        let (r, nn) = (rows as i64, n as i64);
-        launch!(
-            s,
-            OP,
-            format!("norm_weight_grad_{ty}"),
-            grid_columns(n),
-            &o,
-            &gp,
-            &xp,
-            &mp,
-            &rp,
-            &r,
-            &nn
-        )?;
+        column_sums(&s, OP, &out, &gc, Some((&xc, &mc, &rc)), rows, n, 1.0)?;
     }
     Ok(out)
+}
+
+/// Blocks of columns a column sum aims for: with few columns, the rows are cut
+/// into chunks so that the whole GPU works (two 1024-thread blocks per
+/// multiprocessor of a 132-SM Hopper, about).
+const COLUMN_BLOCKS: usize = 256;
+
+/// `out[j] = scale · Σ_r g[r, j]` over the contiguous `[rows, n]` `g`, or of
+/// `g·x̂` with `norm = (x, mean, rstd)` (layer norm's weight gradient). Few
+/// columns: the rows go in chunks to more blocks, whose f64 sums a second
+/// kernel adds in chunk order.
+#[allow(clippy::too_many_arguments)]
+fn column_sums(
+    s: &RankStreams,
+    op: &'static str,
+    out: &Tensor,
+    g: &Tensor,
+    norm: Option<(&Tensor, &Tensor, &Tensor)>,
+    rows: usize,
+    n: usize,
+    scale: f64,
+) -> Result<()> {
+    let ty = kernel_dtype(op, g.dtype())?;
+    let chunks = (COLUMN_BLOCKS / n.div_ceil(32)).clamp(1, rows.div_ceil(32).max(1));
+    let chunk = rows.div_ceil(chunks).max(1);
+    let chunks = rows.div_ceil(chunk).max(1);
+    let parts = if chunks > 1 {
+        Some(empty(s, &[chunks, n], DType::F64, op)?)
+    } else {
+        None
+    };
+    let (o, p, gp) = (ptr(out), parts.as_ref().map_or(0, ptr), ptr(g));
+    let (xp, mp, rp) = norm.map_or((0, 0, 0), |(x, m, r)| (ptr(x), ptr(m), ptr(r)));
+    let (r, nn, ch) = (rows as i64, n as i64, chunk as i64);
+    launch!(
+        s,
+        op,
+        format!("column_sums_{ty}"),
+        grid_columns(n, chunks),
+        &o,
+        &p,
+        &gp,
+        &xp,
+        &mp,
+        &rp,
+        &r,
+        &nn,
+        &ch,
+        &scale
+    )?;
+    if parts.is_some() {
+        let k = chunks as i64;
+        launch!(
+            s,
+            op,
+            format!("column_finish_{ty}"),
+            grid_1d(n),
+            &o,
+            &p,
+            &k,
+            &nn,
+            &scale
+        )?;
+    }
+    Ok(())
 }
 
 // ---- cross entropy ---------------------------------------------------------------------

@@ -644,10 +644,8 @@ impl Tensor {
             mismatch(self, rhs, why)
         })?;
         let out = match self.dtype() {
-            // The GPU computes every part densely (the causal parts' defined
-            // elements are the dense product's).
             #[cfg(feature = "cuda")]
-            _ if a.is_cuda() || b.is_cuda() => crate::cuda::ops::matmul(&a, &b, &batch)?,
+            _ if a.is_cuda() || b.is_cuda() => crate::cuda::ops::matmul(&a, &b, &batch, part)?,
             DType::F32 => matmul_typed::<f32>(&a, &b, &batch, kernel, part)?,
             DType::F64 => matmul_typed::<f64>(&a, &b, &batch, kernel, part)?,
             DType::BF16 => matmul_typed::<bf16>(&a, &b, &batch, kernel, part)?,
