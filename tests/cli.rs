@@ -75,7 +75,10 @@ fn profile_prints_the_ops_of_rank_0() {
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert!(log.contains("profile of rank 0 over 2 steps:"), "{log}");
     for kind in ["gemm", "communication", "optimizer", "other"] {
-        assert!(log.lines().any(|l| l.trim_start().starts_with(kind)), "no {kind} line: {log}");
+        assert!(
+            log.lines().any(|l| l.trim_start().starts_with(kind)),
+            "no {kind} line: {log}"
+        );
     }
     // The tiny model's step: per layer 6 products forward, 12 backward
     // (attention's own products run inside the attention op), and the head's 3.
