@@ -129,6 +129,8 @@ fn help_lists_every_flag_with_its_default() {
         "--resume",
         "--save-full",
         "--profile",
+        "--comm-report",
+        "--trace",
     ] {
         let line = help
             .lines()
@@ -530,4 +532,235 @@ fn fma_measurable() -> bool {
     }
     #[cfg(not(target_arch = "x86_64"))]
     false
+}
+
+/// `--comm-report` on FSDP over TP (2 × 2): the report's totals per kind are
+/// the rank's collective counters over the same steps, and the rows put each
+/// collective where it belongs: FSDP's gathers over dp in a block's forward and
+/// its reduce-scatters in backward, the row-parallel outputs' all-reduces over
+/// tp in the forward of `wo` and `w2`.
+#[test]
+fn comm_report_attributes_every_collective_and_sums_to_the_counters() {
+    let path = std::env::temp_dir().join(format!("tessera-cli-comm-{}.json", std::process::id()));
+    let out = train(
+        &[
+            "--world-size",
+            "4",
+            "--tp",
+            "2",
+            "--steps",
+            "2",
+            "--comm-report",
+            path.to_str().unwrap(),
+        ],
+        &[],
+    );
+    let log = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(log.contains("collectives of rank 0 over 2 steps:"), "{log}");
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    let _ = std::fs::remove_file(&path);
+    let rows = v["report"]["rows"].as_array().unwrap();
+    for kind in ["all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast"] {
+        let (calls, bytes) = rows
+            .iter()
+            .filter(|r| r["collective"] == kind)
+            .fold((0, 0), |(c, b), r| {
+                (c + r["calls"].as_u64().unwrap(), b + r["bytes"].as_u64().unwrap())
+            });
+        assert_eq!(
+            calls,
+            v["counters"][kind]["calls"].as_u64().unwrap(),
+            "{kind} calls: {v}"
+        );
+        assert_eq!(
+            bytes,
+            v["counters"][kind]["bytes"].as_u64().unwrap(),
+            "{kind} bytes: {v}"
+        );
+    }
+    let row = |module: &str, phase: &str, dims: &str, kind: &str| {
+        rows.iter()
+            .find(|r| r["module"] == module && r["phase"] == phase && r["mesh_dims"] == dims && r["collective"] == kind)
+            .map(|r| r["calls"].as_u64().unwrap())
+    };
+    assert_eq!(row("layers.0", "forward", "dp", "all_gather"), Some(2), "{v}");
+    assert!(row("layers.0", "backward", "dp", "reduce_scatter").is_some(), "{v}");
+    assert_eq!(
+        row("layers.1.attention.wo", "forward", "tp", "all_reduce"),
+        Some(2),
+        "{v}"
+    );
+    assert_eq!(
+        row("layers.1.feed_forward.w2", "forward", "tp", "all_reduce"),
+        Some(2),
+        "{v}"
+    );
+}
+
+/// `--trace` writes Chrome trace-event JSON: a named track per rank whose
+/// spans nest (each inside the last one still open, or after it), every span
+/// of a step inside that step, with modules, ops, collectives, FSDP regions
+/// and memory samples present.
+#[test]
+fn trace_spans_nest_inside_their_steps_on_every_rank() {
+    let path = std::env::temp_dir().join(format!("tessera-cli-trace-{}.json", std::process::id()));
+    let out = train(
+        &[
+            "--world-size",
+            "4",
+            "--tp",
+            "2",
+            "--steps",
+            "2",
+            "--trace",
+            path.to_str().unwrap(),
+        ],
+        &[],
+    );
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    let _ = std::fs::remove_file(&path);
+    let events = v["traceEvents"].as_array().unwrap();
+    for rank in 0..4u64 {
+        let mine: Vec<&serde_json::Value> = events.iter().filter(|e| e["tid"] == rank).collect();
+        assert!(
+            mine.iter()
+                .any(|e| e["ph"] == "M" && e["args"]["name"] == format!("rank {rank}")),
+            "rank {rank} has no named track"
+        );
+        let spans: Vec<(f64, f64, &str)> = mine
+            .iter()
+            .filter(|e| e["ph"] == "X")
+            .map(|e| {
+                let ts = e["ts"].as_f64().unwrap();
+                (ts, ts + e["dur"].as_f64().unwrap(), e["cat"].as_str().unwrap())
+            })
+            .collect();
+        for cat in ["step", "module", "op", "collective", "fsdp"] {
+            assert!(spans.iter().any(|s| s.2 == cat), "rank {rank} has no {cat} span");
+        }
+        assert!(mine.iter().any(|e| e["ph"] == "C"), "rank {rank} has no memory samples");
+        // Nesting: sorted by start (outer first), each span ends before the
+        // innermost open span that contains its start ends (0.002 µs of rounding).
+        let mut sorted = spans.clone();
+        sorted.sort_by(|a, b| a.0.partial_cmp(&b.0).unwrap().then(b.1.partial_cmp(&a.1).unwrap()));
+        let mut open: Vec<(f64, f64)> = Vec::new();
+        for &(s, e, cat) in &sorted {
+            while open.last().is_some_and(|&(_, end)| end <= s + 0.002) {
+                open.pop();
+            }
+            if let Some(&(_, end)) = open.last() {
+                assert!(
+                    e <= end + 0.002,
+                    "rank {rank}: a {cat} span [{s}, {e}] crosses the end {end} of its parent"
+                );
+            } else {
+                assert_eq!(cat, "step", "rank {rank}: a {cat} span at {s} lies outside every step");
+            }
+            open.push((s, e));
+        }
+        assert_eq!(spans.iter().filter(|s| s.2 == "step").count(), 2);
+    }
+}
+
+/// `--op-log` of FSDP over TP: the reference plan redistributes nothing
+/// implicitly; its explicit redistributes include each row-parallel output,
+/// from a pending sum over tp to replicated, in the layout notation
+/// `(Shard(0), Partial(sum))`.
+#[test]
+fn op_log_of_the_tp_plan_has_no_implicit_redistribute() {
+    let path = std::env::temp_dir().join(format!("tessera-cli-oplog-{}.json", std::process::id()));
+    let out = train(
+        &[
+            "--world-size",
+            "4",
+            "--tp",
+            "2",
+            "--steps",
+            "1",
+            "--op-log",
+            path.to_str().unwrap(),
+        ],
+        &[],
+    );
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    let _ = std::fs::remove_file(&path);
+    let ops = v["ops"].as_array().unwrap();
+    assert!(ops.len() > 100, "{} ops", ops.len());
+    let implicit: Vec<&serde_json::Value> = ops
+        .iter()
+        .filter(|o| o["explicit"] == false && !o["moved"].as_array().unwrap().is_empty())
+        .collect();
+    assert!(implicit.is_empty(), "implicit redistributes: {implicit:?}");
+    for block in ["layers.0", "layers.1"] {
+        let wo: Vec<&serde_json::Value> = ops
+            .iter()
+            .filter(|o| o["module"] == format!("{block}.attention.wo") && o["explicit"] == true)
+            .collect();
+        assert_eq!(wo.len(), 1, "{wo:?}");
+        assert_eq!(wo[0]["inputs"][0]["placements"], "(Shard(0), Partial(sum))");
+        assert_eq!(wo[0]["output"]["placements"], "(Shard(0), Replicate)");
+    }
+}
+
+/// `op_log_diff` on op logs with values: one rank, FSDP on 2 and FSDP over
+/// TP on 2 × 2 agree op for op; a run with another learning rate first
+/// differs at the first op of step 2 that reads a parameter (the positional
+/// embedding), not before.
+#[test]
+fn op_log_diff_names_the_first_op_that_differs() {
+    let dir = std::env::temp_dir().join(format!("tessera-cli-opdiff-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let log = |name: &str, args: &[&str]| {
+        let p = dir.join(name);
+        let mut all = vec!["--steps", "2", "--op-log", p.to_str().unwrap(), "--op-log-values"];
+        all.extend(args);
+        let out = train(&all, &[]);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        p
+    };
+    let one = log("one.json", &["--world-size", "1", "--batch", "4"]);
+    let fsdp = log("fsdp.json", &["--world-size", "2", "--batch", "2"]);
+    let tp = log("tp.json", &["--world-size", "4", "--tp", "2", "--batch", "2"]);
+    let lr = log("lr.json", &["--world-size", "1", "--batch", "4", "--lr", "0.002"]);
+    let diff = |a: &std::path::Path, b: &std::path::Path| {
+        Command::new(example_exe("op_log_diff")).args([a, b]).output().unwrap()
+    };
+    for other in [&fsdp, &tp] {
+        let out = diff(&one, other);
+        let said = String::from_utf8_lossy(&out.stdout);
+        assert_eq!(
+            out.status.code(),
+            Some(0),
+            "{said}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(said.contains("ops agree within 1e-4"), "{said}");
+    }
+    let ops: serde_json::Value = serde_json::from_slice(&std::fs::read(&one).unwrap()).unwrap();
+    let ops: Vec<&serde_json::Value> = ops["ops"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|o| o["explicit"] == false)
+        .collect();
+    let second_step = ops
+        .iter()
+        .enumerate()
+        .filter(|(_, o)| o["module"] == "pos_embeddings" && o["op"] == "embedding")
+        .nth(1)
+        .map(|(i, _)| i)
+        .unwrap();
+    let out = diff(&one, &lr);
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(1), "{said}");
+    assert!(
+        said.starts_with(&format!(
+            "first difference at op {second_step}: embedding in pos_embeddings"
+        )),
+        "{said}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -1,6 +1,7 @@
 //! The reverse walk.
 
 use std::collections::HashMap;
+use tessera_mesh::observe;
 
 use tessera_dtensor::DTensor;
 
@@ -47,10 +48,22 @@ pub(crate) fn walk(frame: Frame, output: u64, seed: DTensor, wanted: &[u64]) -> 
     let mut grads: HashMap<u64, DTensor> = HashMap::new();
     grads.insert(output, seed);
     let _no_record = NoRecord::new();
+    // For a recording rank: consecutive nodes of one module run in one
+    // backward span of that module.
+    let mut module: (Option<std::sync::Arc<str>>, Option<observe::Span>) = (None, None);
     for node in nodes.into_iter().rev() {
         let Some(g) = grads.remove(&node.output) else {
             continue;
         };
+        if node.module != module.0 {
+            module.1 = None;
+            module = (
+                node.module.clone(),
+                node.module
+                    .clone()
+                    .map(|m| observe::module(m, observe::Phase::Backward)),
+            );
+        }
         let gins = (node.backward)(&g).map_err(|e| match e {
             Error::Backward(m) => Error::Backward(format!("{}: {m}", node.name)),
             other => other,
@@ -65,6 +78,7 @@ pub(crate) fn walk(frame: Frame, output: u64, seed: DTensor, wanted: &[u64]) -> 
             }
         }
     }
+    drop(module);
     let mut ids: Vec<u64> = params.keys().copied().collect();
     ids.sort_unstable();
     for id in ids {

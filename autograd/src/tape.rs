@@ -25,6 +25,9 @@ pub(crate) struct Node {
     /// Ids of the inputs, with whether each needs a gradient.
     pub(crate) inputs: SmallVec<[(u64, bool); 3]>,
     pub(crate) backward: BackwardFn,
+    /// The module that recorded it, for a recording rank
+    /// ([`observe`](tessera_mesh::observe)): its backward is attributed there.
+    pub(crate) module: Option<std::sync::Arc<str>>,
 }
 
 #[derive(Default)]

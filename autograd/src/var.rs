@@ -137,6 +137,7 @@ impl Var {
                 output: out.id,
                 inputs,
                 backward: Box::new(backward),
+                module: tessera_mesh::observe::current_module().map(|(m, _)| m),
             });
         }
         out

@@ -370,11 +370,20 @@ impl DTensor {
                 detail: format!("the plan starts from {} but the tensor is {}", plan.src, self.layout()),
             });
         }
+        let _observed = tessera_mesh::observe::span(tessera_mesh::observe::What::Op("redistribute"));
         let local = redistribute::execute(&self.local, self.mesh(), plan)?;
-        Ok(DTensor {
+        let out = DTensor {
             local,
             spec: DTensorSpec::new(self.mesh(), plan.dst().clone())?,
-        })
+        };
+        if let Some(values) = tessera_mesh::observe::logging_ops()
+            && !plan.steps.is_empty()
+        {
+            let to = crate::placement::placements_string(&plan.dst().placements);
+            let record = crate::debug::op_record("redistribute", &[self], vec![(0, to)], &out, true, values);
+            tessera_mesh::observe::op_log(record);
+        }
+        Ok(out)
     }
 
     /// The global tensor, on every rank (all_gathers and all_reduces as needed).

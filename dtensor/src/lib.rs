@@ -30,6 +30,7 @@
 
 pub mod bucket;
 pub mod checkpoint;
+pub mod debug;
 mod dtensor;
 mod error;
 pub mod explicit;

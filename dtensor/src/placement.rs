@@ -94,6 +94,20 @@ impl fmt::Display for Placement {
     }
 }
 
+/// `(Shard(0), Replicate)`: placements as the op log and tensor descriptions
+/// print them.
+pub(crate) fn placements_string(placements: &[Placement]) -> String {
+    let items: Vec<String> = placements
+        .iter()
+        .map(|p| match p {
+            Placement::Shard(d) => format!("Shard({d})"),
+            Placement::Replicate => "Replicate".to_string(),
+            Placement::Partial(op) => format!("Partial({op})"),
+        })
+        .collect();
+    format!("({})", items.join(", "))
+}
+
 /// `[S(0), R]`: placements in their compact form, for error messages.
 pub(crate) fn fmt_placements(placements: &[Placement]) -> String {
     let items: Vec<String> = placements.iter().map(ToString::to_string).collect();

@@ -12,7 +12,7 @@ use crate::schedule;
 pub(crate) const USAGE: &str = "usage: train [--world-size N | --mesh RxS] [--tp T [--sequence-parallel]] [--steps N] [--batch ROWS_PER_RANK] [--dim N] \
 [--n-layers N] [--n-heads N] [--vocab N] [--seq N] [--model gpt|llama [--n-kv-heads K] [--ffn-hidden H] [--rope-theta F]] [--lr F] [--lr-schedule S] [--warmup-steps N] [--mixed-precision bf16] [--no-reshard] [--init PATH | --seed N] \
 [--tokens PATH] [--data-seed N] [--losses-out PATH] [--metrics-out PATH] [--checkpoint-dir DIR --checkpoint-every N [--async-save] [--keep-checkpoints K]] [--resume DIR] \
-[--save-full PATH] [--device cpu|cuda|cuda:N] [--profile]";
+[--save-full PATH] [--device cpu|cuda|cuda:N] [--profile] [--comm-report PATH] [--trace PATH] [--op-log PATH [--op-log-values]]";
 
 /// Every flag with its default (`train --help`).
 pub(crate) const HELP: &str = "\
@@ -55,6 +55,19 @@ output and checkpoints:
   --keep-checkpoints K  keep the newest K complete checkpoints (default 0: all)
   --resume DIR          continue from a checkpoint saved on any mesh
   --save-full PATH      consolidated safetensors state dict at the end
+  --comm-report PATH    collectives per module, phase (forward, backward), mesh dims and kind,
+                        with calls and bytes, over the steps: printed for rank 0 and
+                        written to PATH as JSON with the rank's collective counters
+  --trace PATH          a timeline of the steps as Chrome trace-event JSON (Perfetto,
+                        chrome://tracing): a track per rank with steps, modules, ops,
+                        collectives, FSDP's unshard/reshard/reduce_grads and memory
+                        (default: none; under mpirun each process writes PATH.rankN)
+  --op-log PATH         every DTensor op of the steps with its module, inputs, output and the
+                        redistributions it made (implicit) or was asked for (explicit), as
+                        JSON (rank 0's; under mpirun each process writes PATH.rankN)
+  --op-log-values       with --op-log: each op's global output sums too, for
+                        `op_log_diff A B` to name the first op two runs disagree on
+                        (slow: gathers every output)
   --profile             print where rank 0's step time went, per op and kind of work, over
                         the steps after the first two (on a GPU every op waits for its
                         kernels, so steps run slower: device time per op)
@@ -102,6 +115,13 @@ pub(crate) struct Args {
     pub(crate) losses_out: Option<PathBuf>,
     /// One JSON line per step (`--metrics-out`).
     pub(crate) metrics_out: Option<PathBuf>,
+    /// The collective report's JSON (`--comm-report`).
+    pub(crate) comm_report: Option<PathBuf>,
+    /// The Chrome trace (`--trace`).
+    pub(crate) trace: Option<PathBuf>,
+    /// The op log (`--op-log`), with values (`--op-log-values`).
+    pub(crate) op_log: Option<PathBuf>,
+    pub(crate) op_log_values: bool,
     pub(crate) checkpoint_dir: Option<PathBuf>,
     pub(crate) checkpoint_every: usize,
     pub(crate) async_save: bool,
@@ -140,6 +160,10 @@ pub(crate) fn parse() -> Result<Args, String> {
         data_seed: DATA_SEED,
         losses_out: None,
         metrics_out: None,
+        comm_report: None,
+        trace: None,
+        op_log: None,
+        op_log_values: false,
         checkpoint_dir: None,
         checkpoint_every: 0,
         async_save: false,
@@ -170,6 +194,10 @@ pub(crate) fn parse() -> Result<Args, String> {
         }
         if flag == "--profile" {
             a.profile = true;
+            continue;
+        }
+        if flag == "--op-log-values" {
+            a.op_log_values = true;
             continue;
         }
         let value = it.next().ok_or_else(|| format!("{flag} needs a value"))?;
@@ -231,6 +259,9 @@ pub(crate) fn parse() -> Result<Args, String> {
             "--data-seed" => a.data_seed = value.parse().map_err(|_| format!("--data-seed: {value:?}"))?,
             "--losses-out" => a.losses_out = Some(value.into()),
             "--metrics-out" => a.metrics_out = Some(value.into()),
+            "--comm-report" => a.comm_report = Some(value.into()),
+            "--trace" => a.trace = Some(value.into()),
+            "--op-log" => a.op_log = Some(value.into()),
             "--checkpoint-dir" => a.checkpoint_dir = Some(value.into()),
             "--checkpoint-every" => a.checkpoint_every = num(&value)?,
             "--keep-checkpoints" => a.keep = num(&value)?,

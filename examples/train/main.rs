@@ -65,6 +65,7 @@ use tessera::autograd::optim::{AdamW, AdamWConfig, LrScheduler, Optimizer, Sched
 use tessera::autograd::{Param, Var, backward, load_checkpoint, read_safetensors, save_state_dict_full};
 use tessera::dtensor::{Placement, Tensor, distribute_tensor_from};
 use tessera::fsdp::{FsdpConfig, MixedPrecisionPolicy};
+use tessera::mesh::observe;
 use tessera::models::{CausalLm, Llama, Transformer};
 use tessera::tensor::{memory, profile};
 use tessera::{BoxError, CommunicatorExt, DType, DeviceMesh, RankCtx, is_lead_process, launch};
@@ -72,7 +73,7 @@ use tessera::{BoxError, CommunicatorExt, DType, DeviceMesh, RankCtx, is_lead_pro
 use args::{Arch, Args, USAGE, parse, rows};
 use checkpoints::{Checkpoints, resume_dir};
 use metrics::{MetricsWriter, StepMetrics};
-use report::{RankReport, StepProfile, banner, progress, summarize};
+use report::{Observed, RankReport, StepProfile, banner, progress, summarize};
 
 fn main() {
     let args = match parse() {
@@ -104,6 +105,7 @@ fn run(args: &Args) -> Result<(), BoxError> {
     if lead {
         summarize(args, &reports[0], peak)?;
     }
+    report::write_observed(args, &reports, lead)?;
     Ok(())
 }
 
@@ -335,7 +337,18 @@ fn train_model<M: CausalLm>(
         profile::enable(true);
         profile::sync_device(args.device.is_cuda());
     }
+    // `--comm-report`, `--trace`: this rank's events over the steps, and its
+    // collective counters over the same steps.
+    let counters_before = job.mesh.stats();
+    let op_log = match (&args.op_log, args.op_log_values) {
+        (None, _) => observe::OpLog::Off,
+        (Some(_), false) => observe::OpLog::Ops,
+        (Some(_), true) => observe::OpLog::Values,
+    };
+    let recording = (args.comm_report.is_some() || args.trace.is_some() || args.op_log.is_some())
+        .then(|| observe::record_ops(op_log));
     for step in report.first_step..args.steps {
+        let _step = observe::span(observe::What::Step(step + 1));
         if args.profile && rank == 0 && step == profiled_from {
             profile::take();
             profile::take_ops();
@@ -380,6 +393,13 @@ fn train_model<M: CausalLm>(
                 done as f64 * tokens_per_step / start.elapsed().as_secs_f64(),
             );
         }
+    }
+    if let Some(rec) = recording {
+        report.observed = Some(Observed {
+            rank,
+            events: rec.finish(),
+            counters: job.mesh.stats() - counters_before,
+        });
     }
     if args.profile && rank == 0 {
         let steps = args.steps - profiled_from;

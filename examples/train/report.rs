@@ -3,6 +3,7 @@
 use std::io::Write as _;
 
 use tessera::BoxError;
+use tessera::mesh::{CommCounts, OpKind, observe};
 use tessera::tensor::profile::{Kind, OpTime, Profile};
 
 use crate::args::Args;
@@ -36,6 +37,84 @@ pub(crate) struct RankReport {
     pub(crate) resume_s: f64,
     /// Rank 0's profile (`--profile`).
     pub(crate) profile: Option<StepProfile>,
+    /// The rank's events and collective counters over the steps
+    /// (`--comm-report`, `--trace`).
+    pub(crate) observed: Option<Observed>,
+}
+
+/// A rank's recorded steps (`--comm-report`, `--trace`).
+pub(crate) struct Observed {
+    pub(crate) rank: usize,
+    pub(crate) events: Vec<observe::Event>,
+    /// The rank's collective counters over the same steps.
+    pub(crate) counters: CommCounts,
+}
+
+/// Writes `--comm-report` (the first rank of this process's: rank 0 in the
+/// lead process, printed there too) and `--trace` (every rank of this process;
+/// under MPI each process its own file, `PATH.rankN` but for the lead's).
+pub(crate) fn write_observed(args: &Args, reports: &[RankReport], lead: bool) -> Result<(), BoxError> {
+    let observed: Vec<&Observed> = reports.iter().filter_map(|r| r.observed.as_ref()).collect();
+    let Some(first) = observed.first() else {
+        return Ok(());
+    };
+    let suffix = |p: &std::path::Path| {
+        if lead {
+            p.to_path_buf()
+        } else {
+            std::path::PathBuf::from(format!("{}.rank{}", p.display(), first.rank))
+        }
+    };
+    if let Some(path) = &args.comm_report {
+        let report = observe::CommReport::from_events(&first.events);
+        if lead {
+            println!("collectives of rank {} over {} steps:", first.rank, args.steps);
+            print!("{report}");
+        }
+        let counters = OpKind::ALL
+            .iter()
+            .filter(|k| !matches!(k, OpKind::Barrier | OpKind::Split))
+            .map(|&k| {
+                format!(
+                    "\"{}\": {{\"calls\": {}, \"bytes\": {}}}",
+                    k.name(),
+                    first.counters.calls(k),
+                    first.counters.bytes(k)
+                )
+            })
+            .collect::<Vec<_>>()
+            .join(", ");
+        let json = format!(
+            "{{\"rank\": {}, \"steps\": {}, \"report\": {}, \"counters\": {{{counters}}}}}\n",
+            first.rank,
+            args.steps,
+            report.to_json()
+        );
+        common::write_atomic(&suffix(path), &json)?;
+    }
+    if let Some(path) = &args.op_log {
+        common::write_atomic(&suffix(path), &observe::op_log_json(&first.events))?;
+        if lead {
+            let ops = observe::op_log_entries(&first.events).len();
+            println!(
+                "wrote the op log of rank {} ({ops} ops) to {}",
+                first.rank,
+                suffix(path).display()
+            );
+        }
+    }
+    if let Some(path) = &args.trace {
+        let ranks: Vec<(usize, Vec<observe::Event>)> = observed.iter().map(|o| (o.rank, o.events.clone())).collect();
+        common::write_atomic(&suffix(path), &observe::chrome_trace(&ranks))?;
+        if lead {
+            println!(
+                "wrote the trace of {} rank(s) to {}",
+                ranks.len(),
+                suffix(path).display()
+            );
+        }
+    }
+    Ok(())
 }
 
 /// Where rank 0's time went over the profiled steps (`--profile`).

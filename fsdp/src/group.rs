@@ -299,6 +299,7 @@ impl ParamGroup {
         if self.params.is_empty() {
             return Ok(());
         }
+        let _observed = tessera_mesh::observe::span(tessera_mesh::observe::What::Region("fsdp.unshard"));
         let state = std::mem::replace(&mut *self.state.borrow_mut(), State::Sharded);
         match state {
             State::Unsharded if self.shards_unchanged(&self.gathered_from.borrow()) => {
@@ -335,6 +336,7 @@ impl ParamGroup {
         if self.params.is_empty() {
             return Ok(());
         }
+        let _observed = tessera_mesh::observe::span(tessera_mesh::observe::What::Region("fsdp.prefetch"));
         let state = std::mem::replace(&mut *self.state.borrow_mut(), State::Sharded);
         let next = match state {
             State::Sharded => State::Gathering(self.issue_gather()?),
@@ -370,6 +372,7 @@ impl ParamGroup {
     /// Frees the unsharded parameters (waiting for a gather in flight first, so
     /// every rank's collectives stay in step).
     pub(crate) fn reshard(&self) -> Result<()> {
+        let _observed = tessera_mesh::observe::span(tessera_mesh::observe::What::Region("fsdp.reshard"));
         let state = std::mem::replace(&mut *self.state.borrow_mut(), State::Sharded);
         if let State::Gathering(Gather::Work(work) | Gather::Regrouped(work)) = state {
             work.wait()?;

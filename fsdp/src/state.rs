@@ -197,6 +197,7 @@ impl Unit {
     /// After the unit's backward: issue the reduction (unless sync is off) and
     /// reshard (unless resharding after backward is off).
     fn post_backward(&self) -> Result<()> {
+        let _observed = tessera_mesh::observe::span(tessera_mesh::observe::What::Region("fsdp.reduce_grads"));
         let r = match self.group.finish_grads(self.grad_sync.get(), self.all_reduce.get()) {
             Ok(Some(reduction)) => push_reduction(reduction),
             Ok(None) => Ok(()),

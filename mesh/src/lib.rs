@@ -41,6 +41,7 @@ pub mod intra_op;
 mod launcher;
 #[cfg(feature = "mpi")]
 mod mpi_backend;
+pub mod observe;
 mod options;
 mod pieces;
 mod rank;

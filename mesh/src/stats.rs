@@ -24,7 +24,7 @@ use std::ops::Sub;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 /// The kind of a collective.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 #[non_exhaustive]
 pub enum OpKind {
     /// `all_gather`.

@@ -258,6 +258,9 @@ type Children = Vec<(String, *const dyn Module)>;
 /// A module being called.
 struct Frame {
     key: Option<Key>,
+    /// The module's fully qualified name below the outermost call, for a
+    /// recording rank ([`observe`](tessera_mesh::observe)).
+    fqn: Option<std::sync::Arc<str>>,
     /// Valid while the frame is on the stack (see [`FrameGuard`]).
     children: *const Lister,
 }
@@ -343,6 +346,47 @@ fn key_of_call<M: Module + ?Sized>(m: &M, relative: bool) -> Option<Key> {
     }
 }
 
+/// The fully qualified name of `m` being called now: `""` for the outermost
+/// call, else its path below the module whose call is running (found among
+/// that module's descendants by address and type; by its type's name when it
+/// is not one of them).
+fn fqn_of_call<M: Module + ?Sized>(m: &M) -> std::sync::Arc<str> {
+    let Some((Some(parent), children)) = STACK.with(|s| s.borrow().last().map(|f| (f.fqn.clone(), f.children))) else {
+        return std::sync::Arc::from("");
+    };
+    // SAFETY: the frame is on the stack, so the call that pushed it is running and
+    // the module its lister borrows is alive (frames pop before their call returns).
+    let children = unsafe { (*children)() };
+    // SAFETY: as above; the children are borrowed from the same live module.
+    let top = || -> Vec<(String, &dyn Module)> { children.iter().map(|(n, c)| (n.clone(), unsafe { &**c })).collect() };
+    let (want, ty) = (addr_of(m), TypeId::of::<M>());
+    let path = find(top(), want, ty).or_else(|| find_addr(top(), want));
+    let below = match path {
+        Some(path) => path.into_iter().map(|(n, _)| n).collect::<Vec<_>>().join("."),
+        None => std::any::type_name::<M>()
+            .rsplit("::")
+            .next()
+            .unwrap_or("module")
+            .to_string(),
+    };
+    std::sync::Arc::from(join(&parent, &below))
+}
+
+/// [`find`] by address alone (for a call through `dyn Module`, whose type is
+/// not the concrete one): the first module at `want`, depth first.
+fn find_addr(children: Vec<(String, &dyn Module)>, want: usize) -> Option<Vec<(String, &dyn Module)>> {
+    for (name, c) in children {
+        if addr_of(c) == want {
+            return Some(vec![(name, c)]);
+        }
+        if let Some(mut rest) = find_addr(c.named_children(), want) {
+            rest.insert(0, (name, c));
+            return Some(rest);
+        }
+    }
+    None
+}
+
 /// The path (names and modules) from below a parent to the descendant at address
 /// `want` of type `ty`, depth first.
 fn find(children: Vec<(String, &dyn Module)>, want: usize, ty: TypeId) -> Option<Vec<(String, &dyn Module)>> {
@@ -364,10 +408,15 @@ pub(crate) fn call<M: Module + ?Sized>(m: &M, inputs: Inputs) -> Result<Var> {
         let r = r.borrow();
         (!r.hooks.is_empty(), r.relative > 0)
     });
-    if !active {
+    let observing = tessera_mesh::observe::active();
+    if !active && !observing {
         return m.forward_with(&inputs);
     }
-    let key = key_of_call(m, relative);
+    let key = if active { key_of_call(m, relative) } else { None };
+    let fqn = observing.then(|| fqn_of_call(m));
+    let _observed = fqn
+        .clone()
+        .map(|f| tessera_mesh::observe::module(f, tessera_mesh::observe::Phase::Forward));
     let hooks: Vec<Rc<dyn ModuleHooks>> = key.as_ref().map_or_else(Vec::new, |k| {
         REGISTRY.with(|r| {
             r.borrow()
@@ -387,7 +436,7 @@ pub(crate) fn call<M: Module + ?Sized>(m: &M, inputs: Inputs) -> Result<Var> {
     // (by the guard) before `lister` and the borrow of `m` end.
     let children: *const Lister =
         unsafe { std::mem::transmute::<&(dyn Fn() -> Vec<(String, *const dyn Module)> + '_), &'static Lister>(lister) };
-    STACK.with(|s| s.borrow_mut().push(Frame { key, children }));
+    STACK.with(|s| s.borrow_mut().push(Frame { key, fqn, children }));
     let _guard = FrameGuard;
     run(m, inputs, &hooks)
 }

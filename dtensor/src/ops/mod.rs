@@ -80,6 +80,8 @@ pub(crate) fn dispatch(
             ),
         });
     }
+    // The op, its redistributions and its kernel, for a recording rank.
+    let _observed = tessera_mesh::observe::span(tessera_mesh::observe::What::Op(op));
     let layouts: SmallVec<[&Layout; 3]> = inputs.iter().map(|x| x.layout()).collect();
     let choice = choose(op, &layouts, candidates)?;
     if choice.cost > 0 {
@@ -112,6 +114,9 @@ pub(crate) fn dispatch(
         let _t = tessera_tensor::profile::op_scope(op);
         kernel(&locals, &ctx)?
     };
+    if tessera_mesh::observe::active() {
+        tessera_mesh::observe::memory(tessera_tensor::memory::stats().current_bytes as u64);
+    }
     let out = &choice.candidate.output;
     let layout = Layout::with_order(mesh.shape(), out, ShardOrder::default_for(out), out_shape, out_dtype)?;
     let spec = DTensorSpec::new(mesh, layout)?;
@@ -130,7 +135,18 @@ pub(crate) fn dispatch(
             ),
         }));
     }
-    Ok(DTensor::from_parts(local, spec))
+    let out = DTensor::from_parts(local, spec);
+    if let Some(values) = tessera_mesh::observe::logging_ops() {
+        let moved = choice
+            .plans
+            .iter()
+            .enumerate()
+            .filter(|(_, p)| !p.steps.is_empty())
+            .map(|(i, p)| (i, crate::placement::placements_string(&p.dst().placements)))
+            .collect();
+        tessera_mesh::observe::op_log(crate::debug::op_record(op, inputs, moved, &out, false, values));
+    }
+    Ok(out)
 }
 
 /// What tells two meshes apart (their `Display` may be identical): the shapes,

@@ -100,6 +100,11 @@ fn row_major_coord(mut index: usize, shape: &[usize]) -> SmallVec<[usize; 4]> {
     c
 }
 
+/// Names `comm` for [`observe`](crate::observe): the mesh dims it runs over.
+fn name_comm(comm: &Rc<dyn Communicator>, label: &str) {
+    crate::observe::name_group(Rc::as_ptr(comm).cast::<()>() as usize, label);
+}
+
 fn row_major_index(coord: &[usize], shape: &[usize]) -> usize {
     coord.iter().zip(shape).fold(0, |acc, (&c, &n)| acc * n + c)
 }
@@ -159,6 +164,12 @@ impl DeviceMesh {
             base[d] = 0;
             let color = row_major_index(&base, shape) as u32;
             dim_comms.push(Rc::from(comm.split(color, coord[d] as u32)?));
+        }
+        // Collectives observed on these communicators name the mesh dims.
+        let label = |d: usize| names.get(d).cloned().unwrap_or_else(|| format!("dim{d}"));
+        name_comm(&comm, &(0..shape.len()).map(label).collect::<Vec<_>>().join("×"));
+        for (d, c) in dim_comms.iter().enumerate() {
+            name_comm(c, &label(d));
         }
         Ok(DeviceMesh {
             inner: Rc::new(Inner {

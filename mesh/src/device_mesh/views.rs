@@ -78,6 +78,7 @@ impl DeviceMesh {
         base[lo..=hi].iter_mut().for_each(|c| *c = 0);
         let color = row_major_index(&base, &inner.shape) as u32;
         let comm = Rc::from(inner.comm.split(color, merged_coord as u32)?);
+        super::name_comm(&comm, name);
         let splice = |v: &[usize], x: usize| -> SmallVec<[usize; 4]> {
             v[..lo]
                 .iter()
@@ -166,7 +167,12 @@ impl DeviceMesh {
             let mut base = sub.clone();
             base[j] = 0;
             let color = row_major_index(&base, sizes) as u32;
-            new_comms.push(Rc::from(line.split(color, sub[j] as u32)?));
+            let c: Rc<dyn Communicator> = Rc::from(line.split(color, sub[j] as u32)?);
+            super::name_comm(
+                &c,
+                &names.get(j).map_or_else(|| format!("dim{}", i + j), |n| n.to_string()),
+            );
+            new_comms.push(c);
         }
         let splice = |v: &[usize], mid: &[usize]| -> SmallVec<[usize; 4]> {
             v[..i].iter().chain(mid).chain(&v[i + 1..]).copied().collect()
@@ -264,6 +270,11 @@ impl DeviceMesh {
         idx.iter().for_each(|&d| base[d] = 0);
         let color = row_major_index(&base, &inner.shape) as u32;
         let comm: Rc<dyn Communicator> = Rc::from(inner.comm.split(color, row_major_index(&coord, &shape) as u32)?);
+        let label: Vec<String> = idx
+            .iter()
+            .map(|&d| inner.names.get(d).cloned().unwrap_or_else(|| format!("dim{d}")))
+            .collect();
+        super::name_comm(&comm, &label.join("×"));
         let n: usize = shape.iter().product();
         let ranks = (0..n)
             .map(|k| {

@@ -84,9 +84,16 @@ impl MpiComm {
     }
 
     /// Waits for queued asynchronous collectives and counts a blocking one.
-    fn begin(&self, kind: OpKind, bytes: usize) {
+    /// Times it for [`observe`](crate::observe) until the returned span drops.
+    fn begin(&self, kind: OpKind, bytes: usize) -> crate::observe::Span {
         self.worker.fence();
         self.rt.stats.record(kind, self.size, bytes);
+        crate::observe::collective(self.addr(), kind, self.size, kind.bytes_sent(self.size, bytes), false)
+    }
+
+    /// This communicator's address, by which meshes name it.
+    fn addr(&self) -> usize {
+        (self as *const Self).cast::<()>() as usize
     }
 
     fn run(&self, kind: OpKind, call: impl FnOnce() -> c_int) -> Result<()> {
@@ -183,6 +190,13 @@ impl MpiComm {
     #[track_caller]
     fn submit(&self, kind: OpKind, bytes: usize, f: impl FnOnce(Exec) -> Result<Buffer> + Send + 'static) -> Work {
         self.rt.stats.record(kind, self.size, bytes);
+        drop(crate::observe::collective(
+            self.addr(),
+            kind,
+            self.size,
+            kind.bytes_sent(self.size, bytes),
+            true,
+        ));
         let ex = self.exec_for(kind);
         self.worker.submit(move || f(ex))
     }
@@ -241,7 +255,7 @@ impl Communicator for MpiComm {
     fn all_gather(&self, send: Buf<'_>, mut recv: BufMut<'_>) -> Result<()> {
         let local = self.check(OpKind::AllGather, &send, Some((recv.dtype(), recv.len())), 0);
         self.validate(print(OpKind::AllGather, send.dtype(), send.len(), 0, None), local)?;
-        self.begin(OpKind::AllGather, bytes(&send) * self.size);
+        let _obs = self.begin(OpKind::AllGather, bytes(&send) * self.size);
         let (c, dt) = (count("all_gather", self.rank, send.len())?, datatype(send.dtype()));
         count("all_gather", self.rank, recv.len())?;
         let (s, r) = (ptr(&send), ptr_mut(&mut recv));
@@ -259,7 +273,7 @@ impl Communicator for MpiComm {
             print(OpKind::ReduceScatter, send.dtype(), send.len(), 0, Some(op)),
             local,
         )?;
-        self.begin(OpKind::ReduceScatter, bytes(&send));
+        let _obs = self.begin(OpKind::ReduceScatter, bytes(&send));
         count("reduce_scatter", self.rank, send.len())?;
         let c = count("reduce_scatter", self.rank, recv.len())?;
         let (dt, mop) = (datatype(send.dtype()), self.rt.ops.get(send.dtype(), op));
@@ -275,7 +289,7 @@ impl Communicator for MpiComm {
     fn all_reduce(&self, mut buf: BufMut<'_>, op: ReduceOp) -> Result<()> {
         let local = op.check("all_reduce", buf.dtype());
         self.validate(print(OpKind::AllReduce, buf.dtype(), buf.len(), 0, Some(op)), local)?;
-        self.begin(OpKind::AllReduce, bytes(&buf.as_buf()));
+        let _obs = self.begin(OpKind::AllReduce, bytes(&buf.as_buf()));
         let (c, dtype) = (count("all_reduce", self.rank, buf.len())?, buf.dtype());
         let (dt, mop) = (datatype(dtype), self.rt.ops.get(dtype, op));
         let (s, _copy) = in_place_send(self.rt.in_place, &buf.as_buf());
@@ -293,7 +307,7 @@ impl Communicator for MpiComm {
             .check(OpKind::AllReduce, &send, Some((recv.dtype(), recv.len())), 0)
             .and_then(|_| op.check("all_reduce", send.dtype()));
         self.validate(print(OpKind::AllReduce, send.dtype(), send.len(), 0, Some(op)), local)?;
-        self.begin(OpKind::AllReduce, bytes(&send));
+        let _obs = self.begin(OpKind::AllReduce, bytes(&send));
         let c = count("all_reduce", self.rank, send.len())?;
         let (dt, mop) = (datatype(send.dtype()), self.rt.ops.get(send.dtype(), op));
         let (s, r) = (ptr(&send), ptr_mut(&mut recv));
@@ -308,7 +322,7 @@ impl Communicator for MpiComm {
     fn all_to_all(&self, send: Buf<'_>, mut recv: BufMut<'_>) -> Result<()> {
         let local = self.check(OpKind::AllToAll, &send, Some((recv.dtype(), recv.len())), 0);
         self.validate(print(OpKind::AllToAll, send.dtype(), send.len(), 0, None), local)?;
-        self.begin(OpKind::AllToAll, bytes(&send));
+        let _obs = self.begin(OpKind::AllToAll, bytes(&send));
         count("all_to_all", self.rank, send.len())?;
         let (c, dt) = (
             count("all_to_all", self.rank, send.len() / self.size)?,
@@ -324,7 +338,7 @@ impl Communicator for MpiComm {
     fn broadcast(&self, mut buf: BufMut<'_>, root: usize) -> Result<()> {
         let local = self.check(OpKind::Broadcast, &buf.as_buf(), None, root);
         self.validate(print(OpKind::Broadcast, buf.dtype(), buf.len(), root, None), local)?;
-        self.begin(OpKind::Broadcast, bytes(&buf.as_buf()));
+        let _obs = self.begin(OpKind::Broadcast, bytes(&buf.as_buf()));
         let (c, dt) = (count("broadcast", self.rank, buf.len())?, datatype(buf.dtype()));
         let root = count("broadcast", self.rank, root)?;
         let b = ptr_mut(&mut buf);
@@ -336,7 +350,7 @@ impl Communicator for MpiComm {
 
     fn barrier(&self) -> Result<()> {
         self.validate(Fingerprint::bare(OpKind::Barrier), Ok(()))?;
-        self.begin(OpKind::Barrier, 0);
+        let _obs = self.begin(OpKind::Barrier, 0);
         // SAFETY: a live communicator.
         self.run(OpKind::Barrier, || unsafe { ffi::MPI_Barrier(self.raw.0) })
     }
@@ -360,7 +374,7 @@ impl Communicator for MpiComm {
         let Some((color, key)) = args else {
             unreachable!("validate returns the local error")
         };
-        self.begin(OpKind::Split, 0);
+        let _obs = self.begin(OpKind::Split, 0);
         // SAFETY: reading a predefined handle.
         let mut raw = unsafe { ffi::RSMPI_COMM_NULL };
         // SAFETY: a live communicator; `raw` is a valid out-pointer.
@@ -379,7 +393,7 @@ impl Communicator for MpiComm {
         let local = self.exchange_v(OpKind::AllGather, &send, recv.len(), counts_in, &[], local)?;
         let ((c, displs), sc, dt) = (local, send.len() as c_int, datatype(send.dtype()));
         let total = counts_in.iter().sum::<usize>();
-        self.begin(OpKind::AllGather, total * send.dtype().size_in_bytes());
+        let _obs = self.begin(OpKind::AllGather, total * send.dtype().size_in_bytes());
         let (s, r) = (ptr(&send), ptr_mut(&mut recv));
         // SAFETY: the counts were checked on every rank against the buffer lengths.
         self.run(OpKind::AllGather, || unsafe {
@@ -393,7 +407,7 @@ impl Communicator for MpiComm {
             .and_then(|dtype| op.check(name, dtype))
             .and_then(|_| counts(name, self.rank, counts_in));
         let (c, _) = self.exchange_v(OpKind::ReduceScatter, &send, recv.len(), counts_in, &[], local)?;
-        self.begin(OpKind::ReduceScatter, bytes(&send));
+        let _obs = self.begin(OpKind::ReduceScatter, bytes(&send));
         let dtype = send.dtype();
         let (dt, mop) = (datatype(dtype), self.rt.ops.get(dtype, op));
         let (s, r) = (ptr(&send), ptr_mut(&mut recv));
@@ -418,10 +432,9 @@ impl Communicator for MpiComm {
         let ((sc, sd), (rc, rd)) =
             self.exchange_v(OpKind::AllToAll, &send, recv.len(), send_counts, recv_counts, local)?;
         self.worker.fence();
-        self.rt.stats.record_exact(
-            OpKind::AllToAll,
-            all_to_all_v_bytes(send.dtype(), send_counts, self.rank),
-        );
+        let sent = all_to_all_v_bytes(send.dtype(), send_counts, self.rank);
+        self.rt.stats.record_exact(OpKind::AllToAll, sent);
+        let _obs = crate::observe::collective(self.addr(), OpKind::AllToAll, self.size, sent, false);
         let dt = datatype(send.dtype());
         let (s, r) = (ptr(&send), ptr_mut(&mut recv));
         // SAFETY: the counts were checked on every rank against the buffer lengths.

@@ -45,8 +45,25 @@ impl ThreadComm {
         self.worker.fence_with(|delta| world.activity.add(me, delta));
     }
 
-    fn record(&self, kind: OpKind, bytes: usize) {
+    /// Counts a collective, and times it for [`observe`](crate::observe) until
+    /// the returned span drops (`queued`: an asynchronous one, timed to its
+    /// hand-off).
+    fn record(&self, kind: OpKind, bytes: usize) -> crate::observe::Span {
         self.stats.record(kind, self.size(), bytes);
+        let sent = kind.bytes_sent(self.size(), bytes);
+        crate::observe::collective(self.addr(), kind, self.size(), sent, false)
+    }
+
+    /// [`record`](Self::record) for an asynchronous collective.
+    fn record_queued(&self, kind: OpKind, bytes: usize) {
+        self.stats.record(kind, self.size(), bytes);
+        let sent = kind.bytes_sent(self.size(), bytes);
+        drop(crate::observe::collective(self.addr(), kind, self.size(), sent, true));
+    }
+
+    /// This communicator's address, by which meshes name it.
+    fn addr(&self) -> usize {
+        (self as *const Self).cast::<()>() as usize
     }
 
     /// Queues `f` (a collective on owned buffers) on the communication thread. The
@@ -116,7 +133,7 @@ impl Communicator for ThreadComm {
     fn all_gather(&self, send: Buf<'_>, mut recv: BufMut<'_>) -> Result<()> {
         let _site = crate::callsite::issue();
         self.fence();
-        self.record(OpKind::AllGather, bytes(&send) * self.size());
+        let _obs = self.record(OpKind::AllGather, bytes(&send) * self.size());
         kernels::all_gather(&self.group, self.rank, send, Out::of(&mut recv))
     }
 
@@ -124,35 +141,35 @@ impl Communicator for ThreadComm {
         let _site = crate::callsite::issue();
         crate::comm::check_segments(self, (send.dtype(), send.len()), (recv.dtype(), recv.len()), segments)?;
         self.fence();
-        self.record(OpKind::AllGather, bytes(&send) * self.size());
+        let _obs = self.record(OpKind::AllGather, bytes(&send) * self.size());
         kernels::all_gather_segmented(&self.group, self.rank, Source::Flat(send), Out::of(&mut recv), segments)
     }
 
     fn reduce_scatter(&self, send: Buf<'_>, mut recv: BufMut<'_>, op: ReduceOp) -> Result<()> {
         let _site = crate::callsite::issue();
         self.fence();
-        self.record(OpKind::ReduceScatter, bytes(&send));
+        let _obs = self.record(OpKind::ReduceScatter, bytes(&send));
         kernels::reduce_scatter(&self.group, self.rank, Source::Flat(send), Out::of(&mut recv), op)
     }
 
     fn all_reduce(&self, buf: BufMut<'_>, op: ReduceOp) -> Result<()> {
         let _site = crate::callsite::issue();
         self.fence();
-        self.record(OpKind::AllReduce, bytes(&buf.as_buf()));
+        let _obs = self.record(OpKind::AllReduce, bytes(&buf.as_buf()));
         kernels::all_reduce(&self.group, self.rank, None, buf, op)
     }
 
     fn all_reduce_into(&self, send: Buf<'_>, recv: BufMut<'_>, op: ReduceOp) -> Result<()> {
         let _site = crate::callsite::issue();
         self.fence();
-        self.record(OpKind::AllReduce, bytes(&send));
+        let _obs = self.record(OpKind::AllReduce, bytes(&send));
         kernels::all_reduce(&self.group, self.rank, Some(send), recv, op)
     }
 
     fn all_to_all(&self, send: Buf<'_>, mut recv: BufMut<'_>) -> Result<()> {
         let _site = crate::callsite::issue();
         self.fence();
-        self.record(OpKind::AllToAll, bytes(&send));
+        let _obs = self.record(OpKind::AllToAll, bytes(&send));
         kernels::all_to_all(&self.group, self.rank, send, Out::of(&mut recv))
     }
 
@@ -160,14 +177,14 @@ impl Communicator for ThreadComm {
         let _site = crate::callsite::issue();
         self.fence();
         let total = counts.iter().fold(0usize, |a, &c| a.saturating_add(c));
-        self.record(OpKind::AllGather, total.saturating_mul(send.dtype().size_in_bytes()));
+        let _obs = self.record(OpKind::AllGather, total.saturating_mul(send.dtype().size_in_bytes()));
         kernels::all_gather_v(&self.group, self.rank, send, recv, counts)
     }
 
     fn reduce_scatter_v(&self, send: Buf<'_>, recv: BufMut<'_>, counts: &[usize], op: ReduceOp) -> Result<()> {
         let _site = crate::callsite::issue();
         self.fence();
-        self.record(OpKind::ReduceScatter, bytes(&send));
+        let _obs = self.record(OpKind::ReduceScatter, bytes(&send));
         kernels::reduce_scatter_v(&self.group, self.rank, send, recv, counts, op)
     }
 
@@ -180,37 +197,36 @@ impl Communicator for ThreadComm {
     ) -> Result<()> {
         let _site = crate::callsite::issue();
         self.fence();
-        self.stats.record_exact(
-            OpKind::AllToAll,
-            all_to_all_v_bytes(send.dtype(), send_counts, self.rank),
-        );
+        let sent = all_to_all_v_bytes(send.dtype(), send_counts, self.rank);
+        self.stats.record_exact(OpKind::AllToAll, sent);
+        let _obs = crate::observe::collective(self.addr(), OpKind::AllToAll, self.size(), sent, false);
         kernels::all_to_all_v(&self.group, self.rank, send, send_counts, recv, recv_counts)
     }
 
     fn broadcast(&self, buf: BufMut<'_>, root: usize) -> Result<()> {
         let _site = crate::callsite::issue();
         self.fence();
-        self.record(OpKind::Broadcast, bytes(&buf.as_buf()));
+        let _obs = self.record(OpKind::Broadcast, bytes(&buf.as_buf()));
         kernels::broadcast(&self.group, self.rank, buf, root)
     }
 
     fn barrier(&self) -> Result<()> {
         let _site = crate::callsite::issue();
         self.fence();
-        self.record(OpKind::Barrier, 0);
+        let _obs = self.record(OpKind::Barrier, 0);
         kernels::barrier(&self.group, self.rank)
     }
 
     fn split(&self, color: u32, key: u32) -> Result<Box<dyn Communicator>> {
         let _site = crate::callsite::issue();
         self.fence();
-        self.record(OpKind::Split, 0);
+        let _obs = self.record(OpKind::Split, 0);
         let (group, rank) = split_group(&self.group, self.rank, color, key)?;
         Ok(Box::new(ThreadComm::new(group, rank)))
     }
 
     fn all_gather_async(&self, send: Buffer) -> Work {
-        self.record(OpKind::AllGather, bytes(&send.as_buf()) * self.size());
+        self.record_queued(OpKind::AllGather, bytes(&send.as_buf()) * self.size());
         let n = self.size();
         self.submit(move |g, r| {
             filled(send.dtype(), send.len() * n, |out| {
@@ -225,7 +241,7 @@ impl Communicator for ThreadComm {
         if let Err(e) = crate::comm::check_segments(self, (send.dtype(), send.len()), recv, &segments) {
             return Work::ready(Err(e));
         }
-        self.record(OpKind::AllGather, bytes(&send.as_buf()) * n);
+        self.record_queued(OpKind::AllGather, bytes(&send.as_buf()) * n);
         self.submit(move |g, r| {
             filled(send.dtype(), send.len() * n, |out| {
                 kernels::all_gather_segmented(g, r, Source::Flat(send.as_buf()), out, &segments)
@@ -234,7 +250,7 @@ impl Communicator for ThreadComm {
     }
 
     fn reduce_scatter_async(&self, send: Buffer, op: ReduceOp) -> Work {
-        self.record(OpKind::ReduceScatter, bytes(&send.as_buf()));
+        self.record_queued(OpKind::ReduceScatter, bytes(&send.as_buf()));
         let n = self.size();
         self.submit(move |g, r| {
             filled(send.dtype(), send.len() / n, |out| {
@@ -249,7 +265,7 @@ impl Communicator for ThreadComm {
         if let Err(e) = crate::comm::check_segments(self, (dtype, len), (dtype, len.saturating_mul(n)), &segments) {
             return Work::ready(Err(e));
         }
-        self.record(OpKind::AllGather, len * dtype.size_in_bytes() * n);
+        self.record_queued(OpKind::AllGather, len * dtype.size_in_bytes() * n);
         self.submit(move |g, r| {
             filled(dtype, len * n, |out| {
                 kernels::all_gather_segmented(g, r, Source::Pieces(&send), out, &segments)
@@ -259,7 +275,7 @@ impl Communicator for ThreadComm {
 
     fn reduce_scatter_pieces_async(&self, send: Pieces, op: ReduceOp) -> Work {
         let (dtype, len) = (send.dtype(), send.len());
-        self.record(OpKind::ReduceScatter, len * dtype.size_in_bytes());
+        self.record_queued(OpKind::ReduceScatter, len * dtype.size_in_bytes());
         let n = self.size();
         self.submit(move |g, r| {
             filled(dtype, len / n, |out| {
@@ -269,12 +285,12 @@ impl Communicator for ThreadComm {
     }
 
     fn all_reduce_async(&self, mut buf: Buffer, op: ReduceOp) -> Work {
-        self.record(OpKind::AllReduce, bytes(&buf.as_buf()));
+        self.record_queued(OpKind::AllReduce, bytes(&buf.as_buf()));
         self.submit(move |g, r| kernels::all_reduce(g, r, None, buf.as_buf_mut(), op).map(|_| buf))
     }
 
     fn all_to_all_async(&self, send: Buffer) -> Work {
-        self.record(OpKind::AllToAll, bytes(&send.as_buf()));
+        self.record_queued(OpKind::AllToAll, bytes(&send.as_buf()));
         self.submit(move |g, r| {
             filled(send.dtype(), send.len(), |out| {
                 kernels::all_to_all(g, r, send.as_buf(), out)
@@ -283,7 +299,7 @@ impl Communicator for ThreadComm {
     }
 
     fn broadcast_async(&self, mut buf: Buffer, root: usize) -> Work {
-        self.record(OpKind::Broadcast, bytes(&buf.as_buf()));
+        self.record_queued(OpKind::Broadcast, bytes(&buf.as_buf()));
         self.submit(move |g, r| kernels::broadcast(g, r, buf.as_buf_mut(), root).map(|_| buf))
     }
 }

@@ -1,0 +1,64 @@
+//! The op log's entries ([`tessera_mesh::observe::record_ops`]): DTensor ops and
+//! explicit redistributes described in one notation,
+//! `f32[8,32,64] (Shard(0), Replicate)` on `mesh(dp=2, tp=2)`.
+
+use tessera_mesh::DeviceMesh;
+use tessera_mesh::observe::{self, OpRecord, TensorDesc};
+
+use crate::DTensor;
+use crate::placement::placements_string;
+
+/// `x` as the op log prints it.
+pub fn describe(x: &DTensor) -> TensorDesc {
+    TensorDesc {
+        shape: x.shape().to_vec(),
+        dtype: x.dtype(),
+        placements: placements_string(x.placements()),
+    }
+}
+
+/// `mesh(dp=2, tp=4)`, or `mesh(2, 4)` for a mesh without dim names.
+pub fn mesh_string(mesh: &DeviceMesh) -> String {
+    let dims: Vec<String> = mesh
+        .shape()
+        .iter()
+        .enumerate()
+        .map(|(d, n)| match mesh.names().get(d) {
+            Some(name) => format!("{name}={n}"),
+            None => n.to_string(),
+        })
+        .collect();
+    format!("mesh({})", dims.join(", "))
+}
+
+/// The op-log entry of `op` on `inputs` giving `out`.
+pub(crate) fn op_record(
+    op: &'static str,
+    inputs: &[&DTensor],
+    moved: Vec<(usize, String)>,
+    out: &DTensor,
+    explicit: bool,
+    values: bool,
+) -> OpRecord {
+    OpRecord {
+        op,
+        mesh: mesh_string(out.mesh()),
+        inputs: inputs.iter().map(|x| describe(x)).collect(),
+        moved,
+        output: describe(out),
+        explicit,
+        values: values.then(|| global_sums(out)).flatten(),
+    }
+}
+
+/// Sum, sum of absolute values and sum of squares of `x`'s global value, in
+/// `f64` (gathered unrecorded; `None` for values that cannot be read).
+fn global_sums(x: &DTensor) -> Option<[f64; 3]> {
+    let full = observe::unrecorded(|| x.full_tensor()).ok()?;
+    let host = full.to(tessera_tensor::Device::Cpu).ok()?;
+    Some(
+        host.to_f64_vec()
+            .iter()
+            .fold([0.0; 3], |[s, a, q], &v| [s + v, a + v.abs(), q + v * v]),
+    )
+}

@@ -1,0 +1,148 @@
+//! Watching a parallel program: the op log marks implicit and explicit
+//! redistributes in one notation, the collective report puts each collective
+//! under its module and phase and sums to the mesh counters.
+
+use tessera::autograd::nn::{Linear, Materializer, Module};
+use tessera::autograd::{Var, backward};
+use tessera::dtensor::{DType, Placement, Tensor, distribute_tensor};
+use tessera::mesh::observe::{self, CommReport, Phase, What};
+use tessera::mesh::{DeviceMesh, OpKind, launch};
+
+/// An add of inputs sharded on different dims moves one of them (implicit),
+/// a `redistribute` is explicit; both list the layouts, and the collectives
+/// they ran lie inside their ops' spans.
+#[test]
+fn the_op_log_marks_implicit_and_explicit_redistributes() {
+    let out = launch(2, |ctx| {
+        let mesh = DeviceMesh::with_names(ctx.into_comm(), &[2], &["dp"])?;
+        let ones = Tensor::ones(&[4, 6], DType::F32)?;
+        let a = distribute_tensor(&ones, &mesh, &[Placement::Shard(0)])?;
+        let b = distribute_tensor(&ones, &mesh, &[Placement::Shard(1)])?;
+        let rec = observe::record_ops(observe::OpLog::Values);
+        let c = a.add(&b)?;
+        let d = c.redistribute(&[Placement::Replicate])?;
+        let events = rec.finish();
+        assert_eq!(d.full_tensor()?.to_f64_vec(), vec![2.0; 24]);
+        let log: Vec<String> = observe::op_log_entries(&events)
+            .iter()
+            .map(|(_, r)| r.to_string())
+            .collect();
+        let records: Vec<_> = observe::op_log_entries(&events)
+            .into_iter()
+            .map(|(_, r)| r.clone())
+            .collect();
+        Ok((log, records, events))
+    })
+    .unwrap();
+    for (log, records, events) in out {
+        assert_eq!(log.len(), 2, "{log:?}");
+        assert!(
+            log[0].starts_with("add(f32[4,6] (Shard(0)), f32[4,6] (Shard(1))) -> f32[4,6] (Shard(")
+                && log[0].contains("on mesh(dp=2); implicit redistribute of input "),
+            "{}",
+            log[0]
+        );
+        assert!(!records[0].explicit && records[0].moved.len() == 1);
+        assert_eq!(records[0].values, Some([48.0, 48.0, 48.0 * 2.0]));
+        assert_eq!(records[1].op, "redistribute");
+        assert!(records[1].explicit);
+        assert_eq!(records[1].moved, vec![(0, "(Replicate)".to_string())]);
+        assert!(
+            log[1].ends_with(
+                "explicit redistribute of input 0 to (Replicate); sum 4.800000e1 |x| 4.800000e1 x² 9.600000e1"
+            ),
+            "{}",
+            log[1]
+        );
+        // Each op's collectives run inside its span, over the named mesh dim.
+        let spans: Vec<&observe::Event> = events.iter().filter(|e| matches!(e.what, What::Op(_))).collect();
+        for (op, kind) in [("add", OpKind::AllToAll), ("redistribute", OpKind::AllGather)] {
+            let s = spans.iter().find(|e| e.what == What::Op(op)).unwrap();
+            let inside = events.iter().any(|e| {
+                matches!(&e.what, What::Collective { kind: k, group, .. } if *k == kind && &**group == "dp")
+                    && e.start_ns >= s.start_ns
+                    && e.start_ns + e.dur_ns <= s.start_ns + s.dur_ns
+            });
+            assert!(inside, "no {kind} over dp inside {op}: {events:?}");
+        }
+    }
+}
+
+/// Two linear layers under a root module: forward ops are attributed to the
+/// module that ran them, backward ops to the module that recorded them, and
+/// the report of a data-parallel gradient all-reduce sums to the counters.
+#[test]
+fn modules_scope_forward_and_backward_and_the_report_sums_to_the_counters() {
+    struct Net {
+        first: Linear,
+        second: Linear,
+    }
+    impl Module for Net {
+        fn named_children(&self) -> Vec<(String, &dyn Module)> {
+            vec![("first".into(), &self.first), ("second".into(), &self.second)]
+        }
+        fn forward(&self, x: &Var) -> tessera::autograd::Result<Var> {
+            self.second.call(&self.first.call(x)?)
+        }
+    }
+    let out = launch(2, |ctx| {
+        let mesh = DeviceMesh::with_names(ctx.into_comm(), &[2], &["dp"])?;
+        let net = Net {
+            first: Linear::new(6, 5, true, &mesh, DType::F32)?,
+            second: Linear::new(5, 3, true, &mesh, DType::F32)?,
+        };
+        Materializer::from_seed(3).materialize(&net)?;
+        let x = distribute_tensor(&Tensor::ones(&[4, 6], DType::F32)?, &mesh, &[Placement::Shard(0)])?;
+        let before = mesh.stats();
+        let rec = observe::record();
+        let loss = net.call(&Var::constant(x))?.sum(&[0usize, 1], false)?;
+        backward(&loss)?;
+        let events = rec.finish();
+        let counters = mesh.stats() - before;
+        Ok((events, counters))
+    })
+    .unwrap();
+    for (events, counters) in out {
+        let modules: Vec<(String, Phase)> = events
+            .iter()
+            .filter_map(|e| match &e.what {
+                What::Module { fqn, phase } => Some((fqn.to_string(), *phase)),
+                _ => None,
+            })
+            .collect();
+        for (m, p) in [
+            ("", Phase::Forward),
+            ("first", Phase::Forward),
+            ("second", Phase::Forward),
+        ] {
+            assert!(modules.contains(&(m.to_string(), p)), "{modules:?}");
+        }
+        assert!(
+            modules.contains(&("second".to_string(), Phase::Backward)),
+            "{modules:?}"
+        );
+        assert!(modules.contains(&("first".to_string(), Phase::Backward)), "{modules:?}");
+        // Every matmul lies in a linear layer's scope, forward or backward.
+        for e in events.iter().filter(|e| e.what == What::Op("matmul")) {
+            let (m, _) = e.module.as_ref().expect("a matmul outside any module");
+            assert!(&**m == "first" || &**m == "second", "matmul in {m}");
+        }
+        let report = CommReport::from_events(&events);
+        for kind in [
+            OpKind::AllGather,
+            OpKind::ReduceScatter,
+            OpKind::AllReduce,
+            OpKind::AllToAll,
+        ] {
+            assert_eq!(
+                report.total(kind),
+                (counters.calls(kind), counters.bytes(kind)),
+                "{kind}: {report}"
+            );
+        }
+        assert!(
+            counters.total_calls() > 0,
+            "the replicated weights' gradients are reduced over dp"
+        );
+    }
+}
