@@ -5,15 +5,14 @@
 use tessera_mesh::DeviceMesh;
 use tessera_mesh::observe::{self, OpRecord, TensorDesc};
 
-use crate::DTensor;
-use crate::placement::placements_string;
+use crate::{DTensor, PlacementsDisplay};
 
 /// `x` as the op log prints it.
 pub fn describe(x: &DTensor) -> TensorDesc {
     TensorDesc {
         shape: x.shape().to_vec(),
         dtype: x.dtype(),
-        placements: placements_string(x.placements()),
+        placements: PlacementsDisplay(x.placements()).to_string(),
     }
 }
 

@@ -379,7 +379,7 @@ impl DTensor {
         if let Some(values) = tessera_mesh::observe::logging_ops()
             && !plan.steps.is_empty()
         {
-            let to = crate::placement::placements_string(&plan.dst().placements);
+            let to = crate::PlacementsDisplay(&plan.dst().placements).to_string();
             let record = crate::debug::op_record("redistribute", &[self], vec![(0, to)], &out, true, values);
             tessera_mesh::observe::op_log(record);
         }
@@ -405,16 +405,23 @@ impl DTensor {
     }
 }
 
-impl fmt::Debug for DTensor {
+/// `f32[2048,256] (Shard(0), Replicate) on mesh(dp=2, tp=4)`: the global
+/// tensor, its placements and its mesh (the notation of messages and logs).
+impl fmt::Display for DTensor {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "DTensor({} {:?} {}, local {:?})",
+            "{} {} on {}",
+            crate::spec::ShapeDisplay(self.dtype(), self.shape()),
             PlacementsDisplay(self.placements()),
-            self.shape(),
-            self.dtype(),
-            self.local.shape()
+            crate::debug::mesh_string(self.mesh())
         )
+    }
+}
+
+impl fmt::Debug for DTensor {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "DTensor({self}, local {:?})", self.local.shape())
     }
 }
 

@@ -139,7 +139,7 @@ mod tests {
         let m = &msgs[0];
         assert!(m.starts_with("matmul: "), "{m}");
         assert!(
-            m.contains("input 0 would be redistributed implicitly, [S(0)] of [4, 3] f32"),
+            m.contains("input 0 would be redistributed implicitly, f32[4,3] (Shard(0)) on mesh("),
             "{m}"
         );
         assert!(m.contains("inside explicit_redistribution"), "{m}");

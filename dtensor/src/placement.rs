@@ -87,31 +87,17 @@ impl Placement {
 impl fmt::Display for Placement {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Placement::Shard(d) => write!(f, "S({d})"),
-            Placement::Replicate => f.write_str("R"),
-            Placement::Partial(op) => write!(f, "P({op})"),
+            Placement::Shard(d) => write!(f, "Shard({d})"),
+            Placement::Replicate => f.write_str("Replicate"),
+            Placement::Partial(op) => write!(f, "Partial({op})"),
         }
     }
 }
 
-/// `(Shard(0), Replicate)`: placements as the op log and tensor descriptions
-/// print them.
-pub(crate) fn placements_string(placements: &[Placement]) -> String {
-    let items: Vec<String> = placements
-        .iter()
-        .map(|p| match p {
-            Placement::Shard(d) => format!("Shard({d})"),
-            Placement::Replicate => "Replicate".to_string(),
-            Placement::Partial(op) => format!("Partial({op})"),
-        })
-        .collect();
-    format!("({})", items.join(", "))
-}
-
-/// `[S(0), R]`: placements in their compact form, for error messages.
+/// `(Shard(0), Replicate)`: placements as every message, log and description
+/// prints them (see [`PlacementsDisplay`](crate::PlacementsDisplay)).
 pub(crate) fn fmt_placements(placements: &[Placement]) -> String {
-    let items: Vec<String> = placements.iter().map(ToString::to_string).collect();
-    format!("[{}]", items.join(", "))
+    crate::PlacementsDisplay(placements).to_string()
 }
 
 /// Checks that `placements` fit a tensor of rank `tensor_rank` on a mesh of `mesh_ndim`
@@ -140,7 +126,7 @@ pub fn validate_placements(placements: &[Placement], tensor_rank: usize, mesh_nd
             return Err(Error::Placement {
                 op: OP,
                 detail: format!(
-                    "placement {i} of {} is S({d}) but the tensor has rank {tensor_rank}; \
+                    "placement {i} of {} is Shard({d}) but the tensor has rank {tensor_rank}; \
                      shard dims must be below {tensor_rank}",
                     fmt_placements(placements)
                 ),
@@ -453,15 +439,15 @@ mod tests {
     }
 
     display! {
-        display_shard0: Shard(0) => "S(0)";
-        display_shard3: Shard(3) => "S(3)";
-        display_replicate: Replicate => "R";
-        display_sum: Partial(ReduceOp::Sum) => "P(sum)";
-        display_avg: Partial(ReduceOp::Avg) => "P(avg)";
-        display_max: Partial(ReduceOp::Max) => "P(max)";
-        display_min: Partial(ReduceOp::Min) => "P(min)";
-        display_product: Partial(ReduceOp::Product) => "P(product)";
-        display_list: fmt_placements(&[Shard(0), Replicate, Partial(ReduceOp::Sum)]) => "[S(0), R, P(sum)]";
+        display_shard0: Shard(0) => "Shard(0)";
+        display_shard3: Shard(3) => "Shard(3)";
+        display_replicate: Replicate => "Replicate";
+        display_sum: Partial(ReduceOp::Sum) => "Partial(sum)";
+        display_avg: Partial(ReduceOp::Avg) => "Partial(avg)";
+        display_max: Partial(ReduceOp::Max) => "Partial(max)";
+        display_min: Partial(ReduceOp::Min) => "Partial(min)";
+        display_product: Partial(ReduceOp::Product) => "Partial(product)";
+        display_list: fmt_placements(&[Shard(0), Replicate, Partial(ReduceOp::Sum)]) => "(Shard(0), Replicate, Partial(sum))";
         display_order_empty: ShardOrder::default_for(&[Shard(0), Shard(1)]) => "{}";
         display_order_default: ShardOrder::default_for(&[Shard(0), Shard(0)]) => "{0: [0, 1]}";
         display_order_reversed: ShardOrder::reversed_for(&[Shard(0), Shard(0)]) => "{0: [1, 0]}";
@@ -518,10 +504,10 @@ mod tests {
         valid_empty_mesh: [], 2, 0 => Ok(());
         valid_mixed: [Shard(0), Replicate, Shard(1)], 2, 3 => Ok(());
         valid_scalar_replicate: [Replicate, Partial(ReduceOp::Sum)], 0, 2 => Ok(());
-        valid_too_few: [Shard(0)], 2, 2 => Err("[S(0)] has 1 placements but the mesh has 2 dims");
+        valid_too_few: [Shard(0)], 2, 2 => Err("(Shard(0)) has 1 placements but the mesh has 2 dims");
         valid_too_many: [Shard(0), Replicate, Replicate], 2, 2 => Err("has 3 placements but the mesh has 2 dims");
-        valid_dim_past_rank: [Replicate, Shard(2)], 2, 2 => Err("placement 1 of [R, S(2)] is S(2) but the tensor has rank 2");
-        valid_shard_scalar: [Shard(0)], 0, 1 => Err("placement 0 of [S(0)] is S(0) but the tensor has rank 0");
+        valid_dim_past_rank: [Replicate, Shard(2)], 2, 2 => Err("placement 1 of (Replicate, Shard(2)) is Shard(2) but the tensor has rank 2");
+        valid_shard_scalar: [Shard(0)], 0, 1 => Err("placement 0 of (Shard(0)) is Shard(0) but the tensor has rank 0");
     }
 
     #[test]
@@ -609,10 +595,10 @@ mod tests {
     }
 
     new_err! {
-        new_err_unsharded: [Shard(0), Shard(0)], [(1, [0, 1])] => "an order entry for tensor dim 1, which [S(0), S(0)] does not shard; an order is needed only where two or more mesh dims shard one tensor dim: drop this entry";
-        new_err_single: [Shard(0), Shard(1)], [(1, [1])] => "tensor dim 1, which [S(0), S(1)] shards over mesh dims [1] only";
+        new_err_unsharded: [Shard(0), Shard(0)], [(1, [0, 1])] => "an order entry for tensor dim 1, which (Shard(0), Shard(0)) does not shard; an order is needed only where two or more mesh dims shard one tensor dim: drop this entry";
+        new_err_single: [Shard(0), Shard(1)], [(1, [1])] => "tensor dim 1, which (Shard(0), Shard(1)) shards over mesh dims [1] only";
         new_err_duplicate_entry: [Shard(0), Shard(0)], [(0, [1, 0]), (0, [0, 1])] => "two order entries for tensor dim 0";
-        new_err_missing_mesh_dim: [Shard(0), Shard(0), Shard(0)], [(0, [2, 0])] => "the order [2, 0] for tensor dim 0 must list each mesh dim that shards it in [S(0), S(0), S(0)] ([0, 1, 2]) exactly once";
+        new_err_missing_mesh_dim: [Shard(0), Shard(0), Shard(0)], [(0, [2, 0])] => "the order [2, 0] for tensor dim 0 must list each mesh dim that shards it in (Shard(0), Shard(0), Shard(0)) ([0, 1, 2]) exactly once";
         new_err_repeated_mesh_dim: [Shard(0), Shard(0)], [(0, [0, 0])] => "the order [0, 0] for tensor dim 0";
         new_err_foreign_mesh_dim: [Shard(0), Shard(0), Replicate], [(0, [2, 0])] => "the order [2, 0] for tensor dim 0";
         new_err_extra_mesh_dim: [Shard(0), Shard(0)], [(0, [1, 0, 2])] => "the order [1, 0, 2] for tensor dim 0";
@@ -630,7 +616,7 @@ mod tests {
     }
 
     validate_for_err! {
-        validate_for_extra_entry: [Shard(0), Shard(0)], [Shard(0), Replicate] => "shard order {0: [1, 0]} does not describe [S(0), R]: tensor dim 0 is not sharded by two or more mesh dims";
+        validate_for_extra_entry: [Shard(0), Shard(0)], [Shard(0), Replicate] => "shard order {0: [1, 0]} does not describe (Shard(0), Replicate): tensor dim 0 is not sharded by two or more mesh dims";
         validate_for_missing_entry: [Shard(0), Shard(1)], [Shard(1), Shard(1)] => "tensor dim 1 is sharded by mesh dims [0, 1] but has no entry";
         validate_for_other_mesh_dims: [Shard(0), Shard(0), Replicate], [Shard(0), Replicate, Shard(0)] => "tensor dim 0 is sharded by mesh dims [0, 2], the order lists [1, 0]";
     }

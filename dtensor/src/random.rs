@@ -212,9 +212,9 @@ mod tests {
         })
         .unwrap();
         let wants = [
-            "DTensor::random: invalid placements: [P(sum)] holds a Partial placement, but random values are \
+            "DTensor::random: invalid placements: (Partial(sum)) holds a Partial placement, but random values are \
              drawn whole, not as pending sums; use Replicate on that mesh dim",
-            "validate_placements: invalid placements: placement 0 of [S(1)] is S(1) but the tensor has rank 1",
+            "validate_placements: invalid placements: placement 0 of (Shard(1)) is Shard(1) but the tensor has rank 1",
             "fill_region: Normal { mean: 0.0, std: 1.0 } draws floats, and dtype i64 is not a floating-point type",
             "fill_region: Bernoulli { p: 2.0 }: p must lie in [0, 1]",
             "DTensorSpec: invalid placements: the layout is for a mesh of shape [1, 2] but the mesh is [2]",

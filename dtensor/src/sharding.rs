@@ -559,10 +559,10 @@ mod tests {
     }
 
     local_err! {
-        err_too_few_placements: [4], [2, 2], [Shard(0)], [Shard(0)], [0, 0] => "[S(0)] has 1 placements but the mesh has 2 dims";
+        err_too_few_placements: [4], [2, 2], [Shard(0)], [Shard(0)], [0, 0] => "(Shard(0)) has 1 placements but the mesh has 2 dims";
         err_too_many_placements: [4], [2], [Shard(0), Replicate], [], [0] => "has 2 placements but the mesh has 1 dims";
-        err_shard_past_rank: [4, 4], [2, 2], [Replicate, Shard(2)], [], [0, 0] => "placement 1 of [R, S(2)] is S(2) but the tensor has rank 2";
-        err_order_for_other: [4], [2, 2], [Shard(0), Replicate], [Shard(0), Shard(0)], [0, 0] => "shard order {0: [1, 0]} does not describe [S(0), R]";
+        err_shard_past_rank: [4, 4], [2, 2], [Replicate, Shard(2)], [], [0, 0] => "placement 1 of (Replicate, Shard(2)) is Shard(2) but the tensor has rank 2";
+        err_order_for_other: [4], [2, 2], [Shard(0), Replicate], [Shard(0), Shard(0)], [0, 0] => "shard order {0: [1, 0]} does not describe (Shard(0), Replicate)";
         err_order_missing: [4], [2, 2], [Shard(0), Shard(0)], [Shard(0), Replicate], [0, 0] => "tensor dim 0 is sharded by mesh dims [0, 1] but has no entry";
         err_coord_short: [4], [2, 2], [Shard(0), Replicate], [], [0] => "coordinate [0] has 1 entries but the mesh [2, 2] has 2 dims";
         err_coord_long: [4], [2], [Shard(0)], [], [0, 0] => "coordinate [0, 0] has 2 entries but the mesh [2] has 1 dims";

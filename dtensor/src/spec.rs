@@ -167,35 +167,48 @@ impl Layout {
     }
 }
 
-/// Formats placements compactly: `[S(0),R]`.
+/// Formats placements, one per mesh dim, in the one notation messages, logs
+/// and descriptions use: `(Shard(0), Replicate, Partial(sum))`.
 pub struct PlacementsDisplay<'a>(pub &'a [Placement]);
 
 impl fmt::Display for PlacementsDisplay<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("[")?;
+        f.write_str("(")?;
         for (i, p) in self.0.iter().enumerate() {
             if i > 0 {
-                f.write_str(",")?;
+                f.write_str(", ")?;
             }
             write!(f, "{p}")?;
         }
-        f.write_str("]")
+        f.write_str(")")
     }
 }
 
+/// `f32[2048,256]`: a dtype and a global shape.
+pub(crate) struct ShapeDisplay<'a>(pub DType, pub &'a [usize]);
+
+impl fmt::Display for ShapeDisplay<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let dims: Vec<String> = self.1.iter().map(usize::to_string).collect();
+        write!(f, "{}[{}]", self.0, dims.join(","))
+    }
+}
+
+/// `f32[2048,256] (Shard(0), Replicate) on mesh(2, 4)`, with the shard order
+/// when it is not the default.
 impl fmt::Display for Layout {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}", PlacementsDisplay(&self.placements))?;
+        write!(
+            f,
+            "{} {}",
+            ShapeDisplay(self.dtype, &self.shape),
+            PlacementsDisplay(&self.placements)
+        )?;
         if !self.order.is_default() {
             write!(f, " order {}", self.order)?;
         }
-        write!(
-            f,
-            " of {:?} {} on mesh {:?}",
-            &self.shape[..],
-            self.dtype,
-            &self.mesh_shape[..]
-        )
+        let dims: Vec<String> = self.mesh_shape.iter().map(usize::to_string).collect();
+        write!(f, " on mesh({})", dims.join(", "))
     }
 }
 

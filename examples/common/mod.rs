@@ -252,21 +252,7 @@ impl Json {
 }
 
 fn write_str(s: &mut String, t: &str) {
-    s.push('"');
-    for c in t.chars() {
-        match c {
-            '"' => s.push_str("\\\""),
-            '\\' => s.push_str("\\\\"),
-            '\n' => s.push_str("\\n"),
-            '\r' => s.push_str("\\r"),
-            '\t' => s.push_str("\\t"),
-            c if (c as u32) < 0x20 => {
-                let _ = write!(s, "\\u{:04x}", c as u32);
-            }
-            c => s.push(c),
-        }
-    }
-    s.push('"');
+    s.push_str(&tessera::mesh::observe::json_string(t));
 }
 
 /// Writes `contents` to `path` atomically: a temporary file in the same folder,

@@ -106,7 +106,6 @@ fn make_unit(
     let checked = check_unit(modules, mesh, &config, dims);
     let geometry = checked.as_ref().map_or(0, |c| geometry_hash(&c.own));
     let Checked {
-        all,
         children,
         own,
         module_ids,
@@ -121,7 +120,7 @@ fn make_unit(
         group.regroup_after_forward(size)?;
     }
     let unit = Unit::new(
-        all[0].name().to_string(),
+        label(modules[0]),
         group,
         children.iter().map(Rc::downgrade).collect(),
         config.reshard_after_forward,
@@ -140,7 +139,6 @@ fn make_unit(
 
 /// What [`check_unit`] found on this rank, before the ranks agree.
 struct Checked {
-    all: Vec<Param>,
     children: Vec<Rc<Unit>>,
     own: Vec<Param>,
     module_ids: Vec<ModuleId>,
@@ -164,7 +162,6 @@ fn check_unit(
     let dtype = unit_dtype(&own, config)?;
     let (param_mesh, dims) = dp_dims(&own, mesh, shard_dim, replicate_dim, config)?;
     Ok(Checked {
-        all,
         children,
         own,
         module_ids,
@@ -232,6 +229,19 @@ fn split_owned(modules: &[&dyn Module], all: &[Param]) -> Result<(Vec<Rc<Unit>>,
         match state::owner(p.id()) {
             Some(u) => {
                 if let Some(outside) = u.group.params.iter().find(|q| !ids.contains(&q.param.id())) {
+                    let unit: HashSet<u64> = u.group.params.iter().map(|q| q.param.id()).collect();
+                    if ids.iter().all(|id| unit.contains(id)) {
+                        // A unit around this module exists already: the order was top-down.
+                        return Err(Error::module(
+                            label(modules[0]),
+                            format!(
+                                "lies inside {}, which was made an FSDP unit before it; fully_shard goes \
+                                 bottom-up: call it on each block first, then on the module that holds them \
+                                 (PyTorch: fully_shard(layer) for every layer, then fully_shard(model))",
+                                u.label
+                            ),
+                        ));
+                    }
                     return Err(Error::module(
                         label(modules[0]),
                         format!(

@@ -17,7 +17,7 @@ use crate::group::{GradHook, ParamGroup, Reduction};
 
 /// One unit: its parameter group and what runs around its forward and backward.
 pub(crate) struct Unit {
-    /// For messages: the first parameter's name.
+    /// For messages: the unit's module (its type and a parameter it holds).
     pub(crate) label: String,
     pub(crate) group: ParamGroup,
     pub(crate) children: Vec<Weak<Unit>>,

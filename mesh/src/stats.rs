@@ -5,14 +5,18 @@
 //!
 //! | collective | bytes sent per rank (`b` = bytes of the full buffer named) |
 //! |---|---|
-//! | all_gather | `(n−1)/n · b` of the output |
-//! | reduce_scatter | `(n−1)/n · b` of the input |
-//! | all_reduce | `2 (n−1)/n · b` |
+//! | all_gather | `(n−1)/n · b` of the output: `n−1` copies of its own piece |
+//! | reduce_scatter | `(n−1)/n · b` of the input: all of it but its own piece |
+//! | all_reduce | `2 (b − c)`, `c` its chunk of `b` split into `n` near-equal byte chunks (the first `b mod n` one byte longer): `2 (n−1)/n · b` on average |
 //! | all_to_all | `(n−1)/n · b` of the local data |
-//! | broadcast | `(n−1)/n · b` |
-//! | all_gather_v (as all_gather) | `(n−1)/n · b` of the whole output (the sum of the counts) |
-//! | reduce_scatter_v (as reduce_scatter) | `(n−1)/n · b` of the input (the sum of the counts) |
+//! | broadcast | `(n−1)/n · b` (rounded down) |
+//! | all_gather_v (as all_gather) | `n−1` copies of its own piece (its count) |
+//! | reduce_scatter_v (as reduce_scatter) | the input less its own piece (its count) |
 //! | all_to_all_v (as all_to_all) | exactly the bytes sent to other ranks (`send_counts` without this rank's own segment), via [`CommStats::record_exact`] |
+//!
+//! Each count is whole, and the counts of one collective's ranks add up exactly
+//! to the group's total (`(n−1)·b` or `2(n−1)·b`), however unevenly the data
+//! splits: summed over ranks they are the redistribution planner's objective.
 //!
 //! The provided (padded) variable-count forms of [`Communicator`](crate::Communicator)
 //! record the fixed-size collectives they run, padding included.
@@ -72,8 +76,22 @@ impl OpKind {
         self as usize
     }
 
+    /// Bytes rank `index` of a group of `n` sends in an all-reduce of a
+    /// `bytes`-byte buffer: `2 (bytes − c)` with `c` its chunk (see the module
+    /// docs); the group's ranks together send exactly `2 (n−1) · bytes`.
+    pub const fn all_reduce_sent(n: usize, index: usize, bytes: usize) -> u64 {
+        if n <= 1 {
+            return 0;
+        }
+        let chunk = bytes / n + if index < bytes % n { 1 } else { 0 };
+        2 * (bytes - chunk) as u64
+    }
+
     /// Bytes one rank sends for this collective over `n` ranks, where `bytes`
-    /// is the size of the buffer the table in the module docs names.
+    /// is the size of the buffer the table in the module docs names, for even
+    /// splits (`(n−1)/n` of it, rounded down; an all-reduce's mean). Exact
+    /// per-rank counts of uneven ones: [`all_reduce_sent`](Self::all_reduce_sent)
+    /// and the own-piece rules of the module docs.
     pub const fn bytes_sent(self, n: usize, bytes: usize) -> u64 {
         if n == 0 {
             return 0;
@@ -205,6 +223,26 @@ mod tests {
         case!(OpKind::AllToAll, 2, 1600, 800);
         case!(OpKind::AllGather, 1, 1600, 0);
         case!(OpKind::Barrier, 8, 0, 0);
+    }
+
+    /// Uneven all-reduces: each rank's count is whole and the group's add up
+    /// to `2 (n−1) · b` exactly (the mean rounded down would lose bytes).
+    #[test]
+    fn all_reduce_counts_add_up() {
+        for (n, b) in [(4usize, 9usize), (3, 10), (4, 16), (5, 3), (2, 1)] {
+            let per: Vec<u64> = (0..n).map(|i| OpKind::all_reduce_sent(n, i, b)).collect();
+            assert_eq!(
+                per.iter().sum::<u64>(),
+                2 * (n as u64 - 1) * b as u64,
+                "n {n} b {b}: {per:?}"
+            );
+        }
+        assert_eq!(
+            (0..4).map(|i| OpKind::all_reduce_sent(4, i, 9)).collect::<Vec<_>>(),
+            [12, 14, 14, 14]
+        );
+        assert_eq!(OpKind::all_reduce_sent(1, 0, 100), 0);
+        assert_eq!(OpKind::all_reduce_sent(4, 0, 16), OpKind::AllReduce.bytes_sent(4, 16));
     }
 
     #[test]

@@ -457,7 +457,7 @@ pub fn check_stats(comm: &dyn Communicator) {
     assert_eq!(d.calls(OpKind::AllReduce), 1);
     assert_eq!(d.calls(OpKind::Barrier), 1);
     assert_eq!(d.bytes(OpKind::AllGather), OpKind::AllGather.bytes_sent(n, 32 * n));
-    assert_eq!(d.bytes(OpKind::AllReduce), OpKind::AllReduce.bytes_sent(n, 64));
+    assert_eq!(d.bytes(OpKind::AllReduce), OpKind::all_reduce_sent(n, comm.rank(), 64));
 }
 
 /// Every check above, for every element type.

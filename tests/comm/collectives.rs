@@ -206,14 +206,17 @@ fn variable_count_stats_count_logical_bytes() {
             ReduceOp::Sum,
         )?;
         let d = comm.stats().snapshot() - before;
+        // Each rank's exact share: n−1 copies of its own piece gathered, the
+        // input less its own piece scattered; summed over the ranks, (n−1)
+        // times the whole buffer (the mean rounded down would lose bytes).
         assert_eq!(d.calls(OpKind::AllGather), 1);
-        assert_eq!(d.bytes(OpKind::AllGather), OpKind::AllGather.bytes_sent(n, 5 * 4));
+        assert_eq!(d.bytes(OpKind::AllGather), ((n - 1) * counts[r] * 4) as u64);
         assert_eq!(d.calls(OpKind::ReduceScatter), 1);
-        assert_eq!(
-            d.bytes(OpKind::ReduceScatter),
-            OpKind::ReduceScatter.bytes_sent(n, 5 * 8)
-        );
+        assert_eq!(d.bytes(OpKind::ReduceScatter), ((5 - counts[r]) * 8) as u64);
         assert_eq!(d.total_calls(), 2, "rank {r}: {d}");
+        let all = comm.all_gather_vec(&[d.bytes(OpKind::AllGather) as i64, d.bytes(OpKind::ReduceScatter) as i64])?;
+        let sum = |k: usize| all.chunks(2).map(|c| c[k]).sum::<i64>();
+        assert_eq!((sum(0), sum(1)), (3 * 5 * 4, 3 * 5 * 8), "rank {r}: {all:?}");
 
         let d = a2a_v_stats(comm)?;
         let m = a2a_counts(n);

@@ -111,6 +111,16 @@ fn bad_configurations() {
             "already fully_shard"
         );
 
+        // Top-down: the root first, then a block inside it. The error names
+        // the root unit by its type and says fully_shard goes bottom-up.
+        let top_down = Transformer::new(TransformerConfig::TINY, &mesh, DType::F32)?;
+        fully_shard(&top_down, &mesh, cfg())?;
+        let e = config_err(fully_shard(&top_down.layers[0], &mesh, cfg()), "block after its root");
+        assert!(
+            e.contains("lies inside the Transformer holding") && e.contains("fully_shard goes bottom-up"),
+            "block after its root: {e}"
+        );
+
         // Meshes FSDP cannot shard over.
         let on2 = Params(vec![param("on2.weight", &[4, 3], DType::F32, &mesh2, rep)?]);
         let dp = FsdpConfig {

@@ -104,10 +104,11 @@ fn loss_parallel_moves_rows_not_vocab() {
     let default: fn(&[Placement]) -> ShardOrder = ShardOrder::default_for;
     for tp in [2, 3, 4] {
         let seen = run(&[tp], &logits, &tg, &[Shard(2)], default, &[Replicate], Reduction::Mean);
-        for s in &seen {
+        for (rank, s) in seen.iter().enumerate() {
             assert_loss(&format!("tp={tp}"), s, want, 1e-12);
             assert_eq!(s.placements, [Replicate]);
-            let ar = |elems: usize| OpKind::AllReduce.bytes_sent(tp, elems * 8);
+            // This rank's exact share of each all-reduce (tessera_mesh::stats).
+            let ar = |elems: usize| OpKind::all_reduce_sent(tp, rank, elems * 8);
             let expected = ar(rows) + ar(2 * rows);
             let c = &s.loss_counts;
             assert_eq!((c.total_calls(), c.calls(OpKind::AllReduce)), (2, 2), "tp={tp}: {c}");

@@ -91,11 +91,15 @@ fn cross_entropy_target_shape() {
 
 #[test]
 fn cross_entropy_with_grad_needs_the_class_dim_whole() {
-    expect_err(&[2], &["cross_entropy", "S(1)", "cross_entropy_class_parallel"], |m| {
-        let logits = distribute_tensor(&randn(&[4, 6])?, m, &[S(1)])?;
-        let t = distribute_tensor(&idx(&[0, 1, 2, 3], &[4])?, m, &[R])?;
-        Ok(logits.cross_entropy_with_grad(&t, Reduction::Mean)?.1)
-    });
+    expect_err(
+        &[2],
+        &["cross_entropy", "Shard(1)", "cross_entropy_class_parallel"],
+        |m| {
+            let logits = distribute_tensor(&randn(&[4, 6])?, m, &[S(1)])?;
+            let t = distribute_tensor(&idx(&[0, 1, 2, 3], &[4])?, m, &[R])?;
+            Ok(logits.cross_entropy_with_grad(&t, Reduction::Mean)?.1)
+        },
+    );
 }
 
 #[test]

@@ -32,28 +32,32 @@ fn full(shape: &[usize], dtype: DType) -> tessera::tensor::Result<Tensor> {
 
 #[test]
 fn placements_length_differs_from_mesh_dims() {
-    let needle = "[S(0)] has 1 placements but the mesh has 2 dims";
+    let needle = "(Shard(0)) has 1 placements but the mesh has 2 dims";
     expect_err(&[2, 2], &[needle], |m| {
         distribute_tensor(&full(&[4, 4], DType::F64)?, m, &[S(0)])
     });
-    expect_err(&[2, 2], &["[R, R, R] has 3 placements but the mesh has 2 dims"], |m| {
-        distribute_tensor(&full(&[4, 4], DType::F64)?, m, &[R, R])?.redistribute(&[R, R, R])
-    });
-    expect_err(&[2], &["[S(0), R] has 2 placements but the mesh has 1 dims"], |m| {
-        DTensor::from_local(full(&[2, 4], DType::F64)?, m, &[S(0), R], &[4, 4])
-    });
+    expect_err(
+        &[2, 2],
+        &["(Replicate, Replicate, Replicate) has 3 placements but the mesh has 2 dims"],
+        |m| distribute_tensor(&full(&[4, 4], DType::F64)?, m, &[R, R])?.redistribute(&[R, R, R]),
+    );
+    expect_err(
+        &[2],
+        &["(Shard(0), Replicate) has 2 placements but the mesh has 1 dims"],
+        |m| DTensor::from_local(full(&[2, 4], DType::F64)?, m, &[S(0), R], &[4, 4]),
+    );
 }
 
 #[test]
 fn shard_dim_past_tensor_rank() {
     expect_err(
         &[2, 2],
-        &["placement 1 of [R, S(2)] is S(2) but the tensor has rank 2"],
+        &["placement 1 of (Replicate, Shard(2)) is Shard(2) but the tensor has rank 2"],
         |m| distribute_tensor(&full(&[4, 4], DType::F64)?, m, &[R, S(2)]),
     );
     expect_err(
         &[2],
-        &["placement 0 of [S(1)] is S(1) but the tensor has rank 1"],
+        &["placement 0 of (Shard(1)) is Shard(1) but the tensor has rank 1"],
         |m| distribute_tensor(&full(&[4], DType::F64)?, m, &[R])?.redistribute(&[S(1)]),
     );
 }
@@ -67,7 +71,7 @@ fn from_local_shape_inconsistent_with_global() {
             "DTensor::from_local",
             "mesh coordinate {coord}",
             "shape [3, 4]",
-            "[4, 4]",
+            "f64[4,4] (Shard(0))",
             "gives it [2, 4]",
         ],
         |m| DTensor::from_local(full(&[3, 4], DType::F64)?, m, &[S(0)], &[4, 4]),
@@ -100,7 +104,7 @@ fn from_local_dtype_differs_from_layout() {
 #[test]
 fn partial_avg_on_i64() {
     let needles = [
-        "P(avg)",
+        "Partial(avg)",
         "reduction avg is not defined for i64",
         "reduce with Sum and divide explicitly",
     ];
@@ -123,7 +127,7 @@ fn partial_on_raw_bytes_and_non_commuting_mix() {
     });
     expect_err(
         &[2, 2],
-        &["[P(sum),P(max)] mixes pending reductions that do not commute"],
+        &["(Partial(sum), Partial(max)) mixes pending reductions that do not commute"],
         |m| {
             distribute_tensor(
                 &full(&[4], DType::F64)?,
@@ -138,10 +142,10 @@ fn partial_on_raw_bytes_and_non_commuting_mix() {
 fn shard_to_partial_is_rejected() {
     expect_err(
         &[2],
-        &["redistribute", "mesh dim 0: S(0) -> P(sum) is not defined"],
+        &["redistribute", "mesh dim 0: Shard(0) -> Partial(sum) is not defined"],
         |m| distribute_tensor(&full(&[4, 2], DType::F64)?, m, &[S(0)])?.redistribute(&[Partial(ReduceOp::Sum)]),
     );
-    expect_err(&[2, 2], &["mesh dim 1: S(1) -> P(max) is not defined"], |m| {
+    expect_err(&[2, 2], &["mesh dim 1: Shard(1) -> Partial(max) is not defined"], |m| {
         let x = distribute_tensor(&full(&[4, 2], DType::F64)?, m, &[R, S(1)])?;
         x.redistribute_plan(&[R, Partial(ReduceOp::Max)])
     });
@@ -151,7 +155,7 @@ fn shard_to_partial_is_rejected() {
 fn partial_to_other_partial_is_rejected() {
     expect_err(
         &[2],
-        &["mesh dim 0: P(sum) -> P(max) would change a pending reduction"],
+        &["mesh dim 0: Partial(sum) -> Partial(max) would change a pending reduction"],
         |m| {
             let x = distribute_tensor(&full(&[4, 2], DType::F64)?, m, &[Partial(ReduceOp::Sum)])?;
             x.redistribute(&[Partial(ReduceOp::Max)])
@@ -159,7 +163,7 @@ fn partial_to_other_partial_is_rejected() {
     );
     expect_err(
         &[2, 2],
-        &["mesh dim 1: P(avg) -> P(sum) would change a pending reduction"],
+        &["mesh dim 1: Partial(avg) -> Partial(sum) would change a pending reduction"],
         |m| {
             let x = distribute_tensor(&full(&[4, 2], DType::F64)?, m, &[R, Partial(ReduceOp::Avg)])?;
             x.redistribute(&[S(0), Partial(ReduceOp::Sum)])

@@ -1,5 +1,7 @@
 //! Plans for named cases, one line each, with steps and bytes computed by hand
-//! (f64: 8 bytes an element; `(n−1)/n` shares floored as `OpKind::bytes_sent` does);
+//! (f64: 8 bytes an element; each rank's exact share as `tessera_mesh::stats`
+//! counts it: `n−1` copies of its own piece gathered, the input less its own
+//! piece scattered, `2 (b − its chunk)` all-reduced);
 //! a plan's `Display`; the sharding fixture and the reversed-order round trip on
 //! real launches.
 
@@ -57,7 +59,8 @@ plans! {
     one_p_to_s: [4], [8, 6]: [SUM], default -> [S(0)], default @ [1] => [(vec![0], Rs { op: SUM_OP }, 288)];
     one_p_to_r: [4], [8, 6]: [SUM], default -> [R], default @ [1] => [(vec![0], Ar { op: SUM_OP }, 576)];
     one_avg_to_r: [4], [8, 6]: [AVG], default -> [R], default @ [2] => [(vec![0], Ar { op: ReduceOp::Avg }, 576)];
-    one_max_to_s1: [4], [8, 6]: [MAX], default -> [S(1)], default @ [3] => [(vec![0], Rs { op: ReduceOp::Max }, 288)];
+    // Columns split 2, 2, 2, 0: rank 3 keeps none of the 384 bytes and sends them all.
+    one_max_to_s1: [4], [8, 6]: [MAX], default -> [S(1)], default @ [3] => [(vec![0], Rs { op: ReduceOp::Max }, 384)];
     // Rows 2..4 of 8 → columns 2..4 of 6: keeps a 2×2 block, sends 8 elements.
     one_s0_to_s1: [4], [8, 6]: [S(0)], default -> [S(1)], default @ [1] => [(vec![0], A2a, 64)];
     // Columns split 2, 2, 2, 0: the last rank keeps nothing and sends all 12 elements.
@@ -66,9 +69,12 @@ plans! {
     one_r_to_p: [4], [8, 6]: [R], default -> [SUM], default @ [1] => [(vec![0], Partition { op: SUM_OP }, 0)];
     one_same: [4], [8, 6]: [S(0)], default -> [S(0)], default @ [1] => [];
     // Uneven: 13 over 4 is 4, 4, 4, 1; all_gather output 104 bytes → ⌊104·3/4⌋ = 78.
-    one_uneven_gather: [4], [13]: [S(0)], default -> [R], default @ [3] => [(vec![0], Ag, 78)];
-    one_uneven_scatter: [4], [13]: [SUM], default -> [S(0)], default @ [0] => [(vec![0], Rs { op: SUM_OP }, 78)];
-    one_mesh_of_3: [3], [7, 2]: [S(0)], default -> [R], default @ [2] => [(vec![0], Ag, 74)];
+    // 13 rows split 4, 4, 4, 1: rank 3 sends its one row (8 bytes) to 3 peers;
+    // rank 0 sends the 9 rows of 13 that are not its own.
+    one_uneven_gather: [4], [13]: [S(0)], default -> [R], default @ [3] => [(vec![0], Ag, 24)];
+    one_uneven_scatter: [4], [13]: [SUM], default -> [S(0)], default @ [0] => [(vec![0], Rs { op: SUM_OP }, 72)];
+    // 7 rows split 3, 3, 1: rank 2's row of 2 (16 bytes) to 2 peers.
+    one_mesh_of_3: [3], [7, 2]: [S(0)], default -> [R], default @ [2] => [(vec![0], Ag, 32)];
 
     // 2-D mesh 2×2, [4, 6] f64 = 192 bytes.
     // Different tensor dims: one all_gather over the whole mesh, (3/4)·192 (the
@@ -125,6 +131,45 @@ plans! {
         => [(vec![0, 1, 2], A2a, 0)];
 }
 
+/// Summed over every rank, a plan's bytes are what the group moves in total
+/// ((n−1)·b gathered or scattered, 2(n−1)·b all-reduced): the planner's
+/// objective, exactly, however unevenly the tensor splits.
+#[test]
+fn per_rank_bytes_add_up_to_the_group_total() {
+    for (mesh, shape) in [
+        (vec![4], vec![13]),
+        (vec![3], vec![7, 2]),
+        (vec![4], vec![8, 6]),
+        (vec![2, 3], vec![5, 7]),
+    ] {
+        let b = shape.iter().product::<usize>() as u64 * 8;
+        let n = mesh.iter().product::<usize>() as u64;
+        let coords: Vec<Vec<usize>> = (0..n as usize)
+            .map(|i| {
+                let mut c = vec![0; mesh.len()];
+                let mut r = i;
+                for d in (0..mesh.len()).rev() {
+                    c[d] = r % mesh[d];
+                    r /= mesh[d];
+                }
+                c
+            })
+            .collect();
+        let whole = |p: Placement| vec![p; mesh.len()];
+        let total = |src: &[Placement], dst: &[Placement]| -> u64 {
+            let (src, dst) = (
+                f64_layout(&mesh, &shape, src, default),
+                f64_layout(&mesh, &shape, dst, default),
+            );
+            coords.iter().map(|c| plan(&src, &dst, c).unwrap().bytes()).sum()
+        };
+        let what = format!("mesh {mesh:?}, shape {shape:?}");
+        assert_eq!(total(&whole(S(0)), &whole(R)), (n - 1) * b, "gather, {what}");
+        assert_eq!(total(&whole(SUM), &whole(S(0))), (n - 1) * b, "scatter, {what}");
+        assert_eq!(total(&whole(SUM), &whole(R)), 2 * (n - 1) * b, "all-reduce, {what}");
+    }
+}
+
 #[test]
 fn plan_display() {
     let src = f64_layout(&[2, 2], &[4, 6], &[SUM, R], default);
@@ -132,18 +177,21 @@ fn plan_display() {
     let p = plan(&src, &dst, &[0, 1]).unwrap();
     assert_eq!(
         p.to_string(),
-        "[P(sum),R] -> [R,S(0)] (1 collectives, 96 bytes/rank):\n  \
-         1. local slice on mesh dim 1: [P(sum),R] -> [P(sum),S(0)], 0 bytes\n  \
-         2. all_reduce on mesh dim 0: [P(sum),S(0)] -> [R,S(0)], 96 bytes"
+        "(Partial(sum), Replicate) -> (Replicate, Shard(0)) (1 collectives, 96 bytes/rank):\n  \
+         1. local slice on mesh dim 1: (Partial(sum), Replicate) -> (Partial(sum), Shard(0)), 0 bytes\n  \
+         2. all_reduce on mesh dim 0: (Partial(sum), Shard(0)) -> (Replicate, Shard(0)), 96 bytes"
     );
     let same = plan(&src, &src, &[0, 1]).unwrap();
-    assert_eq!(same.to_string(), "[P(sum),R] -> [P(sum),R]: nothing to do");
+    assert_eq!(
+        same.to_string(),
+        "(Partial(sum), Replicate) -> (Partial(sum), Replicate): nothing to do"
+    );
     let a = f64_layout(&[2, 2], &[4, 4], &[S(0), S(0)], default);
     let b = f64_layout(&[2, 2], &[4, 4], &[S(1), S(1)], default);
     assert_eq!(
         plan(&a, &b, &[0, 1]).unwrap().to_string(),
-        "[S(0),S(0)] -> [S(1),S(1)] (1 collectives, 24 bytes/rank):\n  \
-         1. all_to_all on whole mesh: [S(0),S(0)] -> [S(1),S(1)], 24 bytes"
+        "(Shard(0), Shard(0)) -> (Shard(1), Shard(1)) (1 collectives, 24 bytes/rank):\n  \
+         1. all_to_all on whole mesh: (Shard(0), Shard(0)) -> (Shard(1), Shard(1)), 24 bytes"
     );
 }
 

@@ -347,7 +347,7 @@ fn prepare_module_input_lays_out_each_input_of_a_several_input_module() {
             .unwrap_err()
             .to_string();
         assert!(
-            err.contains("its input `skip` arrives R on the tp dim but the plan says Shard(-1)"),
+            err.contains("its input `skip` arrives Replicate on the tp dim but the plan says Shard(-1)"),
             "{err}"
         );
         // Lists of different lengths are refused before anything changes.

@@ -108,6 +108,13 @@ impl fmt::Display for ModuleId {
     }
 }
 
+/// `Linear` for `tessera_autograd::nn::layers::Linear` (generic arguments kept).
+fn short_type_name(full: &str) -> &str {
+    let base = full.split('<').next().unwrap_or(full);
+    let start = base.rfind("::").map_or(0, |i| i + 2);
+    &full[start..]
+}
+
 /// The concrete type of a module behind `&dyn Module`.
 fn type_of(m: &dyn Module) -> TypeId {
     let any: &dyn Any = m;
@@ -141,9 +148,10 @@ impl ModuleId {
                     .into(),
             });
         };
+        let ty = short_type_name(module.type_name());
         let label = match ps.len() {
-            1 => format!("the module holding {}", first.name()),
-            n => format!("the module holding {} (and {} more parameters)", first.name(), n - 1),
+            1 => format!("the {ty} holding {}", first.name()),
+            n => format!("the {ty} holding {} (and {} more parameters)", first.name(), n - 1),
         };
         let root = Root {
             ty: type_of(module),

@@ -105,6 +105,12 @@ pub trait Module: Any {
         None
     }
 
+    /// The module's type, for messages (`std::any::type_name` of the
+    /// implementing type; not meant to be overridden).
+    fn type_name(&self) -> &'static str {
+        std::any::type_name::<Self>()
+    }
+
     /// The direct submodules, by name, in a fixed order. Default: none.
     ///
     /// PyTorch: `named_children`.

@@ -142,7 +142,7 @@ pub(crate) fn dispatch(
             .iter()
             .enumerate()
             .filter(|(_, p)| !p.steps.is_empty())
-            .map(|(i, p)| (i, crate::placement::placements_string(&p.dst().placements)))
+            .map(|(i, p)| (i, crate::PlacementsDisplay(&p.dst().placements).to_string()))
             .collect();
         tessera_mesh::observe::op_log(crate::debug::op_record(op, inputs, moved, &out, false, values));
     }

@@ -101,7 +101,10 @@ pub struct Plan {
 }
 
 impl Plan {
-    /// Bytes this rank sends over the whole plan.
+    /// Bytes this rank sends over the whole plan, counted as
+    /// `tessera_mesh::stats` counts them (what the rank's counters will show):
+    /// whole per-rank counts that, summed over the ranks, are exactly the
+    /// bytes the planner minimised, uneven splits included.
     pub fn bytes(&self) -> u64 {
         self.steps.iter().map(|s| s.bytes).sum()
     }
@@ -168,10 +171,19 @@ pub(crate) fn step_bytes(
 ) -> Result<u64> {
     let esize = before.dtype.size_in_bytes();
     let n = group.iter().map(|&m| before.mesh_shape[m]).product();
+    // The exact per-rank counts of `tessera_mesh::stats`: a group's ranks add
+    // up to the bytes the planner's cost charges it, uneven pieces included.
     let bytes = match kind {
-        StepKind::AllGather => OpKind::AllGather.bytes_sent(n, after.region(coord)?.numel() * esize),
-        StepKind::ReduceScatter { .. } => OpKind::ReduceScatter.bytes_sent(n, before.region(coord)?.numel() * esize),
-        StepKind::AllReduce { .. } => OpKind::AllReduce.bytes_sent(n, before.region(coord)?.numel() * esize),
+        // n−1 copies of its own piece.
+        StepKind::AllGather => ((n - 1) * before.region(coord)?.numel() * esize) as u64,
+        // The input less its own piece.
+        StepKind::ReduceScatter { .. } => {
+            ((before.region(coord)?.numel() - after.region(coord)?.numel()) * esize) as u64
+        }
+        StepKind::AllReduce { .. } => {
+            let me = super::group_index(&before.mesh_shape, coord, group);
+            OpKind::all_reduce_sent(n, me, before.region(coord)?.numel() * esize)
+        }
         StepKind::AllToAll => {
             let mine = before.region(coord)?;
             let me = super::group_index(&before.mesh_shape, coord, group);

@@ -285,6 +285,9 @@ mod tests {
     fn no_fitting_candidate_is_an_error() {
         let a = layout(&[R], &[8, 16]);
         let e = choose("op", &[&a], &[]).unwrap_err().to_string();
-        assert!(e.contains("no sharding strategy fits inputs [R] of [8, 16]"), "{e}");
+        assert!(
+            e.contains("no sharding strategy fits inputs f32[8,16] (Replicate) on mesh("),
+            "{e}"
+        );
     }
 }

@@ -413,14 +413,13 @@ fn mix(seed: u64, a: u64, b: u64) -> u64 {
 
 /// The most bytes the rank at `coord` may send in one collective of `kind` that turns
 /// `before` into `after` over `n` ranks, from the local shapes
-/// ([`local_shape_and_offset`]) and the integer-floor shares of
-/// [`OpKind::bytes_sent`]:
+/// ([`local_shape_and_offset`]) and the per-rank counts of `tessera_mesh::stats`:
 ///
 /// | collective | bound (`b` = bytes) |
 /// |---|---|
-/// | all_gather | `(n−1)/n · b` of the local output |
-/// | reduce_scatter | `(n−1)/n · b` of the local input |
-/// | all_reduce | `2 (n−1)/n · b` of the local buffer |
+/// | all_gather | `n−1` copies of the local input (its own piece) |
+/// | reduce_scatter | the local input less the local output |
+/// | all_reduce | `2 (b − ⌊b/n⌋)` of the local buffer (the smallest chunk's rank sends the most) |
 /// | all_to_all | max(`(n−1)/n · b` of the local input, `c · b` less what this rank keeps), `c` the product of the sizes of the mesh dims that go from `Shard` to `Replicate` |
 ///
 /// Other kinds (no collective, broadcast, barrier) get 0.
@@ -434,9 +433,10 @@ pub fn collective_bound(before: &Layout, after: &Layout, kind: OpKind, n: usize,
     let esize = before.dtype.size_in_bytes();
     let bytes = |shape: &[usize]| shape.iter().product::<usize>() * esize;
     Ok(match kind {
-        OpKind::AllGather => OpKind::AllGather.bytes_sent(n, bytes(&out_shape)),
-        OpKind::ReduceScatter => OpKind::ReduceScatter.bytes_sent(n, bytes(&in_shape)),
-        OpKind::AllReduce => OpKind::AllReduce.bytes_sent(n, bytes(&in_shape)),
+        OpKind::AllGather => ((n.max(1) - 1) * bytes(&in_shape)) as u64,
+        OpKind::ReduceScatter => bytes(&in_shape).saturating_sub(bytes(&out_shape)) as u64,
+        OpKind::AllReduce if n > 1 => 2 * (bytes(&in_shape) - bytes(&in_shape) / n) as u64,
+        OpKind::AllReduce => 0,
         OpKind::AllToAll => {
             let kept: usize = (0..in_shape.len())
                 .map(|d| {

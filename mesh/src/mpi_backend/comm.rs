@@ -91,6 +91,14 @@ impl MpiComm {
         crate::observe::collective(self.addr(), kind, self.size, kind.bytes_sent(self.size, bytes), false)
     }
 
+    /// [`begin`](Self::begin) of a collective that sends exactly `sent` bytes
+    /// from this rank.
+    fn begin_sent(&self, kind: OpKind, sent: u64) -> crate::observe::Span {
+        self.worker.fence();
+        self.rt.stats.record_exact(kind, sent);
+        crate::observe::collective(self.addr(), kind, self.size, sent, false)
+    }
+
     /// This communicator's address, by which meshes name it.
     fn addr(&self) -> usize {
         (self as *const Self).cast::<()>() as usize
@@ -189,14 +197,13 @@ impl MpiComm {
     /// Queues `f` (given the communicator) on the communication thread.
     #[track_caller]
     fn submit(&self, kind: OpKind, bytes: usize, f: impl FnOnce(Exec) -> Result<Buffer> + Send + 'static) -> Work {
-        self.rt.stats.record(kind, self.size, bytes);
-        drop(crate::observe::collective(
-            self.addr(),
-            kind,
-            self.size,
-            kind.bytes_sent(self.size, bytes),
-            true,
-        ));
+        // An all-reduce's count depends on this rank's chunk (the stats table).
+        let sent = match kind {
+            OpKind::AllReduce => OpKind::all_reduce_sent(self.size, self.rank, bytes),
+            _ => kind.bytes_sent(self.size, bytes),
+        };
+        self.rt.stats.record_exact(kind, sent);
+        drop(crate::observe::collective(self.addr(), kind, self.size, sent, true));
         let ex = self.exec_for(kind);
         self.worker.submit(move || f(ex))
     }
@@ -289,7 +296,10 @@ impl Communicator for MpiComm {
     fn all_reduce(&self, mut buf: BufMut<'_>, op: ReduceOp) -> Result<()> {
         let local = op.check("all_reduce", buf.dtype());
         self.validate(print(OpKind::AllReduce, buf.dtype(), buf.len(), 0, Some(op)), local)?;
-        let _obs = self.begin(OpKind::AllReduce, bytes(&buf.as_buf()));
+        let _obs = self.begin_sent(
+            OpKind::AllReduce,
+            OpKind::all_reduce_sent(self.size, self.rank, bytes(&buf.as_buf())),
+        );
         let (c, dtype) = (count("all_reduce", self.rank, buf.len())?, buf.dtype());
         let (dt, mop) = (datatype(dtype), self.rt.ops.get(dtype, op));
         let (s, _copy) = in_place_send(self.rt.in_place, &buf.as_buf());
@@ -307,7 +317,10 @@ impl Communicator for MpiComm {
             .check(OpKind::AllReduce, &send, Some((recv.dtype(), recv.len())), 0)
             .and_then(|_| op.check("all_reduce", send.dtype()));
         self.validate(print(OpKind::AllReduce, send.dtype(), send.len(), 0, Some(op)), local)?;
-        let _obs = self.begin(OpKind::AllReduce, bytes(&send));
+        let _obs = self.begin_sent(
+            OpKind::AllReduce,
+            OpKind::all_reduce_sent(self.size, self.rank, bytes(&send)),
+        );
         let c = count("all_reduce", self.rank, send.len())?;
         let (dt, mop) = (datatype(send.dtype()), self.rt.ops.get(send.dtype(), op));
         let (s, r) = (ptr(&send), ptr_mut(&mut recv));
@@ -392,8 +405,9 @@ impl Communicator for MpiComm {
         });
         let local = self.exchange_v(OpKind::AllGather, &send, recv.len(), counts_in, &[], local)?;
         let ((c, displs), sc, dt) = (local, send.len() as c_int, datatype(send.dtype()));
-        let total = counts_in.iter().sum::<usize>();
-        let _obs = self.begin(OpKind::AllGather, total * send.dtype().size_in_bytes());
+        // n−1 copies of its own piece (the stats table).
+        let own = send.len() * send.dtype().size_in_bytes();
+        let _obs = self.begin_sent(OpKind::AllGather, ((self.size - 1) * own) as u64);
         let (s, r) = (ptr(&send), ptr_mut(&mut recv));
         // SAFETY: the counts were checked on every rank against the buffer lengths.
         self.run(OpKind::AllGather, || unsafe {
@@ -407,7 +421,9 @@ impl Communicator for MpiComm {
             .and_then(|dtype| op.check(name, dtype))
             .and_then(|_| counts(name, self.rank, counts_in));
         let (c, _) = self.exchange_v(OpKind::ReduceScatter, &send, recv.len(), counts_in, &[], local)?;
-        let _obs = self.begin(OpKind::ReduceScatter, bytes(&send));
+        // The input less its own piece (the stats table).
+        let own = counts_in.get(self.rank).copied().unwrap_or(0) * send.dtype().size_in_bytes();
+        let _obs = self.begin_sent(OpKind::ReduceScatter, bytes(&send).saturating_sub(own) as u64);
         let dtype = send.dtype();
         let (dt, mop) = (datatype(dtype), self.rt.ops.get(dtype, op));
         let (s, r) = (ptr(&send), ptr_mut(&mut recv));

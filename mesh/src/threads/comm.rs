@@ -54,6 +54,18 @@ impl ThreadComm {
         crate::observe::collective(self.addr(), kind, self.size(), sent, false)
     }
 
+    /// [`record`](Self::record) of a collective that sends exactly `sent` bytes
+    /// from this rank.
+    fn record_sent(&self, kind: OpKind, sent: u64) -> crate::observe::Span {
+        self.stats.record_exact(kind, sent);
+        crate::observe::collective(self.addr(), kind, self.size(), sent, false)
+    }
+
+    /// This rank's bytes in an all-reduce of `buf` (see the stats table).
+    fn all_reduce_sent(&self, buf: &Buf<'_>) -> u64 {
+        OpKind::all_reduce_sent(self.size(), self.rank, bytes(buf))
+    }
+
     /// [`record`](Self::record) for an asynchronous collective.
     fn record_queued(&self, kind: OpKind, bytes: usize) {
         self.stats.record(kind, self.size(), bytes);
@@ -155,14 +167,14 @@ impl Communicator for ThreadComm {
     fn all_reduce(&self, buf: BufMut<'_>, op: ReduceOp) -> Result<()> {
         let _site = crate::callsite::issue();
         self.fence();
-        let _obs = self.record(OpKind::AllReduce, bytes(&buf.as_buf()));
+        let _obs = self.record_sent(OpKind::AllReduce, self.all_reduce_sent(&buf.as_buf()));
         kernels::all_reduce(&self.group, self.rank, None, buf, op)
     }
 
     fn all_reduce_into(&self, send: Buf<'_>, recv: BufMut<'_>, op: ReduceOp) -> Result<()> {
         let _site = crate::callsite::issue();
         self.fence();
-        let _obs = self.record(OpKind::AllReduce, bytes(&send));
+        let _obs = self.record_sent(OpKind::AllReduce, self.all_reduce_sent(&send));
         kernels::all_reduce(&self.group, self.rank, Some(send), recv, op)
     }
 
@@ -176,15 +188,18 @@ impl Communicator for ThreadComm {
     fn all_gather_v(&self, send: Buf<'_>, recv: BufMut<'_>, counts: &[usize]) -> Result<()> {
         let _site = crate::callsite::issue();
         self.fence();
-        let total = counts.iter().fold(0usize, |a, &c| a.saturating_add(c));
-        let _obs = self.record(OpKind::AllGather, total.saturating_mul(send.dtype().size_in_bytes()));
+        // n−1 copies of its own piece (the stats table).
+        let own = counts.get(self.rank).copied().unwrap_or(0) * send.dtype().size_in_bytes();
+        let _obs = self.record_sent(OpKind::AllGather, ((self.size() - 1) * own) as u64);
         kernels::all_gather_v(&self.group, self.rank, send, recv, counts)
     }
 
     fn reduce_scatter_v(&self, send: Buf<'_>, recv: BufMut<'_>, counts: &[usize], op: ReduceOp) -> Result<()> {
         let _site = crate::callsite::issue();
         self.fence();
-        let _obs = self.record(OpKind::ReduceScatter, bytes(&send));
+        // The input less its own piece (the stats table).
+        let own = counts.get(self.rank).copied().unwrap_or(0) * send.dtype().size_in_bytes();
+        let _obs = self.record_sent(OpKind::ReduceScatter, bytes(&send).saturating_sub(own) as u64);
         kernels::reduce_scatter_v(&self.group, self.rank, send, recv, counts, op)
     }
 
@@ -285,7 +300,15 @@ impl Communicator for ThreadComm {
     }
 
     fn all_reduce_async(&self, mut buf: Buffer, op: ReduceOp) -> Work {
-        self.record_queued(OpKind::AllReduce, bytes(&buf.as_buf()));
+        let sent = self.all_reduce_sent(&buf.as_buf());
+        self.stats.record_exact(OpKind::AllReduce, sent);
+        drop(crate::observe::collective(
+            self.addr(),
+            OpKind::AllReduce,
+            self.size(),
+            sent,
+            true,
+        ));
         self.submit(move |g, r| kernels::all_reduce(g, r, None, buf.as_buf_mut(), op).map(|_| buf))
     }
 

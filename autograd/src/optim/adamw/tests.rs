@@ -330,7 +330,7 @@ fn layout_change_after_first_step_is_an_error() {
         p.set_value(r.clone());
         p.set_grad(Some(r));
         let err = opt.step().unwrap_err().to_string();
-        assert!(err.contains("optimizer state was built for [S(0)]"), "{err}");
+        assert!(err.contains("optimizer state was built for f32[4] (Shard(0))"), "{err}");
         Ok(())
     })
     .unwrap();
