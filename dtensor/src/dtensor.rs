@@ -1,6 +1,7 @@
 //! [`DTensor`]: one global tensor stored as a local tensor on every rank plus a spec.
 
 use std::fmt;
+use std::sync::Arc;
 
 use tessera_mesh::{DeviceMesh, ReduceOp};
 
@@ -37,6 +38,33 @@ use crate::{Error, Placement, Result, ShardOrder, Tensor};
 pub struct DTensor {
     local: Tensor,
     spec: DTensorSpec,
+    /// The op that last changed the placements on the way to this tensor.
+    origin: Option<Arc<LayoutOrigin>>,
+}
+
+/// The op that last changed a DTensor's placements (ops that keep them pass
+/// it on), and the module that ran it when the rank was recording
+/// ([`tessera_mesh::observe`]): what a layout error names, so that a
+/// mismatch is blamed on the op that made it rather than on the check that
+/// meets it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LayoutOrigin {
+    /// The op (`"reshape"`, `"redistribute"`, ...).
+    pub op: &'static str,
+    /// The module that ran it, when known.
+    pub module: Option<Arc<str>>,
+    /// The placements before it: `(Shard(2))`.
+    pub from: String,
+}
+
+impl fmt::Display for LayoutOrigin {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.op)?;
+        if let Some(m) = &self.module {
+            write!(f, " in module {}", if m.is_empty() { "(root)" } else { m })?;
+        }
+        write!(f, " (from {})", self.from)
+    }
 }
 
 /// Splits rank 0's `full` over `mesh` by `placements`, default shard order: every
@@ -165,13 +193,35 @@ pub fn distribute_tensor_with_order_from(
     Ok(DTensor {
         local,
         spec: DTensorSpec::new(mesh, dst)?,
+        origin: None,
     })
 }
 
 impl DTensor {
     /// Assembles a DTensor from a local tensor already known to fit `spec`.
     pub(crate) fn from_parts(local: Tensor, spec: DTensorSpec) -> DTensor {
-        DTensor { local, spec }
+        DTensor {
+            local,
+            spec,
+            origin: None,
+        }
+    }
+
+    /// This tensor with `origin` as the op that last changed its placements.
+    pub(crate) fn with_origin(mut self, origin: Option<Arc<LayoutOrigin>>) -> DTensor {
+        self.origin = origin;
+        self
+    }
+
+    /// The shared origin, for ops that pass it on.
+    pub(crate) fn origin(&self) -> Option<Arc<LayoutOrigin>> {
+        self.origin.clone()
+    }
+
+    /// The op that last changed this tensor's placements, if an op did (see
+    /// [`LayoutOrigin`]); `None` for tensors made by distributing or wrapping.
+    pub fn layout_origin(&self) -> Option<&LayoutOrigin> {
+        self.origin.as_deref()
     }
 
     /// Wraps this rank's `local` piece of a global tensor of `global_shape`, default
@@ -220,7 +270,11 @@ impl DTensor {
                 ),
             }));
         }
-        Ok(DTensor { local, spec })
+        Ok(DTensor {
+            local,
+            spec,
+            origin: None,
+        })
     }
 
     /// The value of a one-element DTensor as `f64` (collective when it is
@@ -372,9 +426,20 @@ impl DTensor {
         }
         let _observed = tessera_mesh::observe::span(tessera_mesh::observe::What::Op("redistribute"));
         let local = redistribute::execute(&self.local, self.mesh(), plan)?;
+        let moved = !plan.steps.is_empty() && plan.dst().placements != plan.src.placements;
+        let origin = if moved {
+            Some(Arc::new(LayoutOrigin {
+                op: "redistribute",
+                module: tessera_mesh::observe::current_module().map(|(m, _)| m),
+                from: PlacementsDisplay(&plan.src.placements).to_string(),
+            }))
+        } else {
+            self.origin.clone()
+        };
         let out = DTensor {
             local,
             spec: DTensorSpec::new(self.mesh(), plan.dst().clone())?,
+            origin,
         };
         if let Some(values) = tessera_mesh::observe::logging_ops()
             && !plan.steps.is_empty()

@@ -48,7 +48,8 @@ mod tensor_comm;
 pub mod testing;
 
 pub use dtensor::{
-    DTensor, distribute_tensor, distribute_tensor_from, distribute_tensor_with_order, distribute_tensor_with_order_from,
+    DTensor, LayoutOrigin, distribute_tensor, distribute_tensor_from, distribute_tensor_with_order,
+    distribute_tensor_with_order_from,
 };
 pub use error::{Error, ReplicaDivergence, Result};
 pub use placement::{MeshDims, Placement, ShardOrder, validate_placements};

@@ -144,8 +144,19 @@ fn an_input_in_another_layout_than_planned_is_an_error_naming_the_module() {
             &err(fc.call(&replicated), "replicated input"),
             &[
                 "RowwiseParallel on the root module",
-                "input arrives R",
+                "input arrives Replicate",
                 "the plan says Shard(-1)",
+                "fix the layouts in the plan",
+            ],
+        );
+        // An op re-laid the input out before the layer: the error names it.
+        let xt = distribute_tensor(&x.transpose(0, 1)?.contiguous(), &mesh, &[Placement::Shard(1)])?;
+        let relaid = Var::constant(xt).transpose(0, 1)?.mul_scalar(2.0)?;
+        has(
+            &err(fc.call(&relaid), "re-laid input"),
+            &[
+                "input arrives Shard(0)",
+                "the last op that changed its layout was permute (from (Shard(1)))",
             ],
         );
         let sharded = Var::constant(distribute_tensor(&x, &mesh, &[Placement::Shard(1)])?);

@@ -135,7 +135,18 @@ pub(crate) fn dispatch(
             ),
         }));
     }
-    let out = DTensor::from_parts(local, spec);
+    // The op that last changed the placements: this one if it did, else
+    // the first input's (for layout errors to name).
+    let origin = if out[..] != inputs[0].placements()[..] {
+        Some(std::sync::Arc::new(crate::LayoutOrigin {
+            op,
+            module: tessera_mesh::observe::current_module().map(|(m, _)| m),
+            from: crate::PlacementsDisplay(inputs[0].placements()).to_string(),
+        }))
+    } else {
+        inputs[0].origin()
+    };
+    let out = DTensor::from_parts(local, spec).with_origin(origin);
     if let Some(values) = tessera_mesh::observe::logging_ops() {
         let moved = choice
             .plans

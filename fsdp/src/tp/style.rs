@@ -445,9 +445,16 @@ impl TpHooks {
         if let Some(expect) = lay.expect {
             let expected = expect.resolve(rank, &self.fqn, what)?;
             if actual != expected {
+                // Blame the op that laid it out so, when one did: the plan may be right.
+                let fix = match v.layout_origin() {
+                    Some(o) => format!(
+                        "the last op that changed its layout was {o}; make that op keep the planned layout, \
+                         or fix the layouts in the plan"
+                    ),
+                    None => "fix the layouts in the plan".to_string(),
+                };
                 return Err(style_error(format!(
-                    "{} on {}: its {what} arrives {actual} on the tp dim but the plan says {expect} ({expected}); \
-                     fix the layouts in the plan",
+                    "{} on {}: its {what} arrives {actual} on the tp dim but the plan says {expect} ({expected}); {fix}",
                     self.style,
                     at(&self.fqn)
                 )));
