@@ -534,6 +534,29 @@ fn fma_measurable() -> bool {
     false
 }
 
+/// `train` on FSDP over TP (2 × 2) for `steps` steps writing the JSON file
+/// that `flag` names: the output, and the file's contents (read, then removed).
+fn fsdp_tp_json(flag: &str, steps: usize) -> (Output, serde_json::Value) {
+    let name = flag.trim_start_matches('-');
+    let path = std::env::temp_dir().join(format!("tessera-cli-{name}-{}.json", std::process::id()));
+    let steps = steps.to_string();
+    let args = [
+        "--world-size",
+        "4",
+        "--tp",
+        "2",
+        "--steps",
+        &steps,
+        flag,
+        path.to_str().unwrap(),
+    ];
+    let out = train(&args, &[]);
+    assert!(out.status.success(), "{flag}: {}", String::from_utf8_lossy(&out.stderr));
+    let v = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    let _ = std::fs::remove_file(&path);
+    (out, v)
+}
+
 /// `--comm-report` on FSDP over TP (2 × 2): the report's totals per kind are
 /// the rank's collective counters over the same steps, and the rows put each
 /// collective where it belongs: FSDP's gathers over dp in a block's forward and
@@ -541,25 +564,9 @@ fn fma_measurable() -> bool {
 /// tp in the forward of `wo` and `w2`.
 #[test]
 fn comm_report_attributes_every_collective_and_sums_to_the_counters() {
-    let path = std::env::temp_dir().join(format!("tessera-cli-comm-{}.json", std::process::id()));
-    let out = train(
-        &[
-            "--world-size",
-            "4",
-            "--tp",
-            "2",
-            "--steps",
-            "2",
-            "--comm-report",
-            path.to_str().unwrap(),
-        ],
-        &[],
-    );
+    let (out, v) = fsdp_tp_json("--comm-report", 2);
     let log = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert!(log.contains("collectives of rank 0 over 2 steps:"), "{log}");
-    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
-    let _ = std::fs::remove_file(&path);
     let rows = v["report"]["rows"].as_array().unwrap();
     for kind in ["all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast"] {
         let (calls, bytes) = rows
@@ -604,23 +611,7 @@ fn comm_report_attributes_every_collective_and_sums_to_the_counters() {
 /// and memory samples present.
 #[test]
 fn trace_spans_nest_inside_their_steps_on_every_rank() {
-    let path = std::env::temp_dir().join(format!("tessera-cli-trace-{}.json", std::process::id()));
-    let out = train(
-        &[
-            "--world-size",
-            "4",
-            "--tp",
-            "2",
-            "--steps",
-            "2",
-            "--trace",
-            path.to_str().unwrap(),
-        ],
-        &[],
-    );
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
-    let _ = std::fs::remove_file(&path);
+    let (_, v) = fsdp_tp_json("--trace", 2);
     let events = v["traceEvents"].as_array().unwrap();
     for rank in 0..4u64 {
         let mine: Vec<&serde_json::Value> = events.iter().filter(|e| e["tid"] == rank).collect();
@@ -670,23 +661,7 @@ fn trace_spans_nest_inside_their_steps_on_every_rank() {
 /// `(Shard(0), Partial(sum))`.
 #[test]
 fn op_log_of_the_tp_plan_has_no_implicit_redistribute() {
-    let path = std::env::temp_dir().join(format!("tessera-cli-oplog-{}.json", std::process::id()));
-    let out = train(
-        &[
-            "--world-size",
-            "4",
-            "--tp",
-            "2",
-            "--steps",
-            "1",
-            "--op-log",
-            path.to_str().unwrap(),
-        ],
-        &[],
-    );
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
-    let _ = std::fs::remove_file(&path);
+    let (_, v) = fsdp_tp_json("--op-log", 1);
     let ops = v["ops"].as_array().unwrap();
     assert!(ops.len() > 100, "{} ops", ops.len());
     let implicit: Vec<&serde_json::Value> = ops
