@@ -477,7 +477,7 @@ impl fmt::Display for DTensor {
         write!(
             f,
             "{} {} on {}",
-            crate::spec::ShapeDisplay(self.dtype(), self.shape()),
+            tessera_mesh::observe::ShapeDisplay(self.dtype(), self.shape()),
             PlacementsDisplay(self.placements()),
             crate::debug::mesh_string(self.mesh())
         )

@@ -4,6 +4,7 @@
 use std::fmt;
 
 use smallvec::SmallVec;
+use tessera_mesh::observe::ShapeDisplay;
 use tessera_mesh::{DType, DeviceMesh};
 
 use crate::sharding::local_shape_and_offset;
@@ -181,16 +182,6 @@ impl fmt::Display for PlacementsDisplay<'_> {
             write!(f, "{p}")?;
         }
         f.write_str(")")
-    }
-}
-
-/// `f32[2048,256]`: a dtype and a global shape.
-pub(crate) struct ShapeDisplay<'a>(pub DType, pub &'a [usize]);
-
-impl fmt::Display for ShapeDisplay<'_> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let dims: Vec<String> = self.1.iter().map(usize::to_string).collect();
-        write!(f, "{}[{}]", self.0, dims.join(","))
     }
 }
 

@@ -326,14 +326,8 @@ fn key_of_call<M: Module + ?Sized>(m: &M, relative: bool) -> Option<Key> {
     if !relative {
         return None;
     }
-    let (parent_key, children) = STACK.with(|s| s.borrow().last().map(|f| (f.key.clone(), f.children)))?;
-    // SAFETY: the frame is on the stack, so the call that pushed it is running and
-    // the module its lister borrows is alive (frames pop before their call returns).
-    let children = unsafe { (*children)() };
-    let (want, ty) = (addr_of(m), TypeId::of::<M>());
-    // SAFETY: as above; the children are borrowed from the same live module.
-    let top: Vec<(String, &dyn Module)> = children.into_iter().map(|(n, c)| (n, unsafe { &*c })).collect();
-    let path = find(top, want, ty)?;
+    let (parent_key, path) = locate(m, false, |f| f.key.clone())?;
+    let path = path?;
     // The deepest module holding parameters on the way down is the root kept.
     let (nodes, names): (Vec<&dyn Module>, Vec<String>) = path.into_iter().map(|(n, c)| (c, n)).unzip();
     match (0..nodes.len() - 1)
@@ -359,16 +353,9 @@ fn key_of_call<M: Module + ?Sized>(m: &M, relative: bool) -> Option<Key> {
 /// that module's descendants by address and type; by its type's name when it
 /// is not one of them).
 fn fqn_of_call<M: Module + ?Sized>(m: &M) -> std::sync::Arc<str> {
-    let Some((Some(parent), children)) = STACK.with(|s| s.borrow().last().map(|f| (f.fqn.clone(), f.children))) else {
+    let Some((Some(parent), path)) = locate(m, true, |f| f.fqn.clone()) else {
         return std::sync::Arc::from("");
     };
-    // SAFETY: the frame is on the stack, so the call that pushed it is running and
-    // the module its lister borrows is alive (frames pop before their call returns).
-    let children = unsafe { (*children)() };
-    // SAFETY: as above; the children are borrowed from the same live module.
-    let top = || -> Vec<(String, &dyn Module)> { children.iter().map(|(n, c)| (n.clone(), unsafe { &**c })).collect() };
-    let (want, ty) = (addr_of(m), TypeId::of::<M>());
-    let path = find(top(), want, ty).or_else(|| find_addr(top(), want));
     let below = match path {
         Some(path) => path.into_iter().map(|(n, _)| n).collect::<Vec<_>>().join("."),
         None => std::any::type_name::<M>()
@@ -380,26 +367,40 @@ fn fqn_of_call<M: Module + ?Sized>(m: &M) -> std::sync::Arc<str> {
     std::sync::Arc::from(join(&parent, &below))
 }
 
-/// [`find`] by address alone (for a call through `dyn Module`, whose type is
-/// not the concrete one): the first module at `want`, depth first.
-fn find_addr(children: Vec<(String, &dyn Module)>, want: usize) -> Option<Vec<(String, &dyn Module)>> {
-    for (name, c) in children {
-        if addr_of(c) == want {
-            return Some(vec![(name, c)]);
-        }
-        if let Some(mut rest) = find_addr(c.named_children(), want) {
-            rest.insert(0, (name, c));
-            return Some(rest);
-        }
-    }
-    None
+/// Modules on a path down a tree, each with its name below the one before.
+type ModulePath<'a> = Vec<(String, &'a dyn Module)>;
+
+/// What `take` reads of the frame of the call running now, and the path from
+/// below its module to the descendant `m` (by address and type; with `loose`,
+/// by address alone when the type finds none, as for a call through `dyn
+/// Module`). `None` when no call is running.
+fn locate<'a, M: Module + ?Sized, T>(
+    m: &M,
+    loose: bool,
+    take: impl FnOnce(&Frame) -> T,
+) -> Option<(T, Option<ModulePath<'a>>)> {
+    let (taken, children) = STACK.with(|s| s.borrow().last().map(|f| (take(f), f.children)))?;
+    // SAFETY: the frame is on the stack, so the call that pushed it is running and
+    // the module its lister borrows is alive (frames pop before their call returns).
+    let children = unsafe { (*children)() };
+    let top = || -> ModulePath<'a> {
+        children
+            .iter()
+            // SAFETY: as above; the children are borrowed from the same live module.
+            .map(|(n, c)| (n.clone(), unsafe { &**c }))
+            .collect()
+    };
+    let (want, ty) = (addr_of(m), TypeId::of::<M>());
+    let path = find(top(), want, Some(ty)).or_else(|| if loose { find(top(), want, None) } else { None });
+    Some((taken, path))
 }
 
 /// The path (names and modules) from below a parent to the descendant at address
-/// `want` of type `ty`, depth first.
-fn find(children: Vec<(String, &dyn Module)>, want: usize, ty: TypeId) -> Option<Vec<(String, &dyn Module)>> {
+/// `want` of type `ty`, depth first; with `ty` `None` (a call through `dyn
+/// Module`, whose type is not the concrete one), the first module at `want`.
+fn find(children: ModulePath<'_>, want: usize, ty: Option<TypeId>) -> Option<ModulePath<'_>> {
     for (name, c) in children {
-        if addr_of(c) == want && type_of(c) == ty {
+        if addr_of(c) == want && ty.is_none_or(|t| type_of(c) == t) {
             return Some(vec![(name, c)]);
         }
         if let Some(mut rest) = find(c.named_children(), want, ty) {

@@ -86,9 +86,7 @@ impl MpiComm {
     /// Waits for queued asynchronous collectives and counts a blocking one.
     /// Times it for [`observe`](crate::observe) until the returned span drops.
     fn begin(&self, kind: OpKind, bytes: usize) -> crate::observe::Span {
-        self.worker.fence();
-        self.rt.stats.record(kind, self.size, bytes);
-        crate::observe::collective(self.addr(), kind, self.size, kind.bytes_sent(self.size, bytes), false)
+        self.begin_sent(kind, kind.bytes_sent(self.size, bytes))
     }
 
     /// [`begin`](Self::begin) of a collective that sends exactly `sent` bytes
@@ -447,10 +445,10 @@ impl Communicator for MpiComm {
             .and_then(|_| Ok((counts(op, self.rank, send_counts)?, counts(op, self.rank, recv_counts)?)));
         let ((sc, sd), (rc, rd)) =
             self.exchange_v(OpKind::AllToAll, &send, recv.len(), send_counts, recv_counts, local)?;
-        self.worker.fence();
-        let sent = all_to_all_v_bytes(send.dtype(), send_counts, self.rank);
-        self.rt.stats.record_exact(OpKind::AllToAll, sent);
-        let _obs = crate::observe::collective(self.addr(), OpKind::AllToAll, self.size, sent, false);
+        let _obs = self.begin_sent(
+            OpKind::AllToAll,
+            all_to_all_v_bytes(send.dtype(), send_counts, self.rank),
+        );
         let dt = datatype(send.dtype());
         let (s, r) = (ptr(&send), ptr_mut(&mut recv));
         // SAFETY: the counts were checked on every rank against the buffer lengths.

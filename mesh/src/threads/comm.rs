@@ -45,13 +45,11 @@ impl ThreadComm {
         self.worker.fence_with(|delta| world.activity.add(me, delta));
     }
 
-    /// Counts a collective, and times it for [`observe`](crate::observe) until
-    /// the returned span drops (`queued`: an asynchronous one, timed to its
-    /// hand-off).
+    /// Counts a collective on a buffer of `bytes` (its even share, by the
+    /// stats table), and times it for [`observe`](crate::observe) until the
+    /// returned span drops.
     fn record(&self, kind: OpKind, bytes: usize) -> crate::observe::Span {
-        self.stats.record(kind, self.size(), bytes);
-        let sent = kind.bytes_sent(self.size(), bytes);
-        crate::observe::collective(self.addr(), kind, self.size(), sent, false)
+        self.record_sent(kind, kind.bytes_sent(self.size(), bytes))
     }
 
     /// [`record`](Self::record) of a collective that sends exactly `sent` bytes
@@ -66,10 +64,15 @@ impl ThreadComm {
         OpKind::all_reduce_sent(self.size(), self.rank, bytes(buf))
     }
 
-    /// [`record`](Self::record) for an asynchronous collective.
+    /// [`record`](Self::record) for an asynchronous collective, timed to its
+    /// hand-off.
     fn record_queued(&self, kind: OpKind, bytes: usize) {
-        self.stats.record(kind, self.size(), bytes);
-        let sent = kind.bytes_sent(self.size(), bytes);
+        self.record_queued_sent(kind, kind.bytes_sent(self.size(), bytes));
+    }
+
+    /// [`record_sent`](Self::record_sent) for an asynchronous collective.
+    fn record_queued_sent(&self, kind: OpKind, sent: u64) {
+        self.stats.record_exact(kind, sent);
         drop(crate::observe::collective(self.addr(), kind, self.size(), sent, true));
     }
 
@@ -213,8 +216,7 @@ impl Communicator for ThreadComm {
         let _site = crate::callsite::issue();
         self.fence();
         let sent = all_to_all_v_bytes(send.dtype(), send_counts, self.rank);
-        self.stats.record_exact(OpKind::AllToAll, sent);
-        let _obs = crate::observe::collective(self.addr(), OpKind::AllToAll, self.size(), sent, false);
+        let _obs = self.record_sent(OpKind::AllToAll, sent);
         kernels::all_to_all_v(&self.group, self.rank, send, send_counts, recv, recv_counts)
     }
 
@@ -301,14 +303,7 @@ impl Communicator for ThreadComm {
 
     fn all_reduce_async(&self, mut buf: Buffer, op: ReduceOp) -> Work {
         let sent = self.all_reduce_sent(&buf.as_buf());
-        self.stats.record_exact(OpKind::AllReduce, sent);
-        drop(crate::observe::collective(
-            self.addr(),
-            OpKind::AllReduce,
-            self.size(),
-            sent,
-            true,
-        ));
+        self.record_queued_sent(OpKind::AllReduce, sent);
         self.submit(move |g, r| kernels::all_reduce(g, r, None, buf.as_buf_mut(), op).map(|_| buf))
     }
 
