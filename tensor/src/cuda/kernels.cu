@@ -148,9 +148,25 @@ template <typename S, typename D> __device__ void cast_strided(D* out, const S* 
         out[i] = from_d<D>((double)to_f(in[a]));
     }
 }
-// Casts of dense inputs: element i to element i, no index arithmetic.
+// Four elements of T loaded or stored at once.
+template <typename T> struct __align__(4 * sizeof(T)) Quad { T v[4]; };
+
+// Casts of dense inputs: element i to element i, no index arithmetic, four
+// elements per thread when both ends are aligned to four, then the tail.
 template <typename S, typename D> __device__ void cast_dense(D* out, const S* in, i64 n) {
-    GRID_LOOP(i, n) out[i] = from_d<D>((double)to_f(in[i]));
+    bool quads = ((unsigned long long)out % sizeof(Quad<D>)) == 0 && ((unsigned long long)in % sizeof(Quad<S>)) == 0;
+    i64 nq = quads ? n / 4 : 0;
+    GRID_LOOP(q, nq) {
+        Quad<S> a = ((const Quad<S>*)in)[q];
+        Quad<D> o;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) o.v[k] = from_d<D>((double)to_f(a.v[k]));
+        ((Quad<D>*)out)[q] = o;
+    }
+    GRID_LOOP(t, n - nq * 4) {
+        i64 i = nq * 4 + t;
+        out[i] = from_d<D>((double)to_f(in[i]));
+    }
 }
 extern "C" __global__ void cast_dense_f32_bf16(bf16* o, const float* x, i64 n) { cast_dense(o, x, n); }
 extern "C" __global__ void cast_dense_bf16_f32(float* o, const bf16* x, i64 n) { cast_dense(o, x, n); }
@@ -431,23 +447,26 @@ extern "C" __global__ void softmax_rows_f32(float* o, const float* x, i64 rows, 
 extern "C" __global__ void softmax_rows_f64(double* o, const double* x, i64 rows, i64 n, double sc, i64 p, int l) { softmax_rows(o, x, rows, n, sc, p, l); }
 extern "C" __global__ void softmax_rows_bf16(bf16* o, const bf16* x, i64 rows, i64 n, double sc, i64 p, int l) { softmax_rows(o, x, rows, n, sc, p, l); }
 
-// dx = scale · y · (g − Σ g·y) along rows (masked keys have y = 0).
-template <typename T> __device__ void softmax_backward_rows(T* out, const T* g, const T* y, i64 rows, i64 n, double scale) {
+// dx = scale · y · (g − Σ g·y) along rows; with a causal mask over rows of
+// `period` queries (period > 0) only the kept keys are read, and the masked
+// ones get 0 · scale whatever g holds there.
+template <typename T> __device__ void softmax_backward_rows(T* out, const T* g, const T* y, i64 rows, i64 n, double scale, i64 period) {
     for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
         const T* gr = g + r * n;
         const T* yr = y + r * n;
+        i64 keep = kept(r, n, period);
         double dot = 0.0;
-        for (i64 j = threadIdx.x; j < n; j += blockDim.x) dot += (double)to_f(gr[j]) * (double)to_f(yr[j]);
+        for (i64 j = threadIdx.x; j < keep; j += blockDim.x) dot += (double)to_f(gr[j]) * (double)to_f(yr[j]);
         dot = block_sum(dot);
         for (i64 j = threadIdx.x; j < n; j += blockDim.x) {
-            double v = (double)to_f(yr[j]) * ((double)to_f(gr[j]) - dot);
+            double v = j < keep ? (double)to_f(yr[j]) * ((double)to_f(gr[j]) - dot) : 0.0;
             out[r * n + j] = from_d<T>(v * scale);
         }
     }
 }
-extern "C" __global__ void softmax_backward_rows_f32(float* o, const float* g, const float* y, i64 rows, i64 n, double s) { softmax_backward_rows(o, g, y, rows, n, s); }
-extern "C" __global__ void softmax_backward_rows_f64(double* o, const double* g, const double* y, i64 rows, i64 n, double s) { softmax_backward_rows(o, g, y, rows, n, s); }
-extern "C" __global__ void softmax_backward_rows_bf16(bf16* o, const bf16* g, const bf16* y, i64 rows, i64 n, double s) { softmax_backward_rows(o, g, y, rows, n, s); }
+extern "C" __global__ void softmax_backward_rows_f32(float* o, const float* g, const float* y, i64 rows, i64 n, double s, i64 p) { softmax_backward_rows(o, g, y, rows, n, s, p); }
+extern "C" __global__ void softmax_backward_rows_f64(double* o, const double* g, const double* y, i64 rows, i64 n, double s, i64 p) { softmax_backward_rows(o, g, y, rows, n, s, p); }
+extern "C" __global__ void softmax_backward_rows_bf16(bf16* o, const bf16* g, const bf16* y, i64 rows, i64 n, double s, i64 p) { softmax_backward_rows(o, g, y, rows, n, s, p); }
 
 // ---- rows in one warp -------------------------------------------------------------
 // Rows of at most 32·PER elements, one warp each (blockDim.x / 32 rows per
@@ -507,17 +526,18 @@ template <typename T, int PER> __device__ void softmax_warp(T* out, const T* x, 
     }
 }
 
-template <typename T, int PER> __device__ void softmax_backward_warp(T* out, const T* g, const T* y, i64 rows, i64 n, double scale) {
+template <typename T, int PER> __device__ void softmax_backward_warp(T* out, const T* g, const T* y, i64 rows, i64 n, double scale, i64 period) {
     typedef typename Acc<T>::type A;
     WARP_ROWS(r, rows) {
         A gv[PER], yv[PER];
+        i64 keep = kept(r, n, period);
         double dot = 0.0;
 #pragma unroll
         for (int i = 0; i < PER; ++i) {
             i64 j = lane + 32 * i;
             gv[i] = (A)0;
             yv[i] = (A)0;
-            if (j < n) {
+            if (j < keep) {
                 gv[i] = (A)to_f(g[r * n + j]);
                 yv[i] = (A)to_f(y[r * n + j]);
                 dot += (double)gv[i] * (double)yv[i];
@@ -527,7 +547,7 @@ template <typename T, int PER> __device__ void softmax_backward_warp(T* out, con
 #pragma unroll
         for (int i = 0; i < PER; ++i) {
             i64 j = lane + 32 * i;
-            if (j < n) out[r * n + j] = from_d<T>((double)yv[i] * ((double)gv[i] - dot) * scale);
+            if (j < n) out[r * n + j] = from_d<T>(j < keep ? (double)yv[i] * ((double)gv[i] - dot) * scale : 0.0 * scale);
         }
     }
 }
@@ -611,8 +631,9 @@ template <typename T, int PER> __device__ void norm_backward_warp(T* out, const 
     extern "C" __global__ void softmax_warp##PER##_##ty(T* o, const T* x, i64 rows, i64 n, double sc, i64 p, int l) {            \
         softmax_warp<T, PER>(o, x, rows, n, sc, p, l);                                                                           \
     }                                                                                                                            \
-    extern "C" __global__ void softmax_backward_warp##PER##_##ty(T* o, const T* g, const T* y, i64 rows, i64 n, double s) {      \
-        softmax_backward_warp<T, PER>(o, g, y, rows, n, s);                                                                      \
+    extern "C" __global__ void softmax_backward_warp##PER##_##ty(T* o, const T* g, const T* y, i64 rows, i64 n, double s,        \
+                                                                 i64 p) {                                                        \
+        softmax_backward_warp<T, PER>(o, g, y, rows, n, s, p);                                                                   \
     }                                                                                                                            \
     extern "C" __global__ void norm_warp##PER##_##ty(T* o, double* m, double* rs, const T* x, const T* w, const T* b, i64 rows, \
                                                      i64 n, double eps, int rms) {                                               \
@@ -750,17 +771,35 @@ COLUMN_KERNELS(bf16, bf16)
 // ---- cross entropy ------------------------------------------------------------------
 
 // loss[r] = logsumexp(x[r]) − x[r, t[r]] (f64), and, when probs is not null,
-// the row's softmax. A target out of range sets *bad to its row + 1.
+// the row's softmax. A target out of range sets *bad to its row + 1. The
+// maximum and the sum of exponentials come from one pass over the row (each
+// thread rescales its sum when its maximum grows, then the block rescales the
+// threads' sums to the row's maximum), four loads in flight per thread; the
+// probabilities from a second pass. NaN anywhere in a row makes its loss NaN.
 template <typename T> __device__ void cross_entropy_rows(double* loss, T* probs, const T* x, const i64* t, i64 rows, i64 n, i64* bad) {
     typedef typename Acc<T>::type A;
     for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
         const T* row = x + r * n;
-        double m = NEG_INF;
-        for (i64 j = threadIdx.x; j < n; j += blockDim.x) { double v = to_f(row[j]); m = (m != m || m >= v) ? m : v; }
-        m = block_max(m);
-        double s = 0.0;
-        for (i64 j = threadIdx.x; j < n; j += blockDim.x) s += (double)m_exp((A)((double)to_f(row[j]) - m));
-        s = block_sum(s);
+        double m = NEG_INF, s = 0.0;
+        for (i64 j0 = threadIdx.x; j0 < n; j0 += 4 * (i64)blockDim.x) {
+            double v[4];
+#pragma unroll
+            for (int u = 0; u < 4; ++u) {
+                i64 j = j0 + u * (i64)blockDim.x;
+                v[u] = j < n ? (double)to_f(row[j]) : NEG_INF;
+            }
+#pragma unroll
+            for (int u = 0; u < 4; ++u) {
+                if (m != m) break;
+                if (v[u] != v[u]) { m = v[u]; s = v[u]; break; }
+                if (v[u] == NEG_INF) continue;
+                if (v[u] > m) { s *= exp(m - v[u]); m = v[u]; }
+                s += (double)m_exp((A)(v[u] - m));
+            }
+        }
+        double rm = block_max(m);
+        s = block_sum(s == 0.0 || m != m ? s : s * exp(m - rm));
+        m = rm;
         i64 target = t[r];
         if (threadIdx.x == 0) {
             if (target < 0 || target >= n) { atomicMax((unsigned long long*)bad, (unsigned long long)(r + 1)); loss[r] = 0.0; }
@@ -775,12 +814,26 @@ extern "C" __global__ void cross_entropy_rows_f32(double* l, float* p, const flo
 extern "C" __global__ void cross_entropy_rows_f64(double* l, double* p, const double* x, const i64* t, i64 rows, i64 n, i64* bad) { cross_entropy_rows(l, p, x, t, rows, n, bad); }
 extern "C" __global__ void cross_entropy_rows_bf16(double* l, bf16* p, const bf16* x, const i64* t, i64 rows, i64 n, i64* bad) { cross_entropy_rows(l, p, x, t, rows, n, bad); }
 
-// dx = scale · (p − onehot(t)) from probabilities p.
+// dx = scale · (p − onehot(t)) from probabilities p, one block per row, four
+// elements in flight per thread.
 template <typename T> __device__ void cross_entropy_backward(T* out, const T* p, const i64* t, i64 rows, i64 n, double scale) {
-    GRID_LOOP(i, rows * n) {
-        i64 r = i / n, j = i % n;
-        double v = (double)to_f(p[i]) - (t[r] == j ? 1.0 : 0.0);
-        out[i] = from_d<T>(v * scale);
+    for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
+        const i64 target = t[r];
+        const T* pr = p + r * n;
+        T* o = out + r * n;
+        for (i64 j0 = threadIdx.x; j0 < n; j0 += 4 * (i64)blockDim.x) {
+            double v[4];
+#pragma unroll
+            for (int u = 0; u < 4; ++u) {
+                i64 j = j0 + u * (i64)blockDim.x;
+                v[u] = j < n ? (double)to_f(pr[j]) : 0.0;
+            }
+#pragma unroll
+            for (int u = 0; u < 4; ++u) {
+                i64 j = j0 + u * (i64)blockDim.x;
+                if (j < n) o[j] = from_d<T>((v[u] - (target == j ? 1.0 : 0.0)) * scale);
+            }
+        }
     }
 }
 extern "C" __global__ void cross_entropy_backward_f32(float* o, const float* p, const i64* t, i64 rows, i64 n, double s) { cross_entropy_backward(o, p, t, rows, n, s); }

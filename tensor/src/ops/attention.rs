@@ -196,16 +196,28 @@ impl Tensor {
     }
 }
 
-/// The forward as the chain of ops, for shapes with an empty dim.
+/// The scores `q·kᵀ` of the chain of ops. On a GPU the causal part's masked
+/// elements are left unwritten: the chain reads them only through the softmax
+/// kernels, which read the kept keys alone (a pass over half the scores saved).
+fn chain_scores(q: &Tensor, kt: &Tensor, attn: Attention) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if q.is_cuda() && attn.is_causal {
+        return crate::cuda::ops::causal_scores_unmasked(q, kt, &q.shape()[..q.rank() - 2]);
+    }
+    q.matmul_causal(kt, attn.part(Causal::Scores))
+}
+
+/// The forward as the chain of ops: on a GPU (products on cuBLAS, the
+/// softmax kernels) and for shapes with an empty dim.
 fn chain_forward(q: &Tensor, k: &Tensor, v: &Tensor, attn: Attention) -> Result<(Tensor, Tensor)> {
     let r = q.rank();
-    let scores = q.matmul_causal(&k.transpose(r - 2, r - 1)?, attn.part(Causal::Scores))?;
+    let scores = chain_scores(q, &k.transpose(r - 2, r - 1)?, attn)?;
     let probs = scores.attention_probs(attn.scale, attn.is_causal)?;
     let out = probs.matmul_causal(v, attn.part(Causal::Weights))?;
     Ok((out, probs))
 }
 
-/// The backward as the chain of ops, for shapes with an empty dim.
+/// The backward as the chain of ops: on a GPU and for shapes with an empty dim.
 fn chain_backward(
     g: &Tensor,
     q: &Tensor,
@@ -217,7 +229,7 @@ fn chain_backward(
 ) -> Result<[Option<Tensor>; 3]> {
     let r = q.rank();
     let t = |x: &Tensor| x.transpose(r - 2, r - 1);
-    let gp = g.matmul_causal(&t(v)?, attn.part(Causal::Scores))?;
+    let gp = chain_scores(g, &t(v)?, attn)?;
     let gs = gp.attention_probs_backward(probs, attn.scale, attn.is_causal)?;
     let gq = need[0]
         .then(|| gs.matmul_causal(k, attn.part(Causal::Weights)))

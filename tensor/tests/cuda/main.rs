@@ -139,6 +139,14 @@ fn casts() {
             src.cast(to).unwrap(),
             "{from} -> {to} bit for bit"
         );
+        // Four elements per thread where both ends are aligned to four, one
+        // otherwise: an odd length, and a view starting one element in.
+        let view = gpu(&src).narrow(0, 1, 997).unwrap();
+        assert_eq!(
+            host(&view.cast(to).unwrap()),
+            src.narrow(0, 1, 997).unwrap().cast(to).unwrap(),
+            "{from} -> {to} of an unaligned view"
+        );
     }
 }
 

@@ -95,6 +95,38 @@ fn row_kernels_at_their_widths() {
     }
 }
 
+/// Fused attention on the device (the chain of products and softmax kernels,
+/// the causal scores' masked half never written) against the host's, forward
+/// and backward: short sequences (one dense product) and long ones (row
+/// blocks), heads read as a view of `[b, t, h, e]`, causal or not. Blocks
+/// freed full of NaN first, so that scores reusing them would show any
+/// masked element that is read.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn attention_forward_and_backward() {
+    use tessera_tensor::ops::Attention;
+    for dtype in [DType::F32, DType::BF16] {
+        for (t, is_causal) in [(100, true), (512, true), (300, false)] {
+            let heads = |seed| rand(&[2, t, 3, 16], dtype, seed).permute(&[0, 2, 1, 3]).unwrap();
+            let (q, k, v, g) = (heads(41), heads(42), heads(43), heads(44));
+            let attn = Attention { scale: 0.25, is_causal };
+            let (out, probs) = q.attention(&k, &v, attn).unwrap();
+            let grads = g.attention_backward(&q, &k, &v, &probs, attn, [true; 3]).unwrap();
+            drop(gpu(&Tensor::full(&[2, 3, t, t], f64::NAN, dtype).unwrap()));
+            let (dq, dk, dv, dg) = (gpu(&q), gpu(&k), gpu(&v), gpu(&g));
+            let (dout, dprobs) = dq.attention(&dk, &dv, attn).unwrap();
+            drop(gpu(&Tensor::full(&[2, 3, t, t], f64::NAN, dtype).unwrap()));
+            let dgrads = dg.attention_backward(&dq, &dk, &dv, &dprobs, attn, [true; 3]).unwrap();
+            let what = |p: &str| format!("attention {p} t={t} causal={is_causal}");
+            check(&what("out"), &dout, &out, dtype);
+            check(&what("probs"), &dprobs, &probs, dtype);
+            for (name, (d, h)) in ["dq", "dk", "dv"].into_iter().zip(dgrads.iter().zip(&grads)) {
+                check(&what(name), d.as_ref().unwrap(), h.as_ref().unwrap(), dtype);
+            }
+        }
+    }
+}
+
 /// The causal parts of attention's products against the host's, dense (short
 /// sequences) and in row blocks (long ones, uneven blocks included).
 #[test]
@@ -251,6 +283,34 @@ fn transformer_ops() {
             &logits.cross_entropy_backward(&targets, 0.5).unwrap(),
             dtype,
         );
+        // Rows wider than a block's pass, logits spread wide (each thread's
+        // running maximum grows often), a −∞ logit and a NaN one.
+        let mut spread = Tensor::randn(&[6, 5000], DType::F64, 13).unwrap().to_f64_vec();
+        spread.iter_mut().for_each(|v| *v *= 8.0);
+        spread[2 * 5000 + 17] = f64::NEG_INFINITY;
+        spread[4 * 5000 + 4999] = f64::NAN;
+        let spread = Tensor::from_vec(spread, &[6, 5000]).unwrap().cast(dtype).unwrap();
+        let st = Tensor::from_vec(vec![0i64, 4999, 3, 2500, 7, 4096], &[6]).unwrap();
+        let want = spread.cross_entropy(&st, Reduction::None).unwrap().to_f64_vec();
+        let got = host(&gpu(&spread).cross_entropy(&gpu(&st), Reduction::None).unwrap()).to_f64_vec();
+        for (row, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert!(
+                (g.is_nan() && w.is_nan()) || (g - w).abs() <= tol(dtype) * w.abs().max(1.0),
+                "cross_entropy of wide row {row} ({dtype}): {g} on the GPU, {w} on the host"
+            );
+        }
+        check(
+            "cross_entropy_backward wide rows",
+            &gpu(&spread.narrow(0, 0, 4).unwrap())
+                .cross_entropy_backward(&gpu(&st.narrow(0, 0, 4).unwrap()), 0.25)
+                .unwrap(),
+            &spread
+                .narrow(0, 0, 4)
+                .unwrap()
+                .cross_entropy_backward(&st.narrow(0, 0, 4).unwrap(), 0.25)
+                .unwrap(),
+            dtype,
+        );
         let bad = gpu(&Tensor::from_vec(vec![3i64; 36].into_iter().chain([300]).collect(), &[37]).unwrap());
         let e = dl.cross_entropy(&bad, Reduction::Mean).unwrap_err().to_string();
         assert!(e.contains("target 300 of row 36 is not a class"), "{e}");
@@ -310,6 +370,33 @@ fn matrix_products() {
             &a.transpose(0, 1).unwrap().matmul(&b.transpose(0, 1).unwrap()).unwrap(),
             dtype,
         );
+        // Stacks times one shared matrix: folded into one product when the
+        // stack's rows are evenly spaced, batched otherwise.
+        let stack = rand(&[2, 3, 40, 16], dtype, 26);
+        let (w, wt) = (rand(&[16, 24], dtype, 27), rand(&[24, 16], dtype, 28));
+        type Views = fn(&Tensor, &Tensor, &Tensor) -> (Tensor, Tensor);
+        let cases: [(&str, Views); 4] = [
+            ("folded 4-D", |s, w, _| (s.clone(), w.clone())),
+            ("folded, shared matrix transposed", |s, _, wt| {
+                (s.clone(), wt.transpose(0, 1).unwrap())
+            }),
+            ("folded, a stack of one", |s, w, _| {
+                (s.clone(), w.reshape(&[1, 16, 24]).unwrap())
+            }),
+            ("rows not evenly spaced", |s, w, _| {
+                (s.narrow(2, 0, 30).unwrap(), w.clone())
+            }),
+        ];
+        for (what, views) in cases {
+            let (a, b) = views(&stack, &w, &wt);
+            let (da, db) = views(&gpu(&stack), &gpu(&w), &gpu(&wt));
+            check(
+                &format!("matmul {what}"),
+                &da.matmul(&db).unwrap(),
+                &a.matmul(&b).unwrap(),
+                dtype,
+            );
+        }
         let (q, k) = (rand(&[2, 3, 10, 16], dtype, 24), rand(&[2, 3, 12, 16], dtype, 25));
         check(
             "matmul q·kᵀ (batched)",

@@ -20,6 +20,52 @@ fn matrix_layout(t: &Tensor) -> Option<(bool, usize)> {
     }
 }
 
+/// `t` (`[batch.., m, k]`, `count` matrices, not broadcast) as one row-major
+/// `[count·m, k]` matrix, when its rows are evenly spaced through the batch
+/// dims; `None` otherwise.
+fn folded_rows(t: &Tensor, count: usize) -> Option<Operand> {
+    let r = t.rank();
+    let (shape, strides) = (t.shape(), t.strides());
+    let (m, k) = (shape[r - 2], shape[r - 1]);
+    let ld = strides[r - 2];
+    let dense_rows = strides[r - 1] == 1 || k == 1;
+    if r < 3 || shape[..r - 2].iter().product::<usize>() != count || !dense_rows || ld < k.max(1) {
+        return None;
+    }
+    if i32::try_from(count * m).is_err() {
+        return None;
+    }
+    let mut next = ld * m;
+    for d in (0..r - 2).rev() {
+        if shape[d] != 1 && strides[d] != next {
+            return None;
+        }
+        next *= shape[d];
+    }
+    Some(Operand {
+        ptr: ptr(t),
+        transposed: false,
+        ld,
+        batch_stride: 0,
+    })
+}
+
+/// `t` as the one matrix every product of a batch shares: a matrix, or a
+/// stack of one, whose rows or columns are dense; `None` otherwise.
+fn shared_matrix(t: &Tensor) -> Option<Operand> {
+    let r = t.rank();
+    if t.shape()[..r - 2].iter().product::<usize>() != 1 {
+        return None;
+    }
+    let (transposed, ld) = matrix_layout(t)?;
+    Some(Operand {
+        ptr: ptr(t),
+        transposed,
+        ld,
+        batch_stride: 0,
+    })
+}
+
 /// Rows per block of a causal part's products: a product of `m` rows in
 /// blocks of 128 or more (at most 8 blocks), so that each cuBLAS call stays
 /// large; `m` itself (one dense product) below 256 rows.
@@ -38,6 +84,19 @@ fn causal_block_rows(m: usize) -> usize {
 /// half of the flops of a long sequence. Scores are zero above the diagonal,
 /// as on the host.
 pub(crate) fn matmul(a: &Tensor, b: &Tensor, batch: &[usize], part: Causal) -> Result<Tensor> {
+    product(a, b, batch, part, true)
+}
+
+/// The causal `Scores` part of `a · b` as [`matmul`] computes it, but with
+/// the masked elements (`[i, j]`, `j > i`) left as they were in memory: for
+/// a reader that reads only the kept ones (attention's softmax kernels with
+/// their causal period), which saves zeroing half of the scores.
+pub(crate) fn causal_scores_unmasked(a: &Tensor, b: &Tensor, batch: &[usize]) -> Result<Tensor> {
+    product(a, b, batch, Causal::Scores, false)
+}
+
+/// [`matmul`], zeroing a `Scores` part's masked elements when `zero_masked`.
+fn product(a: &Tensor, b: &Tensor, batch: &[usize], part: Causal, zero_masked: bool) -> Result<Tensor> {
     const OP: &str = "matmul";
     let s = streams_for(OP, &[a, b])?;
     let (ra, rb) = (a.rank(), b.rank());
@@ -51,6 +110,24 @@ pub(crate) fn matmul(a: &Tensor, b: &Tensor, batch: &[usize], part: Causal) -> R
     }
     if k == 0 {
         return full(a.device(), &shape, 0.0, a.dtype());
+    }
+    // A product of a stack of matrices by one shared matrix, `[batch.., m, k]
+    // · [k, n]`, whose left rows run on through its batch dims is one product
+    // of `count·m` rows (PyTorch folds it the same way): cuBLAS tiles one tall
+    // product far better than `count` short ones (a third faster for
+    // `8 × [512, 1024] · [1024, 1024]` in f32 on an H200).
+    if part == Causal::Dense
+        && count > 1
+        && let (Some(oa), Some(ob)) = (folded_rows(a, count), shared_matrix(b))
+    {
+        let oc = Operand {
+            ptr: ptr(&out),
+            transposed: false,
+            ld: n,
+            batch_stride: 0,
+        };
+        blas::gemm(&s.blas, a.dtype(), (1, count * m, k, n), oa, ob, oc)?;
+        return Ok(out);
     }
     // One operand per batch: strided batches need one stride over the batch
     // dims, so an operand whose batch dims are not one run is copied first.
@@ -85,7 +162,15 @@ pub(crate) fn matmul(a: &Tensor, b: &Tensor, batch: &[usize], part: Causal) -> R
                 };
                 return Ok((op, cand));
             }
-            cand = contiguous(&shaped)?;
+            // Copied in the order its elements lie: a transposed view (columns
+            // closer than rows, as kᵀ of heads read from `[b, t, h, e]`) as its
+            // transpose, whose rows the copy moves in words, then read transposed.
+            let (r, st) = (shaped.rank(), shaped.strides());
+            cand = if st[r - 1] > st[r - 2] {
+                contiguous(&shaped.transpose(r - 2, r - 1)?)?.transpose(r - 2, r - 1)?
+            } else {
+                contiguous(&shaped)?
+            };
         }
     };
     let (oa, _ka) = operand(a)?;
@@ -100,14 +185,14 @@ pub(crate) fn matmul(a: &Tensor, b: &Tensor, batch: &[usize], part: Causal) -> R
     let block = causal_block_rows(m);
     if part == Causal::Dense || block >= m {
         blas::gemm(&s.blas, dtype, (count, m, k, n), oa, ob, oc)?;
-        if part == Causal::Scores {
+        if part == Causal::Scores && zero_masked {
             // One tile as wide as the matrix: every key past its query.
             zero_above_diagonal(&s, &out, count, m, n, m.max(n))?;
         }
         return Ok(out);
     }
     let elem = dtype.size_in_bytes();
-    if part == Causal::Scores {
+    if part == Causal::Scores && zero_masked {
         // The blocks right of each block's diagonal tile are not computed.
         s.gpu.bind()?;
         // SAFETY: the block holds the output's bytes; zeroed on the rank's stream.
@@ -131,7 +216,7 @@ pub(crate) fn matmul(a: &Tensor, b: &Tensor, batch: &[usize], part: Causal) -> R
             Causal::Dense => unreachable!("dense products returned above"),
         }
     }
-    if part == Causal::Scores {
+    if part == Causal::Scores && zero_masked {
         zero_above_diagonal(&s, &out, count, m, n, block)?;
     }
     Ok(out)

@@ -208,7 +208,7 @@ pub use adamw::AdamScalars;
 pub(crate) use adamw::adamw_step;
 pub(crate) use elementwise::{binary, full, scalar, unary};
 pub(crate) use embedding::{embedding, embedding_backward};
-pub(crate) use matmul::matmul;
+pub(crate) use matmul::{causal_scores_unmasked, matmul};
 pub(crate) use rows::{
     Reduce, cross_entropy, cross_entropy_backward_from_probs, norm, norm_backward, norm_weight_grad, reduce, softmax,
     softmax_backward,
@@ -385,7 +385,7 @@ pub(crate) fn cast(t: &Tensor, dtype: DType) -> Result<Tensor> {
                 s,
                 "cast",
                 format!("cast_dense_{from}_{to_}"),
-                grid_1d(t.numel()),
+                grid_1d(t.numel().div_ceil(4)),
                 &o,
                 &x,
                 &n

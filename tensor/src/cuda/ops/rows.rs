@@ -130,8 +130,10 @@ pub(crate) fn softmax(t: &Tensor, dim: usize, scale: f64, period: usize, log: bo
     restore(out, order)
 }
 
-/// `scale · y · (g − Σ g·y)` along `dim`.
-pub(crate) fn softmax_backward(g: &Tensor, y: &Tensor, dim: usize, scale: f64) -> Result<Tensor> {
+/// `scale · y · (g − Σ g·y)` along `dim`; causal over rows of `period`
+/// queries when `period > 0` (masked keys get `0 · scale`, and `g` is not
+/// read there, so it may hold anything).
+pub(crate) fn softmax_backward(g: &Tensor, y: &Tensor, dim: usize, scale: f64, period: usize) -> Result<Tensor> {
     const OP: &str = "softmax_backward";
     let s = streams_for(OP, &[g, y])?;
     let ty = kernel_dtype(OP, g.dtype())?;
@@ -141,9 +143,9 @@ pub(crate) fn softmax_backward(g: &Tensor, y: &Tensor, dim: usize, scale: f64) -
     let out = empty(&s, gc.shape(), gc.dtype(), OP)?;
     if rows > 0 && n > 0 {
         let (o, gp, yp) = (ptr(&out), ptr(&gc), ptr(&yc));
-        let (r, nn) = (rows as i64, n as i64);
+        let (r, nn, p) = (rows as i64, n as i64, period as i64);
         let kernel = row_kernel("softmax_backward", ty, rows, n);
-        launch!(s, OP, kernel.0, kernel.1, &o, &gp, &yp, &r, &nn, &scale)?;
+        launch!(s, OP, kernel.0, kernel.1, &o, &gp, &yp, &r, &nn, &scale, &p)?;
     }
     restore(out, order)
 }
@@ -381,7 +383,7 @@ pub(crate) fn cross_entropy_backward_from_probs(p: &Tensor, targets: &Tensor, sc
             s,
             OP,
             format!("cross_entropy_backward_{ty}"),
-            grid_1d(n * c),
+            grid_rows(n, row_threads(c)),
             &o,
             &pp,
             &tp,

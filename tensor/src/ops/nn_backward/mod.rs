@@ -45,7 +45,7 @@ impl Tensor {
         check_dim(OP, dim, self.rank())?;
         #[cfg(feature = "cuda")]
         if self.is_cuda() || y.is_cuda() {
-            return crate::cuda::ops::softmax_backward(self, y, dim, 1.0);
+            return crate::cuda::ops::softmax_backward(self, y, dim, 1.0, 0);
         }
         float_dispatch!(OP, self.dtype(), T => map_rows::<T, (), 2>(OP, [self, y], dim, #[inline(always)] |_, [g, y], o, _| {
             softmax_grad_row(g, y, o, #[inline(always)] |d| d);
@@ -70,10 +70,8 @@ impl Tensor {
         let (t, last) = (probs.shape()[probs.rank() - 2], probs.rank() - 1);
         #[cfg(feature = "cuda")]
         if self.is_cuda() || probs.is_cuda() {
-            // Masked keys have probability 0, so the plain softmax gradient
-            // already gives them 0; `t` matters only on the host.
-            let _ = (t, is_causal);
-            return crate::cuda::ops::softmax_backward(self, probs, last, scale);
+            let period = if is_causal { t } else { 0 };
+            return crate::cuda::ops::softmax_backward(self, probs, last, scale, period);
         }
         float_dispatch!(OP, self.dtype(), T => {
             let s = <T as Float>::Acc::real(scale);
