@@ -28,6 +28,10 @@ template <> __device__ __forceinline__ bf16 from_f<bf16>(float x) {
 template <typename T> __device__ __forceinline__ T from_d(double x) { return from_f<T>((float)x); }
 template <> __device__ __forceinline__ double from_d<double>(double x) { return x; }
 // From the compute type (f32, or f64 for f64) to T, rounding once.
+template <typename T> __device__ __forceinline__ T from_a(typename Acc<T>::type x);
+template <> __device__ __forceinline__ float from_a<float>(float x) { return x; }
+template <> __device__ __forceinline__ bf16 from_a<bf16>(float x) { return from_f<bf16>(x); }
+template <> __device__ __forceinline__ double from_a<double>(double x) { return x; }
 __device__ __forceinline__ void store(float* o, float x) { *o = x; }
 __device__ __forceinline__ void store(bf16* o, float x) { *o = from_f<bf16>(x); }
 __device__ __forceinline__ void store(double* o, double x) { *o = x; }
@@ -327,10 +331,23 @@ template <typename T, typename F> __device__ void strided2(T* out, const T* x, c
 }
 
 // out = f(x[i], y[i % period]) for dense x and a dense y that repeats (a bias).
+// Four elements per thread when the period is a multiple of four and all
+// three ends are aligned to four (one index modulo per four), then the tail.
 template <typename T, typename F> __device__ void rows2(T* out, const T* x, const T* y, i64 n, i64 period, F f) {
     typedef typename Acc<T>::type A;
     bool small = n < 2147483647LL;
-    GRID_LOOP(i, n) {
+    unsigned long long ends = (unsigned long long)out | (unsigned long long)x | (unsigned long long)y;
+    i64 nq = (period % 4 == 0 && ends % sizeof(Quad<T>) == 0) ? n / 4 : 0;
+    GRID_LOOP(q, nq) {
+        i64 i = 4 * q;
+        i64 j = small ? (i64)((unsigned int)i % (unsigned int)period) : i % period;
+        Quad<T> a = ((const Quad<T>*)x)[q], b = *(const Quad<T>*)(y + j), o;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) store(&o.v[k], f((A)to_f(a.v[k]), (A)to_f(b.v[k])));
+        ((Quad<T>*)out)[q] = o;
+    }
+    GRID_LOOP(t, n - nq * 4) {
+        i64 i = nq * 4 + t;
         i64 j = small ? (i64)((unsigned int)i % (unsigned int)period) : i % period;
         store(&out[i], f((A)to_f(x[i]), (A)to_f(y[j])));
     }
@@ -490,38 +507,51 @@ __device__ __forceinline__ double warp_sum(double v) {
     const i64 warps_ = (i64)gridDim.x * (blockDim.x >> 5);                                  \
     for (i64 r = (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); r < (rows); r += warps_)
 
+// The largest of the warp's values; NaN wins. In the compute type: the maximum
+// of values of that type is one of them, so no f64 is needed to hold it.
+__device__ __forceinline__ float warp_max_acc(float v) {
+    for (int o = 16; o > 0; o >>= 1) {
+        float w = __shfl_xor_sync(0xffffffffu, v, o);
+        v = (v != v || v >= w) ? v : w;
+    }
+    return v;
+}
+__device__ __forceinline__ double warp_max_acc(double v) { return warp_max(v); }
+
 template <typename T, int PER> __device__ void softmax_warp(T* out, const T* x, i64 rows, i64 n, double scale, i64 period, int log_) {
     typedef typename Acc<T>::type A;
     WARP_ROWS(r, rows) {
         const T* row = x + r * n;
         T* o = out + r * n;
         i64 keep = kept(r, n, period);
-        // The scaled score rounded to the dtype, as mul_scalar leaves it (exact in A).
+        // The scaled score rounded to the dtype, as mul_scalar leaves it (exact
+        // in A); its maximum in A, and x − max in A (the rounding of the exact
+        // difference, as the block kernel's f64 difference cast to A): the
+        // block kernel's values with f64 only for the sum.
         A v[PER];
-        double m = NEG_INF;
+        A m = (A)NEG_INF;
 #pragma unroll
         for (int i = 0; i < PER; ++i) {
             i64 j = lane + 32 * i;
             v[i] = (A)0;
             if (j < keep) {
-                v[i] = (A)to_f(from_d<T>((double)((A)to_f(row[j]) * (A)scale)));
-                double d = (double)v[i];
-                m = (m != m || m >= d) ? m : d;
+                v[i] = (A)to_f(from_a<T>((A)to_f(row[j]) * (A)scale));
+                m = (m != m || m >= v[i]) ? m : v[i];
             }
         }
-        m = warp_max(m);
+        m = warp_max_acc(m);
         double s = 0.0;
 #pragma unroll
         for (int i = 0; i < PER; ++i)
-            if (lane + 32 * i < keep) s += (double)m_exp((A)((double)v[i] - m));
+            if (lane + 32 * i < keep) s += (double)m_exp((A)(v[i] - m));
         s = warp_sum(s);
+        const double inv = 1.0 / s;
 #pragma unroll
         for (int i = 0; i < PER; ++i) {
             i64 j = lane + 32 * i;
             if (j >= n) continue;
             if (j >= keep) { o[j] = from_d<T>(log_ ? NEG_INF : 0.0); continue; }
-            double d = (double)v[i] - m;
-            o[j] = log_ ? from_d<T>(d - log(s)) : from_d<T>((double)m_exp((A)d) * (1.0 / s));
+            o[j] = log_ ? from_d<T>(((double)v[i] - (double)m) - log(s)) : from_d<T>((double)m_exp((A)(v[i] - m)) * inv);
         }
     }
 }

@@ -159,6 +159,17 @@ fn element_wise_and_reductions() {
         let pos = a.abs().unwrap().add_scalar(0.5).unwrap();
         let dpos = gpu(&pos);
         check("add (broadcast)", &da.add(&db).unwrap(), &a.add(&b).unwrap(), dtype);
+        // A bias of a multiple of four elements is read four at a time, one
+        // starting off the alignment one at a time.
+        let (c, bias) = (rand(&[30, 256], dtype, 4), rand(&[257], dtype, 5));
+        for start in [0, 1] {
+            check(
+                &format!("add (bias from element {start})"),
+                &gpu(&c).add(&gpu(&bias).narrow(0, start, 256).unwrap()).unwrap(),
+                &c.add(&bias.narrow(0, start, 256).unwrap()).unwrap(),
+                dtype,
+            );
+        }
         check(
             "sub",
             &da.sub(&da.mul_scalar(0.3).unwrap()).unwrap(),

@@ -49,7 +49,7 @@ pub(crate) fn binary(kernel: &str, op: &'static str, a: &Tensor, b: &Tensor, sha
             s,
             op,
             format!("rows_{kernel}_{ty}"),
-            grid_1d(n),
+            grid_1d(n.div_ceil(4)),
             &o,
             &x,
             &y,
