@@ -6,6 +6,7 @@
 #
 #   scripts/gpu-check.sh [DIR]    # DIR holds the prebuilt binaries (default .gpu)
 #   SKIP_BENCH=1 scripts/gpu-check.sh   # the checks without the timings
+#   NCU=1 scripts/gpu-check.sh          # and the GPU time of each kernel in one step (Nsight Compute)
 #
 # Build the binaries on any x86-64 machine first:
 #   scripts/gpu-build.sh          # -> .gpu/cuda-tests, .gpu/bench_cuda
@@ -196,6 +197,27 @@ for mp in none bf16; do
     echo "-- mixed precision $mp"
     sed -n '/^profile of/,/^init:/p' "$OUT/profile_$mp.log" | grep -v '^init:'
 done
+fi
+if [ -n "${NCU:-}" ]; then
+echo "== GPU time per kernel over one step of the large config, ours and PyTorch's (Nsight Compute)"
+NCU_BIN=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+LARGE="--dim 1024 --n-layers 8 --n-heads 16 --vocab 32000 --seq 512 --batch 8"
+ncu_run() {
+    timeout 120 "$NCU_BIN" --clock-control none --metrics gpu__time_duration.sum --csv --page raw \
+        --launch-count 6000 "$@" >"$OUT/ncu.csv" 2>/dev/null
+}
+for mp in none bf16; do
+    echo "-- mixed precision $mp"
+    # shellcheck disable=SC2086
+    ncu_run "$DIR/train" --device cuda --world-size 1 $LARGE --steps 4 --mixed-precision $mp &&
+        $PY scripts/ncu_step.py "$OUT/ncu.csv" cross_entropy_rows 25 | tee "$OUT/ncu_ours_$mp.txt"
+    theirs=""
+    [ "$mp" = bf16 ] && theirs="--bf16"
+    # shellcheck disable=SC2086
+    ncu_run $PY scripts/torch_gpu_train.py $LARGE --steps 4 $theirs &&
+        $PY scripts/ncu_step.py "$OUT/ncu.csv" cunn_SoftMaxForward 25 | tee "$OUT/ncu_torch_$mp.txt"
+done
+rm -f "$OUT/ncu.csv"
 fi
 grep -E "^test result|FAILED|panicked" "$OUT/tests.log" "$OUT/dtensor.log" 2>/dev/null | tail -8
 echo "gpu-check exit $status"
