@@ -42,6 +42,7 @@ fn bad_variables_stop_the_job_naming_what_they_accept() {
         ("TESSERA_BF16_DOT", "maybe", "not a flag"),
         ("TESSERA_SYSTEM_MALLOC", "2", "not a flag"),
         ("TESSERA_TIMEOUT_S", "forever", "TESSERA_TIMEOUT_S"),
+        ("TESSERA_DEBUG", "all", "accepted: off, ops, values"),
     ] {
         let out = train(&["--world-size", "1", "--steps", "1"], &[(k, v)]);
         let err = String::from_utf8_lossy(&out.stderr);
@@ -62,6 +63,48 @@ fn false_is_a_flag_value_and_a_redirected_log_gets_lines() {
     for step in 1..=3 {
         assert!(log.contains(&format!("step {step}/3  loss")), "{log}");
     }
+}
+
+/// `TESSERA_DEBUG=ops` makes every rank print each DTensor op as it runs,
+/// under its module, in the layout notation, with the TP plan's explicit
+/// redistributes; `values` adds the outputs' global sums; unset, nothing.
+#[test]
+fn tessera_debug_prints_every_rank_s_ops() {
+    let args = ["--world-size", "4", "--tp", "2", "--steps", "1"];
+    let ops = train(&args, &[("TESSERA_DEBUG", "ops")]);
+    let err = String::from_utf8_lossy(&ops.stderr);
+    assert!(ops.status.success(), "{err}");
+    for rank in 0..4 {
+        let lines = err
+            .lines()
+            .filter(|l| l.starts_with(&format!("[rank {rank}] ")))
+            .count();
+        assert!(lines > 100, "rank {rank} printed {lines} ops:\n{err}");
+    }
+    let wo = err
+        .lines()
+        .find(|l| l.starts_with("[rank 0] layers.0.attention.wo forward: ") && l.contains("explicit redistribute"))
+        .unwrap_or_else(|| panic!("no explicit redistribute in layers.0.attention.wo:\n{err}"));
+    assert!(
+        wo.contains("(Shard(0), Partial(sum))") && wo.contains("on mesh(dp=2, tp=2)"),
+        "{wo}"
+    );
+    assert!(
+        !err.contains("implicit redistribute"),
+        "the TP plan redistributes nothing implicitly"
+    );
+    assert!(!err.contains("; sum "), "values only when asked");
+
+    let values = train(&["--world-size", "2", "--steps", "1"], &[("TESSERA_DEBUG", "values")]);
+    let err = String::from_utf8_lossy(&values.stderr);
+    assert!(values.status.success(), "{err}");
+    assert!(
+        err.lines().any(|l| l.starts_with("[rank 1] ") && l.contains("; sum ")),
+        "{err}"
+    );
+
+    let quiet = train(&["--world-size", "2", "--steps", "1"], &[]);
+    assert!(!String::from_utf8_lossy(&quiet.stderr).contains("[rank 0]"));
 }
 
 /// `--profile` prints where rank 0's steps went (per kind of work, then the

@@ -13,6 +13,7 @@
 //! runs either way: `cargo run --example train` or `mpirun -n 4 target/release/examples/train`.
 
 use crate::env::{MpiEnv, mpi_env};
+use crate::observe::OpLog;
 use crate::options::LaunchOptions;
 use crate::rank::{BoxError, RankCtx};
 use crate::{Error, Result};
@@ -66,6 +67,11 @@ where
     if world_size == 0 {
         return Err(Error::Launch("world_size must be at least 1".into()));
     }
+    let debug = opts.debug_ops;
+    let f = move |ctx: RankCtx| {
+        let _echo = (debug != OpLog::Off).then(|| crate::observe::echo_ops(ctx.rank(), debug));
+        f(ctx)
+    };
     match mpi_env() {
         None => crate::threads::launch(opts, world_size, f),
         Some(env) => launch_mpi(opts, world_size, &env, f),

@@ -6,6 +6,7 @@
 use std::time::Duration;
 
 use crate::Result;
+use crate::observe::OpLog;
 use crate::vars::{DEFAULT_TIMEOUT, MAX_THREADS_PER_RANK, parse_threads, parse_timeout};
 
 /// Options of [`launch_with`](crate::launch_with).
@@ -45,6 +46,10 @@ pub struct LaunchOptions {
     /// all-reduce per collective. Turn it off only to measure that cost
     /// (`TESSERA_FINGERPRINTS=0`); it also turns strict mode off.
     pub fingerprints: bool,
+    /// The op log every rank prints to stderr as it runs
+    /// ([`observe::echo_ops`](crate::observe::echo_ops)): off by default;
+    /// [`LaunchOptions::from_env`] reads `TESSERA_DEBUG` (`ops`, `values`).
+    pub debug_ops: OpLog,
 }
 
 impl Default for LaunchOptions {
@@ -55,6 +60,7 @@ impl Default for LaunchOptions {
             threads_per_rank: None,
             strict_collectives: false,
             fingerprints: true,
+            debug_ops: OpLog::Off,
         }
     }
 }
@@ -86,12 +92,19 @@ impl LaunchOptions {
         if let Some(on) = crate::vars::flag("TESSERA_FINGERPRINTS")? {
             opts.fingerprints = on;
         }
+        opts.debug_ops = crate::vars::debug()?;
         Ok(opts)
     }
 
     /// Sets strict collectives (see [`strict_collectives`](Self::strict_collectives)).
     pub fn strict_collectives(mut self, on: bool) -> Self {
         self.strict_collectives = on;
+        self
+    }
+
+    /// Sets the op log every rank prints as it runs (see [`debug_ops`](Self::debug_ops)).
+    pub fn debug_ops(mut self, log: OpLog) -> Self {
+        self.debug_ops = log;
         self
     }
 

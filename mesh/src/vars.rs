@@ -14,6 +14,7 @@
 //! | `TESSERA_MPI_CHECK` | a flag | off (under MPI, exchange every call's full fingerprint, not only its hash) |
 //! | `TESSERA_STRICT_COLLECTIVES` | a flag | off (call sites need not match; see `LaunchOptions::strict_collectives`) |
 //! | `TESSERA_FINGERPRINTS` | a flag | on (collectives compare call sites' tags; off only to measure the cost) |
+//! | `TESSERA_DEBUG` | `off`, `ops`, `values` | `off` (`ops`: every rank prints each DTensor op and redistribute as it runs, see [`observe::echo_ops`](crate::observe::echo_ops); `values`: with each output's global sums) |
 //!
 //! A flag is `1`, `true`, `yes`, `on` or `0`, `false`, `no`, `off` (any case).
 //!
@@ -39,6 +40,9 @@ pub const MIN_TIMEOUT: Duration = Duration::from_millis(1);
 
 /// The values `TESSERA_BACKEND` accepts.
 pub const BACKENDS: &[&str] = &["threads", "mpi"];
+
+/// The values `TESSERA_DEBUG` accepts.
+pub const DEBUG_LEVELS: &[&str] = &["off", "ops", "values"];
 
 /// The flags: variables that switch something on or off.
 const FLAGS: &[&str] = &[
@@ -108,6 +112,27 @@ pub fn backend() -> Result<Option<&'static str>> {
     backend_from(|k| std::env::var(k).ok())
 }
 
+/// `TESSERA_DEBUG` from the environment: the op log every rank prints as it
+/// runs ([`OpLog::Off`](crate::observe::OpLog::Off) when unset).
+///
+/// # Errors
+/// A value other than `off`, `ops` or `values`.
+pub fn debug() -> Result<crate::observe::OpLog> {
+    debug_from(|k| std::env::var(k).ok())
+}
+
+pub(crate) fn debug_from(var: impl Fn(&str) -> Option<String>) -> Result<crate::observe::OpLog> {
+    use crate::observe::OpLog;
+    Ok(match var("TESSERA_DEBUG") {
+        None => OpLog::Off,
+        Some(v) => match parse_choice("TESSERA_DEBUG", &v, DEBUG_LEVELS)? {
+            "ops" => OpLog::Ops,
+            "values" => OpLog::Values,
+            _ => OpLog::Off,
+        },
+    })
+}
+
 fn flag_from(name: &str, var: impl Fn(&str) -> Option<String>) -> Result<Option<bool>> {
     var(name).map(|v| parse_flag(name, &v)).transpose()
 }
@@ -129,6 +154,7 @@ pub fn check() -> Result<()> {
 
 pub(crate) fn check_from(var: impl Fn(&str) -> Option<String>) -> Result<()> {
     backend_from(&var)?;
+    debug_from(&var)?;
     for name in FLAGS {
         flag_from(name, &var)?;
     }
@@ -205,6 +231,21 @@ mod tests {
     }
 
     #[test]
+    fn debug_names_an_op_log() {
+        use crate::observe::OpLog;
+        let read = |v: &str| debug_from(with(&[("TESSERA_DEBUG", v)]));
+        assert_eq!(debug_from(with(&[])).unwrap(), OpLog::Off);
+        assert_eq!(read("off").unwrap(), OpLog::Off);
+        assert_eq!(read("ops").unwrap(), OpLog::Ops);
+        assert_eq!(read(" values ").unwrap(), OpLog::Values);
+        let e = read("1").unwrap_err().to_string();
+        assert!(
+            e.contains("TESSERA_DEBUG=\"1\"") && e.contains("accepted: off, ops, values"),
+            "{e}"
+        );
+    }
+
+    #[test]
     fn every_variable_is_checked_with_one_policy() {
         assert!(check_from(with(&[])).is_ok());
         assert!(
@@ -225,6 +266,7 @@ mod tests {
             ("TESSERA_FINGERPRINTS", "maybe", "not a flag"),
             ("TESSERA_TIMEOUT_S", "soon", "TESSERA_TIMEOUT_S"),
             ("TESSERA_THREADS_PER_RANK", "0", "TESSERA_THREADS_PER_RANK"),
+            ("TESSERA_DEBUG", "all", "accepted: off, ops, values"),
         ] {
             let e = check_from(with(&[(k, v)])).unwrap_err().to_string();
             assert!(e.contains(says) && e.contains(v), "{k}={v}: {e}");

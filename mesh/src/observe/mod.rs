@@ -132,6 +132,9 @@ struct Recorder {
     events: Vec<Event>,
     /// Open module scopes, innermost last.
     modules: Vec<(Arc<str>, Phase)>,
+    /// Printing the op log as it happens for this rank instead of keeping
+    /// events (see [`echo_ops`]).
+    echo: Option<usize>,
 }
 
 thread_local! {
@@ -161,6 +164,36 @@ pub fn record() -> Recording {
     });
     Recording {
         _thread: std::marker::PhantomData,
+    }
+}
+
+/// Prints every DTensor op the calling rank runs to stderr as it runs, in
+/// the op log's notation, one line each: `[rank 0] layers.0.attention
+/// forward: matmul(f32[4,32,64] (Shard(0), Replicate), ...) -> ... on mesh(dp=2,
+/// tp=2); implicit redistribute of input 1 to (Shard(0), Shard(1))` (and with
+/// `OpLog::Values` each output's global sums). Keeps no events, so it can
+/// stay on for a whole run; a recording started later on the thread (as
+/// `train --op-log` starts) takes over. [`launch`](crate::launch) starts it
+/// on every rank when `TESSERA_DEBUG=ops` (or `values`).
+///
+/// PyTorch: running under `DebugMode` and printing its log.
+pub fn echo_ops(rank: usize, log: OpLog) -> Recording {
+    let rec = record();
+    RECORDER.with(|r| {
+        if let Some(r) = r.borrow_mut().as_mut() {
+            r.op_log = log;
+            r.echo = Some(rank);
+        }
+    });
+    rec
+}
+
+/// The line [`echo_ops`] prints for an op-log entry of `rank` run inside `module`.
+fn echo_line(rank: usize, module: Option<&(Arc<str>, Phase)>, record: &OpRecord) -> String {
+    match module {
+        Some((fqn, phase)) if !fqn.is_empty() => format!("[rank {rank}] {fqn} {}: {record}", phase.name()),
+        Some((_, phase)) => format!("[rank {rank}] (root) {}: {record}", phase.name()),
+        None => format!("[rank {rank}] {record}"),
     }
 }
 
@@ -220,6 +253,9 @@ impl Drop for Span {
             if let Some(r) = r.borrow_mut().as_mut() {
                 if pops {
                     r.modules.pop();
+                }
+                if r.echo.is_some() {
+                    return;
                 }
                 r.events.push(Event {
                     what,
@@ -292,6 +328,12 @@ fn instant(what: What) {
     RECORDER.with(|r| {
         if let Some(rec) = r.borrow_mut().as_mut() {
             let module = innermost(rec);
+            if let Some(rank) = rec.echo {
+                if let What::OpLog(record) = &what {
+                    eprintln!("{}", echo_line(rank, module.as_ref(), record));
+                }
+                return;
+            }
             rec.events.push(Event {
                 what,
                 start_ns: now_ns(),
@@ -329,6 +371,48 @@ pub fn collective(comm: usize, kind: OpKind, ranks: usize, bytes: u64, queued: b
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Echoing keeps no events (it can stay on for a whole run), logs ops,
+    /// and prints each under its rank and module.
+    #[test]
+    fn echo_prints_instead_of_keeping() {
+        let rec = echo_ops(3, OpLog::Ops);
+        assert_eq!(logging_ops(), Some(false), "ops log themselves while echoing");
+        {
+            let _m = module("layers.0.attention", Phase::Backward);
+            let _op = span(What::Op("matmul"));
+            memory(7);
+        }
+        assert!(rec.finish().is_empty(), "an echo keeps no events");
+        assert_eq!(logging_ops(), None);
+        let desc = TensorDesc {
+            shape: vec![4, 8],
+            dtype: crate::DType::F32,
+            placements: "(Shard(0), Replicate)".into(),
+        };
+        let record = OpRecord {
+            op: "matmul",
+            explicit: false,
+            inputs: vec![desc.clone(), desc.clone()],
+            moved: vec![(1, "(Replicate, Replicate)".into())],
+            output: desc,
+            mesh: "mesh(dp=2, tp=2)".into(),
+            values: None,
+        };
+        let module: (Arc<str>, Phase) = (Arc::from("layers.0.attention"), Phase::Backward);
+        assert_eq!(
+            echo_line(3, Some(&module), &record),
+            "[rank 3] layers.0.attention backward: matmul(f32[4,8] (Shard(0), Replicate), f32[4,8] (Shard(0), \
+             Replicate)) -> f32[4,8] (Shard(0), Replicate) on mesh(dp=2, tp=2); implicit redistribute of input 1 to \
+             (Replicate, Replicate)"
+        );
+        assert_eq!(echo_line(0, None, &record), format!("[rank 0] {record}"));
+        let root: (Arc<str>, Phase) = (Arc::from(""), Phase::Forward);
+        assert_eq!(
+            echo_line(1, Some(&root), &record),
+            format!("[rank 1] (root) forward: {record}")
+        );
+    }
 
     #[test]
     fn spans_nest_and_carry_their_module() {
