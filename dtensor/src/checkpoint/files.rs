@@ -112,7 +112,10 @@ pub(crate) fn write_safetensors(
 /// Checks the safetensors header of the chunk file `path` (open as `file`)
 /// against what the index says of it: stamped with checkpoint `id` and its own
 /// name `file_name`, and holding exactly `chunks` (tensor name, dtype name,
-/// chunk) with their dtypes, shapes and byte ranges.
+/// chunk) with their dtypes, shapes and byte ranges. An empty `id` is a
+/// checkpoint written elsewhere ([`Index::from_sharded_safetensors`](super::Index::from_sharded_safetensors)):
+/// its files carry no stamp, and each chunk is checked to be as it was when
+/// the index was built.
 ///
 /// # Errors
 /// [`Error::Checkpoint`] naming the file and the tensor that disagrees: a file
@@ -129,24 +132,10 @@ pub(crate) fn check_header(
         path: path.display().to_string(),
         detail,
     };
-    let len = file
-        .metadata()
-        .map_err(|e| io_error(path, "cannot read the size of", e))?
-        .len();
-    let mut head = [0u8; 8];
-    file.read_exact_at(&mut head, 0)
-        .map_err(|e| io_error(path, "cannot read the safetensors header", e))?;
-    let n = u64::from_le_bytes(head);
-    if n > MAX_HEADER || n > len.saturating_sub(8) {
-        return Err(bad(format!(
-            "not a safetensors file: its header claims {n} bytes of a {len}-byte file"
-        )));
+    let (header, start) = read_header(path, file)?;
+    if id.is_empty() {
+        return check_sharded_header(path, &header, start, chunks);
     }
-    let mut text = vec![0u8; n as usize];
-    file.read_exact_at(&mut text, 8)
-        .map_err(|e| io_error(path, "cannot read the safetensors header", e))?;
-    let header: Map<String, Value> = serde_json::from_slice(&text)
-        .map_err(|e| bad(format!("not a safetensors file: its header is not a JSON object ({e})")))?;
     let meta = header.get("__metadata__");
     let field = |k: &str| meta.and_then(|m| m.get(k)).and_then(Value::as_str);
     if field("format") != Some(FILE_FORMAT) {
@@ -170,7 +159,6 @@ pub(crate) fn check_header(
             chunks.first().map_or("-", |c| c.0)
         )));
     }
-    let start = 8 + n;
     for (name, dtype, c) in chunks {
         let want = json!({
             "dtype": dtype,
@@ -206,6 +194,130 @@ pub(crate) fn check_header(
     }
     Ok(())
 }
+
+/// The safetensors header of `path` (open as `file`) as a JSON object, and
+/// where its data starts (8 + the header's length).
+///
+/// # Errors
+/// [`Error::Checkpoint`] naming the file when it is not safetensors: a header
+/// length beyond the file or [`MAX_HEADER`], or a header that is not a JSON object.
+pub(crate) fn read_header(path: &Path, file: &File) -> Result<(Map<String, Value>, u64)> {
+    let bad = |detail: String| Error::Checkpoint {
+        path: path.display().to_string(),
+        detail,
+    };
+    let len = file
+        .metadata()
+        .map_err(|e| io_error(path, "cannot read the size of", e))?
+        .len();
+    let mut head = [0u8; 8];
+    file.read_exact_at(&mut head, 0)
+        .map_err(|e| io_error(path, "cannot read the safetensors header", e))?;
+    let n = u64::from_le_bytes(head);
+    if n > MAX_HEADER || n > len.saturating_sub(8) {
+        return Err(bad(format!(
+            "not a safetensors file: its header claims {n} bytes of a {len}-byte file"
+        )));
+    }
+    let mut text = vec![0u8; n as usize];
+    file.read_exact_at(&mut text, 8)
+        .map_err(|e| io_error(path, "cannot read the safetensors header", e))?;
+    let header = serde_json::from_slice(&text)
+        .map_err(|e| bad(format!("not a safetensors file: its header is not a JSON object ({e})")))?;
+    Ok((header, 8 + n))
+}
+
+/// The saved offsets of each tensor of a sharded safetensors file, from the
+/// `DCP_SHARDING_INFO` of its `__metadata__` (a JSON string `{name:
+/// {"saved_offsets": [...]}}`); `None` for a file without it (whole tensors).
+///
+/// # Errors
+/// `DCP_SHARDING_INFO` that is not that JSON.
+pub(crate) fn sharding_info(path: &Path, header: &Map<String, Value>) -> Result<Option<Map<String, Value>>> {
+    let Some(info) = header
+        .get("__metadata__")
+        .and_then(|m| m.get(SHARDING_INFO))
+        .and_then(Value::as_str)
+    else {
+        return Ok(None);
+    };
+    serde_json::from_str(info).map(Some).map_err(|e| Error::Checkpoint {
+        path: path.display().to_string(),
+        detail: format!("its {SHARDING_INFO} is not a JSON object of saved offsets ({e})"),
+    })
+}
+
+/// The offsets `info` (see [`sharding_info`]) gives tensor `key` of rank
+/// `rank`: zeros without sharding info.
+///
+/// # Errors
+/// Sharding info that does not name `key`, or offsets that are not `rank`
+/// whole numbers.
+pub(crate) fn saved_offsets(
+    path: &Path,
+    info: Option<&Map<String, Value>>,
+    key: &str,
+    rank: usize,
+) -> Result<Vec<usize>> {
+    let Some(info) = info else {
+        return Ok(vec![0; rank]);
+    };
+    let offsets: Option<Vec<usize>> = info
+        .get(key)
+        .and_then(|e| e.get("saved_offsets"))
+        .and_then(Value::as_array)
+        .and_then(|a| {
+            a.iter()
+                .map(|v| v.as_u64().and_then(|v| usize::try_from(v).ok()))
+                .collect()
+        });
+    match offsets {
+        Some(o) if o.len() == rank => Ok(o),
+        _ => Err(Error::Checkpoint {
+            path: path.display().to_string(),
+            detail: format!(
+                "tensor {key}: its {SHARDING_INFO} entry is {}, not {rank} saved offsets",
+                info.get(key).map_or("missing".to_string(), Value::to_string)
+            ),
+        }),
+    }
+}
+
+/// [`check_header`] of a sharded safetensors file without Tessera's stamp
+/// (as PyTorch writes them): each chunk the index puts in it is still there
+/// with its dtype, shape, byte range and saved offsets, as when it was opened.
+fn check_sharded_header(
+    path: &Path,
+    header: &Map<String, Value>,
+    start: u64,
+    chunks: &[(&str, &str, &Chunk)],
+) -> Result<()> {
+    let info = sharding_info(path, header)?;
+    for (name, dtype, c) in chunks {
+        let want = json!({
+            "dtype": dtype,
+            "shape": c.shape,
+            "data_offsets": [c.begin.checked_sub(start), c.end.checked_sub(start)],
+        });
+        let same = header.get(&c.key) == Some(&want)
+            && saved_offsets(path, info.as_ref(), &c.key, c.offsets.len()).is_ok_and(|o| o == c.offsets);
+        if !same {
+            return Err(Error::Checkpoint {
+                path: path.display().to_string(),
+                detail: format!(
+                    "tensor {name}: the file changed since the checkpoint was opened (its entry is {}, it was \
+                     {want} at offsets {:?})",
+                    header.get(&c.key).map_or("missing".to_string(), Value::to_string),
+                    c.offsets
+                ),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// The `__metadata__` key of the saved offsets in a sharded safetensors file.
+pub(crate) const SHARDING_INFO: &str = "DCP_SHARDING_INFO";
 
 /// Writes `bytes` to `path` and fsyncs it.
 pub(crate) fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {

@@ -15,6 +15,9 @@ const INDEX_NAME: &str = "index.json";
 
 /// The `format` an index names.
 pub(crate) const FORMAT: &str = "tessera-checkpoint";
+/// The `format` of an index built from the files of a sharded safetensors
+/// checkpoint written elsewhere ([`Index::from_sharded_safetensors`]).
+pub const SHARDED_SAFETENSORS: &str = "sharded-safetensors";
 /// The version this code writes and reads: 2 (per-block checksums and a
 /// checkpoint id; version 1 had one checksum per chunk, which a partial read
 /// could not check, and is no longer read).
@@ -181,6 +184,11 @@ impl Index {
             path: path.to_string(),
             detail,
         };
+        if self.format == SHARDED_SAFETENSORS && self.id.is_empty() {
+            // Built from the files themselves: no stamps, no checksums, keys
+            // are the tensors' names.
+            return self.validate_tensors(path, false);
+        }
         if self.format != FORMAT || self.version != VERSION {
             let hint = if self.format == FORMAT && self.version < VERSION {
                 "; older versions (one checksum per chunk, which partial reads could not check, and no checkpoint \
@@ -200,6 +208,18 @@ impl Index {
                 self.id
             )));
         }
+        self.validate_tensors(path, true)
+    }
+
+    /// The checks of [`validate`](Self::validate) on the block size and the
+    /// tensors; `stamped`: chunks keyed `NAME@OFFSETS` with block checksums (a
+    /// Tessera checkpoint), else keyed by the tensor's name, one per file,
+    /// without checksums.
+    fn validate_tensors(&self, path: &str, stamped: bool) -> Result<()> {
+        let bad = |detail: String| Error::Checkpoint {
+            path: path.to_string(),
+            detail,
+        };
         if !self.block_size.is_power_of_two() || self.block_size > MAX_BLOCK_SIZE {
             return Err(bad(format!(
                 "block size {}: it must be a power of two up to {MAX_BLOCK_SIZE}",
@@ -230,15 +250,18 @@ impl Index {
                         c.begin, c.end, c.file, c.shape, t.dtype
                     )));
                 }
-                if c.key != chunk_key(name, &c.offsets) {
+                let key = if stamped {
+                    chunk_key(name, &c.offsets)
+                } else {
+                    name.clone()
+                };
+                if c.key != key {
                     return Err(bad(format!(
-                        "tensor {name}: chunk {k} is keyed {:?}, but a chunk at {:?} is keyed {:?}",
-                        c.key,
-                        c.offsets,
-                        chunk_key(name, &c.offsets)
+                        "tensor {name}: chunk {k} is keyed {:?}, but a chunk at {:?} is keyed {key:?}",
+                        c.key, c.offsets
                     )));
                 }
-                let blocks = c.blocks(self.block_size) as usize;
+                let blocks = if stamped { c.blocks(self.block_size) as usize } else { 0 };
                 if c.checksums.len() != blocks * CHECKSUM_DIGITS || !is_hex(&c.checksums) {
                     return Err(bad(format!(
                         "tensor {name}: chunk {k} needs {blocks} block checksums of {CHECKSUM_DIGITS} hex digits \

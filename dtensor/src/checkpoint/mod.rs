@@ -49,13 +49,14 @@ mod files;
 mod index;
 mod load;
 mod save;
+mod sharded;
 mod temps;
 #[cfg(test)]
 mod tests;
 
 use std::path::Path;
 
-pub use index::{Chunk, Index, TensorEntry};
+pub use index::{Chunk, Index, SHARDED_SAFETENSORS, TensorEntry};
 pub use load::Checkpoint;
 pub use save::{AsyncSave, async_save, save};
 pub use temps::{remove_checkpoint, remove_stale_temporaries, temporary_owner};

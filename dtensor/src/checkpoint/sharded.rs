@@ -1,0 +1,295 @@
+//! Checkpoints written elsewhere as sharded safetensors files: one file per
+//! writing rank, each tensor's piece stored under the tensor's own name, and
+//! where the piece lies in the tensor in the file's `__metadata__`
+//! (`DCP_SHARDING_INFO`: `{name: {"saved_offsets": [...]}}`), as PyTorch's
+//! `HuggingFaceStorageWriter(path, save_distributed=True)` writes them
+//! (`shard-00001-model-00001-of-00001.safetensors`, ...). The files are the
+//! whole index: [`Index::from_sharded_safetensors`] reads every header.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use serde_json::Value;
+
+use super::index::{self, Chunk, Index, SHARDED_SAFETENSORS, TensorEntry};
+use super::{ckpt_error, files};
+use crate::Result;
+
+impl Index {
+    /// The index of the sharded safetensors files in `dir` (every
+    /// `*.safetensors` file, hidden ones aside): each tensor's pieces with
+    /// their saved offsets, byte ranges and files, and its global shape, the
+    /// extent of its pieces. A file without `DCP_SHARDING_INFO` holds whole
+    /// tensors. Such files carry no checksums: a load checks each file's
+    /// header again when it first reads it, but not the bytes.
+    ///
+    /// PyTorch: `HuggingFaceStorageReader.read_metadata`.
+    ///
+    /// # Errors
+    /// [`Error::Checkpoint`](crate::Error::Checkpoint) naming the file and
+    /// tensor: no safetensors file in `dir`, a file that is not safetensors,
+    /// an entry without a known dtype, a shape or byte range, missing saved
+    /// offsets, a tensor whose pieces disagree on dtype or rank, overlap or
+    /// leave part of it uncovered.
+    pub fn from_sharded_safetensors(dir: &Path) -> Result<Index> {
+        let mut names: Vec<String> = std::fs::read_dir(dir)
+            .map_err(|e| files::io_error(dir, "cannot list the checkpoint directory", e))?
+            .filter_map(|e| e.ok().and_then(|e| e.file_name().into_string().ok()))
+            .filter(|n| n.ends_with(".safetensors") && !n.starts_with('.'))
+            .collect();
+        names.sort();
+        if names.is_empty() {
+            return Err(ckpt_error(
+                dir,
+                "no checkpoint here: neither an index.json (a Tessera checkpoint) nor .safetensors files (a \
+                 sharded safetensors checkpoint)"
+                    .into(),
+            ));
+        }
+        let mut tensors: BTreeMap<String, TensorEntry> = BTreeMap::new();
+        for file in &names {
+            let path = dir.join(file);
+            let f = files::open_read(&path)?;
+            let (header, start) = files::read_header(&path, &f)?;
+            let info = files::sharding_info(&path, &header)?;
+            for (key, v) in &header {
+                if key == "__metadata__" {
+                    continue;
+                }
+                let bad = |what: &str| ckpt_error(&path, format!("tensor {key}: {what} (its entry is {v})"));
+                let dtype = v
+                    .get("dtype")
+                    .and_then(Value::as_str)
+                    .filter(|d| index::dtype_of(d).is_some())
+                    .ok_or_else(|| bad("no dtype Tessera holds (F32, F64, BF16, F16, I64, U8)"))?;
+                let shape: Vec<usize> = whole_numbers(v.get("shape")).ok_or_else(|| bad("no shape"))?;
+                let range = whole_numbers(v.get("data_offsets"))
+                    .filter(|r| r.len() == 2 && r[0] <= r[1])
+                    .ok_or_else(|| bad("no byte range"))?;
+                let offsets = files::saved_offsets(&path, info.as_ref(), key, shape.len())?;
+                let entry = tensors.entry(key.clone()).or_insert_with(|| TensorEntry {
+                    shape: vec![0; shape.len()],
+                    dtype: dtype.to_string(),
+                    chunks: Vec::new(),
+                });
+                if entry.dtype != dtype || entry.shape.len() != shape.len() {
+                    return Err(bad(&format!(
+                        "another file holds a piece of it as {} of rank {}",
+                        entry.dtype,
+                        entry.shape.len()
+                    )));
+                }
+                for (d, extent) in entry.shape.iter_mut().enumerate() {
+                    let end = offsets[d]
+                        .checked_add(shape[d])
+                        .ok_or_else(|| bad("offsets overflow"))?;
+                    *extent = (*extent).max(end);
+                }
+                entry.chunks.push(Chunk {
+                    offsets,
+                    shape,
+                    file: file.clone(),
+                    key: key.clone(),
+                    begin: start + range[0] as u64,
+                    end: start + range[1] as u64,
+                    checksums: String::new(),
+                });
+            }
+        }
+        let index = Index {
+            format: SHARDED_SAFETENSORS.into(),
+            version: 1,
+            id: String::new(),
+            block_size: index::BLOCK_SIZE,
+            checksum: String::new(),
+            tensors,
+            metadata: BTreeMap::new(),
+        };
+        index.validate(&dir.display().to_string())?;
+        Ok(index)
+    }
+}
+
+/// A JSON array of whole numbers as `usize`s.
+fn whole_numbers(v: Option<&Value>) -> Option<Vec<usize>> {
+    v?.as_array()?
+        .iter()
+        .map(|x| x.as_u64().and_then(|x| usize::try_from(x).ok()))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::PathBuf;
+
+    use tessera_mesh::{DType, DeviceMesh, launch};
+
+    use super::super::Checkpoint;
+    use crate::{Layout, Placement};
+
+    /// The checkpoint PyTorch's distributed checkpoint saved on 2 ranks as
+    /// sharded safetensors, and the same tensors whole
+    /// (`scripts/sharded_safetensors_fixture.py`).
+    fn fixture(what: &str) -> PathBuf {
+        PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../tests/data/sharded_safetensors")
+            .join(what)
+    }
+
+    /// Every tensor onto 1, 2 and 3 ranks, sharded along each dim and
+    /// replicated, equals the tensor saved whole; the index is the files'.
+    #[test]
+    fn a_sharded_safetensors_checkpoint_loads_onto_any_layout() {
+        let ckpt = Checkpoint::open(fixture("shards")).unwrap();
+        let index = ckpt.index();
+        assert_eq!(index.format, super::SHARDED_SAFETENSORS);
+        let shapes: Vec<(&str, &[usize], &str, usize)> = index
+            .tensors
+            .iter()
+            .map(|(n, t)| (n.as_str(), t.shape.as_slice(), t.dtype.as_str(), t.chunks.len()))
+            .collect();
+        assert_eq!(
+            shapes,
+            [
+                ("b", &[7][..], "F32", 2),
+                ("e", &[4, 6][..], "BF16", 2),
+                ("r", &[3][..], "F32", 1),
+                ("w", &[5, 3][..], "F32", 2)
+            ]
+        );
+        for world in [1usize, 2, 3] {
+            launch(world, move |ctx| {
+                let mesh = DeviceMesh::new(ctx.into_comm(), &[world])?;
+                let ckpt = Checkpoint::open(fixture("shards"))?;
+                let whole = Checkpoint::open(fixture("full"))?;
+                for (name, shape, dtype) in [
+                    ("w", vec![5, 3], DType::F32),
+                    ("b", vec![7], DType::F32),
+                    ("e", vec![4, 6], DType::BF16),
+                    ("r", vec![3], DType::F32),
+                ] {
+                    let replicated = Layout::new(&[world], &[Placement::Replicate], &shape, dtype)?;
+                    let want = whole.load(name, &mesh, replicated)?.to_local().clone();
+                    let mut placements = vec![Placement::Replicate];
+                    placements.extend((0..shape.len()).map(Placement::Shard));
+                    for p in placements {
+                        let layout = Layout::new(&[world], &[p], &shape, dtype)?;
+                        let got = ckpt.load(name, &mesh, layout)?.full_tensor()?;
+                        assert_eq!(got, want, "{name} as {p:?} on {world} ranks");
+                    }
+                }
+                Ok(())
+            })
+            .unwrap();
+        }
+    }
+
+    /// The values themselves: `b` is `arange(7)`.
+    #[test]
+    fn values_are_the_saved_ones() {
+        launch(1, |ctx| {
+            let mesh = DeviceMesh::new(ctx.into_comm(), &[1])?;
+            let ckpt = Checkpoint::open(fixture("shards"))?;
+            let b = ckpt.load(
+                "b",
+                &mesh,
+                Layout::new(&[1], &[Placement::Replicate], &[7], DType::F32)?,
+            )?;
+            assert_eq!(b.to_local().to_f64_vec(), (0..7).map(f64::from).collect::<Vec<_>>());
+            Ok(())
+        })
+        .unwrap();
+    }
+
+    /// A copy of the shards in a scratch directory.
+    fn scratch(tag: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("tessera-sharded-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        for e in std::fs::read_dir(fixture("shards")).unwrap() {
+            let e = e.unwrap();
+            std::fs::copy(e.path(), dir.join(e.file_name())).unwrap();
+        }
+        dir
+    }
+
+    /// Errors name the file and what is wrong: an empty directory, a piece
+    /// stored twice (a file copied in), sharding info without a tensor, a
+    /// file changed between opening and loading.
+    #[test]
+    fn bad_directories_and_files_are_errors() {
+        let empty = scratch("empty");
+        for e in std::fs::read_dir(&empty).unwrap() {
+            std::fs::remove_file(e.unwrap().path()).unwrap();
+        }
+        let e = Checkpoint::open(&empty).unwrap_err().to_string();
+        assert!(
+            e.contains("neither an index.json") && e.contains(".safetensors files"),
+            "{e}"
+        );
+
+        let twice = scratch("twice");
+        std::fs::copy(
+            twice.join("shard-00001-model-00001-of-00001.safetensors"),
+            twice.join("shard-00003-model-00001-of-00001.safetensors"),
+        )
+        .unwrap();
+        let e = Checkpoint::open(&twice).unwrap_err().to_string();
+        assert!(e.contains("overlap"), "{e}");
+
+        let unnamed = scratch("unnamed");
+        let f = unnamed.join("shard-00002-model-00001-of-00001.safetensors");
+        let mut bytes = std::fs::read(&f).unwrap();
+        // `r` renamed `q` in the sharding info (same length, so the header stays valid).
+        let from = br#"\"r\": {\"saved_offsets\""#;
+        let at = bytes
+            .windows(from.len())
+            .position(|w| w == from)
+            .expect("the fixture names r in its sharding info");
+        bytes[at + 2] = b'q';
+        std::fs::write(&f, &bytes).unwrap();
+        let e = Checkpoint::open(&unnamed).unwrap_err().to_string();
+        assert!(
+            e.contains("tensor r") && e.contains("DCP_SHARDING_INFO") && e.contains("shard-00002"),
+            "{e}"
+        );
+
+        let changed = scratch("changed");
+        let d = changed.clone();
+        let e = launch(1, move |ctx| {
+            let mesh = DeviceMesh::new(ctx.into_comm(), &[1])?;
+            let ckpt = Checkpoint::open(&d)?;
+            std::fs::copy(
+                d.join("shard-00002-model-00001-of-00001.safetensors"),
+                d.join("shard-00001-model-00001-of-00001.safetensors"),
+            )?;
+            let w = Layout::new(&[1], &[Placement::Replicate], &[5, 3], DType::F32)?;
+            Ok(ckpt.load("w", &mesh, w).unwrap_err().to_string())
+        })
+        .unwrap()
+        .remove(0);
+        assert!(e.contains("changed since the checkpoint was opened"), "{e}");
+        for d in [empty, twice, unnamed, changed] {
+            let _ = std::fs::remove_dir_all(d);
+        }
+    }
+
+    /// A rank reads only the chunks its piece overlaps: rows 0..3 of `w` are
+    /// the first file's chunk exactly.
+    #[test]
+    fn a_rank_reads_only_the_chunks_it_needs() {
+        launch(2, |ctx| {
+            let mesh = DeviceMesh::new(ctx.into_comm(), &[2])?;
+            let ckpt = Checkpoint::open(fixture("shards"))?;
+            let layout = Layout::new(&[2], &[Placement::Shard(0)], &[5, 3], DType::F32)?;
+            let w = ckpt.load("w", &mesh, layout)?;
+            let rows = w.to_local().shape()[0];
+            assert!(ckpt.bytes_read() <= 5 * 3 * 4, "{}", ckpt.bytes_read());
+            if mesh.rank() == 0 {
+                assert_eq!((rows, ckpt.bytes_read()), (3, 3 * 3 * 4));
+            }
+            Ok(())
+        })
+        .unwrap();
+    }
+}
