@@ -199,7 +199,11 @@ fn kept_checkpoints_are_complete_ones_and_dead_temporaries_go() {
     child.wait().unwrap();
     let tmp = ck.join(format!(".step_000014.tmp-{dead}-00112233445566778899aabbccddeeff"));
     std::fs::create_dir_all(&tmp).unwrap();
-    std::fs::write(tmp.join("rank00000.safetensors"), vec![0u8; 4096]).unwrap();
+    std::fs::write(
+        tmp.join("shard-00001-model-00001-of-00001.safetensors"),
+        vec![0u8; 4096],
+    )
+    .unwrap();
     std::fs::write(tmp.join("writer.lock"), format!("pid {dead}")).unwrap();
     std::fs::write(ck.join(format!(".latest.tmp-{dead}-0")), b"step_").unwrap();
     let dir = ck.to_string_lossy().into_owned();

@@ -226,7 +226,7 @@ fn agree(world: usize) -> Result<(), BoxError> {
                 let f = f?;
                 std::fs::copy(f.path(), bad.join(f.file_name()))?;
             }
-            let chunk = bad.join("rank00001.safetensors");
+            let chunk = bad.join("shard-00002-model-00001-of-00001.safetensors");
             let mut b = std::fs::read(&chunk)?;
             let at = b.len() - 2;
             b[at] ^= 0x10;

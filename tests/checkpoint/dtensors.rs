@@ -136,7 +136,11 @@ fn one_replica_writes_each_chunk() {
     assert_eq!(written, [3 * 4 * 4 + 8, 3 * 4 * 4, 0, 0]);
     assert_eq!(
         files_in(&dir),
-        ["index.json", "rank00000.safetensors", "rank00001.safetensors"]
+        [
+            "index.json",
+            "shard-00001-model-00001-of-00001.safetensors",
+            "shard-00002-model-00001-of-00001.safetensors"
+        ]
     );
     let ckpt = Checkpoint::open(&dir).unwrap();
     assert_eq!(ckpt.entry("w").unwrap().chunks.len(), 2);
@@ -184,7 +188,7 @@ fn saves_replace_atomically() {
     child.wait().unwrap();
     let tmp = parent.join(format!(".ck.tmp-{dead}-00112233445566778899aabbccddeeff"));
     std::fs::create_dir_all(&tmp).unwrap();
-    std::fs::write(tmp.join("rank00000.safetensors"), b"half").unwrap();
+    std::fs::write(tmp.join("shard-00001-model-00001-of-00001.safetensors"), b"half").unwrap();
     std::fs::write(tmp.join("writer.lock"), b"pid 1").unwrap();
     assert_eq!(read(), 2.0);
     assert_eq!(

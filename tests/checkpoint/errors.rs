@@ -99,7 +99,7 @@ fn damaged_checkpoints_are_named() {
     expect_err(&work, &["index.json", "not a valid checkpoint index"]);
     // A chunk file cut short, or gone.
     reset();
-    let f = work.join("rank00001.safetensors");
+    let f = work.join("shard-00002-model-00001-of-00001.safetensors");
     let len = std::fs::metadata(&f).unwrap().len();
     std::fs::OpenOptions::new()
         .write(true)
@@ -107,10 +107,16 @@ fn damaged_checkpoints_are_named() {
         .unwrap()
         .set_len(len - 3)
         .unwrap();
-    expect_err(&work, &["rank00001.safetensors", "truncated"]);
+    expect_err(&work, &["shard-00002-model-00001-of-00001.safetensors", "truncated"]);
     reset();
     std::fs::remove_file(&f).unwrap();
-    expect_err(&work, &["rank00001.safetensors", "missing chunk file of tensor"]);
+    expect_err(
+        &work,
+        &[
+            "shard-00002-model-00001-of-00001.safetensors",
+            "missing chunk file of tensor",
+        ],
+    );
     // The index claims another shape or dtype.
     reset();
     edit_index(&work, |v| v["tensors"]["w"]["shape"] = serde_json::json!([6, 5]));
@@ -123,12 +129,15 @@ fn damaged_checkpoints_are_named() {
     expect_err(&work, &["tensor w", "unknown dtype"]);
     // A flipped data byte.
     reset();
-    let f = work.join("rank00000.safetensors");
+    let f = work.join("shard-00001-model-00001-of-00001.safetensors");
     let mut bytes = std::fs::read(&f).unwrap();
     let at = bytes.len() - 1;
     bytes[at] ^= 0x40;
     std::fs::write(&f, bytes).unwrap();
-    expect_err(&work, &["rank00000.safetensors", "checksum", "corrupt"]);
+    expect_err(
+        &work,
+        &["shard-00001-model-00001-of-00001.safetensors", "checksum", "corrupt"],
+    );
     // Asking for what is not there.
     reset();
     let d = work.clone();

@@ -225,7 +225,7 @@ fn mutate(work: &Path, other: &Path, kind: usize, rng: &mut Rng) -> String {
         }
         3 => {
             // A chunk's file renamed in the index to another rank's file
-            // (`rank00000` -> `rank00001`).
+            // (`shard-00001-...` -> `shard-00002-...`).
             let p = work.join(INDEX_FILE);
             let mut v: serde_json::Value = serde_json::from_slice(&std::fs::read(&p).unwrap()).unwrap();
             let (name, ..) = TENSORS[rng.below(TENSORS.len())];

@@ -207,7 +207,7 @@ fn corrupt_copy(from: &Path, to: &Path) {
         let e = e.unwrap();
         std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
     }
-    let f = to.join("rank00001.safetensors");
+    let f = to.join("shard-00002-model-00001-of-00001.safetensors");
     let mut bytes = std::fs::read(&f).unwrap();
     let at = bytes.len() - 3;
     bytes[at] ^= 0x40;

@@ -13,8 +13,10 @@ use serde_json::{Map, Value, json};
 use super::index::{Chunk, checksum, dtype_name};
 use crate::{Error, Result, Tensor};
 
-/// The `format` in a chunk file's `__metadata__`.
+/// What a chunk file's `__metadata__` says it is, under [`STAMP_FORMAT`].
 const FILE_FORMAT: &str = "tessera-checkpoint chunk file";
+/// The `__metadata__` key of [`FILE_FORMAT`] (version 2 put it in `format`).
+const STAMP_FORMAT: &str = "tessera";
 /// The largest safetensors header this reader accepts (as safetensors does).
 const MAX_HEADER: u64 = 100 << 20;
 
@@ -46,20 +48,24 @@ pub(crate) struct Stamp<'a> {
     pub(crate) file: &'a str,
 }
 
-/// Writes `chunks` (key, contiguous tensor) as one safetensors file at `path`,
-/// stamped with `stamp` in its `__metadata__`, streaming one tensor at a time,
-/// and fsyncs it. Returns each chunk's range and its checksums per `block`
-/// bytes.
+/// Writes `chunks` (key, offsets in the global tensor, tensor) as one
+/// safetensors file at `path`, streaming one tensor at a time, and fsyncs it.
+/// Its `__metadata__` holds `stamp` and, for readers of sharded safetensors
+/// (PyTorch's `HuggingFaceStorageReader`), each chunk's offsets in
+/// `DCP_SHARDING_INFO` with `DCP_VERSION` 1.0 and `format` `pt`. Returns each
+/// chunk's range and its checksums per `block` bytes.
 pub(crate) fn write_safetensors(
     path: &Path,
-    chunks: &[(String, &Tensor)],
+    chunks: &[(String, &[usize], &Tensor)],
     stamp: &Stamp<'_>,
     block: u64,
 ) -> Result<Vec<Written>> {
     let mut header = Map::new();
     let mut at = 0u64;
     let mut ranges = Vec::with_capacity(chunks.len());
-    for (key, t) in chunks {
+    let mut sharding = Map::new();
+    for (key, offsets, t) in chunks {
+        sharding.insert(key.clone(), json!({"saved_offsets": offsets}));
         let n = (t.numel() * t.dtype().size_in_bytes()) as u64;
         header.insert(
             key.clone(),
@@ -70,7 +76,14 @@ pub(crate) fn write_safetensors(
     }
     header.insert(
         "__metadata__".into(),
-        json!({"format": FILE_FORMAT, "checkpoint": stamp.id, "file": stamp.file}),
+        json!({
+            STAMP_FORMAT: FILE_FORMAT,
+            "checkpoint": stamp.id,
+            "file": stamp.file,
+            SHARDING_INFO: Value::Object(sharding).to_string(),
+            "DCP_VERSION": "1.0",
+            "format": "pt",
+        }),
     );
     let mut text = Value::Object(header).to_string().into_bytes();
     // Pad the header with spaces so the data starts 8-byte aligned.
@@ -86,7 +99,7 @@ pub(crate) fn write_safetensors(
     write(&mut w, &(text.len() as u64).to_le_bytes())?;
     write(&mut w, &text)?;
     let mut sums = Vec::with_capacity(chunks.len());
-    for (_, t) in chunks {
+    for (_, _, t) in chunks {
         let c = t.contiguous();
         let buf = c.as_buf()?;
         let bytes = buf.as_bytes();
@@ -100,7 +113,7 @@ pub(crate) fn write_safetensors(
         .iter()
         .zip(ranges)
         .zip(sums)
-        .map(|(((key, _), (b, e)), checksums)| Written {
+        .map(|(((key, _, _), (b, e)), checksums)| Written {
             key: key.clone(),
             begin: data_start + b,
             end: data_start + e,
@@ -124,7 +137,7 @@ pub(crate) fn write_safetensors(
 pub(crate) fn check_header(
     path: &Path,
     file: &File,
-    id: &str,
+    (id, version): (&str, u32),
     file_name: &str,
     chunks: &[(&str, &str, &Chunk)],
 ) -> Result<()> {
@@ -138,7 +151,10 @@ pub(crate) fn check_header(
     }
     let meta = header.get("__metadata__");
     let field = |k: &str| meta.and_then(|m| m.get(k)).and_then(Value::as_str);
-    if field("format") != Some(FILE_FORMAT) {
+    // Version 2 stamped the chunk file in `format`; version 3 leaves `format`
+    // to sharded safetensors (`pt`) and stamps `tessera`.
+    let stamp_field = if version == 2 { "format" } else { STAMP_FORMAT };
+    if field(stamp_field) != Some(FILE_FORMAT) {
         return Err(bad(format!(
             "not a chunk file of a checkpoint: its __metadata__ is {}",
             meta.map_or("missing".to_string(), Value::to_string)
@@ -159,12 +175,27 @@ pub(crate) fn check_header(
             chunks.first().map_or("-", |c| c.0)
         )));
     }
+    // What a reader of sharded safetensors takes each chunk's place to be.
+    let info = if version == 2 {
+        None
+    } else {
+        Some(sharding_info(path, &header)?)
+    };
     for (name, dtype, c) in chunks {
         let want = json!({
             "dtype": dtype,
             "shape": c.shape,
             "data_offsets": [c.begin.checked_sub(start), c.end.checked_sub(start)],
         });
+        if let Some(info) = &info {
+            let offsets = saved_offsets(path, info.as_ref(), &c.key, c.offsets.len())?;
+            if info.is_none() || offsets != c.offsets {
+                return Err(bad(format!(
+                    "tensor {name}: its {SHARDING_INFO} puts chunk {} at {offsets:?}, but the index at {:?}",
+                    c.key, c.offsets
+                )));
+            }
+        }
         match header.get(&c.key) {
             Some(got) if *got == want => {}
             Some(got) => {
@@ -314,6 +345,16 @@ fn check_sharded_header(
         }
     }
     Ok(())
+}
+
+/// Whether a chunk file's header carries Tessera's stamp (written by a
+/// Tessera save, whose `index.json` holds its checksums and metadata).
+pub(crate) fn stamped_by_tessera(header: &Map<String, Value>) -> bool {
+    header
+        .get("__metadata__")
+        .and_then(|m| m.get(STAMP_FORMAT).or_else(|| m.get("format")))
+        .and_then(Value::as_str)
+        == Some(FILE_FORMAT)
 }
 
 /// The `__metadata__` key of the saved offsets in a sharded safetensors file.

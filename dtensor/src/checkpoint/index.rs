@@ -18,10 +18,17 @@ pub(crate) const FORMAT: &str = "tessera-checkpoint";
 /// The `format` of an index built from the files of a sharded safetensors
 /// checkpoint written elsewhere ([`Index::from_sharded_safetensors`]).
 pub const SHARDED_SAFETENSORS: &str = "sharded-safetensors";
-/// The version this code writes and reads: 2 (per-block checksums and a
-/// checkpoint id; version 1 had one checksum per chunk, which a partial read
-/// could not check, and is no longer read).
-pub(crate) const VERSION: u32 = 2;
+/// The version this code writes: 3, whose chunk files are also a sharded
+/// safetensors checkpoint as PyTorch's distributed checkpoint reads them
+/// (`HuggingFaceStorageReader`): each rank's file
+/// `shard-NNNNN-model-00001-of-00001.safetensors` holds its piece of each
+/// tensor under the tensor's name, with the piece's offsets in
+/// `DCP_SHARDING_INFO`. Version 2 (chunks keyed `NAME@OFFSETS` in
+/// `rankNNNNN.safetensors`) is still read; version 1 (one checksum per chunk,
+/// which a partial read could not check, and no checkpoint id) no longer is.
+pub(crate) const VERSION: u32 = 3;
+/// The oldest version this code reads.
+pub(crate) const OLDEST_VERSION: u32 = 2;
 /// The block size a save checksums chunks at: 64 KiB. A load reads and checks
 /// every block its runs touch, so it reads at most its own bytes plus two
 /// partial blocks per contiguous run (and never more than the chunks it
@@ -173,7 +180,7 @@ impl Index {
 
     /// Checks everything the index says about itself: format and version, a
     /// checkpoint id of 32 hex digits, a block size that is a power of two,
-    /// known dtypes, chunks inside their tensor, keys `NAME@OFFSETS`, byte ranges
+    /// known dtypes, chunks inside their tensor, keys as [`key_of`](Self::key_of) gives them, byte ranges
     /// of the right length, one checksum per block, plain file names, and
     /// chunks that tile each tensor exactly. `path` names the index in errors.
     ///
@@ -189,8 +196,8 @@ impl Index {
             // are the tensors' names.
             return self.validate_tensors(path, false);
         }
-        if self.format != FORMAT || self.version != VERSION {
-            let hint = if self.format == FORMAT && self.version < VERSION {
+        if self.format != FORMAT || !(OLDEST_VERSION..=VERSION).contains(&self.version) {
+            let hint = if self.format == FORMAT && self.version < OLDEST_VERSION {
                 "; older versions (one checksum per chunk, which partial reads could not check, and no checkpoint \
                  id) are not read: save the tensors again with this build (from full tensors written by the \
                  build that saved them)"
@@ -198,7 +205,7 @@ impl Index {
                 ""
             };
             return Err(bad(format!(
-                "format {:?} version {}; this build reads {FORMAT:?} version {VERSION}{hint}",
+                "format {:?} version {}; this build reads {FORMAT:?} versions {OLDEST_VERSION} to {VERSION}{hint}",
                 self.format, self.version
             )));
         }
@@ -211,10 +218,20 @@ impl Index {
         self.validate_tensors(path, true)
     }
 
+    /// The key of the chunk of tensor `name` at `offsets` in its file: the
+    /// name (version 3, and checkpoints written elsewhere), or `NAME@OFFSETS`
+    /// (version 2).
+    pub(crate) fn key_of(&self, name: &str, offsets: &[usize]) -> String {
+        if self.format == FORMAT && self.version == 2 {
+            chunk_key(name, offsets)
+        } else {
+            name.to_string()
+        }
+    }
+
     /// The checks of [`validate`](Self::validate) on the block size and the
-    /// tensors; `stamped`: chunks keyed `NAME@OFFSETS` with block checksums (a
-    /// Tessera checkpoint), else keyed by the tensor's name, one per file,
-    /// without checksums.
+    /// tensors, chunks keyed as [`key_of`](Self::key_of) says; `stamped`:
+    /// with block checksums (a Tessera checkpoint), else without.
     fn validate_tensors(&self, path: &str, stamped: bool) -> Result<()> {
         let bad = |detail: String| Error::Checkpoint {
             path: path.to_string(),
@@ -250,11 +267,7 @@ impl Index {
                         c.begin, c.end, c.file, c.shape, t.dtype
                     )));
                 }
-                let key = if stamped {
-                    chunk_key(name, &c.offsets)
-                } else {
-                    name.clone()
-                };
+                let key = self.key_of(name, &c.offsets);
                 if c.key != key {
                     return Err(bad(format!(
                         "tensor {name}: chunk {k} is keyed {:?}, but a chunk at {:?} is keyed {key:?}",
@@ -278,6 +291,12 @@ impl Index {
                     )));
                 }
                 for (j, o) in t.chunks[..k].iter().enumerate() {
+                    if o.file == c.file && o.key == c.key {
+                        return Err(bad(format!(
+                            "tensor {name}: chunks {j} and {k} are both {:?} in {}",
+                            c.key, c.file
+                        )));
+                    }
                     let overlap = (0..t.shape.len())
                         .all(|d| c.offsets[d] < o.offsets[d] + o.shape[d] && o.offsets[d] < c.offsets[d] + c.shape[d]);
                     if overlap && n > 0 && checked_numel(&o.shape).unwrap_or(0) > 0 {

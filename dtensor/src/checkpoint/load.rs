@@ -235,13 +235,15 @@ impl Checkpoint {
                     (t.as_str(), e.dtype.as_str(), &e.chunks[*k])
                 })
                 .collect();
-            files::check_header(&path, &f, &self.index.id, &c.file, &held).map_err(|e| match e {
-                crate::Error::Checkpoint { path, detail } => crate::Error::Checkpoint {
-                    path,
-                    detail: format!("loading tensor {name}: {detail}"),
+            files::check_header(&path, &f, (&self.index.id, self.index.version), &c.file, &held).map_err(
+                |e| match e {
+                    crate::Error::Checkpoint { path, detail } => crate::Error::Checkpoint {
+                        path,
+                        detail: format!("loading tensor {name}: {detail}"),
+                    },
+                    e => e,
                 },
-                e => e,
-            })?;
+            )?;
             files.insert(c.file.clone(), f);
         }
         // INVARIANT: inserted above when missing.

@@ -4,9 +4,14 @@
 //! piece overlaps.
 //!
 //! A checkpoint is a directory holding one safetensors file per writing rank
-//! (`rank00003.safetensors`: that rank's chunks, each named `tensor@offsets`)
-//! and `index.json` ([`Index`]): every tensor's global shape and dtype, and each
-//! chunk's offsets, extents, file, byte range and checksums per 64 KiB block.
+//! (`shard-00004-model-00001-of-00001.safetensors` for rank 3: its piece of
+//! each tensor under the tensor's name) and `index.json` ([`Index`]): every
+//! tensor's global shape and dtype, and each chunk's offsets, extents, file,
+//! byte range and checksums per 64 KiB block. The files alone are also a
+//! sharded safetensors checkpoint as PyTorch's distributed checkpoint reads
+//! them (`HuggingFaceStorageReader`: each piece's offsets are in the file's
+//! `DCP_SHARDING_INFO`), and [`Checkpoint::open`] reads such a directory
+//! written elsewhere, without an index ([`Index::from_sharded_safetensors`]).
 //! A save draws a random 128-bit checkpoint id (rank 0, shared with all) and
 //! stamps it into the index and every chunk file; a load checks each file's
 //! header against the index and each block it reads against its checksum, so a

@@ -230,7 +230,7 @@ impl Staged {
                 .collect(),
             chunks: Chunks {
                 id: id.to_string(),
-                file: format!("rank{:05}.safetensors", mesh.rank()),
+                file: chunk_file_name(mesh.rank()),
                 list,
             },
             mesh,
@@ -286,7 +286,10 @@ impl Chunks {
         if self.list.is_empty() {
             return Ok((Vec::new(), SaveReport::default()));
         }
-        let keyed: Vec<(String, &Tensor)> = self.list.iter().map(|(n, o, t)| (index::chunk_key(n, o), t)).collect();
+        // Keyed by the tensor's name (one piece per tensor per rank), as
+        // readers of sharded safetensors expect.
+        let keyed: Vec<(String, &[usize], &Tensor)> =
+            self.list.iter().map(|(n, o, t)| (n.clone(), &o[..], t)).collect();
         let stamp = files::Stamp {
             id: &self.id,
             file: &self.file,
@@ -342,6 +345,13 @@ fn check_tensors(dir: &Path, tensors: &[(&str, &DTensor)], mesh: &DeviceMesh) ->
         }
     }
     Ok(())
+}
+
+/// The chunk file of `rank`: `shard-{rank + 1}-model-00001-of-00001.safetensors`
+/// (five digits), the name PyTorch's `HuggingFaceStorageWriter(...,
+/// save_distributed=True)` gives a rank's file.
+pub(crate) fn chunk_file_name(rank: usize) -> String {
+    format!("shard-{:05}-model-00001-of-00001.safetensors", rank + 1)
 }
 
 /// A chunk as a rank reports it to rank 0: the tensor's name and the chunk.

@@ -28,6 +28,7 @@ impl Index {
     /// # Errors
     /// [`Error::Checkpoint`](crate::Error::Checkpoint) naming the file and
     /// tensor: no safetensors file in `dir`, a file that is not safetensors,
+    /// a file a Tessera save wrote (its `index.json` is missing, not optional),
     /// an entry without a known dtype, a shape or byte range, missing saved
     /// offsets, a tensor whose pieces disagree on dtype or rank, overlap or
     /// leave part of it uncovered.
@@ -51,6 +52,16 @@ impl Index {
             let path = dir.join(file);
             let f = files::open_read(&path)?;
             let (header, start) = files::read_header(&path, &f)?;
+            if files::stamped_by_tessera(&header) {
+                return Err(ckpt_error(
+                    &dir.join(super::INDEX_FILE),
+                    format!(
+                        "missing: {file} was written by a Tessera save, whose index.json holds the checksums and \
+                         metadata its files lack; restore the index (or save again) rather than reading the files \
+                         unchecked"
+                    ),
+                ));
+            }
             let info = files::sharding_info(&path, &header)?;
             for (key, v) in &header {
                 if key == "__metadata__" {
@@ -253,6 +264,24 @@ mod tests {
             e.contains("tensor r") && e.contains("DCP_SHARDING_INFO") && e.contains("shard-00002"),
             "{e}"
         );
+
+        // A Tessera checkpoint without its index is not read as one written elsewhere.
+        let tessera = std::env::temp_dir().join(format!("tessera-sharded-own-{}", std::process::id()));
+        let t = tessera.clone();
+        launch(2, move |ctx| {
+            let mesh = DeviceMesh::new(ctx.into_comm(), &[2])?;
+            let w = crate::distribute_tensor(&crate::Tensor::arange(6, DType::F32)?, &mesh, &[Placement::Shard(0)])?;
+            super::super::save(&t, &[("w", &w)], Default::default())?;
+            Ok(())
+        })
+        .unwrap();
+        std::fs::rename(tessera.join("index.json"), tessera.join("index.json.old")).unwrap();
+        let e = Checkpoint::open(&tessera).unwrap_err().to_string();
+        assert!(
+            e.contains("index.json: missing") && e.contains("written by a Tessera save"),
+            "{e}"
+        );
+        let _ = std::fs::remove_dir_all(&tessera);
 
         let changed = scratch("changed");
         let d = changed.clone();

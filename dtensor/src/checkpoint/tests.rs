@@ -157,7 +157,7 @@ fn partial_reads_read_whole_blocks_and_check_them() {
     let ck = dir.0.join("ck");
     make(&ck, 0.0);
     let index = Checkpoint::open(&ck).unwrap().index().clone();
-    assert_eq!((index.version, index.block_size, index.id.len()), (2, 64 << 10, 32));
+    assert_eq!((index.version, index.block_size, index.id.len()), (3, 64 << 10, 32));
     assert_eq!(
         index.tensors["w"].chunks[0].checksums.len(),
         2 * 16,
@@ -179,11 +179,16 @@ fn partial_reads_read_whole_blocks_and_check_them() {
     // A flipped byte in block 1 of rank 0's chunk: the rank reading that block
     // (in part: rows 16..32 of 0..32) fails naming file, tensor and block; the
     // rest read unharmed blocks and get the saved values.
-    let f = ck.join("rank00000.safetensors");
+    let f = ck.join("shard-00001-model-00001-of-00001.safetensors");
     flip(&f, data_start(&f) + (64 << 10) + 4 * COLS as u64 + 1);
     let got = load(&ck, 4, Placement::Shard(0));
     let e = got[1].0.as_ref().unwrap_err();
-    for w in ["rank00000.safetensors", "tensor w", "block 1", "checksum"] {
+    for w in [
+        "shard-00001-model-00001-of-00001.safetensors",
+        "tensor w",
+        "block 1",
+        "checksum",
+    ] {
         assert!(e.contains(w), "{e}");
     }
     for r in [0, 2, 3] {
@@ -192,7 +197,7 @@ fn partial_reads_read_whole_blocks_and_check_them() {
     // Read in part by every rank (column shards): all fail.
     assert_errs(
         &load(&ck, 2, Placement::Shard(1)),
-        &["rank00000.safetensors", "tensor w"],
+        &["shard-00001-model-00001-of-00001.safetensors", "tensor w"],
     );
 }
 
@@ -207,12 +212,16 @@ fn chunk_headers_are_checked_against_the_index() {
     let reset = || {
         let _ = fs::remove_dir_all(&work);
         fs::create_dir_all(&work).unwrap();
-        for f in ["index.json", "rank00000.safetensors", "rank00001.safetensors"] {
+        for f in [
+            "index.json",
+            "shard-00001-model-00001-of-00001.safetensors",
+            "shard-00002-model-00001-of-00001.safetensors",
+        ] {
             fs::copy(base.join(f), work.join(f)).unwrap();
         }
     };
-    let r0 = work.join("rank00000.safetensors");
-    let r1 = work.join("rank00001.safetensors");
+    let r0 = work.join("shard-00001-model-00001-of-00001.safetensors");
+    let r1 = work.join("shard-00002-model-00001-of-00001.safetensors");
     macro_rules! case {
         ($damage:expr, $want:expr) => {
             reset();
@@ -223,11 +232,31 @@ fn chunk_headers_are_checked_against_the_index() {
     }
     reset();
     assert_eq!(load(&work, 1, Placement::Replicate)[0].0.as_ref().unwrap(), &full(0.0));
-    // The index names the other rank's file for a chunk (rank00000 -> rank00001).
+    // The index names the other rank's file for a chunk (shard-00001 ->
+    // shard-00002), which holds the tensor's other chunk under the same key.
     case!(
         edit_index(&work, |v| v["tensors"]["w"]["chunks"][0]["file"] =
-            "rank00001.safetensors".into()),
-        ["rank00001.safetensors", "tensor w", "does not hold it"]
+            "shard-00002-model-00001-of-00001.safetensors".into()),
+        [
+            "shard-00002-model-00001-of-00001.safetensors",
+            "tensor w",
+            "chunks 0 and 1 are both \"w\""
+        ]
+    );
+    // Sharded safetensors readers would put a chunk elsewhere than the index.
+    case!(
+        edit_header(&work, "shard-00001-model-00001-of-00001.safetensors", |h| {
+            let info = h["__metadata__"]["DCP_SHARDING_INFO"]
+                .as_str()
+                .unwrap()
+                .replace("[0,0]", "[1,0]");
+            h["__metadata__"]["DCP_SHARDING_INFO"] = info.into();
+        }),
+        [
+            "shard-00001-model-00001-of-00001.safetensors",
+            "tensor w",
+            "DCP_SHARDING_INFO puts chunk w at [1, 0]"
+        ]
     );
     // The two files swapped on disk.
     case!(
@@ -236,49 +265,88 @@ fn chunk_headers_are_checked_against_the_index() {
             fs::rename(&r1, &r0).unwrap();
             fs::rename(work.join("x"), &r1).unwrap();
         },
-        ["rank0000", "renamed or swapped"]
+        ["shard-0000", "renamed or swapped"]
     );
     // A file of another checkpoint of the same shapes.
     case!(
-        fs::copy(other.join("rank00001.safetensors"), &r1).unwrap(),
-        ["rank00001.safetensors", "copied from another checkpoint", "tensor"]
+        fs::copy(other.join("shard-00002-model-00001-of-00001.safetensors"), &r1).unwrap(),
+        [
+            "shard-00002-model-00001-of-00001.safetensors",
+            "copied from another checkpoint",
+            "tensor"
+        ]
     );
     // Headers that disagree with the index: dtype, shape, byte range, an extra
     // chunk, an unstamped file.
     case!(
-        edit_header(&work, "rank00000.safetensors", |h| h["w@0,0"]["dtype"] = "I32".into()),
-        ["rank00000.safetensors", "tensor w", "chunk w@0,0", "the index says"]
+        edit_header(
+            &work,
+            "shard-00001-model-00001-of-00001.safetensors",
+            |h| h["w"]["dtype"] = "I32".into()
+        ),
+        [
+            "shard-00001-model-00001-of-00001.safetensors",
+            "tensor w",
+            "chunk w",
+            "the index says"
+        ]
     );
     case!(
-        edit_header(&work, "rank00000.safetensors", |h| h["w@0,0"]["shape"] =
-            serde_json::json!([1024, 32])),
-        ["rank00000.safetensors", "tensor w", "the index says"]
+        edit_header(
+            &work,
+            "shard-00001-model-00001-of-00001.safetensors",
+            |h| h["w"]["shape"] = serde_json::json!([1024, 32])
+        ),
+        [
+            "shard-00001-model-00001-of-00001.safetensors",
+            "tensor w",
+            "the index says"
+        ]
     );
     case!(
-        edit_header(&work, "rank00000.safetensors", |h| h["w@0,0"]["data_offsets"][0] =
-            8.into()),
-        ["rank00000.safetensors", "tensor w", "the index says"]
+        edit_header(
+            &work,
+            "shard-00001-model-00001-of-00001.safetensors",
+            |h| h["w"]["data_offsets"][0] = 8.into()
+        ),
+        [
+            "shard-00001-model-00001-of-00001.safetensors",
+            "tensor w",
+            "the index says"
+        ]
     );
     case!(
-        edit_header(&work, "rank00000.safetensors", |h| h["x@0"] = h["b@0"].clone()),
-        ["rank00000.safetensors", "\"x@0\" is not in the index"]
+        edit_header(&work, "shard-00001-model-00001-of-00001.safetensors", |h| h["x"] =
+            h["b"].clone()),
+        [
+            "shard-00001-model-00001-of-00001.safetensors",
+            "\"x\" is not in the index"
+        ]
     );
     case!(
-        edit_header(&work, "rank00000.safetensors", |h| {
-            let b = h.as_object_mut().unwrap().remove("b@0").unwrap();
-            h["x@0"] = b;
+        edit_header(&work, "shard-00001-model-00001-of-00001.safetensors", |h| {
+            let b = h.as_object_mut().unwrap().remove("b").unwrap();
+            h["x"] = b;
         }),
-        ["rank00000.safetensors", "tensor b", "chunk b@0", "does not hold it"]
+        [
+            "shard-00001-model-00001-of-00001.safetensors",
+            "tensor b",
+            "chunk b",
+            "does not hold it"
+        ]
     );
     case!(
-        edit_header(&work, "rank00000.safetensors", |h| {
+        edit_header(&work, "shard-00001-model-00001-of-00001.safetensors", |h| {
             h.as_object_mut().unwrap().remove("__metadata__");
         }),
-        ["rank00000.safetensors", "not a chunk file of a checkpoint"]
+        [
+            "shard-00001-model-00001-of-00001.safetensors",
+            "not a chunk file of a checkpoint"
+        ]
     );
     case!(
         fs::write(&r0, vec![0xffu8; fs::metadata(&r0).unwrap().len() as usize]).unwrap(),
-        ["rank00000.safetensors", "not a safetensors file"]
+        ["shard-00001-model-00001-of-00001.safetensors", "not a safetensors file"]
     );
     // The index edited without sealing it again (a metadata value, a block
     // checksum): caught by its own checksum.
@@ -315,13 +383,13 @@ fn chunk_headers_are_checked_against_the_index() {
         edit_index(&work, |v| v["version"] = 1.into()),
         [
             "index.json",
-            "version 1; this build reads \"tessera-checkpoint\" version 2",
+            "version 1; this build reads \"tessera-checkpoint\" versions 2 to 3",
             "not read"
         ]
     );
     case!(
-        edit_index(&work, |v| v["tensors"]["w"]["chunks"][1]["key"] = "w@0,0".into()),
-        ["tensor w", "keyed \"w@0,0\""]
+        edit_index(&work, |v| v["tensors"]["w"]["chunks"][1]["key"] = "w@4,0".into()),
+        ["tensor w", "keyed \"w@4,0\""]
     );
 }
 
@@ -342,7 +410,7 @@ fn saves_and_loads_remove_dead_writers_temporaries_only() {
     let mk = |name: &str, lock: bool| {
         let p = dir.0.join(name);
         fs::create_dir_all(&p).unwrap();
-        fs::write(p.join("rank00000.safetensors"), b"half").unwrap();
+        fs::write(p.join("shard-00001-model-00001-of-00001.safetensors"), b"half").unwrap();
         if lock {
             fs::write(p.join("writer.lock"), format!("pid {dead}")).unwrap();
         }
@@ -400,7 +468,14 @@ fn saves_and_loads_remove_dead_writers_temporaries_only() {
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
         .collect();
     files.sort();
-    assert_eq!(files, ["index.json", "rank00000.safetensors", "rank00001.safetensors"]);
+    assert_eq!(
+        files,
+        [
+            "index.json",
+            "shard-00001-model-00001-of-00001.safetensors",
+            "shard-00002-model-00001-of-00001.safetensors"
+        ]
+    );
     // Once the writers are gone, their temporaries go too (this process's own
     // still counts as live).
     drop((lock, file_lock));
@@ -448,4 +523,33 @@ fn an_abandoned_background_save_leaves_no_temporary() {
         load(&dir.0.join("ck"), 1, Placement::Replicate)[0].0.as_ref().unwrap(),
         &full(0.0)
     );
+}
+
+/// A version 2 checkpoint (chunks keyed `NAME@OFFSETS` in
+/// `rankNNNNN.safetensors`, written by the build before version 3: `w` =
+/// `arange(12)` as [4, 3] over 2 ranks, `b` = `arange(5)` f64 replicated,
+/// metadata `step` 7) still loads, onto any layout, with its checks.
+#[test]
+fn version_2_checkpoints_still_load() {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/data/checkpoint_v2");
+    let ckpt = Checkpoint::open(&dir).unwrap();
+    assert_eq!((ckpt.index().version, ckpt.metadata()["step"].as_str()), (2, "7"));
+    let d = dir.clone();
+    launch(2, move |ctx| {
+        let mesh = DeviceMesh::new(ctx.into_comm(), &[2])?;
+        let ckpt = Checkpoint::open(&d)?;
+        let w = ckpt.load(
+            "w",
+            &mesh,
+            Layout::new(&[2], &[Placement::Shard(1)], &[4, 3], DType::F32)?,
+        )?;
+        assert_eq!(
+            w.full_tensor()?.to_f64_vec(),
+            (0..12).map(f64::from).collect::<Vec<_>>()
+        );
+        let b = ckpt.load("b", &mesh, Layout::new(&[2], &[Placement::Shard(0)], &[5], DType::F64)?)?;
+        assert_eq!(b.full_tensor()?.to_f64_vec(), (0..5).map(f64::from).collect::<Vec<_>>());
+        Ok(())
+    })
+    .unwrap();
 }

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Checkpoints across frameworks, checked with PyTorch (PYTHON names a Python
+# with PyTorch 2.15 and safetensors; CI runs this when TESSERA_INTEROP=1):
+#
+#   PYTHON=~/peers-venv/bin/python scripts/interop-pytorch.sh
+#
+# - Tessera -> PyTorch: `train` saves a sharded checkpoint on 2 ranks (FSDP)
+#   and on 4 (FSDP over TP 2 x 2) and the consolidated weights; PyTorch's
+#   distributed checkpoint reads every weight of each onto 2 and 3 gloo ranks
+#   (HuggingFaceStorageReader) bit for bit.
+# - PyTorch -> Tessera: the checkpoint PyTorch wrote on 2 ranks
+#   (scripts/sharded_safetensors_fixture.py) is written again now and loaded
+#   by the checkpoint tests' fixture check.
+# Exits non-zero on any mismatch.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:?set PYTHON to a Python with PyTorch 2.15}
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+cargo build --release --example train
+for run in "fsdp2:--world-size 2" "fsdp_tp_2x2:--world-size 4 --tp 2"; do
+    name=${run%%:*}
+    # shellcheck disable=SC2086
+    target/release/examples/train ${run#*:} --steps 2 --checkpoint-dir "$work/$name" --checkpoint-every 2 \
+        --save-full "$work/$name.safetensors" >/dev/null
+    for world in 2 3; do
+        "$PY" scripts/interop_pytorch.py "$work/$name/step_000002" "$work/$name.safetensors" "$world"
+    done
+done
+"$PY" scripts/sharded_safetensors_fixture.py "$work/fixture"
+for f in "$work"/fixture/shards/*.safetensors; do
+    cmp <("$PY" -c 'import sys; from safetensors.torch import load_file; t=load_file(sys.argv[1]); print(sorted((k, v.dtype, tuple(v.shape), v.float().sum().item()) for k, v in t.items()))' "$f") \
+        <("$PY" -c 'import sys; from safetensors.torch import load_file; t=load_file(sys.argv[1]); print(sorted((k, v.dtype, tuple(v.shape), v.float().sum().item()) for k, v in t.items()))' "tests/data/sharded_safetensors/shards/$(basename "$f")")
+done
+echo "interop with PyTorch: ok"
