@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Checkpoints across frameworks, checked with PyTorch (PYTHON names a Python
-# with PyTorch 2.15 and safetensors; CI runs this when TESSERA_INTEROP=1):
+# with PyTorch 2.15, safetensors and transformers; CI runs this when
+# TESSERA_INTEROP=1):
 #
 #   PYTHON=~/peers-venv/bin/python scripts/interop-pytorch.sh
 #
@@ -8,6 +9,8 @@
 #   and on 4 (FSDP over TP 2 x 2) and the consolidated weights; PyTorch's
 #   distributed checkpoint reads every weight of each onto 2 and 3 gloo ranks
 #   (HuggingFaceStorageReader) bit for bit.
+# - The LLaMA model for Hugging Face (`train --save-hf`): transformers'
+#   LlamaForCausalLM loads every weight bit for bit and gives Tessera's loss.
 # - PyTorch -> Tessera: the checkpoint PyTorch wrote on 2 ranks
 #   (scripts/sharded_safetensors_fixture.py) is written again now and loaded
 #   by the checkpoint tests' fixture check.
@@ -27,6 +30,14 @@ for run in "fsdp2:--world-size 2" "fsdp_tp_2x2:--world-size 4 --tp 2"; do
         "$PY" scripts/interop_pytorch.py "$work/$name/step_000002" "$work/$name.safetensors" "$world"
     done
 done
+# The LLaMA export: Hugging Face's LlamaForCausalLM (transformers) loads
+# `train --save-hf` and gives Tessera's loss on the same rows.
+target/release/examples/train --model llama --n-kv-heads 2 --ffn-hidden 192 \
+    --init tests/data/llama_tiny_init.safetensors --tokens tests/data/tiny_tokens_G16.safetensors \
+    --world-size 2 --batch 8 --steps 1 --lr 0 --save-full "$work/llama.safetensors" --save-hf "$work/llama_hf" \
+    --losses-out "$work/llama_losses.json" >/dev/null
+"$PY" scripts/interop_hf.py "$work/llama_hf" "$work/llama.safetensors" tests/data/tiny_tokens_G16.safetensors \
+    "$work/llama_losses.json"
 "$PY" scripts/sharded_safetensors_fixture.py "$work/fixture"
 for f in "$work"/fixture/shards/*.safetensors; do
     cmp <("$PY" -c 'import sys; from safetensors.torch import load_file; t=load_file(sys.argv[1]); print(sorted((k, v.dtype, tuple(v.shape), v.float().sum().item()) for k, v in t.items()))' "$f") \

@@ -107,6 +107,63 @@ fn tessera_debug_prints_every_rank_s_ops() {
     assert!(!String::from_utf8_lossy(&quiet.stderr).contains("[rank 0]"));
 }
 
+/// `--save-hf` writes the LLaMA model as Hugging Face's `LlamaForCausalLM`
+/// reads it: the weights under its names, equal to `--save-full`'s, and the
+/// config with the model's sizes; with the GPT model it is an error.
+#[test]
+fn save_hf_writes_the_llama_model_for_hugging_face() {
+    let dir = std::env::temp_dir().join(format!("tessera-cli-hf-{}", std::process::id()));
+    let full = std::env::temp_dir().join(format!("tessera-cli-hf-{}.safetensors", std::process::id()));
+    let (d, f) = (dir.to_str().unwrap(), full.to_str().unwrap());
+    let args = [
+        "--model",
+        "llama",
+        "--n-kv-heads",
+        "2",
+        "--world-size",
+        "2",
+        "--steps",
+        "1",
+    ];
+    let out = train(&[&args[..], &["--save-hf", d, "--save-full", f]].concat(), &[]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let config: serde_json::Value = serde_json::from_slice(&std::fs::read(dir.join("config.json")).unwrap()).unwrap();
+    assert_eq!(config["architectures"][0], "LlamaForCausalLM");
+    assert_eq!(
+        (
+            config["hidden_size"].as_u64(),
+            config["num_attention_heads"].as_u64(),
+            config["num_key_value_heads"].as_u64()
+        ),
+        (Some(64), Some(4), Some(2))
+    );
+    let hf_bytes = std::fs::read(dir.join("model.safetensors")).unwrap();
+    let full_bytes = std::fs::read(&full).unwrap();
+    let (hf, ours) = (
+        safetensors::SafeTensors::deserialize(&hf_bytes).unwrap(),
+        safetensors::SafeTensors::deserialize(&full_bytes).unwrap(),
+    );
+    for (name, view) in ours.tensors() {
+        let hf_name = tessera::models::hf_name(&name).unwrap();
+        assert_eq!(hf.tensor(&hf_name).unwrap().data(), view.data(), "{name} as {hf_name}");
+    }
+    assert_eq!(hf.len(), ours.len());
+    assert!(
+        hf.names()
+            .iter()
+            .any(|n| *n == "model.layers.1.self_attn.k_proj.weight")
+    );
+    let _ = (std::fs::remove_dir_all(&dir), std::fs::remove_file(&full));
+
+    let gpt = train(&["--world-size", "1", "--steps", "1", "--save-hf", d], &[]);
+    assert!(!gpt.status.success());
+    assert!(
+        String::from_utf8_lossy(&gpt.stderr).contains("--save-hf"),
+        "{}",
+        String::from_utf8_lossy(&gpt.stderr)
+    );
+}
+
 /// `--profile` prints where rank 0's steps went (per kind of work, then the
 /// ops by time, the matrix products among them with their calls per step);
 /// without it there is no table.

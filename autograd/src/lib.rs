@@ -50,7 +50,7 @@ pub use param::{Binding, Param, WeakParam};
 pub use saved::{Saved, SavedHandle};
 pub use state_dict::{
     LoadReport, SafetensorsReader, load_checkpoint, load_state_dict, read_safetensors, save_checkpoint,
-    save_state_dict_full, write_safetensors,
+    save_state_dict_full, save_state_dict_full_renamed, write_atomic, write_safetensors,
 };
 pub use tape::{clear_tape, is_grad_enabled, no_grad, queue_callback, recorded_ops};
 pub use var::Var;

@@ -12,7 +12,7 @@ use crate::schedule;
 pub(crate) const USAGE: &str = "usage: train [--world-size N | --mesh RxS] [--tp T [--sequence-parallel]] [--steps N] [--batch ROWS_PER_RANK] [--dim N] \
 [--n-layers N] [--n-heads N] [--vocab N] [--seq N] [--model gpt|llama [--n-kv-heads K] [--ffn-hidden H] [--rope-theta F]] [--lr F] [--lr-schedule S] [--warmup-steps N] [--mixed-precision bf16] [--no-reshard] [--init PATH | --seed N] \
 [--tokens PATH] [--data-seed N] [--losses-out PATH] [--metrics-out PATH] [--checkpoint-dir DIR --checkpoint-every N [--async-save] [--keep-checkpoints K]] [--resume DIR] \
-[--save-full PATH] [--device cpu|cuda|cuda:N] [--profile] [--comm-report PATH] [--trace PATH] [--op-log PATH [--op-log-values]]";
+[--save-full PATH] [--save-hf DIR] [--device cpu|cuda|cuda:N] [--profile] [--comm-report PATH] [--trace PATH] [--op-log PATH [--op-log-values]]";
 
 /// Every flag with its default (`train --help`).
 pub(crate) const HELP: &str = "\
@@ -55,6 +55,8 @@ output and checkpoints:
   --keep-checkpoints K  keep the newest K complete checkpoints (default 0: all)
   --resume DIR          continue from a checkpoint saved on any mesh
   --save-full PATH      consolidated safetensors state dict at the end
+  --save-hf DIR         (--model llama) the model as Hugging Face's LlamaForCausalLM loads it
+                        (DIR/model.safetensors with its names, DIR/config.json) at the end
   --comm-report PATH    collectives per module, phase (forward, backward), mesh dims and kind,
                         with calls and bytes, over the steps: printed for rank 0 and
                         written to PATH as JSON with the rank's collective counters
@@ -129,6 +131,7 @@ pub(crate) struct Args {
     pub(crate) keep: usize,
     pub(crate) resume: Option<PathBuf>,
     pub(crate) save_full: Option<PathBuf>,
+    pub(crate) save_hf: Option<PathBuf>,
     /// Where the ranks compute (`--device`).
     pub(crate) device: Device,
     /// Time ops and kinds of work on rank 0 (`--profile`).
@@ -170,6 +173,7 @@ pub(crate) fn parse() -> Result<Args, String> {
         keep: 0,
         resume: None,
         save_full: None,
+        save_hf: None,
         device: Device::Cpu,
         profile: false,
     };
@@ -267,6 +271,7 @@ pub(crate) fn parse() -> Result<Args, String> {
             "--keep-checkpoints" => a.keep = num(&value)?,
             "--resume" => a.resume = Some(value.into()),
             "--save-full" => a.save_full = Some(value.into()),
+            "--save-hf" => a.save_hf = Some(value.into()),
             other => return Err(format!("unknown flag {other}")),
         }
     }
@@ -308,11 +313,19 @@ pub(crate) fn parse() -> Result<Args, String> {
                         cargo run --release --features cuda --example train -- --device cuda"
                 .into());
         }
-        if a.checkpoint_dir.is_some() || a.resume.is_some() || a.save_full.is_some() || mpi_env().is_some() {
+        if a.checkpoint_dir.is_some()
+            || a.resume.is_some()
+            || a.save_full.is_some()
+            || a.save_hf.is_some()
+            || mpi_env().is_some()
+        {
             return Err("--device cuda runs in-process ranks without checkpoints so far; \
-                        drop --checkpoint-dir, --resume, --save-full (and mpirun)"
+                        drop --checkpoint-dir, --resume, --save-full, --save-hf (and mpirun)"
                 .into());
         }
+    }
+    if a.save_hf.is_some() && a.arch != Arch::Llama {
+        return Err("--save-hf writes Hugging Face's LlamaForCausalLM: it needs --model llama".into());
     }
     if a.arch == Arch::Gpt && (a.n_kv_heads.is_some() || a.ffn_hidden.is_some() || a.rope_theta.is_some()) {
         return Err("--n-kv-heads, --ffn-hidden and --rope-theta are for --model llama".into());

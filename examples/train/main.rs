@@ -415,6 +415,9 @@ fn train_model<M: CausalLm>(
     if let Some(path) = &args.save_full {
         save_state_dict_full(&job.params, path)?;
     }
+    if let Some(dir) = &args.save_hf {
+        job.model.save_hf(dir)?;
+    }
     let (peak, device_peak) = (
         memory::stats().peak_bytes.max(run_peak),
         memory::device_stats().peak_bytes,

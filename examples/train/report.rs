@@ -306,6 +306,12 @@ pub(crate) fn summarize(args: &Args, r0: &RankReport, peak_flops: Option<(f64, u
     if let Some(path) = &args.save_full {
         println!("wrote the consolidated state dict {}", path.display());
     }
+    if let Some(dir) = &args.save_hf {
+        println!(
+            "wrote the model for Hugging Face's LlamaForCausalLM in {}",
+            dir.display()
+        );
+    }
     if let Some(path) = &args.losses_out {
         let json = serde_json::json!({
             "loss": r0.losses,

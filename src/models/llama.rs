@@ -3,6 +3,7 @@
 //! parameter names as torchtitan's LLaMA (`layers.0.attention.wq.weight`).
 
 use std::cell::RefCell;
+use std::path::Path;
 
 use tessera_autograd::nn::{Embedding, Init, Inputs, Linear, Materializer, Module, RMSNorm, name_parameters};
 use tessera_autograd::{Error, Result, Var};
@@ -331,7 +332,120 @@ const LLAMA_TP: TpNames = TpNames {
     ],
 };
 
+/// The Hugging Face name (as `LlamaForCausalLM` keys its state dict) of the
+/// [`Llama`] parameter `name`: `layers.0.attention.wq.weight` is
+/// `model.layers.0.self_attn.q_proj.weight`, `feed_forward.w1/w3/w2` are
+/// `mlp.gate_proj/up_proj/down_proj`, `attention_norm`/`ffn_norm` are
+/// `input_layernorm`/`post_attention_layernorm`, `tok_embeddings` is
+/// `model.embed_tokens`, `norm` is `model.norm`, `output` is `lm_head`. The
+/// values need no change: both apply rotary embeddings in the rotate-half
+/// layout and repeat key/value heads alike. `None` for a name the model does
+/// not have.
+///
+/// PyTorch: the key map of torchtitan's checkpoint conversion to Hugging Face.
+pub fn hf_name(name: &str) -> Option<String> {
+    let fixed = match name {
+        "tok_embeddings.weight" => Some("model.embed_tokens.weight"),
+        "norm.weight" => Some("model.norm.weight"),
+        "output.weight" => Some("lm_head.weight"),
+        _ => None,
+    };
+    if let Some(f) = fixed {
+        return Some(f.to_string());
+    }
+    let rest = name.strip_prefix("layers.")?;
+    let (layer, rest) = rest.split_once('.')?;
+    layer.parse::<usize>().ok()?;
+    let hf = match rest {
+        "attention_norm.weight" => "input_layernorm.weight",
+        "ffn_norm.weight" => "post_attention_layernorm.weight",
+        "attention.wq.weight" => "self_attn.q_proj.weight",
+        "attention.wk.weight" => "self_attn.k_proj.weight",
+        "attention.wv.weight" => "self_attn.v_proj.weight",
+        "attention.wo.weight" => "self_attn.o_proj.weight",
+        "feed_forward.w1.weight" => "mlp.gate_proj.weight",
+        "feed_forward.w3.weight" => "mlp.up_proj.weight",
+        "feed_forward.w2.weight" => "mlp.down_proj.weight",
+        _ => return None,
+    };
+    Some(format!("model.layers.{layer}.{hf}"))
+}
+
+impl LlamaConfig {
+    /// The `config.json` with which Hugging Face's `LlamaForCausalLM` builds a
+    /// model of these sizes, its weights in `dtype` (`float32` or `bfloat16`).
+    pub fn hf_config_json(&self, dtype: DType) -> String {
+        let torch_dtype = match dtype {
+            DType::BF16 => "bfloat16",
+            DType::F16 => "float16",
+            DType::F64 => "float64",
+            _ => "float32",
+        };
+        let config = serde_json::json!({
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "vocab_size": self.vocab,
+            "hidden_size": self.dim,
+            "intermediate_size": self.ffn_hidden,
+            "num_hidden_layers": self.n_layers,
+            "num_attention_heads": self.n_heads,
+            "num_key_value_heads": self.n_kv_heads,
+            "head_dim": self.head_dim(),
+            "hidden_act": "silu",
+            "max_position_embeddings": self.seq,
+            "rms_norm_eps": self.norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": null,
+            "attention_bias": false,
+            "mlp_bias": false,
+            "tie_word_embeddings": false,
+            "initializer_range": 0.02,
+            "torch_dtype": torch_dtype,
+        });
+        // INVARIANT: a JSON value of plain fields always serializes.
+        serde_json::to_string_pretty(&config).expect("a JSON object serializes")
+    }
+}
+
 impl Llama {
+    /// Writes the model as Hugging Face's `LlamaForCausalLM.from_pretrained`
+    /// reads it: `dir/model.safetensors`, every parameter whole under its
+    /// [`hf_name`], and `dir/config.json` ([`LlamaConfig::hf_config_json`]).
+    /// Collective over the parameters' meshes, as
+    /// [`save_state_dict_full`](tessera_autograd::save_state_dict_full): each
+    /// tensor is gathered in turn and rank 0 writes, each file atomically.
+    ///
+    /// PyTorch: `get_model_state_dict(..., full_state_dict=True)`, renamed by a
+    /// conversion script, then `save_pretrained`.
+    ///
+    /// # Errors
+    /// As `save_state_dict_full`; a directory that cannot be made or written.
+    pub fn save_hf(&self, dir: impl AsRef<Path>) -> Result<()> {
+        let dir = dir.as_ref();
+        std::fs::create_dir_all(dir).map_err(|source| Error::Io {
+            path: dir.to_path_buf(),
+            action: "cannot create the directory",
+            source,
+        })?;
+        let params = self.parameters();
+        for p in &params {
+            if hf_name(&p.name()).is_none() {
+                return Err(Error::Config {
+                    op: "save_hf",
+                    detail: format!("parameter {} has no Hugging Face name", p.name()),
+                });
+            }
+        }
+        let rename = |name: &str| hf_name(name).unwrap_or_else(|| name.to_string());
+        tessera_autograd::save_state_dict_full_renamed(&params, dir.join("model.safetensors"), &rename)?;
+        let lead = params.first().is_none_or(|p| p.mesh().comm().rank() == 0);
+        if lead {
+            let dtype = params.first().map_or(DType::F32, |p| p.dtype());
+            tessera_autograd::write_atomic(dir.join("config.json"), self.cfg.hf_config_json(dtype).as_bytes())?;
+        }
+        Ok(())
+    }
+
     /// A deferred model replicated on `mesh`: every parameter has its shape,
     /// dtype and name but no storage. Plan and shard it
     /// ([`parallelize`](Self::parallelize), [`fully_shard`](Self::fully_shard)),
@@ -484,6 +598,10 @@ impl CausalLm for Llama {
             .init("output.weight", normal)
     }
 
+    fn save_hf(&self, dir: &Path) -> Result<()> {
+        Llama::save_hf(self, dir)
+    }
+
     fn num_params(&self) -> usize {
         self.cfg.num_params()
     }
@@ -551,5 +669,37 @@ mod tests {
         ];
         assert_eq!(&names[0][..want.len()], want);
         assert_eq!(&names[0][names[0].len() - 2..], ["norm.weight", "output.weight"]);
+    }
+}
+
+#[cfg(test)]
+mod hf_tests {
+    use super::hf_name;
+
+    #[test]
+    fn hugging_face_names() {
+        for (ours, theirs) in [
+            ("tok_embeddings.weight", "model.embed_tokens.weight"),
+            (
+                "layers.11.attention.wk.weight",
+                "model.layers.11.self_attn.k_proj.weight",
+            ),
+            ("layers.0.feed_forward.w3.weight", "model.layers.0.mlp.up_proj.weight"),
+            (
+                "layers.0.ffn_norm.weight",
+                "model.layers.0.post_attention_layernorm.weight",
+            ),
+            ("output.weight", "lm_head.weight"),
+        ] {
+            assert_eq!(hf_name(ours).as_deref(), Some(theirs));
+        }
+        for bad in [
+            "layers.x.attention.wq.weight",
+            "layers.0.attention.wq.bias",
+            "pos_embeddings.weight",
+            "layers",
+        ] {
+            assert_eq!(hf_name(bad), None, "{bad}");
+        }
     }
 }

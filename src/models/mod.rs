@@ -5,7 +5,7 @@
 mod llama;
 mod transformer;
 
-pub use llama::{FeedForward as LlamaFeedForward, Llama, LlamaAttention, LlamaBlock, LlamaConfig};
+pub use llama::{FeedForward as LlamaFeedForward, Llama, LlamaAttention, LlamaBlock, LlamaConfig, hf_name};
 pub use transformer::{Attention, Block, FeedForward, Transformer, TransformerConfig};
 
 use tessera_autograd::nn::{Materializer, Module};
@@ -80,6 +80,21 @@ pub trait CausalLm: Module {
 
     /// Number of parameters (elements).
     fn num_params(&self) -> usize;
+
+    /// Writes the model in Hugging Face's layout (weights and `config.json`)
+    /// to `dir`, for the models that have one ([`Llama::save_hf`]).
+    /// Collective.
+    ///
+    /// # Errors
+    /// A model without a Hugging Face counterpart (the default); as the
+    /// model's export.
+    fn save_hf(&self, dir: &std::path::Path) -> Result<()> {
+        let _ = dir;
+        Err(tessera_autograd::Error::Config {
+            op: "save_hf",
+            detail: "this model has no Hugging Face layout; the LLaMA-style model (Llama) has one".into(),
+        })
+    }
 }
 
 /// The mean next-token cross entropy of `model` on token rows `[B, T+1]`.

@@ -360,6 +360,22 @@ fn load_on_every_rank(params: &[Param], path: &Path) -> Result<()> {
 /// rank (the writer names the path and the cause; it takes its part in every
 /// gather first, so no rank is left waiting).
 pub fn save_state_dict_full(params: &[Param], path: impl AsRef<Path>) -> Result<()> {
+    save_state_dict_full_renamed(params, path, &|name| name.to_string())
+}
+
+/// [`save_state_dict_full`] with each parameter keyed by `rename(its name)`
+/// in the file (another library's names, say).
+///
+/// PyTorch: the key mapping of a checkpoint conversion script, applied to the
+/// full state dict before `save_file`.
+///
+/// # Errors
+/// As [`save_state_dict_full`]; two parameters renamed to one key.
+pub fn save_state_dict_full_renamed(
+    params: &[Param],
+    path: impl AsRef<Path>,
+    rename: &dyn Fn(&str) -> String,
+) -> Result<()> {
     let path = path.as_ref();
     // What could fail on one rank only (a parameter still deferred there) is
     // checked and agreed on before the first gather.
@@ -370,7 +386,7 @@ pub fn save_state_dict_full(params: &[Param], path: impl AsRef<Path>) -> Result<
             .iter()
             .zip(&values)
             .enumerate()
-            .map(|(i, (p, v))| Entry::new(&p.name(), v.dtype(), v.shape(), i))
+            .map(|(i, (p, v))| Entry::new(&rename(&p.name()), v.dtype(), v.shape(), i))
             .collect::<Result<_>>()?;
         check_unique_names(entries.iter().map(|e| e.name.as_str()))?;
         Ok((values, sort_entries(entries)))
