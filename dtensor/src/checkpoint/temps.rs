@@ -271,7 +271,7 @@ mod tests {
         let ckpt = parent.join("step_000007");
         fs::create_dir_all(&ckpt).unwrap();
         fs::write(ckpt.join("index.json"), b"{}").unwrap();
-        fs::write(ckpt.join("rank00000.safetensors"), vec![0u8; 64]).unwrap();
+        fs::write(ckpt.join("shard-00001-model-00001-of-00001.safetensors"), vec![0u8; 64]).unwrap();
         remove_checkpoint(&ckpt).unwrap();
         let left: Vec<_> = fs::read_dir(&parent).unwrap().collect();
         assert!(left.is_empty(), "{left:?}");
@@ -280,7 +280,7 @@ mod tests {
         remove_checkpoint(&ckpt).unwrap();
         let dead = parent.join(".step_000003.tmp-999999999-0");
         fs::create_dir_all(&dead).unwrap();
-        fs::write(dead.join("rank00000.safetensors"), vec![0u8; 64]).unwrap();
+        fs::write(dead.join("shard-00001-model-00001-of-00001.safetensors"), vec![0u8; 64]).unwrap();
         assert_eq!(temporary_owner(".step_000003.tmp-999999999-0"), Some(999_999_999));
         assert_eq!(remove_stale_temporaries(&parent), vec![dead]);
         fs::remove_dir_all(&parent).unwrap();
