@@ -2,13 +2,15 @@
 """PyTorch's distributed checkpoint reads a Tessera checkpoint.
 
     PY=~/peers-venv/bin/python   # PyTorch 2.15
-    $PY scripts/interop_pytorch.py CHECKPOINT_DIR FULL.safetensors [WORLD]
+    $PY scripts/interop_pytorch.py CHECKPOINT_DIR FULL.safetensors [WORLD [RESAVE_DIR]]
 
 On WORLD gloo ranks (default 2), every tensor of FULL (a consolidated state
 dict, as `train --save-full` writes it) is loaded from CHECKPOINT_DIR with
 `dcp.load(..., storage_reader=HuggingFaceStorageReader(dir))` into a DTensor
-sharded along its first dim, and compared bit for bit with FULL. Exits
-non-zero on any difference.
+sharded along its first dim, and compared bit for bit with FULL; with
+RESAVE_DIR, PyTorch then saves them there as sharded safetensors
+(`HuggingFaceStorageWriter(dir, save_distributed=True)`). Exits non-zero on
+any difference.
 """
 import os
 import sys
@@ -21,7 +23,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 
-def rank_main(rank, world, ckpt, full_path, port):
+def rank_main(rank, world, ckpt, full_path, port, resave):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     mesh = init_device_mesh("cpu", (world,))
@@ -34,12 +36,27 @@ def rank_main(rank, world, ckpt, full_path, port):
     }
     dcp.load(sd, storage_reader=HuggingFaceStorageReader(ckpt))
     bad = [k for k, v in full.items() if not torch.equal(sd[k].full_tensor(), v)]
+    if resave:
+        from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+        dcp.save(sd, storage_writer=HuggingFaceStorageWriter(resave, save_distributed=True))
     if rank == 0:
         print(f"PyTorch {torch.__version__} on {world} ranks read {len(full)} tensors of {ckpt}: "
               f"{len(full) - len(bad)} equal bit for bit" + (f", differ: {bad[:5]}" if bad else ""))
     dist.destroy_process_group()
-    if bad:
-        sys.exit(1)
+    # Leave without the interpreter's teardown, where gloo's threads sometimes
+    # abort ("terminate called without an active exception") after the work is done.
+    sys.stdout.flush()
+    os._exit(1 if bad else 0)
+
+
+def free_port():
+    """A TCP port free now, for the ranks' rendezvous."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 if __name__ == "__main__":
@@ -47,4 +64,5 @@ if __name__ == "__main__":
 
     ckpt, full = sys.argv[1], sys.argv[2]
     world = int(sys.argv[3]) if len(sys.argv) > 3 else 2
-    mp.spawn(rank_main, args=(world, ckpt, full, 29000 + os.getpid() % 1000), nprocs=world)
+    resave = sys.argv[4] if len(sys.argv) > 4 else None
+    mp.spawn(rank_main, args=(world, ckpt, full, free_port(), resave), nprocs=world)

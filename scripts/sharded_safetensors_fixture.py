@@ -32,8 +32,8 @@ def tensors():
     }
 
 
-def rank_main(rank, world, out):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29533")
+def rank_main(rank, world, out, port):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     mesh = init_device_mesh("cpu", (world,))
     full = tensors()
@@ -46,9 +46,21 @@ def rank_main(rank, world, out):
         os.makedirs(os.path.join(out, "full"), exist_ok=True)
         save_file(full, os.path.join(out, "full", "full.safetensors"))
     dist.destroy_process_group()
+    # Leave without the interpreter's teardown, where gloo's threads sometimes abort.
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def free_port():
+    """A TCP port free now, for the ranks' rendezvous."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 if __name__ == "__main__":
     import torch.multiprocessing as mp
 
-    mp.spawn(rank_main, args=(2, sys.argv[1]), nprocs=2)
+    mp.spawn(rank_main, args=(2, sys.argv[1], free_port()), nprocs=2)

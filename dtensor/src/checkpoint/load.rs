@@ -277,7 +277,13 @@ impl Checkpoint {
             }
         });
         runs.sort_unstable();
-        let block = self.index.block_size;
+        // Whole checksum blocks, so that each can be checked; a checkpoint
+        // written elsewhere has no checksums, so exactly the runs' bytes.
+        let block = if c.checksums.is_empty() {
+            1
+        } else {
+            self.index.block_size
+        };
         let chunk_bytes = c.end - c.begin;
         let mut spans: Vec<(u64, u64, usize)> = Vec::new(); // first block, last block, runs until
         for (i, &(src, _, len)) in runs.iter().enumerate() {

@@ -303,8 +303,8 @@ mod tests {
         }
     }
 
-    /// A rank reads only the chunks its piece overlaps: rows 0..3 of `w` are
-    /// the first file's chunk exactly.
+    /// A rank reads only the bytes its piece needs: rows 0..3 of `w` are the
+    /// first file's chunk exactly, and rows of `e` are runs of both its chunks.
     #[test]
     fn a_rank_reads_only_the_chunks_it_needs() {
         launch(2, |ctx| {
@@ -317,6 +317,16 @@ mod tests {
             if mesh.rank() == 0 {
                 assert_eq!((rows, ckpt.bytes_read()), (3, 3 * 3 * 4));
             }
+            // Rows of `e`, which was saved in column halves: each rank reads
+            // exactly its rows' bytes from both chunks, no more.
+            let before = ckpt.bytes_read();
+            let e = ckpt.load(
+                "e",
+                &mesh,
+                Layout::new(&[2], &[Placement::Shard(0)], &[4, 6], DType::BF16)?,
+            )?;
+            assert_eq!(e.to_local().shape(), [2, 6]);
+            assert_eq!(ckpt.bytes_read() - before, 2 * 6 * 2);
             Ok(())
         })
         .unwrap();
