@@ -127,8 +127,8 @@ pub(crate) fn write_safetensors(
 /// name `file_name`, and holding exactly `chunks` (tensor name, dtype name,
 /// chunk) with their dtypes, shapes and byte ranges. An empty `id` is a
 /// checkpoint written elsewhere ([`Index::from_sharded_safetensors`](super::Index::from_sharded_safetensors)):
-/// its files carry no stamp, and each chunk is checked to be as it was when
-/// the index was built.
+/// its files carry no stamp, and the same chunk checks find a file changed
+/// since the index was built from it.
 ///
 /// # Errors
 /// [`Error::Checkpoint`] naming the file and the tensor that disagrees: a file
@@ -147,7 +147,15 @@ pub(crate) fn check_header(
     };
     let (header, start) = read_header(path, file)?;
     if id.is_empty() {
-        return check_sharded_header(path, &header, start, chunks);
+        // Written elsewhere: no stamp, and the index was built from these
+        // very headers when the checkpoint was opened.
+        return check_chunks(path, &header, start, (version, false), chunks).map_err(|e| match e {
+            Error::Checkpoint { path, detail } => Error::Checkpoint {
+                path,
+                detail: format!("the file changed since the checkpoint was opened: {detail}"),
+            },
+            e => e,
+        });
     }
     let meta = header.get("__metadata__");
     let field = |k: &str| meta.and_then(|m| m.get(k)).and_then(Value::as_str);
@@ -175,11 +183,30 @@ pub(crate) fn check_header(
             chunks.first().map_or("-", |c| c.0)
         )));
     }
+    check_chunks(path, &header, start, (version, true), chunks)
+}
+
+/// The chunk checks of [`check_header`]: the file `path`, whose `header`'s
+/// data starts at `start`, holds exactly `chunks` with their dtypes, shapes,
+/// byte ranges and (past version 2) saved offsets; `stamped` (a Tessera
+/// save's file) must carry sharding info past version 2, where a file
+/// written elsewhere without it holds whole tensors.
+fn check_chunks(
+    path: &Path,
+    header: &Map<String, Value>,
+    start: u64,
+    (version, stamped): (u32, bool),
+    chunks: &[(&str, &str, &Chunk)],
+) -> Result<()> {
+    let bad = |detail: String| Error::Checkpoint {
+        path: path.display().to_string(),
+        detail,
+    };
     // What a reader of sharded safetensors takes each chunk's place to be.
     let info = if version == 2 {
         None
     } else {
-        Some(sharding_info(path, &header)?)
+        Some(sharding_info(path, header)?)
     };
     for (name, dtype, c) in chunks {
         let want = json!({
@@ -189,7 +216,7 @@ pub(crate) fn check_header(
         });
         if let Some(info) = &info {
             let offsets = saved_offsets(path, info.as_ref(), &c.key, c.offsets.len())?;
-            if info.is_none() || offsets != c.offsets {
+            if (stamped && info.is_none()) || offsets != c.offsets {
                 return Err(bad(format!(
                     "tensor {name}: its {SHARDING_INFO} puts chunk {} at {offsets:?}, but the index at {:?}",
                     c.key, c.offsets
@@ -212,7 +239,7 @@ pub(crate) fn check_header(
             }
         }
     }
-    let held = header.len() - 1;
+    let held = header.keys().filter(|k| *k != "__metadata__").count();
     if held != chunks.len() {
         let extra = header
             .keys()
@@ -293,16 +320,7 @@ pub(crate) fn saved_offsets(
     let Some(info) = info else {
         return Ok(vec![0; rank]);
     };
-    let offsets: Option<Vec<usize>> = info
-        .get(key)
-        .and_then(|e| e.get("saved_offsets"))
-        .and_then(Value::as_array)
-        .and_then(|a| {
-            a.iter()
-                .map(|v| v.as_u64().and_then(|v| usize::try_from(v).ok()))
-                .collect()
-        });
-    match offsets {
+    match whole_numbers(info.get(key).and_then(|e| e.get("saved_offsets"))) {
         Some(o) if o.len() == rank => Ok(o),
         _ => Err(Error::Checkpoint {
             path: path.display().to_string(),
@@ -314,37 +332,12 @@ pub(crate) fn saved_offsets(
     }
 }
 
-/// [`check_header`] of a sharded safetensors file without Tessera's stamp
-/// (as PyTorch writes them): each chunk the index puts in it is still there
-/// with its dtype, shape, byte range and saved offsets, as when it was opened.
-fn check_sharded_header(
-    path: &Path,
-    header: &Map<String, Value>,
-    start: u64,
-    chunks: &[(&str, &str, &Chunk)],
-) -> Result<()> {
-    let info = sharding_info(path, header)?;
-    for (name, dtype, c) in chunks {
-        let want = json!({
-            "dtype": dtype,
-            "shape": c.shape,
-            "data_offsets": [c.begin.checked_sub(start), c.end.checked_sub(start)],
-        });
-        let same = header.get(&c.key) == Some(&want)
-            && saved_offsets(path, info.as_ref(), &c.key, c.offsets.len()).is_ok_and(|o| o == c.offsets);
-        if !same {
-            return Err(Error::Checkpoint {
-                path: path.display().to_string(),
-                detail: format!(
-                    "tensor {name}: the file changed since the checkpoint was opened (its entry is {}, it was \
-                     {want} at offsets {:?})",
-                    header.get(&c.key).map_or("missing".to_string(), Value::to_string),
-                    c.offsets
-                ),
-            });
-        }
-    }
-    Ok(())
+/// A JSON array of whole numbers as `usize`s (`None` for anything else).
+pub(crate) fn whole_numbers(v: Option<&Value>) -> Option<Vec<usize>> {
+    v?.as_array()?
+        .iter()
+        .map(|x| x.as_u64().and_then(|x| usize::try_from(x).ok()))
+        .collect()
 }
 
 /// Whether a chunk file's header carries Tessera's stamp (written by a

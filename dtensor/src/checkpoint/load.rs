@@ -279,11 +279,8 @@ impl Checkpoint {
         runs.sort_unstable();
         // Whole checksum blocks, so that each can be checked; a checkpoint
         // written elsewhere has no checksums, so exactly the runs' bytes.
-        let block = if c.checksums.is_empty() {
-            1
-        } else {
-            self.index.block_size
-        };
+        let verified = !c.checksums.is_empty();
+        let block = if verified { self.index.block_size } else { 1 };
         let chunk_bytes = c.end - c.begin;
         let mut spans: Vec<(u64, u64, usize)> = Vec::new(); // first block, last block, runs until
         for (i, &(src, _, len)) in runs.iter().enumerate() {
@@ -306,9 +303,7 @@ impl Checkpoint {
             file.read_exact_at(&mut buf, c.begin + begin)
                 .map_err(|e| files::io_error(&path, &format!("cannot read tensor {name}"), e))?;
             self.bytes_read.set(self.bytes_read.get() + buf.len() as u64);
-            // A checkpoint written elsewhere carries no checksums.
-            let checked = if c.checksums.is_empty() { hi + 1 } else { lo };
-            for k in checked..=hi {
+            for k in (lo..=hi).filter(|_| verified) {
                 let at = ((k - lo) * block) as usize;
                 let bytes = &buf[at..(at + block as usize).min(buf.len())];
                 if index::checksum(bytes) != c.block_checksum(k) {

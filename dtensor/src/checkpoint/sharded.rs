@@ -73,8 +73,8 @@ impl Index {
                     .and_then(Value::as_str)
                     .filter(|d| index::dtype_of(d).is_some())
                     .ok_or_else(|| bad("no dtype Tessera holds (F32, F64, BF16, F16, I64, U8)"))?;
-                let shape: Vec<usize> = whole_numbers(v.get("shape")).ok_or_else(|| bad("no shape"))?;
-                let range = whole_numbers(v.get("data_offsets"))
+                let shape: Vec<usize> = files::whole_numbers(v.get("shape")).ok_or_else(|| bad("no shape"))?;
+                let range = files::whole_numbers(v.get("data_offsets"))
                     .filter(|r| r.len() == 2 && r[0] <= r[1])
                     .ok_or_else(|| bad("no byte range"))?;
                 let offsets = files::saved_offsets(&path, info.as_ref(), key, shape.len())?;
@@ -121,14 +121,6 @@ impl Index {
     }
 }
 
-/// A JSON array of whole numbers as `usize`s.
-fn whole_numbers(v: Option<&Value>) -> Option<Vec<usize>> {
-    v?.as_array()?
-        .iter()
-        .map(|x| x.as_u64().and_then(|x| usize::try_from(x).ok()))
-        .collect()
-}
-
 #[cfg(test)]
 mod tests {
     use std::path::PathBuf;
@@ -136,6 +128,7 @@ mod tests {
     use tessera_mesh::{DType, DeviceMesh, launch};
 
     use super::super::Checkpoint;
+    use super::super::tests::Scratch;
     use crate::{Layout, Placement};
 
     /// The checkpoint PyTorch's distributed checkpoint saved on 2 ranks as
@@ -212,14 +205,12 @@ mod tests {
         .unwrap();
     }
 
-    /// A copy of the shards in a scratch directory.
-    fn scratch(tag: &str) -> PathBuf {
-        let dir = std::env::temp_dir().join(format!("tessera-sharded-{tag}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
+    /// A copy of the shards in a scratch directory (removed on drop).
+    fn shards_copy(tag: &str) -> Scratch {
+        let dir = Scratch::new(tag);
         for e in std::fs::read_dir(fixture("shards")).unwrap() {
             let e = e.unwrap();
-            std::fs::copy(e.path(), dir.join(e.file_name())).unwrap();
+            std::fs::copy(e.path(), dir.0.join(e.file_name())).unwrap();
         }
         dir
     }
@@ -229,27 +220,24 @@ mod tests {
     /// file changed between opening and loading.
     #[test]
     fn bad_directories_and_files_are_errors() {
-        let empty = scratch("empty");
-        for e in std::fs::read_dir(&empty).unwrap() {
-            std::fs::remove_file(e.unwrap().path()).unwrap();
-        }
-        let e = Checkpoint::open(&empty).unwrap_err().to_string();
+        let empty = Scratch::new("empty");
+        let e = Checkpoint::open(&empty.0).unwrap_err().to_string();
         assert!(
             e.contains("neither an index.json") && e.contains(".safetensors files"),
             "{e}"
         );
 
-        let twice = scratch("twice");
+        let twice = shards_copy("twice");
         std::fs::copy(
-            twice.join("shard-00001-model-00001-of-00001.safetensors"),
-            twice.join("shard-00003-model-00001-of-00001.safetensors"),
+            twice.0.join("shard-00001-model-00001-of-00001.safetensors"),
+            twice.0.join("shard-00003-model-00001-of-00001.safetensors"),
         )
         .unwrap();
-        let e = Checkpoint::open(&twice).unwrap_err().to_string();
+        let e = Checkpoint::open(&twice.0).unwrap_err().to_string();
         assert!(e.contains("overlap"), "{e}");
 
-        let unnamed = scratch("unnamed");
-        let f = unnamed.join("shard-00002-model-00001-of-00001.safetensors");
+        let unnamed = shards_copy("unnamed");
+        let f = unnamed.0.join("shard-00002-model-00001-of-00001.safetensors");
         let mut bytes = std::fs::read(&f).unwrap();
         // `r` renamed `q` in the sharding info (same length, so the header stays valid).
         let from = br#"\"r\": {\"saved_offsets\""#;
@@ -259,15 +247,15 @@ mod tests {
             .expect("the fixture names r in its sharding info");
         bytes[at + 2] = b'q';
         std::fs::write(&f, &bytes).unwrap();
-        let e = Checkpoint::open(&unnamed).unwrap_err().to_string();
+        let e = Checkpoint::open(&unnamed.0).unwrap_err().to_string();
         assert!(
             e.contains("tensor r") && e.contains("DCP_SHARDING_INFO") && e.contains("shard-00002"),
             "{e}"
         );
 
         // A Tessera checkpoint without its index is not read as one written elsewhere.
-        let tessera = std::env::temp_dir().join(format!("tessera-sharded-own-{}", std::process::id()));
-        let t = tessera.clone();
+        let tessera = Scratch::new("own");
+        let t = tessera.0.join("ck");
         launch(2, move |ctx| {
             let mesh = DeviceMesh::new(ctx.into_comm(), &[2])?;
             let w = crate::distribute_tensor(&crate::Tensor::arange(6, DType::F32)?, &mesh, &[Placement::Shard(0)])?;
@@ -275,16 +263,16 @@ mod tests {
             Ok(())
         })
         .unwrap();
-        std::fs::rename(tessera.join("index.json"), tessera.join("index.json.old")).unwrap();
-        let e = Checkpoint::open(&tessera).unwrap_err().to_string();
+        let ck = tessera.0.join("ck");
+        std::fs::rename(ck.join("index.json"), ck.join("index.json.old")).unwrap();
+        let e = Checkpoint::open(&ck).unwrap_err().to_string();
         assert!(
             e.contains("index.json: missing") && e.contains("written by a Tessera save"),
             "{e}"
         );
-        let _ = std::fs::remove_dir_all(&tessera);
 
-        let changed = scratch("changed");
-        let d = changed.clone();
+        let changed = shards_copy("changed");
+        let d = changed.0.clone();
         let e = launch(1, move |ctx| {
             let mesh = DeviceMesh::new(ctx.into_comm(), &[1])?;
             let ckpt = Checkpoint::open(&d)?;
@@ -298,9 +286,6 @@ mod tests {
         .unwrap()
         .remove(0);
         assert!(e.contains("changed since the checkpoint was opened"), "{e}");
-        for d in [empty, twice, unnamed, changed] {
-            let _ = std::fs::remove_dir_all(d);
-        }
     }
 
     /// A rank reads only the bytes its piece needs: rows 0..3 of `w` are the

@@ -13,10 +13,10 @@ use super::{Checkpoint, INDEX_FILE, Index, save};
 use crate::{Layout, Placement, Tensor, distribute_tensor};
 
 /// A fresh directory under the system's temporary directory, removed on drop.
-struct Scratch(PathBuf);
+pub(super) struct Scratch(pub(super) PathBuf);
 
 impl Scratch {
-    fn new(tag: &str) -> Scratch {
+    pub(super) fn new(tag: &str) -> Scratch {
         use std::sync::atomic::{AtomicUsize, Ordering};
         static NEXT: AtomicUsize = AtomicUsize::new(0);
         let n = NEXT.fetch_add(1, Ordering::Relaxed);

@@ -178,10 +178,9 @@ pub fn record() -> Recording {
 ///
 /// PyTorch: running under `DebugMode` and printing its log.
 pub fn echo_ops(rank: usize, log: OpLog) -> Recording {
-    let rec = record();
+    let rec = record_ops(log);
     RECORDER.with(|r| {
         if let Some(r) = r.borrow_mut().as_mut() {
-            r.op_log = log;
             r.echo = Some(rank);
         }
     });
