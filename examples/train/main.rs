@@ -253,6 +253,9 @@ struct StepOut {
     loss: f64,
     lr: f64,
     grad_norm: Option<f64>,
+    /// Seconds until the step was queued, before its loss was read (on a GPU,
+    /// the host's share of the step when the device keeps up).
+    queued_s: f64,
 }
 
 /// One training step on the rows of `step`: forward, backward, the optimizer's
@@ -263,6 +266,7 @@ fn train_step<M: CausalLm>(
     tokens: Option<&Tensor>,
     step: usize,
 ) -> Result<StepOut, BoxError> {
+    let start = Instant::now();
     // Every rank builds the same global rows of the step (seeded by the step):
     // each keeps its piece, with no hash exchange per step.
     let x = distribute_tensor_from(&rows(args, tokens, step)?, &job.mesh, &job.batch_placements, None)?;
@@ -280,11 +284,13 @@ fn train_step<M: CausalLm>(
     // Read once the whole step is queued: on a GPU, reading waits for the
     // device, and reading before backward would keep the host from queueing
     // backward's kernels while forward's run.
+    let queued_s = start.elapsed().as_secs_f64();
     let value = loss.value().full_tensor()?.to_f64_vec()[0];
     Ok(StepOut {
         loss: value,
         lr,
         grad_norm,
+        queued_s,
     })
 }
 
@@ -354,7 +360,14 @@ fn train_model<M: CausalLm>(
             profile::take_ops();
         }
         let t = Instant::now();
+        let waits_before = device_waits(args)?;
         let out = train_step(args, &mut job, tokens, step)?;
+        if let Some(before) = waits_before {
+            report
+                .device_host_waits
+                .push(device_waits(args)?.unwrap_or(before) - before);
+            report.queued_s.push(out.queued_s);
+        }
         let value = out.loss;
         report.losses.push(value);
         report.step_time_s.push(t.elapsed().as_secs_f64());
@@ -433,6 +446,16 @@ fn train_model<M: CausalLm>(
         report.device_allocator_peaks = (allocated, reserved);
     }
     Ok(report)
+}
+
+/// On a GPU: how many times this rank's host has waited for the device.
+fn device_waits(args: &Args) -> Result<Option<u64>, BoxError> {
+    #[cfg(feature = "cuda")]
+    if let tessera::dtensor::Device::Cuda(n) = args.device {
+        return Ok(Some(tessera::tensor::cuda::host_waits(n)?));
+    }
+    let _ = args;
+    Ok(None)
 }
 
 /// On a GPU: the caching allocator's reserved bytes now, and its peak

@@ -31,6 +31,10 @@ pub(crate) struct RankReport {
     /// its peak allocated and reserved bytes (all ranks on the GPU together).
     pub(crate) device_reserved_bytes: Vec<usize>,
     pub(crate) device_allocator_peaks: (usize, usize),
+    /// On a GPU, per step: how many times the host waited for the device, and
+    /// the seconds until the step was queued (before its loss was read).
+    pub(crate) device_host_waits: Vec<u64>,
+    pub(crate) queued_s: Vec<f64>,
     pub(crate) init_local_bytes: Vec<usize>,
     /// Bytes this rank read resuming, and the seconds it took.
     pub(crate) resume_bytes: u64,
@@ -269,6 +273,16 @@ pub(crate) fn summarize(args: &Args, r0: &RankReport, peak_flops: Option<(f64, u
             reserved.len(),
             human(reserved.last().copied().unwrap_or(0)),
         );
+        if !r0.queued_s.is_empty() {
+            let waits: Vec<f64> = r0.device_host_waits.iter().map(|&w| w as f64).collect();
+            println!(
+                "device: per step (medians) the host waited {} time(s) for the GPU and had queued the step after \
+                 {:.2} ms of its {:.2} ms",
+                common::median(&waits),
+                common::median(&r0.queued_s) * 1e3,
+                common::median(&r0.step_time_s) * 1e3
+            );
+        }
     }
     if let Some(p) = &r0.profile {
         p.print(args.device.is_cuda());
@@ -322,6 +336,8 @@ pub(crate) fn summarize(args: &Args, r0: &RankReport, peak_flops: Option<(f64, u
             "device_reserved_bytes_per_step": r0.device_reserved_bytes,
             "device_allocator_peak_allocated_bytes": r0.device_allocator_peaks.0,
             "device_allocator_peak_reserved_bytes": r0.device_allocator_peaks.1,
+            "device_host_waits_per_step": r0.device_host_waits,
+            "queued_s_per_step": r0.queued_s,
             "peak_rss_bytes": rss,
             "tokens_per_s": tokens_seen / total,
             "model_flops_per_s": achieved,

@@ -67,9 +67,19 @@ impl Operand {
     }
 }
 
+/// Where a batch of products finds its matrices: `batch_stride` apart in
+/// each operand, or at the addresses in three device arrays of `batch`
+/// pointers each (a's, b's, c's: for operands whose batch dims do not run
+/// on with one stride, such as heads read from `[b, t, h, e]`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) enum Batch {
+    Strided,
+    Pointers([u64; 3]),
+}
+
 /// `c[b] = a[b] · b[b]` for `batch` products of `[m, k] · [k, n]`, `c`
 /// row-major (`c.transposed` false): rows `c.ld` apart, matrices
-/// `c.batch_stride` apart.
+/// `c.batch_stride` apart (or where `batched` points).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn gemm(
     blas: &Blas,
@@ -78,6 +88,7 @@ pub(crate) fn gemm(
     a: Operand,
     b: Operand,
     c: Operand,
+    batched: Batch,
 ) -> Result<()> {
     debug_assert!(!c.transposed, "cuBLAS writes the row-major product");
     let int = |v: usize, what: &str| {
@@ -124,35 +135,73 @@ pub(crate) fn gemm(
             sys::cublasOperation_t::CUBLAS_OP_N
         }
     };
+    let (nn, mm, kk) = (int(n, "n")?, int(m, "m")?, int(k, "k")?);
+    let (lda, ldb, ldc) = (
+        int(a.ld, "leading dim")?,
+        int(b.ld, "leading dim")?,
+        int(c.ld, "leading dim")?,
+    );
+    let count = int(batch, "batch")?;
+    let algo = sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT;
     let handle = blas.handle.lock().unwrap_or_else(PoisonError::into_inner);
-    // SAFETY: the pointers address live device blocks holding the shapes and
-    // strides described (checked by the caller), on the handle's stream.
-    unsafe {
-        blas::gemm_strided_batched_ex(
-            *handle,
-            op(b.transposed),
-            op(a.transposed),
-            int(n, "n")?,
-            int(m, "m")?,
-            int(k, "k")?,
-            alpha,
-            b.ptr as *const c_void,
-            data,
-            int(b.ld, "leading dim")?,
-            b.batch_stride as i64,
-            a.ptr as *const c_void,
-            data,
-            int(a.ld, "leading dim")?,
-            a.batch_stride as i64,
-            beta,
-            c.ptr as *mut c_void,
-            data,
-            int(c.ld, "leading dim")?,
-            c.batch_stride as i64,
-            int(batch, "batch")?,
-            compute,
-            sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-        )
+    match batched {
+        // SAFETY: the pointers address live device blocks holding the shapes
+        // and strides described (checked by the caller), on the handle's stream.
+        Batch::Strided => unsafe {
+            blas::gemm_strided_batched_ex(
+                *handle,
+                op(b.transposed),
+                op(a.transposed),
+                nn,
+                mm,
+                kk,
+                alpha,
+                b.ptr as *const c_void,
+                data,
+                ldb,
+                b.batch_stride as i64,
+                a.ptr as *const c_void,
+                data,
+                lda,
+                a.batch_stride as i64,
+                beta,
+                c.ptr as *mut c_void,
+                data,
+                ldc,
+                c.batch_stride as i64,
+                count,
+                compute,
+                algo,
+            )
+        }
+        .map_err(|e| cuda_error("matmul", e)),
+        Batch::Pointers([pa, pb, pc]) => {
+            // SAFETY: as above, the three arrays holding `batch` such addresses each.
+            let status = unsafe {
+                sys::cublasGemmBatchedEx(
+                    *handle,
+                    op(b.transposed),
+                    op(a.transposed),
+                    nn,
+                    mm,
+                    kk,
+                    alpha,
+                    pb as *const *const c_void,
+                    data,
+                    ldb,
+                    pa as *const *const c_void,
+                    data,
+                    lda,
+                    beta,
+                    pc as *const *mut c_void,
+                    data,
+                    ldc,
+                    count,
+                    compute,
+                    algo,
+                )
+            };
+            status.result().map_err(|e| cuda_error("matmul", e))
+        }
     }
-    .map_err(|e| cuda_error("matmul", e))
 }

@@ -1,6 +1,6 @@
 //! A tensor's storage in device memory.
 
-use std::sync::Arc;
+use std::sync::{Arc, PoisonError};
 
 use cudarc::driver::result;
 use tessera_mesh::{Buffer, DType};
@@ -8,6 +8,7 @@ use tessera_mesh::{Buffer, DType};
 use super::alloc::{Block, Pool};
 use super::driver::{self, Gpu, RankStreams};
 use super::library::cuda_error;
+use super::staging::{SLOT_BYTES, Staging};
 use crate::{Error, Result};
 
 /// `len` elements of `dtype` in a block of device memory.
@@ -40,7 +41,9 @@ impl CudaBuffer {
         })
     }
 
-    /// A copy of host `data` on GPU `ordinal`.
+    /// A copy of host `data` on GPU `ordinal`: queued through the rank's
+    /// pinned slots when it fits one ([`SLOT_BYTES`]), without the host
+    /// waiting; larger copies wait for the rank's queue.
     pub(crate) fn from_host(ordinal: usize, data: &Buffer) -> Result<CudaBuffer> {
         let gpu = driver::gpu(ordinal)?;
         let streams = driver::streams(&gpu)?;
@@ -49,6 +52,20 @@ impl CudaBuffer {
             return Ok(out);
         }
         gpu.bind()?;
+        let view = data.as_buf();
+        let bytes = view.as_bytes();
+        if bytes.len() <= SLOT_BYTES {
+            // Queued through pinned memory: no wait for the device.
+            let mut staging = streams.staging.lock().unwrap_or_else(PoisonError::into_inner);
+            let st = match &mut *staging {
+                Some(st) => st,
+                none => none.insert(Staging::new(&gpu.ctx)?),
+            };
+            if st.copy(out.ptr(), bytes, &streams.compute)? {
+                streams.count_wait();
+            }
+            return Ok(out);
+        }
         let stream = streams.compute.cu_stream();
         tessera_mesh::dispatch_buf!(Buffer, data, v, _T => {
             // SAFETY: the block holds at least `v`'s bytes; the copy from
@@ -57,6 +74,7 @@ impl CudaBuffer {
         })
         .map_err(|e| cuda_error("to", e))?;
         streams.compute.synchronize().map_err(|e| cuda_error("to", e))?;
+        streams.count_wait();
         Ok(out)
     }
 
@@ -79,6 +97,9 @@ impl CudaBuffer {
         // Work from other streams that wrote this buffer was ordered before the
         // compute stream by events; waiting for the compute stream waits for it.
         streams.compute.synchronize().map_err(|e| cuda_error("to", e))?;
+        streams.count_wait();
+        // The device has caught up: the checks its kernels flagged cost no wait.
+        streams.settle()?;
         Ok(out)
     }
 

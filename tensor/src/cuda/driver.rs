@@ -2,6 +2,7 @@
 //! rank's streams.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, LazyLock, Mutex, OnceLock, PoisonError};
 
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream, LaunchConfig};
@@ -10,7 +11,8 @@ use tessera_mesh::context::{RankId, current_rank};
 use super::alloc::Pool;
 use super::blas::Blas;
 use super::library::{check_library, cuda_error};
-use crate::{Error, Result};
+use super::staging::Staging;
+use crate::{Error, Result, Tensor};
 
 /// One GPU: its context, caching allocator and compiled kernels.
 pub(crate) struct Gpu {
@@ -115,6 +117,69 @@ pub(crate) struct RankStreams {
     pub(crate) compute: Arc<CudaStream>,
     pub(crate) comm: Arc<CudaStream>,
     pub(crate) blas: Blas,
+    /// Checks of indices that kernels flag on the device, read when the host
+    /// next waits for this rank's work ([`RankStreams::settle`]).
+    pending: Mutex<Vec<PendingCheck>>,
+    /// How many times the host has waited for this rank's work.
+    waits: AtomicU64,
+    /// Pinned slots for small copies from the host, made on first use.
+    pub(crate) staging: Mutex<Option<Staging>>,
+}
+
+/// A check of indices whose verdict a kernel writes to the device word `flag`
+/// (position `k + 1` of a bad index `k`, else 0); `what` says what is
+/// wrong with index `k` of value `i`.
+pub(crate) struct PendingCheck {
+    pub(crate) flag: Tensor,
+    pub(crate) indices: Tensor,
+    pub(crate) op: &'static str,
+    pub(crate) what: Box<dyn FnOnce(i64, usize) -> String + Send>,
+}
+
+/// Pending checks kept before the host waits for the device to read them.
+const MAX_PENDING_CHECKS: usize = 64;
+
+impl RankStreams {
+    /// Queues `check`, read when the host next waits for this rank's work:
+    /// reading it now would make the host wait for the device in the middle of
+    /// a step. Past [`MAX_PENDING_CHECKS`] the queued ones are read now.
+    pub(crate) fn defer(&self, check: PendingCheck) -> Result<()> {
+        let full = {
+            let mut p = self.pending.lock().unwrap_or_else(PoisonError::into_inner);
+            p.push(check);
+            p.len() >= MAX_PENDING_CHECKS
+        };
+        if full { self.settle() } else { Ok(()) }
+    }
+
+    /// Reads the pending checks (waiting for the kernels that set their
+    /// flags): the first that failed is the error, and every check is dropped.
+    pub(crate) fn settle(&self) -> Result<()> {
+        let checks = std::mem::take(&mut *self.pending.lock().unwrap_or_else(PoisonError::into_inner));
+        for c in checks {
+            let k = c.flag.to(crate::Device::Cpu)?.to_vec::<i64>()?[0];
+            if k > 0 {
+                let at = k as usize - 1;
+                let flat = c.indices.to(crate::Device::Cpu)?;
+                let value = flat.reshape(&[flat.numel()])?.to_vec::<i64>()?[at];
+                return Err(Error::InvalidArgument {
+                    op: c.op,
+                    detail: (c.what)(value, at),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Counts a wait of the host for this rank's work.
+    pub(crate) fn count_wait(&self) {
+        self.waits.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// How many times the host has waited for this rank's work.
+    pub(crate) fn waits(&self) -> u64 {
+        self.waits.load(Ordering::Relaxed)
+    }
 }
 
 // SAFETY: the cuBLAS handle is only used under `blas`'s own mutex, and streams
@@ -142,6 +207,8 @@ pub(crate) fn synchronize_rank() -> Result<()> {
     for s in mine {
         s.compute.synchronize().map_err(|e| cuda_error("synchronize", e))?;
         s.comm.synchronize().map_err(|e| cuda_error("synchronize", e))?;
+        s.count_wait();
+        s.settle()?;
     }
     Ok(())
 }
@@ -163,6 +230,9 @@ pub(crate) fn streams(gpu: &Arc<Gpu>) -> Result<Arc<RankStreams>> {
         compute,
         comm,
         blas,
+        pending: Mutex::default(),
+        waits: AtomicU64::new(0),
+        staging: Mutex::default(),
     });
     map.insert(key, Arc::clone(&s));
     Ok(s)

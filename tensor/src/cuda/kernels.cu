@@ -976,3 +976,250 @@ extern "C" __global__ void adamw_f32(float* p, const float* g, float* m, float* 
         v[i] = vi;
     }
 }
+
+// ---- attention -----------------------------------------------------------------------------
+
+// Fused causal (or full) attention forward for bf16 on tensor cores (sm_80+):
+// per batch entry, out = softmax(q·kᵀ·scale (+ mask))·v and the weights
+// `probs`, which the backward reads, without the scores tensor. One warp owns
+// 16 query rows, a block 64; the products run on `mma.m16n8k16` with f32
+// accumulation, their fragments held in registers in the layouts the PTX ISA
+// fixes (a thread of group g = lane/4, t = lane%4 holds rows g and g + 8,
+// columns 2t and 2t + 1 of each 8 columns). Two passes over the keys: the
+// first finds each row's maximum and sum of exponentials, the second writes
+// the normalised weights (rounded to bf16, zeros where masked) and adds their
+// product by the values. Scores are rounded to bf16 before scaling and the
+// weights before their product, as the chain of bf16 ops rounds them. Each
+// block stages 64 keys (and values, transposed) at a time in shared memory
+// for its four warps. Rows and keys come in multiples of 16, the last dim of
+// every tensor is dense and its rows start at 16-byte boundaries.
+#define ATT_DIMS 4
+struct AttnGeo {
+    int nbatch;
+    int causal;
+    i64 batch[ATT_DIMS];
+    i64 sq[ATT_DIMS], sk[ATT_DIMS], sv[ATT_DIMS], so[ATT_DIMS];
+    i64 rq, rk, rv, ro;
+    i64 L, S;
+    float scale;
+    float _pad;
+};
+
+__device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
+    return (unsigned)from_f<bf16>(lo) | ((unsigned)from_f<bf16>(hi) << 16);
+}
+
+__device__ __forceinline__ void mma_bf16_16816(float* d, const unsigned* a, unsigned b0, unsigned b1) {
+#if __CUDA_ARCH__ >= 800
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+    __trap();
+#endif
+}
+
+// The scaled scores of this warp's 16 rows against the 64 keys of the tile
+// `ks` in shared memory (row pitch E + 8), the first at index `key0` (tiles
+// past `ntiles` of 8 keys and masked keys are −∞).
+template <int E> __device__ __forceinline__ void attn_scores(float (&s)[8][4], const unsigned (&qa)[E / 16][4],
+                                                             const bf16* ks, i64 key0, int ntiles, i64 row0,
+                                                             int causal, float scale, int g, int t) {
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+        s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+        if (nt < ntiles) {
+            const bf16* kr = ks + (nt * 8 + g) * (E + 8) + 2 * t;
+#pragma unroll
+            for (int kk = 0; kk < E / 16; ++kk) {
+                unsigned b0 = *(const unsigned*)(kr + kk * 16);
+                unsigned b1 = *(const unsigned*)(kr + kk * 16 + 8);
+                mma_bf16_16816(s[nt], qa[kk], b0, b1);
+            }
+        }
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            i64 row = row0 + g + (c >= 2 ? 8 : 0);
+            i64 col = key0 + nt * 8 + 2 * t + (c & 1);
+            float v = to_f(from_f<bf16>(s[nt][c])) * scale;
+            s[nt][c] = (nt >= ntiles || (causal && col > row)) ? -__int_as_float(0x7f800000) : v;
+        }
+    }
+}
+
+// Keys [key0, key0 + 64) (those below S) into the shared tile `ks` (row pitch
+// E + 8), and when `vt` is not null the values transposed into `vt` (row
+// pitch 72), in 16-byte loads by the block's 128 threads.
+template <int E> __device__ __forceinline__ void attn_stage(bf16* ks, bf16* vt, const bf16* k, i64 rk, const bf16* v,
+                                                            i64 rv, i64 key0, i64 S) {
+    for (int c = threadIdx.x; c < 64 * (E / 8); c += blockDim.x) {
+        int row = c / (E / 8), col = (c % (E / 8)) * 8;
+        if (key0 + row < S) {
+            *(Word16*)(ks + row * (E + 8) + col) = *(const Word16*)(k + (key0 + row) * rk + col);
+            if (vt) {
+                Word16 w = *(const Word16*)(v + (key0 + row) * rv + col);
+                const bf16* e = (const bf16*)&w;
+#pragma unroll
+                for (int i = 0; i < 8; ++i) vt[(col + i) * 72 + row] = e[i];
+            }
+        }
+    }
+}
+
+template <int E> __device__ void attention_bf16(bf16* out, bf16* probs, const bf16* q, const bf16* k, const bf16* v, AttnGeo geo) {
+    const float NINF = -__int_as_float(0x7f800000);
+    __shared__ __align__(16) bf16 ks[64 * (E + 8)];
+    __shared__ __align__(16) bf16 vt[E * 72];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    // The longest causal rows first.
+    const i64 block0 = (i64)(gridDim.y - 1 - blockIdx.y) * 64;
+    const i64 row0 = block0 + warp * 16;
+    const bool active = row0 < geo.L;
+    i64 entry = blockIdx.x, oq = 0, ok = 0, ov = 0, oo = 0;
+    for (int d = geo.nbatch - 1; d >= 0; --d) {
+        i64 i = entry % geo.batch[d];
+        entry /= geo.batch[d];
+        oq += i * geo.sq[d]; ok += i * geo.sk[d]; ov += i * geo.sv[d]; oo += i * geo.so[d];
+    }
+    q += oq; k += ok; v += ov; out += oo;
+    probs += (i64)blockIdx.x * geo.L * geo.S;
+    unsigned qa[E / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < E / 16; ++kk) {
+        if (!active) break;
+        const bf16* r = q + (row0 + g) * geo.rq + kk * 16 + 2 * t;
+        qa[kk][0] = *(const unsigned*)r;
+        qa[kk][1] = *(const unsigned*)(r + 8 * geo.rq);
+        qa[kk][2] = *(const unsigned*)(r + 8);
+        qa[kk][3] = *(const unsigned*)(r + 8 * geo.rq + 8);
+    }
+    // This warp's keys, and the block's (its last rows' keys).
+    const i64 key_end = geo.causal ? min(geo.S, row0 + 16) : geo.S;
+    const i64 block_end = geo.causal ? min(geo.S, min(geo.L, block0 + 64)) : geo.S;
+    // Pass 1: each row's maximum and sum of exponentials (this thread's share
+    // of the sum, rescaled as the maximum grows; the group's shares at the end).
+    float m[2] = {NINF, NINF}, l[2] = {0.f, 0.f};
+    float s[8][4];
+    for (i64 key0 = 0; key0 < block_end; key0 += 64) {
+        __syncthreads();
+        attn_stage<E>(ks, nullptr, k, geo.rk, v, geo.rv, key0, geo.S);
+        __syncthreads();
+        if (!active || key0 >= key_end) continue;
+        int ntiles = (int)min((i64)8, (key_end - key0) / 8);
+        attn_scores<E>(s, qa, ks, key0, ntiles, row0, geo.causal, geo.scale, g, t);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            float mx = NINF;
+#pragma unroll
+            for (int nt = 0; nt < 8; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * h], s[nt][2 * h + 1]));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            float mn = fmaxf(m[h], mx);
+            if (mn == NINF) continue;
+            float sum = l[h] * (m[h] == NINF ? 0.f : expf(m[h] - mn));
+#pragma unroll
+            for (int nt = 0; nt < 8; ++nt) sum += expf(s[nt][2 * h] - mn) + expf(s[nt][2 * h + 1] - mn);
+            l[h] = sum;
+            m[h] = mn;
+        }
+    }
+    float inv[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
+        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
+        inv[h] = l[h] > 0.f ? 1.f / l[h] : 0.f;
+    }
+    // Pass 2: the weights, written out, and their product by the values.
+    float o[E / 8][4];
+#pragma unroll
+    for (int ot = 0; ot < E / 8; ++ot) o[ot][0] = o[ot][1] = o[ot][2] = o[ot][3] = 0.f;
+    bf16* p0 = probs + (row0 + g) * geo.S + 2 * t;
+    bf16* p1 = p0 + 8 * geo.S;
+    for (i64 key0 = 0; key0 < block_end; key0 += 64) {
+        __syncthreads();
+        attn_stage<E>(ks, vt, k, geo.rk, v, geo.rv, key0, geo.S);
+        __syncthreads();
+        if (!active || key0 >= key_end) continue;
+        int ntiles = (int)min((i64)8, (key_end - key0) / 8);
+        attn_scores<E>(s, qa, ks, key0, ntiles, row0, geo.causal, geo.scale, g, t);
+        unsigned pr[8][2];
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) {
+            float w[4];
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                int h = c / 2;
+                w[c] = s[nt][c] == NINF ? 0.f : expf(s[nt][c] - m[h]) * inv[h];
+            }
+            pr[nt][0] = pack_bf16(w[0], w[1]);
+            pr[nt][1] = pack_bf16(w[2], w[3]);
+            if (nt < ntiles) {
+                *(unsigned*)(p0 + key0 + nt * 8) = pr[nt][0];
+                *(unsigned*)(p1 + key0 + nt * 8) = pr[nt][1];
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            if (2 * j < ntiles) {
+                unsigned a[4] = {pr[2 * j][0], pr[2 * j][1], pr[2 * j + 1][0], pr[2 * j + 1][1]};
+#pragma unroll
+                for (int ot = 0; ot < E / 8; ++ot) {
+                    const bf16* c = vt + (ot * 8 + g) * 72 + 16 * j + 2 * t;
+                    mma_bf16_16816(o[ot], a, *(const unsigned*)c, *(const unsigned*)(c + 8));
+                }
+            }
+        }
+    }
+    if (!active) return;
+    // The masked keys past this warp's rows: zero weights.
+    const i64 rest = (geo.S - key_end) / 2;
+    for (i64 i = lane; i < 16 * rest; i += 32) {
+        i64 r = i / rest, c = key_end + 2 * (i % rest);
+        *(unsigned*)(probs + (row0 + r) * geo.S + c) = 0u;
+    }
+#pragma unroll
+    for (int ot = 0; ot < E / 8; ++ot) {
+        bf16* r = out + (row0 + g) * geo.ro + ot * 8 + 2 * t;
+        *(unsigned*)r = pack_bf16(o[ot][0], o[ot][1]);
+        *(unsigned*)(r + 8 * geo.ro) = pack_bf16(o[ot][2], o[ot][3]);
+    }
+}
+
+extern "C" __global__ void attention_bf16_e16(bf16* o, bf16* p, const bf16* q, const bf16* k, const bf16* v, AttnGeo g) { attention_bf16<16>(o, p, q, k, v, g); }
+extern "C" __global__ void attention_bf16_e32(bf16* o, bf16* p, const bf16* q, const bf16* k, const bf16* v, AttnGeo g) { attention_bf16<32>(o, p, q, k, v, g); }
+extern "C" __global__ void attention_bf16_e64(bf16* o, bf16* p, const bf16* q, const bf16* k, const bf16* v, AttnGeo g) { attention_bf16<64>(o, p, q, k, v, g); }
+extern "C" __global__ void attention_bf16_e128(bf16* o, bf16* p, const bf16* q, const bf16* k, const bf16* v, AttnGeo g) { attention_bf16<128>(o, p, q, k, v, g); }
+
+// ---- batched products ------------------------------------------------------------------------
+
+// The addresses of a batch of products' matrices for cuBLAS's pointer-array
+// batched product: out[i], out[count + i] and out[2·count + i] are a's, b's
+// and c's i-th matrix, at byte strides sa, sb, sc over the batch dims.
+struct PtrGeo {
+    int rank;
+    int _pad;
+    i64 count;
+    i64 shape[MAX_DIMS];
+    i64 sa[MAX_DIMS];
+    i64 sb[MAX_DIMS];
+    i64 sc[MAX_DIMS];
+};
+
+extern "C" __global__ void batch_pointers(unsigned long long* out, unsigned long long a, unsigned long long b,
+                                          unsigned long long c, PtrGeo g) {
+    GRID_LOOP(i, g.count) {
+        i64 j = i, oa = 0, ob = 0, oc = 0;
+        for (int d = g.rank - 1; d >= 0; --d) {
+            i64 k = j % g.shape[d];
+            j /= g.shape[d];
+            oa += k * g.sa[d];
+            ob += k * g.sb[d];
+            oc += k * g.sc[d];
+        }
+        out[i] = a + oa;
+        out[g.count + i] = b + ob;
+        out[2 * g.count + i] = c + oc;
+    }
+}

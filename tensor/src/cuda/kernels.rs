@@ -85,6 +85,11 @@ mod tests {
                 "reduce_peers_bf16",
                 "adamw_f32",
                 "fill_bf16",
+                "attention_bf16_e16",
+                "attention_bf16_e32",
+                "attention_bf16_e64",
+                "attention_bf16_e128",
+                "batch_pointers",
             ];
             let ops = [
                 "binary_add",

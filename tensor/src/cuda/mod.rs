@@ -31,6 +31,7 @@ pub(crate) mod driver;
 mod kernels;
 mod library;
 pub(crate) mod ops;
+mod staging;
 
 pub use alloc::CudaMemoryStats;
 pub(crate) use buffer::CudaBuffer;
@@ -92,13 +93,35 @@ pub fn empty_cache(ordinal: usize) -> Result<()> {
 ///
 /// # Errors
 /// [`Error::Device`](crate::Error::Device) when there is no such GPU or a kernel failed.
+///
+/// An index that a kernel found out of range since the host last waited (an
+/// embedding's index, a cross entropy's target) is reported here, or by the
+/// next read of a value, whichever comes first: checking it at the op would
+/// make the host wait for the device in the middle of every step.
 pub fn synchronize(ordinal: usize) -> Result<()> {
     let gpu = driver::gpu(ordinal)?;
     let s = driver::streams(&gpu)?;
     s.compute
         .synchronize()
         .map_err(|e| library::cuda_error("synchronize", e))?;
-    s.comm.synchronize().map_err(|e| library::cuda_error("synchronize", e))
+    s.comm
+        .synchronize()
+        .map_err(|e| library::cuda_error("synchronize", e))?;
+    s.count_wait();
+    s.settle()
+}
+
+/// How many times the host has waited for the calling rank's work on GPU
+/// `ordinal` (a value read to the host, a copy from the host of more than
+/// 256 KiB, a [`synchronize`]; smaller copies pass through pinned memory): each wait drains the rank's queue of kernels, so a
+/// training step that waits once (for its loss) keeps the GPU busy while the
+/// host queues the step.
+///
+/// # Errors
+/// [`Error::Device`](crate::Error::Device) when there is no such GPU.
+pub fn host_waits(ordinal: usize) -> Result<u64> {
+    let gpu = driver::gpu(ordinal)?;
+    Ok(driver::streams(&gpu)?.waits())
 }
 
 pub use ops::AdamScalars;

@@ -124,6 +124,10 @@ impl Tensor {
     /// (dense products when not causal), without the scores tensor. Batch
     /// entries run in parallel over the rank's threads. The output is stored
     /// in `self`'s memory order (see the module docs), the weights contiguous.
+    /// On a GPU: bf16 with head sizes 16, 32, 64 or 128 and query and key
+    /// counts in multiples of 16 runs one kernel on tensor cores (scores and
+    /// weights rounded to bf16 where the chain rounds them, sums in another
+    /// order: close to the chain, not its bits), other cases the chain's ops.
     ///
     /// PyTorch: `torch.ops.aten._scaled_dot_product_attention_math(q, k, v,
     /// is_causal=is_causal, scale=scale)`, which also returns the weights.
@@ -136,8 +140,8 @@ impl Tensor {
         attn.check(OP, self.shape(), k.shape(), v.shape())?;
         same_dtype(OP, self, k)?;
         same_dtype(OP, self, v)?;
-        // On a GPU (and for empty shapes) the chain of ops: products on
-        // cuBLAS and the softmax kernel.
+        // On a GPU (and for empty shapes) the chain of ops (products on
+        // cuBLAS and the softmax kernel) or, for bf16, one fused kernel.
         if self.is_cuda() || self.shape().iter().chain(k.shape()).chain(v.shape()).any(|&d| d == 0) {
             return chain_forward(self, k, v, attn);
         }
@@ -208,8 +212,16 @@ fn chain_scores(q: &Tensor, kt: &Tensor, attn: Attention) -> Result<Tensor> {
 }
 
 /// The forward as the chain of ops: on a GPU (products on cuBLAS, the
-/// softmax kernels) and for shapes with an empty dim.
+/// softmax kernels; the fused bf16 kernel where it applies) and for shapes
+/// with an empty dim.
 fn chain_forward(q: &Tensor, k: &Tensor, v: &Tensor, attn: Attention) -> Result<(Tensor, Tensor)> {
+    // bf16 on a GPU: one kernel on tensor cores where the shapes suit it.
+    #[cfg(feature = "cuda")]
+    if q.is_cuda()
+        && let Some(fused) = crate::cuda::ops::attention(q, k, v, attn)?
+    {
+        return Ok(fused);
+    }
     let r = q.rank();
     let scores = chain_scores(q, &k.transpose(r - 2, r - 1)?, attn)?;
     let probs = scores.attention_probs(attn.scale, attn.is_causal)?;

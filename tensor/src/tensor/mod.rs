@@ -104,7 +104,10 @@ impl Tensor {
     /// [`to_buffer`](Self::to_buffer)).
     ///
     /// # Panics
-    /// When a device tensor cannot be copied to the host (a lost GPU).
+    /// When a device tensor cannot be copied to the host (a lost GPU), or
+    /// when reading it reports an index a kernel found out of range since
+    /// the host last waited for the GPU (see `cuda::synchronize`;
+    /// [`to`](Self::to) returns that error instead).
     fn on_host(&self) -> std::borrow::Cow<'_, Tensor> {
         if self.is_cuda() {
             match self.to(crate::Device::Cpu) {

@@ -127,6 +127,83 @@ fn attention_forward_and_backward() {
     }
 }
 
+/// bf16 attention's one-kernel forward (tensor cores) against the host's, at
+/// every head size it takes, causal and not, heads read as views of
+/// `[b, t, h, e]`: the output comes back in the queries' memory order (the
+/// chain's would be contiguous, so the kernel must have run), the weights
+/// contiguous with zeros where masked, and the backward from its weights
+/// matches the host's.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn attention_fused_bf16() {
+    use tessera_tensor::ops::Attention;
+    let dtype = DType::BF16;
+    for (t, e, is_causal) in [
+        (512, 64, true),
+        (96, 16, false),
+        (160, 128, true),
+        (48, 32, true),
+        (32, 16, true),
+    ] {
+        let heads = |seed| rand(&[2, t, 3, e], dtype, seed).permute(&[0, 2, 1, 3]).unwrap();
+        let (q, k, v, g) = (heads(51), heads(52), heads(53), heads(54));
+        let attn = Attention {
+            scale: 1.0 / (e as f64).sqrt(),
+            is_causal,
+        };
+        let (out, probs) = q.attention(&k, &v, attn).unwrap();
+        let grads = g.attention_backward(&q, &k, &v, &probs, attn, [true; 3]).unwrap();
+        drop(gpu(&Tensor::full(&[2, 3, t, t], f64::NAN, dtype).unwrap()));
+        // The same views on the GPU (not contiguous copies of them).
+        let on_gpu = |seed| gpu(&rand(&[2, t, 3, e], dtype, seed)).permute(&[0, 2, 1, 3]).unwrap();
+        let (dq, dk, dv, dg) = (on_gpu(51), on_gpu(52), on_gpu(53), on_gpu(54));
+        assert!(!dq.is_contiguous());
+        let (dout, dprobs) = dq.attention(&dk, &dv, attn).unwrap();
+        let what = |p: &str| format!("fused attention {p} t={t} e={e} causal={is_causal}");
+        assert_eq!(
+            dout.strides(),
+            dq.strides(),
+            "{}: not the fused kernel's layout",
+            what("out")
+        );
+        assert!(dprobs.is_contiguous());
+        check(&what("out"), &dout, &out, dtype);
+        check(&what("probs"), &dprobs, &probs, dtype);
+        if is_causal {
+            let p = host(&dprobs).to_f64_vec();
+            let masked = (0..p.len()).filter(|&i| i % t > (i / t) % t);
+            assert!(
+                masked.clone().all(|i| p[i] == 0.0),
+                "{}: masked weights not zero",
+                what("probs")
+            );
+        }
+        let dgrads = dg.attention_backward(&dq, &dk, &dv, &dprobs, attn, [true; 3]).unwrap();
+        for (name, (d, h)) in ["dq", "dk", "dv"].into_iter().zip(dgrads.iter().zip(&grads)) {
+            check(&what(name), d.as_ref().unwrap(), h.as_ref().unwrap(), dtype);
+        }
+    }
+    // Where it does not apply (a head size of 24, 100 queries, f32) the chain
+    // runs: a contiguous output.
+    for (t, e, dtype) in [(64, 24, DType::BF16), (100, 16, DType::BF16), (64, 64, DType::F32)] {
+        let q = gpu(&rand(&[2, t, 3, e], dtype, 55)).permute(&[0, 2, 1, 3]).unwrap();
+        let (out, _) = q
+            .attention(
+                &q,
+                &q,
+                Attention {
+                    scale: 0.5,
+                    is_causal: true,
+                },
+            )
+            .unwrap();
+        assert!(
+            out.is_contiguous(),
+            "t={t} e={e} {dtype}: expected the chain's contiguous output"
+        );
+    }
+}
+
 /// The causal parts of attention's products against the host's, dense (short
 /// sequences) and in row blocks (long ones, uneven blocks included).
 #[test]
@@ -312,8 +389,18 @@ fn transformer_ops() {
             dtype,
         );
         let bad = gpu(&Tensor::from_vec(vec![3i64; 36].into_iter().chain([300]).collect(), &[37]).unwrap());
-        let e = dl.cross_entropy(&bad, Reduction::Mean).unwrap_err().to_string();
+        // A bad target is reported when the host next waits for the GPU (the
+        // loss's read here), once: the op itself queues without a wait.
+        let waits = cuda::host_waits(0).unwrap();
+        let loss = dl.cross_entropy(&bad, Reduction::Mean).unwrap();
+        assert_eq!(cuda::host_waits(0).unwrap(), waits, "cross_entropy waited for the GPU");
+        let e = loss.to(Device::Cpu).unwrap_err().to_string();
         assert!(e.contains("target 300 of row 36 is not a class"), "{e}");
+        assert!(
+            cuda::host_waits(0).unwrap() > waits,
+            "reading the loss did not count a wait"
+        );
+        loss.to(Device::Cpu).unwrap();
 
         let table = rand(&[50, 64], dtype, 11);
         let idx = Tensor::from_vec(vec![3i64, 7, 3, 49, 0, 7], &[2, 3]).unwrap();
@@ -323,6 +410,24 @@ fn transformer_ops() {
             &table.embedding(&idx).unwrap(),
             dtype,
         );
+        // An index out of range: zeros in its row, the error at the next wait
+        // (a synchronize here), naming the index and where it was.
+        let far = gpu(&Tensor::from_vec(vec![3i64, 50, 1], &[3]).unwrap());
+        let rows = gpu(&table).embedding(&far).unwrap();
+        let e = cuda::synchronize(0).unwrap_err().to_string();
+        assert!(
+            e.contains("index 50 (element 1 of indices of shape [3]) is out of range for a table of 50 rows"),
+            "{e}"
+        );
+        assert!(
+            host(&rows)
+                .narrow(0, 1, 1)
+                .unwrap()
+                .to_f64_vec()
+                .iter()
+                .all(|&x| x == 0.0)
+        );
+        cuda::synchronize(0).unwrap();
         let ge = rand(&[6, 64], dtype, 12);
         let flat = idx.reshape(&[6]).unwrap();
         check(
@@ -331,11 +436,6 @@ fn transformer_ops() {
             &ge.embedding_dense_backward(&flat, 50, 0).unwrap(),
             dtype,
         );
-        let e = gpu(&table)
-            .embedding(&gpu(&Tensor::from_vec(vec![50i64], &[1]).unwrap()))
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("index 50 (element 0"), "{e}");
     }
 }
 
@@ -402,6 +502,61 @@ fn matrix_products() {
             "matmul q·kᵀ (batched)",
             &gpu(&q).matmul(&gpu(&k).transpose(2, 3).unwrap()).unwrap(),
             &q.matmul(&k.transpose(2, 3).unwrap()).unwrap(),
+            dtype,
+        );
+        // Heads read from `[b, t, h, e]` (batch dims without one stride) are
+        // read in place through arrays of addresses: the product allocates
+        // its output and the arrays, no copy of an operand; causal parts too.
+        use tessera_tensor::ops::Causal;
+        let heads = |x: &Tensor| x.permute(&[0, 2, 1, 3]).unwrap();
+        let (q, k) = (rand(&[2, 64, 3, 16], dtype, 26), rand(&[2, 64, 3, 16], dtype, 27));
+        let (dq, dk) = (gpu(&q), gpu(&k));
+        let kt = |x: &Tensor| heads(x).transpose(2, 3).unwrap();
+        let before = cuda::memory_stats(0).unwrap().allocated_bytes;
+        cuda::reset_peak_memory_stats(0).unwrap();
+        let scores = heads(&dq).matmul(&kt(&dk)).unwrap();
+        let extra = cuda::memory_stats(0).unwrap().peak_allocated_bytes - before;
+        let (out_bytes, operand_bytes) = (scores.size_in_bytes(), dq.size_in_bytes());
+        assert!(
+            extra < out_bytes + operand_bytes,
+            "{dtype}: the product of heads allocated {extra} B for a {out_bytes} B output: an operand was copied"
+        );
+        check(
+            "matmul heads in place",
+            &scores,
+            &heads(&q).matmul(&kt(&k)).unwrap(),
+            dtype,
+        );
+        for part in [Causal::Scores, Causal::Weights] {
+            let (hq, hk) = (heads(&q), kt(&k));
+            let (want, got) = match part {
+                Causal::Scores => (
+                    hq.matmul_causal(&hk, part).unwrap(),
+                    heads(&dq).matmul_causal(&kt(&dk), part).unwrap(),
+                ),
+                _ => {
+                    let p = hq
+                        .matmul_causal(&hk, Causal::Scores)
+                        .unwrap()
+                        .attention_probs(0.25, true)
+                        .unwrap();
+                    let dp = gpu(&p);
+                    (
+                        p.matmul_causal(&heads(&k), part).unwrap(),
+                        dp.matmul_causal(&heads(&dk), part).unwrap(),
+                    )
+                }
+            };
+            check(&format!("matmul_causal {part:?} heads in place"), &got, &want, dtype);
+        }
+        let long = rand(&[2, 512, 3, 16], dtype, 28);
+        let hl = heads(&long);
+        check(
+            "matmul_causal Scores heads in place, row blocks",
+            &heads(&gpu(&long))
+                .matmul_causal(&kt(&gpu(&long)), Causal::Scores)
+                .unwrap(),
+            &hl.matmul_causal(&hl.transpose(2, 3).unwrap(), Causal::Scores).unwrap(),
             dtype,
         );
     }

@@ -242,3 +242,38 @@ fn uneven_collectives_on_one_gpu() {
     })
     .unwrap();
 }
+
+/// Small copies to the GPU and the kernels that use them queue without the
+/// host waiting (through pinned slots, reused once their copies have run:
+/// 100 copies pass through 32 slots with the right values); reading a result
+/// waits once, and so does a copy too large for a slot.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn the_host_waits_only_to_read() {
+    let before = cuda::host_waits(0).unwrap();
+    let mut acc = gpu(&Tensor::zeros(&[1000], DType::F32).unwrap());
+    for i in 0..20 {
+        acc = acc
+            .add(&gpu(&Tensor::full(&[1000], i as f64, DType::F32).unwrap()))
+            .unwrap();
+    }
+    assert_eq!(
+        cuda::host_waits(0).unwrap(),
+        before,
+        "small copies and adds waited for the GPU"
+    );
+    for i in 20..100 {
+        acc = acc
+            .add(&gpu(&Tensor::full(&[1000], i as f64, DType::F32).unwrap()))
+            .unwrap();
+    }
+    let queued = cuda::host_waits(0).unwrap();
+    assert!(
+        host(&acc).to_f64_vec().iter().all(|&x| x == 4950.0),
+        "values lost passing through the slots"
+    );
+    assert_eq!(cuda::host_waits(0).unwrap(), queued + 1, "one read, one wait");
+    let big = gpu(&Tensor::ones(&[1 << 17], DType::F32).unwrap());
+    assert_eq!(cuda::host_waits(0).unwrap(), queued + 2, "a 512 KiB copy waits");
+    assert_eq!(host(&big).to_f64_vec().iter().sum::<f64>(), (1 << 17) as f64);
+}

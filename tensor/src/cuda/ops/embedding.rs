@@ -43,11 +43,9 @@ pub(crate) fn embedding(table: &Tensor, indices: &Tensor, first: usize) -> Resul
             &bp
         )?;
     }
-    check_flag(&bad, OP, indices, |i, at| {
-        format!(
-            "index {i} (element {at} of indices of shape {:?}) is out of range for a table of {rows} rows",
-            indices.shape()
-        )
+    let shape = indices.shape().to_vec();
+    check_flag(&s, bad, OP, indices, move |i, at| {
+        format!("index {i} (element {at} of indices of shape {shape:?}) is out of range for a table of {rows} rows")
     })?;
     Ok(out)
 }

@@ -1,6 +1,7 @@
 //! Matrix products on cuBLAS.
 
 use super::*;
+use crate::cuda::blas::Batch;
 use crate::ops::Causal;
 
 // ---- matrix products ------------------------------------------------------------------------
@@ -126,72 +127,83 @@ fn product(a: &Tensor, b: &Tensor, batch: &[usize], part: Causal, zero_masked: b
             ld: n,
             batch_stride: 0,
         };
-        blas::gemm(&s.blas, a.dtype(), (1, count * m, k, n), oa, ob, oc)?;
+        blas::gemm(&s.blas, a.dtype(), (1, count * m, k, n), oa, ob, oc, Batch::Strided)?;
         return Ok(out);
     }
-    // One operand per batch: strided batches need one stride over the batch
-    // dims, so an operand whose batch dims are not one run is copied first.
-    let operand = |t: &Tensor| -> Result<(Operand, Tensor)> {
+    // Each operand as `batch` matrices: broadcast to the batch (one matrix
+    // shared by every product is kept as it is).
+    let shaped = |t: &Tensor| -> Result<Tensor> {
         let r = t.rank();
-        let tb = &t.shape()[..r - 2];
-        let tbn: usize = tb.iter().product();
-        let shaped = if tbn == 1 && count > 1 {
-            t.clone()
+        if t.shape()[..r - 2].iter().product::<usize>() == 1 && count > 1 {
+            Ok(t.clone())
         } else {
-            t.broadcast_to(&[batch, &t.shape()[r - 2..]].concat())?
-        };
-        let mut cand = shaped.clone();
-        loop {
-            let rr = cand.rank();
-            let batch_stride = if rr == 2 || tbn == 1 {
-                Some(0)
-            } else {
-                // The batch dims must collapse to one stride.
-                let dims = &cand.shape()[..rr - 2];
-                let strides = &cand.strides()[..rr - 2];
-                let inner = strides[rr - 3];
-                let ok = (0..rr - 3).all(|d| dims[d + 1] == 1 || strides[d] == strides[d + 1] * dims[d + 1]);
-                ok.then_some(inner)
-            };
-            if let (Some(bs), Some((transposed, ld))) = (batch_stride, matrix_layout(&cand)) {
-                let op = Operand {
-                    ptr: ptr(&cand),
-                    transposed,
-                    ld,
-                    batch_stride: bs,
-                };
-                return Ok((op, cand));
-            }
-            // Copied in the order its elements lie: a transposed view (columns
-            // closer than rows, as kᵀ of heads read from `[b, t, h, e]`) as its
-            // transpose, whose rows the copy moves in words, then read transposed.
-            let (r, st) = (shaped.rank(), shaped.strides());
-            cand = if st[r - 1] > st[r - 2] {
-                contiguous(&shaped.transpose(r - 2, r - 1)?)?.transpose(r - 2, r - 1)?
-            } else {
-                contiguous(&shaped)?
-            };
+            t.broadcast_to(&[batch, &t.shape()[r - 2..]].concat())
         }
     };
-    let (oa, _ka) = operand(a)?;
-    let (ob, _kb) = operand(b)?;
+    let (sa, sb) = (shaped(a)?, shaped(b)?);
+    let dtype = a.dtype();
+    let elem = dtype.size_in_bytes();
+    // Operands whose batch dims do not run on with one stride (heads read
+    // from `[b, t, h, e]`) but whose matrices have dense rows or columns are
+    // read in place, through arrays of the matrices' addresses; others are
+    // strided batches, copied first when their matrices are not dense.
+    let pointers = count > 1
+        && batch.len() <= MAX_DIMS
+        && (batch_stride(&sa).is_none() || batch_stride(&sb).is_none())
+        && matrix_layout(&sa).is_some()
+        && matrix_layout(&sb).is_some();
+    let (oa, ob, _keep) = if pointers {
+        let at = |t: &Tensor| {
+            // INVARIANT: `pointers` checked that both have a matrix layout.
+            let (transposed, ld) = matrix_layout(t).expect("a dense matrix layout");
+            Operand {
+                ptr: ptr(t),
+                transposed,
+                ld,
+                batch_stride: 0,
+            }
+        };
+        (at(&sa), at(&sb), None)
+    } else {
+        let (oa, ka) = strided_operand(&sa)?;
+        let (ob, kb) = strided_operand(&sb)?;
+        (oa, ob, Some((ka, kb)))
+    };
     let oc = Operand {
         ptr: ptr(&out),
         transposed: false,
         ld: n,
         batch_stride: m * n,
     };
-    let dtype = a.dtype();
+    // One product of the batch (a causal block's rows of it, say): by
+    // strides, or through the addresses of its matrices.
+    let gemm = |dims: (usize, usize, usize), a: Operand, b: Operand, c: Operand| -> Result<()> {
+        let (m, k, n) = dims;
+        if !pointers {
+            return blas::gemm(&s.blas, dtype, (count, m, k, n), a, b, c, Batch::Strided);
+        }
+        let arrays = batch_pointers(&s, batch, [(&sa, a.ptr), (&sb, b.ptr), (&out, c.ptr)])?;
+        let p = ptr(&arrays);
+        let step = (count * 8) as u64;
+        blas::gemm(
+            &s.blas,
+            dtype,
+            (count, m, k, n),
+            a,
+            b,
+            c,
+            Batch::Pointers([p, p + step, p + 2 * step]),
+        )
+    };
     let block = causal_block_rows(m);
     if part == Causal::Dense || block >= m {
-        blas::gemm(&s.blas, dtype, (count, m, k, n), oa, ob, oc)?;
+        gemm((m, k, n), oa, ob, oc)?;
         if part == Causal::Scores && zero_masked {
             // One tile as wide as the matrix: every key past its query.
             zero_above_diagonal(&s, &out, count, m, n, m.max(n))?;
         }
         return Ok(out);
     }
-    let elem = dtype.size_in_bytes();
     if part == Causal::Scores && zero_masked {
         // The blocks right of each block's diagonal tile are not computed.
         s.gpu.bind()?;
@@ -204,14 +216,14 @@ fn product(a: &Tensor, b: &Tensor, batch: &[usize], part: Causal, zero_masked: b
         let (a0, c0) = (oa.at(r0, 0, elem), oc.at(r0, 0, elem));
         match part {
             // Queries [r0, r1) see keys [0, r1).
-            Causal::Scores => blas::gemm(&s.blas, dtype, (count, r1 - r0, k, r1.min(n)), a0, ob, c0)?,
+            Causal::Scores => gemm((r1 - r0, k, r1.min(n)), a0, ob, c0)?,
             // Weights of queries [r0, r1) are zero past key r1.
-            Causal::Weights => blas::gemm(&s.blas, dtype, (count, r1 - r0, r1.min(k), n), a0, ob, c0)?,
+            Causal::Weights => gemm((r1 - r0, r1.min(k), n), a0, ob, c0)?,
             // Keys [r0, r1) are seen by queries [r0, k).
             Causal::WeightsTransposed => {
                 let i0 = r0.min(k);
                 let (a0, b0) = (oa.at(r0, i0, elem), ob.at(i0, 0, elem));
-                blas::gemm(&s.blas, dtype, (count, r1 - r0, k - i0, n), a0, b0, c0)?
+                gemm((r1 - r0, k - i0, n), a0, b0, c0)?
             }
             Causal::Dense => unreachable!("dense products returned above"),
         }
@@ -220,6 +232,90 @@ fn product(a: &Tensor, b: &Tensor, batch: &[usize], part: Causal, zero_masked: b
         zero_above_diagonal(&s, &out, count, m, n, block)?;
     }
     Ok(out)
+}
+
+/// The one stride between the matrices of `t` (`[batch.., r, c]`, or one
+/// matrix shared by the batch: stride 0), or `None` when its batch dims do
+/// not run on with one stride.
+fn batch_stride(t: &Tensor) -> Option<usize> {
+    let r = t.rank();
+    if r == 2 || t.shape()[..r - 2].iter().product::<usize>() == 1 {
+        return Some(0);
+    }
+    let dims = &t.shape()[..r - 2];
+    let strides = &t.strides()[..r - 2];
+    let ok = (0..r - 3).all(|d| dims[d + 1] == 1 || strides[d] == strides[d + 1] * dims[d + 1]);
+    ok.then_some(strides[r - 3])
+}
+
+/// `t` as a strided batch operand, and the copy it reads when `t`'s own
+/// layout cannot be read in place (kept alive by the caller until the
+/// product is queued).
+fn strided_operand(t: &Tensor) -> Result<(Operand, Tensor)> {
+    let mut cand = t.clone();
+    loop {
+        if let (Some(bs), Some((transposed, ld))) = (batch_stride(&cand), matrix_layout(&cand)) {
+            let op = Operand {
+                ptr: ptr(&cand),
+                transposed,
+                ld,
+                batch_stride: bs,
+            };
+            return Ok((op, cand));
+        }
+        // Copied in the order its elements lie: a transposed view (columns
+        // closer than rows) as its transpose, whose rows the copy moves in
+        // words, then read transposed.
+        let (r, st) = (t.rank(), t.strides());
+        cand = if st[r - 1] > st[r - 2] {
+            contiguous(&t.transpose(r - 2, r - 1)?)?.transpose(r - 2, r - 1)?
+        } else {
+            contiguous(t)?
+        };
+    }
+}
+
+/// The `PtrGeo` of `kernels.cu`'s `batch_pointers`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+struct PtrGeo {
+    rank: i32,
+    _pad: i32,
+    count: i64,
+    shape: [i64; MAX_DIMS],
+    strides: [[i64; MAX_DIMS]; 3],
+}
+
+// SAFETY: plain old data laid out as the kernel's struct.
+unsafe impl DeviceRepr for PtrGeo {}
+
+/// A device array of `3·count` addresses: the matrices of each of the three
+/// operands (`(tensor, address of its first matrix)`, batch strides from the
+/// tensor's leading dims, 0 for a matrix every product shares) over `batch`.
+fn batch_pointers(s: &RankStreams, batch: &[usize], ops: [(&Tensor, u64); 3]) -> Result<Tensor> {
+    let count: usize = batch.iter().product();
+    let mut g = PtrGeo {
+        rank: batch.len() as i32,
+        count: count as i64,
+        ..Default::default()
+    };
+    for (d, &n) in batch.iter().enumerate() {
+        g.shape[d] = n as i64;
+    }
+    for (o, (t, _)) in ops.iter().enumerate() {
+        let r = t.rank();
+        let elem = t.dtype().size_in_bytes() as i64;
+        if t.shape()[..r - 2].iter().product::<usize>() == 1 {
+            continue;
+        }
+        for d in 0..batch.len() {
+            g.strides[o][d] = t.strides()[d] as i64 * elem;
+        }
+    }
+    let arrays = empty(s, &[3 * count], DType::I64, "matmul")?;
+    let (out, [a, b, c]) = (ptr(&arrays), ops.map(|(_, p)| p));
+    launch!(s, "matmul", "batch_pointers", grid_1d(count), &out, &a, &b, &c, &g)?;
+    Ok(arrays)
 }
 
 /// Zeroes the elements `[i, j]`, `j > i`, of the diagonal tiles (`block`

@@ -183,22 +183,29 @@ fn flag(s: &RankStreams, op: &'static str) -> Result<Tensor> {
     Ok(t)
 }
 
-/// Errors when a kernel set the flag `bad` to position `k + 1`: `what` says
-/// what was wrong with `indices[k]`.
-fn check_flag(bad: &Tensor, op: &'static str, indices: &Tensor, what: impl FnOnce(i64, usize) -> String) -> Result<()> {
-    let k = to(bad, Device::Cpu)?.to_vec::<i64>()?[0];
-    if k <= 0 {
-        return Ok(());
-    }
-    let at = k as usize - 1;
-    let value = to(indices, Device::Cpu)?.reshape(&[indices.numel()])?.to_vec::<i64>()?[at];
-    Err(Error::InvalidArgument {
+/// Queues the check of the flag `bad` (set by a kernel to position `k + 1`
+/// of a bad element of `indices`), read when the host next waits for
+/// the rank's work (a value read, [`synchronize`](crate::cuda::synchronize)):
+/// `what` says what was wrong with `indices[k]`. Until then the op's output
+/// holds zeros where an index was bad, as PyTorch's device-side asserts
+/// surface at the next synchronisation.
+fn check_flag(
+    s: &RankStreams,
+    bad: Tensor,
+    op: &'static str,
+    indices: &Tensor,
+    what: impl FnOnce(i64, usize) -> String + Send + 'static,
+) -> Result<()> {
+    s.defer(driver::PendingCheck {
+        flag: bad,
+        indices: indices.clone(),
         op,
-        detail: what(value, at),
+        what: Box::new(what),
     })
 }
 
 mod adamw;
+mod attention;
 mod elementwise;
 mod embedding;
 mod matmul;
@@ -206,6 +213,7 @@ mod rows;
 
 pub use adamw::AdamScalars;
 pub(crate) use adamw::adamw_step;
+pub(crate) use attention::attention;
 pub(crate) use elementwise::{binary, full, scalar, unary};
 pub(crate) use embedding::{embedding, embedding_backward};
 pub(crate) use matmul::{causal_scores_unmasked, matmul};

@@ -344,7 +344,7 @@ pub(crate) fn cross_entropy(
             &bp
         )?;
     }
-    check_flag(&bad, OP, targets, |t, row| {
+    check_flag(&s, bad, OP, targets, move |t, row| {
         format!("target {t} of row {row} is not a class of 0..{c}")
     })?;
     let loss = match reduction {
