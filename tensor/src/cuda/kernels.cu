@@ -1194,32 +1194,29 @@ extern "C" __global__ void attention_bf16_e128(bf16* o, bf16* p, const bf16* q, 
 
 // ---- batched products ------------------------------------------------------------------------
 
-// The addresses of a batch of products' matrices for cuBLAS's pointer-array
-// batched product: out[i], out[count + i] and out[2·count + i] are a's, b's
-// and c's i-th matrix, at byte strides sa, sb, sc over the batch dims.
+// The addresses of batches of products' matrices for cuBLAS's pointer-array
+// batched product: for product c (of `calls`, a causal part's blocks), out[(3c
+// + o)·count + i] is operand o's i-th matrix (a, b, c), at byte strides
+// strides[o] over the batch dims from the product's first matrices base[c].
+#define MAX_CALLS 8
 struct PtrGeo {
     int rank;
-    int _pad;
+    int calls;
     i64 count;
     i64 shape[MAX_DIMS];
-    i64 sa[MAX_DIMS];
-    i64 sb[MAX_DIMS];
-    i64 sc[MAX_DIMS];
+    i64 strides[3][MAX_DIMS];
+    unsigned long long base[MAX_CALLS][3];
 };
 
-extern "C" __global__ void batch_pointers(unsigned long long* out, unsigned long long a, unsigned long long b,
-                                          unsigned long long c, PtrGeo g) {
-    GRID_LOOP(i, g.count) {
-        i64 j = i, oa = 0, ob = 0, oc = 0;
+extern "C" __global__ void batch_pointers(unsigned long long* out, PtrGeo g) {
+    GRID_LOOP(i, g.count * g.calls) {
+        i64 call = i / g.count, e = i % g.count, j = e;
+        i64 off[3] = {0, 0, 0};
         for (int d = g.rank - 1; d >= 0; --d) {
             i64 k = j % g.shape[d];
             j /= g.shape[d];
-            oa += k * g.sa[d];
-            ob += k * g.sb[d];
-            oc += k * g.sc[d];
+            for (int o = 0; o < 3; ++o) off[o] += k * g.strides[o][d];
         }
-        out[i] = a + oa;
-        out[g.count + i] = b + ob;
-        out[2 * g.count + i] = c + oc;
+        for (int o = 0; o < 3; ++o) out[(3 * call + o) * g.count + e] = g.base[call][o] + off[o];
     }
 }

@@ -175,61 +175,60 @@ fn product(a: &Tensor, b: &Tensor, batch: &[usize], part: Causal, zero_masked: b
         ld: n,
         batch_stride: m * n,
     };
-    // One product of the batch (a causal block's rows of it, say): by
-    // strides, or through the addresses of its matrices.
-    let gemm = |dims: (usize, usize, usize), a: Operand, b: Operand, c: Operand| -> Result<()> {
-        let (m, k, n) = dims;
-        if !pointers {
-            return blas::gemm(&s.blas, dtype, (count, m, k, n), a, b, c, Batch::Strided);
-        }
-        let arrays = batch_pointers(&s, batch, [(&sa, a.ptr), (&sb, b.ptr), (&out, c.ptr)])?;
-        let p = ptr(&arrays);
-        let step = (count * 8) as u64;
-        blas::gemm(
-            &s.blas,
-            dtype,
-            (count, m, k, n),
-            a,
-            b,
-            c,
-            Batch::Pointers([p, p + step, p + 2 * step]),
-        )
-    };
+    // The products: the whole batch, or a causal part's blocks of rows.
+    type Call = ((usize, usize, usize), Operand, Operand, Operand);
     let block = causal_block_rows(m);
-    if part == Causal::Dense || block >= m {
-        gemm((m, k, n), oa, ob, oc)?;
-        if part == Causal::Scores && zero_masked {
-            // One tile as wide as the matrix: every key past its query.
-            zero_above_diagonal(&s, &out, count, m, n, m.max(n))?;
-        }
-        return Ok(out);
-    }
-    if part == Causal::Scores && zero_masked {
+    let calls: Vec<Call> = if part == Causal::Dense || block >= m {
+        vec![((m, k, n), oa, ob, oc)]
+    } else {
+        (0..m)
+            .step_by(block)
+            .map(|r0| {
+                let r1 = (r0 + block).min(m);
+                let (a0, c0) = (oa.at(r0, 0, elem), oc.at(r0, 0, elem));
+                match part {
+                    // Queries [r0, r1) see keys [0, r1).
+                    Causal::Scores => ((r1 - r0, k, r1.min(n)), a0, ob, c0),
+                    // Weights of queries [r0, r1) are zero past key r1.
+                    Causal::Weights => ((r1 - r0, r1.min(k), n), a0, ob, c0),
+                    // Keys [r0, r1) are seen by queries [r0, k).
+                    Causal::WeightsTransposed | Causal::Dense => {
+                        let i0 = r0.min(k);
+                        ((r1 - r0, k - i0, n), oa.at(r0, i0, elem), ob.at(i0, 0, elem), c0)
+                    }
+                }
+            })
+            .collect()
+    };
+    if part == Causal::Scores && zero_masked && calls.len() > 1 {
         // The blocks right of each block's diagonal tile are not computed.
         s.gpu.bind()?;
         // SAFETY: the block holds the output's bytes; zeroed on the rank's stream.
         unsafe { cudarc::driver::result::memset_d8_async(ptr(&out), 0, out.size_in_bytes(), s.compute.cu_stream()) }
             .map_err(|e| cuda_error(OP, e))?;
     }
-    for r0 in (0..m).step_by(block) {
-        let r1 = (r0 + block).min(m);
-        let (a0, c0) = (oa.at(r0, 0, elem), oc.at(r0, 0, elem));
-        match part {
-            // Queries [r0, r1) see keys [0, r1).
-            Causal::Scores => gemm((r1 - r0, k, r1.min(n)), a0, ob, c0)?,
-            // Weights of queries [r0, r1) are zero past key r1.
-            Causal::Weights => gemm((r1 - r0, r1.min(k), n), a0, ob, c0)?,
-            // Keys [r0, r1) are seen by queries [r0, k).
-            Causal::WeightsTransposed => {
-                let i0 = r0.min(k);
-                let (a0, b0) = (oa.at(r0, i0, elem), ob.at(i0, 0, elem));
-                gemm((r1 - r0, k - i0, n), a0, b0, c0)?
+    // Read in place: the addresses of every call's matrices, from one kernel.
+    let arrays = if pointers {
+        let bases: Vec<[u64; 3]> = calls.iter().map(|(_, a, b, c)| [a.ptr, b.ptr, c.ptr]).collect();
+        Some(batch_pointers(&s, batch, [&sa, &sb, &out], &bases)?)
+    } else {
+        None
+    };
+    for (i, &((m, k, n), a, b, c)) in calls.iter().enumerate() {
+        let batched = match &arrays {
+            Some(t) => {
+                let step = (count * 8) as u64;
+                let p = ptr(t) + 3 * i as u64 * step;
+                Batch::Pointers([p, p + step, p + 2 * step])
             }
-            Causal::Dense => unreachable!("dense products returned above"),
-        }
+            None => Batch::Strided,
+        };
+        blas::gemm(&s.blas, dtype, (count, m, k, n), a, b, c, batched)?;
     }
     if part == Causal::Scores && zero_masked {
-        zero_above_diagonal(&s, &out, count, m, n, block)?;
+        // The diagonal tiles (one as wide as the matrix for a single call).
+        let tile = if calls.len() > 1 { block } else { m.max(n) };
+        zero_above_diagonal(&s, &out, count, m, n, tile)?;
     }
     Ok(out)
 }
@@ -275,34 +274,42 @@ fn strided_operand(t: &Tensor) -> Result<(Operand, Tensor)> {
     }
 }
 
+/// The most products one `batch_pointers` launch addresses (`kernels.cu`'s
+/// `MAX_CALLS`): a causal part has at most 8 blocks.
+const MAX_CALLS: usize = 8;
+
 /// The `PtrGeo` of `kernels.cu`'s `batch_pointers`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 struct PtrGeo {
     rank: i32,
-    _pad: i32,
+    calls: i32,
     count: i64,
     shape: [i64; MAX_DIMS],
     strides: [[i64; MAX_DIMS]; 3],
+    base: [[u64; 3]; MAX_CALLS],
 }
 
 // SAFETY: plain old data laid out as the kernel's struct.
 unsafe impl DeviceRepr for PtrGeo {}
 
-/// A device array of `3·count` addresses: the matrices of each of the three
-/// operands (`(tensor, address of its first matrix)`, batch strides from the
-/// tensor's leading dims, 0 for a matrix every product shares) over `batch`.
-fn batch_pointers(s: &RankStreams, batch: &[usize], ops: [(&Tensor, u64); 3]) -> Result<Tensor> {
+/// A device array of the matrices' addresses of each product in `bases`
+/// (a's, b's and c's first matrices): for product `i`, `count` addresses of
+/// each operand in turn from `3·i·count`, over the `batch` dims at the
+/// strides of `ops`' leading dims (0 for a matrix every product shares).
+fn batch_pointers(s: &RankStreams, batch: &[usize], ops: [&Tensor; 3], bases: &[[u64; 3]]) -> Result<Tensor> {
     let count: usize = batch.iter().product();
+    debug_assert!(bases.len() <= MAX_CALLS);
     let mut g = PtrGeo {
         rank: batch.len() as i32,
+        calls: bases.len() as i32,
         count: count as i64,
         ..Default::default()
     };
     for (d, &n) in batch.iter().enumerate() {
         g.shape[d] = n as i64;
     }
-    for (o, (t, _)) in ops.iter().enumerate() {
+    for (o, t) in ops.iter().enumerate() {
         let r = t.rank();
         let elem = t.dtype().size_in_bytes() as i64;
         if t.shape()[..r - 2].iter().product::<usize>() == 1 {
@@ -312,9 +319,10 @@ fn batch_pointers(s: &RankStreams, batch: &[usize], ops: [(&Tensor, u64); 3]) ->
             g.strides[o][d] = t.strides()[d] as i64 * elem;
         }
     }
-    let arrays = empty(s, &[3 * count], DType::I64, "matmul")?;
-    let (out, [a, b, c]) = (ptr(&arrays), ops.map(|(_, p)| p));
-    launch!(s, "matmul", "batch_pointers", grid_1d(count), &out, &a, &b, &c, &g)?;
+    g.base[..bases.len()].copy_from_slice(bases);
+    let arrays = empty(s, &[3 * count * bases.len()], DType::I64, "matmul")?;
+    let out = ptr(&arrays);
+    launch!(s, "matmul", "batch_pointers", grid_1d(count * bases.len()), &out, &g)?;
     Ok(arrays)
 }
 
