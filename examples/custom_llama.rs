@@ -10,12 +10,13 @@
 //! cargo run --release --example custom_llama
 //! ```
 
-use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 use tessera::autograd::nn::{Embedding, Init, Inputs, Linear, Materializer, Module, RMSNorm, name_parameters};
 use tessera::autograd::optim::{AdamW, AdamWConfig, LrScheduler, Optimizer, Schedule};
-use tessera::autograd::{Result, Var, backward, load_checkpoint, save_checkpoint};
+use tessera::autograd::{
+    Progress, Result, Var, backward, load_checkpoint, load_states, save_checkpoint, states_to_metadata,
+};
 use tessera::data::batch;
 use tessera::dtensor::{DType, Placement, Tensor, distribute_tensor_from};
 use tessera::fsdp::FsdpConfig;
@@ -298,8 +299,13 @@ fn run(
             // optimizer's state on this mesh, whatever mesh saved them.
             Some(dir) => {
                 let loaded = load_checkpoint(dir, &params, Some(&mut opt))?;
-                sched.load_state(&loaded.metadata, &mut opt)?;
-                first = loaded.metadata["step"].parse()?;
+                let mut progress = Progress::default();
+                load_states(
+                    &loaded.metadata,
+                    &mut [("progress", &mut progress), ("lr_scheduler", &mut sched)],
+                )?;
+                sched.apply(&mut opt)?;
+                first = usize::try_from(progress.step)?;
             }
             None => {
                 model.materializer(0).materialize(&model)?;
@@ -331,8 +337,11 @@ fn run(
             if step + 1 == SAVE_AFTER
                 && let Some(dir) = &save
             {
-                let mut meta: BTreeMap<String, String> = sched.state();
-                meta.insert("step".into(), SAVE_AFTER.to_string());
+                let progress = Progress {
+                    step: SAVE_AFTER as u64,
+                    position: (SAVE_AFTER * ROWS) as u64,
+                };
+                let meta = states_to_metadata(&[("progress", &progress), ("lr_scheduler", &sched)])?;
                 save_checkpoint(dir, &params, Some(&opt), meta)?;
             }
         }

@@ -146,3 +146,80 @@ fn modules_scope_forward_and_backward_and_the_report_sums_to_the_counters() {
         );
     }
 }
+
+/// An error raised inside a model names the module it was raised in (its
+/// fully qualified name below the model, as `named_modules` gives it, and its
+/// type), whether or not a recording is on (a recording takes the hooked path
+/// of a module call); the error inside is the op's own. Called directly, a
+/// layer is the outermost module.
+#[test]
+fn an_error_inside_a_module_names_the_module() {
+    struct Block {
+        proj: Linear,
+    }
+    impl Module for Block {
+        fn named_children(&self) -> Vec<(String, &dyn Module)> {
+            vec![("proj".into(), &self.proj)]
+        }
+        fn forward(&self, x: &Var) -> tessera::autograd::Result<Var> {
+            self.proj.call(x)
+        }
+    }
+    struct Net {
+        blocks: Vec<Block>,
+    }
+    impl Module for Net {
+        fn named_children(&self) -> Vec<(String, &dyn Module)> {
+            self.blocks
+                .iter()
+                .enumerate()
+                .map(|(i, b)| (format!("blocks.{i}"), b as &dyn Module))
+                .collect()
+        }
+        fn forward(&self, x: &Var) -> tessera::autograd::Result<Var> {
+            self.blocks.iter().try_fold(x.clone(), |h, b| b.call(&h))
+        }
+    }
+    let out = launch(1, |ctx| {
+        let mesh = DeviceMesh::with_names(ctx.into_comm(), &[1], &["dp"])?;
+        let net = Net {
+            blocks: vec![
+                Block {
+                    proj: Linear::new(4, 4, false, &mesh, DType::F32)?,
+                },
+                Block {
+                    proj: Linear::new(4, 4, false, &mesh, DType::BF16)?,
+                },
+            ],
+        };
+        Materializer::from_seed(5).materialize(&net)?;
+        let x = Var::constant(distribute_tensor(
+            &Tensor::ones(&[2, 4], DType::F32)?,
+            &mesh,
+            &[Placement::Replicate],
+        )?);
+        let plain = net.call(&x).map(|_| ()).unwrap_err();
+        let rec = observe::record();
+        let recorded = net.call(&x).map(|_| ()).unwrap_err();
+        drop(rec);
+        let direct = net.blocks[1].proj.call(&x).map(|_| ()).unwrap_err();
+        Ok((plain, recorded, direct))
+    })
+    .unwrap();
+    let (plain, recorded, direct) = out.into_iter().next().unwrap();
+    for e in [&plain, &recorded] {
+        let tessera::autograd::Error::InModule(m) = e else {
+            panic!("not tagged with its module: {e}");
+        };
+        assert_eq!(m.fqn(), "blocks.1.proj");
+        assert_eq!(m.module_type(), "Linear");
+        assert!(matches!(e.innermost(), tessera::autograd::Error::Tensor(_)), "{e:?}");
+        let msg = e.to_string();
+        assert!(msg.starts_with("in module blocks.1.proj (Linear): "), "{msg}");
+        assert!(msg.contains("bf16") && msg.contains("f32"), "{msg}");
+    }
+    assert!(
+        direct.to_string().starts_with("in the outermost module (Linear): "),
+        "{direct}"
+    );
+}

@@ -62,6 +62,83 @@ pub enum Error {
         /// What was wrong.
         detail: String,
     },
+
+    /// An error raised inside a module's forward, with the module it was raised
+    /// in: its fully qualified name below the outermost module called and its
+    /// type ([`ModuleError`]). [`Error::innermost`] is the error itself.
+    ///
+    /// PyTorch names no module; its traceback shows the `forward` frames.
+    #[error("{0}")]
+    InModule(Box<ModuleError>),
+}
+
+impl Error {
+    /// The error as raised: for [`Error::InModule`] the one inside the module,
+    /// else `self`.
+    pub fn innermost(&self) -> &Error {
+        match self {
+            Error::InModule(m) => m.error(),
+            other => other,
+        }
+    }
+
+    /// [`innermost`](Self::innermost), owned.
+    pub fn into_innermost(self) -> Error {
+        match self {
+            Error::InModule(m) => m.error,
+            other => other,
+        }
+    }
+}
+
+/// Where an error was raised: the module whose forward raised it (by the
+/// innermost module call running), named by its path below the outermost
+/// module called. The path is resolved as the error leaves each enclosing
+/// call (nothing is kept while calls succeed).
+#[derive(Debug)]
+pub struct ModuleError {
+    /// Names from below the outermost module resolved so far down to the module.
+    pub(crate) path: Vec<String>,
+    /// The short name of the module's type.
+    pub(crate) module_type: &'static str,
+    /// The module the path is relative to: the last call the error left
+    /// (address and type, `None` through `dyn Module`).
+    pub(crate) at: (usize, Option<std::any::TypeId>),
+    pub(crate) error: Error,
+}
+
+impl ModuleError {
+    /// The module's fully qualified name (`layers.0.attention`), as
+    /// `named_modules` gives it; empty for the outermost module.
+    pub fn fqn(&self) -> String {
+        self.path.join(".")
+    }
+
+    /// The short name of the module's type (`Attention`).
+    pub fn module_type(&self) -> &str {
+        self.module_type
+    }
+
+    /// The error raised inside the module.
+    pub fn error(&self) -> &Error {
+        &self.error
+    }
+}
+
+impl std::fmt::Display for ModuleError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.path.is_empty() {
+            write!(f, "in the outermost module ({}): {}", self.module_type, self.error)
+        } else {
+            write!(f, "in module {} ({}): {}", self.fqn(), self.module_type, self.error)
+        }
+    }
+}
+
+impl std::error::Error for ModuleError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&self.error)
+    }
 }
 
 impl From<tessera_tensor::Error> for Error {

@@ -44,13 +44,14 @@ mod tape;
 mod var;
 
 pub use backward::{backward, checkpoint};
-pub use error::{BoxError, Error, Result};
+pub use error::{BoxError, Error, ModuleError, Result};
 pub use ops::unbroadcast;
 pub use param::{Binding, Param, WeakParam};
 pub use saved::{Saved, SavedHandle};
 pub use state_dict::{
-    LoadReport, SafetensorsReader, load_checkpoint, load_state_dict, read_safetensors, save_checkpoint,
-    save_state_dict_full, save_state_dict_full_renamed, write_atomic, write_safetensors,
+    LoadReport, Progress, SafetensorsReader, Stateful, load_checkpoint, load_state_dict, load_states, read_safetensors,
+    save_checkpoint, save_state_dict_full, save_state_dict_full_renamed, states_to_metadata, write_atomic,
+    write_safetensors,
 };
 pub use tape::{clear_tape, is_grad_enabled, no_grad, queue_callback, recorded_ops};
 pub use var::Var;

@@ -4,12 +4,17 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
-use tessera::autograd::save_checkpoint;
 use tessera::autograd::state_dict::{AsyncCheckpointer, write_atomic};
+use tessera::autograd::{Progress, save_checkpoint, states_to_metadata};
 use tessera::dtensor::checkpoint::{Checkpoint, SaveReport, remove_checkpoint};
 use tessera::{BoxError, CommunicatorExt, DeviceMesh};
 
 use crate::Job;
+
+/// The names the run's progress and its learning-rate schedule are saved
+/// under (their entries are `progress.step`, `lr_scheduler.base_lr`, ...).
+pub(crate) const PROGRESS: &str = "progress";
+pub(crate) const SCHEDULE: &str = "lr_scheduler";
 use crate::args::Args;
 use crate::report::RankReport;
 
@@ -91,8 +96,13 @@ impl Checkpoints {
         }
         let t = Instant::now();
         let name = format!("step_{:06}", step + 1);
-        let mut meta = job.sched.state();
-        meta.insert("step".to_string(), (step + 1).to_string());
+        // The step and the rows read so far (each step reads the global
+        // batch's rows), and the schedule: restored by `--resume`.
+        let progress = Progress {
+            step: (step + 1) as u64,
+            position: ((step + 1) * args.global_batch()) as u64,
+        };
+        let meta = states_to_metadata(&[(PROGRESS, &progress), (SCHEDULE, &job.sched)])?;
         let done = if args.async_save {
             let previous = self
                 .background

@@ -62,7 +62,9 @@ use std::time::Instant;
 use tessera::autograd::nn::{MaterializeReport, Materializer};
 use tessera::autograd::optim::clip_grad_norm;
 use tessera::autograd::optim::{AdamW, AdamWConfig, LrScheduler, Optimizer, Schedule};
-use tessera::autograd::{Param, Var, backward, load_checkpoint, read_safetensors, save_state_dict_full};
+use tessera::autograd::{
+    Param, Progress, Var, backward, load_checkpoint, load_states, read_safetensors, save_state_dict_full,
+};
 use tessera::dtensor::{Placement, Tensor, distribute_tensor_from};
 use tessera::fsdp::{FsdpConfig, MixedPrecisionPolicy};
 use tessera::mesh::observe;
@@ -71,7 +73,7 @@ use tessera::tensor::{memory, profile};
 use tessera::{BoxError, CommunicatorExt, DType, DeviceMesh, RankCtx, is_lead_process, launch};
 
 use args::{Arch, Args, USAGE, parse, rows};
-use checkpoints::{Checkpoints, resume_dir};
+use checkpoints::{Checkpoints, PROGRESS, SCHEDULE, resume_dir};
 use metrics::{MetricsWriter, StepMetrics};
 use report::{Observed, RankReport, StepProfile, banner, progress, summarize};
 
@@ -221,22 +223,16 @@ fn resume<M>(args: &Args, path: &std::path::Path, job: &mut Job<M>, report: &mut
     let dir = resume_dir(path)?;
     let r = load_checkpoint(&dir, &job.params, Some(&mut job.opt))?;
     report.resume_s = t.elapsed().as_secs_f64();
-    report.first_step = r
-        .metadata
-        .get("step")
-        .and_then(|s| s.parse().ok())
-        .ok_or_else(|| format!("{}: no step in the checkpoint's metadata", dir.display()))?;
+    // The run's progress and its schedule, saved with the tensors.
+    let mut progress = Progress::default();
+    load_states(
+        &r.metadata,
+        &mut [(PROGRESS, &mut progress), (SCHEDULE, &mut job.sched)],
+    )
+    .map_err(|e| format!("{}: {e}", dir.display()))?;
+    job.sched.apply(&mut job.opt)?;
+    report.first_step = usize::try_from(progress.step)?;
     report.resume_bytes = r.bytes_read;
-    // The schedule resumes from its saved state (a checkpoint saved without one
-    // resumes at its step, from the base learning rate of this run).
-    let mut state = r.metadata.clone();
-    state
-        .entry("lr_scheduler.step".into())
-        .or_insert_with(|| report.first_step.to_string());
-    state
-        .entry("lr_scheduler.base_lr".into())
-        .or_insert_with(|| args.lr.to_string());
-    job.sched.load_state(&state, &mut job.opt)?;
     if report.first_step >= args.steps {
         return Err(format!(
             "--resume: the checkpoint is from step {}, --steps is {}: nothing left to train",

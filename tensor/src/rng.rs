@@ -45,6 +45,24 @@ impl Rng {
         Rng { s, spare_normal: None }
     }
 
+    /// The generator's state: its four words, and the second normal of the
+    /// last pair when not handed out yet (what [`from_state`](Self::from_state)
+    /// takes back).
+    pub fn state(&self) -> ([u64; 4], Option<f64>) {
+        (self.s, self.spare_normal)
+    }
+
+    /// A generator continuing from `state` (as [`state`](Self::state) gave it).
+    ///
+    /// # Errors
+    /// Four zero words, the one state xoshiro256++ cannot leave.
+    pub fn from_state(s: [u64; 4], spare_normal: Option<f64>) -> Result<Rng, String> {
+        if s == [0; 4] {
+            return Err("the generator's four state words are all zero, which xoshiro256++ cannot leave".into());
+        }
+        Ok(Rng { s, spare_normal })
+    }
+
     /// The next 64 random bits.
     pub fn next_u64(&mut self) -> u64 {
         let s = &mut self.s;

@@ -26,7 +26,7 @@ use std::hash::{Hash, Hasher};
 use std::rc::Rc;
 
 use super::{Inputs, Module, join};
-use crate::{Error, Result, Var};
+use crate::{Error, ModuleError, Result, Var};
 
 /// What runs around a hooked module's forward.
 ///
@@ -419,7 +419,7 @@ pub(crate) fn call<M: Module + ?Sized>(m: &M, inputs: Inputs) -> Result<Var> {
     });
     let observing = tessera_mesh::observe::active();
     if !active && !observing {
-        return m.forward_with(&inputs);
+        return m.forward_with(&inputs).map_err(|e| tag(m, e));
     }
     let key = if active { key_of_call(m, relative) } else { None };
     let fqn = observing.then(|| fqn_of_call(m));
@@ -447,7 +447,33 @@ pub(crate) fn call<M: Module + ?Sized>(m: &M, inputs: Inputs) -> Result<Var> {
         unsafe { std::mem::transmute::<&(dyn Fn() -> Vec<(String, *const dyn Module)> + '_), &'static Lister>(lister) };
     STACK.with(|s| s.borrow_mut().push(Frame { key, fqn, children }));
     let _guard = FrameGuard;
-    run(m, inputs, &hooks)
+    run(m, inputs, &hooks).map_err(|e| tag(m, e))
+}
+
+/// `e`, leaving the call of `m`, tagged with where it was raised: a new tag
+/// naming `m` when `e` was raised in `m`'s own forward or hooks, else the
+/// tag's path extended by the names from `m` down to the module it was
+/// relative to (found among `m`'s descendants; left for an enclosing call to
+/// find when `m` does not hold it). Work done only on failure.
+fn tag<M: Module + ?Sized>(m: &M, e: Error) -> Error {
+    let here = (addr_of(m), Some(TypeId::of::<M>()));
+    match e {
+        Error::InModule(mut t) => {
+            let (want, ty) = t.at;
+            let below = find(m.named_children(), want, ty).or_else(|| find(m.named_children(), want, None));
+            if let Some(path) = below {
+                t.path.splice(0..0, path.into_iter().map(|(n, _)| n));
+                t.at = here;
+            }
+            Error::InModule(t)
+        }
+        other => Error::InModule(Box::new(ModuleError {
+            path: Vec::new(),
+            module_type: std::any::type_name::<M>().rsplit("::").next().unwrap_or("module"),
+            at: here,
+            error: other,
+        })),
+    }
 }
 
 /// Pre hooks in order, forward, post hooks in order; on failure, the hooks whose

@@ -10,6 +10,8 @@ use std::collections::BTreeMap;
 use std::f64::consts::PI;
 
 use super::Optimizer;
+use crate::state_dict::Stateful;
+use crate::state_dict::stateful::parsed;
 use crate::{Error, Result};
 
 const OP: &str = "lr_scheduler";
@@ -173,10 +175,10 @@ pub struct LrScheduler {
     step: u64,
 }
 
-/// The metadata key of the scheduler's step.
-const STEP_KEY: &str = "lr_scheduler.step";
-/// The metadata key of the scheduler's base learning rate.
-const BASE_KEY: &str = "lr_scheduler.base_lr";
+/// The state key of the scheduler's step.
+const STEP_KEY: &str = "step";
+/// The state key of the scheduler's base learning rate.
+const BASE_KEY: &str = "base_lr";
 
 impl LrScheduler {
     /// A scheduler whose base learning rate is `opt`'s current one; sets
@@ -213,34 +215,38 @@ impl LrScheduler {
         opt.set_lr(self.lr())
     }
 
-    /// The scheduler's state as checkpoint metadata (`lr_scheduler.step`,
-    /// `lr_scheduler.base_lr`), to merge into what
-    /// [`save_checkpoint`](crate::save_checkpoint) saves.
-    pub fn state(&self) -> BTreeMap<String, String> {
+    /// Sets `opt`'s learning rate to this step's: after restoring the
+    /// scheduler from a checkpoint ([`Stateful::load_state_dict`]), before the
+    /// first resumed step.
+    ///
+    /// # Errors
+    /// A learning rate the optimizer refuses.
+    pub fn apply(&self, opt: &mut dyn Optimizer) -> Result<()> {
+        opt.set_lr(self.lr())
+    }
+}
+
+/// The step and the base learning rate (`step`, `base_lr`; the schedule
+/// itself is the program's). PyTorch: `LRScheduler.state_dict`.
+impl Stateful for LrScheduler {
+    fn state_dict(&self) -> BTreeMap<String, String> {
         BTreeMap::from([
             (STEP_KEY.to_string(), self.step.to_string()),
             (BASE_KEY.to_string(), self.base_lr.to_string()),
         ])
     }
 
-    /// Restores the state [`state`](Self::state) gave (from a checkpoint's
-    /// metadata) and sets `opt`'s learning rate for that step.
-    ///
-    /// # Errors
-    /// A missing key, a value that is not a step count or a finite, non-negative
-    /// learning rate, or a learning rate the optimizer refuses.
-    pub fn load_state(&mut self, state: &BTreeMap<String, String>, opt: &mut dyn Optimizer) -> Result<()> {
-        let get = |key: &str| {
-            state.get(key).ok_or_else(|| Error::Config {
-                op: OP,
-                detail: format!("the checkpoint's metadata has no {key} (saved without a scheduler?)"),
-            })
-        };
-        let (step, base) = (get(STEP_KEY)?, get(BASE_KEY)?);
-        let step: u64 = step.parse().map_err(|_| Error::Config {
+    /// Restores the step and base learning rate; nothing changes unless both
+    /// are good. The optimizer's learning rate is set by [`LrScheduler::apply`].
+    fn load_state_dict(&mut self, state: &BTreeMap<String, String>) -> Result<()> {
+        let step: u64 = parsed(state, STEP_KEY).map_err(|_| Error::Config {
             op: OP,
-            detail: format!("{STEP_KEY} is {step:?}, not a step count"),
+            detail: format!(
+                "{STEP_KEY} is {:?}, not a step count",
+                state.get(STEP_KEY).map_or("missing", String::as_str)
+            ),
         })?;
+        let base = state.get(BASE_KEY).map_or("missing", String::as_str);
         let base_lr: f64 = base
             .parse()
             .ok()
@@ -251,7 +257,7 @@ impl LrScheduler {
             })?;
         self.step = step;
         self.base_lr = base_lr;
-        opt.set_lr(self.lr())
+        Ok(())
     }
 }
 
@@ -346,9 +352,10 @@ mod tests {
             s.step(&mut opt)?;
             close(opt.lr(), 0.1);
             // A resumed run: a fresh optimizer and scheduler, then the saved state.
-            let (mut opt2, state) = (adamw()?, s.state());
+            let (mut opt2, state) = (adamw()?, s.state_dict());
             let mut s2 = LrScheduler::new(schedule, &mut opt2)?;
-            s2.load_state(&state, &mut opt2)?;
+            s2.load_state_dict(&state)?;
+            s2.apply(&mut opt2)?;
             assert_eq!((s2.steps(), opt2.lr()), (2, opt.lr()));
             for _ in 0..5 {
                 s.step(&mut opt)?;
@@ -359,14 +366,14 @@ mod tests {
             // Bad state: named, and nothing changes.
             let mut bad = state.clone();
             bad.remove(STEP_KEY);
-            let e = s2.load_state(&bad, &mut opt2).unwrap_err().to_string();
-            assert!(e.contains("no lr_scheduler.step"), "{e}");
+            let e = s2.load_state_dict(&bad).unwrap_err().to_string();
+            assert!(e.contains("step is \"missing\""), "{e}");
             bad.insert(STEP_KEY.into(), "-3".into());
-            let e = s2.load_state(&bad, &mut opt2).unwrap_err().to_string();
+            let e = s2.load_state_dict(&bad).unwrap_err().to_string();
             assert!(e.contains("not a step count"), "{e}");
             bad.insert(STEP_KEY.into(), "1".into());
             bad.insert(BASE_KEY.into(), "NaN".into());
-            let e = s2.load_state(&bad, &mut opt2).unwrap_err().to_string();
+            let e = s2.load_state_dict(&bad).unwrap_err().to_string();
             assert!(e.contains("not a finite learning rate"), "{e}");
             assert_eq!(s2.steps(), 7);
             Ok(())

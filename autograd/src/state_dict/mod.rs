@@ -52,6 +52,7 @@ mod atomic;
 mod read;
 mod region;
 mod sharded;
+pub(crate) mod stateful;
 
 use std::collections::BTreeSet;
 use std::path::Path;
@@ -69,6 +70,7 @@ pub use atomic::write_atomic;
 use read::{invalid, read_file};
 pub use region::SafetensorsReader;
 pub use sharded::{AsyncCheckpointer, LoadReport, load_checkpoint, save_checkpoint, save_checkpoint_async};
+pub use stateful::{Progress, Stateful, load_states, states_to_metadata};
 
 /// Reads every tensor of a safetensors file, in the file's order (by offset).
 ///
