@@ -227,6 +227,7 @@ fn help_lists_every_flag_with_its_default() {
         "--async-save",
         "--keep-checkpoints",
         "--resume",
+        "--resume-step",
         "--save-full",
         "--profile",
         "--comm-report",
@@ -842,4 +843,55 @@ fn op_log_diff_names_the_first_op_that_differs() {
         "{said}"
     );
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A checkpoint PyTorch wrote (tests/data/pytorch_checkpoint_gpt: FSDP2 on 2
+/// gloo ranks, the tiny GPT after step 4 of `scripts/interop_resume.py`, its
+/// keys Tessera's, no training state) continues under `train --resume DIR
+/// --resume-step 4` with PyTorch's own losses of steps 5 to 8, on PyTorch's mesh
+/// and on FSDP over TP; without `--resume-step` the run stops, saying so.
+#[test]
+fn train_continues_a_run_pytorch_checkpointed() {
+    let data = |f: &str| format!("{}/tests/data/{f}", env!("CARGO_MANIFEST_DIR"));
+    let ck = data("pytorch_checkpoint_gpt/step_000004");
+    let want = losses(std::path::Path::new(&data("pytorch_checkpoint_gpt/losses.json")));
+    let base = [
+        "--init",
+        &data("tiny_init.safetensors"),
+        "--tokens",
+        &data("tiny_tokens_G16.safetensors"),
+        "--batch",
+        "4",
+        "--steps",
+        "8",
+        "--resume",
+        &ck,
+    ]
+    .map(String::from);
+    for (i, mesh) in [&["--world-size", "2"][..], &["--world-size", "4", "--tp", "2"]]
+        .iter()
+        .enumerate()
+    {
+        let out_path = std::env::temp_dir().join(format!("tessera-cli-from-pytorch-{}-{i}.json", std::process::id()));
+        let mut args: Vec<&str> = base.iter().map(String::as_str).collect();
+        args.extend_from_slice(mesh);
+        let out = out_path.to_string_lossy().into_owned();
+        args.extend(["--resume-step", "4", "--losses-out", &out]);
+        let o = train(&args, &[]);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let got = losses(&out_path);
+        let _ = std::fs::remove_file(&out_path);
+        assert_eq!(got.len(), 4, "{mesh:?}: steps 5 to 8");
+        for (g, w) in got.iter().zip(&want[4..]) {
+            assert!((g - w).abs() <= 1e-6, "{mesh:?}: loss {g} where PyTorch had {w}");
+        }
+    }
+    let mut args: Vec<&str> = base.iter().map(String::as_str).collect();
+    args.extend(["--world-size", "2"]);
+    let o = train(&args, &[]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("--resume-step"), "{err}");
+    let o = train(&["--world-size", "1", "--steps", "1", "--resume-step", "3"], &[]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("give --resume DIR too"), "{err}");
 }

@@ -11,7 +11,7 @@ use crate::schedule;
 
 pub(crate) const USAGE: &str = "usage: train [--world-size N | --mesh RxS] [--tp T [--sequence-parallel]] [--steps N] [--batch ROWS_PER_RANK] [--dim N] \
 [--n-layers N] [--n-heads N] [--vocab N] [--seq N] [--model gpt|llama [--n-kv-heads K] [--ffn-hidden H] [--rope-theta F]] [--lr F] [--lr-schedule S] [--warmup-steps N] [--mixed-precision bf16] [--no-reshard] [--init PATH | --seed N] \
-[--tokens PATH] [--data-seed N] [--losses-out PATH] [--metrics-out PATH] [--checkpoint-dir DIR --checkpoint-every N [--async-save] [--keep-checkpoints K]] [--resume DIR] \
+[--tokens PATH] [--data-seed N] [--losses-out PATH] [--metrics-out PATH] [--checkpoint-dir DIR --checkpoint-every N [--async-save] [--keep-checkpoints K]] [--resume DIR [--resume-step K]] \
 [--save-full PATH] [--save-hf DIR] [--device cpu|cuda|cuda:N] [--profile] [--comm-report PATH] [--trace PATH] [--op-log PATH [--op-log-values]]";
 
 /// Every flag with its default (`train --help`).
@@ -54,6 +54,9 @@ output and checkpoints:
   --async-save          write checkpoints in the background
   --keep-checkpoints K  keep the newest K complete checkpoints (default 0: all)
   --resume DIR          continue from a checkpoint saved on any mesh
+  --resume-step K       (with --resume) a checkpoint written elsewhere (PyTorch's sharded
+                        safetensors) carries no training state: it stops after step K,
+                        and the schedule starts there from --lr
   --save-full PATH      consolidated safetensors state dict at the end
   --save-hf DIR         (--model llama) the model as Hugging Face's LlamaForCausalLM loads it
                         (DIR/model.safetensors with its names, DIR/config.json) at the end
@@ -130,6 +133,8 @@ pub(crate) struct Args {
     /// Completed checkpoints to keep (0: all).
     pub(crate) keep: usize,
     pub(crate) resume: Option<PathBuf>,
+    /// `--resume-step`: the step a checkpoint without training state stops at.
+    pub(crate) resume_step: Option<usize>,
     pub(crate) save_full: Option<PathBuf>,
     pub(crate) save_hf: Option<PathBuf>,
     /// Where the ranks compute (`--device`).
@@ -172,6 +177,7 @@ pub(crate) fn parse() -> Result<Args, String> {
         async_save: false,
         keep: 0,
         resume: None,
+        resume_step: None,
         save_full: None,
         save_hf: None,
         device: Device::Cpu,
@@ -270,6 +276,7 @@ pub(crate) fn parse() -> Result<Args, String> {
             "--checkpoint-every" => a.checkpoint_every = num(&value)?,
             "--keep-checkpoints" => a.keep = num(&value)?,
             "--resume" => a.resume = Some(value.into()),
+            "--resume-step" => a.resume_step = Some(num(&value)?),
             "--save-full" => a.save_full = Some(value.into()),
             "--save-hf" => a.save_hf = Some(value.into()),
             other => return Err(format!("unknown flag {other}")),
@@ -323,6 +330,9 @@ pub(crate) fn parse() -> Result<Args, String> {
                         drop --checkpoint-dir, --resume, --save-full, --save-hf (and mpirun)"
                 .into());
         }
+    }
+    if a.resume_step.is_some() && a.resume.is_none() {
+        return Err("--resume-step names the step of the --resume checkpoint: give --resume DIR too".into());
     }
     if a.save_hf.is_some() && a.arch != Arch::Llama {
         return Err("--save-hf writes Hugging Face's LlamaForCausalLM: it needs --model llama".into());

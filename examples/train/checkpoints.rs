@@ -60,6 +60,12 @@ pub(crate) fn resume_dir(path: &std::path::Path) -> Result<PathBuf, BoxError> {
         return Ok(path.to_path_buf());
     }
     let latest = path.join("latest");
+    // A checkpoint written elsewhere (PyTorch's sharded safetensors): no
+    // index, its files' headers are the index.
+    let safetensors = |p: &std::path::Path| p.extension().is_some_and(|e| e == "safetensors");
+    if !latest.exists() && std::fs::read_dir(path).is_ok_and(|d| d.flatten().any(|e| safetensors(&e.path()))) {
+        return Ok(path.to_path_buf());
+    }
     let name = std::fs::read_to_string(&latest).map_err(|e| {
         format!(
             "--resume {}: neither a checkpoint (no index.json) nor a checkpoint directory ({}: {e})",

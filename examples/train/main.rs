@@ -57,13 +57,14 @@ mod checkpoints;
 mod metrics;
 mod report;
 
+use std::collections::BTreeMap;
 use std::time::Instant;
 
 use tessera::autograd::nn::{MaterializeReport, Materializer};
 use tessera::autograd::optim::clip_grad_norm;
 use tessera::autograd::optim::{AdamW, AdamWConfig, LrScheduler, Optimizer, Schedule};
 use tessera::autograd::{
-    Param, Progress, Var, backward, load_checkpoint, load_states, read_safetensors, save_state_dict_full,
+    Param, Progress, Stateful as _, Var, backward, load_checkpoint, load_states, read_safetensors, save_state_dict_full,
 };
 use tessera::dtensor::{Placement, Tensor, distribute_tensor_from};
 use tessera::fsdp::{FsdpConfig, MixedPrecisionPolicy};
@@ -223,13 +224,29 @@ fn resume<M>(args: &Args, path: &std::path::Path, job: &mut Job<M>, report: &mut
     let dir = resume_dir(path)?;
     let r = load_checkpoint(&dir, &job.params, Some(&mut job.opt))?;
     report.resume_s = t.elapsed().as_secs_f64();
-    // The run's progress and its schedule, saved with the tensors.
+    // The run's progress and its schedule, saved with the tensors; a
+    // checkpoint written elsewhere has none, and `--resume-step` names its step.
     let mut progress = Progress::default();
-    load_states(
-        &r.metadata,
-        &mut [(PROGRESS, &mut progress), (SCHEDULE, &mut job.sched)],
-    )
-    .map_err(|e| format!("{}: {e}", dir.display()))?;
+    match args.resume_step {
+        Some(step) => {
+            progress.step = step as u64;
+            let at = BTreeMap::from([
+                ("step".to_string(), step.to_string()),
+                ("base_lr".to_string(), args.lr.to_string()),
+            ]);
+            job.sched.load_state_dict(&at)?;
+        }
+        None => load_states(
+            &r.metadata,
+            &mut [(PROGRESS, &mut progress), (SCHEDULE, &mut job.sched)],
+        )
+        .map_err(|e| {
+            format!(
+                "{}: {e} (a checkpoint written elsewhere: give its step with --resume-step)",
+                dir.display()
+            )
+        })?,
+    }
     job.sched.apply(&mut job.opt)?;
     report.first_step = usize::try_from(progress.step)?;
     report.resume_bytes = r.bytes_read;
