@@ -63,7 +63,6 @@ for f in "$work"/fixture/shards/*.safetensors; do
     cmp <("$PY" -c 'import sys; from safetensors.torch import load_file; t=load_file(sys.argv[1]); print(sorted((k, v.dtype, tuple(v.shape), v.float().sum().item()) for k, v in t.items()))' "$f") \
         <("$PY" -c 'import sys; from safetensors.torch import load_file; t=load_file(sys.argv[1]); print(sorted((k, v.dtype, tuple(v.shape), v.float().sum().item()) for k, v in t.items()))' "tests/data/sharded_safetensors/shards/$(basename "$f")")
 done
-echo "interop with PyTorch: ok"
 # Training continues across frameworks, steps 5 to 8 after a checkpoint of
 # step 4, both ways.
 echo "continued run                         steps  max |dloss| vs the other's own run"
@@ -103,3 +102,4 @@ sys.exit(1 if bad else 0)
 PYEOF
     done
 done
+echo "interop with PyTorch: ok"
