@@ -22,6 +22,9 @@ from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gloo_ranks import free_port, leave  # noqa: E402
+
 
 def rank_main(rank, world, ckpt, full_path, port, resave):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -44,19 +47,7 @@ def rank_main(rank, world, ckpt, full_path, port, resave):
         print(f"PyTorch {torch.__version__} on {world} ranks read {len(full)} tensors of {ckpt}: "
               f"{len(full) - len(bad)} equal bit for bit" + (f", differ: {bad[:5]}" if bad else ""))
     dist.destroy_process_group()
-    # Leave without the interpreter's teardown, where gloo's threads sometimes
-    # abort ("terminate called without an active exception") after the work is done.
-    sys.stdout.flush()
-    os._exit(1 if bad else 0)
-
-
-def free_port():
-    """A TCP port free now, for the ranks' rendezvous."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    leave(1 if bad else 0)
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from torch_gpt import ModelArgs, Transformer  # noqa: E402
 from torch_llama import Llama, LlamaArgs  # noqa: E402
 from torch_llama import parallelize_tp as parallelize_tp_llama  # noqa: E402
+from gloo_ranks import free_port, leave  # noqa: E402
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "data")
 GLOBAL_BATCH = 8
@@ -152,18 +153,7 @@ def rank_main(rank, world, a, port):
         with open(a.losses_out, "w") as f:
             json.dump({"loss": losses, "first_step": a.first, "torch": torch.__version__}, f)
     dist.destroy_process_group()
-    # Leave without the interpreter's teardown, where gloo's threads sometimes
-    # abort after the work is done.
-    sys.stdout.flush()
-    os._exit(0)
-
-
-def free_port():
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    leave(0)
 
 
 def main():

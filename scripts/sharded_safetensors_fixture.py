@@ -21,6 +21,9 @@ from torch.distributed.checkpoint import HuggingFaceStorageWriter
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gloo_ranks import free_port, leave  # noqa: E402
+
 
 def tensors():
     g = torch.Generator().manual_seed(0)
@@ -46,18 +49,7 @@ def rank_main(rank, world, out, port):
         os.makedirs(os.path.join(out, "full"), exist_ok=True)
         save_file(full, os.path.join(out, "full", "full.safetensors"))
     dist.destroy_process_group()
-    # Leave without the interpreter's teardown, where gloo's threads sometimes abort.
-    sys.stdout.flush()
-    os._exit(0)
-
-
-def free_port():
-    """A TCP port free now, for the ranks' rendezvous."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    leave(0)
 
 
 if __name__ == "__main__":
