@@ -96,10 +96,7 @@ impl CudaBuffer {
         }
         // Work from other streams that wrote this buffer was ordered before the
         // compute stream by events; waiting for the compute stream waits for it.
-        streams.compute.synchronize().map_err(|e| cuda_error("to", e))?;
-        streams.count_wait();
-        // The device has caught up: the checks its kernels flagged cost no wait.
-        streams.settle()?;
+        streams.wait("to", false)?;
         Ok(out)
     }
 

@@ -171,6 +171,19 @@ impl RankStreams {
         Ok(())
     }
 
+    /// Waits until the compute stream (with `comm`, the communication stream
+    /// too) has run all it was given, counts the wait, and reads the pending
+    /// checks: the device has caught up, so they cost no further wait. `op`
+    /// names the caller in errors.
+    pub(crate) fn wait(&self, op: &'static str, comm: bool) -> Result<()> {
+        self.compute.synchronize().map_err(|e| cuda_error(op, e))?;
+        if comm {
+            self.comm.synchronize().map_err(|e| cuda_error(op, e))?;
+        }
+        self.count_wait();
+        self.settle()
+    }
+
     /// Counts a wait of the host for this rank's work.
     pub(crate) fn count_wait(&self) {
         self.waits.fetch_add(1, Ordering::Relaxed);
@@ -205,10 +218,7 @@ pub(crate) fn synchronize_rank() -> Result<()> {
         .map(|(_, s)| Arc::clone(s))
         .collect();
     for s in mine {
-        s.compute.synchronize().map_err(|e| cuda_error("synchronize", e))?;
-        s.comm.synchronize().map_err(|e| cuda_error("synchronize", e))?;
-        s.count_wait();
-        s.settle()?;
+        s.wait("synchronize", true)?;
     }
     Ok(())
 }

@@ -100,15 +100,7 @@ pub fn empty_cache(ordinal: usize) -> Result<()> {
 /// make the host wait for the device in the middle of every step.
 pub fn synchronize(ordinal: usize) -> Result<()> {
     let gpu = driver::gpu(ordinal)?;
-    let s = driver::streams(&gpu)?;
-    s.compute
-        .synchronize()
-        .map_err(|e| library::cuda_error("synchronize", e))?;
-    s.comm
-        .synchronize()
-        .map_err(|e| library::cuda_error("synchronize", e))?;
-    s.count_wait();
-    s.settle()
+    driver::streams(&gpu)?.wait("synchronize", true)
 }
 
 /// How many times the host has waited for the calling rank's work on GPU

@@ -192,10 +192,12 @@ fn product(a: &Tensor, b: &Tensor, batch: &[usize], part: Causal, zero_masked: b
                     // Weights of queries [r0, r1) are zero past key r1.
                     Causal::Weights => ((r1 - r0, r1.min(k), n), a0, ob, c0),
                     // Keys [r0, r1) are seen by queries [r0, k).
-                    Causal::WeightsTransposed | Causal::Dense => {
+                    Causal::WeightsTransposed => {
                         let i0 = r0.min(k);
                         ((r1 - r0, k - i0, n), oa.at(r0, i0, elem), ob.at(i0, 0, elem), c0)
                     }
+                    // INVARIANT: a dense product is one call (above).
+                    Causal::Dense => unreachable!("a dense product is one call"),
                 }
             })
             .collect()
