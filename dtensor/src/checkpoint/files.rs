@@ -10,6 +10,7 @@ use std::path::{Path, PathBuf};
 
 use serde_json::{Map, Value, json};
 
+use super::ckpt_error;
 use super::index::{Chunk, checksum, dtype_name};
 use crate::{Error, Result, Tensor};
 
@@ -21,10 +22,7 @@ const STAMP_FORMAT: &str = "tessera";
 const MAX_HEADER: u64 = 100 << 20;
 
 pub(crate) fn io_error(path: &Path, what: &str, e: std::io::Error) -> Error {
-    Error::Checkpoint {
-        path: path.display().to_string(),
-        detail: format!("{what}: {e}"),
-    }
+    ckpt_error(path, format!("{what}: {e}"))
 }
 
 /// Where a chunk landed in its file: its key, absolute byte range and block
@@ -141,10 +139,7 @@ pub(crate) fn check_header(
     file_name: &str,
     chunks: &[(&str, &str, &Chunk)],
 ) -> Result<()> {
-    let bad = |detail: String| Error::Checkpoint {
-        path: path.display().to_string(),
-        detail,
-    };
+    let bad = |detail: String| ckpt_error(path, detail);
     let (header, start) = read_header(path, file)?;
     if id.is_empty() {
         // Written elsewhere: no stamp, and the index was built from these
@@ -198,10 +193,7 @@ fn check_chunks(
     (version, stamped): (u32, bool),
     chunks: &[(&str, &str, &Chunk)],
 ) -> Result<()> {
-    let bad = |detail: String| Error::Checkpoint {
-        path: path.display().to_string(),
-        detail,
-    };
+    let bad = |detail: String| ckpt_error(path, detail);
     // What a reader of sharded safetensors takes each chunk's place to be.
     let info = if version == 2 {
         None
@@ -260,10 +252,7 @@ fn check_chunks(
 /// [`Error::Checkpoint`] naming the file when it is not safetensors: a header
 /// length beyond the file or [`MAX_HEADER`], or a header that is not a JSON object.
 pub(crate) fn read_header(path: &Path, file: &File) -> Result<(Map<String, Value>, u64)> {
-    let bad = |detail: String| Error::Checkpoint {
-        path: path.display().to_string(),
-        detail,
-    };
+    let bad = |detail: String| ckpt_error(path, detail);
     let len = file
         .metadata()
         .map_err(|e| io_error(path, "cannot read the size of", e))?
@@ -299,9 +288,11 @@ pub(crate) fn sharding_info(path: &Path, header: &Map<String, Value>) -> Result<
     else {
         return Ok(None);
     };
-    serde_json::from_str(info).map(Some).map_err(|e| Error::Checkpoint {
-        path: path.display().to_string(),
-        detail: format!("its {SHARDING_INFO} is not a JSON object of saved offsets ({e})"),
+    serde_json::from_str(info).map(Some).map_err(|e| {
+        ckpt_error(
+            path,
+            format!("its {SHARDING_INFO} is not a JSON object of saved offsets ({e})"),
+        )
     })
 }
 
@@ -322,13 +313,13 @@ pub(crate) fn saved_offsets(
     };
     match whole_numbers(info.get(key).and_then(|e| e.get("saved_offsets"))) {
         Some(o) if o.len() == rank => Ok(o),
-        _ => Err(Error::Checkpoint {
-            path: path.display().to_string(),
-            detail: format!(
+        _ => Err(ckpt_error(
+            path,
+            format!(
                 "tensor {key}: its {SHARDING_INFO} entry is {}, not {rank} saved offsets",
                 info.get(key).map_or("missing".to_string(), Value::to_string)
             ),
-        }),
+        )),
     }
 }
 
@@ -392,12 +383,8 @@ pub(crate) fn install(tmp: &Path, dir: &Path) -> Result<()> {
 fn exchange(a: &Path, b: &Path) -> Result<()> {
     use std::ffi::CString;
     use std::os::unix::ffi::OsStrExt;
-    let c = |p: &Path| {
-        CString::new(p.as_os_str().as_bytes()).map_err(|_| Error::Checkpoint {
-            path: p.display().to_string(),
-            detail: "a path with a NUL byte".into(),
-        })
-    };
+    let c =
+        |p: &Path| CString::new(p.as_os_str().as_bytes()).map_err(|_| ckpt_error(p, "a path with a NUL byte".into()));
     let (ca, cb) = (c(a)?, c(b)?);
     // SAFETY: both are valid NUL-terminated paths; renameat2 reads them only.
     let rc = unsafe {
