@@ -10,13 +10,13 @@ use tessera::dtensor::checkpoint::{Checkpoint, SaveReport, remove_checkpoint};
 use tessera::{BoxError, CommunicatorExt, DeviceMesh};
 
 use crate::Job;
+use crate::args::Args;
+use crate::report::RankReport;
 
 /// The names the run's progress and its learning-rate schedule are saved
 /// under (their entries are `progress.step`, `lr_scheduler.base_lr`, ...).
 pub(crate) const PROGRESS: &str = "progress";
 pub(crate) const SCHEDULE: &str = "lr_scheduler";
-use crate::args::Args;
-use crate::report::RankReport;
 
 /// Records a completed checkpoint `name` in `dir`: `latest` names it (rank 0
 /// writes) and the report gets the bytes all ranks wrote. Collective.

@@ -57,14 +57,13 @@ mod checkpoints;
 mod metrics;
 mod report;
 
-use std::collections::BTreeMap;
 use std::time::Instant;
 
 use tessera::autograd::nn::{MaterializeReport, Materializer};
 use tessera::autograd::optim::clip_grad_norm;
 use tessera::autograd::optim::{AdamW, AdamWConfig, LrScheduler, Optimizer, Schedule};
 use tessera::autograd::{
-    Param, Progress, Stateful as _, Var, backward, load_checkpoint, load_states, read_safetensors, save_state_dict_full,
+    Param, Progress, Var, backward, load_checkpoint, load_states, read_safetensors, save_state_dict_full,
 };
 use tessera::dtensor::{Placement, Tensor, distribute_tensor_from};
 use tessera::fsdp::{FsdpConfig, MixedPrecisionPolicy};
@@ -230,11 +229,7 @@ fn resume<M>(args: &Args, path: &std::path::Path, job: &mut Job<M>, report: &mut
     match args.resume_step {
         Some(step) => {
             progress.step = step as u64;
-            let at = BTreeMap::from([
-                ("step".to_string(), step.to_string()),
-                ("base_lr".to_string(), args.lr.to_string()),
-            ]);
-            job.sched.load_state_dict(&at)?;
+            job.sched.set_steps(progress.step);
         }
         None => load_states(
             &r.metadata,

@@ -215,6 +215,14 @@ impl LrScheduler {
         opt.set_lr(self.lr())
     }
 
+    /// Moves the schedule to `steps` steps taken, its base learning rate kept:
+    /// for a run resumed from a checkpoint that carries no scheduler state;
+    /// [`apply`](Self::apply) then sets the optimizer's rate. PyTorch: setting
+    /// `last_epoch`.
+    pub fn set_steps(&mut self, steps: u64) {
+        self.step = steps;
+    }
+
     /// Sets `opt`'s learning rate to this step's: after restoring the
     /// scheduler from a checkpoint ([`Stateful::load_state_dict`]), before the
     /// first resumed step.
@@ -353,10 +361,16 @@ mod tests {
             close(opt.lr(), 0.1);
             // A resumed run: a fresh optimizer and scheduler, then the saved state.
             let (mut opt2, state) = (adamw()?, s.state_dict());
-            let mut s2 = LrScheduler::new(schedule, &mut opt2)?;
+            let mut s2 = LrScheduler::new(schedule.clone(), &mut opt2)?;
             s2.load_state_dict(&state)?;
             s2.apply(&mut opt2)?;
             assert_eq!((s2.steps(), opt2.lr()), (2, opt.lr()));
+            // Or moved to the step when a checkpoint carries no scheduler state.
+            let mut opt3 = adamw()?;
+            let mut s3 = LrScheduler::new(schedule, &mut opt3)?;
+            s3.set_steps(2);
+            s3.apply(&mut opt3)?;
+            assert_eq!((s3.steps(), opt3.lr()), (2, opt.lr()));
             for _ in 0..5 {
                 s.step(&mut opt)?;
                 s2.step(&mut opt2)?;
