@@ -880,6 +880,11 @@ fn train_continues_a_run_pytorch_checkpointed() {
         let o = train(&args, &[]);
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
         let got = losses(&out_path);
+        // Host memory per rank: in use, and reserved with the host cache (never less).
+        let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&out_path).unwrap()).unwrap();
+        let column = |k: &str| -> Vec<u64> { v[k].as_array().unwrap().iter().map(|x| x.as_u64().unwrap()).collect() };
+        let (used, reserved) = (column("peak_bytes_per_rank"), column("peak_reserved_bytes_per_rank"));
+        assert!(used.len() == reserved.len() && used.iter().zip(&reserved).all(|(u, r)| *u > 0 && r >= u));
         let _ = std::fs::remove_file(&out_path);
         assert_eq!(got.len(), 4, "{mesh:?}: steps 5 to 8");
         for (g, w) in got.iter().zip(&want[4..]) {

@@ -344,7 +344,7 @@ fn train_model<M: CausalLm>(
         _ => None,
     };
     // With metrics, the tracker's peak is reset every step; the run's is kept here.
-    let mut run_peak = 0;
+    let (mut run_peak, mut run_peak_reserved) = (0, 0);
     // `--profile`: rank 0's ops over the steps after the first two.
     let profiled_from = (report.first_step + 2).min(args.steps.saturating_sub(1));
     if args.profile && rank == 0 {
@@ -382,6 +382,7 @@ fn train_model<M: CausalLm>(
         if args.metrics_out.is_some() {
             let now = memory::stats();
             run_peak = run_peak.max(now.peak_bytes);
+            run_peak_reserved = run_peak_reserved.max(now.peak_reserved_bytes);
             memory::reset_peak();
             // Every rank's bytes (a collective: every rank takes part).
             let all = job
@@ -439,17 +440,23 @@ fn train_model<M: CausalLm>(
     if let Some(dir) = &args.save_hf {
         job.model.save_hf(dir)?;
     }
-    let (peak, device_peak) = (
-        memory::stats().peak_bytes.max(run_peak),
+    let now = memory::stats();
+    let (peak, peak_reserved, device_peak) = (
+        now.peak_bytes.max(run_peak),
+        now.peak_reserved_bytes.max(run_peak_reserved),
         memory::device_stats().peak_bytes,
     );
-    let all = job
-        .mesh
-        .comm()
-        .all_gather_vec(&[peak, job.init.peak_bytes, job.init.local_bytes, device_peak].map(|b| b as i64))?;
-    let column = |i: usize| all.chunks(4).map(|c| c[i] as usize).collect();
+    let mine = [
+        peak,
+        job.init.peak_bytes,
+        job.init.local_bytes,
+        device_peak,
+        peak_reserved,
+    ];
+    let all = job.mesh.comm().all_gather_vec(&mine.map(|b| b as i64))?;
+    let column = |i: usize| all.chunks(mine.len()).map(|c| c[i] as usize).collect();
     (report.peak_bytes, report.init_peak_bytes, report.init_local_bytes) = (column(0), column(1), column(2));
-    report.device_peak_bytes = column(3);
+    (report.device_peak_bytes, report.peak_reserved_bytes) = (column(3), column(4));
     if let Some((_, allocated, reserved)) = device_memory(args)? {
         report.device_allocator_peaks = (allocated, reserved);
     }

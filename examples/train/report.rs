@@ -18,6 +18,8 @@ pub(crate) struct RankReport {
     pub(crate) step_time_s: Vec<f64>,
     /// Every rank's peak tensor memory (gathered, so MPI's rank 0 knows them all).
     pub(crate) peak_bytes: Vec<usize>,
+    /// Every rank's peak of reserved host bytes: in use plus its cache's.
+    pub(crate) peak_reserved_bytes: Vec<usize>,
     /// Per checkpoint: the seconds training waited for it (the whole save, or
     /// for a background one its staging and the end of the one before).
     pub(crate) save_s: Vec<f64>,
@@ -236,13 +238,14 @@ pub(crate) fn summarize(args: &Args, r0: &RankReport, peak_flops: Option<(f64, u
     // states in f32 before any activation.
     let unsharded = 16 * args.num_params();
     println!(
-        "done on mesh {:?}: loss {:.4} -> {:.4}; {:.0} tokens/s; peak tensor memory per rank {} (one unsharded rank \
-         needs {} for parameters, gradients and AdamW states alone)",
+        "done on mesh {:?}: loss {:.4} -> {:.4}; {:.0} tokens/s; peak tensor memory per rank {} in use, {} reserved \
+         with the host cache (one unsharded rank needs {} for parameters, gradients and AdamW states alone)",
         args.mesh,
         r0.losses[0],
         r0.losses[r0.losses.len() - 1],
         tokens_seen / total,
         human(peak),
+        human(r0.peak_reserved_bytes.iter().copied().max().unwrap_or(0)),
         human(unsharded)
     );
     // Model FLOPs (6 per parameter and token, plus attention) against the
@@ -331,6 +334,7 @@ pub(crate) fn summarize(args: &Args, r0: &RankReport, peak_flops: Option<(f64, u
             "loss": r0.losses,
             "step_time_s": r0.step_time_s,
             "peak_bytes_per_rank": r0.peak_bytes,
+            "peak_reserved_bytes_per_rank": r0.peak_reserved_bytes,
             "init_peak_bytes_per_rank": r0.init_peak_bytes,
             "device_peak_bytes_per_rank": r0.device_peak_bytes,
             "device_reserved_bytes_per_step": r0.device_reserved_bytes,

@@ -6,16 +6,19 @@
 //!
 //! - on Linux, buffers of 2 MiB or more are advised to use transparent huge pages
 //!   before they are touched (512 times fewer faults where the system allows it);
-//! - when a tensor's storage of 256 KiB or more is dropped on its rank's thread,
-//!   the buffer goes to a small per-thread cache, and outputs and exchange buffers
-//!   that are overwritten in full ([`reused`], and the crate's own `written`)
-//!   come from there first: no faults, no zeroing (`written` does not zero a
-//!   fresh buffer either: its caller writes every element). The cache holds at
-//!   most 16 buffers and 64 MiB per thread and dies with the thread; cached
-//!   buffers are not tensor storage, so the memory tracker does not count them
-//!   (which is why the cap is small: at 512 MiB, four ranks of a 165M-parameter
-//!   model kept 2.5 GB the tracker never saw, 1.6× their tracked peaks, with no
-//!   gain on the bench model);
+//! - buffers of 256 KiB or more are a caching allocator's (PyTorch's CUDA
+//!   caching allocator is the model): allocated with the capacity of their size
+//!   class ([`size_class`]: 512-byte steps to 1 MiB, then quarter powers of two,
+//!   at most 25% slack), and when a tensor's storage is dropped its buffer goes
+//!   to its thread's cache (a rank's thread is the rank) instead of back to the
+//!   system. New buffers of the same dtype and size class come from there first
+//!   — zeros ([`zeros_buffer`]) refilled, outputs overwritten in full
+//!   ([`reused`], `written`) as they are — so a training step that allocates
+//!   what the step before freed touches no fresh page. The memory tracker
+//!   counts cached bytes as reserved, not in use ([`crate::memory::MemoryStats`]);
+//!   a thread keeps at most its rank's peak bytes in use, or 64 MiB when that is
+//!   less, dropping its oldest buffers beyond, and [`empty_cache`] gives all of
+//!   them back (PyTorch: `torch.cuda.empty_cache`);
 //! - with glibc, the first tensor storage tunes `malloc` to keep freed memory for
 //!   reuse instead of handing it back to the system after every step (a heap
 //!   allocation up to 32 MiB, no trimming below 1 GiB of free top, 64 MiB of top
@@ -38,49 +41,122 @@ use tessera_mesh::{Buffer, DType, Element};
 
 use crate::{Error, Result};
 
-/// Buffers kept per thread.
-pub(crate) const CACHE_BUFFERS: usize = 16;
-/// The smallest buffer kept: below, a fresh buffer from `malloc`'s free lists
+/// The smallest buffer cached: below, a fresh buffer from `malloc`'s free lists
 /// costs less than looking one up.
 const CACHE_MIN_BYTES: usize = 256 << 10;
-/// Bytes kept per thread.
-pub(crate) const CACHE_BYTES: usize = 64 << 20;
+/// Bytes a thread's cache may keep whatever its rank's peak.
+pub(crate) const CACHE_FLOOR_BYTES: usize = 64 << 20;
 
-thread_local! {
-    static CACHE: RefCell<Vec<Buffer>> = const { RefCell::new(Vec::new()) };
+/// The capacity in bytes given to a buffer of `bytes`: multiples of 512 bytes
+/// up to 1 MiB, above that multiples of a quarter of the power of two below
+/// (at most 25% more; PyTorch's `roundup_power2_divisions` of 4). The device
+/// allocator's size classes too.
+pub(crate) fn size_class(bytes: usize) -> usize {
+    const SMALL: usize = 1 << 20;
+    let bytes = bytes.max(1);
+    if bytes <= SMALL {
+        return bytes.div_ceil(512) * 512;
+    }
+    if bytes.is_power_of_two() {
+        return bytes;
+    }
+    let step = (bytes.next_power_of_two() / 2) / 4;
+    bytes.div_ceil(step) * step
 }
 
-/// Offers a dropped storage buffer to this thread's cache.
+/// The capacity in elements of `T` a buffer of `n` elements is allocated with:
+/// its size class from 256 KiB, `n` itself below.
+fn capacity_for<T>(n: usize) -> usize {
+    let size = std::mem::size_of::<T>().max(1);
+    let bytes = n.saturating_mul(size);
+    if bytes < CACHE_MIN_BYTES {
+        return n;
+    }
+    let class = size_class(bytes);
+    if class.is_multiple_of(size) { class / size } else { n }
+}
+
+/// One thread's cached buffers, oldest first, each counted as reserved on the
+/// rank it was freed for (the charge goes when the buffer leaves, also when
+/// the thread ends).
+#[derive(Default)]
+struct Cache {
+    buffers: Vec<(Buffer, crate::memory::CacheCharge)>,
+    bytes: usize,
+}
+
+thread_local! {
+    static CACHE: RefCell<Cache> = RefCell::new(Cache::default());
+}
+
+/// The capacity in bytes of `buf`.
+fn capacity_bytes(buf: &Buffer) -> usize {
+    tessera_mesh::dispatch_buf!(Buffer, buf, v, _T => v.capacity() * std::mem::size_of::<_T>())
+}
+
+/// Offers a dropped storage buffer to this thread's cache: kept from 256 KiB,
+/// the oldest ones dropped beyond what the cache may keep.
 pub(crate) fn recycle(buf: Buffer) {
-    let bytes = buf.len() * buf.dtype().size_in_bytes();
-    if !(CACHE_MIN_BYTES..=CACHE_BYTES).contains(&bytes) {
+    let bytes = capacity_bytes(&buf);
+    if bytes < CACHE_MIN_BYTES {
+        return;
+    }
+    let limit = crate::memory::stats().peak_bytes.max(CACHE_FLOOR_BYTES);
+    if bytes > limit {
         return;
     }
     // The cache may be gone during thread exit; then the buffer is simply freed.
     let _ = CACHE.try_with(|c| {
         let mut c = c.borrow_mut();
-        c.push(buf);
-        let total = |c: &Vec<Buffer>| c.iter().map(|b| b.len() * b.dtype().size_in_bytes()).sum::<usize>();
-        while c.len() > CACHE_BUFFERS || total(&c) > CACHE_BYTES {
-            c.remove(0);
+        c.bytes += bytes;
+        c.buffers.push((buf, crate::memory::CacheCharge::new(bytes)));
+        while c.bytes > limit {
+            let (_, charge) = c.buffers.remove(0);
+            c.bytes -= charge.bytes();
         }
     });
 }
 
-/// A cached buffer of `n` elements of `T`, taken out of this thread's cache.
+/// A cached buffer for `n` elements of `T`, taken out of this thread's cache
+/// with whatever length and elements it had: the newest whose capacity holds
+/// `n` and lies within `n`'s size class (so a buffer is never more than a
+/// quarter larger than asked; one allocated elsewhere serves its own size).
 fn cached<T: Element>(n: usize) -> Option<Vec<T>> {
+    let size = std::mem::size_of::<T>();
+    let want = n.saturating_mul(size);
+    if want < CACHE_MIN_BYTES {
+        return None;
+    }
+    let class = size_class(want);
     CACHE
         .try_with(|c| {
             let mut c = c.borrow_mut();
-            let i = c.iter().position(|b| b.dtype() == T::DTYPE && b.len() == n)?;
-            T::from_buffer(c.remove(i)).ok()
+            let i = c.buffers.iter().rposition(|(b, _)| {
+                let cap = capacity_bytes(b);
+                b.dtype() == T::DTYPE && (want..=class).contains(&cap)
+            })?;
+            let (buf, charge) = c.buffers.remove(i);
+            c.bytes -= charge.bytes();
+            T::from_buffer(buf).ok()
         })
         .ok()
         .flatten()
 }
 
+/// Gives this thread's cached buffers back to the system (they stop counting as
+/// reserved). PyTorch: `torch.cuda.empty_cache` (here for the host, per rank
+/// thread).
+pub fn empty_cache() {
+    let _ = CACHE.try_with(|c| *c.borrow_mut() = Cache::default());
+}
+
+/// Bytes this thread's cache keeps now.
+pub fn cached_bytes() -> usize {
+    CACHE.try_with(|c| c.borrow().bytes).unwrap_or(0)
+}
+
 /// A vector for a tensor of `shape` whose contents are unspecified (but valid
-/// values): a cached buffer of that exact size when there is one, else a fresh
+/// values): a cached buffer of its size class when there is one, else a fresh
 /// zeroed one. For outputs that the caller overwrites in full.
 ///
 /// # Errors
@@ -89,13 +165,18 @@ fn cached<T: Element>(n: usize) -> Option<Vec<T>> {
 pub fn reused<T: Element>(op: &'static str, shape: &[usize]) -> Result<Vec<T>> {
     let n = checked_len(op, shape, T::DTYPE)?;
     match cached::<T>(n) {
-        Some(v) => Ok(v),
+        Some(mut v) => {
+            // Elements past its last length are set (the capacity may hold
+            // never-written memory there).
+            v.resize(n, T::default());
+            Ok(v)
+        }
         None => zeroed(op, shape),
     }
 }
 
 /// A vector for a tensor of `shape` whose every element `write` sets: a cached
-/// buffer of that exact size when there is one (as [`reused`]), else a fresh one
+/// buffer of its size class when there is one (as [`reused`]), else a fresh one
 /// that is not zeroed first (a zeroing pass costs about as much as the writes).
 ///
 /// # Safety
@@ -188,7 +269,8 @@ pub(crate) fn zeros_buffer(op: &'static str, shape: &[usize], dtype: DType) -> R
 pub(crate) fn with_capacity<T: Element>(op: &'static str, shape: &[usize]) -> Result<Vec<T>> {
     let n = checked_len(op, shape, T::DTYPE)?;
     let mut v = Vec::new();
-    v.try_reserve_exact(n).map_err(|_| out_of_memory(op, shape, T::DTYPE))?;
+    v.try_reserve_exact(capacity_for::<T>(n))
+        .map_err(|_| out_of_memory(op, shape, T::DTYPE))?;
     Ok(v)
 }
 
@@ -229,6 +311,13 @@ const HUGE: usize = 2 << 20;
 pub(crate) fn zeroed<T: Element>(op: &'static str, shape: &[usize]) -> Result<Vec<T>> {
     let _t = crate::profile::scope(crate::profile::Kind::Allocation);
     let n = checked_len(op, shape, T::DTYPE)?;
+    if let Some(mut v) = cached::<T>(n) {
+        // Refilled: a pass of writes over mapped pages costs less than the
+        // faults and the kernel's zeroing of fresh ones.
+        v.clear();
+        v.resize(n, T::default());
+        return Ok(v);
+    }
     let v = try_zeroed::<T>(n).ok_or_else(|| out_of_memory(op, shape, T::DTYPE))?;
     advise_huge(&v);
     Ok(v)
@@ -238,7 +327,8 @@ pub(crate) fn zeroed<T: Element>(op: &'static str, shape: &[usize]) -> Result<Ve
 /// `vec![T::default(); n]` (zeroed memory from the allocator, which for large
 /// sizes means untouched pages), but fallible, for every element type.
 fn try_zeroed<T: Element>(n: usize) -> Option<Vec<T>> {
-    let layout = std::alloc::Layout::array::<T>(n).ok()?;
+    let cap = capacity_for::<T>(n);
+    let layout = std::alloc::Layout::array::<T>(cap).ok()?;
     if layout.size() == 0 {
         return Some(Vec::new());
     }
@@ -247,11 +337,12 @@ fn try_zeroed<T: Element>(n: usize) -> Option<Vec<T>> {
     if ptr.is_null() {
         return None;
     }
-    // SAFETY: `ptr` comes from the global allocator with the layout of `[T; n]`,
-    // which is what a `Vec<T>` of capacity `n` deallocates with; all `n` elements
-    // are initialized, because all-zero bytes are a valid `T` (`Element: Pod`, so
-    // `Zeroable`), and they equal `T::default()` (0, 0.0 or +0.0 in half precision).
-    Some(unsafe { Vec::from_raw_parts(ptr, n, n) })
+    // SAFETY: `ptr` comes from the global allocator with the layout of `[T; cap]`,
+    // which is what a `Vec<T>` of capacity `cap` deallocates with; all `cap`
+    // elements are initialized (`n ≤ cap` of them in use), because all-zero bytes
+    // are a valid `T` (`Element: Pod`, so `Zeroable`), and they equal
+    // `T::default()` (0, 0.0 or +0.0 in half precision).
+    Some(unsafe { Vec::from_raw_parts(ptr, n, cap) })
 }
 
 fn advise_huge<T>(v: &[T]) {
@@ -285,7 +376,8 @@ mod tests {
     use super::*;
 
     #[test]
-    fn dropped_large_buffers_are_reused() {
+    fn dropped_large_buffers_are_reused_by_size_class() {
+        empty_cache();
         let n = 1 << 20; // 4 MiB of f32
         let v: Vec<f32> = vec![7.0; n];
         let ptr = v.as_ptr();
@@ -296,23 +388,101 @@ mod tests {
         let other: Vec<f32> = reused("t", &[n]).unwrap();
         assert_ne!(other.as_ptr(), ptr, "a buffer is handed out once");
         assert!(other.iter().all(|&x| x == 0.0), "a fresh buffer is zeroed");
+        // A size in the same class (4 MiB + 4 bytes and 4.9 MiB round up to
+        // 5 MiB) reuses the buffer; its elements past the last length are set.
+        let a: Vec<f32> = zeroed("t", &[n + 1]).unwrap();
+        assert_eq!(a.capacity() * 4, size_class((n + 1) * 4));
+        let (a_ptr, a_cap) = (a.as_ptr(), a.capacity());
+        recycle(Buffer::F32(a));
+        let b: Vec<f32> = reused("t", &[a_cap - 3]).unwrap();
+        assert_eq!(b.as_ptr(), a_ptr, "one size class, one buffer");
+        assert!(
+            b[n + 1..].iter().all(|&x| x == 0.0),
+            "the tail past the last length is set"
+        );
+        recycle(Buffer::F32(b));
+        let z: Vec<f32> = zeroed("t", &[n + 2]).unwrap();
+        assert_eq!(z.as_ptr(), a_ptr, "zeros come from the cache too");
+        assert!(z.iter().all(|&x| x == 0.0), "refilled with zeros");
         // From 256 KiB (a layer norm's output) buffers are cached; smaller ones are not.
         let mid = vec![2.0f32; CACHE_MIN_BYTES / 4];
         let mid_ptr = mid.as_ptr();
         recycle(Buffer::F32(mid));
         let again: Vec<f32> = reused("t", &[CACHE_MIN_BYTES / 4]).unwrap();
         assert_eq!(again.as_ptr(), mid_ptr, "a 256 KiB buffer comes back");
-        let small = vec![1.0f32; CACHE_MIN_BYTES / 4 - 1];
-        recycle(Buffer::F32(small));
-        CACHE.with(|c| assert!(c.borrow().iter().all(|b| b.len() != CACHE_MIN_BYTES / 4 - 1)));
+        let before = cached_bytes();
+        recycle(Buffer::F32(vec![1.0f32; CACHE_MIN_BYTES / 4 - 1]));
+        assert_eq!(cached_bytes(), before, "a buffer under 256 KiB is not cached");
+        // One allocated elsewhere (its capacity not a size class) serves any
+        // size it holds within that size's class; not a larger one.
+        let odd = vec![1.0f32; (1 << 20) + 3];
+        let odd_ptr = odd.as_ptr();
+        recycle(Buffer::F32(odd));
+        let larger: Vec<f32> = reused("t", &[(1 << 20) + 4]).unwrap();
+        assert_ne!(larger.as_ptr(), odd_ptr);
+        let smaller: Vec<f32> = reused("t", &[(1 << 20) + 2]).unwrap();
+        assert_eq!((smaller.as_ptr(), smaller.len()), (odd_ptr, (1 << 20) + 2));
+        assert_eq!(cached_bytes(), before);
+        // Nor is a dtype mixed up: a bf16 request finds no f32 buffer.
+        recycle(Buffer::F32(vec![0.0f32; n]));
+        let h: Vec<half::bf16> = reused("t", &[2 * n]).unwrap();
+        assert_eq!(
+            cached_bytes(),
+            before + 4 * n,
+            "the f32 buffer stays for an f32 request"
+        );
+        drop(h);
+        empty_cache();
+        assert_eq!(cached_bytes(), 0);
     }
 
     #[test]
-    fn cache_is_bounded() {
+    fn cache_is_bounded_by_the_floor_or_the_ranks_peak() {
+        empty_cache();
         for _ in 0..10 {
-            recycle(Buffer::F64(vec![0.0; 1 << 20]));
+            recycle(Buffer::F64(vec![0.0; 1 << 20])); // 8 MiB each
         }
-        CACHE.with(|c| assert!(c.borrow().len() <= CACHE_BUFFERS));
+        assert!(cached_bytes() <= CACHE_FLOOR_BYTES, "{}", cached_bytes());
+        assert!(cached_bytes() >= CACHE_FLOOR_BYTES - (8 << 20), "{}", cached_bytes());
+        empty_cache();
+    }
+
+    /// The tracker counts cached bytes as reserved on the rank that freed them,
+    /// not in use; a buffer moving between a tensor and the cache leaves both
+    /// peaks as they were, `empty_cache` and the end of the rank's thread
+    /// return the reserved bytes to those in use.
+    #[test]
+    fn cached_bytes_are_reserved_on_their_rank() {
+        use crate::memory::{reset_peak, stats, stats_of};
+        use crate::{DType, Tensor};
+        let id = tessera_mesh::context::RankId { job: 1 << 51, rank: 0 };
+        std::thread::spawn(move || {
+            tessera_mesh::context::scoped(id, || {
+                let n = 1 << 18; // 1 MiB of f32
+                let t = Tensor::zeros(&[n], DType::F32).unwrap();
+                let s = stats();
+                assert_eq!((s.current_bytes, s.reserved_bytes), (4 * n, 4 * n));
+                drop(t);
+                let s = stats();
+                assert_eq!((s.current_bytes, s.reserved_bytes), (0, 4 * n), "freed, kept");
+                assert_eq!((s.peak_bytes, s.peak_reserved_bytes), (4 * n, 4 * n));
+                reset_peak();
+                let t = Tensor::zeros(&[n], DType::F32).unwrap();
+                let s = stats();
+                assert_eq!(
+                    (s.current_bytes, s.reserved_bytes, s.peak_reserved_bytes),
+                    (4 * n, 4 * n, 4 * n)
+                );
+                drop(t);
+                empty_cache();
+                assert_eq!(stats().reserved_bytes, 0);
+                drop(Tensor::zeros(&[n], DType::F32).unwrap());
+                assert_eq!(stats().reserved_bytes, 4 * n);
+            });
+        })
+        .join()
+        .unwrap();
+        assert_eq!(stats_of(id).reserved_bytes, 0, "the thread's end gave its cache back");
     }
 
     #[test]

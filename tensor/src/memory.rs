@@ -47,13 +47,19 @@ use std::sync::{Arc, LazyLock, Mutex, PoisonError};
 
 use tessera_mesh::context::{RankId, current_rank};
 
-/// Current and peak bytes of tensor storage owned by one rank.
+/// Current and peak bytes of tensor storage owned by one rank: in use by
+/// tensors, and reserved (in use, plus the freed buffers the rank's host
+/// cache keeps for reuse; PyTorch: `memory_allocated` and `memory_reserved`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct MemoryStats {
     /// Bytes of storage alive now.
     pub current_bytes: usize,
     /// The most bytes alive at once since the rank started or since [`reset_peak`].
     pub peak_bytes: usize,
+    /// Bytes alive now plus those the rank's cache keeps (see `alloc`).
+    pub reserved_bytes: usize,
+    /// The most reserved bytes at once since the rank started or since [`reset_peak`].
+    pub peak_reserved_bytes: usize,
 }
 
 /// The counters of one rank (or of "no rank").
@@ -61,12 +67,16 @@ pub struct MemoryStats {
 struct Counters {
     current: AtomicUsize,
     peak: AtomicUsize,
+    cached: AtomicUsize,
+    peak_reserved: AtomicUsize,
 }
 
 impl Counters {
     fn add(&self, bytes: usize) {
         let now = self.current.fetch_add(bytes, Ordering::Relaxed) + bytes;
         self.peak.fetch_max(now, Ordering::Relaxed);
+        self.peak_reserved
+            .fetch_max(now + self.cached.load(Ordering::Relaxed), Ordering::Relaxed);
     }
 
     fn sub(&self, bytes: usize) {
@@ -74,14 +84,50 @@ impl Counters {
     }
 
     fn stats(&self) -> MemoryStats {
+        let current_bytes = self.current.load(Ordering::Relaxed);
         MemoryStats {
-            current_bytes: self.current.load(Ordering::Relaxed),
+            current_bytes,
             peak_bytes: self.peak.load(Ordering::Relaxed),
+            reserved_bytes: current_bytes + self.cached.load(Ordering::Relaxed),
+            peak_reserved_bytes: self.peak_reserved.load(Ordering::Relaxed),
         }
     }
 
     fn reset_peak(&self) {
-        self.peak.store(self.current.load(Ordering::Relaxed), Ordering::Relaxed);
+        let now = self.current.load(Ordering::Relaxed);
+        self.peak.store(now, Ordering::Relaxed);
+        self.peak_reserved
+            .store(now + self.cached.load(Ordering::Relaxed), Ordering::Relaxed);
+    }
+}
+
+/// The bytes of one freed buffer a rank's host cache keeps, counted as
+/// reserved (not in use) on that rank until the buffer leaves the cache.
+/// A buffer moving between a tensor and the cache changes neither peak: it is
+/// counted as cached before its tensor's charge goes, and leaves the cache
+/// before the next tensor's charge comes.
+#[derive(Debug)]
+pub(crate) struct CacheCharge {
+    counters: Arc<Counters>,
+    bytes: usize,
+}
+
+impl CacheCharge {
+    /// Counts `bytes` as cached on the current thread's rank.
+    pub(crate) fn new(bytes: usize) -> CacheCharge {
+        let counters = current_counters();
+        counters.cached.fetch_add(bytes, Ordering::Relaxed);
+        CacheCharge { counters, bytes }
+    }
+
+    pub(crate) fn bytes(&self) -> usize {
+        self.bytes
+    }
+}
+
+impl Drop for CacheCharge {
+    fn drop(&mut self) {
+        self.counters.cached.fetch_sub(self.bytes, Ordering::Relaxed);
     }
 }
 
@@ -232,10 +278,14 @@ mod tests {
         RankId { job: fresh_job(), rank }
     }
 
+    /// Stats of small tensors (under the cache's 256 KiB): nothing cached, so
+    /// reserved equals in use.
     fn mb(current: usize, peak: usize) -> MemoryStats {
         MemoryStats {
             current_bytes: current,
             peak_bytes: peak,
+            reserved_bytes: current,
+            peak_reserved_bytes: peak,
         }
     }
 

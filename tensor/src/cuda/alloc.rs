@@ -33,21 +33,8 @@ pub struct CudaMemoryStats {
     pub driver_allocations: usize,
 }
 
-/// The size class of a request of `bytes`: multiples of 512 bytes up to
-/// 1 MiB, above that a quarter of the power of two below (at most 25% more,
-/// as PyTorch's `roundup_power2_divisions` of 4).
-pub(crate) fn size_class(bytes: usize) -> usize {
-    const SMALL: usize = 1 << 20;
-    let bytes = bytes.max(1);
-    if bytes <= SMALL {
-        return bytes.div_ceil(512) * 512;
-    }
-    if bytes.is_power_of_two() {
-        return bytes;
-    }
-    let step = (bytes.next_power_of_two() / 2) / 4;
-    bytes.div_ceil(step) * step
-}
+/// The size classes of device blocks: the host allocator's.
+pub(crate) use crate::alloc::size_class;
 
 /// A block freed while another stream may still use it.
 struct Pending {
