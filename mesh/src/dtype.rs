@@ -261,6 +261,12 @@ impl BufMut<'_> {
 impl Buffer {
     /// A zero-filled buffer of `len` elements of `dtype`.
     pub fn zeros(dtype: DType, len: usize) -> Buffer {
+        // Large ones from the thread's kept buffers first (see `pool`), refilled:
+        // writes to mapped pages cost less than the faults of fresh ones.
+        if let Some(mut b) = crate::pool::take(dtype, len) {
+            crate::dispatch_buf!(Buffer, &mut b, v, T => v.fill(T::default()));
+            return b;
+        }
         match dtype {
             DType::F32 => Buffer::F32(vec![0.0; len]),
             DType::F64 => Buffer::F64(vec![0.0; len]),

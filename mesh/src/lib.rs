@@ -44,6 +44,7 @@ mod mpi_backend;
 pub mod observe;
 mod options;
 mod pieces;
+pub mod pool;
 mod rank;
 pub mod stats;
 #[cfg(feature = "testing")]

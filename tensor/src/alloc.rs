@@ -7,18 +7,21 @@
 //! - on Linux, buffers of 2 MiB or more are advised to use transparent huge pages
 //!   before they are touched (512 times fewer faults where the system allows it);
 //! - buffers of 256 KiB or more are a caching allocator's (PyTorch's CUDA
-//!   caching allocator is the model): allocated with the capacity of their size
-//!   class ([`size_class`]: 512-byte steps to 1 MiB, then quarter powers of two,
-//!   at most 25% slack), and when a tensor's storage is dropped its buffer goes
-//!   to its thread's cache (a rank's thread is the rank) instead of back to the
-//!   system. New buffers of the same dtype and size class come from there first
-//!   — zeros ([`zeros_buffer`]) refilled, outputs overwritten in full
-//!   ([`reused`], `written`) as they are — so a training step that allocates
-//!   what the step before freed touches no fresh page. The memory tracker
-//!   counts cached bytes as reserved, not in use ([`crate::memory::MemoryStats`]);
-//!   a thread keeps at most its rank's peak bytes in use, or 64 MiB when that is
-//!   less, dropping its oldest buffers beyond, and [`empty_cache`] gives all of
-//!   them back (PyTorch: `torch.cuda.empty_cache`);
+//!   caching allocator is the model; the pool is `tessera_mesh::pool`, below
+//!   this crate, so that the collectives' outputs and packed sends come from
+//!   it too): allocated here with the capacity of their size class
+//!   ([`size_class`]: 512-byte steps to 1 MiB, then quarter powers of two, at
+//!   most 25% slack), and when a tensor's storage is dropped its buffer goes
+//!   to its thread's pool (a rank's thread is the rank) instead of back to
+//!   the system. Buffers of the same dtype whose size the kept one holds
+//!   within its class come from there first — zeros refilled, outputs
+//!   overwritten in full ([`reused`], `written`) as they are — so a training
+//!   step that allocates what the step before freed touches no fresh page.
+//!   The memory tracker counts kept bytes as reserved, not in use
+//!   ([`crate::memory::MemoryStats`]); a thread keeps at most its rank's peak
+//!   bytes in use, or 64 MiB when that is less, dropping its oldest buffers
+//!   beyond, and [`empty_cache`] gives them all back (PyTorch:
+//!   `torch.cuda.empty_cache`);
 //! - with glibc, the first tensor storage tunes `malloc` to keep freed memory for
 //!   reuse instead of handing it back to the system after every step (a heap
 //!   allocation up to 32 MiB, no trimming below 1 GiB of free top, 64 MiB of top
@@ -34,125 +37,68 @@
 //! element and byte counts for overflow and return [`Error::OutOfMemory`] (naming the op, shape,
 //! dtype and bytes) when the memory cannot be had, instead of aborting the process.
 
-use std::cell::RefCell;
 use std::mem::MaybeUninit;
 
 use tessera_mesh::{Buffer, DType, Element};
 
 use crate::{Error, Result};
 
-/// The smallest buffer cached: below, a fresh buffer from `malloc`'s free lists
-/// costs less than looking one up.
-const CACHE_MIN_BYTES: usize = 256 << 10;
+/// The smallest buffer cached (`tessera_mesh::pool::MIN_BYTES`).
+#[cfg(test)]
+const CACHE_MIN_BYTES: usize = tessera_mesh::pool::MIN_BYTES;
 /// Bytes a thread's cache may keep whatever its rank's peak.
-pub(crate) const CACHE_FLOOR_BYTES: usize = 64 << 20;
+pub(crate) const CACHE_FLOOR_BYTES: usize = tessera_mesh::pool::FLOOR_BYTES;
 
-/// The capacity in bytes given to a buffer of `bytes`: multiples of 512 bytes
-/// up to 1 MiB, above that multiples of a quarter of the power of two below
-/// (at most 25% more; PyTorch's `roundup_power2_divisions` of 4). The device
-/// allocator's size classes too.
-pub(crate) fn size_class(bytes: usize) -> usize {
-    const SMALL: usize = 1 << 20;
-    let bytes = bytes.max(1);
-    if bytes <= SMALL {
-        return bytes.div_ceil(512) * 512;
-    }
-    if bytes.is_power_of_two() {
-        return bytes;
-    }
-    let step = (bytes.next_power_of_two() / 2) / 4;
-    bytes.div_ceil(step) * step
-}
+pub(crate) use tessera_mesh::pool::size_class;
 
 /// The capacity in elements of `T` a buffer of `n` elements is allocated with:
 /// its size class from 256 KiB, `n` itself below.
 fn capacity_for<T>(n: usize) -> usize {
     let size = std::mem::size_of::<T>().max(1);
     let bytes = n.saturating_mul(size);
-    if bytes < CACHE_MIN_BYTES {
+    if bytes < tessera_mesh::pool::MIN_BYTES {
         return n;
     }
     let class = size_class(bytes);
     if class.is_multiple_of(size) { class / size } else { n }
 }
 
-/// One thread's cached buffers, oldest first, each counted as reserved on the
-/// rank it was freed for (the charge goes when the buffer leaves, also when
-/// the thread ends).
-#[derive(Default)]
-struct Cache {
-    buffers: Vec<(Buffer, crate::memory::CacheCharge)>,
-    bytes: usize,
-}
-
-thread_local! {
-    static CACHE: RefCell<Cache> = RefCell::new(Cache::default());
-}
-
-/// The capacity in bytes of `buf`.
-fn capacity_bytes(buf: &Buffer) -> usize {
-    tessera_mesh::dispatch_buf!(Buffer, buf, v, _T => v.capacity() * std::mem::size_of::<_T>())
-}
-
-/// Offers a dropped storage buffer to this thread's cache: kept from 256 KiB,
-/// the oldest ones dropped beyond what the cache may keep.
-pub(crate) fn recycle(buf: Buffer) {
-    let bytes = capacity_bytes(&buf);
-    if bytes < CACHE_MIN_BYTES {
-        return;
-    }
-    let limit = crate::memory::stats().peak_bytes.max(CACHE_FLOOR_BYTES);
-    if bytes > limit {
-        return;
-    }
-    // The cache may be gone during thread exit; then the buffer is simply freed.
-    let _ = CACHE.try_with(|c| {
-        let mut c = c.borrow_mut();
-        c.bytes += bytes;
-        c.buffers.push((buf, crate::memory::CacheCharge::new(bytes)));
-        while c.bytes > limit {
-            let (_, charge) = c.buffers.remove(0);
-            c.bytes -= charge.bytes();
-        }
+/// Connects the mesh crate's buffer pool to the memory tracker, once: kept
+/// bytes count as reserved on their rank, and a thread keeps at most its
+/// rank's peak bytes in use (at least 64 MiB).
+fn install_pool_hooks() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        tessera_mesh::pool::set_hooks(tessera_mesh::pool::Hooks {
+            charge: |bytes| Box::new(crate::memory::CacheCharge::new(bytes)),
+            limit: || crate::memory::stats().peak_bytes.max(CACHE_FLOOR_BYTES),
+        });
     });
 }
 
-/// A cached buffer for `n` elements of `T`, taken out of this thread's cache
-/// with whatever length and elements it had: the newest whose capacity holds
-/// `n` and lies within `n`'s size class (so a buffer is never more than a
-/// quarter larger than asked; one allocated elsewhere serves its own size).
-fn cached<T: Element>(n: usize) -> Option<Vec<T>> {
-    let size = std::mem::size_of::<T>();
-    let want = n.saturating_mul(size);
-    if want < CACHE_MIN_BYTES {
-        return None;
-    }
-    let class = size_class(want);
-    CACHE
-        .try_with(|c| {
-            let mut c = c.borrow_mut();
-            let i = c.buffers.iter().rposition(|(b, _)| {
-                let cap = capacity_bytes(b);
-                b.dtype() == T::DTYPE && (want..=class).contains(&cap)
-            })?;
-            let (buf, charge) = c.buffers.remove(i);
-            c.bytes -= charge.bytes();
-            T::from_buffer(buf).ok()
-        })
-        .ok()
-        .flatten()
+/// Offers a dropped storage buffer to this thread's pool
+/// (`tessera_mesh::pool::give`).
+pub(crate) fn recycle(buf: Buffer) {
+    install_pool_hooks();
+    tessera_mesh::pool::give(buf);
 }
 
-/// Gives this thread's cached buffers back to the system (they stop counting as
+/// A kept buffer for `n` elements of `T`, taken out of this thread's pool,
+/// its length `n` (its elements whatever they were).
+fn cached<T: Element>(n: usize) -> Option<Vec<T>> {
+    tessera_mesh::pool::take(T::DTYPE, n).and_then(|b| T::from_buffer(b).ok())
+}
+
+/// Gives this thread's kept buffers back to the system (they stop counting as
 /// reserved). PyTorch: `torch.cuda.empty_cache` (here for the host, per rank
 /// thread).
 pub fn empty_cache() {
-    let _ = CACHE.try_with(|c| *c.borrow_mut() = Cache::default());
+    tessera_mesh::pool::empty_cache();
 }
 
-/// Bytes this thread's cache keeps now.
+/// Bytes this thread's pool keeps now.
 pub fn cached_bytes() -> usize {
-    CACHE.try_with(|c| c.borrow().bytes).unwrap_or(0)
+    tessera_mesh::pool::cached_bytes()
 }
 
 /// A vector for a tensor of `shape` whose contents are unspecified (but valid
@@ -165,12 +111,7 @@ pub fn cached_bytes() -> usize {
 pub fn reused<T: Element>(op: &'static str, shape: &[usize]) -> Result<Vec<T>> {
     let n = checked_len(op, shape, T::DTYPE)?;
     match cached::<T>(n) {
-        Some(mut v) => {
-            // Elements past its last length are set (the capacity may hold
-            // never-written memory there).
-            v.resize(n, T::default());
-            Ok(v)
-        }
+        Some(v) => Ok(v),
         None => zeroed(op, shape),
     }
 }
@@ -458,6 +399,8 @@ mod tests {
         let id = tessera_mesh::context::RankId { job: 1 << 51, rank: 0 };
         std::thread::spawn(move || {
             tessera_mesh::context::scoped(id, || {
+                // What the launcher holds for a rank's life.
+                let _pool = tessera_mesh::pool::RankPool::new(id);
                 let n = 1 << 18; // 1 MiB of f32
                 let t = Tensor::zeros(&[n], DType::F32).unwrap();
                 let s = stats();
@@ -482,7 +425,7 @@ mod tests {
         })
         .join()
         .unwrap();
-        assert_eq!(stats_of(id).reserved_bytes, 0, "the thread's end gave its cache back");
+        assert_eq!(stats_of(id).reserved_bytes, 0, "the rank's end gave its pool back");
     }
 
     #[test]

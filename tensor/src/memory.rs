@@ -119,10 +119,6 @@ impl CacheCharge {
         counters.cached.fetch_add(bytes, Ordering::Relaxed);
         CacheCharge { counters, bytes }
     }
-
-    pub(crate) fn bytes(&self) -> usize {
-        self.bytes
-    }
 }
 
 impl Drop for CacheCharge {

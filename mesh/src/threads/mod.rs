@@ -209,6 +209,8 @@ where
     F: Fn(RankCtx) -> Result<T, BoxError>,
 {
     let _tag = context::enter(RankId { job, rank });
+    // The rank's kept buffers go when it ends.
+    let _pool = crate::pool::RankPool::new(RankId { job, rank });
     let ctx = RankCtx::new(Box::new(comm::ThreadComm::new(group, rank)), job);
     let out = match catch_unwind(AssertUnwindSafe(|| f(ctx))) {
         Ok(r) => r,

@@ -34,7 +34,7 @@ pub struct CudaMemoryStats {
 }
 
 /// The size classes of device blocks: the host allocator's.
-pub(crate) use crate::alloc::size_class;
+pub(crate) use tessera_mesh::pool::size_class;
 
 /// A block freed while another stream may still use it.
 struct Pending {
