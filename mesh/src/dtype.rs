@@ -316,6 +316,13 @@ pub(crate) struct Filling {
 impl Filling {
     /// Room for `len` elements of `dtype`, none written yet.
     pub(crate) fn new(dtype: DType, len: usize) -> Filling {
+        // A kept buffer first (see `pool`): its pages are mapped already.
+        if let Some(mut buf) = crate::pool::take(dtype, len) {
+            // SAFETY: shortening a vector of plain data (nothing to drop); the
+            // capacity stays at least `len`.
+            crate::dispatch_buf!(Buffer, &mut buf, v, _T => unsafe { v.set_len(0) });
+            return Filling { buf, len };
+        }
         let buf = match dtype {
             DType::F32 => Buffer::F32(Vec::with_capacity(len)),
             DType::F64 => Buffer::F64(Vec::with_capacity(len)),
@@ -349,8 +356,8 @@ impl Filling {
     /// All `len` elements must have been written through [`addr`](Self::addr).
     pub(crate) unsafe fn finish(mut self) -> Buffer {
         let len = self.len;
-        // SAFETY: the capacity is `len` (from `new`) and the caller guarantees
-        // that every element below it is initialised.
+        // SAFETY: the capacity is at least `len` (from `new`) and the caller
+        // guarantees that every element below it is initialised.
         crate::dispatch_buf!(Buffer, &mut self.buf, v, _T => unsafe { v.set_len(len) });
         self.buf
     }
