@@ -261,20 +261,9 @@ impl BufMut<'_> {
 impl Buffer {
     /// A zero-filled buffer of `len` elements of `dtype`.
     pub fn zeros(dtype: DType, len: usize) -> Buffer {
-        // Large ones from the thread's kept buffers first (see `pool`), refilled:
+        // Large ones from the rank's kept buffers first (see `pool`), refilled:
         // writes to mapped pages cost less than the faults of fresh ones.
-        if let Some(mut b) = crate::pool::take(dtype, len) {
-            crate::dispatch_buf!(Buffer, &mut b, v, T => v.fill(T::default()));
-            return b;
-        }
-        match dtype {
-            DType::F32 => Buffer::F32(vec![0.0; len]),
-            DType::F64 => Buffer::F64(vec![0.0; len]),
-            DType::BF16 => Buffer::BF16(vec![bf16::ZERO; len]),
-            DType::F16 => Buffer::F16(vec![f16::ZERO; len]),
-            DType::I64 => Buffer::I64(vec![0; len]),
-            DType::U8 => Buffer::U8(vec![0; len]),
-        }
+        crate::pool::alloc(dtype, len, true)
     }
     /// The element type.
     pub fn dtype(&self) -> DType {
@@ -317,21 +306,10 @@ impl Filling {
     /// Room for `len` elements of `dtype`, none written yet.
     pub(crate) fn new(dtype: DType, len: usize) -> Filling {
         // A kept buffer first (see `pool`): its pages are mapped already.
-        if let Some(mut buf) = crate::pool::take(dtype, len) {
-            // SAFETY: shortening a vector of plain data (nothing to drop); the
-            // capacity stays at least `len`.
-            crate::dispatch_buf!(Buffer, &mut buf, v, _T => unsafe { v.set_len(0) });
-            return Filling { buf, len };
+        Filling {
+            buf: crate::pool::alloc(dtype, len, false),
+            len,
         }
-        let buf = match dtype {
-            DType::F32 => Buffer::F32(Vec::with_capacity(len)),
-            DType::F64 => Buffer::F64(Vec::with_capacity(len)),
-            DType::BF16 => Buffer::BF16(Vec::with_capacity(len)),
-            DType::F16 => Buffer::F16(Vec::with_capacity(len)),
-            DType::I64 => Buffer::I64(Vec::with_capacity(len)),
-            DType::U8 => Buffer::U8(Vec::with_capacity(len)),
-        };
-        Filling { buf, len }
     }
 
     /// The element type.

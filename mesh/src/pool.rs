@@ -65,6 +65,25 @@ pub fn set_hooks(h: Hooks) {
 struct Pool {
     buffers: Vec<(Buffer, Option<Box<dyn Any + Send>>)>,
     bytes: usize,
+    counts: PoolStats,
+}
+
+/// What a rank's pool holds and has done since the rank started or since
+/// [`empty_cache`] (PyTorch: the `num_alloc_retries`-style counters of
+/// `torch.cuda.memory_stats`, here for host buffers).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PoolStats {
+    /// Bytes kept now (reserved, not in use).
+    pub kept_bytes: usize,
+    /// Buffers kept now.
+    pub kept_buffers: usize,
+    /// Requests of 256 KiB or more served by a kept buffer.
+    pub hits: u64,
+    /// Requests of 256 KiB or more that found none (fresh memory, whose
+    /// pages fault on first touch).
+    pub misses: u64,
+    /// Kept buffers dropped to stay within the limit.
+    pub evictions: u64,
 }
 
 /// The pools of the ranks running now (removed when a rank ends: [`RankPool`]).
@@ -131,6 +150,7 @@ pub fn give(buf: Buffer) {
     while p.bytes > limit {
         let (old, _charge) = p.buffers.remove(0);
         p.bytes -= capacity_bytes(&old);
+        p.counts.evictions += 1;
     }
 }
 
@@ -148,13 +168,66 @@ pub fn take(dtype: DType, len: usize) -> Option<Buffer> {
         let i = p
             .buffers
             .iter()
-            .rposition(|(b, _)| b.dtype() == dtype && (want..=class).contains(&capacity_bytes(b)))?;
+            .rposition(|(b, _)| b.dtype() == dtype && (want..=class).contains(&capacity_bytes(b)));
+        let Some(i) = i else {
+            p.counts.misses += 1;
+            return None;
+        };
+        p.counts.hits += 1;
         let (b, _charge) = p.buffers.remove(i);
         p.bytes -= capacity_bytes(&b);
         b
     };
     crate::dispatch_buf!(Buffer, &mut buf, v, T => v.resize(len, T::default()));
     Some(buf)
+}
+
+/// The capacity in elements that a buffer of `len` elements of `elem` bytes
+/// is allocated with, so that it can serve every later request of its size
+/// class: the class's bytes from [`MIN_BYTES`] (when a whole number of
+/// elements), `len` below.
+pub fn capacity(elem: usize, len: usize) -> usize {
+    let elem = elem.max(1);
+    let bytes = len.saturating_mul(elem);
+    if bytes < MIN_BYTES {
+        return len;
+    }
+    let class = size_class(bytes);
+    if class.is_multiple_of(elem) { class / elem } else { len }
+}
+
+/// A buffer of `len` elements of `dtype` from the pool ([`take`]) or, when it
+/// has none, fresh with the [`capacity`] of its size class: zero-filled when
+/// `zeroed` (a kept one refilled), else of length 0 (its caller writes `len`
+/// elements).
+pub fn alloc(dtype: DType, len: usize, zeroed: bool) -> Buffer {
+    if let Some(mut b) = take(dtype, len) {
+        crate::dispatch_buf!(Buffer, &mut b, v, T => if zeroed {
+            v.fill(T::default())
+        } else {
+            v.clear()
+        });
+        return b;
+    }
+    fn fresh<T: crate::Element>(len: usize, zeroed: bool) -> Buffer {
+        let cap = capacity(std::mem::size_of::<T>(), len);
+        if zeroed {
+            // Zeroed memory from the allocator: for large sizes, untouched pages.
+            let mut v = bytemuck::zeroed_vec::<T>(cap);
+            v.truncate(len);
+            T::into_buffer(v)
+        } else {
+            T::into_buffer(Vec::with_capacity(cap))
+        }
+    }
+    match dtype {
+        DType::F32 => fresh::<f32>(len, zeroed),
+        DType::F64 => fresh::<f64>(len, zeroed),
+        DType::BF16 => fresh::<half::bf16>(len, zeroed),
+        DType::F16 => fresh::<half::f16>(len, zeroed),
+        DType::I64 => fresh::<i64>(len, zeroed),
+        DType::U8 => fresh::<u8>(len, zeroed),
+    }
 }
 
 /// Gives the current rank's kept buffers (a thread's, outside a rank) back to
@@ -168,7 +241,19 @@ pub fn empty_cache() {
 
 /// Bytes the current thread's rank (or the thread) keeps now.
 pub fn cached_bytes() -> usize {
-    pool().map_or(0, |p| p.lock().unwrap_or_else(PoisonError::into_inner).bytes)
+    stats().kept_bytes
+}
+
+/// The current thread's rank's pool counters (a thread's, outside a rank).
+pub fn stats() -> PoolStats {
+    pool().map_or_else(PoolStats::default, |p| {
+        let p = p.lock().unwrap_or_else(PoisonError::into_inner);
+        PoolStats {
+            kept_bytes: p.bytes,
+            kept_buffers: p.buffers.len(),
+            ..p.counts
+        }
+    })
 }
 
 #[cfg(test)]
@@ -228,5 +313,62 @@ mod tests {
         );
         empty_cache();
         assert_eq!(cached_bytes(), 0);
+    }
+
+    #[test]
+    fn fresh_buffers_have_their_size_class_and_are_counted() {
+        empty_cache();
+        let n = (1 << 20) + 3; // a little over 4 MiB of f32: class 5 MiB
+        let b = alloc(DType::F32, n, true);
+        let cap = capacity_bytes(&b);
+        assert_eq!(cap, size_class(4 * n));
+        assert_eq!(cap, 5 << 20);
+        assert!(b.as_buf().as_bytes().iter().all(|&x| x == 0));
+        assert_eq!(
+            stats(),
+            PoolStats {
+                misses: 1,
+                ..PoolStats::default()
+            }
+        );
+        let ptr = b.as_buf().as_bytes().as_ptr();
+        give(b);
+        // Any size of the class takes it back: one fewer element, and the
+        // class's largest (which the first request's exact capacity would
+        // not have held).
+        let c = alloc(DType::F32, (5 << 18) - 1, false);
+        assert_eq!(
+            (c.as_buf().as_bytes().as_ptr(), c.len()),
+            (ptr, 0),
+            "unwritten, length 0"
+        );
+        give(c);
+        let d = alloc(DType::F32, 5 << 18, true);
+        assert_eq!(d.as_buf().as_bytes().as_ptr(), ptr);
+        assert_eq!(
+            stats(),
+            PoolStats {
+                hits: 2,
+                misses: 1,
+                ..PoolStats::default()
+            }
+        );
+        give(d);
+        assert_eq!((stats().kept_bytes, stats().kept_buffers), (5 << 20, 1));
+        // Small requests are neither kept nor counted.
+        let _small = alloc(DType::F32, 100, true);
+        assert_eq!(stats().misses, 1);
+        // Past the limit the oldest buffers go, counted.
+        let held: Vec<Buffer> = (0..20).map(|_| alloc(DType::U8, 8 << 20, false)).collect();
+        held.into_iter().for_each(give);
+        assert!(stats().evictions >= 8, "{:?}", stats());
+        assert_eq!(capacity(4, 100), 100, "below 256 KiB: exact");
+        assert_eq!(
+            capacity(3, 1 << 20),
+            1 << 20,
+            "a class not a whole number of elements: exact"
+        );
+        empty_cache();
+        assert_eq!(stats(), PoolStats::default());
     }
 }

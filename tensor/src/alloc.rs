@@ -8,19 +8,18 @@
 //!   before they are touched (512 times fewer faults where the system allows it);
 //! - buffers of 256 KiB or more are a caching allocator's (PyTorch's CUDA
 //!   caching allocator is the model; the pool is `tessera_mesh::pool`, below
-//!   this crate, so that the collectives' outputs and packed sends come from
-//!   it too): allocated here with the capacity of their size class
-//!   ([`size_class`]: 512-byte steps to 1 MiB, then quarter powers of two, at
-//!   most 25% slack), and when a tensor's storage is dropped its buffer goes
-//!   to its thread's pool (a rank's thread is the rank) instead of back to
-//!   the system. Buffers of the same dtype whose size the kept one holds
-//!   within its class come from there first — zeros refilled, outputs
-//!   overwritten in full ([`reused`], `written`) as they are — so a training
-//!   step that allocates what the step before freed touches no fresh page.
-//!   The memory tracker counts kept bytes as reserved, not in use
-//!   ([`crate::memory::MemoryStats`]); a thread keeps at most its rank's peak
-//!   bytes in use, or 64 MiB when that is less, dropping its oldest buffers
-//!   beyond, and [`empty_cache`] gives them all back (PyTorch:
+//!   this crate, so that the collectives' outputs come from it too): allocated
+//!   with the capacity of their size class (`tessera_mesh::pool::size_class`:
+//!   512-byte steps to 1 MiB, then quarter powers of two, at most 25% slack),
+//!   and when a tensor's storage (or an op's [`Scratch`] buffer) is dropped,
+//!   its buffer goes to its rank's pool instead of back to the system. Every
+//!   large output here ([`reused`], `zeroed`, `with_capacity`, `written`) and
+//!   every `Buffer::zeros` takes a kept buffer of its dtype and size class
+//!   first, so a training step that allocates what the step before freed
+//!   touches no fresh page. The memory tracker counts kept bytes as reserved,
+//!   not in use ([`crate::memory::MemoryStats`]); a rank keeps at most its
+//!   peak bytes in use, or 64 MiB when that is less, dropping its oldest
+//!   buffers beyond, and [`empty_cache`] gives them all back (PyTorch:
 //!   `torch.cuda.empty_cache`);
 //! - with glibc, the first tensor storage tunes `malloc` to keep freed memory for
 //!   reuse instead of handing it back to the system after every step (a heap
@@ -49,18 +48,10 @@ const CACHE_MIN_BYTES: usize = tessera_mesh::pool::MIN_BYTES;
 /// Bytes a thread's cache may keep whatever its rank's peak.
 pub(crate) const CACHE_FLOOR_BYTES: usize = tessera_mesh::pool::FLOOR_BYTES;
 
-pub(crate) use tessera_mesh::pool::size_class;
-
-/// The capacity in elements of `T` a buffer of `n` elements is allocated with:
-/// its size class from 256 KiB, `n` itself below.
+/// The capacity in elements of `T` a buffer of `n` elements is allocated with
+/// (`tessera_mesh::pool::capacity`).
 fn capacity_for<T>(n: usize) -> usize {
-    let size = std::mem::size_of::<T>().max(1);
-    let bytes = n.saturating_mul(size);
-    if bytes < tessera_mesh::pool::MIN_BYTES {
-        return n;
-    }
-    let class = size_class(bytes);
-    if class.is_multiple_of(size) { class / size } else { n }
+    tessera_mesh::pool::capacity(std::mem::size_of::<T>(), n)
 }
 
 /// Connects the mesh crate's buffer pool to the memory tracker, once: kept
@@ -81,6 +72,37 @@ fn install_pool_hooks() {
 pub(crate) fn recycle(buf: Buffer) {
     install_pool_hooks();
     tessera_mesh::pool::give(buf);
+}
+
+/// A working buffer that goes back to its thread's pool when dropped (a
+/// plain `Vec` would go back to the system, and the next step's would fault
+/// fresh pages): for temporaries of an op that are not tensor storage.
+pub(crate) struct Scratch<T: Element>(Vec<T>);
+
+impl<T: Element> Scratch<T> {
+    /// Wraps `v`.
+    pub(crate) fn new(v: Vec<T>) -> Scratch<T> {
+        Scratch(v)
+    }
+}
+
+impl<T: Element> std::ops::Deref for Scratch<T> {
+    type Target = Vec<T>;
+    fn deref(&self) -> &Vec<T> {
+        &self.0
+    }
+}
+
+impl<T: Element> std::ops::DerefMut for Scratch<T> {
+    fn deref_mut(&mut self) -> &mut Vec<T> {
+        &mut self.0
+    }
+}
+
+impl<T: Element> Drop for Scratch<T> {
+    fn drop(&mut self) {
+        recycle(T::into_buffer(std::mem::take(&mut self.0)));
+    }
 }
 
 /// A kept buffer for `n` elements of `T`, taken out of this thread's pool,
@@ -132,17 +154,7 @@ pub(crate) unsafe fn written<T: Element>(
     write: impl FnOnce(&mut [MaybeUninit<T>]),
 ) -> Result<Vec<T>> {
     let n = checked_len(op, shape, T::DTYPE)?;
-    let mut v = match cached::<T>(n) {
-        Some(mut v) => {
-            // Dropped elements are not read: a panic in `write` leaves a buffer
-            // that is freed without reading it.
-            // SAFETY: `T` is plain data (no drop), and its length is back to `n`
-            // only after `write` returned.
-            unsafe { v.set_len(0) };
-            v
-        }
-        None => with_capacity::<T>(op, shape)?,
-    };
+    let mut v = with_capacity::<T>(op, shape)?;
     write(&mut v.spare_capacity_mut()[..n]);
     // SAFETY: the capacity is at least `n`, and `write` set every element below it.
     unsafe { v.set_len(n) };
@@ -202,13 +214,18 @@ pub(crate) fn zeros_buffer(op: &'static str, shape: &[usize], dtype: DType) -> R
     crate::kernel::any_dispatch!(op, dtype, T => Ok(T::into_buffer(zeroed::<T>(op, shape)?)))
 }
 
-/// An empty vector with room for exactly the elements of a tensor of `shape`,
-/// for outputs that are filled by pushing.
+/// An empty vector with room for the elements of a tensor of `shape` (a
+/// cached buffer of its size class when there is one), for outputs that are
+/// filled by pushing or written in full.
 ///
 /// # Errors
 /// [`Error::OutOfMemory`] as for [`zeroed`].
 pub(crate) fn with_capacity<T: Element>(op: &'static str, shape: &[usize]) -> Result<Vec<T>> {
     let n = checked_len(op, shape, T::DTYPE)?;
+    if let Some(mut v) = cached::<T>(n) {
+        v.clear();
+        return Ok(v);
+    }
     let mut v = Vec::new();
     v.try_reserve_exact(capacity_for::<T>(n))
         .map_err(|_| out_of_memory(op, shape, T::DTYPE))?;
@@ -332,7 +349,7 @@ mod tests {
         // A size in the same class (4 MiB + 4 bytes and 4.9 MiB round up to
         // 5 MiB) reuses the buffer; its elements past the last length are set.
         let a: Vec<f32> = zeroed("t", &[n + 1]).unwrap();
-        assert_eq!(a.capacity() * 4, size_class((n + 1) * 4));
+        assert_eq!(a.capacity() * 4, tessera_mesh::pool::size_class((n + 1) * 4));
         let (a_ptr, a_cap) = (a.as_ptr(), a.capacity());
         recycle(Buffer::F32(a));
         let b: Vec<f32> = reused("t", &[a_cap - 3]).unwrap();
@@ -386,6 +403,46 @@ mod tests {
         assert!(cached_bytes() <= CACHE_FLOOR_BYTES, "{}", cached_bytes());
         assert!(cached_bytes() >= CACHE_FLOOR_BYTES - (8 << 20), "{}", cached_bytes());
         empty_cache();
+    }
+
+    /// Temporaries wrapped in [`Scratch`] and large outputs computed on one
+    /// thread (elementwise ops) come back through the pool: a second identical
+    /// op touches the first one's pages, no fresh ones.
+    #[test]
+    fn scratch_and_serial_outputs_are_pooled() {
+        use tessera_mesh::pool::stats;
+        empty_cache();
+        let n = 1 << 18; // 1 MiB of f32
+        let s = Scratch::new(reused::<f32>("t", &[n]).unwrap());
+        let ptr = s.as_ptr();
+        drop(s);
+        assert_eq!(
+            (cached_bytes(), stats().kept_buffers),
+            (4 * n, 1),
+            "a dropped scratch buffer is kept"
+        );
+        let again: Vec<f32> = with_capacity("t", &[n]).unwrap();
+        assert_eq!((again.as_ptr(), again.len()), (ptr, 0), "with_capacity takes it, empty");
+        drop(again);
+        empty_cache();
+        // On a rank of one thread (its elementwise ops run serially).
+        let opts = tessera_mesh::LaunchOptions {
+            threads_per_rank: Some(1),
+            ..Default::default()
+        };
+        let reused_output = tessera_mesh::launch_with(&opts, 1, move |_| {
+            let x = crate::Tensor::ones(&[n], DType::F32)?;
+            let y = x.add(&x)?;
+            let y_ptr = y.as_slice::<f32>()?.as_ptr() as usize;
+            drop(y);
+            let before = stats();
+            let z = x.add(&x)?;
+            assert_eq!(z.as_slice::<f32>()?[n - 1], 2.0);
+            assert_eq!((stats().hits, stats().misses), (before.hits + 1, before.misses));
+            Ok(z.as_slice::<f32>()?.as_ptr() as usize == y_ptr)
+        })
+        .unwrap();
+        assert!(reused_output[0], "the output's buffer is reused");
     }
 
     /// The tracker counts cached bytes as reserved on the rank that freed them,

@@ -233,3 +233,62 @@ fn fully_shard_frees_the_replicated_parameters() {
         );
     }
 }
+
+/// A step after the first two (which create the optimizer's state) asks for
+/// the same large buffers the step before gave back: every request of 256 KiB
+/// or more is served by the rank's pool (no fresh pages), and what the pool
+/// keeps counts as reserved, not in use.
+#[test]
+fn steady_state_steps_take_every_large_buffer_from_the_pool() {
+    use tessera::mesh::pool;
+    // Parameters of 256 KiB and more (the gathered units and their gradient
+    // buckets), logits of 512 KiB per rank.
+    const BIG: TransformerConfig = TransformerConfig {
+        vocab: 2048,
+        dim: 256,
+        n_layers: 2,
+        n_heads: 4,
+        seq: 64,
+    };
+    const W: usize = 2;
+    let per_rank = launch(W, move |ctx| {
+        let mesh = DeviceMesh::new(ctx.into_comm(), &[W])?;
+        let model = Transformer::new(BIG, &mesh, DType::F32)?;
+        model.fully_shard(&mesh, &FsdpConfig::default())?;
+        Materializer::from_seed(0).materialize(&model)?;
+        let mut opt = AdamW::new(model.parameters(), adamw())?;
+        let mut per_step = Vec::new();
+        for step in 0..4u64 {
+            let toks = data_batch(DATA_SEED, step, 0..W as u64, BIG.seq + 1, BIG.vocab as u64);
+            let rows = Tensor::from_vec(toks, &[W, BIG.seq + 1])?;
+            let rows = Var::constant(distribute_tensor(&rows, &mesh, &[Placement::Shard(0)])?);
+            let before = pool::stats();
+            let loss = model.loss(&rows)?;
+            backward(&loss)?;
+            drop(loss);
+            opt.step()?;
+            opt.zero_grad();
+            let after = pool::stats();
+            per_step.push((after.hits - before.hits, after.misses - before.misses));
+        }
+        let s = stats();
+        Ok((per_step, s.current_bytes, s.reserved_bytes, pool::stats().kept_bytes))
+    })
+    .unwrap();
+    for (rank, (per_step, current, reserved, kept)) in per_rank.iter().enumerate() {
+        println!("rank {rank}: (hits, misses) per step {per_step:?}; {current} B in use, {reserved} B reserved");
+        for &(hits, misses) in &per_step[2..] {
+            assert_eq!(
+                misses, 0,
+                "rank {rank}: a steady-state step allocated fresh: {per_step:?}"
+            );
+            assert!(
+                hits >= 20,
+                "rank {rank}: the step's large buffers come from the pool: {per_step:?}"
+            );
+        }
+        assert!(per_step[0].1 > 0, "the first step allocates fresh: {per_step:?}");
+        assert_eq!(*reserved, current + kept, "rank {rank}: reserved = in use + kept");
+        assert!(*kept > 0);
+    }
+}

@@ -101,8 +101,8 @@ pub(crate) fn elements<T: Element>(t: &Tensor) -> Result<Cow<'_, [T]>> {
 /// A vector of `len` elements where `block(range)` yields the elements of
 /// `range` (a block of whole `row`-element rows): split over the rank's threads
 /// by [`par_rows`] (into a recycled or fresh, not zeroed, buffer) when
-/// [`par_parts`] says so, else `serial()` on this thread (which must yield the
-/// same elements).
+/// [`par_parts`] says so or the output is large enough to be kept for reuse,
+/// else `serial()` on this thread (which must yield the same elements).
 ///
 /// # Panics
 /// When `block(range)` yields fewer elements than `range` holds (a bug in the
@@ -116,7 +116,8 @@ pub(crate) fn par_collect<T: Element, I: Iterator<Item = T>>(
 ) -> Result<Vec<T>> {
     // Both loops are compiled for the widest vectors the CPU has.
     let simd = Simd::best();
-    if par_parts(len) <= 1 {
+    // Large outputs come from the rank's pool (`written`) even on one thread.
+    if par_parts(len) <= 1 && len.saturating_mul(std::mem::size_of::<T>()) < tessera_mesh::pool::MIN_BYTES {
         return Ok(simd.run(serial));
     }
     let fill = |out: &mut [std::mem::MaybeUninit<T>]| {

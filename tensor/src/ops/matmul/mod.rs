@@ -370,7 +370,12 @@ const TURN_MIN_ROWS: usize = 64;
 ///
 /// # Errors
 /// [`Error::OutOfMemory`] when the copy cannot be allocated.
-fn turned_rhs<T: Gemm>(kernel: GemmKernel, rows: usize, [k, n]: [usize; 2], b: Mat<T>) -> Result<Option<Vec<T>>> {
+fn turned_rhs<T: Gemm>(
+    kernel: GemmKernel,
+    rows: usize,
+    [k, n]: [usize; 2],
+    b: Mat<T>,
+) -> Result<Option<crate::alloc::Scratch<T>>> {
     let ld = b.cs as usize;
     if T::DTYPE != DType::F32 || kernel != GemmKernel::Gemm || rows < TURN_MIN_ROWS || b.rs != 1 || b.cs < 1 || ld < k {
         return Ok(None);
@@ -387,7 +392,9 @@ fn turned_rhs<T: Gemm>(kernel: GemmKernel, rows: usize, [k, n]: [usize; 2], b: M
     };
     // SAFETY: `transpose` writes every element of its `k·n` output.
     let turned = unsafe { crate::alloc::written::<f32>("matmul", &[k, n], write)? };
-    Ok(T::from_buffer(tessera_mesh::Buffer::F32(turned)).ok())
+    Ok(T::from_buffer(tessera_mesh::Buffer::F32(turned))
+        .ok()
+        .map(crate::alloc::Scratch::new))
 }
 
 /// One `m×k · k×n` product of a batch (or its [`Causal`] `part`): the small
