@@ -2,14 +2,16 @@
 //! against FSDP on two in-process ranks, with the same global batch.
 //!
 //! ```text
-//! cargo run --release --example bench_fsdp -- [--json PATH] [--steps N] [--config bench|tiny]
+//! cargo run --release --example bench_fsdp -- [--json PATH] [--steps N] [--config bench|tiny|large]
 //!     [--mixed-precision bf16] [--threads N] [--profile]
 //! ```
 //!
 //! A step is forward (`model.loss` on the token rows), backward, `AdamW::step`
 //! (lr 1e-3, betas (0.9, 0.95), eps 1e-8, weight decay 0.1) and `zero_grad`, in
 //! f32, on rows of the reference generator (`tessera::data::batch`, data seed
-//! 1234), 4 rows per FSDP rank:
+//! 1234), 4 rows per FSDP rank (2 for the `large` config: dim 768, 6 layers,
+//! 12 heads, vocab 32000, seq 128, 92M parameters, `train`'s research-size
+//! run with `--batch 2`):
 //!
 //! - `single`: `launch(1)`, a 1-rank mesh, no FSDP, the 8 rows of the global batch;
 //! - `fsdp`: `launch(2)`, a 2-rank mesh, `model.fully_shard(&mesh, &FsdpConfig::default())`
@@ -47,8 +49,10 @@
 //! then rank 0's GEMM rate (the `matmul` ops' flops over their time, per thread)
 //! against one core's `f32` FMA peak measured in the same run (x86-64), and the
 //! step's time if every GEMM ran at that peak: the floor a faster GEMM could
-//! reach. `--json` records then gain `gemm_gflop_per_step`,
-//! `gemm_gflops_per_thread` and `fma_peak_gflops`.
+//! reach, and the model FLOPs utilisation: the step's GEMM FLOPs at that
+//! peak (on the rank's threads) over the measured step. `--json` records then
+//! gain `gemm_gflop_per_step`, `gemm_gflops_per_thread`, `fma_peak_gflops` and
+//! `mfu`.
 //!
 //! `--threads N` gives each rank N threads for its kernels (default: the cores
 //! divided among the ranks, or `TESSERA_THREADS_PER_RANK`); the table's
@@ -80,11 +84,19 @@ use tessera::{BoxError, DType, DeviceMesh, LaunchOptions, launch_with};
 
 const WARMUP: usize = 2;
 const DEFAULT_STEPS: usize = 10;
-const ROWS_PER_RANK: usize = 4;
 const FSDP_WORLD: usize = 2;
 const INIT_SEED: u64 = 0;
 /// Cores busy with other work above which a mode's times are flagged as noisy.
 const OTHERS_NOISE: f64 = 0.2;
+
+/// The research-size model of `train`'s large run: 92M parameters.
+const LARGE: TransformerConfig = TransformerConfig {
+    vocab: 32000,
+    dim: 768,
+    n_layers: 6,
+    n_heads: 12,
+    seq: 128,
+};
 
 /// The bench model: dim 256, 4 layers, 8 heads, vocab 4096, seq 128.
 const BENCH: TransformerConfig = TransformerConfig {
@@ -95,11 +107,12 @@ const BENCH: TransformerConfig = TransformerConfig {
     seq: 128,
 };
 
-const USAGE: &str = "usage: bench_fsdp [--json PATH] [--steps N] [--config bench|tiny] [--mixed-precision bf16]
+const USAGE: &str = "usage: bench_fsdp [--json PATH] [--steps N] [--config bench|tiny|large] [--mixed-precision bf16]
   --json PATH              also write the results as a JSON array of records (atomically)
   --steps N                timed steps per mode (default 10; 2 warm-ups come first)
-  --config bench|tiny      bench: dim 256, 4 layers, 8 heads, vocab 4096, seq 128 (default);
-                           tiny: dim 64, 2 layers, 4 heads, vocab 256, seq 32
+  --config bench|tiny|large  bench: dim 256, 4 layers, 8 heads, vocab 4096, seq 128 (default);
+                           tiny: dim 64, 2 layers, 4 heads, vocab 256, seq 32;
+                           large: dim 768, 6 layers, 12 heads, vocab 32000, seq 128, 2 rows per rank
   --mixed-precision bf16   bf16 compute and gathers, f32 gradient reduction (both modes)
   --threads N              threads per rank for its kernels (default: cores / ranks)
   --profile                print where each phase's time went, by kind of work";
@@ -132,8 +145,11 @@ struct Args {
     steps: usize,
     config_name: &'static str,
     model: TransformerConfig,
-    /// PyTorch 2.15 FSDP2 ms per step: (one process, W=2), same global batch.
-    pytorch_ms: (f64, f64),
+    /// Rows per FSDP rank (the single rank takes them all).
+    rows_per_rank: usize,
+    /// PyTorch 2.15 FSDP2 ms per step: (one process, W=2), same global batch,
+    /// where measured (`side_by_side.py` measures the large row).
+    pytorch_ms: Option<(f64, f64)>,
     bf16: bool,
     /// `--threads`: threads per rank, else the launch's default.
     threads: Option<usize>,
@@ -189,7 +205,8 @@ fn parse(args: impl IntoIterator<Item = String>) -> Result<Args, String> {
         steps: DEFAULT_STEPS,
         config_name: "bench",
         model: BENCH,
-        pytorch_ms: (233.0, 316.8),
+        rows_per_rank: 4,
+        pytorch_ms: Some((233.0, 316.8)),
         bf16: false,
         threads: None,
         profile: false,
@@ -203,11 +220,15 @@ fn parse(args: impl IntoIterator<Item = String>) -> Result<Args, String> {
         match flag {
             "--json" => out.json = Some(common::json_path(&value("a file path")?)?),
             "--steps" => out.steps = common::positive(flag, &value("a positive integer")?)?,
-            "--config" => match value("bench or tiny")?.as_str() {
-                "bench" => (out.config_name, out.model, out.pytorch_ms) = ("bench", BENCH, (233.0, 316.8)),
-                "tiny" => (out.config_name, out.model, out.pytorch_ms) = ("tiny", TransformerConfig::TINY, (6.3, 34.8)),
-                other => return Err(format!("--config takes bench or tiny, got {other:?}")),
-            },
+            "--config" => {
+                (out.config_name, out.model, out.rows_per_rank, out.pytorch_ms) =
+                    match value("bench, tiny or large")?.as_str() {
+                        "bench" => ("bench", BENCH, 4, Some((233.0, 316.8))),
+                        "tiny" => ("tiny", TransformerConfig::TINY, 4, Some((6.3, 34.8))),
+                        "large" => ("large", LARGE, 2, None),
+                        other => return Err(format!("--config takes bench, tiny or large, got {other:?}")),
+                    }
+            }
             "--mixed-precision" => match value("bf16")?.as_str() {
                 "bf16" => out.bf16 = true,
                 other => return Err(format!("--mixed-precision takes bf16, got {other:?}")),
@@ -222,7 +243,7 @@ fn parse(args: impl IntoIterator<Item = String>) -> Result<Args, String> {
 
 fn run(args: &Args) -> Result<(), BoxError> {
     let cfg = args.model;
-    let global = FSDP_WORLD * ROWS_PER_RANK;
+    let global = FSDP_WORLD * args.rows_per_rank;
     println!(
         "one training step (forward, backward, AdamW) of the {} Transformer (dim {}, {} layers, {} heads, vocab {}, \
          seq {}; {} parameters), {}, global batch {global} rows; {} steps after {WARMUP} warm-ups",
@@ -307,7 +328,7 @@ fn bench_rank(comm: Box<dyn tessera::Communicator>, mode: Mode, args: &Args) -> 
         weight_decay: 0.1,
     };
     let mut opt = AdamW::new(model.parameters(), adamw)?;
-    let global = FSDP_WORLD * ROWS_PER_RANK;
+    let global = FSDP_WORLD * args.rows_per_rank;
     let len = cfg.seq + 1;
     memory::reset_peak();
 
@@ -463,6 +484,12 @@ struct GemmRate {
 }
 
 impl GemmRate {
+    /// Model FLOPs utilisation: the step's GEMM FLOPs at `peak` GFLOP/s per
+    /// thread, over the measured step.
+    fn mfu(&self, peak: f64, x: &Summary) -> f64 {
+        self.gflop / (peak * x.threads.max(1) as f64) / x.median_s
+    }
+
     /// `None` without profiles (no `--profile`) or GEMM time.
     fn of(x: &Summary) -> Option<GemmRate> {
         let steps = x.profiles.len();
@@ -550,7 +577,7 @@ fn cpu_seconds() -> Option<(f64, f64)> {
 /// Prints the table and the targets, and writes the JSON.
 fn report(args: &Args, s: &[Summary], peak: Option<f64>) -> Result<(), BoxError> {
     let (single, fsdp) = (&s[0], &s[1]);
-    let (pt_single, pt_fsdp) = args.pytorch_ms;
+    let (pt_single, pt_fsdp) = args.pytorch_ms.map_or((None, None), |(a, b)| (Some(a), Some(b)));
     let mib = |b: usize| b as f64 / (1u64 << 20) as f64;
     println!();
     println!(
@@ -573,7 +600,7 @@ fn report(args: &Args, s: &[Summary], peak: Option<f64>) -> Result<(), BoxError>
     for (x, pt) in [(single, pt_single), (fsdp, pt_fsdp)] {
         let ms = x.median_s * 1e3;
         println!(
-            "{:<7} {:>5} {:>7} {:>10.1} {:>8.1} {:>8.1} {:>9.1} {:>11} {:>13} {:>14.1} {:>11.5} {:>11.1} {:>10.2}x",
+            "{:<7} {:>5} {:>7} {:>10.1} {:>8.1} {:>8.1} {:>9.1} {:>11} {:>13} {:>14.1} {:>11.5} {:>11} {:>11}",
             x.mode.name(),
             x.mode.world(),
             x.threads,
@@ -585,8 +612,8 @@ fn report(args: &Args, s: &[Summary], peak: Option<f64>) -> Result<(), BoxError>
             x.cpu.map_or("-".into(), |c| format!("{:.2}", c.others)),
             mib(x.peak_bytes),
             x.first_loss,
-            pt,
-            ms / pt,
+            pt.map_or("-".into(), |pt| format!("{pt:.1}")),
+            pt.map_or("-".into(), |pt| format!("{:.2}x", ms / pt)),
         );
         records.push(Json::Obj(vec![
             ("mode".into(), Json::Str(x.mode.name().into())),
@@ -599,7 +626,10 @@ fn report(args: &Args, s: &[Summary], peak: Option<f64>) -> Result<(), BoxError>
                 "precision".into(),
                 Json::Str(if args.bf16 { "bf16" } else { "f32" }.into()),
             ),
-            ("global_batch".into(), Json::Int((FSDP_WORLD * ROWS_PER_RANK) as u64)),
+            (
+                "global_batch".into(),
+                Json::Int((FSDP_WORLD * args.rows_per_rank) as u64),
+            ),
             ("steps".into(), Json::Int(args.steps as u64)),
             ("first_loss".into(), Json::Num(x.first_loss)),
             ("last_loss".into(), Json::Num(x.last_loss)),
@@ -609,28 +639,51 @@ fn report(args: &Args, s: &[Summary], peak: Option<f64>) -> Result<(), BoxError>
             fields.push(("gemm_gflops_per_thread".into(), Json::Num(r.per_thread)));
             if let Some(peak) = peak {
                 fields.push(("fma_peak_gflops".into(), Json::Num(peak)));
+                fields.push(("mfu".into(), Json::Num(r.mfu(peak, x))));
             }
         }
     }
     let time_ratio = fsdp.median_s / single.median_s;
     let mem_ratio = fsdp.peak_bytes as f64 / single.peak_bytes as f64;
-    let vs_pt = fsdp.median_s * 1e3 / pt_fsdp;
     println!();
     println!("fsdp/single: step time {time_ratio:.2}x, peak memory per rank {mem_ratio:.2}x");
-    println!(
-        "pytorch_ms: PyTorch 2.15 FSDP2, gloo, f32, on this machine, {} config, 8 rows (reference figures, not measured \
-         here); vs_pytorch = our median / theirs, in the same mode",
-        args.config_name
-    );
     let verdict = |ok: bool| if ok { "met" } else { "NOT met" };
     println!(
         "target fsdp W=2 <= 1.1x our single-rank step: {time_ratio:.2}x, {}",
         verdict(time_ratio <= 1.1)
     );
-    println!(
-        "target fsdp W=2 <= 0.6x PyTorch FSDP2 W=2 ({pt_fsdp} ms): {vs_pt:.2}x, {}",
-        verdict(vs_pt <= 0.6)
-    );
+    match pt_fsdp {
+        Some(pt_fsdp) => {
+            let vs_pt = fsdp.median_s * 1e3 / pt_fsdp;
+            println!(
+                "pytorch_ms: PyTorch 2.15 FSDP2, gloo, f32, on this machine, {} config, {} rows (reference figures, not \
+                 measured here); vs_pytorch = our median / theirs, in the same mode",
+                args.config_name,
+                FSDP_WORLD * args.rows_per_rank
+            );
+            println!(
+                "target fsdp W=2 <= 0.6x PyTorch FSDP2 W=2 ({pt_fsdp} ms): {vs_pt:.2}x, {}",
+                verdict(vs_pt <= 0.6)
+            );
+        }
+        None => println!(
+            "no PyTorch reference figures for the {} config: ../shared/peers/side_by_side.py measures them beside ours",
+            args.config_name
+        ),
+    }
+    if let Some(p) = peak {
+        for x in s {
+            if let Some(r) = GemmRate::of(x) {
+                let mfu = r.mfu(p, x);
+                println!(
+                    "target {} model FLOPs utilisation >= 70%: {:.1}%, {}",
+                    x.mode.name(),
+                    100.0 * mfu,
+                    verdict(mfu >= 0.7)
+                );
+            }
+        }
+    }
     let drift = (fsdp.first_loss - single.first_loss).abs();
     if drift > 1e-3 * single.first_loss.abs().max(1.0) {
         println!(

@@ -444,6 +444,71 @@ pub fn check_variable_all(comm: &dyn Communicator) {
     for_all_types!(check_variable, comm);
 }
 
+/// all_to_all_v_runs and all_gather_v_runs of `T`: an a × b matrix (a value
+/// per global element) goes from row blocks to column blocks (each piece a
+/// strided box of its sender's rows, and of its receiver's columns), then the
+/// column blocks gather into the whole matrix; sizes uneven and some blocks
+/// empty for larger groups. Counted as all_to_all_v and all_gather_v.
+pub fn check_runs<T: TestElement>(comm: &dyn Communicator) {
+    use crate::Run;
+    let (r, n) = (comm.rank(), comm.size());
+    for (a, b) in [(2 * n + 1, 3 * n + 2), (3, 5), (1, 1)] {
+        let what = |op: &str| format!("{op} {} {a}x{b} rank {r}/{n}", T::DTYPE);
+        let global = |row: usize, col: usize| value(0, row * b + col);
+        let (ra, cb) = (chunk_counts(a, n), chunk_counts(b, n));
+        let (ro, co) = (|q: usize| prefix(&ra, q), |q: usize| prefix(&cb, q));
+        // Rows ro(i).. of every column on rank i ([ra[i], b]), all rows of
+        // columns co(j).. on rank j ([a, cb[j]]): rank i's row x, columns of j.
+        let moved = |i: usize, j: usize| -> Vec<Run> {
+            (0..ra[i])
+                .filter(|_| cb[j] > 0)
+                .map(|x| Run {
+                    src: x * b + co(j),
+                    dst: (ro(i) + x) * cb[j],
+                    len: cb[j],
+                })
+                .collect()
+        };
+        let send: Vec<T> = (0..ra[r] * b)
+            .map(|k| T::from_f64(global(ro(r) + k / b, k % b)))
+            .collect();
+        let send_runs: Vec<Vec<Run>> = (0..n).map(|j| moved(r, j)).collect();
+        let recv_runs: Vec<Vec<Run>> = (0..n).map(|i| moved(i, r)).collect();
+        let mut cols = vec![T::default(); a * cb[r]];
+        comm.all_to_all_v_runs(T::buf(&send), &send_runs, T::buf_mut(&mut cols), &recv_runs)
+            .unwrap_or_else(|e| panic!("{}: {e}", what("all_to_all_v_runs")));
+        assert_close(&what("all_to_all_v_runs"), &cols, |k| {
+            global(k / cb[r], co(r) + k % cb[r])
+        });
+
+        // Column block q ([a, cb[q]]) lands in columns co(q).. of every row.
+        let placed: Vec<Vec<Run>> = (0..n)
+            .map(|q| {
+                (0..a)
+                    .filter(|_| cb[q] > 0)
+                    .map(|y| Run {
+                        src: y * cb[q],
+                        dst: y * b + co(q),
+                        len: cb[q],
+                    })
+                    .collect()
+            })
+            .collect();
+        let before = comm.stats().snapshot();
+        let mut whole = vec![T::default(); a * b];
+        comm.all_gather_v_runs(T::buf(&cols), T::buf_mut(&mut whole), &placed)
+            .unwrap_or_else(|e| panic!("{}: {e}", what("all_gather_v_runs")));
+        assert_close(&what("all_gather_v_runs"), &whole, |k| global(k / b, k % b));
+        let d = comm.stats().snapshot() - before;
+        // (A provided default exchanges counts first: one more all_gather.)
+        assert!(
+            d.calls(OpKind::AllGather) >= 1 && d.calls(OpKind::AllToAll) == 0,
+            "{}",
+            what("all_gather_v_runs counted as all_gather_v")
+        );
+    }
+}
+
 /// Checks that the per-rank counters count each collective and its bytes.
 pub fn check_stats(comm: &dyn Communicator) {
     let n = comm.size();
@@ -467,6 +532,7 @@ pub fn check_all(comm: &dyn Communicator) {
     for_all_types!(check_segmented, comm);
     for_all_types!(check_pieces, comm);
     check_variable_all(comm);
+    for_all_types!(check_runs, comm);
     check_split(comm);
     check_stats(comm);
     comm.barrier().expect("final barrier");
@@ -494,6 +560,7 @@ pub fn check_mesh(world: Box<dyn Communicator>, shape: &[usize]) {
         check_segmented::<f32>(comm);
         check_variable::<f32>(comm);
         check_variable::<i64>(comm);
+        check_runs::<f32>(comm);
     }
 }
 

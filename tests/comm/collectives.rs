@@ -139,6 +139,8 @@ fn padded_variable_count_defaults_are_correct() {
         launch(n, |ctx| {
             let comm = Defaults(ctx.into_comm());
             testing::check_variable_all(&comm);
+            testing::check_runs::<f32>(&comm);
+            testing::check_runs::<i64>(&comm);
             testing::check_split(&comm);
             Ok(())
         })

@@ -5,11 +5,15 @@
 //! region needs is packed into the send buffer; what arrives is placed into this
 //! rank's next region. When those parts are consecutive row-major runs (gathering
 //! or scattering along the outermost dim), the local buffer is sent as is and the
-//! received buffer becomes the result, with no packing copies.
+//! received buffer becomes the result, with no packing copies; when they are
+//! strided boxes, an all-gather or all-to-all moves them as lists of runs
+//! (`all_gather_v_runs`, `all_to_all_v_runs`), each element read where its
+//! sender holds it and written where its receiver wants it (one copy on the
+//! threads backend; the provided defaults pack and unpack).
 
 use std::borrow::Cow;
 
-use tessera_mesh::{Communicator, DeviceMesh, Element, ReduceOp};
+use tessera_mesh::{Communicator, DeviceMesh, Element, ReduceOp, Run};
 
 use super::step::{Plan, StepKind};
 use super::{group_coords, group_index};
@@ -130,11 +134,13 @@ impl Exchange<'_> {
                 out
             }
             StepKind::AllGather => {
+                // Each piece lands in place, read where its sender holds it
+                // (strided when gathering along an inner dim).
                 let pieces = self.regions(self.before)?;
-                let counts: Vec<usize> = pieces.iter().map(Region::numel).collect();
-                let mut recv = buffer_for::<T>(counts.iter().sum(), &mine_after)?;
-                self.comm.all_gather_v(T::buf(src), T::buf_mut(&mut recv), &counts)?;
-                place_all(recv, &mine_after, &pieces)?
+                let runs: Vec<Vec<Run>> = pieces.iter().map(|p| runs(p, &mine_after, p)).collect();
+                let mut recv = buffer_for::<T>(mine_after.numel(), &mine_after)?;
+                self.comm.all_gather_v_runs(T::buf(src), T::buf_mut(&mut recv), &runs)?;
+                recv
             }
             StepKind::ReduceScatter { op, .. } => {
                 let pieces = self.regions(self.after)?;
@@ -146,13 +152,25 @@ impl Exchange<'_> {
                 recv
             }
             StepKind::AllToAll => {
-                let (outgoing, incoming, send_counts, recv_counts) =
-                    self.all_to_all_parts(&mine_before, &mine_after)?;
-                let send = pack(src, &mine_before, &outgoing)?;
-                let mut recv = buffer_for::<T>(recv_counts.iter().sum(), &mine_after)?;
+                // Each run read where this rank (or its sender) holds it and
+                // written where its receiver wants it: no packing or unpacking
+                // pass, whatever the boxes' strides.
+                let (outgoing, incoming, _, _) = self.all_to_all_parts(&mine_before, &mine_after)?;
+                let (afters, befores) = (self.regions(self.after)?, self.regions(self.before)?);
+                let send_runs: Vec<Vec<Run>> = outgoing
+                    .iter()
+                    .zip(&afters)
+                    .map(|(p, to)| runs(&mine_before, to, p))
+                    .collect();
+                let recv_runs: Vec<Vec<Run>> = incoming
+                    .iter()
+                    .zip(&befores)
+                    .map(|(p, from)| runs(from, &mine_after, p))
+                    .collect();
+                let mut recv = buffer_for::<T>(mine_after.numel(), &mine_after)?;
                 self.comm
-                    .all_to_all_v(T::buf(&send), &send_counts, T::buf_mut(&mut recv), &recv_counts)?;
-                place_all(recv, &mine_after, &incoming)?
+                    .all_to_all_v_runs(T::buf(src), &send_runs, T::buf_mut(&mut recv), &recv_runs)?;
+                recv
             }
         };
         Ok(Tensor::from_vec(out, &mine_after.shape)?)
@@ -349,6 +367,15 @@ pub(crate) fn for_each_run(a: &Region, b: &Region, part: &Region, mut f: impl Fn
     }
 }
 
+/// The runs of `part` from a buffer laid out as `a` to one laid out as `b`
+/// ([`for_each_run`]): what a runs collective moves of it. Sender and
+/// receiver derive the same list from the same regions.
+fn runs(a: &Region, b: &Region, part: &Region) -> Vec<Run> {
+    let mut out = Vec::new();
+    for_each_run(a, b, part, |src, dst, len| out.push(Run { src, dst, len }));
+    out
+}
+
 /// The parts of `src` (laid out as `outer`) concatenated in order; borrowed when they
 /// already are `src`'s buffer in order.
 fn pack<'a, T: Element>(src: &'a [T], outer: &Region, parts: &[Region]) -> Result<Cow<'a, [T]>> {
@@ -361,23 +388,6 @@ fn pack<'a, T: Element>(src: &'a [T], outer: &Region, parts: &[Region]) -> Resul
         for_each_run(outer, p, p, |o, _, len| out.extend_from_slice(&src[o..o + len]));
     }
     Ok(Cow::Owned(out))
-}
-
-/// Places the concatenated `parts` of `data` into a buffer laid out as `outer`; the
-/// data itself when the parts tile `outer` in order.
-fn place_all<T: Element>(data: Vec<T>, outer: &Region, parts: &[Region]) -> Result<Vec<T>> {
-    if tiles_in_order(outer, parts) {
-        return Ok(data);
-    }
-    let mut out = reused::<T>(OP, &outer.shape)?;
-    let mut at = 0;
-    for p in parts {
-        for_each_run(p, outer, p, |o, dst, len| {
-            out[dst..dst + len].copy_from_slice(&data[at + o..at + o + len]);
-        });
-        at += p.numel();
-    }
-    Ok(out)
 }
 
 #[cfg(test)]
@@ -442,7 +452,7 @@ mod tests {
     }
 
     #[test]
-    fn pack_and_place_round_trip() {
+    fn pack_and_runs_round_trip() {
         // A 4×6 buffer split into column blocks 0..2, 2..4, 4..6 (not row-major runs).
         let outer = region(&[10, 0], &[4, 6]);
         let src: Vec<i64> = (0..24).collect();
@@ -450,7 +460,15 @@ mod tests {
         let packed = pack(&src, &outer, &parts).unwrap();
         assert!(matches!(packed, Cow::Owned(_)));
         assert_eq!(&packed[..8], &[0, 1, 6, 7, 12, 13, 18, 19]);
-        let back = place_all(packed.into_owned(), &outer, &parts).unwrap();
+        // The runs of each part back into the layout restore the buffer.
+        let mut back = vec![0i64; 24];
+        let mut at = 0;
+        for p in &parts {
+            for r in super::runs(p, &outer, p) {
+                back[r.dst..r.dst + r.len].copy_from_slice(&packed[at + r.src..at + r.src + r.len]);
+            }
+            at += p.numel();
+        }
         assert_eq!(back, src);
         // Row blocks are runs: no copy.
         let rows: Vec<Region> = (0..2).map(|k| region(&[10 + 2 * k, 0], &[2, 6])).collect();

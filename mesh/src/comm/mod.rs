@@ -5,14 +5,17 @@ use crate::{Buf, BufMut, Buffer, Element, Error, Pieces, Result};
 
 mod check;
 mod reduce_op;
+mod runs;
 mod variable;
 mod work;
 mod worker;
 
 pub use reduce_op::ReduceOp;
+pub use runs::Run;
 pub use work::Work;
 
 pub(crate) use check::{Call, check_call};
+pub(crate) use runs::{check_runs, runs_name};
 pub(crate) use variable::*;
 pub(crate) use worker::Worker;
 
@@ -248,6 +251,88 @@ pub trait Communicator: Send {
         let mut got = Buffer::zeros(dtype, block * n);
         self.all_to_all(padded.as_buf(), got.as_buf_mut())?;
         unpad(&got, recv_counts, block, recv)
+    }
+
+    /// [`all_gather_v`](Self::all_gather_v) that writes every element where this
+    /// rank wants it: `recv_runs[q]` lists runs of rank `q`'s `send` (`src`
+    /// offsets in it) and where each goes in `recv` (`dst`), and together they
+    /// hold all of rank `q`'s `send` (its count, as `all_gather_v`'s
+    /// `counts[q]`; `recv` holds their sum, as in `all_gather_v`). A
+    /// redistribution that gathers strided boxes of a tensor (the pieces of
+    /// a `Shard(1)`) places them with no unpacking pass. Counted as the
+    /// `all_gather_v` of those counts.
+    ///
+    /// Default: `all_gather_v` into a scratch buffer, then one copy per run
+    /// (the threads backend copies each run straight from its peer's buffer).
+    ///
+    /// # Errors
+    /// [`Error::BadLength`] for run lists that are not one per rank or a run
+    /// past the end of `recv`; as [`all_gather_v`](Self::all_gather_v) for the
+    /// counts the runs add up to.
+    #[track_caller]
+    fn all_gather_v_runs(&self, send: Buf<'_>, mut recv: BufMut<'_>, recv_runs: &[Vec<Run>]) -> Result<()> {
+        let all: Vec<Vec<Run>> = vec![Vec::new(); self.size()];
+        let (_, counts) = check_runs(
+            OpKind::AllGather,
+            (self.size(), self.rank()),
+            &send,
+            &all,
+            &recv,
+            recv_runs,
+        )?;
+        let mut got = Buffer::zeros(send.dtype(), counts.iter().sum());
+        self.all_gather_v(send, got.as_buf_mut(), &counts)?;
+        let starts: Vec<usize> = counts
+            .iter()
+            .scan(0, |at, &c| {
+                *at += c;
+                Some(*at - c)
+            })
+            .collect();
+        runs::place_runs(&got.as_buf(), &mut recv, recv_runs, Some(&starts))
+    }
+
+    /// [`all_to_all_v`](Self::all_to_all_v) that reads every element where
+    /// this rank holds it and writes it where its receiver wants it:
+    /// `send_runs[q]` lists the runs of `send` that go to rank `q` (`src`
+    /// offsets in `send`, `dst` in rank `q`'s `recv`), and `recv_runs[q]` the
+    /// runs that come from rank `q` (`src` in its `send`, `dst` in `recv`):
+    /// rank `q`'s `send_runs[r]` and rank `r`'s `recv_runs[q]` must be the same
+    /// runs in the same order (both sides derive them from the same layouts).
+    /// The receive runs' counts sum to `recv`'s length (as `all_to_all_v`'s
+    /// `recv_counts`); the send runs may leave parts of `send` unsent. A
+    /// redistribution between strided boxes of a tensor moves them with no
+    /// packing or unpacking pass. Counted as the `all_to_all_v` of the runs'
+    /// element counts.
+    ///
+    /// Default: packs the send runs, `all_to_all_v`, then one copy per receive
+    /// run (the threads backend copies each run straight from its peer's
+    /// buffer and reads no send runs).
+    ///
+    /// # Errors
+    /// [`Error::BadLength`] for run lists that are not one per rank or a run
+    /// past the end of its buffer; as [`all_to_all_v`](Self::all_to_all_v) for
+    /// the counts the runs add up to.
+    #[track_caller]
+    fn all_to_all_v_runs(
+        &self,
+        send: Buf<'_>,
+        send_runs: &[Vec<Run>],
+        mut recv: BufMut<'_>,
+        recv_runs: &[Vec<Run>],
+    ) -> Result<()> {
+        let (send_counts, recv_counts) = check_runs(
+            OpKind::AllToAll,
+            (self.size(), self.rank()),
+            &send,
+            send_runs,
+            &recv,
+            recv_runs,
+        )?;
+        let packed = runs::pack_runs(&send, send_runs)?;
+        let mut got = Buffer::zeros(send.dtype(), recv_counts.iter().sum());
+        self.all_to_all_v(packed.as_buf(), &send_counts, got.as_buf_mut(), &recv_counts)?;
+        runs::place_runs(&got.as_buf(), &mut recv, recv_runs, None)
     }
 
     /// [`all_gather`](Self::all_gather) with the output grouped by segment: this

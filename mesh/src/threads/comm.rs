@@ -6,7 +6,7 @@ use std::sync::Arc;
 use super::group::Group;
 use super::kernels::{self, Out, Source};
 use super::split::split_group;
-use crate::comm::{Worker, all_to_all_v_bytes, nbytes as bytes};
+use crate::comm::{Run, Worker, all_to_all_v_bytes, check_runs, nbytes as bytes};
 use crate::context::RankId;
 use crate::dtype::Filling;
 use crate::stats::CommStats;
@@ -218,6 +218,62 @@ impl Communicator for ThreadComm {
         let sent = all_to_all_v_bytes(send.dtype(), send_counts, self.rank);
         let _obs = self.record_sent(OpKind::AllToAll, sent);
         kernels::all_to_all_v(&self.group, self.rank, send, send_counts, recv, recv_counts)
+    }
+
+    fn all_gather_v_runs(&self, send: Buf<'_>, recv: BufMut<'_>, recv_runs: &[Vec<Run>]) -> Result<()> {
+        let _site = crate::callsite::issue();
+        self.fence();
+        let none = vec![Vec::new(); self.size()];
+        let (_, counts) = check_runs(
+            OpKind::AllGather,
+            (self.size(), self.rank),
+            &send,
+            &none,
+            &recv,
+            recv_runs,
+        )?;
+        // n−1 copies of its own piece, as all_gather_v.
+        let own = counts.get(self.rank).copied().unwrap_or(0) * send.dtype().size_in_bytes();
+        let _obs = self.record_sent(OpKind::AllGather, ((self.size() - 1) * own) as u64);
+        kernels::runs(
+            &self.group,
+            self.rank,
+            OpKind::AllGather,
+            send,
+            recv,
+            (&counts, &[]),
+            recv_runs,
+        )
+    }
+
+    fn all_to_all_v_runs(
+        &self,
+        send: Buf<'_>,
+        send_runs: &[Vec<Run>],
+        recv: BufMut<'_>,
+        recv_runs: &[Vec<Run>],
+    ) -> Result<()> {
+        let _site = crate::callsite::issue();
+        self.fence();
+        let (send_counts, recv_counts) = check_runs(
+            OpKind::AllToAll,
+            (self.size(), self.rank),
+            &send,
+            send_runs,
+            &recv,
+            recv_runs,
+        )?;
+        let sent = all_to_all_v_bytes(send.dtype(), &send_counts, self.rank);
+        let _obs = self.record_sent(OpKind::AllToAll, sent);
+        kernels::runs(
+            &self.group,
+            self.rank,
+            OpKind::AllToAll,
+            send,
+            recv,
+            (&send_counts, &recv_counts),
+            recv_runs,
+        )
     }
 
     fn broadcast(&self, buf: BufMut<'_>, root: usize) -> Result<()> {

@@ -31,6 +31,9 @@ pub(crate) struct Desc {
     /// The variable-count form of `kind` (`all_gather_v`, ...): its counts are
     /// published beside the descriptor ([`Group::enter_v`](super::group::Group::enter_v)).
     pub(crate) v: bool,
+    /// The runs form of a variable-count collective (`all_to_all_v_runs`):
+    /// each receiver reads runs of its peers' buffers where they lie.
+    pub(crate) placed: bool,
     /// Where the rank issued the collective ([`callsite`](crate::callsite)), when known.
     pub(crate) site: Option<CallSite>,
 }
@@ -52,13 +55,16 @@ impl Desc {
             color: 0,
             key: 0,
             v: false,
+            placed: false,
             site: None,
         }
     }
 
     /// The collective's name (`"all_gather_v"` for the variable-count forms).
     pub(crate) fn name(&self) -> &'static str {
-        if self.v {
+        if self.placed {
+            crate::comm::runs_name(self.kind)
+        } else if self.v {
             crate::comm::v_name(self.kind)
         } else {
             self.kind.name()

@@ -155,10 +155,16 @@ pub(crate) unsafe fn stream_sum_f32(parts: &[&[f32]], out: *mut f32, len: usize,
 unsafe fn stream_bytes(dst: *mut u8, src: *const u8, n: usize) {
     use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_stream_si128};
     const LANE: usize = 16;
-    let head = dst.align_offset(LANE).min(n);
-    let lanes = (n - head) / LANE;
+    // Only whole cache lines stream: a partly written line leaves the
+    // write-combining buffer as a partial write, several times the cost of a
+    // full one (a gather of 512-byte runs into buffers 16 bytes off a line
+    // boundary, the malloc default, ran at half the speed of whole runs). The
+    // partial lines at either end go through the cache.
+    const LINE: usize = 64;
+    let head = dst.align_offset(LINE).min(n);
+    let lanes = (n - head) / LINE * (LINE / LANE);
     // SAFETY: the caller's contract; every offset below stays under `n`, and the
-    // body's stores are 16-byte aligned (`head` aligns `dst`).
+    // body's stores are 64-byte aligned (`head` aligns `dst`).
     unsafe {
         std::ptr::copy_nonoverlapping(src, dst, head);
         for i in 0..lanes {

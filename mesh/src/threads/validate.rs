@@ -3,7 +3,7 @@
 
 use super::desc::{Counts, Desc};
 use crate::comm::{Call, VArgs, check_call, check_v};
-use crate::{Error, Result};
+use crate::{Error, OpKind, Result};
 
 /// `members[q]` is the world rank of group rank `q` (errors name world ranks).
 /// `counts[q]` are rank `q`'s count arrays when every rank called a
@@ -17,6 +17,7 @@ pub(crate) fn validate(d: &[Desc], counts: &[Counts], members: &[usize], strict:
         // lengths are checked against the counts below.
         let same_call = dq.kind == first.kind
             && dq.v == first.v
+            && dq.placed == first.placed
             && dq.dtype == first.dtype
             && (first.v || dq.send_len == first.send_len)
             && dq.reduce == first.reduce
@@ -68,7 +69,12 @@ pub(crate) fn validate(d: &[Desc], counts: &[Counts], members: &[usize], strict:
             .iter()
             .zip(counts)
             .map(|(dq, c)| VArgs {
-                send_len: dq.send_len,
+                // The runs form of all_to_all_v need not send all of its buffer.
+                send_len: if dq.placed && dq.kind == OpKind::AllToAll {
+                    c.send.iter().sum()
+                } else {
+                    dq.send_len
+                },
                 recv_len: dq.recv_len,
                 counts: &c.send,
                 recv_counts: &c.recv,

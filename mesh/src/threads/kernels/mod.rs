@@ -25,7 +25,7 @@ use super::desc::Desc;
 use super::group::Group;
 use super::store::Store;
 use crate::dtype::Filling;
-use crate::{Buf, BufMut, Buffer, DType, OpKind, Pieces, ReduceOp, Result};
+use crate::{Buf, BufMut, Buffer, DType, Error, OpKind, Pieces, ReduceOp, Result};
 
 /// A rank's send buffer: one flat buffer, or [`Pieces`] that peers read in place.
 #[derive(Clone, Copy)]
@@ -267,6 +267,55 @@ pub(crate) fn reduce_scatter_v(
         unsafe { reduce_blocks::<T>(store, &descs, |dq| dq.send_ptr, from, counts[r], op, d.recv_ptr as *mut T, 0) };
     });
     done.finish()
+}
+
+/// The runs forms (`all_gather_v_runs`, `all_to_all_v_runs`): after the
+/// variable-count checks of `counts` (per rank, what the runs add up to), each
+/// rank copies the runs it receives straight from its peers' send buffers.
+/// A run outside its peer's buffer is skipped and reported once every rank
+/// has finished (so no peer waits on this one).
+pub(crate) fn runs(
+    g: &Group,
+    r: usize,
+    kind: OpKind,
+    send: Buf<'_>,
+    mut recv: BufMut<'_>,
+    (send_counts, recv_counts): (&[usize], &[usize]),
+    recv_runs: &[Vec<crate::comm::Run>],
+) -> Result<()> {
+    let mut d = send_desc(kind, &send);
+    Out::of(&mut recv).publish(&mut d);
+    d.v = true;
+    d.placed = true;
+    let (descs, _, done) = g.enter_v(r, d, send_counts, recv_counts)?;
+    let store = Store::of(&descs);
+    let mut outside = None;
+    crate::dispatch_buf!(Buf, send, _s, T => {
+        let out = d.recv_ptr as *mut T;
+        for (q, (dq, runs)) in descs.iter().zip(recv_runs).enumerate() {
+            for run in runs {
+                if run.src.checked_add(run.len).is_none_or(|end| end > dq.send_len) {
+                    outside.get_or_insert((q, *run, dq.send_len));
+                    continue;
+                }
+                // SAFETY: as in `all_gather`; the run lies inside peer q's input
+                // (checked above) and inside our output (checked before entering:
+                // `check_runs`), which is ours alone.
+                unsafe { write(store, out, run.dst, peer::<T>(dq.send_ptr + run.src * size_of::<T>(), run.len)) };
+            }
+        }
+    });
+    done.finish()?;
+    match outside {
+        None => Ok(()),
+        Some((q, run, len)) => Err(Error::BadLength {
+            op: d.name(),
+            rank: q,
+            what: "send buffer (a run another rank reads from it)",
+            expected: len,
+            got: run.src.saturating_add(run.len),
+        }),
+    }
 }
 
 pub(crate) fn all_to_all_v(
