@@ -259,3 +259,32 @@ fn reversed_order_round_trip() {
     assert_eq!(x01.to_f64_vec(), vec![12.0, 13.0, 14.0, 15.0, 16.0, 17.0]);
     assert_eq!(d01.to_f64_vec(), vec![6.0, 7.0, 8.0, 9.0, 10.0, 11.0]);
 }
+
+/// A gather or all-to-all of strided boxes (pieces of `Shard(1)`) moves every
+/// element once, from where its sender holds it to where its receiver wants it:
+/// the step asks for one large buffer (its output), not a packed send buffer
+/// and a receive buffer beside it. The pool's requests of 256 KiB or more
+/// count them; the values are checked against the full tensor.
+#[test]
+fn strided_steps_allocate_only_their_output() {
+    use tessera::mesh::pool;
+    const N: usize = 512; // [512, 512] f32: 512 KiB per rank on 2 ranks
+    for (src, dst) in [([S(0)], [S(1)]), ([S(1)], [R])] {
+        let requests = on_mesh(&[2], move |mesh| {
+            let full = Tensor::from_vec((0..N * N).map(|i| i as f32).collect::<Vec<f32>>(), &[N, N])?;
+            let x = distribute_tensor(&full, mesh, &src)?;
+            let _ = x.redistribute(&dst)?; // warm: plan memo, communicators
+            let before = pool::stats();
+            let y = x.redistribute(&dst)?;
+            let after = pool::stats();
+            assert!(*y.to_local() == expected_local(&full, y.layout(), mesh.coordinate())?);
+            Ok((after.hits + after.misses) - (before.hits + before.misses))
+        })
+        .unwrap();
+        assert_eq!(
+            requests,
+            vec![1, 1],
+            "{src:?} -> {dst:?}: large buffers asked for per rank"
+        );
+    }
+}
