@@ -448,7 +448,8 @@ pub fn check_variable_all(comm: &dyn Communicator) {
 /// per global element) goes from row blocks to column blocks (each piece a
 /// strided box of its sender's rows, and of its receiver's columns), then the
 /// column blocks gather into the whole matrix; sizes uneven and some blocks
-/// empty for larger groups. Counted as all_to_all_v and all_gather_v.
+/// empty for larger groups; then partial sums of the whole matrix
+/// reduce-scatter into the column blocks. Counted as their `_v` forms.
 pub fn check_runs<T: TestElement>(comm: &dyn Communicator) {
     use crate::Run;
     let (r, n) = (comm.rank(), comm.size());
@@ -500,6 +501,23 @@ pub fn check_runs<T: TestElement>(comm: &dyn Communicator) {
             .unwrap_or_else(|e| panic!("{}: {e}", what("all_gather_v_runs")));
         assert_close(&what("all_gather_v_runs"), &whole, |k| global(k / b, k % b));
         let d = comm.stats().snapshot() - before;
+        // Partial sums of the whole matrix (rank q holds value(q, ·)) reduce
+        // into column blocks: each block's runs are strided in every input.
+        if reductions_for(T::DTYPE).contains(&ReduceOp::Sum) {
+            let full: Vec<T> = input(r, a * b, value);
+            let mut block = vec![T::default(); a * cb[r]];
+            comm.reduce_scatter_v_runs(
+                T::buf(&full),
+                T::buf_mut(&mut block),
+                &placed_src(&placed),
+                ReduceOp::Sum,
+            )
+            .unwrap_or_else(|e| panic!("{}: {e}", what("reduce_scatter_v_runs")));
+            assert_close(&what("reduce_scatter_v_runs"), &block, |k| {
+                let at = (k / cb[r]) * b + co(r) + k % cb[r];
+                (0..n).map(|q| value(q, at)).sum()
+            });
+        }
         // (A provided default exchanges counts first: one more all_gather.)
         assert!(
             d.calls(OpKind::AllGather) >= 1 && d.calls(OpKind::AllToAll) == 0,
@@ -507,6 +525,23 @@ pub fn check_runs<T: TestElement>(comm: &dyn Communicator) {
             what("all_gather_v_runs counted as all_gather_v")
         );
     }
+}
+
+/// A gather's runs seen from the other side: the reduce-scatter that splits
+/// what `placed` gathered reads each run at its `dst` and writes it at its `src`.
+fn placed_src(placed: &[Vec<crate::Run>]) -> Vec<Vec<crate::Run>> {
+    placed
+        .iter()
+        .map(|runs| {
+            runs.iter()
+                .map(|r| crate::Run {
+                    src: r.dst,
+                    dst: r.src,
+                    len: r.len,
+                })
+                .collect()
+        })
+        .collect()
 }
 
 /// Checks that the per-rank counters count each collective and its bytes.

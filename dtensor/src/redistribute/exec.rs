@@ -113,7 +113,6 @@ impl Exchange<'_> {
         checked_len(OP, &mine_after.shape, T::DTYPE)?;
         let t = t.contiguous();
         let src: &[T] = t.as_slice()?;
-        let me = group_index(&self.before.mesh_shape, self.coord, self.group);
         let out: Vec<T> = match kind {
             StepKind::Slice => pack(src, &mine_before, std::slice::from_ref(&mine_after))?.into_owned(),
             StepKind::Partition { op } => {
@@ -143,12 +142,14 @@ impl Exchange<'_> {
                 recv
             }
             StepKind::ReduceScatter { op, .. } => {
+                // Every rank of the group holds the same region (partial sums
+                // of it): each block reduced run by run where the ranks hold
+                // it, strided or not.
                 let pieces = self.regions(self.after)?;
-                let counts: Vec<usize> = pieces.iter().map(Region::numel).collect();
-                let send = pack(src, &mine_before, &pieces)?;
-                let mut recv = buffer_for::<T>(counts[me], &mine_after)?;
+                let runs: Vec<Vec<Run>> = pieces.iter().map(|p| runs(&mine_before, p, p)).collect();
+                let mut recv = buffer_for::<T>(mine_after.numel(), &mine_after)?;
                 self.comm
-                    .reduce_scatter_v(T::buf(&send), T::buf_mut(&mut recv), &counts, op)?;
+                    .reduce_scatter_v_runs(T::buf(src), T::buf_mut(&mut recv), &runs, op)?;
                 recv
             }
             StepKind::AllToAll => {

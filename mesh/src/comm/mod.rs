@@ -15,7 +15,7 @@ pub use runs::Run;
 pub use work::Work;
 
 pub(crate) use check::{Call, check_call};
-pub(crate) use runs::{check_runs, runs_name};
+pub(crate) use runs::{check_runs, own_runs, runs_name};
 pub(crate) use variable::*;
 pub(crate) use worker::Worker;
 
@@ -333,6 +333,41 @@ pub trait Communicator: Send {
         let mut got = Buffer::zeros(send.dtype(), recv_counts.iter().sum());
         self.all_to_all_v(packed.as_buf(), &send_counts, got.as_buf_mut(), &recv_counts)?;
         runs::place_runs(&got.as_buf(), &mut recv, recv_runs, None)
+    }
+
+    /// [`reduce_scatter_v`](Self::reduce_scatter_v) whose blocks are lists of
+    /// runs: every rank's `send` has one layout, `runs[q]` lists the runs of
+    /// rank `q`'s block (`src` offsets in every rank's `send`, `dst` in rank
+    /// `q`'s `recv`), and this rank's `recv` gets, at each run's `dst`, the
+    /// reduction over ranks (in rank order) of that run of every `send`. The
+    /// runs of all blocks hold all of `send` and this rank's fill its `recv`
+    /// (their counts are `reduce_scatter_v`'s). A redistribution from
+    /// `Partial` to a shard of an inner dim reduces strided boxes in place,
+    /// with no packing pass. Counted as the `reduce_scatter_v` of those counts.
+    ///
+    /// Default: packs `send` block by block, `reduce_scatter_v`, then one copy
+    /// per run of this rank's block (the threads backend reduces each run
+    /// straight from its peers' buffers).
+    ///
+    /// # Errors
+    /// [`Error::BadLength`] for run lists that are not one per rank or a run
+    /// past the end of its buffer; as [`reduce_scatter_v`](Self::reduce_scatter_v)
+    /// for the counts the runs add up to and the reduction.
+    #[track_caller]
+    fn reduce_scatter_v_runs(
+        &self,
+        send: Buf<'_>,
+        mut recv: BufMut<'_>,
+        runs: &[Vec<Run>],
+        op: ReduceOp,
+    ) -> Result<()> {
+        let (n, r) = (self.size(), self.rank());
+        let mine = runs::own_runs(runs, r, n);
+        let (counts, _) = check_runs(OpKind::ReduceScatter, (n, r), &send, runs, &recv, &mine)?;
+        let packed = runs::pack_runs(&send, runs)?;
+        let mut got = Buffer::zeros(send.dtype(), counts.get(r).copied().unwrap_or(0));
+        self.reduce_scatter_v(packed.as_buf(), got.as_buf_mut(), &counts, op)?;
+        runs::place_runs(&got.as_buf(), &mut recv, &mine, None)
     }
 
     /// [`all_gather`](Self::all_gather) with the output grouped by segment: this

@@ -89,6 +89,7 @@ pub(crate) fn check_runs(
 pub(crate) const fn runs_name(kind: OpKind) -> &'static str {
     match kind {
         OpKind::AllGather => "all_gather_v_runs",
+        OpKind::ReduceScatter => "reduce_scatter_v_runs",
         _ => "all_to_all_v_runs",
     }
 }
@@ -134,4 +135,18 @@ pub(crate) fn place_runs(
         }
     });
     Ok(())
+}
+
+/// `runs[rank]` alone, in a list of one per rank (the others empty): the
+/// receive side of a reduce-scatter's runs.
+pub(crate) fn own_runs(runs: &[Vec<Run>], rank: usize, n: usize) -> Vec<Vec<Run>> {
+    (0..n)
+        .map(|q| {
+            if q == rank {
+                runs.get(q).cloned().unwrap_or_default()
+            } else {
+                Vec::new()
+            }
+        })
+        .collect()
 }

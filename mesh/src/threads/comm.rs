@@ -6,7 +6,7 @@ use std::sync::Arc;
 use super::group::Group;
 use super::kernels::{self, Out, Source};
 use super::split::split_group;
-use crate::comm::{Run, Worker, all_to_all_v_bytes, check_runs, nbytes as bytes};
+use crate::comm::{Run, Worker, all_to_all_v_bytes, check_runs, nbytes as bytes, own_runs};
 use crate::context::RankId;
 use crate::dtype::Filling;
 use crate::stats::CommStats;
@@ -244,6 +244,24 @@ impl Communicator for ThreadComm {
             (&counts, &[]),
             recv_runs,
         )
+    }
+
+    fn reduce_scatter_v_runs(&self, send: Buf<'_>, recv: BufMut<'_>, runs: &[Vec<Run>], op: ReduceOp) -> Result<()> {
+        let _site = crate::callsite::issue();
+        self.fence();
+        let mine = own_runs(runs, self.rank, self.size());
+        let (counts, _) = check_runs(
+            OpKind::ReduceScatter,
+            (self.size(), self.rank),
+            &send,
+            runs,
+            &recv,
+            &mine,
+        )?;
+        // The input less its own piece, as reduce_scatter_v.
+        let own = counts.get(self.rank).copied().unwrap_or(0) * send.dtype().size_in_bytes();
+        let _obs = self.record_sent(OpKind::ReduceScatter, bytes(&send).saturating_sub(own) as u64);
+        kernels::reduce_scatter_runs(&self.group, self.rank, send, recv, &counts, &mine[self.rank], op)
     }
 
     fn all_to_all_v_runs(

@@ -318,6 +318,37 @@ pub(crate) fn runs(
     }
 }
 
+/// `reduce_scatter_v_runs`: after the variable-count checks of `counts`, this
+/// rank reduces each of its runs straight from every rank's send buffer (one
+/// layout on every rank, of the counts' sum, so every run checked against this
+/// rank's lies inside each peer's).
+pub(crate) fn reduce_scatter_runs(
+    g: &Group,
+    r: usize,
+    send: Buf<'_>,
+    mut recv: BufMut<'_>,
+    counts: &[usize],
+    mine: &[crate::comm::Run],
+    op: ReduceOp,
+) -> Result<()> {
+    let mut d = send_desc(OpKind::ReduceScatter, &send);
+    Out::of(&mut recv).publish(&mut d);
+    d.reduce = Some(op);
+    d.v = true;
+    d.placed = true;
+    let (descs, _, done) = g.enter_v(r, d, counts, &[])?;
+    let store = Store::of(&descs);
+    crate::dispatch_buf!(Buf, send, _s, T => {
+        for run in mine {
+            // SAFETY: validation checked that every rank's input holds the
+            // counts' sum, as ours does, so the run (inside ours: `check_runs`)
+            // lies inside every input; it lies inside our output, ours alone.
+            unsafe { reduce_blocks::<T>(store, &descs, |dq| dq.send_ptr, run.src, run.len, op, d.recv_ptr as *mut T, run.dst) };
+        }
+    });
+    done.finish()
+}
+
 pub(crate) fn all_to_all_v(
     g: &Group,
     r: usize,
