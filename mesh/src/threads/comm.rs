@@ -261,7 +261,7 @@ impl Communicator for ThreadComm {
         // The input less its own piece, as reduce_scatter_v.
         let own = counts.get(self.rank).copied().unwrap_or(0) * send.dtype().size_in_bytes();
         let _obs = self.record_sent(OpKind::ReduceScatter, bytes(&send).saturating_sub(own) as u64);
-        kernels::reduce_scatter_runs(&self.group, self.rank, send, recv, &counts, &mine[self.rank], op)
+        kernels::reduce_scatter_runs(&self.group, self.rank, send, recv, &counts, &mine[self.rank], op, true)
     }
 
     fn all_to_all_v_runs(

@@ -237,30 +237,3 @@ impl Drop for Block {
         }
     }
 }
-
-#[cfg(test)]
-mod tests {
-    use super::size_class;
-
-    #[test]
-    fn size_classes() {
-        for (bytes, want) in [
-            (0, 512),
-            (1, 512),
-            (512, 512),
-            (513, 1024),
-            (1 << 20, 1 << 20),
-            ((1 << 20) + 1, (1 << 20) + (1 << 18)),
-            (3 << 20, 3 << 20),
-            ((5 << 20) + 7, 6 << 20),
-            (1 << 30, 1 << 30),
-        ] {
-            assert_eq!(size_class(bytes), want, "{bytes}");
-        }
-        // Never more than a quarter over the request, and never under it.
-        for bytes in (1usize..1 << 34).step_by(7_919_993) {
-            let c = size_class(bytes);
-            assert!(c >= bytes && (c - bytes) * 4 <= bytes.max(2048), "{bytes} -> {c}");
-        }
-    }
-}

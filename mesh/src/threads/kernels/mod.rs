@@ -249,24 +249,17 @@ pub(crate) fn reduce_scatter_v(
     g: &Group,
     r: usize,
     send: Buf<'_>,
-    mut recv: BufMut<'_>,
+    recv: BufMut<'_>,
     counts: &[usize],
     op: ReduceOp,
 ) -> Result<()> {
-    let mut d = send_desc(OpKind::ReduceScatter, &send);
-    Out::of(&mut recv).publish(&mut d);
-    d.reduce = Some(op);
-    d.v = true;
-    let (descs, _, done) = g.enter_v(r, d, counts, &[])?;
-    let store = Store::of(&descs);
-    let from: usize = counts[..r].iter().sum();
-    crate::dispatch_buf!(Buf, send, _s, T => {
-        // SAFETY: validation checked that every rank passed the same counts and sends
-        // their sum, so segment r ([from, from + counts[r])) is within every rank's
-        // input; our output holds counts[r] elements and is ours alone.
-        unsafe { reduce_blocks::<T>(store, &descs, |dq| dq.send_ptr, from, counts[r], op, d.recv_ptr as *mut T, 0) };
-    });
-    done.finish()
+    // Segment r of every input, one run (counts too short fail validation).
+    let run = crate::comm::Run {
+        src: counts.iter().take(r).sum(),
+        dst: 0,
+        len: counts.get(r).copied().unwrap_or(0),
+    };
+    reduce_scatter_runs(g, r, send, recv, counts, &[run], op, false)
 }
 
 /// The runs forms (`all_gather_v_runs`, `all_to_all_v_runs`): after the
@@ -318,10 +311,12 @@ pub(crate) fn runs(
     }
 }
 
-/// `reduce_scatter_v_runs`: after the variable-count checks of `counts`, this
-/// rank reduces each of its runs straight from every rank's send buffer (one
-/// layout on every rank, of the counts' sum, so every run checked against this
-/// rank's lies inside each peer's).
+/// `reduce_scatter_v_runs` (`placed`), and `reduce_scatter_v` as its one run:
+/// after the variable-count checks of `counts`, this rank reduces each of its
+/// runs straight from every rank's send buffer (one layout on every rank, of
+/// the counts' sum, so every run inside this rank's (`check_runs`, or segment
+/// `r` of the counts) lies inside each peer's).
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn reduce_scatter_runs(
     g: &Group,
     r: usize,
@@ -330,12 +325,13 @@ pub(crate) fn reduce_scatter_runs(
     counts: &[usize],
     mine: &[crate::comm::Run],
     op: ReduceOp,
+    placed: bool,
 ) -> Result<()> {
     let mut d = send_desc(OpKind::ReduceScatter, &send);
     Out::of(&mut recv).publish(&mut d);
     d.reduce = Some(op);
     d.v = true;
-    d.placed = true;
+    d.placed = placed;
     let (descs, _, done) = g.enter_v(r, d, counts, &[])?;
     let store = Store::of(&descs);
     crate::dispatch_buf!(Buf, send, _s, T => {
