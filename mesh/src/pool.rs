@@ -49,7 +49,7 @@ pub fn size_class(bytes: usize) -> usize {
 pub struct Hooks {
     /// A token charging `bytes` as kept; dropping it releases them.
     pub charge: fn(usize) -> Box<dyn Any + Send>,
-    /// The bytes the current thread may keep.
+    /// The bytes the current thread may keep (at least [`FLOOR_BYTES`] are).
     pub limit: fn() -> usize,
 }
 
@@ -64,7 +64,7 @@ pub fn set_hooks(h: Hooks) {
 #[derive(Default)]
 struct Pool {
     buffers: Vec<(Buffer, Option<Box<dyn Any + Send>>)>,
-    bytes: usize,
+    /// Kept bytes and the counters (`kept_buffers` is the length of `buffers`).
     counts: PoolStats,
 }
 
@@ -137,7 +137,7 @@ pub fn give(buf: Buffer) {
         return;
     }
     let hooks = HOOKS.get();
-    let limit = hooks.map_or(FLOOR_BYTES, |h| (h.limit)());
+    let limit = hooks.map_or(FLOOR_BYTES, |h| (h.limit)().max(FLOOR_BYTES));
     if bytes > limit {
         return;
     }
@@ -145,11 +145,11 @@ pub fn give(buf: Buffer) {
     let Some(pool) = pool() else { return };
     let charge = hooks.map(|h| (h.charge)(bytes));
     let mut p = pool.lock().unwrap_or_else(PoisonError::into_inner);
-    p.bytes += bytes;
+    p.counts.kept_bytes += bytes;
     p.buffers.push((buf, charge));
-    while p.bytes > limit {
+    while p.counts.kept_bytes > limit {
         let (old, _charge) = p.buffers.remove(0);
-        p.bytes -= capacity_bytes(&old);
+        p.counts.kept_bytes -= capacity_bytes(&old);
         p.counts.evictions += 1;
     }
 }
@@ -175,7 +175,7 @@ pub fn take(dtype: DType, len: usize) -> Option<Buffer> {
         };
         p.counts.hits += 1;
         let (b, _charge) = p.buffers.remove(i);
-        p.bytes -= capacity_bytes(&b);
+        p.counts.kept_bytes -= capacity_bytes(&b);
         b
     };
     crate::dispatch_buf!(Buffer, &mut buf, v, T => v.resize(len, T::default()));
@@ -249,7 +249,6 @@ pub fn stats() -> PoolStats {
     pool().map_or_else(PoolStats::default, |p| {
         let p = p.lock().unwrap_or_else(PoisonError::into_inner);
         PoolStats {
-            kept_bytes: p.bytes,
             kept_buffers: p.buffers.len(),
             ..p.counts
         }

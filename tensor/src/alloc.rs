@@ -45,8 +45,6 @@ use crate::{Error, Result};
 /// The smallest buffer cached (`tessera_mesh::pool::MIN_BYTES`).
 #[cfg(test)]
 const CACHE_MIN_BYTES: usize = tessera_mesh::pool::MIN_BYTES;
-/// Bytes a thread's cache may keep whatever its rank's peak.
-pub(crate) const CACHE_FLOOR_BYTES: usize = tessera_mesh::pool::FLOOR_BYTES;
 
 /// The capacity in elements of `T` a buffer of `n` elements is allocated with
 /// (`tessera_mesh::pool::capacity`).
@@ -62,7 +60,7 @@ fn install_pool_hooks() {
     ONCE.call_once(|| {
         tessera_mesh::pool::set_hooks(tessera_mesh::pool::Hooks {
             charge: |bytes| Box::new(crate::memory::CacheCharge::new(bytes)),
-            limit: || crate::memory::stats().peak_bytes.max(CACHE_FLOOR_BYTES),
+            limit: || crate::memory::stats().peak_bytes,
         });
     });
 }
@@ -134,7 +132,7 @@ pub fn reused<T: Element>(op: &'static str, shape: &[usize]) -> Result<Vec<T>> {
     let n = checked_len(op, shape, T::DTYPE)?;
     match cached::<T>(n) {
         Some(v) => Ok(v),
-        None => zeroed(op, shape),
+        None => fresh_zeroed(op, shape, n),
     }
 }
 
@@ -272,10 +270,15 @@ pub(crate) fn zeroed<T: Element>(op: &'static str, shape: &[usize]) -> Result<Ve
     if let Some(mut v) = cached::<T>(n) {
         // Refilled: a pass of writes over mapped pages costs less than the
         // faults and the kernel's zeroing of fresh ones.
-        v.clear();
-        v.resize(n, T::default());
+        v.fill(T::default());
         return Ok(v);
     }
+    fresh_zeroed(op, shape, n)
+}
+
+/// `n` (checked: a tensor of `shape`) zero elements in fresh memory, large
+/// buffers advised to use huge pages; not from the pool.
+fn fresh_zeroed<T: Element>(op: &'static str, shape: &[usize], n: usize) -> Result<Vec<T>> {
     let v = try_zeroed::<T>(n).ok_or_else(|| out_of_memory(op, shape, T::DTYPE))?;
     advise_huge(&v);
     Ok(v)
@@ -400,8 +403,12 @@ mod tests {
         for _ in 0..10 {
             recycle(Buffer::F64(vec![0.0; 1 << 20])); // 8 MiB each
         }
-        assert!(cached_bytes() <= CACHE_FLOOR_BYTES, "{}", cached_bytes());
-        assert!(cached_bytes() >= CACHE_FLOOR_BYTES - (8 << 20), "{}", cached_bytes());
+        assert!(cached_bytes() <= tessera_mesh::pool::FLOOR_BYTES, "{}", cached_bytes());
+        assert!(
+            cached_bytes() >= tessera_mesh::pool::FLOOR_BYTES - (8 << 20),
+            "{}",
+            cached_bytes()
+        );
         empty_cache();
     }
 
