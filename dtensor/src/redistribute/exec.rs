@@ -153,20 +153,15 @@ impl Exchange<'_> {
                 recv
             }
             StepKind::AllToAll => {
-                // Each run read where this rank (or its sender) holds it and
-                // written where its receiver wants it: no packing or unpacking
-                // pass, whatever the boxes' strides.
-                let (outgoing, incoming, _, _) = self.all_to_all_parts(&mine_before, &mine_after)?;
-                let (afters, befores) = (self.regions(self.after)?, self.regions(self.before)?);
-                let send_runs: Vec<Vec<Run>> = outgoing
-                    .iter()
-                    .zip(&afters)
-                    .map(|(p, to)| runs(&mine_before, to, p))
+                // To each peer: this rank's region where the peer's next one
+                // meets it; from each: the peer's region where it meets ours.
+                // Each run read where its sender holds it and written where
+                // its receiver wants it: no packing or unpacking pass.
+                let send_runs: Vec<Vec<Run>> = (self.regions(self.after)?.iter())
+                    .map(|to| runs(&mine_before, to, &mine_before.intersect(to)))
                     .collect();
-                let recv_runs: Vec<Vec<Run>> = incoming
-                    .iter()
-                    .zip(&befores)
-                    .map(|(p, from)| runs(from, &mine_after, p))
+                let recv_runs: Vec<Vec<Run>> = (self.regions(self.before)?.iter())
+                    .map(|from| runs(from, &mine_after, &from.intersect(&mine_after)))
                     .collect();
                 let mut recv = buffer_for::<T>(mine_after.numel(), &mine_after)?;
                 self.comm

@@ -329,7 +329,7 @@ pub trait Communicator: Send {
             &recv,
             recv_runs,
         )?;
-        let packed = runs::pack_runs(&send, send_runs)?;
+        let packed = runs::pack_runs(&send, send_runs);
         let mut got = Buffer::zeros(send.dtype(), recv_counts.iter().sum());
         self.all_to_all_v(packed.as_buf(), &send_counts, got.as_buf_mut(), &recv_counts)?;
         runs::place_runs(&got.as_buf(), &mut recv, recv_runs, None)
@@ -364,7 +364,7 @@ pub trait Communicator: Send {
         let (n, r) = (self.size(), self.rank());
         let mine = runs::own_runs(runs, r, n);
         let (counts, _) = check_runs(OpKind::ReduceScatter, (n, r), &send, runs, &recv, &mine)?;
-        let packed = runs::pack_runs(&send, runs)?;
+        let packed = runs::pack_runs(&send, runs);
         let mut got = Buffer::zeros(send.dtype(), counts.get(r).copied().unwrap_or(0));
         self.reduce_scatter_v(packed.as_buf(), got.as_buf_mut(), &counts, op)?;
         runs::place_runs(&got.as_buf(), &mut recv, &mine, None)

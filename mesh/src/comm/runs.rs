@@ -4,7 +4,7 @@
 //! need not pack them into a send buffer and unpack a receive buffer.
 
 use crate::stats::OpKind;
-use crate::{Buf, BufMut, Buffer, Error, Result};
+use crate::{Buf, BufMut, Buffer, Element, Error, Result};
 
 use super::typed_mut;
 
@@ -96,19 +96,17 @@ pub(crate) const fn runs_name(kind: OpKind) -> &'static str {
 
 /// The default runs forms' scratch: `send`'s runs to each rank, packed in
 /// rank order (what `all_to_all_v` sends).
-pub(crate) fn pack_runs(send: &Buf<'_>, send_runs: &[Vec<Run>]) -> Result<Buffer> {
+pub(crate) fn pack_runs(send: &Buf<'_>, send_runs: &[Vec<Run>]) -> Buffer {
     let total = send_runs.iter().map(|r| run_elements(r)).sum();
-    let mut out = Buffer::zeros(send.dtype(), total);
-    let mut dst = out.as_buf_mut();
+    // Every element is written: an empty buffer of that capacity, not zeros.
+    let out = crate::pool::alloc(send.dtype(), total, false);
     crate::dispatch_buf!(Buf, send, s, T => {
-        let d: &mut [T] = typed_mut(&mut dst)?;
-        let mut at = 0;
+        let mut v = T::from_buffer(out).unwrap_or_else(|_| unreachable!("allocated with the send buffer's dtype"));
         for r in send_runs.iter().flatten() {
-            d[at..at + r.len].copy_from_slice(&s[r.src..r.src + r.len]);
-            at += r.len;
+            v.extend_from_slice(&s[r.src..r.src + r.len]);
         }
-    });
-    Ok(out)
+        T::into_buffer(v)
+    })
 }
 
 /// The default runs forms' placement: `got` holds each rank's elements in

@@ -243,6 +243,7 @@ impl Communicator for ThreadComm {
             recv,
             (&counts, &[]),
             recv_runs,
+            true,
         )
     }
 
@@ -291,6 +292,7 @@ impl Communicator for ThreadComm {
             recv,
             (&send_counts, &recv_counts),
             recv_runs,
+            true,
         )
     }
 

@@ -225,24 +225,22 @@ pub(crate) fn all_to_all(g: &Group, r: usize, send: Buf<'_>, recv: Out) -> Resul
     done.finish()
 }
 
-pub(crate) fn all_gather_v(g: &Group, r: usize, send: Buf<'_>, mut recv: BufMut<'_>, counts: &[usize]) -> Result<()> {
-    let mut d = send_desc(OpKind::AllGather, &send);
-    Out::of(&mut recv).publish(&mut d);
-    d.v = true;
-    let (descs, _, done) = g.enter_v(r, d, counts, &[])?;
-    let store = Store::of(&descs);
-    crate::dispatch_buf!(Buf, send, _s, T => {
-        let out = d.recv_ptr as *mut T;
-        let mut at = 0;
-        for dq in &descs {
-            // SAFETY: as in `all_gather`; validation checked that every rank passed the
-            // same counts, that rank q sends counts[q] elements and that our output
-            // holds their sum, so segment q of our output is in bounds and ours alone.
-            unsafe { write(store, out, at, peer::<T>(dq.send_ptr, dq.send_len)) };
-            at += dq.send_len;
-        }
-    });
-    done.finish()
+pub(crate) fn all_gather_v(g: &Group, r: usize, send: Buf<'_>, recv: BufMut<'_>, counts: &[usize]) -> Result<()> {
+    // Rank q's whole input at segment q of ours: one run each (counts that
+    // disagree fail validation before anything is copied).
+    let mut at = 0;
+    let runs: Vec<Vec<crate::comm::Run>> = counts
+        .iter()
+        .map(|&len| {
+            at += len;
+            vec![crate::comm::Run {
+                src: 0,
+                dst: at - len,
+                len,
+            }]
+        })
+        .collect();
+    self::runs(g, r, OpKind::AllGather, send, recv, (counts, &[]), &runs, false)
 }
 
 pub(crate) fn reduce_scatter_v(
@@ -262,11 +260,14 @@ pub(crate) fn reduce_scatter_v(
     reduce_scatter_runs(g, r, send, recv, counts, &[run], op, false)
 }
 
-/// The runs forms (`all_gather_v_runs`, `all_to_all_v_runs`): after the
-/// variable-count checks of `counts` (per rank, what the runs add up to), each
-/// rank copies the runs it receives straight from its peers' send buffers.
-/// A run outside its peer's buffer is skipped and reported once every rank
-/// has finished (so no peer waits on this one).
+/// The runs forms (`all_gather_v_runs`, `all_to_all_v_runs`: `placed`), and
+/// `all_gather_v` as one run per rank: after the variable-count checks of
+/// `counts` (per rank, what the runs add up to), each rank copies the runs it
+/// receives straight from its peers' send buffers (into its output, inside
+/// which the caller checked every run). A run outside its peer's buffer is
+/// skipped and reported once every rank has finished (so no peer waits on
+/// this one).
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn runs(
     g: &Group,
     r: usize,
@@ -275,11 +276,12 @@ pub(crate) fn runs(
     mut recv: BufMut<'_>,
     (send_counts, recv_counts): (&[usize], &[usize]),
     recv_runs: &[Vec<crate::comm::Run>],
+    placed: bool,
 ) -> Result<()> {
     let mut d = send_desc(kind, &send);
     Out::of(&mut recv).publish(&mut d);
     d.v = true;
-    d.placed = true;
+    d.placed = placed;
     let (descs, _, done) = g.enter_v(r, d, send_counts, recv_counts)?;
     let store = Store::of(&descs);
     let mut outside = None;
