@@ -7,7 +7,7 @@ use tessera_tensor::ops::Attention;
 
 use super::shape::remap_options;
 use super::{dispatch, same_dtypes};
-use crate::strategy::{Candidate, DimOption, keep_shards_except, keep_shards_except_with, product};
+use crate::strategy::{Candidate, Candidates, DimOption, keep_shards_except, keep_shards_except_with, product};
 use crate::{DTensor, Error, Placement, Result, Tensor};
 
 impl DTensor {
@@ -227,7 +227,7 @@ impl DTensor {
     /// group of consecutive slices (or back): other dims' shards and partials
     /// kept; `dim` kept sharded on mesh dims whose sizes, together, divide
     /// `groups` (then every rank holds whole groups, in order).
-    fn group_candidates(&self, dim: usize, groups: usize) -> Vec<Candidate> {
+    fn group_candidates(&self, dim: usize, groups: usize) -> Candidates {
         let r = self.shape().len();
         let sizes = self.mesh().shape();
         let per_dim: Vec<Vec<DimOption>> = sizes
@@ -248,10 +248,7 @@ impl DTensor {
                 .map(|(_, m)| *m)
                 .product()
         };
-        product(&per_dim, 1)
-            .into_iter()
-            .filter(|c| groups.is_multiple_of(split(c)))
-            .collect()
+        product(&per_dim, 1).retain(|c| groups.is_multiple_of(split(c)))
     }
 
     /// `kernel` on `[..., T, S]` scores whose last two dims it needs whole (the

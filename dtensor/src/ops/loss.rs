@@ -7,7 +7,7 @@ use tessera_tensor::Error as TensorError;
 use tessera_tensor::ops::Reduction;
 
 use super::dispatch;
-use crate::strategy::{Candidate, DimOption, product};
+use crate::strategy::{Candidate, Candidates, DimOption, product};
 use crate::{DTensor, Error, Layout, Placement, Placements, ReduceOp, Result, ShardOrder, Tensor};
 
 impl DTensor {
@@ -147,7 +147,7 @@ impl DTensor {
         let loss = dispatch(
             "cross_entropy",
             &[&logits, &targets],
-            &[cand],
+            &Candidates::of(vec![cand]),
             &[],
             self.dtype(),
             |l, ctx| {
@@ -227,7 +227,7 @@ impl DTensor {
         dispatch(
             "cross_entropy_backward",
             &[logits, targets, lse, g],
-            &[cand],
+            &Candidates::of(vec![cand]),
             logits.shape(),
             logits.dtype(),
             |l, ctx| {
@@ -289,7 +289,7 @@ impl DTensor {
 /// Cross entropy's candidates with the class dim replicated: per mesh dim, all
 /// replicated, or logits and targets split alike on a batch dim (of `target_rank`)
 /// for a partial sum.
-fn ce_candidates(target_rank: usize, mesh_ndim: usize) -> Vec<Candidate> {
+fn ce_candidates(target_rank: usize, mesh_ndim: usize) -> Candidates {
     let (r, s) = (Placement::Replicate, Placement::Shard);
     let mut options: Vec<DimOption> = vec![(smallvec![r, r], r)];
     options.extend((0..target_rank).map(|k| (smallvec![s(k), s(k)], Placement::Partial(ReduceOp::Sum))));

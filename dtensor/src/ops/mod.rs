@@ -27,7 +27,7 @@ use tessera_tensor::Error as TensorError;
 
 use crate::redistribute::execute;
 use crate::spec::{DTensorSpec, Layout};
-use crate::strategy::{Candidate, choose};
+use crate::strategy::{Candidate, Candidates, choose};
 use crate::{DTensor, Error, Result, ShardOrder, Tensor};
 
 /// What a local kernel may need to know about where its pieces sit.
@@ -63,7 +63,7 @@ impl LocalCtx<'_> {
 pub(crate) fn dispatch(
     op: &'static str,
     inputs: &[&DTensor],
-    candidates: &[Candidate],
+    candidates: &Candidates,
     out_shape: &[usize],
     out_dtype: DType,
     kernel: impl FnOnce(&[Tensor], &LocalCtx<'_>) -> Result<Tensor>,
@@ -189,12 +189,12 @@ fn mesh_difference(a: &DeviceMesh, b: &DeviceMesh) -> String {
 }
 
 /// A candidate list holding only the all-replicated candidate for `n` inputs.
-pub(crate) fn replicate_only(n: usize, mesh_ndim: usize) -> Vec<Candidate> {
+pub(crate) fn replicate_only(n: usize, mesh_ndim: usize) -> Candidates {
     let r = crate::Placement::Replicate;
-    vec![Candidate {
+    Candidates::of(vec![Candidate {
         inputs: (0..n).map(|_| std::iter::repeat_n(r, mesh_ndim).collect()).collect(),
         output: std::iter::repeat_n(r, mesh_ndim).collect(),
-    }]
+    }])
 }
 
 impl DTensor {

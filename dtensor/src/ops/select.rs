@@ -7,7 +7,7 @@ use tessera_tensor::Error as TensorError;
 use tessera_tensor::ops::{check_gather, chunk_sizes, split_ranges, split_sizes, stack_pieces};
 
 use super::{dispatch, same_dtypes};
-use crate::strategy::{Candidate, DimOption, Linearity, keep_shards_except, pointwise, product};
+use crate::strategy::{Candidates, DimOption, Linearity, keep_shards_except, pointwise, product};
 use crate::{DTensor, DType, Error, Placement, ReduceOp, Result, Tensor};
 
 const SUM: Placement = Placement::Partial(ReduceOp::Sum);
@@ -220,7 +220,7 @@ impl DTensor {
     /// along `dim` (each position reads its own coordinate elsewhere) with the
     /// source replicated gives the index's shards (backward: partial sums), and
     /// both sharded alike off `dim` where their sizes agree stay so.
-    fn gather_candidates(&self, dim: usize, index: &DTensor, source: &[usize], backward: bool) -> Vec<Candidate> {
+    fn gather_candidates(&self, dim: usize, index: &DTensor, source: &[usize], backward: bool) -> Candidates {
         let (r, s) = (Placement::Replicate, Placement::Shard);
         let rank = index.shape().len();
         let mut options: Vec<DimOption> = vec![(smallvec![r, r], r)];
@@ -278,17 +278,14 @@ impl DTensor {
             out.remove(dim);
         }
         let shift = |d: usize| if keepdim || d < dim { d } else { d - 1 };
-        let cands: Vec<Candidate> = keep_shards_except(rank, &[dim], self.mesh().ndim())
-            .into_iter()
-            .map(|mut c| {
-                for p in c.output.iter_mut() {
-                    if let Placement::Shard(d) = *p {
-                        *p = Placement::Shard(shift(d));
-                    }
+        let cands = keep_shards_except(rank, &[dim], self.mesh().ndim()).map_keyed(&(dim, keepdim), |mut c| {
+            for p in c.output.iter_mut() {
+                if let Placement::Shard(d) = *p {
+                    *p = Placement::Shard(shift(d));
                 }
-                c
-            })
-            .collect();
+            }
+            c
+        });
         dispatch(op, &[self], &cands, &out, DType::I64, |l, _| Ok(kernel(&l[0])?))
     }
 

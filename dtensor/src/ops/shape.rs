@@ -5,7 +5,7 @@ use smallvec::smallvec;
 use tessera_tensor::Error as TensorError;
 
 use super::dispatch;
-use crate::strategy::{Candidate, DimOption, product};
+use crate::strategy::{DimOption, product};
 use crate::{DTensor, Error, Placement, ReduceOp, Result, Tensor};
 
 /// Per-mesh-dim options of a one-input op that moves dim `d` to `map(d)` (`None`:
@@ -112,23 +112,20 @@ impl DTensor {
         let map = |d: usize| remap(d).map(|(o, _)| o);
         let options = remap_options(a.len(), map);
         let mesh_shape = self.mesh().shape();
-        let cands: Vec<_> = product(&vec![options; self.mesh().ndim()], 1)
-            .into_iter()
-            .filter(|c| {
-                (0..a.len()).all(|d| {
-                    let shards: usize = c.inputs[0]
-                        .iter()
-                        .zip(mesh_shape)
-                        .filter(|(p, _)| p.is_shard_on(d))
-                        .map(|(_, n)| n)
-                        .product();
-                    match remap(d) {
-                        Some((_, Some(rows))) => rows.is_multiple_of(shards),
-                        _ => true,
-                    }
-                })
+        let cands = product(&vec![options; self.mesh().ndim()], 1).retain(|c| {
+            (0..a.len()).all(|d| {
+                let shards: usize = c.inputs[0]
+                    .iter()
+                    .zip(mesh_shape)
+                    .filter(|(p, _)| p.is_shard_on(d))
+                    .map(|(_, n)| n)
+                    .product();
+                match remap(d) {
+                    Some((_, Some(rows))) => rows.is_multiple_of(shards),
+                    _ => true,
+                }
             })
-            .collect();
+        });
         dispatch("reshape", &[self], &cands, shape, self.dtype(), |l, ctx| {
             let mut local = shape.to_vec();
             for p in &ctx.inputs[0].placements {
@@ -208,7 +205,7 @@ impl DTensor {
             .into_iter()
             .map(|(i, o)| (smallvec![i[0]; n], o))
             .collect();
-        let cands: Vec<Candidate> = product(&vec![per; first.mesh().ndim()], n);
+        let cands = product(&vec![per; first.mesh().ndim()], n);
         dispatch("cat", xs, &cands, &out, first.dtype(), |l, _| Ok(Tensor::cat(l, dim)?))
     }
 }

@@ -16,6 +16,7 @@ mod rules;
 
 use std::hash::{DefaultHasher, Hash, Hasher};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use smallvec::SmallVec;
 
@@ -51,9 +52,123 @@ impl std::fmt::Display for Candidate {
 /// One option on one mesh dim: the input placements and the output placement.
 pub(crate) type DimOption = (SmallVec<[Placement; 3]>, Placement);
 
+/// Candidates of one rule on one mesh rank: made once per process and shared, and
+/// known to [`choose`]'s cache by identity. A step makes hundreds of dispatches,
+/// and on a 3-D mesh a contraction or an element-wise op has hundreds of
+/// candidates: building, hashing and comparing them on every dispatch cost most of
+/// an oversubscribed HSDP+TP step, where identity costs one integer.
+#[derive(Clone, Debug)]
+pub(crate) struct Candidates(Arc<Interned>);
+
+#[derive(Debug)]
+struct Interned {
+    /// Unique for the process: never reused, so a kept choice never matches
+    /// another list.
+    id: u64,
+    list: Vec<Candidate>,
+}
+
+impl std::ops::Deref for Candidates {
+    type Target = [Candidate];
+
+    fn deref(&self) -> &[Candidate] {
+        &self.0.list
+    }
+}
+
+impl Candidates {
+    fn new(list: Vec<Candidate>) -> Candidates {
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        Candidates(Arc::new(Interned {
+            id: NEXT.fetch_add(1, Ordering::Relaxed),
+            list,
+        }))
+    }
+
+    /// The process's list equal to `list` (hashes every candidate: for short
+    /// lists; rules build theirs with [`product`]).
+    pub(crate) fn of(list: Vec<Candidate>) -> Candidates {
+        let key = hash_of(&list);
+        let mut lists = LISTS.with_room();
+        let bucket = lists.entry(key).or_default();
+        if let Some(c) = bucket.iter().find(|c| c.0.list == list) {
+            return c.clone();
+        }
+        let c = Candidates::new(list);
+        bucket.push(c.clone());
+        c
+    }
+
+    /// The candidates `keep` accepts, as the process's one list for this
+    /// subset (so that the cache knows it again next step).
+    pub(crate) fn retain(&self, keep: impl FnMut(&Candidate) -> bool) -> Candidates {
+        let mask: Vec<bool> = self.iter().map(keep).collect();
+        if mask.iter().all(|&k| k) {
+            return self.clone();
+        }
+        let key = (self.0.id, mask);
+        if let Some(c) = SUBSETS.get(&key) {
+            return c;
+        }
+        let list = self
+            .iter()
+            .zip(&key.1)
+            .filter(|(_, k)| **k)
+            .map(|(c, _)| c.clone())
+            .collect();
+        let c = Candidates::new(list);
+        SUBSETS.with_room().insert(key, c.clone());
+        c
+    }
+
+    /// Each candidate with `f` applied, as the process's one list for this
+    /// source and `f`'s `key` (which must name everything `f` depends on).
+    pub(crate) fn map_keyed<K: Hash>(&self, key: &K, f: impl FnMut(Candidate) -> Candidate) -> Candidates {
+        let key = (self.0.id, hash_of(key));
+        if let Some(c) = MAPPED.get(&key) {
+            return c;
+        }
+        let c = Candidates::new(self.iter().cloned().map(f).collect());
+        MAPPED.with_room().insert(key, c.clone());
+        c
+    }
+}
+
+fn hash_of(x: &impl Hash) -> u64 {
+    let mut h = DefaultHasher::new();
+    x.hash(&mut h);
+    h.finish()
+}
+
+/// Lists made by [`product`], by a hash of its arguments (buckets checked for equality).
+static PRODUCTS: Memo<u64, Vec<(Vec<Vec<DimOption>>, usize, Candidates)>> = Memo::new(1024);
+/// Lists made by [`Candidates::of`], by a hash of their content.
+static LISTS: Memo<u64, Vec<Candidates>> = Memo::new(1024);
+/// Subsets made by [`Candidates::retain`], by source and the candidates kept.
+static SUBSETS: Memo<(u64, Vec<bool>), Candidates> = Memo::new(1024);
+/// Lists made by [`Candidates::map_keyed`], by source and key.
+static MAPPED: Memo<(u64, u64), Candidates> = Memo::new(1024);
+
 /// Per-mesh-dim options combined over every mesh dim: the cartesian product of
-/// `per_dim[m]` (the options on mesh dim m).
-pub(crate) fn product(per_dim: &[Vec<DimOption>], n_inputs: usize) -> Vec<Candidate> {
+/// `per_dim[m]` (the options on mesh dim m), made once per process for the same
+/// options (see [`Candidates`]).
+pub(crate) fn product(per_dim: &[Vec<DimOption>], n_inputs: usize) -> Candidates {
+    let key = hash_of(&(per_dim, n_inputs));
+    let hit = |(o, n, _): &&(Vec<Vec<DimOption>>, usize, Candidates)| o[..] == *per_dim && *n == n_inputs;
+    if let Some((.., c)) = PRODUCTS.lock().get(&key).and_then(|b| b.iter().find(hit)) {
+        return c.clone();
+    }
+    let c = Candidates::new(expand(per_dim, n_inputs));
+    PRODUCTS
+        .with_room()
+        .entry(key)
+        .or_default()
+        .push((per_dim.to_vec(), n_inputs, c.clone()));
+    c
+}
+
+/// [`product`]'s list.
+fn expand(per_dim: &[Vec<DimOption>], n_inputs: usize) -> Vec<Candidate> {
     let mut out = vec![Candidate {
         inputs: (0..n_inputs).map(|_| Placements::new()).collect(),
         output: Placements::new(),
@@ -96,19 +211,15 @@ pub(crate) struct Choice {
 /// `op` names the op in errors.
 ///
 /// The choice is a pure function of the layouts and candidates, so the process
-/// keeps it: the same dispatch again (every training step) costs a hash and a
-/// lookup, not a plan per candidate.
+/// keeps it: the same dispatch again (every training step) costs a hash of the
+/// input layouts and the candidates' identity, not a plan per candidate.
 ///
 /// # Errors
 /// No candidate fits the inputs.
-pub(crate) fn choose(op: &'static str, inputs: &[&Layout], candidates: &[Candidate]) -> Result<Arc<Choice>> {
-    let key = {
-        let mut h = DefaultHasher::new();
-        inputs.hash(&mut h);
-        candidates.hash(&mut h);
-        h.finish()
-    };
-    let hit = |c: &Made| c.inputs.iter().eq(inputs.iter().copied()) && c.candidates[..] == *candidates;
+pub(crate) fn choose(op: &'static str, inputs: &[&Layout], candidates: &Candidates) -> Result<Arc<Choice>> {
+    let id = candidates.0.id;
+    let key = hash_of(&(inputs, id));
+    let hit = |c: &Made| c.candidates == id && c.inputs.iter().eq(inputs.iter().copied());
     if let Some(made) = CHOICES
         .lock()
         .get(&key)
@@ -119,21 +230,21 @@ pub(crate) fn choose(op: &'static str, inputs: &[&Layout], candidates: &[Candida
     let choice = Arc::new(choose_uncached(op, inputs, candidates)?);
     CHOICES.with_room().entry(key).or_default().push(Made {
         inputs: inputs.iter().map(|&l| l.clone()).collect(),
-        candidates: candidates.to_vec(),
+        candidates: id,
         choice: choice.clone(),
     });
     Ok(choice)
 }
 
-/// One choice made, with what it was made from.
+/// One choice made, with what it was made from (the candidates by their id).
 struct Made {
     inputs: SmallVec<[Layout; 3]>,
-    candidates: Vec<Candidate>,
+    candidates: u64,
     choice: Arc<Choice>,
 }
 
-/// Choices made, by a hash of (input layouts, candidates), each bucket checked for
-/// equality on lookup (so a hit clones nothing; at most 4096 hashes). A choice is
+/// Choices made, by a hash of (input layouts, candidates' id), each bucket checked
+/// for equality on lookup (so a hit clones nothing; at most 4096 hashes). A choice is
 /// a pure function of its inputs' layouts and the candidates, and a training step
 /// makes the same few hundred again every step: planning each candidate's
 /// redistributions again cost most of a small model's step.
@@ -217,10 +328,54 @@ mod tests {
             .iter()
             .find(|c| c.inputs.iter().flatten().all(|&p| p == R))
             .unwrap();
-        let narrowed = choose("matmul", &[&a, &b], std::slice::from_ref(replicated)).unwrap();
+        let narrowed = choose("matmul", &[&a, &b], &Candidates::of(vec![replicated.clone()])).unwrap();
         assert!(!Arc::ptr_eq(&first, &narrowed));
         assert_eq!(&narrowed.candidate, replicated);
         assert_ne!(&first.candidate, replicated);
+    }
+
+    #[test]
+    fn candidate_lists_are_made_once_per_rule_and_known_by_identity() {
+        // A 3-D mesh's contraction: options^3 candidates, built on the first call only.
+        let first = einsum("qk,kv->qv", 3).unwrap();
+        let again = einsum("qk,kv->qv", 3).unwrap();
+        assert!(Arc::ptr_eq(&first.0, &again.0), "the same rule built its list again");
+        // Per mesh dim: replicated, q, k or v split, one operand Partial(sum|avg).
+        assert_eq!(first.len(), 8 * 8 * 8);
+        let other = einsum("qk,kv->qv", 2).unwrap();
+        assert!(!Arc::ptr_eq(&first.0, &other.0) && other.0.id != first.0.id);
+        // Subsets and mapped lists are kept by what made them.
+        let keep = |c: &Candidate| c.output[0] != R;
+        let (s1, s2) = (first.retain(keep), first.retain(keep));
+        assert!(Arc::ptr_eq(&s1.0, &s2.0));
+        assert!(s1.len() < first.len() && s1.iter().all(keep));
+        assert!(
+            Arc::ptr_eq(&first.retain(|_| true).0, &first.0),
+            "keeping all is the list itself"
+        );
+        let swap = |mut c: Candidate| {
+            c.output.reverse();
+            c
+        };
+        let (m1, m2) = (first.map_keyed(&1, swap), first.map_keyed(&1, swap));
+        assert!(Arc::ptr_eq(&m1.0, &m2.0));
+        assert!(
+            !Arc::ptr_eq(&m1.0, &first.map_keyed(&2, swap).0),
+            "another key is another list"
+        );
+        assert_eq!(
+            m1[1].output.iter().rev().collect::<Vec<_>>(),
+            first[1].output.iter().collect::<Vec<_>>()
+        );
+        // Lists given whole are interned by content.
+        let one = |p| {
+            Candidates::of(vec![Candidate {
+                inputs: smallvec::smallvec![smallvec::smallvec![p]],
+                output: smallvec::smallvec![p],
+            }])
+        };
+        assert!(Arc::ptr_eq(&one(R).0, &one(R).0));
+        assert_ne!(one(R).0.id, one(S(0)).0.id);
     }
 
     #[test]
@@ -284,7 +439,9 @@ mod tests {
     #[test]
     fn no_fitting_candidate_is_an_error() {
         let a = layout(&[R], &[8, 16]);
-        let e = choose("op", &[&a], &[]).unwrap_err().to_string();
+        let e = choose("op", &[&a], &Candidates::of(Vec::new()))
+            .unwrap_err()
+            .to_string();
         assert!(
             e.contains("no sharding strategy fits inputs f32[8,16] (Replicate) on mesh("),
             "{e}"

@@ -5,7 +5,9 @@ use smallvec::{SmallVec, smallvec};
 
 use tessera_tensor::Error as TensorError;
 
-use super::{Candidate, DimOption, product};
+#[cfg(test)]
+use super::Candidate;
+use super::{Candidates, DimOption, product};
 use crate::{Error, Placement, ReduceOp, Result};
 
 type Options = Vec<DimOption>;
@@ -62,7 +64,7 @@ fn partial_options(n: usize, linearity: Linearity) -> Options {
 ///
 /// # Errors
 /// A malformed spec (no `->`, an output letter absent from the inputs, a repeated letter).
-pub(crate) fn einsum(spec: &str, mesh_ndim: usize) -> Result<Vec<Candidate>> {
+pub(crate) fn einsum(spec: &str, mesh_ndim: usize) -> Result<Candidates> {
     let bad = |detail: String| {
         Error::from(TensorError::InvalidArgument {
             op: "einsum strategy",
@@ -111,7 +113,7 @@ pub(crate) fn einsum(spec: &str, mesh_ndim: usize) -> Result<Vec<Candidate>> {
 /// everything replicated; an output dim sharded in every input where that dim is
 /// not broadcast (broadcast inputs replicated); and the `Partial` options that
 /// `linearity` allows.
-pub(crate) fn pointwise(shapes: &[&[usize]], out: &[usize], mesh_ndim: usize, linearity: Linearity) -> Vec<Candidate> {
+pub(crate) fn pointwise(shapes: &[&[usize]], out: &[usize], mesh_ndim: usize, linearity: Linearity) -> Candidates {
     let n = shapes.len();
     let mut options = vec![replicate_all(n)];
     for d in 0..out.len() {
@@ -133,7 +135,7 @@ pub(crate) fn pointwise(shapes: &[&[usize]], out: &[usize], mesh_ndim: usize, li
 
 /// Candidates for a one-input op that needs dims `whole` unsplit (softmax along a
 /// dim, layer_norm over the last dims): other dims keep their shards; no `Partial`.
-pub(crate) fn keep_shards_except(rank: usize, whole: &[usize], mesh_ndim: usize) -> Vec<Candidate> {
+pub(crate) fn keep_shards_except(rank: usize, whole: &[usize], mesh_ndim: usize) -> Candidates {
     keep_shards_except_with(rank, whole, 1, 0, mesh_ndim)
 }
 
@@ -147,7 +149,7 @@ pub(crate) fn keep_shards_except_with(
     sharded: usize,
     replicated: usize,
     mesh_ndim: usize,
-) -> Vec<Candidate> {
+) -> Candidates {
     let n = sharded + replicated;
     let shard = |d| -> DimOption {
         let ins = (0..n).map(|i| {
@@ -168,7 +170,7 @@ pub(crate) fn keep_shards_except_with(
 /// (Sum, Max or Min; a mean is a sum scaled by the global count): a shard of a
 /// reduced dim gives `Partial(op)`, a shard of a kept dim stays (renumbered unless
 /// `keepdim`), and a `Partial(op)` input stays partial.
-pub(crate) fn reduction(rank: usize, dims: &[usize], keepdim: bool, op: ReduceOp, mesh_ndim: usize) -> Vec<Candidate> {
+pub(crate) fn reduction(rank: usize, dims: &[usize], keepdim: bool, op: ReduceOp, mesh_ndim: usize) -> Candidates {
     let mut options = vec![replicate_all(1)];
     for d in 0..rank {
         let out = if dims.contains(&d) {
