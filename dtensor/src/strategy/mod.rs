@@ -140,8 +140,11 @@ fn hash_of(x: &impl Hash) -> u64 {
     h.finish()
 }
 
+/// One list made by [`product`]: its per-mesh-dim options, its input count, the list.
+type Product = (Vec<Vec<DimOption>>, usize, Candidates);
+
 /// Lists made by [`product`], by a hash of its arguments (buckets checked for equality).
-static PRODUCTS: Memo<u64, Vec<(Vec<Vec<DimOption>>, usize, Candidates)>> = Memo::new(1024);
+static PRODUCTS: Memo<u64, Vec<Product>> = Memo::new(1024);
 /// Lists made by [`Candidates::of`], by a hash of their content.
 static LISTS: Memo<u64, Vec<Candidates>> = Memo::new(1024);
 /// Subsets made by [`Candidates::retain`], by source and the candidates kept.
@@ -154,7 +157,7 @@ static MAPPED: Memo<(u64, u64), Candidates> = Memo::new(1024);
 /// options (see [`Candidates`]).
 pub(crate) fn product(per_dim: &[Vec<DimOption>], n_inputs: usize) -> Candidates {
     let key = hash_of(&(per_dim, n_inputs));
-    let hit = |(o, n, _): &&(Vec<Vec<DimOption>>, usize, Candidates)| o[..] == *per_dim && *n == n_inputs;
+    let hit = |(o, n, _): &&Product| o[..] == *per_dim && *n == n_inputs;
     if let Some((.., c)) = PRODUCTS.lock().get(&key).and_then(|b| b.iter().find(hit)) {
         return c.clone();
     }
