@@ -18,7 +18,7 @@ use tessera_mesh::{Communicator, DeviceMesh, Element, ReduceOp, Run};
 use super::step::{Plan, StepKind};
 use super::{group_coords, group_index};
 use crate::spec::{Layout, Region};
-use crate::tensor_comm::{HostComm, TensorComm, tensor_path_forced};
+use crate::tensor_comm::{HostComm, MetaComm, TensorComm, tensor_path_forced};
 use crate::{Result, Tensor};
 use tessera_tensor::alloc::{checked_len, reused};
 
@@ -58,6 +58,8 @@ pub(crate) fn execute(local: &Tensor, mesh: &DeviceMesh, plan: &Plan) -> Result<
         };
         t = if t.is_cuda() {
             ex.run_on_device(&t, step.kind)?
+        } else if t.is_meta() {
+            ex.run_tensors(&t, step.kind, &MetaComm(comm))?
         } else if tensor_path_forced() {
             ex.run_tensors(&t, step.kind, &HostComm(comm))?
         } else {

@@ -4,12 +4,14 @@ use crate::stats::{CommStats, OpKind};
 use crate::{Buf, BufMut, Buffer, Element, Error, Pieces, Result};
 
 mod check;
+mod planned;
 mod reduce_op;
 mod runs;
 mod variable;
 mod work;
 mod worker;
 
+pub use planned::Planned;
 pub use reduce_op::ReduceOp;
 pub use runs::Run;
 pub use work::Work;
@@ -91,6 +93,23 @@ pub trait Communicator: Send {
     /// A short name of the backend (`"threads"`, `"mpi"`, ...).
     fn backend(&self) -> &'static str {
         "unknown"
+    }
+
+    /// Counts `call` as issuing it would (in [`stats`](Self::stats), and for
+    /// [`observe`](crate::observe)'s reports), without moving data or waiting
+    /// for the peers: the collectives of a planning run, whose tensors are on
+    /// [`Device::Meta`](crate::Device::Meta). Every rank of a planning run
+    /// counts its own calls; no rank meets another.
+    ///
+    /// # Errors
+    /// A count list without one entry per rank.
+    fn count_planned(&self, call: Planned<'_>) -> Result<()> {
+        let (kind, sent) = call.sent(self.size(), self.rank())?;
+        self.stats().record_exact(kind, sent);
+        // The communicator's address, by which meshes name it (as the backends do).
+        let addr = (self as *const Self).cast::<()>() as usize;
+        drop(crate::observe::collective(addr, kind, self.size(), sent, false));
+        Ok(())
     }
 
     /// Reduces `buf` element-wise across ranks, in place.

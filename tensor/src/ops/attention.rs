@@ -140,6 +140,16 @@ impl Tensor {
         attn.check(OP, self.shape(), k.shape(), v.shape())?;
         same_dtype(OP, self, k)?;
         same_dtype(OP, self, v)?;
+        if self.is_meta() || k.is_meta() || v.is_meta() {
+            // What the host kernel returns: the output and the weights.
+            let lead = &self.shape()[..self.rank() - 1];
+            let out = [lead, &[v.shape()[v.rank() - 1]]].concat();
+            let probs = [lead, &[k.shape()[k.rank() - 2]]].concat();
+            if !self.dtype().is_float() {
+                return Err(not_float(OP, self.dtype()));
+            }
+            return Ok((Tensor::meta(&out, self.dtype())?, Tensor::meta(&probs, self.dtype())?));
+        }
         // On a GPU (and for empty shapes) the chain of ops (products on
         // cuBLAS and the softmax kernel) or, for bf16, one fused kernel.
         if self.is_cuda() || self.shape().iter().chain(k.shape()).chain(v.shape()).any(|&d| d == 0) {
@@ -186,6 +196,18 @@ impl Tensor {
         }
         if need == [false; 3] {
             return Ok([None, None, None]);
+        }
+        if [self, q, k, v, probs].iter().any(|t| t.is_meta()) {
+            if !self.dtype().is_float() {
+                return Err(not_float(OP, self.dtype()));
+            }
+            let mut grads = [None, None, None];
+            for (g, (x, n)) in grads.iter_mut().zip([q, k, v].into_iter().zip(need)) {
+                if n {
+                    *g = Some(Tensor::meta(x.shape(), self.dtype())?);
+                }
+            }
+            return Ok(grads);
         }
         if self.is_cuda() || q.shape().iter().chain(k.shape()).chain(v.shape()).any(|&d| d == 0) {
             return chain_backward(self, q, k, v, probs, attn, need);

@@ -120,6 +120,9 @@ fn repeating<T: Float>(
 fn binary<Op: Binary>(op: &'static str, a: &Tensor, b: &Tensor) -> Result<Tensor> {
     same_dtype(op, a, b)?;
     let shape = broadcast_shapes(op, a.shape(), b.shape())?;
+    if let Some(out) = super::meta_float(op, &[a, b], &shape, a.dtype()) {
+        return out;
+    }
     #[cfg(feature = "cuda")]
     if a.is_cuda() || b.is_cuda() {
         return crate::cuda::ops::binary(Op::KERNEL, op, a, b, &shape);
@@ -175,6 +178,9 @@ fn binary_typed<T: Float, Op: Binary>(op: &'static str, a: &Tensor, b: &Tensor, 
 
 /// `op(a, s)` for every element of `a`, with the scalar in the compute type.
 fn binary_scalar<Op: Binary>(op: &'static str, a: &Tensor, s: f64) -> Result<Tensor> {
+    if let Some(out) = super::meta_float(op, &[a], a.shape(), a.dtype()) {
+        return out;
+    }
     #[cfg(feature = "cuda")]
     if a.is_cuda() {
         return crate::cuda::ops::scalar(Op::KERNEL, op, a, s);

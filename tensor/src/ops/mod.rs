@@ -39,6 +39,8 @@
 mod attention;
 mod elementwise;
 mod matmul;
+#[cfg(test)]
+mod meta_tests;
 mod nn;
 mod nn_backward;
 mod reduce;
@@ -54,7 +56,7 @@ mod unary;
 
 use std::borrow::Cow;
 
-use tessera_mesh::Element;
+use tessera_mesh::{DType, Element};
 
 pub use attention::Attention;
 pub use matmul::{Causal, GemmKernel};
@@ -66,6 +68,25 @@ pub use unary::gelu_backward_shapes;
 
 use crate::kernel::{Simd, par_parts, par_rows};
 use crate::{Error, Result, Tensor};
+
+/// The output of an op when any of `inputs` is on the meta device: a meta
+/// tensor of `shape` and `dtype`, the op having checked its arguments as for
+/// host tensors; `None` when none is, and the op computes.
+pub(crate) fn meta_output(inputs: &[&Tensor], shape: &[usize], dtype: DType) -> Option<Result<Tensor>> {
+    inputs.iter().any(|t| t.is_meta()).then(|| Tensor::meta(shape, dtype))
+}
+
+/// [`meta_output`] for an op on float tensors only: the first input's dtype
+/// must be a float type, as the host kernels' dispatch requires.
+pub(crate) fn meta_float(op: &'static str, inputs: &[&Tensor], shape: &[usize], dtype: DType) -> Option<Result<Tensor>> {
+    let first = inputs.first().map(|t| t.dtype());
+    if let Some(d) = first.filter(|d| !d.is_float())
+        && inputs.iter().any(|t| t.is_meta())
+    {
+        return Some(Err(crate::kernel::not_float(op, d)));
+    }
+    meta_output(inputs, shape, dtype)
+}
 
 /// Errors unless both tensors have the same dtype.
 pub(crate) fn same_dtype(op: &'static str, a: &Tensor, b: &Tensor) -> Result<()> {

@@ -182,6 +182,13 @@ impl<T: Float> Reducer<T> for ArgMin {
 }
 
 /// Which dims a reduction removes, checked: a mask over the input's dims.
+/// The shape of a reduction of `shape` over the dims `mask` marks.
+fn reduced_shape(shape: &[usize], mask: &[bool], keepdim: bool) -> Vec<usize> {
+    (shape.iter().zip(mask))
+        .filter_map(|(&n, &m)| if m { keepdim.then_some(1) } else { Some(n) })
+        .collect()
+}
+
 fn reduced_mask(op: &'static str, shape: &[usize], dims: &[usize]) -> Result<Vec<bool>> {
     let mut mask = vec![false; shape.len()];
     for &d in dims {
@@ -277,6 +284,9 @@ impl Tensor {
     pub fn sum(&self, dims: &[impl crate::Dim], keepdim: bool) -> Result<Tensor> {
         let dims = &crate::resolve_dims(dims, "sum", self.rank())?[..];
         let mask = reduced_mask("sum", self.shape(), dims)?;
+        if let Some(out) = super::meta_float("sum", &[self], &reduced_shape(self.shape(), &mask, keepdim), self.dtype()) {
+            return out;
+        }
         #[cfg(feature = "cuda")]
         if self.is_cuda() {
             let dims: Vec<usize> = (0..self.rank()).filter(|&d| mask[d]).collect();
@@ -293,6 +303,9 @@ impl Tensor {
     pub fn mean(&self, dims: &[impl crate::Dim], keepdim: bool) -> Result<Tensor> {
         let dims = &crate::resolve_dims(dims, "mean", self.rank())?[..];
         let mask = reduced_mask("mean", self.shape(), dims)?;
+        if let Some(out) = super::meta_float("mean", &[self], &reduced_shape(self.shape(), &mask, keepdim), self.dtype()) {
+            return out;
+        }
         #[cfg(feature = "cuda")]
         if self.is_cuda() {
             let dims: Vec<usize> = (0..self.rank()).filter(|&d| mask[d]).collect();
@@ -311,6 +324,9 @@ impl Tensor {
         let dims = &crate::resolve_dims(dims, "max", self.rank())?[..];
         let mask = reduced_mask("max", self.shape(), dims)?;
         self.check_not_empty("max", &mask)?;
+        if let Some(out) = super::meta_float("max", &[self], &reduced_shape(self.shape(), &mask, keepdim), self.dtype()) {
+            return out;
+        }
         #[cfg(feature = "cuda")]
         if self.is_cuda() {
             let dims: Vec<usize> = (0..self.rank()).filter(|&d| mask[d]).collect();
@@ -329,6 +345,10 @@ impl Tensor {
         let dim = dim.resolve("argmax", self.rank())?;
         let mask = reduced_mask("argmax", self.shape(), &[dim])?;
         self.check_not_empty("argmax", &mask)?;
+        let shape = reduced_shape(self.shape(), &mask, keepdim);
+        if let Some(out) = super::meta_float("argmax", &[self], &shape, tessera_mesh::DType::I64) {
+            return out;
+        }
         float_dispatch!("argmax", self.dtype(), T => reduce::<T, ArgMax>("argmax", self, &mask, keepdim))
     }
 
@@ -342,6 +362,10 @@ impl Tensor {
         let dim = dim.resolve("argmin", self.rank())?;
         let mask = reduced_mask("argmin", self.shape(), &[dim])?;
         self.check_not_empty("argmin", &mask)?;
+        let shape = reduced_shape(self.shape(), &mask, keepdim);
+        if let Some(out) = super::meta_float("argmin", &[self], &shape, tessera_mesh::DType::I64) {
+            return out;
+        }
         float_dispatch!("argmin", self.dtype(), T => reduce::<T, ArgMin>("argmin", self, &mask, keepdim))
     }
 

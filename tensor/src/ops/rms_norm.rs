@@ -64,6 +64,11 @@ impl Tensor {
     pub fn rms_norm_with_stats(&self, weight: Option<&Tensor>, eps: f64) -> Result<(Tensor, Tensor)> {
         need_dims(OP, self, "dim to normalize")?;
         check_weight(OP, self, weight)?;
+        let inputs: Vec<&Tensor> = [Some(self), weight].into_iter().flatten().collect();
+        if let Some(out) = super::meta_float(OP, &inputs, self.shape(), self.dtype()) {
+            let stats = super::nn::row_stats_shape(self.shape());
+            return Ok((out?, Tensor::meta(&stats, DType::F64)?));
+        }
         #[cfg(feature = "cuda")]
         if self.is_cuda() {
             let (y, _mean, rstd) = crate::cuda::ops::norm(self, weight, None, eps, true)?;
@@ -107,6 +112,9 @@ impl Tensor {
         const OP: &str = "rms_norm_backward";
         self.check_rms_backward(OP, x, rstd)?;
         check_weight(OP, x, weight)?;
+        if let Some(out) = super::meta_float(OP, &[self, x, rstd], x.shape(), self.dtype()) {
+            return out;
+        }
         #[cfg(feature = "cuda")]
         if self.is_cuda() {
             let mean = Tensor::assemble(rstd.shape(), DType::F64, rstd.device(), &[])?;
@@ -137,6 +145,9 @@ impl Tensor {
     pub fn rms_norm_weight_grad_with_stats(&self, x: &Tensor, rstd: &Tensor) -> Result<Tensor> {
         const OP: &str = "rms_norm_weight_grad";
         self.check_rms_backward(OP, x, rstd)?;
+        if let Some(out) = super::meta_float(OP, &[self, x, rstd], &[x.shape()[x.rank() - 1]], self.dtype()) {
+            return out;
+        }
         #[cfg(feature = "cuda")]
         if self.is_cuda() {
             let mean = Tensor::assemble(rstd.shape(), DType::F64, rstd.device(), &[])?;

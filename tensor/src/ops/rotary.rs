@@ -104,6 +104,9 @@ impl Tensor {
 
     fn rotary(&self, op: &'static str, cos: &Tensor, sin: &Tensor, backward: bool) -> Result<Tensor> {
         let (s, d) = check_rotary(op, self, cos, sin)?;
+        if let Some(out) = super::meta_float(op, &[self, cos, sin], self.shape(), self.dtype()) {
+            return out;
+        }
         if self.numel() == 0 {
             // Nothing to rotate: the tables (wherever they are) are not read.
             return Tensor::zeros(self.shape(), self.dtype())?.to(self.device());

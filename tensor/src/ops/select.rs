@@ -10,6 +10,25 @@ use super::{check_dim, elements, output, same_dtype};
 use crate::kernel::any_dispatch;
 use crate::{DType, Error, Result, Tensor};
 
+/// A gather (or its backward, `float`) on meta tensors: the shapes checked
+/// as [`gather_map`] checks them (the indices, having no values, are not);
+/// a meta output of `out`.
+fn meta_gather(
+    op: &'static str,
+    source: &[usize],
+    dim: usize,
+    index: &Tensor,
+    out: &[usize],
+    dtype: DType,
+    float: bool,
+) -> Result<Tensor> {
+    check_gather(op, source, dim, index.shape(), index.dtype())?;
+    if float && !dtype.is_float() {
+        return Err(crate::kernel::not_float(op, dtype));
+    }
+    Tensor::meta(out, dtype)
+}
+
 /// Errors for a device tensor among `ts`: these kernels run on the host.
 fn host_only(op: &'static str, ts: &[&Tensor]) -> Result<()> {
     match ts.iter().find(|t| t.is_cuda()) {
@@ -78,6 +97,9 @@ impl Tensor {
         need_dtype(OP, self, DType::U8, "the condition")?;
         same_dtype(OP, x, y)?;
         let shape = broadcast_shapes(OP, &broadcast_shapes(OP, self.shape(), x.shape())?, y.shape())?;
+        if let Some(out) = super::meta_output(&[self, x, y], &shape, x.dtype()) {
+            return out;
+        }
         let (c, x, y) = (
             self.broadcast_to(&shape)?,
             x.broadcast_to(&shape)?,
@@ -134,6 +156,12 @@ impl Tensor {
                 detail: format!("the index must be 1-D, got shape {:?}", index.shape()),
             });
         }
+        let mut shape = self.shape().to_vec();
+        shape[dim] = index.numel();
+        // On meta, the indices (which have no values) are not checked.
+        if let Some(out) = super::meta_output(&[self, index], &shape, self.dtype()) {
+            return out;
+        }
         let idx = checked_indices(OP, index, self.shape()[dim], dim)?;
         let pieces = idx
             .iter()
@@ -160,8 +188,7 @@ impl Tensor {
         const OP: &str = "index_select_backward";
         host_only(OP, &[self, index])?;
         check_dim(OP, dim, self.rank())?;
-        let idx = checked_indices(OP, index, size, dim)?;
-        if index.rank() != 1 || idx.len() != self.shape()[dim] {
+        if index.rank() != 1 || index.numel() != self.shape()[dim] {
             return Err(Error::ShapeMismatch {
                 op: OP,
                 detail: format!(
@@ -174,6 +201,10 @@ impl Tensor {
         }
         let mut shape = self.shape().to_vec();
         shape[dim] = size;
+        if let Some(out) = super::meta_float(OP, &[self, index], &shape, self.dtype()) {
+            return out;
+        }
+        let idx = checked_indices(OP, index, size, dim)?;
         let inner: usize = shape[dim + 1..].iter().product();
         let outer: usize = shape[..dim].iter().product();
         let n = idx.len();
@@ -206,6 +237,9 @@ impl Tensor {
     pub fn gather(&self, dim: impl crate::Dim, index: &Tensor) -> Result<Tensor> {
         let dim = dim.resolve("gather", self.rank())?;
         const OP: &str = "gather";
+        if self.is_meta() || index.is_meta() {
+            return meta_gather(OP, self.shape(), dim, index, index.shape(), self.dtype(), false);
+        }
         let (map, shape) = gather_map(OP, self.shape(), dim, index)?;
         host_only(OP, &[self, index])?;
         any_dispatch!(OP, self.dtype(), T => {
@@ -225,6 +259,16 @@ impl Tensor {
     pub fn gather_backward(&self, dim: impl crate::Dim, index: &Tensor, shape: &[usize]) -> Result<Tensor> {
         let dim = dim.resolve("gather_backward", self.rank())?;
         const OP: &str = "gather_backward";
+        if self.is_meta() || index.is_meta() {
+            check_dim(OP, dim, shape.len())?;
+            if self.shape() != index.shape() {
+                return Err(Error::ShapeMismatch {
+                    op: OP,
+                    detail: format!("the gradient has shape {:?} but the index {:?}", self.shape(), index.shape()),
+                });
+            }
+            return meta_gather(OP, shape, dim, index, shape, self.dtype(), true);
+        }
         let (map, want) = gather_map(OP, shape, dim, index)?;
         host_only(OP, &[self, index])?;
         if self.shape() != &want[..] {

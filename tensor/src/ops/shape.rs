@@ -78,6 +78,9 @@ impl Tensor {
         if shape == self.shape() {
             return Ok(self.clone());
         }
+        if self.is_meta() {
+            return Tensor::meta(shape, self.dtype());
+        }
         any_dispatch!("broadcast_to", self.dtype(), T => {
             let view = self.view::<T>()?;
             let wide = view.broadcast(IxDyn(shape)).ok_or_else(|| Error::InvalidArgument {

@@ -102,6 +102,9 @@ pub fn gelu_backward_shapes(g: &[usize], x: &[usize], y: &[usize]) -> Result<()>
 }
 
 fn unary<Op: Unary>(op: &'static str, t: &Tensor) -> Result<Tensor> {
+    if let Some(out) = super::meta_float(op, &[t], t.shape(), t.dtype()) {
+        return out;
+    }
     #[cfg(feature = "cuda")]
     if t.is_cuda() {
         return crate::cuda::ops::unary(Op::KERNEL, op, t);
@@ -186,6 +189,9 @@ impl Tensor {
             });
         }
         same_dtype(OP, self, x)?;
+        if let Some(out) = super::meta_float(OP, &[self, x], self.shape(), self.dtype()) {
+            return out;
+        }
         #[cfg(feature = "cuda")]
         if self.is_cuda() || x.is_cuda() {
             return crate::cuda::ops::binary(GeluBackwardOp::KERNEL, OP, self, x, self.shape());
@@ -245,6 +251,9 @@ impl Tensor {
             // SAFETY: `zip3_map` writes every element of the output (the three
             // inputs are as long: their shapes are equal).
             output(unsafe { crate::alloc::written(OP, shape, fill)? }, shape)
+        }
+        if let Some(out) = super::meta_float(OP, &[self, x, y], self.shape(), self.dtype()) {
+            return out;
         }
         match self.dtype() {
             #[cfg(feature = "cuda")]

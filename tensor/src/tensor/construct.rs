@@ -32,6 +32,43 @@ fn require_float(op: &'static str, dtype: DType) -> Result<()> {
 }
 
 impl Tensor {
+    /// A tensor of `shape` and `dtype` on the meta device: no values and no
+    /// memory, but its bytes charged to the memory tracker as a host tensor's
+    /// would be (see [`Device::Meta`](crate::Device::Meta)). PyTorch:
+    /// `torch.empty(shape, device="meta")`.
+    ///
+    /// ```
+    /// use tessera_tensor::{DType, Device, Tensor};
+    ///
+    /// let w = Tensor::meta(&[4096, 4096], DType::F32)?;
+    /// let x = Tensor::meta(&[8, 4096], DType::F32)?;
+    /// let y = x.matmul(&w.transpose(0, 1)?)?; // shapes checked, nothing computed
+    /// assert_eq!((y.shape(), y.device()), (&[8, 4096][..], Device::Meta));
+    /// assert!(y.to_vec::<f32>().is_err()); // no values to read
+    /// # Ok::<(), tessera_tensor::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// [`Error::OutOfMemory`] when the element or byte count overflows (as
+    /// [`zeros`](Self::zeros) would).
+    pub fn meta(shape: &[usize], dtype: DType) -> Result<Tensor> {
+        let n = crate::alloc::checked_len("meta", shape, dtype)?;
+        Ok(Tensor::from_parts(
+            std::sync::Arc::new(super::storage::Storage::new_meta(dtype, n)),
+            super::geometry::Geometry::contiguous(shape),
+        ))
+    }
+
+    /// A new meta tensor of this (meta) tensor's shape and dtype: the output of
+    /// an op that copies it.
+    pub(crate) fn meta_copy(&self) -> Tensor {
+        match Tensor::meta(self.shape(), self.dtype()) {
+            Ok(t) => t,
+            // INVARIANT: this tensor exists, so its size was checked when it was made.
+            Err(e) => unreachable!("a tensor's own size is valid: {e}"),
+        }
+    }
+
     /// A tensor of `shape` filled with zeros. PyTorch: `torch.zeros`.
     ///
     /// # Errors

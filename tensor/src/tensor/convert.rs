@@ -56,6 +56,9 @@ impl Tensor {
         if dtype == self.dtype() {
             return Ok(self.clone());
         }
+        if self.is_meta() {
+            return Tensor::meta(self.shape(), dtype);
+        }
         #[cfg(feature = "cuda")]
         if self.is_cuda() {
             return crate::cuda::ops::cast(self, dtype);
@@ -84,14 +87,22 @@ impl Tensor {
     }
 
     /// This tensor's elements on `device`: itself when already there, else a
-    /// contiguous copy. PyTorch: `Tensor.to(device)`.
+    /// contiguous copy (to `meta`: its shape and dtype only). PyTorch:
+    /// `Tensor.to(device)`.
     ///
     /// # Errors
     /// [`Error::Device`] when `device` is a GPU and this build has no `cuda`
-    /// feature, the GPU does not exist, or the copy fails.
+    /// feature, the GPU does not exist, or the copy fails; when this tensor is
+    /// on the meta device and `device` is not (there are no values to copy).
     pub fn to(&self, device: crate::Device) -> Result<Tensor> {
         if device == self.device() {
             return Ok(self.clone());
+        }
+        if device.is_meta() {
+            return Tensor::meta(self.shape(), self.dtype());
+        }
+        if self.is_meta() {
+            return Err(super::storage::meta_error("to"));
         }
         #[cfg(feature = "cuda")]
         {
@@ -119,11 +130,15 @@ impl Tensor {
     }
 
     /// The elements as `f64` in row-major order, from any dtype (for tests and
-    /// printing; see [`cast`](Self::cast) for the conversion).
+    /// printing; see [`cast`](Self::cast) for the conversion). A meta tensor's
+    /// values, which do not exist, read as NaN.
     ///
     /// # Panics
     /// For a device tensor, when the copy to the host fails (a lost GPU).
     pub fn to_f64_vec(&self) -> Vec<f64> {
+        if self.is_meta() {
+            return vec![f64::NAN; self.numel()];
+        }
         let host = self.on_host();
         let layout = host.geometry();
         with_buffer!(host.host_data(), v, T => layout.offsets().map(|i| v[i].to_f64()).collect())
@@ -155,8 +170,11 @@ impl Tensor {
     /// buffer, for the asynchronous collectives.
     ///
     /// # Panics
-    /// For a device tensor, when the copy to the host fails (a lost GPU).
+    /// For a device tensor, when the copy to the host fails (a lost GPU); for
+    /// a meta tensor, which has no elements to copy (check
+    /// [`is_meta`](Self::is_meta) first).
     pub fn to_buffer(&self) -> Buffer {
+        assert!(!self.is_meta(), "to_buffer: {}", super::storage::meta_error("to_buffer"));
         let host = self.on_host();
         let layout = host.geometry();
         with_buffer!(host.host_data(), v, _T => Buffer::from(layout.gather(v)))

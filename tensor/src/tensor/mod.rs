@@ -99,6 +99,12 @@ impl Tensor {
         self.device().is_cuda()
     }
 
+    /// Whether the tensor is on the meta device (a shape and a dtype, no
+    /// values; see [`Tensor::meta`]). PyTorch: `Tensor.is_meta`.
+    pub fn is_meta(&self) -> bool {
+        self.device().is_meta()
+    }
+
     /// This tensor, or a host copy of a device tensor, for the readers that
     /// cannot fail (printing, comparing, [`to_f64_vec`](Self::to_f64_vec),
     /// [`to_buffer`](Self::to_buffer)).
@@ -108,6 +114,7 @@ impl Tensor {
     /// when reading it reports an index a kernel found out of range since
     /// the host last waited for the GPU (see `cuda::synchronize`;
     /// [`to`](Self::to) returns that error instead).
+    /// A meta tensor is returned as it is: the callers check for it first.
     fn on_host(&self) -> std::borrow::Cow<'_, Tensor> {
         if self.is_cuda() {
             match self.to(crate::Device::Cpu) {
@@ -192,10 +199,11 @@ impl Tensor {
 }
 
 /// Same shape, same dtype and equal values (so a NaN makes a tensor unequal to
-/// itself, as with floats). Strides and storage do not matter.
+/// itself, as with floats). Strides and storage do not matter. A meta tensor,
+/// having no values, equals nothing (its values read as NaN).
 impl PartialEq for Tensor {
     fn eq(&self, other: &Tensor) -> bool {
-        if self.shape() != other.shape() || self.dtype() != other.dtype() {
+        if self.shape() != other.shape() || self.dtype() != other.dtype() || self.is_meta() || other.is_meta() {
             return false;
         }
         let (this, other) = (self.on_host(), other.on_host());
@@ -215,6 +223,9 @@ const DEBUG_VALUES: usize = 8;
 impl fmt::Debug for Tensor {
     /// `Tensor[2, 3] f32 [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]`, with at most eight values.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.is_meta() {
+            return write!(f, "Tensor{:?} {} meta", self.shape(), self.dtype());
+        }
         write!(f, "Tensor{:?} {} [", self.shape(), self.dtype())?;
         if self.is_cuda() {
             write!(f, "{}: ", self.device())?;
@@ -313,5 +324,6 @@ mod tests {
             "Tensor[2, 2] u8 [0, 2, 1, 3]"
         );
         case!(Tensor::zeros(&[0, 2], DType::BF16).unwrap(), "Tensor[0, 2] bf16 []");
+        case!(Tensor::meta(&[2, 3], DType::F32).unwrap(), "Tensor[2, 3] f32 meta");
     }
 }

@@ -96,6 +96,9 @@ impl Tensor {
         if self.is_contiguous() {
             return self.clone();
         }
+        if self.is_meta() {
+            return self.meta_copy();
+        }
         #[cfg(feature = "cuda")]
         if self.is_cuda() {
             match crate::cuda::ops::contiguous(self) {
@@ -181,6 +184,9 @@ impl Tensor {
                     detail: format!("the sizes of dim {dim} add up past usize::MAX; concatenate fewer pieces"),
                 })?;
         }
+        if tensors.iter().any(Tensor::is_meta) {
+            return Tensor::meta(&shape, first.dtype());
+        }
         #[cfg(feature = "cuda")]
         if tensors.iter().any(Tensor::is_cuda) {
             return crate::cuda::ops::cat(tensors, dim, &shape);
@@ -233,6 +239,9 @@ impl Tensor {
                     ),
                 });
             }
+        }
+        if device.is_meta() {
+            return Tensor::meta(shape, dtype);
         }
         #[cfg(feature = "cuda")]
         if device.is_cuda() {

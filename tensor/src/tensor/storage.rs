@@ -1,4 +1,4 @@
-//! CPU storage of tensors.
+//! Storage of tensors: host memory, device memory, or none (meta).
 
 use tessera_mesh::{Buf, Buffer, DType, Element};
 
@@ -15,6 +15,8 @@ pub(crate) enum Data {
     /// In device memory.
     #[cfg(feature = "cuda")]
     Cuda(crate::cuda::CudaBuffer),
+    /// Nowhere: a meta storage's dtype and length, charged as host bytes.
+    Meta(DType, usize),
 }
 
 /// One flat, immutable buffer that tensors view through a layout.
@@ -48,10 +50,21 @@ impl Storage {
         }
     }
 
-    /// The host buffer, or an error naming the device for device storage.
+    /// A meta storage of `len` elements of `dtype`: no memory, but its bytes
+    /// charged to the current thread's rank as host bytes, as the host storage
+    /// it stands for would be.
+    pub(crate) fn new_meta(dtype: DType, len: usize) -> Storage {
+        Storage {
+            data: Data::Meta(dtype, len),
+            _charge: Allocation::charge(len * dtype.size_in_bytes()),
+        }
+    }
+
+    /// The host buffer, or an error naming the device for device and meta storage.
     pub(crate) fn data(&self) -> Result<&Buffer> {
         match &self.data {
             Data::Host(b) => Ok(b),
+            Data::Meta(..) => Err(meta_error("host access")),
             #[cfg(feature = "cuda")]
             Data::Cuda(b) => Err(Error::Device {
                 op: "host access",
@@ -69,7 +82,7 @@ impl Storage {
     pub(crate) fn cuda(&self) -> Option<&crate::cuda::CudaBuffer> {
         match &self.data {
             Data::Cuda(b) => Some(b),
-            Data::Host(_) => None,
+            Data::Host(_) | Data::Meta(..) => None,
         }
     }
 
@@ -79,6 +92,7 @@ impl Storage {
             Data::Host(_) => crate::Device::Cpu,
             #[cfg(feature = "cuda")]
             Data::Cuda(b) => crate::Device::Cuda(b.ordinal()),
+            Data::Meta(..) => crate::Device::Meta,
         }
     }
 
@@ -88,25 +102,29 @@ impl Storage {
             Data::Host(b) => b.len(),
             #[cfg(feature = "cuda")]
             Data::Cuda(b) => b.len(),
+            Data::Meta(_, len) => *len,
         }
     }
 
-    /// The host buffer, mutably (for the storage's sole owner); `None` on a device.
+    /// The host buffer, mutably (for the storage's sole owner); `None` on a
+    /// device or meta.
     pub(crate) fn data_mut(&mut self) -> Option<&mut Buffer> {
         match &mut self.data {
             Data::Host(b) => Some(b),
             #[cfg(feature = "cuda")]
             Data::Cuda(_) => None,
+            Data::Meta(..) => None,
         }
     }
 
     /// Moves the host buffer out (the storage is left empty, and its charge
-    /// goes when it drops); `None` on a device.
+    /// goes when it drops); `None` on a device or meta.
     pub(crate) fn take_data(&mut self) -> Option<Buffer> {
         match &mut self.data {
             Data::Host(b) => Some(std::mem::replace(b, Buffer::U8(Vec::new()))),
             #[cfg(feature = "cuda")]
             Data::Cuda(_) => None,
+            Data::Meta(..) => None,
         }
     }
 }
@@ -126,7 +144,18 @@ impl Storage {
             Data::Host(b) => b.dtype(),
             #[cfg(feature = "cuda")]
             Data::Cuda(b) => b.dtype(),
+            Data::Meta(dtype, _) => *dtype,
         }
+    }
+}
+
+/// The error of an operation `op` that needs the values of a meta tensor.
+pub(crate) fn meta_error(op: &'static str) -> Error {
+    Error::Device {
+        op,
+        detail: "the tensor is on the meta device: it has a shape and a dtype but no values (a planning \
+                 run's tensor); run on cpu or cuda tensors to read values"
+            .into(),
     }
 }
 

@@ -650,7 +650,10 @@ impl Tensor {
             );
             mismatch(self, rhs, why)
         })?;
+        let meta_shape = || [&batch[..], &[a.shape()[ra - 2], b.shape()[rb - 1]]].concat();
         let out = match self.dtype() {
+            d if !d.is_float() => return Err(not_float("matmul", d)),
+            d if a.is_meta() || b.is_meta() => Tensor::meta(&meta_shape(), d)?,
             #[cfg(feature = "cuda")]
             _ if a.is_cuda() || b.is_cuda() => crate::cuda::ops::matmul(&a, &b, &batch, part)?,
             DType::F32 => matmul_typed::<f32>(&a, &b, &batch, kernel, part)?,

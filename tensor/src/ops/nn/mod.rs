@@ -165,6 +165,9 @@ impl Tensor {
     pub fn softmax(&self, dim: impl crate::Dim) -> Result<Tensor> {
         let dim = dim.resolve("softmax", self.rank())?;
         check_dim("softmax", dim, self.rank())?;
+        if let Some(out) = super::meta_float("softmax", &[self], self.shape(), self.dtype()) {
+            return out;
+        }
         #[cfg(feature = "cuda")]
         if self.is_cuda() {
             return crate::cuda::ops::softmax(self, dim, 1.0, 0, false);
@@ -195,6 +198,9 @@ impl Tensor {
         const OP: &str = "attention_probs";
         check_scores(OP, self, scale)?;
         let (t, last) = (self.shape()[self.rank() - 2], self.rank() - 1);
+        if let Some(out) = super::meta_float(OP, &[self], self.shape(), self.dtype()) {
+            return out;
+        }
         #[cfg(feature = "cuda")]
         if self.is_cuda() {
             return crate::cuda::ops::softmax(self, last, scale, if is_causal { t } else { 0 }, false);
@@ -217,6 +223,9 @@ impl Tensor {
     pub fn log_softmax(&self, dim: impl crate::Dim) -> Result<Tensor> {
         let dim = dim.resolve("log_softmax", self.rank())?;
         check_dim("log_softmax", dim, self.rank())?;
+        if let Some(out) = super::meta_float("log_softmax", &[self], self.shape(), self.dtype()) {
+            return out;
+        }
         #[cfg(feature = "cuda")]
         if self.is_cuda() {
             return crate::cuda::ops::softmax(self, dim, 1.0, 0, true);
@@ -266,6 +275,11 @@ impl Tensor {
         need_dims("layer_norm", self, "dim to normalize")?;
         check_affine(self, weight, "weight")?;
         check_affine(self, bias, "bias")?;
+        let inputs: Vec<&Tensor> = [Some(self), weight, bias].into_iter().flatten().collect();
+        if let Some(out) = super::meta_float("layer_norm", &inputs, self.shape(), self.dtype()) {
+            let stats = row_stats_shape(self.shape());
+            return Ok((out?, Tensor::meta(&stats, DType::F64)?, Tensor::meta(&stats, DType::F64)?));
+        }
         #[cfg(feature = "cuda")]
         if self.is_cuda() {
             return crate::cuda::ops::norm(self, weight, bias, eps, false);
@@ -296,6 +310,10 @@ impl Tensor {
             });
         }
         let (v, d) = (self.shape()[0], self.shape()[1]);
+        // On meta, the indices (which have no values) are not checked.
+        if let Some(out) = super::meta_output(&[self, indices], &[indices.shape(), &[d]].concat(), self.dtype()) {
+            return out;
+        }
         #[cfg(feature = "cuda")]
         if self.is_cuda() || indices.is_cuda() {
             return crate::cuda::ops::embedding(self, indices, 0);
@@ -358,6 +376,17 @@ impl Tensor {
         probs: bool,
     ) -> Result<(Tensor, Option<Tensor>)> {
         const OP: &str = "cross_entropy";
+        if self.is_meta() || targets.is_meta() {
+            // The targets (which have no values) are not checked against C.
+            super::rows::ce_shapes(self, targets)?;
+            let d = self.dtype();
+            if !d.is_float() {
+                return Err(crate::kernel::not_float(OP, d));
+            }
+            let rows = [self.shape()[0]];
+            let loss = Tensor::meta(if reduction == Reduction::None { &rows } else { &[] }, d)?;
+            return Ok((loss, if probs { Some(Tensor::meta(self.shape(), d)?) } else { None }));
+        }
         #[cfg(feature = "cuda")]
         if self.is_cuda() || targets.is_cuda() {
             super::rows::ce_shapes(self, targets)?;
@@ -438,6 +467,9 @@ impl Tensor {
                 detail: format!("scores must be [..., T, S], got shape {:?}", self.shape()),
             });
         }
+        if let Some(out) = super::meta_float("causal_mask", &[self], self.shape(), self.dtype()) {
+            return out;
+        }
         let (t, s) = (self.shape()[self.rank() - 2], self.shape()[self.rank() - 1]);
         float_dispatch!("causal_mask", self.dtype(), T => {
             let x = elements::<T>(self)?;
@@ -458,6 +490,16 @@ impl Tensor {
             output(out, self.shape())
         })
     }
+}
+
+/// The shape of per-row statistics (layer norm's and RMSNorm's mean and rstd)
+/// of an input of `shape`: the shape with the last dim 1.
+pub(super) fn row_stats_shape(shape: &[usize]) -> Vec<usize> {
+    let mut s = shape.to_vec();
+    if let Some(last) = s.last_mut() {
+        *last = 1;
+    }
+    s
 }
 
 /// Cross entropy of one row of logits against class `k`, and the row's

@@ -25,6 +25,9 @@ impl Tensor {
     pub fn layer_norm_backward(&self, x: &Tensor, weight: Option<&Tensor>, eps: f64) -> Result<Tensor> {
         const OP: &str = "layer_norm_backward";
         ln_backward_checks(OP, self, x, weight)?;
+        if let Some(out) = super::super::meta_float(OP, &[self, x], x.shape(), self.dtype()) {
+            return out;
+        }
         #[cfg(feature = "cuda")]
         if self.is_cuda() {
             let (_, mean, rstd) = x.layer_norm_with_stats(None, None, eps)?;
@@ -53,6 +56,9 @@ impl Tensor {
     ) -> Result<Tensor> {
         const OP: &str = "layer_norm_backward";
         ln_backward_checks(OP, self, x, weight)?;
+        if let Some(out) = super::super::meta_float(OP, &[self, x, mean, rstd], x.shape(), self.dtype()) {
+            return out;
+        }
         #[cfg(feature = "cuda")]
         if self.is_cuda() {
             return crate::cuda::ops::norm_backward(self, x, weight, mean, rstd, false);
@@ -75,6 +81,9 @@ impl Tensor {
         const OP: &str = "layer_norm_weight_grad";
         ln_backward_checks(OP, self, x, None)?;
         let d = x.shape()[x.rank() - 1];
+        if let Some(out) = super::super::meta_float(OP, &[self, x], &[d], self.dtype()) {
+            return out;
+        }
         #[cfg(feature = "cuda")]
         if self.is_cuda() {
             let (_, mean, rstd) = x.layer_norm_with_stats(None, None, eps)?;
@@ -98,6 +107,9 @@ impl Tensor {
         const OP: &str = "layer_norm_weight_grad";
         ln_backward_checks(OP, self, x, None)?;
         let d = x.shape()[x.rank() - 1];
+        if let Some(out) = super::super::meta_float(OP, &[self, x, mean, rstd], &[d], self.dtype()) {
+            return out;
+        }
         #[cfg(feature = "cuda")]
         if self.is_cuda() {
             let _ = d;

@@ -43,6 +43,9 @@ impl Tensor {
         const OP: &str = "softmax_backward";
         same_shape(OP, self, y, "the softmax output")?;
         check_dim(OP, dim, self.rank())?;
+        if let Some(out) = super::meta_float(OP, &[self, y], self.shape(), self.dtype()) {
+            return out;
+        }
         #[cfg(feature = "cuda")]
         if self.is_cuda() || y.is_cuda() {
             return crate::cuda::ops::softmax_backward(self, y, dim, 1.0, 0);
@@ -68,6 +71,9 @@ impl Tensor {
         same_shape(OP, self, probs, "probs")?;
         check_scores(OP, probs, scale)?;
         let (t, last) = (probs.shape()[probs.rank() - 2], probs.rank() - 1);
+        if let Some(out) = super::meta_float(OP, &[self, probs], self.shape(), self.dtype()) {
+            return out;
+        }
         #[cfg(feature = "cuda")]
         if self.is_cuda() || probs.is_cuda() {
             let period = if is_causal { t } else { 0 };
@@ -103,6 +109,13 @@ impl Tensor {
             });
         }
         let (n, d) = (self.shape()[0], self.shape()[1]);
+        if self.is_meta() || indices.is_meta() {
+            // The indices (which have no values) are not checked against the rows.
+            super::rows::index_shape(OP, indices, n, || format!("a [{n}, {d}] gradient needs indices"))?;
+            if let Some(out) = super::meta_float(OP, &[self, indices], &[rows, d], self.dtype()) {
+                return out;
+            }
+        }
         #[cfg(feature = "cuda")]
         if self.is_cuda() || indices.is_cuda() {
             super::rows::index_shape(OP, indices, n, || format!("a [{n}, {d}] gradient needs indices"))?;
@@ -149,6 +162,12 @@ impl Tensor {
     /// # Errors
     /// As [`cross_entropy_with_grad`](Self::cross_entropy_with_grad).
     pub fn cross_entropy_backward(&self, targets: &Tensor, scale: f64) -> Result<Tensor> {
+        if self.is_meta() || targets.is_meta() {
+            super::rows::ce_shapes(self, targets)?;
+            if let Some(out) = super::meta_float("cross_entropy_backward", &[self, targets], self.shape(), self.dtype()) {
+                return out;
+            }
+        }
         #[cfg(feature = "cuda")]
         if self.is_cuda() || targets.is_cuda() {
             super::rows::ce_shapes(self, targets)?;
@@ -193,6 +212,12 @@ impl Tensor {
     /// As [`cross_entropy_with_grad`](Self::cross_entropy_with_grad), for the
     /// probabilities in place of the logits.
     pub fn cross_entropy_backward_from_probs(&self, targets: &Tensor, scale: f64) -> Result<Tensor> {
+        if self.is_meta() || targets.is_meta() {
+            super::rows::ce_shapes(self, targets)?;
+            if let Some(out) = super::meta_float("cross_entropy_backward", &[self, targets], self.shape(), self.dtype()) {
+                return out;
+            }
+        }
         #[cfg(feature = "cuda")]
         if self.is_cuda() || targets.is_cuda() {
             super::rows::ce_shapes(self, targets)?;
