@@ -26,6 +26,7 @@
 
 pub mod data;
 pub mod models;
+pub mod plan;
 
 pub use tessera_autograd as autograd;
 pub use tessera_dtensor as dtensor;

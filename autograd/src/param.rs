@@ -390,8 +390,9 @@ impl Param {
                 ),
             });
         }
-        // Made on the host, kept on the mesh's device.
-        let t = t.to(mesh.device())?;
+        // Made on the host, kept on the mesh's device (a planning run's meta
+        // shard stays on meta).
+        let t = if t.is_meta() { t } else { t.to(mesh.device())? };
         self.set_value(DTensor::from_local_with_layout(t, &mesh, layout)?);
         Ok(())
     }

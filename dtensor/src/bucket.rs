@@ -58,7 +58,7 @@
 //! .unwrap();
 //! ```
 
-use tessera_mesh::{DType, DeviceMesh, HeldBuf, Pieces, ReduceOp, Work};
+use tessera_mesh::{DType, DeviceMesh, HeldBuf, Pieces, Planned, ReduceOp, Work};
 
 use tessera_tensor::Error as TensorError;
 use tessera_tensor::memory::Allocation;
@@ -111,6 +111,11 @@ enum Flight {
     /// The tensor path (device tensors): the received flat tensor, ordered
     /// after the collective on the device's streams.
     Done(Tensor),
+    /// A planning run (meta tensors): the output, and the inputs the host
+    /// path's send reads in place, held until `wait` as a collective still in
+    /// flight holds them (the most memory the step can hold: the collective
+    /// done no sooner than it is waited for).
+    Planned { out: Tensor, _sent: Vec<Tensor> },
 }
 
 /// A bucket collective in flight; [`wait`](Self::wait) returns one DTensor per
@@ -400,6 +405,23 @@ fn communicate(
         .map(|t| t.contiguous().reshape(&[t.numel()]))
         .collect::<tessera_tensor::Result<Vec<_>>>()?;
     let comm = mesh.dim_comm(mesh_dim)?;
+    if flats.iter().any(Tensor::is_meta) {
+        // A planning run: the collective the host path below issues, counted,
+        // and its output, the one buffer that path allocates (its send reads
+        // the inputs in place).
+        let counts = vec![block; world];
+        let call = match kind {
+            Kind::Gather => Planned::AllGather { dtype, counts: &counts },
+            Kind::Scatter => Planned::ReduceScatter { dtype, counts: &counts },
+            Kind::AllReduce => Planned::AllReduce { dtype, len: block },
+        };
+        comm.count_planned(call)?;
+        let recv_len = if kind == Kind::Gather { world * block } else { block };
+        return Ok(Flight::Planned {
+            out: Tensor::meta(&[recv_len], dtype)?,
+            _sent: flats,
+        });
+    }
     let on_device = flats.iter().any(Tensor::is_cuda);
     if on_device || tensor_path_forced() {
         let group: Box<dyn TensorComm> = if on_device {
@@ -543,9 +565,11 @@ impl BucketWork {
                     })
                     .collect();
             }
-            Flight::Done(data) => data,
-            Flight::Comm { work, _charge } => {
+            Flight::Done(data) | Flight::Planned { out: data, .. } => data,
+            Flight::Comm { work, _charge: charge } => {
                 let buf = work.wait()?;
+                // The output's charge passes to its tensor (counted once).
+                drop(charge);
                 if buf.dtype() != dtype || buf.len() != recv_len {
                     return Err(Error::from(TensorError::InvalidArgument {
                         op: kind.op(),

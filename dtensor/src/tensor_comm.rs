@@ -3,7 +3,7 @@
 //! and place with tensor ops, then call these), and, in tests, of host tensors
 //! through the host communicator, so that the path is checked on every machine.
 
-use tessera_mesh::{Communicator, Planned, ReduceOp};
+use tessera_mesh::{Communicator, ReduceOp};
 
 use crate::{Result, Tensor};
 
@@ -76,58 +76,6 @@ impl TensorComm for HostComm<'_> {
         let mut out = tessera_mesh::Buffer::zeros(t.dtype(), n);
         self.0.all_to_all_v(t.as_buf()?, send, out.as_buf_mut(), recv)?;
         Ok(Tensor::from_buffer(out, &[n])?)
-    }
-}
-
-/// The collectives of a planning run on meta tensors: each counted on the
-/// communicator as the host path would count it
-/// ([`Communicator::count_planned`]), nothing moved, no peer met; the results
-/// are meta tensors of the real results' shapes.
-pub(crate) struct MetaComm<'a>(pub(crate) &'a dyn Communicator);
-
-impl MetaComm<'_> {
-    fn count(&self, call: Planned<'_>, len: usize, t: &Tensor) -> Result<Tensor> {
-        self.0.count_planned(call)?;
-        Ok(Tensor::meta(&[len], t.dtype())?)
-    }
-}
-
-impl TensorComm for MetaComm<'_> {
-    fn all_gather_segmented(&self, t: &Tensor, _segments: &[usize]) -> Result<Tensor> {
-        let counts = vec![t.numel(); self.0.size()];
-        let call = Planned::AllGather {
-            dtype: t.dtype(),
-            counts: &counts,
-        };
-        self.count(call, t.numel() * self.0.size(), t)
-    }
-
-    fn all_reduce(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
-        op.check("all_reduce", t.dtype())?;
-        let call = Planned::AllReduce {
-            dtype: t.dtype(),
-            len: t.numel(),
-        };
-        self.count(call, t.numel(), t)
-    }
-
-    fn all_gather_v(&self, t: &Tensor, counts: &[usize]) -> Result<Tensor> {
-        let call = Planned::AllGather { dtype: t.dtype(), counts };
-        self.count(call, counts.iter().sum(), t)
-    }
-
-    fn reduce_scatter_v(&self, t: &Tensor, counts: &[usize], op: ReduceOp) -> Result<Tensor> {
-        op.check("reduce_scatter", t.dtype())?;
-        let call = Planned::ReduceScatter { dtype: t.dtype(), counts };
-        self.count(call, counts.get(self.0.rank()).copied().unwrap_or(0), t)
-    }
-
-    fn all_to_all_v(&self, t: &Tensor, send: &[usize], recv: &[usize]) -> Result<Tensor> {
-        let call = Planned::AllToAll {
-            dtype: t.dtype(),
-            send_counts: send,
-        };
-        self.count(call, recv.iter().sum(), t)
     }
 }
 

@@ -32,6 +32,8 @@ enum Source {
     Checkpoint(PathBuf),
     /// Full tensors by name on rank 0 of the parameters' mesh (empty elsewhere).
     Rank0(Vec<(String, Tensor)>),
+    /// No values: local shards on the meta device.
+    Meta,
 }
 
 /// What [`Materializer::materialize`] did on this rank.
@@ -123,6 +125,18 @@ impl Materializer {
         Materializer::new(Source::Rank0(values))
     }
 
+    /// No values: every local shard on the [meta device](tessera_tensor::Device::Meta),
+    /// its bytes charged to the memory tracker as a real shard's would be. A
+    /// model so materialised runs a planning step: every op checks its shapes,
+    /// every collective is counted, nothing is computed or moved, and the
+    /// memory tracker measures what the real step would hold. Replicas are
+    /// not checked (there are no values).
+    ///
+    /// PyTorch: keeping a model built under `torch.device("meta")` on meta.
+    pub fn on_meta() -> Materializer {
+        Materializer::new(Source::Meta)
+    }
+
     fn new(source: Source) -> Materializer {
         Materializer {
             source,
@@ -189,7 +203,7 @@ impl Materializer {
         let shared = agree(&mesh, "materialize", local.as_ref().err().map(ToString::to_string));
         local?;
         shared?;
-        if self.check_replicas {
+        if self.check_replicas && !matches!(self.source, Source::Meta) {
             check_all(&params.iter().map(|(p, _)| p.clone()).collect::<Vec<_>>())?;
         }
         report.peak_bytes = memory::stats().peak_bytes;
@@ -238,6 +252,7 @@ impl Materializer {
                         Ok(ckpt.load(&name, mesh, layout.clone())?.to_local().clone())
                     }
                     Source::Rank0(_) => unreachable!("rank 0's values are scattered collectively"),
+                    Source::Meta => Ok(Tensor::meta(&shape, layout.dtype)?),
                 }
             })?;
             report.count(p.value()?.to_local().size_in_bytes());

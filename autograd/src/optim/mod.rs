@@ -276,6 +276,11 @@ pub(crate) fn step_all<O: PerParam>(opt: &mut O) -> Result<()> {
         opt.prepare(r)?;
     }
     for r in ready {
+        // A planning run's parameter (on meta): its state exists (`prepare`
+        // made it), and there is nothing to compute.
+        if r.value.to_local().is_meta() {
+            continue;
+        }
         match r.dtype {
             DType::F64 => opt.update::<f64>(r)?,
             _ => opt.update::<f32>(r)?,
@@ -462,9 +467,10 @@ impl StateVec {
     }
 
     /// Zeros on `device` (the host's [`zeros`](Self::zeros) for the CPU; a
-    /// device tensor, charged to the rank's device bytes, for a GPU).
+    /// device tensor, charged to the rank's device bytes, for a GPU; a meta
+    /// tensor, charged as host bytes, for a planning run).
     pub(crate) fn zeros_on(dtype: DType, len: usize, device: tessera_tensor::Device) -> Result<StateVec> {
-        if !device.is_cuda() {
+        if device == tessera_tensor::Device::Cpu {
             return Ok(StateVec::zeros(dtype, len));
         }
         Ok(StateVec {

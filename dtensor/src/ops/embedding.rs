@@ -129,6 +129,14 @@ impl DTensor {
 /// holds: other indices give zero rows.
 fn masked_embedding(table: &Tensor, indices: &Tensor, offset: usize, vocab: usize) -> Result<Tensor> {
     let rows = table.shape()[0];
+    if table.is_meta() || indices.is_meta() {
+        // A planning run: the tensors the host path below makes, without
+        // values (and without the indices' range check).
+        let mut mask_shape = indices.shape().to_vec();
+        mask_shape.push(1);
+        let looked = table.embedding(&Tensor::meta(indices.shape(), DType::I64)?)?;
+        return Ok(looked.mul(&Tensor::meta(&mask_shape, DType::F64)?.cast(table.dtype())?)?);
+    }
     let idx = indices.contiguous().to_vec::<i64>()?;
     if let Some(&bad) = idx.iter().find(|&&i| i < 0 || i as usize >= vocab) {
         return Err(Error::from(TensorError::InvalidArgument {

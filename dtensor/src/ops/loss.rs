@@ -231,6 +231,10 @@ impl DTensor {
             logits.shape(),
             logits.dtype(),
             |l, ctx| {
+                if l.iter().any(Tensor::is_meta) {
+                    // A planning run: the f64 gradient below and its cast.
+                    return Ok(Tensor::meta(l[0].shape(), DType::F64)?.cast(l[0].dtype())?);
+                }
                 let offset = ctx.offset(0)?[cd];
                 let c = *l[0].shape().last().unwrap_or(&0);
                 let gs = l[3].to_f64_vec()[0] * scale;
@@ -346,6 +350,18 @@ fn class_parallel_rows(
 ) -> Result<(f64, Tensor)> {
     let n = targets.numel();
     let c = logits.shape().last().copied().unwrap_or(0);
+    if logits.is_meta() || targets.is_meta() {
+        // A planning run: the two all-reductions below, counted (the targets,
+        // having no values, are not checked); the per-row lse, without values.
+        for len in [n, 2 * n] {
+            if len > 0 {
+                for comm in row_comms(mesh, class_dims)? {
+                    comm.count_planned(tessera_mesh::Planned::AllReduce { dtype: wire, len })?;
+                }
+            }
+        }
+        return Ok((f64::NAN, Tensor::meta(targets.shape(), DType::F64)?));
+    }
     let t = targets.contiguous().to_vec::<i64>()?;
     if let Some((row, &k)) = t.iter().enumerate().find(|&(_, &k)| k < 0 || k as u64 >= vocab as u64) {
         return Err(Error::from(TensorError::InvalidArgument {
@@ -373,6 +389,18 @@ fn class_parallel_rows(
     Ok((total, Tensor::from_vec(lse, targets.shape())?.to(logits.device())?))
 }
 
+/// The communicators of an all-reduction over the mesh dims `dims`: the whole
+/// mesh's when they are all of its dims, else one per dim.
+fn row_comms<'m>(mesh: &'m DeviceMesh, dims: &[usize]) -> Result<SmallVec<[&'m dyn Communicator; 4]>> {
+    Ok(if dims.len() > 1 && dims.len() == mesh.ndim() {
+        smallvec![mesh.comm()]
+    } else {
+        dims.iter()
+            .map(|&m| mesh.dim_comm(m))
+            .collect::<std::result::Result<_, _>>()?
+    })
+}
+
 /// All-reduces `buf` with `op` over the mesh dims `dims` (one collective over the
 /// whole mesh when they are all of its dims, else one per dim), sent as `wire`
 /// (`f64`, or `f32`). Every rank of those dims holds as many rows, so an empty
@@ -381,14 +409,7 @@ fn all_reduce_rows(mesh: &DeviceMesh, dims: &[usize], buf: &mut [f64], op: Reduc
     if buf.is_empty() {
         return Ok(());
     }
-    let comms: SmallVec<[&dyn Communicator; 4]> = if dims.len() > 1 && dims.len() == mesh.ndim() {
-        smallvec![mesh.comm()]
-    } else {
-        dims.iter()
-            .map(|&m| mesh.dim_comm(m))
-            .collect::<std::result::Result<_, _>>()?
-    };
-    for comm in comms {
+    for comm in row_comms(mesh, dims)? {
         if wire == DType::F64 {
             comm.all_reduce_slice(buf, op)?;
         } else {

@@ -13,12 +13,12 @@
 
 use std::borrow::Cow;
 
-use tessera_mesh::{Communicator, DeviceMesh, Element, ReduceOp, Run};
+use tessera_mesh::{Communicator, DeviceMesh, Element, Planned, ReduceOp, Run};
 
 use super::step::{Plan, StepKind};
 use super::{group_coords, group_index};
 use crate::spec::{Layout, Region};
-use crate::tensor_comm::{HostComm, MetaComm, TensorComm, tensor_path_forced};
+use crate::tensor_comm::{HostComm, TensorComm, tensor_path_forced};
 use crate::{Result, Tensor};
 use tessera_tensor::alloc::{checked_len, reused};
 
@@ -59,7 +59,7 @@ pub(crate) fn execute(local: &Tensor, mesh: &DeviceMesh, plan: &Plan) -> Result<
         t = if t.is_cuda() {
             ex.run_on_device(&t, step.kind)?
         } else if t.is_meta() {
-            ex.run_tensors(&t, step.kind, &MetaComm(comm))?
+            ex.run_meta(&t, step.kind)?
         } else if tensor_path_forced() {
             ex.run_tensors(&t, step.kind, &HostComm(comm))?
         } else {
@@ -176,6 +176,57 @@ impl Exchange<'_> {
 }
 
 impl Exchange<'_> {
+    /// [`run`](Self::run) in a planning run (a meta tensor): the collective
+    /// that `run` issues, counted as issuing it would count it
+    /// ([`Communicator::count_planned`]), and its output, the buffer `run`
+    /// allocates; nothing moves.
+    fn run_meta(&self, t: &Tensor, kind: StepKind) -> Result<Tensor> {
+        let mine_before = self.before.region(self.coord)?;
+        let mine_after = self.after.region(self.coord)?;
+        let dtype = t.dtype();
+        checked_len(OP, &mine_after.shape, dtype)?;
+        let t = t.contiguous();
+        let numels = |regions: Vec<Region>| regions.iter().map(Region::numel).collect::<Vec<_>>();
+        match kind {
+            StepKind::Slice => {}
+            StepKind::Partition { op } => {
+                if self.group.iter().all(|&m| self.coord[m] == 0) {
+                    return Ok(t);
+                }
+                return match op {
+                    ReduceOp::Sum | ReduceOp::Product => Ok(Tensor::meta(t.shape(), dtype)?),
+                    _ => Ok(t),
+                };
+            }
+            StepKind::AllReduce { op } => {
+                op.check("all_reduce", dtype)?;
+                self.comm.count_planned(Planned::AllReduce { dtype, len: t.numel() })?;
+            }
+            StepKind::AllGather => {
+                let counts = numels(self.regions(self.before)?);
+                self.comm.count_planned(Planned::AllGather { dtype, counts: &counts })?;
+            }
+            StepKind::ReduceScatter { op, .. } => {
+                op.check("reduce_scatter", dtype)?;
+                let counts = numels(self.regions(self.after)?);
+                self.comm
+                    .count_planned(Planned::ReduceScatter { dtype, counts: &counts })?;
+            }
+            StepKind::AllToAll => {
+                let send_counts = numels(
+                    (self.regions(self.after)?.iter())
+                        .map(|to| mine_before.intersect(to))
+                        .collect(),
+                );
+                self.comm.count_planned(Planned::AllToAll {
+                    dtype,
+                    send_counts: &send_counts,
+                })?;
+            }
+        }
+        Ok(Tensor::meta(&mine_after.shape, dtype)?)
+    }
+
     /// [`run`](Self::run) for a tensor on a GPU: the tensor path over the
     /// GPU's collectives between ranks that share it.
     fn run_on_device(&self, t: &Tensor, kind: StepKind) -> Result<Tensor> {

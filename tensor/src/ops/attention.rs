@@ -148,6 +148,19 @@ impl Tensor {
             if !self.dtype().is_float() {
                 return Err(not_float(OP, self.dtype()));
             }
+            let r = self.rank();
+            let (l, e, s, ev) = (
+                self.shape()[r - 2],
+                self.shape()[r - 1],
+                k.shape()[r - 2],
+                v.shape()[r - 1],
+            );
+            let count = lead[..r - 2].iter().product();
+            count_flops(
+                count,
+                attn,
+                &[(true, Causal::Scores, [l, e, s]), (true, Causal::Weights, [l, s, ev])],
+            );
             return Ok((Tensor::meta(&out, self.dtype())?, Tensor::meta(&probs, self.dtype())?));
         }
         // On a GPU (and for empty shapes) the chain of ops (products on
@@ -201,6 +214,10 @@ impl Tensor {
             if !self.dtype().is_float() {
                 return Err(not_float(OP, self.dtype()));
             }
+            let r = q.rank();
+            let count = q.shape()[..r - 2].iter().product();
+            let (l, e, s, ev) = (q.shape()[r - 2], q.shape()[r - 1], k.shape()[r - 2], v.shape()[r - 1]);
+            backward_flops(count, attn, need, [l, s, e, ev]);
             let mut grads = [None, None, None];
             for (g, (x, n)) in grads.iter_mut().zip([q, k, v].into_iter().zip(need)) {
                 if n {

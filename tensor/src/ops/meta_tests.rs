@@ -40,32 +40,68 @@ fn every_op_gives_the_host_shapes_and_dtypes_on_meta() {
     let (cos, sin) = rotary_tables(&[0, 1, 2], 4, 10000.0).unwrap();
     let cases: Vec<(&str, Op, Vec<Tensor>)> = vec![
         ("add", |x| Ok(vec![x[0].add(&x[1])?]), vec![r(&[2, 3], 1), r(&[3], 2)]),
-        ("add mismatch", |x| Ok(vec![x[0].add(&x[1])?]), vec![r(&[2, 3], 1), r(&[4], 2)]),
+        (
+            "add mismatch",
+            |x| Ok(vec![x[0].add(&x[1])?]),
+            vec![r(&[2, 3], 1), r(&[4], 2)],
+        ),
         ("mul_scalar", |x| Ok(vec![x[0].mul_scalar(2.0)?]), vec![r(&[2, 3], 1)]),
         ("gelu", |x| Ok(vec![x[0].gelu()?]), vec![r(&[5], 1)]),
         ("gelu int", |x| Ok(vec![x[0].gelu()?]), vec![idx(&[1, 2], &[2])]),
-        ("gelu_backward", |x| Ok(vec![x[0].gelu_backward(&x[1])?]), vec![r(&[5], 1), r(&[5], 2)]),
+        (
+            "gelu_backward",
+            |x| Ok(vec![x[0].gelu_backward(&x[1])?]),
+            vec![r(&[5], 1), r(&[5], 2)],
+        ),
         ("silu", |x| Ok(vec![x[0].silu()?]), vec![r(&[5], 1)]),
-        ("sum", |x| Ok(vec![x[0].sum(&[1], false)?, x[0].sum(&[0, 2], true)?]), vec![r(&[2, 3, 4], 1)]),
+        (
+            "sum",
+            |x| Ok(vec![x[0].sum(&[1], false)?, x[0].sum(&[0, 2], true)?]),
+            vec![r(&[2, 3, 4], 1)],
+        ),
         ("mean", |x| Ok(vec![x[0].mean(&[-1], false)?]), vec![r(&[2, 3], 1)]),
         ("max", |x| Ok(vec![x[0].max(&[0], true)?]), vec![r(&[2, 3], 1)]),
         ("argmax", |x| Ok(vec![x[0].argmax(1, false)?]), vec![r(&[2, 3], 1)]),
-        ("matmul", |x| Ok(vec![x[0].matmul(&x[1])?]), vec![r(&[2, 3, 4], 1), r(&[4, 5], 2)]),
-        ("matmul vec", |x| Ok(vec![x[0].matmul(&x[1])?]), vec![r(&[4], 1), r(&[4, 5], 2)]),
-        ("matmul bad", |x| Ok(vec![x[0].matmul(&x[1])?]), vec![r(&[2, 3], 1), r(&[4, 5], 2)]),
-        ("softmax", |x| Ok(vec![x[0].softmax(1)?, x[0].log_softmax(0)?]), vec![r(&[2, 3], 1)]),
+        (
+            "matmul",
+            |x| Ok(vec![x[0].matmul(&x[1])?]),
+            vec![r(&[2, 3, 4], 1), r(&[4, 5], 2)],
+        ),
+        (
+            "matmul vec",
+            |x| Ok(vec![x[0].matmul(&x[1])?]),
+            vec![r(&[4], 1), r(&[4, 5], 2)],
+        ),
+        (
+            "matmul bad",
+            |x| Ok(vec![x[0].matmul(&x[1])?]),
+            vec![r(&[2, 3], 1), r(&[4, 5], 2)],
+        ),
+        (
+            "softmax",
+            |x| Ok(vec![x[0].softmax(1)?, x[0].log_softmax(0)?]),
+            vec![r(&[2, 3], 1)],
+        ),
         (
             "softmax_backward",
             |x| Ok(vec![x[0].softmax_backward(&x[1], 1)?]),
             vec![r(&[2, 3], 1), r(&[2, 3], 2)],
         ),
-        ("attention_probs", |x| Ok(vec![x[0].attention_probs(0.5, true)?]), vec![r(&[2, 3, 3], 1)]),
+        (
+            "attention_probs",
+            |x| Ok(vec![x[0].attention_probs(0.5, true)?]),
+            vec![r(&[2, 3, 3], 1)],
+        ),
         (
             "attention_probs_backward",
             |x| Ok(vec![x[0].attention_probs_backward(&x[1], 0.5, true)?]),
             vec![r(&[2, 3, 3], 1), r(&[2, 3, 3], 2)],
         ),
-        ("causal_mask", |x| Ok(vec![x[0].causal_mask(f64::NEG_INFINITY)?]), vec![r(&[3, 3], 1)]),
+        (
+            "causal_mask",
+            |x| Ok(vec![x[0].causal_mask(f64::NEG_INFINITY)?]),
+            vec![r(&[3, 3], 1)],
+        ),
         (
             "layer_norm",
             |x| {
@@ -97,7 +133,12 @@ fn every_op_gives_the_host_shapes_and_dtypes_on_meta() {
         ),
         (
             "embedding",
-            |x| Ok(vec![x[0].embedding(&x[1])?, x[2].embedding_dense_backward(&x[1], 5, 0)?]),
+            |x| {
+                Ok(vec![
+                    x[0].embedding(&x[1])?,
+                    x[2].embedding_dense_backward(&x[1], 5, 0)?,
+                ])
+            },
             vec![r(&[5, 3], 1), idx(&[4, 0, 2, 2], &[2, 2]), r(&[4, 3], 2)],
         ),
         (
@@ -117,11 +158,20 @@ fn every_op_gives_the_host_shapes_and_dtypes_on_meta() {
         (
             "where",
             |x| Ok(vec![x[0].where_cond(&x[1], &x[2])?, x[1].masked_fill(&x[0], 0.0)?]),
-            vec![Tensor::from_slice(&[1u8, 0, 1], &[3]).unwrap(), r(&[2, 3], 1), r(&[3], 2)],
+            vec![
+                Tensor::from_slice(&[1u8, 0, 1], &[3]).unwrap(),
+                r(&[2, 3], 1),
+                r(&[3], 2),
+            ],
         ),
         (
             "index_select",
-            |x| Ok(vec![x[0].index_select(0, &x[1])?, x[2].index_select_backward(0, &x[1], 4)?]),
+            |x| {
+                Ok(vec![
+                    x[0].index_select(0, &x[1])?,
+                    x[2].index_select_backward(0, &x[1], 4)?,
+                ])
+            },
             vec![r(&[4, 3], 1), idx(&[3, 0], &[2]), r(&[2, 3], 2)],
         ),
         (
@@ -131,7 +181,12 @@ fn every_op_gives_the_host_shapes_and_dtypes_on_meta() {
         ),
         (
             "rotary",
-            |x| Ok(vec![x[0].rotary_embedding(&x[1], &x[2])?, x[0].rotary_embedding_backward(&x[1], &x[2])?]),
+            |x| {
+                Ok(vec![
+                    x[0].rotary_embedding(&x[1], &x[2])?,
+                    x[0].rotary_embedding_backward(&x[1], &x[2])?,
+                ])
+            },
             vec![r(&[2, 3, 4], 1), cos.clone(), sin.clone()],
         ),
         (
@@ -174,9 +229,17 @@ fn every_op_gives_the_host_shapes_and_dtypes_on_meta() {
 fn meta_tensors_charge_the_tracker_and_hold_no_values() {
     let before = crate::memory::stats().current_bytes;
     let t = Tensor::meta(&[1024, 256], DType::F32).unwrap();
-    assert_eq!(crate::memory::stats().current_bytes - before, 1 << 20, "charged as host memory");
+    assert_eq!(
+        crate::memory::stats().current_bytes - before,
+        1 << 20,
+        "charged as host memory"
+    );
     let y = t.gelu().unwrap();
-    assert_eq!(crate::memory::stats().current_bytes - before, 2 << 20, "an op's output too");
+    assert_eq!(
+        crate::memory::stats().current_bytes - before,
+        2 << 20,
+        "an op's output too"
+    );
     drop((t, y));
     assert_eq!(crate::memory::stats().current_bytes, before);
     let t = Tensor::meta(&[2], DType::F32).unwrap();

@@ -78,7 +78,12 @@ pub(crate) fn meta_output(inputs: &[&Tensor], shape: &[usize], dtype: DType) -> 
 
 /// [`meta_output`] for an op on float tensors only: the first input's dtype
 /// must be a float type, as the host kernels' dispatch requires.
-pub(crate) fn meta_float(op: &'static str, inputs: &[&Tensor], shape: &[usize], dtype: DType) -> Option<Result<Tensor>> {
+pub(crate) fn meta_float(
+    op: &'static str,
+    inputs: &[&Tensor],
+    shape: &[usize],
+    dtype: DType,
+) -> Option<Result<Tensor>> {
     let first = inputs.first().map(|t| t.dtype());
     if let Some(d) = first.filter(|d| !d.is_float())
         && inputs.iter().any(|t| t.is_meta())

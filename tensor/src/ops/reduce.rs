@@ -284,7 +284,12 @@ impl Tensor {
     pub fn sum(&self, dims: &[impl crate::Dim], keepdim: bool) -> Result<Tensor> {
         let dims = &crate::resolve_dims(dims, "sum", self.rank())?[..];
         let mask = reduced_mask("sum", self.shape(), dims)?;
-        if let Some(out) = super::meta_float("sum", &[self], &reduced_shape(self.shape(), &mask, keepdim), self.dtype()) {
+        if let Some(out) = super::meta_float(
+            "sum",
+            &[self],
+            &reduced_shape(self.shape(), &mask, keepdim),
+            self.dtype(),
+        ) {
             return out;
         }
         #[cfg(feature = "cuda")]
@@ -303,7 +308,12 @@ impl Tensor {
     pub fn mean(&self, dims: &[impl crate::Dim], keepdim: bool) -> Result<Tensor> {
         let dims = &crate::resolve_dims(dims, "mean", self.rank())?[..];
         let mask = reduced_mask("mean", self.shape(), dims)?;
-        if let Some(out) = super::meta_float("mean", &[self], &reduced_shape(self.shape(), &mask, keepdim), self.dtype()) {
+        if let Some(out) = super::meta_float(
+            "mean",
+            &[self],
+            &reduced_shape(self.shape(), &mask, keepdim),
+            self.dtype(),
+        ) {
             return out;
         }
         #[cfg(feature = "cuda")]
@@ -324,7 +334,12 @@ impl Tensor {
         let dims = &crate::resolve_dims(dims, "max", self.rank())?[..];
         let mask = reduced_mask("max", self.shape(), dims)?;
         self.check_not_empty("max", &mask)?;
-        if let Some(out) = super::meta_float("max", &[self], &reduced_shape(self.shape(), &mask, keepdim), self.dtype()) {
+        if let Some(out) = super::meta_float(
+            "max",
+            &[self],
+            &reduced_shape(self.shape(), &mask, keepdim),
+            self.dtype(),
+        ) {
             return out;
         }
         #[cfg(feature = "cuda")]

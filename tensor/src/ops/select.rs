@@ -264,7 +264,11 @@ impl Tensor {
             if self.shape() != index.shape() {
                 return Err(Error::ShapeMismatch {
                     op: OP,
-                    detail: format!("the gradient has shape {:?} but the index {:?}", self.shape(), index.shape()),
+                    detail: format!(
+                        "the gradient has shape {:?} but the index {:?}",
+                        self.shape(),
+                        index.shape()
+                    ),
                 });
             }
             return meta_gather(OP, shape, dim, index, shape, self.dtype(), true);

@@ -174,7 +174,11 @@ impl Tensor {
     /// a meta tensor, which has no elements to copy (check
     /// [`is_meta`](Self::is_meta) first).
     pub fn to_buffer(&self) -> Buffer {
-        assert!(!self.is_meta(), "to_buffer: {}", super::storage::meta_error("to_buffer"));
+        assert!(
+            !self.is_meta(),
+            "to_buffer: {}",
+            super::storage::meta_error("to_buffer")
+        );
         let host = self.on_host();
         let layout = host.geometry();
         with_buffer!(host.host_data(), v, _T => Buffer::from(layout.gather(v)))

@@ -653,7 +653,12 @@ impl Tensor {
         let meta_shape = || [&batch[..], &[a.shape()[ra - 2], b.shape()[rb - 1]]].concat();
         let out = match self.dtype() {
             d if !d.is_float() => return Err(not_float("matmul", d)),
-            d if a.is_meta() || b.is_meta() => Tensor::meta(&meta_shape(), d)?,
+            d if a.is_meta() || b.is_meta() => {
+                let (m, k, n) = (a.shape()[ra - 2], a.shape()[ra - 1], b.shape()[rb - 1]);
+                let count: usize = batch.iter().product();
+                crate::profile::add_flops(part_flops(count, part, [m, k, n]).try_into().unwrap_or(u64::MAX));
+                Tensor::meta(&meta_shape(), d)?
+            }
             #[cfg(feature = "cuda")]
             _ if a.is_cuda() || b.is_cuda() => crate::cuda::ops::matmul(&a, &b, &batch, part)?,
             DType::F32 => matmul_typed::<f32>(&a, &b, &batch, kernel, part)?,

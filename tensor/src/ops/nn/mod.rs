@@ -278,7 +278,11 @@ impl Tensor {
         let inputs: Vec<&Tensor> = [Some(self), weight, bias].into_iter().flatten().collect();
         if let Some(out) = super::meta_float("layer_norm", &inputs, self.shape(), self.dtype()) {
             let stats = row_stats_shape(self.shape());
-            return Ok((out?, Tensor::meta(&stats, DType::F64)?, Tensor::meta(&stats, DType::F64)?));
+            return Ok((
+                out?,
+                Tensor::meta(&stats, DType::F64)?,
+                Tensor::meta(&stats, DType::F64)?,
+            ));
         }
         #[cfg(feature = "cuda")]
         if self.is_cuda() {
@@ -385,7 +389,14 @@ impl Tensor {
             }
             let rows = [self.shape()[0]];
             let loss = Tensor::meta(if reduction == Reduction::None { &rows } else { &[] }, d)?;
-            return Ok((loss, if probs { Some(Tensor::meta(self.shape(), d)?) } else { None }));
+            return Ok((
+                loss,
+                if probs {
+                    Some(Tensor::meta(self.shape(), d)?)
+                } else {
+                    None
+                },
+            ));
         }
         #[cfg(feature = "cuda")]
         if self.is_cuda() || targets.is_cuda() {

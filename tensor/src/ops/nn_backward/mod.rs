@@ -164,7 +164,8 @@ impl Tensor {
     pub fn cross_entropy_backward(&self, targets: &Tensor, scale: f64) -> Result<Tensor> {
         if self.is_meta() || targets.is_meta() {
             super::rows::ce_shapes(self, targets)?;
-            if let Some(out) = super::meta_float("cross_entropy_backward", &[self, targets], self.shape(), self.dtype()) {
+            if let Some(out) = super::meta_float("cross_entropy_backward", &[self, targets], self.shape(), self.dtype())
+            {
                 return out;
             }
         }
@@ -214,7 +215,8 @@ impl Tensor {
     pub fn cross_entropy_backward_from_probs(&self, targets: &Tensor, scale: f64) -> Result<Tensor> {
         if self.is_meta() || targets.is_meta() {
             super::rows::ce_shapes(self, targets)?;
-            if let Some(out) = super::meta_float("cross_entropy_backward", &[self, targets], self.shape(), self.dtype()) {
+            if let Some(out) = super::meta_float("cross_entropy_backward", &[self, targets], self.shape(), self.dtype())
+            {
                 return out;
             }
         }

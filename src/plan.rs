@@ -1,0 +1,237 @@
+//! Predict, then run: a training step planned on meta tensors measures, per
+//! rank, the memory, the collectives and the matrix-product FLOPs of the same
+//! step on real tensors, without computing, communicating or allocating it.
+//!
+//! The model is built deferred, parallelised and sharded exactly as for
+//! training, then materialised on the meta device
+//! ([`Materializer::on_meta`]): every op checks its arguments and yields a
+//! meta output of the right shape, whose bytes the memory tracker charges as
+//! it would the real tensor's; every collective is counted on its
+//! communicator as issuing it would count it
+//! ([`Communicator::count_planned`](crate::Communicator::count_planned)), with
+//! no data moved and no peer met. The tracker's peaks are then the real
+//! step's, the counters its collectives, exactly, except where a collective
+//! overlaps computation: a planned collective holds its buffers until it is
+//! waited for, the latest a real one can finish, so a planned peak bounds the
+//! real one from above by at most the buffers in flight.
+//!
+//! PyTorch: `FakeTensorMode` under `torch.distributed._tools`' memory
+//! tracker and runtime estimator, which run the step on tensors without data.
+//!
+//! ```
+//! use tessera::autograd::nn::{Materializer, Module};
+//! use tessera::autograd::optim::{AdamW, AdamWConfig};
+//! use tessera::dtensor::{DType, Layout, Placement};
+//! use tessera::fsdp::FsdpConfig;
+//! use tessera::models::{CausalLm, Transformer, TransformerConfig};
+//! use tessera::plan::plan_step;
+//! use tessera::{DeviceMesh, launch};
+//!
+//! let plans = launch(2, |ctx| {
+//!     let mesh = DeviceMesh::new(ctx.into_comm(), &[2])?;
+//!     let cfg = TransformerConfig::TINY;
+//!     let model = Transformer::new(cfg, &mesh, DType::F32)?;
+//!     model.fully_shard(&mesh, &FsdpConfig::default())?;
+//!     Materializer::on_meta().materialize(&model)?; // shapes, no values
+//!     let mut opt = AdamW::new(model.parameters(), AdamWConfig::default())?;
+//!     let batch = Layout::new(&[2], &[Placement::Shard(0)], &[4, cfg.seq + 1], DType::I64)?;
+//!     Ok(plan_step(&mesh, &mut opt, &batch, |rows| model.loss(rows))?)
+//! })?;
+//! // Forward gathers each block, backward gathers and reduce-scatters it.
+//! assert!(plans[0].peak_bytes() > plans[0].held_bytes);
+//! assert!(plans[0].collective_calls() > 0 && plans[0].gemm_flops > 0);
+//! # Ok::<(), tessera::BoxError>(())
+//! ```
+
+use std::collections::BTreeMap;
+use std::fmt::{self, Write as _};
+
+use tessera_autograd::optim::Optimizer;
+use tessera_autograd::{Var, backward};
+use tessera_dtensor::{DTensor, Layout, Tensor};
+use tessera_mesh::observe::{self, CommReport};
+use tessera_mesh::{BoxError, DeviceMesh, OpKind};
+use tessera_tensor::memory::{reset_peak, stats};
+use tessera_tensor::profile;
+
+/// The phases of a training step whose peaks a [`StepPlan`] holds.
+pub const PHASES: [&str; 3] = ["forward", "backward", "optimizer"];
+
+/// One rank's planned training step: see the [module docs](self).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct StepPlan {
+    /// Bytes this rank holds between steps: its shards of the parameters and
+    /// of the optimizer state, and whatever else it keeps.
+    pub held_bytes: usize,
+    /// The most bytes this rank holds during the forward pass, the backward
+    /// pass and the optimizer's step ([`PHASES`]), everything held included.
+    pub phase_peak_bytes: [usize; 3],
+    /// Collectives by mesh dims (`"dp"`, `"dp_shard×tp"`, ...) and kind:
+    /// calls, and bytes this rank sends.
+    pub collectives: BTreeMap<(String, OpKind), (u64, u64)>,
+    /// Floating-point operations of the step's matrix products on this rank
+    /// (linear layers and attention, forward and backward).
+    pub gemm_flops: u64,
+}
+
+impl StepPlan {
+    /// The most bytes this rank holds during the step.
+    pub fn peak_bytes(&self) -> usize {
+        self.phase_peak_bytes.into_iter().max().unwrap_or(0)
+    }
+
+    /// The phase ([`PHASES`]) in which the peak falls.
+    pub fn peak_phase(&self) -> &'static str {
+        let i = (0..3).max_by_key(|&i| (self.phase_peak_bytes[i], 3 - i)).unwrap_or(0);
+        PHASES[i]
+    }
+
+    /// Collectives of the step.
+    pub fn collective_calls(&self) -> u64 {
+        self.collectives.values().map(|c| c.0).sum()
+    }
+
+    /// Bytes this rank sends in the step's collectives.
+    pub fn collective_bytes(&self) -> u64 {
+        self.collectives.values().map(|c| c.1).sum()
+    }
+
+    /// The step's time on a machine: its matrix products at `machine`'s rate
+    /// plus its collectives' bytes at `machine`'s bandwidth (a lower bound
+    /// where computation and communication overlap, an upper one where
+    /// neither hides the other).
+    pub fn step_time_s(&self, machine: &Machine) -> f64 {
+        self.gemm_flops as f64 / machine.flops_per_s + self.collective_bytes() as f64 / machine.bytes_per_s
+    }
+
+    /// The plan as a table: memory, then the collectives by mesh dims and kind.
+    pub fn table(&self) -> String {
+        let mib = |b: usize| b as f64 / (1u64 << 20) as f64;
+        let mut out = String::new();
+        let _ = writeln!(out, "  held between steps      {:>10.2} MiB", mib(self.held_bytes));
+        for (name, b) in PHASES.iter().zip(self.phase_peak_bytes) {
+            let _ = writeln!(out, "  peak in {name:<15} {:>10.2} MiB", mib(b));
+        }
+        let _ = writeln!(out, "  matrix-product FLOPs    {:>10.3e}", self.gemm_flops as f64);
+        for ((dims, kind), (calls, bytes)) in &self.collectives {
+            let _ = writeln!(
+                out,
+                "  {dims:<22} {:<15} {calls:>5} calls {bytes:>12} bytes",
+                kind.name()
+            );
+        }
+        out
+    }
+
+    /// The plan as JSON: `{"held_bytes", "phase_peak_bytes": {phase: bytes},
+    /// "peak_bytes", "peak_phase", "gemm_flops", "collectives": [{"mesh_dims",
+    /// "collective", "calls", "bytes"}]}`.
+    pub fn to_json(&self) -> String {
+        let mut out = format!("{{\"held_bytes\": {}, \"phase_peak_bytes\": {{", self.held_bytes);
+        for (i, (name, b)) in PHASES.iter().zip(self.phase_peak_bytes).enumerate() {
+            let _ = write!(out, "{}\"{name}\": {b}", if i > 0 { ", " } else { "" });
+        }
+        let _ = write!(
+            out,
+            "}}, \"peak_bytes\": {}, \"peak_phase\": \"{}\", \"gemm_flops\": {}, \"collectives\": [",
+            self.peak_bytes(),
+            self.peak_phase(),
+            self.gemm_flops
+        );
+        for (i, ((dims, kind), (calls, bytes))) in self.collectives.iter().enumerate() {
+            let _ = write!(
+                out,
+                "{}{{\"mesh_dims\": {}, \"collective\": \"{}\", \"calls\": {calls}, \"bytes\": {bytes}}}",
+                if i > 0 { ", " } else { "" },
+                observe::json_string(dims),
+                kind.name()
+            );
+        }
+        out.push_str("]}");
+        out
+    }
+}
+
+impl fmt::Display for StepPlan {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.table())
+    }
+}
+
+/// What a step's time is estimated from: the rate of one rank's matrix
+/// products and the bandwidth of its collectives, measured on the machine.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Machine {
+    /// Floating-point operations per second of one rank's matrix products.
+    pub flops_per_s: f64,
+    /// Bytes per second one rank sends in collectives.
+    pub bytes_per_s: f64,
+}
+
+/// Plans one training step on this rank: the model's parameters must be on the
+/// meta device ([`Materializer::on_meta`]), `loss` computes the step's loss
+/// from a batch of token rows laid out as `batch` (global shape and placements
+/// on `mesh`), and `opt` steps the parameters. Runs two steps (the second
+/// with the optimizer's state in place, as every later step) and measures the
+/// second. Collective: every rank of `mesh` calls it.
+///
+/// [`Materializer::on_meta`]: tessera_autograd::nn::Materializer::on_meta
+///
+/// # Errors
+/// Parameters that are not on meta; the step's own errors (shapes that do not
+/// fit, placements a plan cannot serve), on every rank alike.
+pub fn plan_step(
+    mesh: &DeviceMesh,
+    opt: &mut dyn Optimizer,
+    batch: &Layout,
+    loss: impl Fn(&Var) -> tessera_autograd::Result<Var>,
+) -> Result<StepPlan, BoxError> {
+    let local_shape = batch.local_shape(mesh.coordinate())?;
+    let mut plan = StepPlan::default();
+    let profiling = profile::enabled();
+    for step in 0..2 {
+        let rows = DTensor::from_local_with_layout(Tensor::meta(&local_shape, batch.dtype)?, mesh, batch.clone())?;
+        let last = step == 1;
+        let recording = last.then(observe::record);
+        if last {
+            profile::enable(true);
+            let _ = profile::take();
+            plan.held_bytes = stats().current_bytes;
+        }
+        let mut peaks = [0; 3];
+        reset_peak();
+        // The batch is the model's to keep (what backward needs of it) or drop.
+        let l = loss(&Var::constant(rows));
+        peaks[0] = stats().peak_bytes;
+        let l = l?;
+        if l.value().to_local().numel() > 0 && !l.value().to_local().is_meta() {
+            return Err("plan_step: the loss has values: materialise the model with Materializer::on_meta".into());
+        }
+        reset_peak();
+        let b = backward(&l);
+        drop(l);
+        peaks[1] = stats().peak_bytes;
+        b?;
+        reset_peak();
+        let o = opt.step();
+        opt.zero_grad();
+        peaks[2] = stats().peak_bytes;
+        o?;
+        if last {
+            let p = profile::take();
+            // Timing is on for every thread: turned back only once every rank
+            // has counted its step.
+            mesh.comm().barrier()?;
+            profile::enable(profiling);
+            plan.gemm_flops = profile::Kind::ALL.iter().map(|&k| p.flops(k)).sum();
+            plan.phase_peak_bytes = peaks;
+            let events = recording.map(observe::Recording::finish).unwrap_or_default();
+            for ((_, _, dims, kind), (calls, bytes)) in CommReport::from_events(&events).rows {
+                let row = plan.collectives.entry((dims, kind)).or_default();
+                row.0 += calls;
+                row.1 += bytes;
+            }
+        }
+    }
+    Ok(plan)
+}
