@@ -168,12 +168,79 @@ pub struct Machine {
     pub bytes_per_s: f64,
 }
 
+impl Machine {
+    /// Measures this rank's constants (a short collective run: every rank of
+    /// `mesh` calls it at once, so the ranks share the cores as in training):
+    /// the median rate of an f32 matrix product of 256×1024 by 1024×1024 on
+    /// the rank's threads, and the bytes per second each rank sends in an
+    /// all-gather of 4 MiB per rank over the whole mesh (infinite on one rank,
+    /// which sends nothing).
+    ///
+    /// # Errors
+    /// A failed collective.
+    pub fn calibrate(mesh: &DeviceMesh) -> Result<Machine, BoxError> {
+        use tessera_mesh::CommunicatorExt;
+        let median = |mut t: Vec<f64>| {
+            t.sort_by(f64::total_cmp);
+            t[t.len() / 2]
+        };
+        let (m, k, n) = (256, 1024, 1024);
+        let a = Tensor::ones(&[m, k], tessera_mesh::DType::F32)?;
+        let b = Tensor::ones(&[k, n], tessera_mesh::DType::F32)?;
+        let comm = mesh.comm();
+        let mut gemm = Vec::new();
+        for _ in 0..5 {
+            comm.barrier()?;
+            let t = std::time::Instant::now();
+            std::hint::black_box(a.matmul(&b)?);
+            gemm.push(t.elapsed().as_secs_f64());
+        }
+        let flops_per_s = (2 * m * k * n) as f64 / median(gemm);
+        let ranks = comm.size();
+        let piece = vec![0f32; 1 << 20];
+        let mut gather = Vec::new();
+        for _ in 0..5 {
+            comm.barrier()?;
+            let t = std::time::Instant::now();
+            std::hint::black_box(comm.all_gather_vec(&piece)?);
+            gather.push(t.elapsed().as_secs_f64());
+        }
+        let sent = ((ranks - 1) * piece.len() * 4) as f64;
+        let bytes_per_s = if ranks > 1 {
+            sent / median(gather)
+        } else {
+            f64::INFINITY
+        };
+        Ok(Machine {
+            flops_per_s,
+            bytes_per_s,
+        })
+    }
+
+    /// The constants as JSON: `{"flops_per_s", "bytes_per_s"}`.
+    pub fn to_json(&self) -> String {
+        let num = |v: f64| {
+            if v.is_finite() {
+                format!("{v:.6e}")
+            } else {
+                "null".into()
+            }
+        };
+        format!(
+            "{{\"flops_per_s\": {}, \"bytes_per_s\": {}}}",
+            num(self.flops_per_s),
+            num(self.bytes_per_s)
+        )
+    }
+}
+
 /// Plans one training step on this rank: the model's parameters must be on the
 /// meta device ([`Materializer::on_meta`]), `loss` computes the step's loss
 /// from a batch of token rows laid out as `batch` (global shape and placements
-/// on `mesh`), and `opt` steps the parameters. Runs two steps (the second
-/// with the optimizer's state in place, as every later step) and measures the
-/// second. Collective: every rank of `mesh` calls it.
+/// on `mesh`), and `opt` steps the parameters; the loss is read after the
+/// step, as a training loop reads it. Runs two steps (the second with the
+/// optimizer's state in place, as every later step) and measures the second.
+/// Collective: every rank of `mesh` calls it.
 ///
 /// [`Materializer::on_meta`]: tessera_autograd::nn::Materializer::on_meta
 ///
@@ -209,7 +276,6 @@ pub fn plan_step(
         }
         reset_peak();
         let b = backward(&l);
-        drop(l);
         peaks[1] = stats().peak_bytes;
         b?;
         reset_peak();
@@ -217,6 +283,10 @@ pub fn plan_step(
         opt.zero_grad();
         peaks[2] = stats().peak_bytes;
         o?;
+        // The loss read after the step, as a training loop reads it (a
+        // gather of one scalar where it is split or partial).
+        drop(l.value().full_tensor()?);
+        drop(l);
         if last {
             let p = profile::take();
             // Timing is on for every thread: turned back only once every rank

@@ -232,6 +232,8 @@ fn help_lists_every_flag_with_its_default() {
         "--profile",
         "--comm-report",
         "--trace",
+        "--plan",
+        "--plan-out",
     ] {
         let line = help
             .lines()
@@ -899,4 +901,69 @@ fn train_continues_a_run_pytorch_checkpointed() {
     let o = train(&["--world-size", "1", "--steps", "1", "--resume-step", "3"], &[]);
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success() && err.contains("give --resume DIR too"), "{err}");
+}
+
+/// `--plan` plans the step without training and `--plan-out` writes it:
+/// every rank's planned peak is the real run's measured peak (`--losses-out`,
+/// the same configuration), on FSDP and on FSDP over TP; the collectives
+/// match the layout (no reduce-scatter without FSDP's gradients), and the
+/// run itself then prints its prediction against what it measured.
+#[test]
+fn plan_predicts_the_peak_of_the_run() {
+    let dir = std::env::temp_dir().join(format!("tessera-cli-plan-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let read =
+        |p: &std::path::Path| -> serde_json::Value { serde_json::from_slice(&std::fs::read(p).unwrap()).unwrap() };
+    let column = |v: &serde_json::Value, k: &str| -> Vec<u64> {
+        v[k].as_array().unwrap().iter().map(|x| x.as_u64().unwrap()).collect()
+    };
+    for (i, mesh) in [&["--world-size", "2"][..], &["--world-size", "4", "--tp", "2"]]
+        .iter()
+        .enumerate()
+    {
+        let (plan, run) = (dir.join(format!("plan{i}.json")), dir.join(format!("run{i}.json")));
+        let mut args = vec!["--steps", "4"];
+        args.extend_from_slice(mesh);
+        let mut planning = args.clone();
+        let plan_s = plan.to_string_lossy().into_owned();
+        planning.extend(["--plan", "--plan-out", &plan_s]);
+        let o = train(&planning, &[]);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let text = String::from_utf8_lossy(&o.stdout);
+        assert!(
+            text.contains("planned step") && !text.contains("done on mesh"),
+            "{text}"
+        );
+        let run_s = run.to_string_lossy().into_owned();
+        args.extend(["--losses-out", &run_s]);
+        let o = train(&args, &[]);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let text = String::from_utf8_lossy(&o.stdout);
+        assert!(text.contains("predicted against measured"), "{text}");
+        let (planned, measured) = (
+            column(&read(&plan), "peak_bytes_per_rank"),
+            column(&read(&run), "peak_bytes_per_rank"),
+        );
+        assert_eq!(planned, measured, "{mesh:?}: planned and measured peaks per rank");
+        let p = read(&plan);
+        assert!(p["step_time_s"].as_f64().unwrap() > 0.0);
+        let kinds: Vec<&str> = p["ranks"][0]["collectives"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| c["collective"].as_str().unwrap())
+            .collect();
+        assert!(
+            kinds.contains(&"all_gather") && kinds.contains(&"reduce_scatter"),
+            "{kinds:?}"
+        );
+        if i == 1 {
+            assert!(
+                kinds.contains(&"all_reduce"),
+                "TP's row-parallel layers all-reduce: {kinds:?}"
+            );
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -12,7 +12,7 @@ use crate::schedule;
 pub(crate) const USAGE: &str = "usage: train [--world-size N | --mesh RxS] [--tp T [--sequence-parallel]] [--steps N] [--batch ROWS_PER_RANK] [--dim N] \
 [--n-layers N] [--n-heads N] [--vocab N] [--seq N] [--model gpt|llama [--n-kv-heads K] [--ffn-hidden H] [--rope-theta F]] [--lr F] [--lr-schedule S] [--warmup-steps N] [--mixed-precision bf16] [--no-reshard] [--init PATH | --seed N] \
 [--tokens PATH] [--data-seed N] [--losses-out PATH] [--metrics-out PATH] [--checkpoint-dir DIR --checkpoint-every N [--async-save] [--keep-checkpoints K]] [--resume DIR [--resume-step K]] \
-[--save-full PATH] [--save-hf DIR] [--device cpu|cuda|cuda:N] [--profile] [--comm-report PATH] [--trace PATH] [--op-log PATH [--op-log-values]]";
+[--save-full PATH] [--save-hf DIR] [--device cpu|cuda|cuda:N] [--plan [--plan-out PATH]] [--profile] [--comm-report PATH] [--trace PATH] [--op-log PATH [--op-log-values]]";
 
 /// Every flag with its default (`train --help`).
 pub(crate) const HELP: &str = "\
@@ -73,6 +73,12 @@ output and checkpoints:
   --op-log-values       with --op-log: each op's global output sums too, for
                         `op_log_diff A B` to name the first op two runs disagree on
                         (slow: gathers every output)
+  --plan                plan one step on meta tensors (shapes, no values) and print, per rank,
+                        its peak memory per phase, its collectives by mesh dims and kind, its
+                        matrix-product FLOPs and an estimated step time from a short
+                        calibration run, without training; a training run on the CPU plans
+                        first and prints predicted against measured at the end
+  --plan-out PATH       the plan as JSON: peak_bytes_per_rank, step_time_s, each rank's plan
   --profile             print where rank 0's step time went, per op and kind of work, over
                         the steps after the first two (on a GPU every op waits for its
                         kernels, so steps run slower: device time per op)
@@ -141,6 +147,10 @@ pub(crate) struct Args {
     pub(crate) device: Device,
     /// Time ops and kinds of work on rank 0 (`--profile`).
     pub(crate) profile: bool,
+    /// Plan the step on meta tensors and print it, without training (`--plan`).
+    pub(crate) plan: bool,
+    /// The plan as JSON (`--plan-out`).
+    pub(crate) plan_out: Option<PathBuf>,
 }
 
 pub(crate) fn parse() -> Result<Args, String> {
@@ -182,6 +192,8 @@ pub(crate) fn parse() -> Result<Args, String> {
         save_hf: None,
         device: Device::Cpu,
         profile: false,
+        plan: false,
+        plan_out: None,
     };
     let mut world_given = false;
     let mut it = std::env::args().skip(1);
@@ -204,6 +216,10 @@ pub(crate) fn parse() -> Result<Args, String> {
         }
         if flag == "--profile" {
             a.profile = true;
+            continue;
+        }
+        if flag == "--plan" {
+            a.plan = true;
             continue;
         }
         if flag == "--op-log-values" {
@@ -271,6 +287,7 @@ pub(crate) fn parse() -> Result<Args, String> {
             "--metrics-out" => a.metrics_out = Some(value.into()),
             "--comm-report" => a.comm_report = Some(value.into()),
             "--trace" => a.trace = Some(value.into()),
+            "--plan-out" => a.plan_out = Some(value.into()),
             "--op-log" => a.op_log = Some(value.into()),
             "--checkpoint-dir" => a.checkpoint_dir = Some(value.into()),
             "--checkpoint-every" => a.checkpoint_every = num(&value)?,

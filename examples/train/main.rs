@@ -65,10 +65,11 @@ use tessera::autograd::optim::{AdamW, AdamWConfig, LrScheduler, Optimizer, Sched
 use tessera::autograd::{
     Param, Progress, Var, backward, load_checkpoint, load_states, read_safetensors, save_state_dict_full,
 };
-use tessera::dtensor::{Placement, Tensor, distribute_tensor_from};
+use tessera::dtensor::{Layout, Placement, Tensor, distribute_tensor_from};
 use tessera::fsdp::{FsdpConfig, MixedPrecisionPolicy};
 use tessera::mesh::observe;
 use tessera::models::{CausalLm, Llama, Transformer};
+use tessera::plan::{Machine, StepPlan, plan_step};
 use tessera::tensor::{memory, profile};
 use tessera::{BoxError, CommunicatorExt, DType, DeviceMesh, RankCtx, is_lead_process, launch};
 
@@ -100,12 +101,32 @@ fn run(args: &Args) -> Result<(), BoxError> {
     // Measured before the ranks start, on a quiet machine, by the process that
     // prints the summary and holds rank 0 (which writes --metrics-out).
     let peak = if lead { metrics::machine_peak_flops() } else { None };
+    // The step planned on meta tensors: the whole job with `--plan`, else
+    // (on the CPU, from scratch) a prediction to print against the run's.
+    let plans = if args.plan || (!args.device.is_cuda() && args.resume.is_none()) {
+        let plans = launch(args.world, {
+            let args = args.clone();
+            move |ctx| plan_rank(ctx, &args)
+        })?;
+        if args.plan {
+            if lead {
+                report::print_plan(args, &plans)?;
+            }
+            return Ok(());
+        }
+        Some(plans)
+    } else {
+        None
+    };
     let reports = launch(args.world, {
         let args = args.clone();
         move |ctx| train_rank(ctx, &args, tokens.as_ref(), peak.map(|p| p.0))
     })?;
     if lead {
         summarize(args, &reports[0], peak)?;
+        if let Some(plans) = &plans {
+            report::compare_plan(args, plans, &reports[0]);
+        }
     }
     report::write_observed(args, &reports, lead)?;
     Ok(())
@@ -144,6 +165,7 @@ fn setup<M: CausalLm>(
     ctx: RankCtx,
     args: &Args,
     build: fn(&Args, &DeviceMesh) -> tessera::autograd::Result<M>,
+    meta: bool,
 ) -> Result<Job<M>, BoxError> {
     let rank = ctx.rank();
     let names: &[&str] = match (args.tp > 0, args.mesh.len()) {
@@ -182,6 +204,7 @@ fn setup<M: CausalLm>(
         vec![Placement::Shard(0); args.mesh.len()]
     };
     let init = match &args.init {
+        _ if meta => Materializer::on_meta(),
         Some(path) => Materializer::from_safetensors(path),
         None => model.materializer(args.seed),
     }
@@ -302,6 +325,27 @@ fn train_step<M: CausalLm>(
     })
 }
 
+/// One rank's planned step and its machine's constants (`--plan`): the job set
+/// up as for training, on meta tensors.
+fn plan_rank(ctx: RankCtx, args: &Args) -> Result<(StepPlan, Machine), BoxError> {
+    fn plan<M: CausalLm>(
+        ctx: RankCtx,
+        args: &Args,
+        build: fn(&Args, &DeviceMesh) -> tessera::autograd::Result<M>,
+    ) -> Result<(StepPlan, Machine), BoxError> {
+        let mut job = setup(ctx, args, build, true)?;
+        let shape = [args.global_batch(), args.model.seq + 1];
+        let batch = Layout::new(&args.mesh, &job.batch_placements, &shape, DType::I64)?;
+        let Job { mesh, model, opt, .. } = &mut job;
+        let plan = plan_step(mesh, opt, &batch, |rows| model.loss(rows))?;
+        Ok((plan, Machine::calibrate(mesh)?))
+    }
+    match args.arch {
+        Arch::Gpt => plan(ctx, args, |a, mesh| Transformer::new(a.model, mesh, DType::F32)),
+        Arch::Llama => plan(ctx, args, |a, mesh| Llama::new(a.llama(), mesh, DType::F32)),
+    }
+}
+
 /// What every rank runs: setup, resumption, the steps with their checkpoints,
 /// the final saves, and the report (with every rank's peak memory).
 fn train_rank(
@@ -329,7 +373,7 @@ fn train_model<M: CausalLm>(
     build: fn(&Args, &DeviceMesh) -> tessera::autograd::Result<M>,
 ) -> Result<RankReport, BoxError> {
     let rank = ctx.rank();
-    let mut job = setup(ctx, args, build)?;
+    let mut job = setup(ctx, args, build, false)?;
     let mut report = RankReport::default();
     if let Some(path) = &args.resume {
         resume(args, path, &mut job, &mut report)?;
@@ -416,6 +460,7 @@ fn train_model<M: CausalLm>(
             );
         }
     }
+    report.comm = Some(job.mesh.stats() - counters_before);
     if let Some(rec) = recording {
         report.observed = Some(Observed {
             rank,

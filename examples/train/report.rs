@@ -4,6 +4,7 @@ use std::io::Write as _;
 
 use tessera::BoxError;
 use tessera::mesh::{CommCounts, OpKind, observe};
+use tessera::plan::{Machine, StepPlan};
 use tessera::tensor::profile::{Kind, OpTime, Profile};
 
 use crate::args::Args;
@@ -46,6 +47,8 @@ pub(crate) struct RankReport {
     /// The rank's events and collective counters over the steps
     /// (`--comm-report`, `--trace`).
     pub(crate) observed: Option<Observed>,
+    /// The rank's collectives over the steps (calls and bytes per kind).
+    pub(crate) comm: Option<tessera::mesh::CommCounts>,
 }
 
 /// A rank's recorded steps (`--comm-report`, `--trace`).
@@ -384,4 +387,72 @@ pub(crate) fn human(bytes: usize) -> String {
         u += 1;
     }
     format!("{v:.1} {}", UNITS[u])
+}
+
+/// `--plan`: rank 0's planned step as a table, every rank's planned peak, and
+/// the step time estimated from the calibrated constants; with `--plan-out`
+/// the JSON `{"peak_bytes_per_rank", "step_time_s", "machine", "ranks"}`.
+pub(crate) fn print_plan(args: &Args, plans: &[(StepPlan, Machine)]) -> Result<(), BoxError> {
+    let (p0, m0) = &plans[0];
+    println!(
+        "planned step on mesh {:?} (meta tensors: nothing computed, moved or allocated), rank 0:",
+        args.mesh
+    );
+    print!("{}", p0.table());
+    let peaks: Vec<usize> = plans.iter().map(|(p, _)| p.peak_bytes()).collect();
+    let step_s = step_time_s(plans);
+    println!(
+        "peak per rank: {} (rank 0's in {}); estimated step time {:.4} s ({:.3} GFLOP/s per rank for products, {} per \
+         second of collectives, calibrated)",
+        peaks.iter().map(|&b| human(b)).collect::<Vec<_>>().join(", "),
+        p0.peak_phase(),
+        step_s,
+        m0.flops_per_s / 1e9,
+        if m0.bytes_per_s.is_finite() {
+            human(m0.bytes_per_s as usize)
+        } else {
+            "∞".into()
+        }
+    );
+    if let Some(path) = &args.plan_out {
+        let list = |v: Vec<String>| v.join(", ");
+        let json = format!(
+            "{{\"peak_bytes_per_rank\": [{}], \"step_time_s\": {step_s:.6e}, \"machine\": {}, \"ranks\": [{}]}}\n",
+            list(peaks.iter().map(ToString::to_string).collect()),
+            m0.to_json(),
+            list(plans.iter().map(|(p, _)| p.to_json()).collect())
+        );
+        common::write_atomic(path, &json)?;
+        println!("wrote {}", path.display());
+    }
+    Ok(())
+}
+
+/// The slowest rank's estimated step time, each rank at its own constants.
+fn step_time_s(plans: &[(StepPlan, Machine)]) -> f64 {
+    plans.iter().map(|(p, m)| p.step_time_s(m)).fold(0.0, f64::max)
+}
+
+/// After a run: the planned step against the measured one (rank 0's peak,
+/// bytes sent per step, and the median step time).
+pub(crate) fn compare_plan(args: &Args, plans: &[(StepPlan, Machine)], r0: &RankReport) {
+    let planned_peak = plans.iter().map(|(p, _)| p.peak_bytes()).max().unwrap_or(0);
+    let measured_peak = r0.peak_bytes.iter().copied().max().unwrap_or(0);
+    let steps = (args.steps - r0.first_step).max(1) as u64;
+    let measured_bytes = r0
+        .comm
+        .map_or(0, |c| OpKind::ALL.iter().map(|&k| c.bytes(k)).sum::<u64>() / steps);
+    let mut times = r0.step_time_s.iter().skip(2).copied().collect::<Vec<_>>();
+    times.sort_by(f64::total_cmp);
+    let measured_s = times.get(times.len() / 2).copied().unwrap_or(f64::NAN);
+    println!(
+        "predicted against measured: peak per rank {} vs {}; rank 0's collectives {} vs {} bytes per step; \
+         step time {:.4} vs {:.4} s (median)",
+        human(planned_peak),
+        human(measured_peak),
+        plans[0].0.collective_bytes(),
+        measured_bytes,
+        step_time_s(plans),
+        measured_s
+    );
 }

@@ -137,12 +137,12 @@ fn step<M: CausalLm>(
         let fwd = stats().peak_bytes - base;
         reset_peak();
         backward(&loss)?;
-        drop(loss);
         let bwd = stats().peak_bytes - base;
         reset_peak();
         opt.step()?;
         opt.zero_grad();
         let opt_peak = stats().peak_bytes - base;
+        loss.value().full_tensor()?;
         out = Some(Measured {
             phases: [fwd, bwd, opt_peak],
             base,

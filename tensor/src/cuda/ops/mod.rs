@@ -239,6 +239,12 @@ pub(crate) fn to(t: &Tensor, device: Device) -> Result<Tensor> {
         }
         (Device::Cuda(_), Device::Cuda(n)) => to(&to(t, Device::Cpu)?, Device::Cuda(n)),
         (Device::Cpu, Device::Cpu) => Ok(t.clone()),
+        // `Tensor::to` makes meta copies and refuses to read a meta tensor
+        // before it calls here.
+        (Device::Meta, _) | (_, Device::Meta) => Err(crate::Error::Device {
+            op: "to",
+            detail: format!("no device copy between {} and {device}", t.device()),
+        }),
     }
 }
 
