@@ -72,6 +72,9 @@ pub struct StepPlan {
     /// Floating-point operations of the step's matrix products on this rank
     /// (linear layers and attention, forward and backward).
     pub gemm_flops: u64,
+    /// DTensor ops the step dispatches on this rank (each with its local
+    /// kernels and redistributions).
+    pub ops: u64,
 }
 
 impl StepPlan {
@@ -96,12 +99,16 @@ impl StepPlan {
         self.collectives.values().map(|c| c.1).sum()
     }
 
-    /// The step's time on a machine: its matrix products at `machine`'s rate
-    /// plus its collectives' bytes at `machine`'s bandwidth (a lower bound
-    /// where computation and communication overlap, an upper one where
-    /// neither hides the other).
+    /// The step's time on a machine: its matrix products at `machine`'s
+    /// rate, its collectives' bytes at its bandwidth plus a latency per
+    /// collective, and an overhead per op (dispatch and the element-wise
+    /// kernels between products). Computation and communication are added:
+    /// an upper bound where they overlap.
     pub fn step_time_s(&self, machine: &Machine) -> f64 {
-        self.gemm_flops as f64 / machine.flops_per_s + self.collective_bytes() as f64 / machine.bytes_per_s
+        self.gemm_flops as f64 / machine.flops_per_s
+            + self.collective_bytes() as f64 / machine.bytes_per_s
+            + self.collective_calls() as f64 * machine.collective_latency_s
+            + self.ops as f64 * machine.op_s
     }
 
     /// The plan as a table: memory, then the collectives by mesh dims and kind.
@@ -113,6 +120,7 @@ impl StepPlan {
             let _ = writeln!(out, "  peak in {name:<15} {:>10.2} MiB", mib(b));
         }
         let _ = writeln!(out, "  matrix-product FLOPs    {:>10.3e}", self.gemm_flops as f64);
+        let _ = writeln!(out, "  DTensor ops             {:>10}", self.ops);
         for ((dims, kind), (calls, bytes)) in &self.collectives {
             let _ = writeln!(
                 out,
@@ -133,10 +141,11 @@ impl StepPlan {
         }
         let _ = write!(
             out,
-            "}}, \"peak_bytes\": {}, \"peak_phase\": \"{}\", \"gemm_flops\": {}, \"collectives\": [",
+            "}}, \"peak_bytes\": {}, \"peak_phase\": \"{}\", \"gemm_flops\": {}, \"ops\": {}, \"collectives\": [",
             self.peak_bytes(),
             self.peak_phase(),
-            self.gemm_flops
+            self.gemm_flops,
+            self.ops
         );
         for (i, ((dims, kind), (calls, bytes))) in self.collectives.iter().enumerate() {
             let _ = write!(
@@ -166,6 +175,10 @@ pub struct Machine {
     pub flops_per_s: f64,
     /// Bytes per second one rank sends in collectives.
     pub bytes_per_s: f64,
+    /// Seconds of a collective of a few bytes (its synchronisation).
+    pub collective_latency_s: f64,
+    /// Seconds of a small DTensor op (dispatch and a small kernel).
+    pub op_s: f64,
 }
 
 impl Machine {
@@ -211,13 +224,41 @@ impl Machine {
         } else {
             f64::INFINITY
         };
+        let mut latency = Vec::new();
+        for _ in 0..5 {
+            comm.barrier()?;
+            let t = std::time::Instant::now();
+            for _ in 0..20 {
+                std::hint::black_box(comm.all_gather_vec(&[0f32])?);
+            }
+            latency.push(t.elapsed().as_secs_f64() / 20.0);
+        }
+        let collective_latency_s = if ranks > 1 { median(latency) } else { 0.0 };
+        // A small op on a replicated DTensor: its dispatch and a [64, 64] kernel.
+        let x = tessera_dtensor::DTensor::from_local(
+            Tensor::ones(&[64, 64], tessera_mesh::DType::F32)?,
+            mesh,
+            &vec![tessera_dtensor::Placement::Replicate; mesh.ndim()],
+            &[64, 64],
+        )?;
+        let mut ops = Vec::new();
+        for _ in 0..5 {
+            let t = std::time::Instant::now();
+            for _ in 0..20 {
+                std::hint::black_box(x.add(&x)?);
+            }
+            ops.push(t.elapsed().as_secs_f64() / 20.0);
+        }
         Ok(Machine {
             flops_per_s,
             bytes_per_s,
+            collective_latency_s,
+            op_s: median(ops),
         })
     }
 
-    /// The constants as JSON: `{"flops_per_s", "bytes_per_s"}`.
+    /// The constants as JSON: `{"flops_per_s", "bytes_per_s",
+    /// "collective_latency_s", "op_s"}`.
     pub fn to_json(&self) -> String {
         let num = |v: f64| {
             if v.is_finite() {
@@ -227,9 +268,11 @@ impl Machine {
             }
         };
         format!(
-            "{{\"flops_per_s\": {}, \"bytes_per_s\": {}}}",
+            "{{\"flops_per_s\": {}, \"bytes_per_s\": {}, \"collective_latency_s\": {}, \"op_s\": {}}}",
             num(self.flops_per_s),
-            num(self.bytes_per_s)
+            num(self.bytes_per_s),
+            num(self.collective_latency_s),
+            num(self.op_s)
         )
     }
 }
@@ -296,6 +339,7 @@ pub fn plan_step(
             plan.gemm_flops = profile::Kind::ALL.iter().map(|&k| p.flops(k)).sum();
             plan.phase_peak_bytes = peaks;
             let events = recording.map(observe::Recording::finish).unwrap_or_default();
+            plan.ops = events.iter().filter(|e| matches!(e.what, observe::What::Op(_))).count() as u64;
             for ((_, _, dims, kind), (calls, bytes)) in CommReport::from_events(&events).rows {
                 let row = plan.collectives.entry((dims, kind)).or_default();
                 row.0 += calls;

@@ -234,6 +234,7 @@ fn help_lists_every_flag_with_its_default() {
         "--trace",
         "--plan",
         "--plan-out",
+        "--auto",
     ] {
         let line = help
             .lines()
@@ -966,4 +967,59 @@ fn plan_predicts_the_peak_of_the_run() {
         }
     }
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `--auto --memory-budget` plans every layout of the ranks and picks the
+/// fastest that fits: the pick's planned peak is within the budget, a budget
+/// below every layout's peak is an error naming the smallest peak, and a bad
+/// size is refused.
+#[test]
+fn auto_picks_a_layout_that_fits_the_budget() {
+    let run = |budget: &str| {
+        train(
+            &["--world-size", "4", "--auto", "--memory-budget", budget, "--plan"],
+            &[],
+        )
+    };
+    let o = run("64MiB");
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let text = String::from_utf8_lossy(&o.stdout).into_owned();
+    let picked: Vec<&str> = text.lines().filter(|l| l.starts_with('*')).collect();
+    assert_eq!(picked.len(), 1, "{text}");
+    for layout in ["fsdp 4", "hsdp 2x2", "fsdp 2 + tp 2", "fsdp 1 + tp 4, no reshard, bf16"] {
+        assert!(
+            text.lines().any(|l| l[2..].starts_with(layout)),
+            "{layout} not planned:\n{text}"
+        );
+    }
+    // The smallest planned peak, and a budget just below it: nothing fits.
+    let peak = |l: &str| -> f64 {
+        l.split("peak")
+            .nth(1)
+            .unwrap()
+            .split_whitespace()
+            .next()
+            .unwrap()
+            .parse()
+            .unwrap()
+    };
+    let least = text
+        .lines()
+        .filter(|l| l.contains(" peak "))
+        .map(peak)
+        .fold(f64::INFINITY, f64::min);
+    let o = run(&format!("{}KiB", (least * 1024.0 * 0.9) as usize));
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("no layout of 4 ranks fits") && err.contains("smallest planned peak"),
+        "{err}"
+    );
+    let o = run("2XB");
+    assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("the unit must be"));
+    let o = train(
+        &["--world-size", "4", "--tp", "2", "--auto", "--memory-budget", "1GiB"],
+        &[],
+    );
+    assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("--auto chooses"));
 }

@@ -12,7 +12,7 @@ use crate::schedule;
 pub(crate) const USAGE: &str = "usage: train [--world-size N | --mesh RxS] [--tp T [--sequence-parallel]] [--steps N] [--batch ROWS_PER_RANK] [--dim N] \
 [--n-layers N] [--n-heads N] [--vocab N] [--seq N] [--model gpt|llama [--n-kv-heads K] [--ffn-hidden H] [--rope-theta F]] [--lr F] [--lr-schedule S] [--warmup-steps N] [--mixed-precision bf16] [--no-reshard] [--init PATH | --seed N] \
 [--tokens PATH] [--data-seed N] [--losses-out PATH] [--metrics-out PATH] [--checkpoint-dir DIR --checkpoint-every N [--async-save] [--keep-checkpoints K]] [--resume DIR [--resume-step K]] \
-[--save-full PATH] [--save-hf DIR] [--device cpu|cuda|cuda:N] [--plan [--plan-out PATH]] [--profile] [--comm-report PATH] [--trace PATH] [--op-log PATH [--op-log-values]]";
+[--save-full PATH] [--save-hf DIR] [--device cpu|cuda|cuda:N] [--plan [--plan-out PATH]] [--auto --memory-budget SIZE] [--profile] [--comm-report PATH] [--trace PATH] [--op-log PATH [--op-log-values]]";
 
 /// Every flag with its default (`train --help`).
 pub(crate) const HELP: &str = "\
@@ -79,6 +79,11 @@ output and checkpoints:
                         calibration run, without training; a training run on the CPU plans
                         first and prints predicted against measured at the end
   --plan-out PATH       the plan as JSON: peak_bytes_per_rank, step_time_s, each rank's plan
+  --auto --memory-budget SIZE
+                        plan every layout of the ranks (FSDP, HSDP, TP splits, resharding,
+                        bf16; the global batch fixed), rank them by estimated step time and
+                        train the fastest whose planned peak per rank fits SIZE (4GiB,
+                        512MiB, ...); with --plan, only print the ranking
   --profile             print where rank 0's step time went, per op and kind of work, over
                         the steps after the first two (on a GPU every op waits for its
                         kernels, so steps run slower: device time per op)
@@ -151,6 +156,10 @@ pub(crate) struct Args {
     pub(crate) plan: bool,
     /// The plan as JSON (`--plan-out`).
     pub(crate) plan_out: Option<PathBuf>,
+    /// Choose the layout for `memory_budget` (`--auto`).
+    pub(crate) auto: bool,
+    /// Bytes per rank `--auto` may plan for (`--memory-budget`).
+    pub(crate) memory_budget: Option<usize>,
 }
 
 pub(crate) fn parse() -> Result<Args, String> {
@@ -194,6 +203,8 @@ pub(crate) fn parse() -> Result<Args, String> {
         profile: false,
         plan: false,
         plan_out: None,
+        auto: false,
+        memory_budget: None,
     };
     let mut world_given = false;
     let mut it = std::env::args().skip(1);
@@ -220,6 +231,10 @@ pub(crate) fn parse() -> Result<Args, String> {
         }
         if flag == "--plan" {
             a.plan = true;
+            continue;
+        }
+        if flag == "--auto" {
+            a.auto = true;
             continue;
         }
         if flag == "--op-log-values" {
@@ -288,6 +303,7 @@ pub(crate) fn parse() -> Result<Args, String> {
             "--comm-report" => a.comm_report = Some(value.into()),
             "--trace" => a.trace = Some(value.into()),
             "--plan-out" => a.plan_out = Some(value.into()),
+            "--memory-budget" => a.memory_budget = Some(parse_size(&value)?),
             "--op-log" => a.op_log = Some(value.into()),
             "--checkpoint-dir" => a.checkpoint_dir = Some(value.into()),
             "--checkpoint-every" => a.checkpoint_every = num(&value)?,
@@ -360,6 +376,12 @@ pub(crate) fn parse() -> Result<Args, String> {
     if a.arch == Arch::Llama {
         a.llama().check().map_err(|e| format!("--model llama: {e}"))?;
     }
+    if a.auto && (a.tp > 0 || a.mesh.len() > 1 || a.bf16 || a.no_reshard) {
+        return Err("--auto chooses the mesh, --tp, --mixed-precision and --no-reshard: give only --world-size".into());
+    }
+    if a.memory_budget.is_some() && !a.auto {
+        return Err("--memory-budget is the budget of --auto".into());
+    }
     if a.sequence_parallel && a.tp == 0 {
         return Err("--sequence-parallel needs --tp T".into());
     }
@@ -373,6 +395,35 @@ pub(crate) fn parse() -> Result<Args, String> {
         }
     }
     Ok(a)
+}
+
+/// A size in bytes: a number with an optional unit (`B`, `KiB`, `MiB`, `GiB`,
+/// `TiB`, or `KB`, `MB`, `GB` in powers of 1000).
+fn parse_size(v: &str) -> Result<usize, String> {
+    let v = v.trim();
+    let split = v.find(|c: char| c.is_ascii_alphabetic()).unwrap_or(v.len());
+    let (num, unit) = (v[..split].trim(), v[split..].trim());
+    let scale: f64 = match unit.to_ascii_lowercase().as_str() {
+        "" | "b" => 1.0,
+        "kib" => 1024.0,
+        "mib" => 1024.0 * 1024.0,
+        "gib" => 1024.0 * 1024.0 * 1024.0,
+        "tib" => 1024f64.powi(4),
+        "kb" => 1e3,
+        "mb" => 1e6,
+        "gb" => 1e9,
+        _ => {
+            return Err(format!(
+                "--memory-budget {v:?}: the unit must be B, KiB, MiB, GiB, TiB, KB, MB or GB"
+            ));
+        }
+    };
+    match num.parse::<f64>() {
+        Ok(n) if n.is_finite() && n > 0.0 && n * scale < usize::MAX as f64 => Ok((n * scale) as usize),
+        _ => Err(format!(
+            "--memory-budget {v:?}: give a positive size such as 4GiB or 512MiB"
+        )),
+    }
 }
 
 impl Args {

@@ -53,6 +53,7 @@
 mod common;
 
 mod args;
+mod auto;
 mod checkpoints;
 mod metrics;
 mod report;
@@ -93,8 +94,21 @@ fn main() {
 }
 
 fn run(args: &Args) -> Result<(), BoxError> {
-    let tokens = read_tokens(args)?;
     let lead = is_lead_process();
+    let chosen;
+    let args = if args.auto {
+        chosen = auto::choose(args, lead)?;
+        if args.plan {
+            return Ok(());
+        }
+        if lead {
+            println!("running {}", auto::label(&chosen));
+        }
+        &chosen
+    } else {
+        args
+    };
+    let tokens = read_tokens(args)?;
     if lead {
         println!("{}", banner(args));
     }
@@ -327,7 +341,7 @@ fn train_step<M: CausalLm>(
 
 /// One rank's planned step and its machine's constants (`--plan`): the job set
 /// up as for training, on meta tensors.
-fn plan_rank(ctx: RankCtx, args: &Args) -> Result<(StepPlan, Machine), BoxError> {
+pub(crate) fn plan_rank(ctx: RankCtx, args: &Args) -> Result<(StepPlan, Machine), BoxError> {
     fn plan<M: CausalLm>(
         ctx: RankCtx,
         args: &Args,
