@@ -75,6 +75,13 @@ pub struct StepPlan {
     /// DTensor ops the step dispatches on this rank (each with its local
     /// kernels and redistributions).
     pub ops: u64,
+    /// Bytes of this rank's shards of the parameters (part of `held_bytes`;
+    /// the rest held is the optimizer's state).
+    pub param_bytes: usize,
+    /// Where the step's peak falls: the innermost module running (`""` for
+    /// the root, `"(none)"` outside every module) and its phase, at the
+    /// largest of the tracker's samples after each op.
+    pub peak_at: String,
 }
 
 impl StepPlan {
@@ -115,12 +122,19 @@ impl StepPlan {
     pub fn table(&self) -> String {
         let mib = |b: usize| b as f64 / (1u64 << 20) as f64;
         let mut out = String::new();
-        let _ = writeln!(out, "  held between steps      {:>10.2} MiB", mib(self.held_bytes));
+        let _ = writeln!(
+            out,
+            "  held between steps      {:>10.2} MiB (parameters {:.2}, optimizer state and the rest {:.2})",
+            mib(self.held_bytes),
+            mib(self.param_bytes),
+            mib(self.held_bytes.saturating_sub(self.param_bytes))
+        );
         for (name, b) in PHASES.iter().zip(self.phase_peak_bytes) {
             let _ = writeln!(out, "  peak in {name:<15} {:>10.2} MiB", mib(b));
         }
         let _ = writeln!(out, "  matrix-product FLOPs    {:>10.3e}", self.gemm_flops as f64);
         let _ = writeln!(out, "  DTensor ops             {:>10}", self.ops);
+        let _ = writeln!(out, "  peak at                 {}", self.peak_at);
         for ((dims, kind), (calls, bytes)) in &self.collectives {
             let _ = writeln!(
                 out,
@@ -141,11 +155,13 @@ impl StepPlan {
         }
         let _ = write!(
             out,
-            "}}, \"peak_bytes\": {}, \"peak_phase\": \"{}\", \"gemm_flops\": {}, \"ops\": {}, \"collectives\": [",
+            "}}, \"peak_bytes\": {}, \"peak_phase\": \"{}\", \"gemm_flops\": {}, \"ops\": {}, \"param_bytes\": {}, \"peak_at\": {}, \"collectives\": [",
             self.peak_bytes(),
             self.peak_phase(),
             self.gemm_flops,
-            self.ops
+            self.ops,
+            self.param_bytes,
+            observe::json_string(&self.peak_at)
         );
         for (i, ((dims, kind), (calls, bytes))) in self.collectives.iter().enumerate() {
             let _ = write!(
@@ -340,6 +356,22 @@ pub fn plan_step(
             plan.phase_peak_bytes = peaks;
             let events = recording.map(observe::Recording::finish).unwrap_or_default();
             plan.ops = events.iter().filter(|e| matches!(e.what, observe::What::Op(_))).count() as u64;
+            let peak = events
+                .iter()
+                .filter_map(|e| match e.what {
+                    observe::What::Memory(b) => Some((b, e)),
+                    _ => None,
+                })
+                .max_by_key(|(b, _)| *b);
+            plan.peak_at = match peak.and_then(|(_, e)| e.module.as_ref()) {
+                Some((m, phase)) => format!("{} {}", if m.is_empty() { "(root)" } else { m }, phase.name()),
+                None => "(none)".to_string(),
+            };
+            plan.param_bytes = opt
+                .params()
+                .iter()
+                .map(|p| p.value().map_or(0, |v| v.to_local().size_in_bytes()))
+                .sum();
             for ((_, _, dims, kind), (calls, bytes)) in CommReport::from_events(&events).rows {
                 let row = plan.collectives.entry((dims, kind)).or_default();
                 row.0 += calls;

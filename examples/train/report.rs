@@ -446,10 +446,11 @@ pub(crate) fn compare_plan(args: &Args, plans: &[(StepPlan, Machine)], r0: &Rank
     times.sort_by(f64::total_cmp);
     let measured_s = times.get(times.len() / 2).copied().unwrap_or(f64::NAN);
     println!(
-        "predicted against measured: peak per rank {} vs {}; rank 0's collectives {} vs {} bytes per step; \
+        "predicted against measured: peak per rank {} vs {} ({:+.2}%); rank 0's collectives {} vs {} bytes per step; \
          step time {:.4} vs {:.4} s (median)",
         human(planned_peak),
         human(measured_peak),
+        100.0 * (planned_peak as f64 / measured_peak.max(1) as f64 - 1.0),
         plans[0].0.collective_bytes(),
         measured_bytes,
         step_time_s(plans),
