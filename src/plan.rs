@@ -82,6 +82,9 @@ pub struct StepPlan {
     /// the root, `"(none)"` outside every module) and its phase, at the
     /// largest of the tracker's samples after each op.
     pub peak_at: String,
+    /// Bytes of tensor storage the step allocates on this rank (every op's
+    /// outputs, each counted once): its memory traffic beyond the products.
+    pub allocated_bytes: usize,
 }
 
 impl StepPlan {
@@ -113,6 +116,7 @@ impl StepPlan {
     /// an upper bound where they overlap.
     pub fn step_time_s(&self, machine: &Machine) -> f64 {
         self.gemm_flops as f64 / machine.flops_per_s
+            + self.allocated_bytes as f64 / machine.copy_bytes_per_s
             + self.collective_bytes() as f64 / machine.bytes_per_s
             + self.collective_calls() as f64 * machine.collective_latency_s
             + self.ops as f64 * machine.op_s
@@ -134,6 +138,7 @@ impl StepPlan {
         }
         let _ = writeln!(out, "  matrix-product FLOPs    {:>10.3e}", self.gemm_flops as f64);
         let _ = writeln!(out, "  DTensor ops             {:>10}", self.ops);
+        let _ = writeln!(out, "  bytes allocated         {:>10.2} MiB", mib(self.allocated_bytes));
         let _ = writeln!(out, "  peak at                 {}", self.peak_at);
         for ((dims, kind), (calls, bytes)) in &self.collectives {
             let _ = writeln!(
@@ -155,12 +160,13 @@ impl StepPlan {
         }
         let _ = write!(
             out,
-            "}}, \"peak_bytes\": {}, \"peak_phase\": \"{}\", \"gemm_flops\": {}, \"ops\": {}, \"param_bytes\": {}, \"peak_at\": {}, \"collectives\": [",
+            "}}, \"peak_bytes\": {}, \"peak_phase\": \"{}\", \"gemm_flops\": {}, \"ops\": {}, \"param_bytes\": {}, \"allocated_bytes\": {}, \"peak_at\": {}, \"collectives\": [",
             self.peak_bytes(),
             self.peak_phase(),
             self.gemm_flops,
             self.ops,
             self.param_bytes,
+            self.allocated_bytes,
             observe::json_string(&self.peak_at)
         );
         for (i, ((dims, kind), (calls, bytes))) in self.collectives.iter().enumerate() {
@@ -195,15 +201,20 @@ pub struct Machine {
     pub collective_latency_s: f64,
     /// Seconds of a small DTensor op (dispatch and a small kernel).
     pub op_s: f64,
+    /// Bytes per second one rank copies (all ranks copying at once): what
+    /// writing an op's output and reading it again costs per byte.
+    pub copy_bytes_per_s: f64,
 }
 
 impl Machine {
     /// Measures this rank's constants (a short collective run: every rank of
     /// `mesh` calls it at once, so the ranks share the cores as in training):
     /// the median rate of an f32 matrix product of 256×1024 by 1024×1024 on
-    /// the rank's threads, and the bytes per second each rank sends in an
+    /// the rank's threads; the bytes per second each rank sends in an
     /// all-gather of 4 MiB per rank over the whole mesh (infinite on one rank,
-    /// which sends nothing).
+    /// which sends nothing) and the time of an all-gather of one element; the
+    /// time of an add of two replicated `[64, 64]` DTensors; and the rate of a
+    /// 32 MiB copy.
     ///
     /// # Errors
     /// A failed collective.
@@ -265,16 +276,26 @@ impl Machine {
             }
             ops.push(t.elapsed().as_secs_f64() / 20.0);
         }
+        let (src, mut dst) = (vec![1u8; 32 << 20], vec![0u8; 32 << 20]);
+        let mut copies = Vec::new();
+        for _ in 0..5 {
+            comm.barrier()?;
+            let t = std::time::Instant::now();
+            dst.copy_from_slice(std::hint::black_box(&src));
+            std::hint::black_box(&mut dst);
+            copies.push(t.elapsed().as_secs_f64());
+        }
         Ok(Machine {
             flops_per_s,
             bytes_per_s,
             collective_latency_s,
             op_s: median(ops),
+            copy_bytes_per_s: src.len() as f64 / median(copies),
         })
     }
 
     /// The constants as JSON: `{"flops_per_s", "bytes_per_s",
-    /// "collective_latency_s", "op_s"}`.
+    /// "collective_latency_s", "op_s", "copy_bytes_per_s"}`.
     pub fn to_json(&self) -> String {
         let num = |v: f64| {
             if v.is_finite() {
@@ -284,11 +305,12 @@ impl Machine {
             }
         };
         format!(
-            "{{\"flops_per_s\": {}, \"bytes_per_s\": {}, \"collective_latency_s\": {}, \"op_s\": {}}}",
+            "{{\"flops_per_s\": {}, \"bytes_per_s\": {}, \"collective_latency_s\": {}, \"op_s\": {}, \"copy_bytes_per_s\": {}}}",
             num(self.flops_per_s),
             num(self.bytes_per_s),
             num(self.collective_latency_s),
-            num(self.op_s)
+            num(self.op_s),
+            num(self.copy_bytes_per_s)
         )
     }
 }
@@ -323,6 +345,7 @@ pub fn plan_step(
             profile::enable(true);
             let _ = profile::take();
             plan.held_bytes = stats().current_bytes;
+            plan.allocated_bytes = tessera_tensor::memory::allocated_bytes();
         }
         let mut peaks = [0; 3];
         reset_peak();
@@ -347,6 +370,7 @@ pub fn plan_step(
         drop(l.value().full_tensor()?);
         drop(l);
         if last {
+            plan.allocated_bytes = tessera_tensor::memory::allocated_bytes() - plan.allocated_bytes;
             let p = profile::take();
             // Timing is on for every thread: turned back only once every rank
             // has counted its step.

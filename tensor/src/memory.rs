@@ -66,6 +66,8 @@ pub struct MemoryStats {
 #[derive(Debug, Default)]
 struct Counters {
     current: AtomicUsize,
+    /// Bytes ever charged (the rank's allocation traffic).
+    total: AtomicUsize,
     peak: AtomicUsize,
     cached: AtomicUsize,
     peak_reserved: AtomicUsize,
@@ -73,6 +75,7 @@ struct Counters {
 
 impl Counters {
     fn add(&self, bytes: usize) {
+        self.total.fetch_add(bytes, Ordering::Relaxed);
         let now = self.current.fetch_add(bytes, Ordering::Relaxed) + bytes;
         self.peak.fetch_max(now, Ordering::Relaxed);
         self.peak_reserved
@@ -202,6 +205,13 @@ pub fn reset_device_peak() {
 /// counters outside a launch).
 pub fn stats() -> MemoryStats {
     current_counters().stats()
+}
+
+/// Bytes ever charged to the rank the current thread works for (host
+/// storage): the allocation traffic of its ops, each new output counted once.
+/// Subtract two readings to count what a step allocated.
+pub fn allocated_bytes() -> usize {
+    current_counters().total.load(Ordering::Relaxed)
 }
 
 /// Memory statistics of rank `id` (all zero for a rank that never allocated).
