@@ -159,6 +159,31 @@ fn max_u64(v: &serde_json::Value) -> u64 {
         .unwrap_or(0)
 }
 
+/// The slowest rank's step time as `tessera::plan::StepPlan::step_time_s`
+/// estimates it, from the plan's JSON and a machine's constants.
+fn estimate(plan: &serde_json::Value, m: &serde_json::Value) -> f64 {
+    let f = |v: &serde_json::Value, k: &str| v[k].as_f64().unwrap_or(f64::INFINITY);
+    let n = |v: &serde_json::Value, k: &str| v[k].as_f64().unwrap_or(0.0);
+    plan["ranks"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|r| {
+            let (calls, bytes) = r["collectives"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .fold((0.0, 0.0), |(c, b), x| (c + n(x, "calls"), b + n(x, "bytes")));
+            (n(r, "gemm_flops") - n(r, "half_flops")) / f(m, "flops_per_s")
+                + n(r, "half_flops") / f(m, "half_flops_per_s")
+                + n(r, "allocated_bytes") / f(m, "copy_bytes_per_s")
+                + bytes / f(m, "bytes_per_s")
+                + calls * n(m, "collective_latency_s")
+                + n(r, "ops") * n(m, "op_s")
+        })
+        .fold(0.0, f64::max)
+}
+
 fn run(args: &common::BenchArgs) -> Result<(), String> {
     let exe = train_exe()?;
     let dir = std::env::temp_dir().join(format!("tessera-bench-plan-{}", std::process::id()));
@@ -169,6 +194,10 @@ fn run(args: &common::BenchArgs) -> Result<(), String> {
         "model", "layout", "planned_B", "measured_B", "err", "planned_s", "measured_s"
     );
     for (model, sizes) in [("tiny", TINY), ("bench", BENCH)] {
+        // One machine for every layout of a model (the first layout's
+        // calibration), as `train --auto` ranks them, so that calibration
+        // noise ranks nothing.
+        let mut machine: Option<serde_json::Value> = None;
         for l in LAYOUTS {
             let mut base: Vec<String> = sizes.iter().chain(l.flags).map(|s| s.to_string()).collect();
             base.extend(["--batch".into(), (GLOBAL_BATCH / l.dp).to_string()]);
@@ -182,6 +211,7 @@ fn run(args: &common::BenchArgs) -> Result<(), String> {
             ]);
             train(&exe, &planning)?;
             let p = read_json(&plan)?;
+            let m = machine.get_or_insert_with(|| p["machine"].clone()).clone();
             let mut running = base.clone();
             running.extend(["--losses-out".into(), out.to_string_lossy().into_owned()]);
             train(&exe, &running)?;
@@ -198,7 +228,7 @@ fn run(args: &common::BenchArgs) -> Result<(), String> {
                 layout: l.name,
                 planned_peak: max_u64(&p["peak_bytes_per_rank"]),
                 measured_peak: max_u64(&r["peak_bytes_per_rank"]),
-                planned_s: p["step_time_s"].as_f64().unwrap_or(f64::NAN),
+                planned_s: estimate(&p, &m),
                 measured_s: median(&times),
             };
             println!(

@@ -72,6 +72,9 @@ pub struct StepPlan {
     /// Floating-point operations of the step's matrix products on this rank
     /// (linear layers and attention, forward and backward).
     pub gemm_flops: u64,
+    /// Of `gemm_flops`, those of products in 16-bit floats (bf16 mixed
+    /// precision), which run at their own rate.
+    pub half_flops: u64,
     /// DTensor ops the step dispatches on this rank (each with its local
     /// kernels and redistributions).
     pub ops: u64,
@@ -115,7 +118,8 @@ impl StepPlan {
     /// kernels between products). Computation and communication are added:
     /// an upper bound where they overlap.
     pub fn step_time_s(&self, machine: &Machine) -> f64 {
-        self.gemm_flops as f64 / machine.flops_per_s
+        (self.gemm_flops - self.half_flops) as f64 / machine.flops_per_s
+            + self.half_flops as f64 / machine.half_flops_per_s
             + self.allocated_bytes as f64 / machine.copy_bytes_per_s
             + self.collective_bytes() as f64 / machine.bytes_per_s
             + self.collective_calls() as f64 * machine.collective_latency_s
@@ -160,10 +164,11 @@ impl StepPlan {
         }
         let _ = write!(
             out,
-            "}}, \"peak_bytes\": {}, \"peak_phase\": \"{}\", \"gemm_flops\": {}, \"ops\": {}, \"param_bytes\": {}, \"allocated_bytes\": {}, \"peak_at\": {}, \"collectives\": [",
+            "}}, \"peak_bytes\": {}, \"peak_phase\": \"{}\", \"gemm_flops\": {}, \"half_flops\": {}, \"ops\": {}, \"param_bytes\": {}, \"allocated_bytes\": {}, \"peak_at\": {}, \"collectives\": [",
             self.peak_bytes(),
             self.peak_phase(),
             self.gemm_flops,
+            self.half_flops,
             self.ops,
             self.param_bytes,
             self.allocated_bytes,
@@ -195,6 +200,8 @@ impl fmt::Display for StepPlan {
 pub struct Machine {
     /// Floating-point operations per second of one rank's matrix products.
     pub flops_per_s: f64,
+    /// The same in bf16 (f32 accumulation).
+    pub half_flops_per_s: f64,
     /// Bytes per second one rank sends in collectives.
     pub bytes_per_s: f64,
     /// Seconds of a collective of a few bytes (its synchronisation).
@@ -236,6 +243,15 @@ impl Machine {
             gemm.push(t.elapsed().as_secs_f64());
         }
         let flops_per_s = (2 * m * k * n) as f64 / median(gemm);
+        let (a, b) = (a.cast(tessera_mesh::DType::BF16)?, b.cast(tessera_mesh::DType::BF16)?);
+        let mut half = Vec::new();
+        for _ in 0..5 {
+            comm.barrier()?;
+            let t = std::time::Instant::now();
+            std::hint::black_box(a.matmul(&b)?);
+            half.push(t.elapsed().as_secs_f64());
+        }
+        let half_flops_per_s = (2 * m * k * n) as f64 / median(half);
         let ranks = comm.size();
         let piece = vec![0f32; 1 << 20];
         let mut gather = Vec::new();
@@ -287,6 +303,7 @@ impl Machine {
         }
         Ok(Machine {
             flops_per_s,
+            half_flops_per_s,
             bytes_per_s,
             collective_latency_s,
             op_s: median(ops),
@@ -294,7 +311,7 @@ impl Machine {
         })
     }
 
-    /// The constants as JSON: `{"flops_per_s", "bytes_per_s",
+    /// The constants as JSON: `{"flops_per_s", "half_flops_per_s", "bytes_per_s",
     /// "collective_latency_s", "op_s", "copy_bytes_per_s"}`.
     pub fn to_json(&self) -> String {
         let num = |v: f64| {
@@ -305,8 +322,9 @@ impl Machine {
             }
         };
         format!(
-            "{{\"flops_per_s\": {}, \"bytes_per_s\": {}, \"collective_latency_s\": {}, \"op_s\": {}, \"copy_bytes_per_s\": {}}}",
+            "{{\"flops_per_s\": {}, \"half_flops_per_s\": {}, \"bytes_per_s\": {}, \"collective_latency_s\": {}, \"op_s\": {}, \"copy_bytes_per_s\": {}}}",
             num(self.flops_per_s),
+            num(self.half_flops_per_s),
             num(self.bytes_per_s),
             num(self.collective_latency_s),
             num(self.op_s),
@@ -344,6 +362,7 @@ pub fn plan_step(
         if last {
             profile::enable(true);
             let _ = profile::take();
+            let _ = profile::take_half_flops();
             plan.held_bytes = stats().current_bytes;
             plan.allocated_bytes = tessera_tensor::memory::allocated_bytes();
         }
@@ -377,6 +396,7 @@ pub fn plan_step(
             mesh.comm().barrier()?;
             profile::enable(profiling);
             plan.gemm_flops = profile::Kind::ALL.iter().map(|&k| p.flops(k)).sum();
+            plan.half_flops = profile::take_half_flops();
             plan.phase_peak_bytes = peaks;
             let events = recording.map(observe::Recording::finish).unwrap_or_default();
             plan.ops = events.iter().filter(|e| matches!(e.what, observe::What::Op(_))).count() as u64;

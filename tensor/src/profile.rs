@@ -176,6 +176,27 @@ pub struct OpTime {
 
 thread_local! {
     static STATE: RefCell<State> = RefCell::new(State::default());
+    /// FLOPs of products in 16-bit floats counted on this thread (also in
+    /// [`add_flops`]'s totals), for estimates that rate them apart.
+    static HALF_FLOPS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// [`add_flops`] for a product in `dtype`; a 16-bit float product's are also
+/// counted apart, for [`take_half_flops`].
+pub fn add_flops_of(flops: u64, dtype: tessera_mesh::DType) {
+    if !enabled() {
+        return;
+    }
+    add_flops(flops);
+    if matches!(dtype, tessera_mesh::DType::BF16 | tessera_mesh::DType::F16) {
+        HALF_FLOPS.with(|h| h.set(h.get().saturating_add(flops)));
+    }
+}
+
+/// The calling thread's FLOPs of 16-bit float products since the last call
+/// (counted while timing is on), reset.
+pub fn take_half_flops() -> u64 {
+    HALF_FLOPS.with(|h| h.replace(0))
 }
 
 /// Turns timing on or off for every thread.

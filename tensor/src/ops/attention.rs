@@ -160,6 +160,7 @@ impl Tensor {
                 count,
                 attn,
                 &[(true, Causal::Scores, [l, e, s]), (true, Causal::Weights, [l, s, ev])],
+                self.dtype(),
             );
             return Ok((Tensor::meta(&out, self.dtype())?, Tensor::meta(&probs, self.dtype())?));
         }
@@ -217,7 +218,7 @@ impl Tensor {
             let r = q.rank();
             let count = q.shape()[..r - 2].iter().product();
             let (l, e, s, ev) = (q.shape()[r - 2], q.shape()[r - 1], k.shape()[r - 2], v.shape()[r - 1]);
-            backward_flops(count, attn, need, [l, s, e, ev]);
+            backward_flops(count, attn, need, [l, s, e, ev], self.dtype());
             let mut grads = [None, None, None];
             for (g, (x, n)) in grads.iter_mut().zip([q, k, v].into_iter().zip(need)) {
                 if n {
@@ -582,6 +583,7 @@ fn forward<T: Gemm>(q: &Tensor, k: &Tensor, v: &Tensor, attn: Attention) -> Resu
         count,
         attn,
         &[(true, Causal::Scores, [l, e, s]), (true, Causal::Weights, [l, s, ev])],
+        T::DTYPE,
     );
     tessera_mesh::parallel_for(parts, |p| {
         let mut rows = ProbsScratch::<T>::default();
@@ -657,7 +659,7 @@ fn backward<T: Gemm>(
     };
     let scale = T::Acc::real(attn.scale);
     let simd = Simd::best();
-    backward_flops(count, attn, need, [l, s, e, ev]);
+    backward_flops(count, attn, need, [l, s, e, ev], T::DTYPE);
     tessera_mesh::parallel_for(parts, |p| {
         let end = ((p + 1) * per).min(count);
         for i in p * per..end {
@@ -718,7 +720,7 @@ fn scores_grad<T: Gemm>(simd: Simd, is_causal: bool, scale: T::Acc, s: usize, x:
 /// The flops of the backward's products for `count` batch entries of queries
 /// `[l, e]`, keys `[s, e]` and values `[s, ev]`, for the gradients in `need`
 /// (see [`count_flops`]).
-fn backward_flops(count: usize, attn: Attention, need: [bool; 3], [l, s, e, ev]: [usize; 4]) {
+fn backward_flops(count: usize, attn: Attention, need: [bool; 3], [l, s, e, ev]: [usize; 4], dtype: DType) {
     let need_s = need[0] || need[1];
     count_flops(
         count,
@@ -729,13 +731,14 @@ fn backward_flops(count: usize, attn: Attention, need: [bool; 3], [l, s, e, ev]:
             (need[0], Causal::Weights, [l, s, e]),
             (need[1], Causal::WeightsTransposed, [s, l, e]),
         ],
+        dtype,
     );
 }
 
 /// Counts (see [`crate::profile::add_flops`]) the flops of `count` batch
 /// entries' `products` that run (the flag), each the given causal part (or
 /// the dense product). Nothing to do while profiling is off.
-fn count_flops(count: usize, attn: Attention, products: &[(bool, Causal, [usize; 3])]) {
+fn count_flops(count: usize, attn: Attention, products: &[(bool, Causal, [usize; 3])], dtype: DType) {
     if !crate::profile::enabled() {
         return;
     }
@@ -744,7 +747,7 @@ fn count_flops(count: usize, attn: Attention, products: &[(bool, Causal, [usize;
         .filter(|p| p.0)
         .map(|&(_, part, mkn)| part_flops(count, attn.part(part), mkn))
         .sum();
-    crate::profile::add_flops(flops.try_into().unwrap_or(u64::MAX));
+    crate::profile::add_flops_of(flops.try_into().unwrap_or(u64::MAX), dtype);
 }
 
 #[cfg(test)]

@@ -488,7 +488,10 @@ fn matmul_typed<T: Gemm>(a: &Tensor, b: &Tensor, batch: &[usize], kernel: GemmKe
     }
     // Non-zero and checked above, so neither product overflows.
     let count: usize = batch.iter().product();
-    crate::profile::add_flops(part_flops(count, part, [m, k, n]).try_into().unwrap_or(u64::MAX));
+    crate::profile::add_flops_of(
+        part_flops(count, part, [m, k, n]).try_into().unwrap_or(u64::MAX),
+        T::DTYPE,
+    );
     // The GEMM overwrites every output element without reading it, so the
     // output is not zeroed first (a memset as long as the product's write).
     let mut out = crate::alloc::with_capacity::<T>("matmul", &shape)?;
@@ -656,7 +659,7 @@ impl Tensor {
             d if a.is_meta() || b.is_meta() => {
                 let (m, k, n) = (a.shape()[ra - 2], a.shape()[ra - 1], b.shape()[rb - 1]);
                 let count: usize = batch.iter().product();
-                crate::profile::add_flops(part_flops(count, part, [m, k, n]).try_into().unwrap_or(u64::MAX));
+                crate::profile::add_flops_of(part_flops(count, part, [m, k, n]).try_into().unwrap_or(u64::MAX), d);
                 Tensor::meta(&meta_shape(), d)?
             }
             #[cfg(feature = "cuda")]
