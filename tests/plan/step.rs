@@ -230,7 +230,125 @@ fn a_meta_step_measures_the_real_step_on_every_layout() {
                 ..BASE
             },
         ),
+        ("fsdp W2 no reshard", Config { reshard: false, ..BASE }),
+        (
+            "fsdp W2 bf16 no reshard",
+            Config {
+                bf16: true,
+                reshard: false,
+                ..BASE
+            },
+        ),
+        (
+            "hsdp 2x2 bf16",
+            Config {
+                mesh: &[2, 2],
+                bf16: true,
+                ..BASE
+            },
+        ),
+        (
+            "hsdp 2x2 no reshard",
+            Config {
+                mesh: &[2, 2],
+                reshard: false,
+                ..BASE
+            },
+        ),
+        (
+            "tp 4",
+            Config {
+                mesh: &[1, 4],
+                tp: true,
+                ..BASE
+            },
+        ),
+        (
+            "fsdp+tp 2x2 no reshard",
+            Config {
+                mesh: &[2, 2],
+                tp: true,
+                reshard: false,
+                ..BASE
+            },
+        ),
+        (
+            "fsdp+tp 2x2 bf16",
+            Config {
+                mesh: &[2, 2],
+                tp: true,
+                bf16: true,
+                ..BASE
+            },
+        ),
+        (
+            "hsdp+tp 2x2x2 bf16",
+            Config {
+                mesh: &[2, 2, 2],
+                tp: true,
+                bf16: true,
+                ..BASE
+            },
+        ),
+        (
+            "llama fsdp W4",
+            Config {
+                llama: true,
+                mesh: &[4],
+                rows: 1,
+                ..BASE
+            },
+        ),
+        (
+            "llama hsdp 2x2 bf16",
+            Config {
+                llama: true,
+                mesh: &[2, 2],
+                bf16: true,
+                ..BASE
+            },
+        ),
+        (
+            "llama tp 2",
+            Config {
+                llama: true,
+                mesh: &[1, 2],
+                tp: true,
+                ..BASE
+            },
+        ),
+        (
+            "llama fsdp+tp 2x2",
+            Config {
+                llama: true,
+                mesh: &[2, 2],
+                tp: true,
+                ..BASE
+            },
+        ),
+        (
+            "llama fsdp+tp 2x2 sequence parallel",
+            Config {
+                llama: true,
+                mesh: &[2, 2],
+                tp: true,
+                sequence_parallel: true,
+                ..BASE
+            },
+        ),
+        (
+            "llama hsdp+tp 2x2x2 no reshard",
+            Config {
+                llama: true,
+                mesh: &[2, 2, 2],
+                tp: true,
+                reshard: false,
+                rows: 1,
+                ..BASE
+            },
+        ),
     ];
+    assert!(cases.len() >= 24, "{} layouts", cases.len());
     let mut exact = 0;
     for (name, cfg) in cases {
         let off = check(name, *cfg);
