@@ -88,6 +88,13 @@ pub struct StepPlan {
     /// Bytes of tensor storage the step allocates on this rank (every op's
     /// outputs, each counted once): its memory traffic beyond the products.
     pub allocated_bytes: usize,
+    /// Bytes the forward pass adds to what the rank holds, by kind of module
+    /// (a block's `attention`, `feed_forward`, `attention_norm`, ...; the
+    /// root's children by name, such as `output`, whose logits these are):
+    /// the activations each keeps for backward, summed over the blocks.
+    /// FSDP's gathered parameters count where they are gathered (`(block)`,
+    /// `(root)`), so the activations stand apart from them.
+    pub forward_bytes_by_module: BTreeMap<String, i64>,
 }
 
 impl StepPlan {
@@ -144,6 +151,13 @@ impl StepPlan {
         let _ = writeln!(out, "  DTensor ops             {:>10}", self.ops);
         let _ = writeln!(out, "  bytes allocated         {:>10.2} MiB", mib(self.allocated_bytes));
         let _ = writeln!(out, "  peak at                 {}", self.peak_at);
+        for (module, bytes) in &self.forward_bytes_by_module {
+            let _ = writeln!(
+                out,
+                "  forward keeps, {module:<14} {:>10.2} MiB",
+                *bytes as f64 / (1u64 << 20) as f64
+            );
+        }
         for ((dims, kind), (calls, bytes)) in &self.collectives {
             let _ = writeln!(
                 out,
@@ -155,8 +169,10 @@ impl StepPlan {
     }
 
     /// The plan as JSON: `{"held_bytes", "phase_peak_bytes": {phase: bytes},
-    /// "peak_bytes", "peak_phase", "gemm_flops", "collectives": [{"mesh_dims",
-    /// "collective", "calls", "bytes"}]}`.
+    /// "peak_bytes", "peak_phase", "gemm_flops", "half_flops", "ops",
+    /// "param_bytes", "allocated_bytes", "peak_at", "collectives":
+    /// [{"mesh_dims", "collective", "calls", "bytes"}],
+    /// "forward_bytes_by_module": {module: bytes}}`.
     pub fn to_json(&self) -> String {
         let mut out = format!("{{\"held_bytes\": {}, \"phase_peak_bytes\": {{", self.held_bytes);
         for (i, (name, b)) in PHASES.iter().zip(self.phase_peak_bytes).enumerate() {
@@ -183,9 +199,46 @@ impl StepPlan {
                 kind.name()
             );
         }
-        out.push_str("]}");
+        out.push_str("], \"forward_bytes_by_module\": {");
+        for (i, (module, bytes)) in self.forward_bytes_by_module.iter().enumerate() {
+            let _ = write!(
+                out,
+                "{}{}: {bytes}",
+                if i > 0 { ", " } else { "" },
+                observe::json_string(module)
+            );
+        }
+        out.push_str("}}");
         out
     }
+}
+
+/// [`StepPlan::forward_bytes_by_module`] from a step's events: the change of
+/// the rank's bytes from one memory sample (taken after each op) to the next,
+/// credited to the kind of module the op ran in, over the forward pass.
+fn forward_by_module(events: &[observe::Event], start: usize) -> BTreeMap<String, i64> {
+    let mut out = BTreeMap::new();
+    let mut last = start as i64;
+    for e in events {
+        let observe::What::Memory(bytes) = e.what else {
+            continue;
+        };
+        let delta = bytes as i64 - last;
+        last = bytes as i64;
+        let Some((fqn, observe::Phase::Forward)) = &e.module else {
+            continue;
+        };
+        let parts: Vec<&str> = fqn.split('.').collect();
+        let kind = match parts[..] {
+            [""] => "(root)".to_string(),
+            ["layers", _] => "(block)".to_string(),
+            ["layers", _, child, ..] => child.to_string(),
+            [first, ..] => first.to_string(),
+            [] => "(root)".to_string(),
+        };
+        *out.entry(kind).or_insert(0) += delta;
+    }
+    out
 }
 
 impl fmt::Display for StepPlan {
@@ -400,6 +453,7 @@ pub fn plan_step(
             plan.phase_peak_bytes = peaks;
             let events = recording.map(observe::Recording::finish).unwrap_or_default();
             plan.ops = events.iter().filter(|e| matches!(e.what, observe::What::Op(_))).count() as u64;
+            plan.forward_bytes_by_module = forward_by_module(&events, plan.held_bytes);
             let peak = events
                 .iter()
                 .filter_map(|e| match e.what {

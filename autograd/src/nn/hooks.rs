@@ -423,6 +423,15 @@ pub(crate) fn call<M: Module + ?Sized>(m: &M, inputs: Inputs) -> Result<Var> {
     }
     let key = if active { key_of_call(m, relative) } else { None };
     let fqn = observing.then(|| fqn_of_call(m));
+    // Memory sampled at the module's edges (and after every op inside), so
+    // that what it adds is credited to it: the first sample still to the
+    // caller, the last to the module.
+    let sample = || {
+        if observing {
+            tessera_mesh::observe::memory(tessera_tensor::memory::stats().current_bytes as u64);
+        }
+    };
+    sample();
     let _observed = fqn
         .clone()
         .map(|f| tessera_mesh::observe::module(f, tessera_mesh::observe::Phase::Forward));
@@ -447,7 +456,9 @@ pub(crate) fn call<M: Module + ?Sized>(m: &M, inputs: Inputs) -> Result<Var> {
         unsafe { std::mem::transmute::<&(dyn Fn() -> Vec<(String, *const dyn Module)> + '_), &'static Lister>(lister) };
     STACK.with(|s| s.borrow_mut().push(Frame { key, fqn, children }));
     let _guard = FrameGuard;
-    run(m, inputs, &hooks).map_err(|e| tag(m, e))
+    let out = run(m, inputs, &hooks).map_err(|e| tag(m, e));
+    sample();
+    out
 }
 
 /// `e`, leaving the call of `m`, tagged with where it was raised: a new tag
