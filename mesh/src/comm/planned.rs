@@ -65,14 +65,15 @@ impl Planned<'_> {
         Ok(match *self {
             Planned::AllGather { dtype, counts } => {
                 check(OpKind::AllGather, counts)?;
-                let own = (counts[rank] * dtype.size_in_bytes()) as u64;
-                (OpKind::AllGather, (n as u64 - 1) * own)
+                (OpKind::AllGather, super::all_gather_v_bytes(dtype, counts, rank, n))
             }
             Planned::ReduceScatter { dtype, counts } => {
                 check(OpKind::ReduceScatter, counts)?;
-                let total: usize = counts.iter().sum();
-                let sent = (total - counts[rank]) * dtype.size_in_bytes();
-                (OpKind::ReduceScatter, sent as u64)
+                let send_bytes = counts.iter().sum::<usize>() * dtype.size_in_bytes();
+                (
+                    OpKind::ReduceScatter,
+                    super::reduce_scatter_v_bytes(dtype, send_bytes, counts, rank),
+                )
             }
             Planned::AllToAll { dtype, send_counts } => {
                 check(OpKind::AllToAll, send_counts)?;

@@ -209,6 +209,20 @@ pub(crate) fn exchange_v<C: Communicator + ?Sized>(
     check_v_rows(kind, n, &rows)
 }
 
+/// The bytes an all_gather_v over `n` ranks sends off this rank: its own piece
+/// (`counts[rank]` elements) to each of the `n − 1` others.
+pub(crate) fn all_gather_v_bytes(dtype: DType, counts: &[usize], rank: usize, n: usize) -> u64 {
+    let own = counts.get(rank).copied().unwrap_or(0) * dtype.size_in_bytes();
+    (n.saturating_sub(1) * own) as u64
+}
+
+/// The bytes a reduce_scatter_v of a `send_bytes`-byte input sends off this
+/// rank: the input less its own block (`counts[rank]` elements).
+pub(crate) fn reduce_scatter_v_bytes(dtype: DType, send_bytes: usize, counts: &[usize], rank: usize) -> u64 {
+    let own = counts.get(rank).copied().unwrap_or(0) * dtype.size_in_bytes();
+    send_bytes.saturating_sub(own) as u64
+}
+
 /// The bytes an all_to_all_v sends off this rank: every segment but its own.
 pub(crate) fn all_to_all_v_bytes(dtype: DType, send_counts: &[usize], rank: usize) -> u64 {
     let own = send_counts.get(rank).copied().unwrap_or(0) as u64;

@@ -13,7 +13,8 @@ use super::ops::{Handle, average, datatype, in_place_send, ptr, ptr_mut};
 use super::runtime::Runtime;
 use super::status::Watch;
 use crate::comm::{
-    Call, Worker, all_to_all_v_bytes, check_call, check_v_local, check_v_rows, nbytes as bytes, v_name, v_row,
+    Call, Worker, all_to_all_v_bytes, check_call, check_v_local, check_v_rows, nbytes as bytes, reduce_scatter_v_bytes,
+    v_name, v_row,
 };
 use crate::stats::CommStats;
 use crate::{Buf, BufMut, Buffer, Communicator, DType, Error, OpKind, ReduceOp, Result, Work};
@@ -420,8 +421,8 @@ impl Communicator for MpiComm {
             .and_then(|_| counts(name, self.rank, counts_in));
         let (c, _) = self.exchange_v(OpKind::ReduceScatter, &send, recv.len(), counts_in, &[], local)?;
         // The input less its own piece (the stats table).
-        let own = counts_in.get(self.rank).copied().unwrap_or(0) * send.dtype().size_in_bytes();
-        let _obs = self.begin_sent(OpKind::ReduceScatter, bytes(&send).saturating_sub(own) as u64);
+        let sent = reduce_scatter_v_bytes(send.dtype(), bytes(&send), counts_in, self.rank);
+        let _obs = self.begin_sent(OpKind::ReduceScatter, sent);
         let dtype = send.dtype();
         let (dt, mop) = (datatype(dtype), self.rt.ops.get(dtype, op));
         let (s, r) = (ptr(&send), ptr_mut(&mut recv));

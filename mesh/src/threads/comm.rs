@@ -6,7 +6,9 @@ use std::sync::Arc;
 use super::group::Group;
 use super::kernels::{self, Out, Source};
 use super::split::split_group;
-use crate::comm::{Run, Worker, all_to_all_v_bytes, check_runs, nbytes as bytes, own_runs};
+use crate::comm::{
+    Run, Worker, all_gather_v_bytes, all_to_all_v_bytes, check_runs, nbytes as bytes, own_runs, reduce_scatter_v_bytes,
+};
 use crate::context::RankId;
 use crate::dtype::Filling;
 use crate::stats::CommStats;
@@ -192,8 +194,8 @@ impl Communicator for ThreadComm {
         let _site = crate::callsite::issue();
         self.fence();
         // n−1 copies of its own piece (the stats table).
-        let own = counts.get(self.rank).copied().unwrap_or(0) * send.dtype().size_in_bytes();
-        let _obs = self.record_sent(OpKind::AllGather, ((self.size() - 1) * own) as u64);
+        let sent = all_gather_v_bytes(send.dtype(), counts, self.rank, self.size());
+        let _obs = self.record_sent(OpKind::AllGather, sent);
         kernels::all_gather_v(&self.group, self.rank, send, recv, counts)
     }
 
@@ -201,8 +203,8 @@ impl Communicator for ThreadComm {
         let _site = crate::callsite::issue();
         self.fence();
         // The input less its own piece (the stats table).
-        let own = counts.get(self.rank).copied().unwrap_or(0) * send.dtype().size_in_bytes();
-        let _obs = self.record_sent(OpKind::ReduceScatter, bytes(&send).saturating_sub(own) as u64);
+        let sent = reduce_scatter_v_bytes(send.dtype(), bytes(&send), counts, self.rank);
+        let _obs = self.record_sent(OpKind::ReduceScatter, sent);
         kernels::reduce_scatter_v(&self.group, self.rank, send, recv, counts, op)
     }
 
@@ -233,8 +235,8 @@ impl Communicator for ThreadComm {
             recv_runs,
         )?;
         // n−1 copies of its own piece, as all_gather_v.
-        let own = counts.get(self.rank).copied().unwrap_or(0) * send.dtype().size_in_bytes();
-        let _obs = self.record_sent(OpKind::AllGather, ((self.size() - 1) * own) as u64);
+        let sent = all_gather_v_bytes(send.dtype(), &counts, self.rank, self.size());
+        let _obs = self.record_sent(OpKind::AllGather, sent);
         kernels::runs(
             &self.group,
             self.rank,
@@ -260,8 +262,8 @@ impl Communicator for ThreadComm {
             &mine,
         )?;
         // The input less its own piece, as reduce_scatter_v.
-        let own = counts.get(self.rank).copied().unwrap_or(0) * send.dtype().size_in_bytes();
-        let _obs = self.record_sent(OpKind::ReduceScatter, bytes(&send).saturating_sub(own) as u64);
+        let sent = reduce_scatter_v_bytes(send.dtype(), bytes(&send), &counts, self.rank);
+        let _obs = self.record_sent(OpKind::ReduceScatter, sent);
         kernels::reduce_scatter_runs(&self.group, self.rank, send, recv, &counts, &mine[self.rank], op, true)
     }
 
