@@ -280,56 +280,50 @@ impl Machine {
     /// A failed collective.
     pub fn calibrate(mesh: &DeviceMesh) -> Result<Machine, BoxError> {
         use tessera_mesh::CommunicatorExt;
-        let median = |mut t: Vec<f64>| {
+        let comm = mesh.comm();
+        let ranks = comm.size();
+        // The median seconds of `reps` runs of `f` over 5 samples, each after
+        // a barrier (the ranks start together, as a step's work does).
+        let timed = |reps: usize, f: &mut dyn FnMut() -> Result<(), BoxError>| -> Result<f64, BoxError> {
+            let mut t = Vec::with_capacity(5);
+            for _ in 0..5 {
+                comm.barrier()?;
+                let start = std::time::Instant::now();
+                for _ in 0..reps {
+                    f()?;
+                }
+                t.push(start.elapsed().as_secs_f64() / reps as f64);
+            }
             t.sort_by(f64::total_cmp);
-            t[t.len() / 2]
+            Ok(t[t.len() / 2])
         };
         let (m, k, n) = (256, 1024, 1024);
+        let flops = (2 * m * k * n) as f64;
         let a = Tensor::ones(&[m, k], tessera_mesh::DType::F32)?;
         let b = Tensor::ones(&[k, n], tessera_mesh::DType::F32)?;
-        let comm = mesh.comm();
-        let mut gemm = Vec::new();
-        for _ in 0..5 {
-            comm.barrier()?;
-            let t = std::time::Instant::now();
-            std::hint::black_box(a.matmul(&b)?);
-            gemm.push(t.elapsed().as_secs_f64());
-        }
-        let flops_per_s = (2 * m * k * n) as f64 / median(gemm);
+        let flops_per_s = flops
+            / timed(1, &mut || {
+                std::hint::black_box(a.matmul(&b)?);
+                Ok(())
+            })?;
         let (a, b) = (a.cast(tessera_mesh::DType::BF16)?, b.cast(tessera_mesh::DType::BF16)?);
-        let mut half = Vec::new();
-        for _ in 0..5 {
-            comm.barrier()?;
-            let t = std::time::Instant::now();
-            std::hint::black_box(a.matmul(&b)?);
-            half.push(t.elapsed().as_secs_f64());
-        }
-        let half_flops_per_s = (2 * m * k * n) as f64 / median(half);
-        let ranks = comm.size();
+        let half_flops_per_s = flops
+            / timed(1, &mut || {
+                std::hint::black_box(a.matmul(&b)?);
+                Ok(())
+            })?;
         let piece = vec![0f32; 1 << 20];
-        let mut gather = Vec::new();
-        for _ in 0..5 {
-            comm.barrier()?;
-            let t = std::time::Instant::now();
+        let gather = timed(1, &mut || {
             std::hint::black_box(comm.all_gather_vec(&piece)?);
-            gather.push(t.elapsed().as_secs_f64());
-        }
+            Ok(())
+        })?;
         let sent = ((ranks - 1) * piece.len() * 4) as f64;
-        let bytes_per_s = if ranks > 1 {
-            sent / median(gather)
-        } else {
-            f64::INFINITY
-        };
-        let mut latency = Vec::new();
-        for _ in 0..5 {
-            comm.barrier()?;
-            let t = std::time::Instant::now();
-            for _ in 0..20 {
-                std::hint::black_box(comm.all_gather_vec(&[0f32])?);
-            }
-            latency.push(t.elapsed().as_secs_f64() / 20.0);
-        }
-        let collective_latency_s = if ranks > 1 { median(latency) } else { 0.0 };
+        let bytes_per_s = if ranks > 1 { sent / gather } else { f64::INFINITY };
+        let latency = timed(20, &mut || {
+            std::hint::black_box(comm.all_gather_vec(&[0f32])?);
+            Ok(())
+        })?;
+        let collective_latency_s = if ranks > 1 { latency } else { 0.0 };
         // A small op on a replicated DTensor: its dispatch and a [64, 64] kernel.
         let x = tessera_dtensor::DTensor::from_local(
             Tensor::ones(&[64, 64], tessera_mesh::DType::F32)?,
@@ -337,30 +331,23 @@ impl Machine {
             &vec![tessera_dtensor::Placement::Replicate; mesh.ndim()],
             &[64, 64],
         )?;
-        let mut ops = Vec::new();
-        for _ in 0..5 {
-            let t = std::time::Instant::now();
-            for _ in 0..20 {
-                std::hint::black_box(x.add(&x)?);
-            }
-            ops.push(t.elapsed().as_secs_f64() / 20.0);
-        }
+        let op_s = timed(20, &mut || {
+            std::hint::black_box(x.add(&x)?);
+            Ok(())
+        })?;
         let (src, mut dst) = (vec![1u8; 32 << 20], vec![0u8; 32 << 20]);
-        let mut copies = Vec::new();
-        for _ in 0..5 {
-            comm.barrier()?;
-            let t = std::time::Instant::now();
+        let copy = timed(1, &mut || {
             dst.copy_from_slice(std::hint::black_box(&src));
             std::hint::black_box(&mut dst);
-            copies.push(t.elapsed().as_secs_f64());
-        }
+            Ok(())
+        })?;
         Ok(Machine {
             flops_per_s,
             half_flops_per_s,
             bytes_per_s,
             collective_latency_s,
-            op_s: median(ops),
-            copy_bytes_per_s: src.len() as f64 / median(copies),
+            op_s,
+            copy_bytes_per_s: src.len() as f64 / copy,
         })
     }
 
@@ -408,6 +395,7 @@ pub fn plan_step(
     let local_shape = batch.local_shape(mesh.coordinate())?;
     let mut plan = StepPlan::default();
     let profiling = profile::enabled();
+    let mut allocated_before = 0;
     for step in 0..2 {
         let rows = DTensor::from_local_with_layout(Tensor::meta(&local_shape, batch.dtype)?, mesh, batch.clone())?;
         let last = step == 1;
@@ -417,7 +405,7 @@ pub fn plan_step(
             let _ = profile::take();
             let _ = profile::take_half_flops();
             plan.held_bytes = stats().current_bytes;
-            plan.allocated_bytes = tessera_tensor::memory::allocated_bytes();
+            allocated_before = tessera_tensor::memory::allocated_bytes();
         }
         let mut peaks = [0; 3];
         reset_peak();
@@ -442,7 +430,7 @@ pub fn plan_step(
         drop(l.value().full_tensor()?);
         drop(l);
         if last {
-            plan.allocated_bytes = tessera_tensor::memory::allocated_bytes() - plan.allocated_bytes;
+            plan.allocated_bytes = tessera_tensor::memory::allocated_bytes() - allocated_before;
             let p = profile::take();
             // Timing is on for every thread: turned back only once every rank
             // has counted its step.

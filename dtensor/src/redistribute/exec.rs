@@ -213,11 +213,7 @@ impl Exchange<'_> {
                     .count_planned(Planned::ReduceScatter { dtype, counts: &counts })?;
             }
             StepKind::AllToAll => {
-                let send_counts = numels(
-                    (self.regions(self.after)?.iter())
-                        .map(|to| mine_before.intersect(to))
-                        .collect(),
-                );
+                let (_, _, send_counts, _) = self.all_to_all_parts(&mine_before, &mine_after)?;
                 self.comm.count_planned(Planned::AllToAll {
                     dtype,
                     send_counts: &send_counts,
