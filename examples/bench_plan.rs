@@ -1,7 +1,8 @@
 //! How well planned steps (`train --plan`) predict real ones: for the tiny and
-//! bench models on 4 in-process ranks, every layout `train --auto` considers
-//! is planned and then run, in this one process's children, one after the
-//! other on the same machine.
+//! bench models on 4 in-process ranks, eleven layouts of the kinds `train --auto`
+//! considers (FSDP, HSDP, TP splits, resharding, bf16, recomputation) are planned
+//! and then run, in this one process's children, one after the other on the same
+//! machine.
 //!
 //! ```text
 //! cargo run --release --example bench_plan -- [--json PATH] [--iters N]
@@ -110,6 +111,30 @@ const LAYOUTS: &[Layout] = &[
         flags: &["--world-size", "4", "--tp", "4"],
         dp: 1,
     },
+    Layout {
+        name: "fsdp 4, reshard to 2",
+        flags: &["--world-size", "4", "--reshard-to", "2"],
+        dp: 4,
+    },
+    Layout {
+        name: "fsdp 4, recompute",
+        flags: &["--world-size", "4", "--activation-checkpointing", "full"],
+        dp: 4,
+    },
+    Layout {
+        name: "fsdp 2 + tp 2, bf16, recompute",
+        flags: &[
+            "--world-size",
+            "4",
+            "--tp",
+            "2",
+            "--mixed-precision",
+            "bf16",
+            "--activation-checkpointing",
+            "full",
+        ],
+        dp: 2,
+    },
 ];
 
 /// A layout planned and run.
@@ -159,47 +184,23 @@ fn max_u64(v: &serde_json::Value) -> u64 {
         .unwrap_or(0)
 }
 
-/// The slowest rank's step time as `tessera::plan::StepPlan::step_time_s`
-/// estimates it, from the plan's JSON and a machine's constants.
-fn estimate(plan: &serde_json::Value, m: &serde_json::Value) -> f64 {
-    let f = |v: &serde_json::Value, k: &str| v[k].as_f64().unwrap_or(f64::INFINITY);
-    let n = |v: &serde_json::Value, k: &str| v[k].as_f64().unwrap_or(0.0);
-    plan["ranks"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .map(|r| {
-            let (calls, bytes) = r["collectives"]
-                .as_array()
-                .into_iter()
-                .flatten()
-                .fold((0.0, 0.0), |(c, b), x| (c + n(x, "calls"), b + n(x, "bytes")));
-            (n(r, "gemm_flops") - n(r, "half_flops")) / f(m, "flops_per_s")
-                + n(r, "half_flops") / f(m, "half_flops_per_s")
-                + n(r, "allocated_bytes") / f(m, "copy_bytes_per_s")
-                + bytes / f(m, "bytes_per_s")
-                + calls * n(m, "collective_latency_s")
-                + n(r, "ops") * n(m, "op_s")
-        })
-        .fold(0.0, f64::max)
-}
-
 fn run(args: &common::BenchArgs) -> Result<(), String> {
     let exe = train_exe()?;
     let dir = std::env::temp_dir().join(format!("tessera-bench-plan-{}", std::process::id()));
     std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
     let mut rows = Vec::new();
     println!(
-        "{:<6} {:<28} {:>12} {:>12} {:>7} {:>10} {:>10}",
+        "{:<6} {:<32} {:>12} {:>12} {:>7} {:>10} {:>10}",
         "model", "layout", "planned_B", "measured_B", "err", "planned_s", "measured_s"
     );
     for (model, sizes) in [("tiny", TINY), ("bench", BENCH)] {
-        // One machine for every layout of a model (the first layout's
-        // calibration), as `train --auto` ranks them, so that calibration
-        // noise ranks nothing.
-        let mut machine: Option<serde_json::Value> = None;
+        // One machine for every layout of a model (calibrated by the first
+        // run and saved, `--machine`), as `train --auto` ranks them, so that
+        // calibration noise ranks nothing.
+        let machine = dir.join(format!("machine-{model}.json"));
         for l in LAYOUTS {
             let mut base: Vec<String> = sizes.iter().chain(l.flags).map(|s| s.to_string()).collect();
+            base.extend(["--machine".into(), machine.to_string_lossy().into_owned()]);
             base.extend(["--batch".into(), (GLOBAL_BATCH / l.dp).to_string()]);
             base.extend(["--steps".into(), (args.iters + 2).to_string()]);
             let (plan, out) = (dir.join("plan.json"), dir.join("run.json"));
@@ -211,7 +212,6 @@ fn run(args: &common::BenchArgs) -> Result<(), String> {
             ]);
             train(&exe, &planning)?;
             let p = read_json(&plan)?;
-            let m = machine.get_or_insert_with(|| p["machine"].clone()).clone();
             let mut running = base.clone();
             running.extend(["--losses-out".into(), out.to_string_lossy().into_owned()]);
             train(&exe, &running)?;
@@ -228,11 +228,11 @@ fn run(args: &common::BenchArgs) -> Result<(), String> {
                 layout: l.name,
                 planned_peak: max_u64(&p["peak_bytes_per_rank"]),
                 measured_peak: max_u64(&r["peak_bytes_per_rank"]),
-                planned_s: estimate(&p, &m),
+                planned_s: p["step_time_s"].as_f64().ok_or("no step_time_s in --plan-out")?,
                 measured_s: median(&times),
             };
             println!(
-                "{:<6} {:<28} {:>12} {:>12} {:>6.2}% {:>10.4} {:>10.4}",
+                "{:<6} {:<32} {:>12} {:>12} {:>6.2}% {:>10.4} {:>10.4}",
                 row.model,
                 row.layout,
                 row.planned_peak,

@@ -264,6 +264,9 @@ pub struct Machine {
     /// Bytes per second one rank copies (all ranks copying at once): what
     /// writing an op's output and reading it again costs per byte.
     pub copy_bytes_per_s: f64,
+    /// The ranks that shared the machine while it was measured (rates per
+    /// rank hold for this many ranks at once).
+    pub ranks: usize,
 }
 
 impl Machine {
@@ -348,11 +351,72 @@ impl Machine {
             collective_latency_s,
             op_s,
             copy_bytes_per_s: src.len() as f64 / copy,
+            ranks,
+        })
+    }
+
+    /// The constants saved in `path` by [`save`](Self::save) (a calibration
+    /// kept for later plans, as `train --machine PATH` keeps it).
+    ///
+    /// # Errors
+    /// A file that cannot be read, is not JSON, or lacks a constant (each
+    /// named with the file).
+    pub fn load(path: impl AsRef<std::path::Path>) -> Result<Machine, BoxError> {
+        let path = path.as_ref();
+        let text = std::fs::read_to_string(path).map_err(|e| format!("machine constants {}: {e}", path.display()))?;
+        Machine::from_json(&text).map_err(|e| format!("machine constants {}: {e}", path.display()).into())
+    }
+
+    /// Writes the constants to `path` as [`to_json`](Self::to_json) does, all
+    /// or nothing (a temporary file renamed into place).
+    ///
+    /// # Errors
+    /// The file cannot be written.
+    pub fn save(&self, path: impl AsRef<std::path::Path>) -> Result<(), BoxError> {
+        tessera_autograd::write_atomic(path.as_ref(), format!("{}\n", self.to_json()).as_bytes())?;
+        Ok(())
+    }
+
+    /// The constants from [`to_json`](Self::to_json)'s text (`null` is an
+    /// unbounded rate: one rank sends nothing).
+    ///
+    /// # Errors
+    /// Text that is not a JSON object, or a constant missing, negative or not
+    /// a number (named).
+    pub fn from_json(text: &str) -> Result<Machine, BoxError> {
+        let v: serde_json::Value = serde_json::from_str(text).map_err(|e| format!("not JSON: {e}"))?;
+        let rate = |key: &str| -> Result<f64, BoxError> {
+            match v.get(key) {
+                Some(serde_json::Value::Null) => Ok(f64::INFINITY),
+                Some(x) => match x.as_f64() {
+                    Some(f) if f >= 0.0 => Ok(f),
+                    _ => Err(format!("\"{key}\" is {x}, not a number of at least 0").into()),
+                },
+                None => Err(format!("no \"{key}\" (write the file with Machine::save or train --machine)").into()),
+            }
+        };
+        let (flops_per_s, half_flops_per_s) = (rate("flops_per_s")?, rate("half_flops_per_s")?);
+        let (bytes_per_s, collective_latency_s) = (rate("bytes_per_s")?, rate("collective_latency_s")?);
+        let (op_s, copy_bytes_per_s) = (rate("op_s")?, rate("copy_bytes_per_s")?);
+        let ranks = v
+            .get("ranks")
+            .and_then(serde_json::Value::as_u64)
+            .filter(|&r| r > 0)
+            .ok_or("no \"ranks\" of at least 1 (write the file with Machine::save or train --machine)")?;
+        Ok(Machine {
+            flops_per_s,
+            half_flops_per_s,
+            bytes_per_s,
+            collective_latency_s,
+            op_s,
+            copy_bytes_per_s,
+            ranks: ranks as usize,
         })
     }
 
     /// The constants as JSON: `{"flops_per_s", "half_flops_per_s", "bytes_per_s",
-    /// "collective_latency_s", "op_s", "copy_bytes_per_s"}`.
+    /// "collective_latency_s", "op_s", "copy_bytes_per_s", "ranks"}` (an
+    /// unbounded rate as `null`).
     pub fn to_json(&self) -> String {
         let num = |v: f64| {
             if v.is_finite() {
@@ -362,13 +426,14 @@ impl Machine {
             }
         };
         format!(
-            "{{\"flops_per_s\": {}, \"half_flops_per_s\": {}, \"bytes_per_s\": {}, \"collective_latency_s\": {}, \"op_s\": {}, \"copy_bytes_per_s\": {}}}",
+            "{{\"flops_per_s\": {}, \"half_flops_per_s\": {}, \"bytes_per_s\": {}, \"collective_latency_s\": {}, \"op_s\": {}, \"copy_bytes_per_s\": {}, \"ranks\": {}}}",
             num(self.flops_per_s),
             num(self.half_flops_per_s),
             num(self.bytes_per_s),
             num(self.collective_latency_s),
             num(self.op_s),
-            num(self.copy_bytes_per_s)
+            num(self.copy_bytes_per_s),
+            self.ranks
         )
     }
 }

@@ -986,29 +986,37 @@ fn auto_picks_a_layout_that_fits_the_budget() {
     let text = String::from_utf8_lossy(&o.stdout).into_owned();
     let picked: Vec<&str> = text.lines().filter(|l| l.starts_with('*')).collect();
     assert_eq!(picked.len(), 1, "{text}");
-    for layout in ["fsdp 4", "hsdp 2x2", "fsdp 2 + tp 2", "fsdp 1 + tp 4, no reshard, bf16"] {
+    for layout in [
+        "fsdp 4",
+        "hsdp 2x2",
+        "fsdp 2 + tp 2",
+        "fsdp 1 + tp 4, no reshard, bf16",
+        "fsdp 4, reshard to 2",
+        "hsdp 2x2, bf16, recompute",
+    ] {
         assert!(
             text.lines().any(|l| l[2..].starts_with(layout)),
             "{layout} not planned:\n{text}"
         );
     }
-    // The smallest planned peak, and a budget just below it: nothing fits.
+    // The smallest planned peak (in KiB), and a budget just below it: nothing fits.
     let peak = |l: &str| -> f64 {
-        l.split("peak")
-            .nth(1)
-            .unwrap()
-            .split_whitespace()
-            .next()
-            .unwrap()
-            .parse()
-            .unwrap()
+        let mut words = l.split("peak").nth(1).unwrap().split_whitespace();
+        let v: f64 = words.next().unwrap().parse().unwrap();
+        match words.next().unwrap() {
+            "B" => v / 1024.0,
+            "KiB" => v,
+            "MiB" => v * 1024.0,
+            "GiB" => v * 1024.0 * 1024.0,
+            u => panic!("unit {u} in {l}"),
+        }
     };
     let least = text
         .lines()
         .filter(|l| l.contains(" peak "))
         .map(peak)
         .fold(f64::INFINITY, f64::min);
-    let o = run(&format!("{}KiB", (least * 1024.0 * 0.9) as usize));
+    let o = run(&format!("{}KiB", (least * 0.9) as usize));
     assert!(!o.status.success());
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(
@@ -1022,4 +1030,114 @@ fn auto_picks_a_layout_that_fits_the_budget() {
         &[],
     );
     assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("--auto chooses"));
+}
+
+/// `--activation-checkpointing` trains the same model (the same losses, bit
+/// for bit) with a smaller peak, as its plan predicts; `--reshard-to` is
+/// planned and run alike; bad values and combinations are refused by name.
+#[test]
+fn recomputed_blocks_and_resharding_to_groups_train_the_same_model() {
+    let dir = std::env::temp_dir().join(format!("tessera-cli-ac-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let read =
+        |p: &std::path::Path| -> serde_json::Value { serde_json::from_slice(&std::fs::read(p).unwrap()).unwrap() };
+    let peak = |v: &serde_json::Value| -> u64 {
+        v["peak_bytes_per_rank"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap())
+            .max()
+            .unwrap()
+    };
+    let mut runs = Vec::new();
+    for (i, extra) in [&[][..], &["--activation-checkpointing", "full"], &["--reshard-to", "2"]]
+        .iter()
+        .enumerate()
+    {
+        let (plan, out) = (dir.join(format!("plan{i}.json")), dir.join(format!("run{i}.json")));
+        let (plan_s, out_s) = (plan.to_string_lossy().into_owned(), out.to_string_lossy().into_owned());
+        // A model whose activations outweigh its parameters: 8 rows per rank.
+        let mut args = vec!["--world-size", "4", "--steps", "4", "--batch", "8"];
+        args.extend_from_slice(extra);
+        let mut planning = args.clone();
+        planning.extend(["--plan", "--plan-out", &plan_s]);
+        let o = train(&planning, &[]);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        args.extend(["--losses-out", &out_s]);
+        let o = train(&args, &[]);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let text = String::from_utf8_lossy(&o.stdout).into_owned();
+        let (p, r) = (read(&plan), read(&out));
+        assert_eq!(peak(&p), peak(&r), "{extra:?}: planned and measured peaks");
+        runs.push((losses(&out), peak(&r), text));
+    }
+    assert_eq!(runs[1].0, runs[0].0, "recomputation changes no loss");
+    assert_eq!(runs[2].0, runs[0].0, "resharding to groups changes no loss");
+    assert!(
+        runs[1].1 < runs[0].1,
+        "recomputed blocks peak at {} bytes, kept ones at {}",
+        runs[1].1,
+        runs[0].1
+    );
+    assert!(
+        runs[1].2.contains("every block recomputed in backward"),
+        "{}",
+        runs[1].2
+    );
+    assert!(runs[2].2.contains("resharded to groups of 2"), "{}", runs[2].2);
+    for (args, want) in [
+        (&["--activation-checkpointing", "half"][..], "use none, full, or N"),
+        (&["--reshard-to", "2", "--no-reshard"], "give one"),
+        (&["--reshard-to", "3"], "must divide the 4 ranks"),
+    ] {
+        let mut a = vec!["--world-size", "4", "--steps", "1"];
+        a.extend_from_slice(args);
+        let o = train(&a, &[]);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success() && err.contains(want), "{args:?}: {err}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `--machine PATH` calibrates once and saves the constants; a later plan
+/// reads them (the same constants in its JSON, no new calibration); a file of
+/// another world size, or not of constants, is refused by name.
+#[test]
+fn machine_constants_are_saved_once_and_read_back() {
+    let dir = std::env::temp_dir().join(format!("tessera-cli-machine-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let machine = dir.join("machine.json");
+    let m = machine.to_string_lossy().into_owned();
+    let plan = |world: &str, out: &str| {
+        train(
+            &["--world-size", world, "--plan", "--machine", &m, "--plan-out", out],
+            &[],
+        )
+    };
+    let (first, second) = (dir.join("a.json"), dir.join("b.json"));
+    let o = plan("2", &first.to_string_lossy());
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(String::from_utf8_lossy(&o.stdout).contains("calibrated the machine for 2 ranks"));
+    let saved: serde_json::Value = serde_json::from_slice(&std::fs::read(&machine).unwrap()).unwrap();
+    assert_eq!(saved["ranks"], 2);
+    let o = plan("2", &second.to_string_lossy());
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(!String::from_utf8_lossy(&o.stdout).contains("calibrated"));
+    let read =
+        |p: &std::path::Path| -> serde_json::Value { serde_json::from_slice(&std::fs::read(p).unwrap()).unwrap() };
+    let (a, b) = (read(&first), read(&second));
+    assert_eq!(a["machine"], saved);
+    assert_eq!(b["machine"], saved, "the second plan reads the saved constants");
+    assert_eq!(a["step_time_s"], b["step_time_s"]);
+    let o = plan("4", &second.to_string_lossy());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("calibrated with 2 ranks"), "{err}");
+    std::fs::write(&machine, "{\"flops_per_s\": 1e9}").unwrap();
+    let o = plan("2", &second.to_string_lossy());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("half_flops_per_s"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
 }

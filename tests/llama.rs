@@ -14,7 +14,7 @@ use tessera::autograd::{Var, backward, read_safetensors};
 use tessera::dtensor::{Placement, Tensor, distribute_tensor};
 use tessera::fsdp::{FsdpConfig, MixedPrecisionPolicy};
 use tessera::mesh::{CommCounts, OpKind};
-use tessera::models::{CausalLm, Llama, LlamaConfig, Transformer, TransformerConfig};
+use tessera::models::{ActivationCheckpointing, CausalLm, Llama, LlamaConfig, Transformer, TransformerConfig};
 use tessera::tensor::ops::rotary_tables;
 use tessera::{DType, DeviceMesh, launch};
 
@@ -33,6 +33,8 @@ struct Layout {
     fsdp: bool,
     sequence_parallel: bool,
     bf16: bool,
+    /// Which blocks recompute their activations in backward.
+    ac: ActivationCheckpointing,
 }
 
 struct Run {
@@ -47,6 +49,7 @@ fn train(layout: Layout, steps: usize) -> Run {
     launch(world, move |ctx| {
         let mesh = DeviceMesh::with_names(ctx.into_comm(), layout.mesh, layout.names)?;
         let model = Llama::new(LlamaConfig::TINY, &mesh, DType::F32)?;
+        model.set_activation_checkpointing(layout.ac)?;
         let tp = layout.names.last() == Some(&"tp");
         let dp_names = &layout.names[..layout.names.len() - usize::from(tp)];
         if tp {
@@ -117,6 +120,7 @@ const FLAT: Layout = Layout {
     fsdp: false,
     sequence_parallel: false,
     bf16: false,
+    ac: ActivationCheckpointing::None,
 };
 
 #[test]
@@ -173,6 +177,34 @@ fn fsdp_and_hsdp_over_tensor_parallelism_match_pytorch() {
         ..FLAT
     };
     check(hsdp_tp, "hsdp_tp_2x2x2_G8", 1e-5);
+}
+
+/// Recomputing every block (FSDP over sequence-parallel TP: the blocks' FSDP
+/// units and TP collectives run again in backward) trains the same model:
+/// PyTorch's losses, and bit for bit the weights of the run that keeps its
+/// activations.
+#[test]
+fn activation_checkpointing_trains_the_same_model() {
+    let kept = Layout {
+        mesh: &[2, 2],
+        names: &["dp", "tp"],
+        fsdp: true,
+        sequence_parallel: true,
+        ..FLAT
+    };
+    let recomputed = check(
+        Layout {
+            ac: ActivationCheckpointing::Full,
+            ..kept
+        },
+        "fsdp_tp_2x2_G8",
+        1e-5,
+    );
+    let kept = train(kept, 20);
+    assert_eq!(recomputed.losses, kept.losses);
+    for ((name, a), (_, b)) in recomputed.weights.iter().zip(&kept.weights) {
+        assert_eq!(a.to_f64_vec(), b.to_f64_vec(), "{name}");
+    }
 }
 
 #[test]

@@ -4,15 +4,15 @@ use std::path::PathBuf;
 
 use tessera::data::{DATA_SEED, batch};
 use tessera::dtensor::{Device, Tensor};
-use tessera::models::{LlamaConfig, TransformerConfig};
+use tessera::models::{ActivationCheckpointing, LlamaConfig, TransformerConfig};
 use tessera::{BoxError, mpi_env};
 
 use crate::schedule;
 
 pub(crate) const USAGE: &str = "usage: train [--world-size N | --mesh RxS] [--tp T [--sequence-parallel]] [--steps N] [--batch ROWS_PER_RANK] [--dim N] \
-[--n-layers N] [--n-heads N] [--vocab N] [--seq N] [--model gpt|llama [--n-kv-heads K] [--ffn-hidden H] [--rope-theta F]] [--lr F] [--lr-schedule S] [--warmup-steps N] [--mixed-precision bf16] [--no-reshard] [--init PATH | --seed N] \
+[--n-layers N] [--n-heads N] [--vocab N] [--seq N] [--model gpt|llama [--n-kv-heads K] [--ffn-hidden H] [--rope-theta F]] [--lr F] [--lr-schedule S] [--warmup-steps N] [--mixed-precision bf16] [--no-reshard | --reshard-to N] [--activation-checkpointing none|full|N] [--init PATH | --seed N] \
 [--tokens PATH] [--data-seed N] [--losses-out PATH] [--metrics-out PATH] [--checkpoint-dir DIR --checkpoint-every N [--async-save] [--keep-checkpoints K]] [--resume DIR [--resume-step K]] \
-[--save-full PATH] [--save-hf DIR] [--device cpu|cuda|cuda:N] [--plan [--plan-out PATH]] [--auto --memory-budget SIZE] [--profile] [--comm-report PATH] [--trace PATH] [--op-log PATH [--op-log-values]]";
+[--save-full PATH] [--save-hf DIR] [--device cpu|cuda|cuda:N] [--plan [--plan-out PATH]] [--machine PATH] [--auto --memory-budget SIZE] [--profile] [--comm-report PATH] [--trace PATH] [--op-log PATH [--op-log-values]]";
 
 /// Every flag with its default (`train --help`).
 pub(crate) const HELP: &str = "\
@@ -23,6 +23,11 @@ mesh and parallelism:
   --sequence-parallel   the sequence-parallel TP plan (default: off)
   --mixed-precision M   bf16 or none (default none)
   --no-reshard          keep parameters gathered from forward to backward (default: reshard)
+  --reshard-to N        after forward, keep parameters sharded over groups of N ranks of the
+                        shard dim (N divides it), so backward gathers within a group
+  --activation-checkpointing A
+                        none, full (every block recomputes its activations in backward) or N
+                        (every N-th block) (default none)
   --device D            cpu, or cuda / cuda:N: every rank computes on that GPU, ranks
                         sharing it as threads (needs a build with --features cuda;
                         default cpu)
@@ -81,9 +86,13 @@ output and checkpoints:
   --plan-out PATH       the plan as JSON: peak_bytes_per_rank, step_time_s, each rank's plan
   --auto --memory-budget SIZE
                         plan every layout of the ranks (FSDP, HSDP, TP splits, resharding,
-                        bf16; the global batch fixed), rank them by estimated step time and
-                        train the fastest whose planned peak per rank fits SIZE (4GiB,
-                        512MiB, ...); with --plan, only print the ranking
+                        integer resharding, bf16, activation checkpointing; the global batch
+                        fixed), rank them by estimated step time and train the fastest whose
+                        planned peak per rank fits SIZE (4GiB, 512MiB, ...); with --plan, only
+                        print the ranking
+  --machine PATH        the machine constants step times are estimated from: read from PATH,
+                        or, where PATH does not exist, calibrated (a short run) and saved there
+                        (default: calibrated each run)
   --profile             print where rank 0's step time went, per op and kind of work, over
                         the steps after the first two (on a GPU every op waits for its
                         kernels, so steps run slower: device time per op)
@@ -107,6 +116,10 @@ pub(crate) struct Args {
     pub(crate) mesh: Vec<usize>,
     pub(crate) bf16: bool,
     pub(crate) no_reshard: bool,
+    /// Reshard after forward to groups of this many ranks (`--reshard-to`).
+    pub(crate) reshard_to: Option<usize>,
+    /// Which blocks recompute their activations (`--activation-checkpointing`).
+    pub(crate) ac: ActivationCheckpointing,
     /// Tensor-parallel ranks (0: no TP).
     pub(crate) tp: usize,
     pub(crate) sequence_parallel: bool,
@@ -160,6 +173,8 @@ pub(crate) struct Args {
     pub(crate) auto: bool,
     /// Bytes per rank `--auto` may plan for (`--memory-budget`).
     pub(crate) memory_budget: Option<usize>,
+    /// Saved machine constants (`--machine`).
+    pub(crate) machine: Option<PathBuf>,
 }
 
 pub(crate) fn parse() -> Result<Args, String> {
@@ -169,6 +184,8 @@ pub(crate) fn parse() -> Result<Args, String> {
         mesh: Vec::new(),
         bf16: false,
         no_reshard: false,
+        reshard_to: None,
+        ac: ActivationCheckpointing::None,
         tp: 0,
         sequence_parallel: false,
         steps: 50,
@@ -205,6 +222,7 @@ pub(crate) fn parse() -> Result<Args, String> {
         plan_out: None,
         auto: false,
         memory_budget: None,
+        machine: None,
     };
     let mut world_given = false;
     let mut it = std::env::args().skip(1);
@@ -304,6 +322,11 @@ pub(crate) fn parse() -> Result<Args, String> {
             "--trace" => a.trace = Some(value.into()),
             "--plan-out" => a.plan_out = Some(value.into()),
             "--memory-budget" => a.memory_budget = Some(parse_size(&value)?),
+            "--machine" => a.machine = Some(value.into()),
+            "--reshard-to" => a.reshard_to = Some(num(&value)?),
+            "--activation-checkpointing" => {
+                a.ac = value.parse().map_err(|e| format!("--activation-checkpointing: {e}"))?
+            }
             "--op-log" => a.op_log = Some(value.into()),
             "--checkpoint-dir" => a.checkpoint_dir = Some(value.into()),
             "--checkpoint-every" => a.checkpoint_every = num(&value)?,
@@ -376,8 +399,27 @@ pub(crate) fn parse() -> Result<Args, String> {
     if a.arch == Arch::Llama {
         a.llama().check().map_err(|e| format!("--model llama: {e}"))?;
     }
-    if a.auto && (a.tp > 0 || a.mesh.len() > 1 || a.bf16 || a.no_reshard) {
-        return Err("--auto chooses the mesh, --tp, --mixed-precision and --no-reshard: give only --world-size".into());
+    if a.auto
+        && (a.tp > 0
+            || a.mesh.len() > 1
+            || a.bf16
+            || a.no_reshard
+            || a.reshard_to.is_some()
+            || a.ac != ActivationCheckpointing::None)
+    {
+        return Err(
+            "--auto chooses the mesh, --tp, --mixed-precision, --no-reshard, --reshard-to and \
+                    --activation-checkpointing: give only --world-size"
+                .into(),
+        );
+    }
+    if a.no_reshard && a.reshard_to.is_some() {
+        return Err(
+            "--no-reshard keeps parameters gathered; --reshard-to N reshards them to groups of N: give one".into(),
+        );
+    }
+    if a.reshard_to == Some(0) {
+        return Err("--reshard-to N: N must be at least 1 (it divides the shard dim's ranks)".into());
     }
     if a.memory_budget.is_some() && !a.auto {
         return Err("--memory-budget is the budget of --auto".into());

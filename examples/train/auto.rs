@@ -2,14 +2,18 @@
 //! meta tensors, ranked by estimated step time; the fastest whose planned peak
 //! per rank fits the budget is the one to run.
 
+use tessera::models::ActivationCheckpointing;
+use tessera::plan::{Machine, StepPlan};
 use tessera::{BoxError, launch};
 
 use crate::args::{Arch, Args};
 use crate::plan_rank;
-use crate::report::human;
+use crate::report::{human, step_time_s};
 
-/// One layout to plan: FSDP, HSDP, with or without TP, resharding after
-/// forward or not, f32 or bf16 mixed precision; the global batch fixed.
+/// One layout to plan: FSDP, HSDP, with or without TP; resharding after
+/// forward, not, or to each group size dividing the shard dim; f32 or bf16
+/// mixed precision; no block, or every block, recomputed in backward. The
+/// global batch fixed.
 fn candidates(args: &Args) -> Vec<Args> {
     let w = args.world;
     let global = args.global_batch();
@@ -33,15 +37,29 @@ fn candidates(args: &Args) -> Vec<Args> {
             if t > 1 {
                 mesh.push(t);
             }
-            for (no_reshard, bf16) in [(false, false), (true, false), (false, true), (true, true)] {
-                let mut a = args.clone();
-                a.mesh = mesh.clone();
-                a.tp = if t > 1 { t } else { 0 };
-                a.sequence_parallel = false;
-                a.batch = global / dp;
-                a.no_reshard = no_reshard;
-                a.bf16 = bf16;
-                out.push(a);
+            // Resharding: fully (None, false), not at all (None, true), or
+            // to groups of k ranks of the shard dim.
+            let shard = dp / r;
+            let reshard = [(None, false), (None, true)].into_iter().chain(
+                divisors(shard)
+                    .filter(|&k| k > 1 && k < shard)
+                    .map(|k| (Some(k), false)),
+            );
+            for (reshard_to, no_reshard) in reshard {
+                for bf16 in [false, true] {
+                    for ac in [ActivationCheckpointing::None, ActivationCheckpointing::Full] {
+                        let mut a = args.clone();
+                        a.mesh = mesh.clone();
+                        a.tp = if t > 1 { t } else { 0 };
+                        a.sequence_parallel = false;
+                        a.batch = global / dp;
+                        a.no_reshard = no_reshard;
+                        a.reshard_to = reshard_to;
+                        a.bf16 = bf16;
+                        a.ac = ac;
+                        out.push(a);
+                    }
+                }
             }
         }
     }
@@ -63,8 +81,16 @@ pub(crate) fn label(a: &Args) -> String {
     if a.no_reshard {
         s += ", no reshard";
     }
+    if let Some(k) = a.reshard_to {
+        s += &format!(", reshard to {k}");
+    }
     if a.bf16 {
         s += ", bf16";
+    }
+    match a.ac {
+        ActivationCheckpointing::None => {}
+        ActivationCheckpointing::Full => s += ", recompute",
+        ActivationCheckpointing::EveryNth(n) => s += &format!(", recompute 1 in {n}"),
     }
     s
 }
@@ -76,7 +102,8 @@ pub(crate) fn label(a: &Args) -> String {
 /// # Errors
 /// No layout fits the budget (the smallest planned peak is named), or
 /// `--memory-budget` is missing.
-pub(crate) fn choose(args: &Args, lead: bool) -> Result<Args, BoxError> {
+pub(crate) fn choose(args: &Args, machine: Option<&Machine>, lead: bool) -> Result<Args, BoxError> {
+    let machine = machine.ok_or("--auto estimates step times: it needs the machine's constants")?;
     let budget = args
         .memory_budget
         .ok_or("--auto needs --memory-budget SIZE (bytes, or with KiB, MiB, GiB)")?;
@@ -88,8 +115,8 @@ pub(crate) fn choose(args: &Args, lead: bool) -> Result<Args, BoxError> {
         });
         match planned {
             Ok(plans) => {
-                let peak = plans.iter().map(|(p, _)| p.peak_bytes()).max().unwrap_or(0);
-                let step_s = plans.iter().map(|(p, m)| p.step_time_s(m)).fold(0.0, f64::max);
+                let peak = plans.iter().map(StepPlan::peak_bytes).max().unwrap_or(0);
+                let step_s = step_time_s(&plans, machine);
                 ranked.push((a, Ok((peak, step_s))));
             }
             Err(e) => ranked.push((a, Err(e.to_string()))),
@@ -119,13 +146,13 @@ pub(crate) fn choose(args: &Args, lead: bool) -> Result<Args, BoxError> {
             };
             match r {
                 Ok((peak, s)) => println!(
-                    "{mark} {:<32} peak {:>10} per rank{}  step {:.4} s",
+                    "{mark} {:<44} peak {:>10} per rank{}  step {:.4} s",
                     label(a),
                     human(*peak),
                     if *peak <= budget { "        " } else { " (over)" },
                     s
                 ),
-                Err(e) => println!("  {:<32} not plannable: {e}", label(a)),
+                Err(e) => println!("  {:<44} not plannable: {e}", label(a)),
             }
         }
     }

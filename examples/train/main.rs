@@ -96,8 +96,15 @@ fn main() {
 fn run(args: &Args) -> Result<(), BoxError> {
     let lead = is_lead_process();
     let chosen;
+    // The constants step times are estimated from: saved, or measured once
+    // for every plan of this run.
+    let machine = if args.plan || args.auto || (!args.device.is_cuda() && args.resume.is_none()) {
+        Some(machine(args)?)
+    } else {
+        None
+    };
     let args = if args.auto {
-        chosen = auto::choose(args, lead)?;
+        chosen = auto::choose(args, machine.as_ref(), lead)?;
         if args.plan {
             return Ok(());
         }
@@ -117,18 +124,18 @@ fn run(args: &Args) -> Result<(), BoxError> {
     let peak = if lead { metrics::machine_peak_flops() } else { None };
     // The step planned on meta tensors: the whole job with `--plan`, else
     // (on the CPU, from scratch) a prediction to print against the run's.
-    let plans = if args.plan || (!args.device.is_cuda() && args.resume.is_none()) {
+    let plans = if let Some(machine) = machine {
         let plans = launch(args.world, {
             let args = args.clone();
             move |ctx| plan_rank(ctx, &args)
         })?;
         if args.plan {
             if lead {
-                report::print_plan(args, &plans)?;
+                report::print_plan(args, &plans, &machine)?;
             }
             return Ok(());
         }
-        Some(plans)
+        Some((plans, machine))
     } else {
         None
     };
@@ -138,8 +145,8 @@ fn run(args: &Args) -> Result<(), BoxError> {
     })?;
     if lead {
         summarize(args, &reports[0], peak)?;
-        if let Some(plans) = &plans {
-            report::compare_plan(args, plans, &reports[0]);
+        if let Some((plans, machine)) = &plans {
+            report::compare_plan(args, plans, machine, &reports[0]);
         }
     }
     report::write_observed(args, &reports, lead)?;
@@ -191,8 +198,10 @@ fn setup<M: CausalLm>(
     let mesh = DeviceMesh::with_names(ctx.into_comm(), &args.mesh, names)?.on_device(args.device);
     let model = build(args, &mesh)?;
     let params = model.parameters();
+    model.set_activation_checkpointing(args.ac)?;
     let fsdp = FsdpConfig {
         reshard_after_forward: args.no_reshard.then_some(false),
+        reshard_after_forward_to: args.reshard_to,
         mp_policy: if args.bf16 {
             MixedPrecisionPolicy::bf16()
         } else {
@@ -202,7 +211,8 @@ fn setup<M: CausalLm>(
     };
     let batch_placements = if args.tp > 0 {
         let applied = model.parallelize(&mesh.dim("tp")?, args.sequence_parallel)?;
-        if rank == 0 && is_lead_process() {
+        // (Not for each layout `--auto` plans.)
+        if rank == 0 && is_lead_process() && !(meta && args.auto) {
             println!("plan:");
             for a in &applied {
                 println!("  {:<28} {}", a.fqn, a.style);
@@ -339,20 +349,54 @@ fn train_step<M: CausalLm>(
     })
 }
 
-/// One rank's planned step and its machine's constants (`--plan`): the job set
-/// up as for training, on meta tensors.
-pub(crate) fn plan_rank(ctx: RankCtx, args: &Args) -> Result<(StepPlan, Machine), BoxError> {
+/// The machine constants of `--machine PATH` (calibrated and saved there when
+/// the file does not exist yet), else calibrated now: every rank of the world
+/// measuring at once on a flat mesh, rank 0's constants kept.
+fn machine(args: &Args) -> Result<Machine, BoxError> {
+    if let Some(path) = args.machine.as_ref().filter(|p| p.exists()) {
+        let m = Machine::load(path)?;
+        if m.ranks != args.world {
+            return Err(format!(
+                "--machine {}: calibrated with {} ranks sharing the machine, this job has {}; \
+                 give another path (it is calibrated and saved there) or delete the file",
+                path.display(),
+                m.ranks,
+                args.world
+            )
+            .into());
+        }
+        return Ok(m);
+    }
+    let world = args.world;
+    let m = launch(world, move |ctx| {
+        let mesh = DeviceMesh::new(ctx.into_comm(), &[world])?;
+        Machine::calibrate(&mesh)
+    })?
+    .swap_remove(0);
+    let Some(path) = &args.machine else {
+        return Ok(m);
+    };
+    m.save(path)?;
+    if is_lead_process() {
+        println!("calibrated the machine for {world} ranks; saved to {}", path.display());
+    }
+    // The constants as saved (rounded), so that this run plans as later ones will.
+    Machine::load(path)
+}
+
+/// One rank's planned step (`--plan`): the job set up as for training, on
+/// meta tensors.
+pub(crate) fn plan_rank(ctx: RankCtx, args: &Args) -> Result<StepPlan, BoxError> {
     fn plan<M: CausalLm>(
         ctx: RankCtx,
         args: &Args,
         build: fn(&Args, &DeviceMesh) -> tessera::autograd::Result<M>,
-    ) -> Result<(StepPlan, Machine), BoxError> {
+    ) -> Result<StepPlan, BoxError> {
         let mut job = setup(ctx, args, build, true)?;
         let shape = [args.global_batch(), args.model.seq + 1];
         let batch = Layout::new(&args.mesh, &job.batch_placements, &shape, DType::I64)?;
         let Job { mesh, model, opt, .. } = &mut job;
-        let plan = plan_step(mesh, opt, &batch, |rows| model.loss(rows))?;
-        Ok((plan, Machine::calibrate(mesh)?))
+        plan_step(mesh, opt, &batch, |rows| model.loss(rows))
     }
     match args.arch {
         Arch::Gpt => plan(ctx, args, |a, mesh| Transformer::new(a.model, mesh, DType::F32)),

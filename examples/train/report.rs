@@ -4,6 +4,7 @@ use std::io::Write as _;
 
 use tessera::BoxError;
 use tessera::mesh::{CommCounts, OpKind, observe};
+use tessera::models::ActivationCheckpointing;
 use tessera::plan::{Machine, StepPlan};
 use tessera::tensor::profile::{Kind, OpTime, Profile};
 
@@ -212,15 +213,20 @@ pub(crate) fn banner(args: &Args) -> String {
         format!("FSDP on {} ranks", args.world)
     };
     format!(
-        "training a {} ({} parameters), {layout}, global batch {}{}{}{}",
+        "training a {} ({} parameters), {layout}, global batch {}{}{}{}{}",
         args.describe(),
         args.num_params(),
         args.global_batch(),
         if args.bf16 { ", bf16 mixed precision" } else { "" },
-        if args.no_reshard {
-            ", no reshard after forward"
-        } else {
-            ""
+        match (args.no_reshard, args.reshard_to) {
+            (true, _) => ", no reshard after forward".to_string(),
+            (false, Some(n)) => format!(", resharded to groups of {n} after forward"),
+            (false, None) => String::new(),
+        },
+        match args.ac {
+            ActivationCheckpointing::None => String::new(),
+            ActivationCheckpointing::Full => ", every block recomputed in backward".to_string(),
+            ActivationCheckpointing::EveryNth(n) => format!(", one block in {n} recomputed in backward"),
         },
         if args.device.is_cuda() {
             format!(", on {} (ranks sharing it)", args.device)
@@ -392,18 +398,18 @@ pub(crate) fn human(bytes: usize) -> String {
 /// `--plan`: rank 0's planned step as a table, every rank's planned peak, and
 /// the step time estimated from the calibrated constants; with `--plan-out`
 /// the JSON `{"peak_bytes_per_rank", "step_time_s", "machine", "ranks"}`.
-pub(crate) fn print_plan(args: &Args, plans: &[(StepPlan, Machine)]) -> Result<(), BoxError> {
-    let (p0, m0) = &plans[0];
+pub(crate) fn print_plan(args: &Args, plans: &[StepPlan], m0: &Machine) -> Result<(), BoxError> {
+    let p0 = &plans[0];
     println!(
         "planned step on mesh {:?} (meta tensors: nothing computed, moved or allocated), rank 0:",
         args.mesh
     );
     print!("{}", p0.table());
-    let peaks: Vec<usize> = plans.iter().map(|(p, _)| p.peak_bytes()).collect();
-    let step_s = step_time_s(plans);
+    let peaks: Vec<usize> = plans.iter().map(StepPlan::peak_bytes).collect();
+    let step_s = step_time_s(plans, m0);
     println!(
         "peak per rank: {} (rank 0's in {}); estimated step time {:.4} s ({:.3} GFLOP/s per rank for products, {} per \
-         second of collectives, calibrated)",
+         second of collectives{})",
         peaks.iter().map(|&b| human(b)).collect::<Vec<_>>().join(", "),
         p0.peak_phase(),
         step_s,
@@ -412,6 +418,10 @@ pub(crate) fn print_plan(args: &Args, plans: &[(StepPlan, Machine)]) -> Result<(
             human(m0.bytes_per_s as usize)
         } else {
             "∞".into()
+        },
+        match &args.machine {
+            Some(p) => format!(", constants of {}", p.display()),
+            None => ", calibrated".into(),
         }
     );
     if let Some(path) = &args.plan_out {
@@ -420,7 +430,7 @@ pub(crate) fn print_plan(args: &Args, plans: &[(StepPlan, Machine)]) -> Result<(
             "{{\"peak_bytes_per_rank\": [{}], \"step_time_s\": {step_s:.6e}, \"machine\": {}, \"ranks\": [{}]}}\n",
             list(peaks.iter().map(ToString::to_string).collect()),
             m0.to_json(),
-            list(plans.iter().map(|(p, _)| p.to_json()).collect())
+            list(plans.iter().map(StepPlan::to_json).collect())
         );
         common::write_atomic(path, &json)?;
         println!("wrote {}", path.display());
@@ -428,15 +438,15 @@ pub(crate) fn print_plan(args: &Args, plans: &[(StepPlan, Machine)]) -> Result<(
     Ok(())
 }
 
-/// The slowest rank's estimated step time, each rank at its own constants.
-fn step_time_s(plans: &[(StepPlan, Machine)]) -> f64 {
-    plans.iter().map(|(p, m)| p.step_time_s(m)).fold(0.0, f64::max)
+/// The slowest rank's estimated step time on `machine`.
+pub(crate) fn step_time_s(plans: &[StepPlan], machine: &Machine) -> f64 {
+    plans.iter().map(|p| p.step_time_s(machine)).fold(0.0, f64::max)
 }
 
 /// After a run: the planned step against the measured one (rank 0's peak,
 /// bytes sent per step, and the median step time).
-pub(crate) fn compare_plan(args: &Args, plans: &[(StepPlan, Machine)], r0: &RankReport) {
-    let planned_peak = plans.iter().map(|(p, _)| p.peak_bytes()).max().unwrap_or(0);
+pub(crate) fn compare_plan(args: &Args, plans: &[StepPlan], machine: &Machine, r0: &RankReport) {
+    let planned_peak = plans.iter().map(StepPlan::peak_bytes).max().unwrap_or(0);
     let measured_peak = r0.peak_bytes.iter().copied().max().unwrap_or(0);
     let steps = (args.steps - r0.first_step).max(1) as u64;
     let measured_bytes = r0
@@ -451,9 +461,9 @@ pub(crate) fn compare_plan(args: &Args, plans: &[(StepPlan, Machine)], r0: &Rank
         human(planned_peak),
         human(measured_peak),
         100.0 * (planned_peak as f64 / measured_peak.max(1) as f64 - 1.0),
-        plans[0].0.collective_bytes(),
+        plans[0].collective_bytes(),
         measured_bytes,
-        step_time_s(plans),
+        step_time_s(plans, machine),
         measured_s
     );
 }

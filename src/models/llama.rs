@@ -2,8 +2,9 @@
 //! grouped-query attention, a SwiGLU MLP, no biases, an untied output head;
 //! parameter names as torchtitan's LLaMA (`layers.0.attention.wq.weight`).
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::path::Path;
+use std::rc::Rc;
 
 use tessera_autograd::nn::{Embedding, Init, Inputs, Linear, Materializer, Module, RMSNorm, name_parameters};
 use tessera_autograd::{Error, Result, Var};
@@ -13,7 +14,10 @@ use tessera_fsdp::tp::{Applied, ParallelPlan};
 use tessera_mesh::DeviceMesh;
 use tessera_tensor::ops::rotary_tables;
 
-use super::{CausalLm, FsdpUnits, Sublayer, TpNames, next_token_loss, parallelize_plan, positions};
+use super::{
+    ActivationCheckpointing, CausalLm, FsdpUnits, Sublayer, TpNames, call_block, next_token_loss, parallelize_plan,
+    positions,
+};
 
 /// Sizes of a [`Llama`].
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -301,13 +305,15 @@ impl Module for LlamaBlock {
 pub struct Llama {
     /// `tok_embeddings`.
     pub tok_embeddings: Embedding,
-    /// `layers.i`.
-    pub layers: Vec<LlamaBlock>,
+    /// `layers.i` (shared, so that a block recomputed in backward can be
+    /// called again: see [`ActivationCheckpointing`]).
+    pub layers: Vec<Rc<LlamaBlock>>,
     /// `norm`.
     pub norm: RMSNorm,
     /// `output` (no bias).
     pub output: Linear,
     cfg: LlamaConfig,
+    checkpointing: Cell<ActivationCheckpointing>,
 }
 
 /// The modules of LLaMA's tensor-parallel plans (the attention's second input,
@@ -458,7 +464,7 @@ impl Llama {
     pub fn new(cfg: LlamaConfig, mesh: &DeviceMesh, dtype: DType) -> Result<Llama> {
         cfg.check()?;
         let layers = (0..cfg.n_layers)
-            .map(|_| LlamaBlock::new(&cfg, mesh, dtype))
+            .map(|_| LlamaBlock::new(&cfg, mesh, dtype).map(Rc::new))
             .collect::<Result<Vec<_>>>()?;
         let model = Llama {
             tok_embeddings: Embedding::new(cfg.vocab, cfg.dim, mesh, dtype)?,
@@ -466,6 +472,7 @@ impl Llama {
             norm: RMSNorm::new(cfg.dim, cfg.norm_eps, mesh, dtype)?,
             output: Linear::new(cfg.dim, cfg.vocab, false, mesh, dtype)?,
             cfg,
+            checkpointing: Cell::new(ActivationCheckpointing::None),
         };
         name_parameters(&model)?;
         Ok(model)
@@ -571,8 +578,9 @@ impl Module for Llama {
             None => positions(t, tokens.value().mesh())?,
         };
         let mut h = self.tok_embeddings.call(tokens)?;
-        for l in &self.layers {
-            h = l.call_with(Inputs::from(&h).arg(&pos))?;
+        let ac = self.checkpointing.get();
+        for (i, l) in self.layers.iter().enumerate() {
+            h = call_block(l, i, ac, &[h, pos.clone()])?;
         }
         self.output.call(&self.norm.call(&h)?)
     }
@@ -585,6 +593,15 @@ impl CausalLm for Llama {
 
     fn blocks(&self) -> Vec<&dyn Module> {
         self.layers.iter().map(|b| b as &dyn Module).collect()
+    }
+
+    fn set_activation_checkpointing(&self, ac: ActivationCheckpointing) -> Result<()> {
+        self.checkpointing.set(ac);
+        Ok(())
+    }
+
+    fn activation_checkpointing(&self) -> ActivationCheckpointing {
+        self.checkpointing.get()
     }
 
     /// The reference initialisation: every weight but the norms' `N(0, 0.02²)`,

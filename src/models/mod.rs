@@ -8,8 +8,12 @@ mod transformer;
 pub use llama::{FeedForward as LlamaFeedForward, Llama, LlamaAttention, LlamaBlock, LlamaConfig, hf_name};
 pub use transformer::{Attention, Block, FeedForward, Transformer, TransformerConfig};
 
-use tessera_autograd::nn::{Materializer, Module};
-use tessera_autograd::{Result, Var};
+use std::fmt;
+use std::rc::Rc;
+use std::str::FromStr;
+
+use tessera_autograd::nn::{Inputs, Materializer, Module};
+use tessera_autograd::{Result, Var, checkpoint};
 use tessera_dtensor::{DType, Placement, Tensor, distribute_tensor_from};
 use tessera_fsdp::tp::{
     Applied, ColwiseParallel, ParallelPlan, PrepareModuleInput, RowwiseParallel, SequenceParallel, TpLayout,
@@ -26,6 +30,88 @@ pub struct FsdpUnits {
     pub blocks: Vec<FsdpModule>,
 }
 
+/// Which blocks of a model recompute their activations in backward instead of
+/// keeping them from forward: less activation memory for one more forward
+/// pass through each such block (its FSDP unit gathered again when resharded
+/// after forward, its tensor-parallel collectives issued again).
+///
+/// PyTorch: torchtitan's `activation_checkpoint.mode` (`"none"`, `"full"`,
+/// and `"selective"` with an integer frequency), applied block by block with
+/// `checkpoint_wrapper` over `torch.utils.checkpoint`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum ActivationCheckpointing {
+    /// Every block keeps its activations (the default).
+    #[default]
+    None,
+    /// Every block recomputes.
+    Full,
+    /// Every `n`-th block recomputes (blocks `n-1`, `2n-1`, ...: the `n`-th,
+    /// `2n`-th, counted from 1, as torchtitan counts); `EveryNth(1)` is `Full`.
+    EveryNth(usize),
+}
+
+impl ActivationCheckpointing {
+    /// Whether block `index` (from 0) recomputes its activations.
+    pub fn checkpoints(self, index: usize) -> bool {
+        match self {
+            ActivationCheckpointing::None => false,
+            ActivationCheckpointing::Full => true,
+            ActivationCheckpointing::EveryNth(n) => n > 0 && (index + 1).is_multiple_of(n),
+        }
+    }
+}
+
+/// `none`, `full`, or an integer `n` (every `n`-th block; `0` is `none`, `1`
+/// is `full`), as [`ActivationCheckpointing`] writes itself.
+impl FromStr for ActivationCheckpointing {
+    type Err = String;
+
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "none" => Ok(ActivationCheckpointing::None),
+            "full" => Ok(ActivationCheckpointing::Full),
+            n => match n.parse::<usize>() {
+                Ok(0) => Ok(ActivationCheckpointing::None),
+                Ok(1) => Ok(ActivationCheckpointing::Full),
+                Ok(n) => Ok(ActivationCheckpointing::EveryNth(n)),
+                Err(_) => Err(format!(
+                    "activation checkpointing `{s}`: use none, full, or N to recompute every N-th block"
+                )),
+            },
+        }
+    }
+}
+
+impl fmt::Display for ActivationCheckpointing {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ActivationCheckpointing::None => f.write_str("none"),
+            ActivationCheckpointing::Full => f.write_str("full"),
+            ActivationCheckpointing::EveryNth(n) => write!(f, "{n}"),
+        }
+    }
+}
+
+/// Calls block `index` of a model on `xs` (its positional inputs), through
+/// [`checkpoint`] when `ac` says that block recomputes: the recomputation in
+/// backward calls the same block again (hence the `Rc`), hooks and all.
+fn call_block<B: Module>(block: &Rc<B>, index: usize, ac: ActivationCheckpointing, xs: &[Var]) -> Result<Var> {
+    fn run<B: Module>(block: &Rc<B>, xs: &[Var]) -> Result<Var> {
+        let (first, rest) = xs.split_first().ok_or_else(|| tessera_autograd::Error::Config {
+            op: "call_block",
+            detail: "a block takes at least one input".into(),
+        })?;
+        let inputs = rest.iter().fold(Inputs::from(first), |i, x| i.arg(x));
+        block.call_with(inputs)
+    }
+    if ac.checkpoints(index) {
+        let block = block.clone();
+        checkpoint(xs, move |xs| run(&block, xs))
+    } else {
+        run(block, xs)
+    }
+}
+
 /// A next-token language model as a training loop drives it: its
 /// tensor-parallel plan, its FSDP units, its loss and its initialisation. The
 /// reference models implement it; so can a user's own.
@@ -39,6 +125,32 @@ pub trait CausalLm: Module {
 
     /// The blocks, in order: each becomes an FSDP unit of its own.
     fn blocks(&self) -> Vec<&dyn Module>;
+
+    /// Which blocks recompute their activations in backward from now on (a
+    /// new reference model: none).
+    ///
+    /// # Errors
+    /// A model that cannot recompute its blocks (the default, for anything but
+    /// [`ActivationCheckpointing::None`]): its forward must call its blocks
+    /// through [`checkpoint`] to offer it.
+    fn set_activation_checkpointing(&self, ac: ActivationCheckpointing) -> Result<()> {
+        if ac == ActivationCheckpointing::None {
+            return Ok(());
+        }
+        Err(tessera_autograd::Error::Config {
+            op: "set_activation_checkpointing",
+            detail: format!(
+                "this model ({}) does not recompute its blocks; checkpoint them in its forward \
+                 (tessera::autograd::checkpoint) and implement set_activation_checkpointing",
+                self.type_name()
+            ),
+        })
+    }
+
+    /// Which blocks recompute their activations in backward (default: none).
+    fn activation_checkpointing(&self) -> ActivationCheckpointing {
+        ActivationCheckpointing::None
+    }
 
     /// Applies FSDP bottom-up as PyTorch's recipe does: each block becomes a
     /// unit, then the root takes what is left (embeddings, final norm, output).

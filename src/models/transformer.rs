@@ -2,6 +2,9 @@
 //! exactly the architecture of the parity reference (parameter names equal the
 //! reference state-dict keys).
 
+use std::cell::Cell;
+use std::rc::Rc;
+
 use tessera_autograd::nn::{Embedding, LayerNorm, Linear, Module, name_parameters};
 use tessera_autograd::{Result, Var};
 use tessera_dtensor::DType;
@@ -9,7 +12,10 @@ use tessera_fsdp::FsdpConfig;
 use tessera_fsdp::tp::{Applied, ParallelPlan};
 use tessera_mesh::DeviceMesh;
 
-use super::{CausalLm, FsdpUnits, Sublayer, TpNames, next_token_loss, parallelize_plan, positions};
+use super::{
+    ActivationCheckpointing, CausalLm, FsdpUnits, Sublayer, TpNames, call_block, next_token_loss, parallelize_plan,
+    positions,
+};
 
 /// Sizes of a [`Transformer`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -157,13 +163,15 @@ pub struct Transformer {
     pub tok_embeddings: Embedding,
     /// `pos_embeddings`.
     pub pos_embeddings: Embedding,
-    /// `layers.i`.
-    pub layers: Vec<Block>,
+    /// `layers.i` (shared, so that a block recomputed in backward can be
+    /// called again: see [`ActivationCheckpointing`]).
+    pub layers: Vec<Rc<Block>>,
     /// `norm`.
     pub norm: LayerNorm,
     /// `output` (no bias).
     pub output: Linear,
     cfg: TransformerConfig,
+    checkpointing: Cell<ActivationCheckpointing>,
 }
 
 /// The modules of the GPT model's tensor-parallel plans.
@@ -205,7 +213,7 @@ impl Transformer {
             });
         }
         let layers = (0..cfg.n_layers)
-            .map(|_| Block::new(&cfg, mesh, dtype))
+            .map(|_| Block::new(&cfg, mesh, dtype).map(Rc::new))
             .collect::<Result<Vec<_>>>()?;
         let model = Transformer {
             tok_embeddings: Embedding::new(cfg.vocab, cfg.dim, mesh, dtype)?,
@@ -214,6 +222,7 @@ impl Transformer {
             norm: LayerNorm::new(cfg.dim, 1e-5, mesh, dtype)?,
             output: Linear::new(cfg.dim, cfg.vocab, false, mesh, dtype)?,
             cfg,
+            checkpointing: Cell::new(ActivationCheckpointing::None),
         };
         name_parameters(&model)?;
         Ok(model)
@@ -321,8 +330,9 @@ impl Module for Transformer {
 
     fn forward(&self, tokens: &Var) -> Result<Var> {
         let mut h = self.embed(tokens)?;
-        for l in &self.layers {
-            h = l.call(&h)?;
+        let ac = self.checkpointing.get();
+        for (i, l) in self.layers.iter().enumerate() {
+            h = call_block(l, i, ac, &[h])?;
         }
         self.head(&h)
     }
@@ -335,6 +345,15 @@ impl CausalLm for Transformer {
 
     fn blocks(&self) -> Vec<&dyn Module> {
         self.layers.iter().map(|b| b as &dyn Module).collect()
+    }
+
+    fn set_activation_checkpointing(&self, ac: ActivationCheckpointing) -> Result<()> {
+        self.checkpointing.set(ac);
+        Ok(())
+    }
+
+    fn activation_checkpointing(&self) -> ActivationCheckpointing {
+        self.checkpointing.get()
     }
 
     fn num_params(&self) -> usize {

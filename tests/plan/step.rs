@@ -2,13 +2,13 @@
 //! (`plan_step`), on the same mesh and configuration: every rank's tracked
 //! peak per phase and its collectives (calls and bytes per kind) agree.
 
-use tessera::autograd::nn::Materializer;
+use tessera::autograd::nn::{Materializer, Module};
 use tessera::autograd::optim::{AdamW, AdamWConfig, Optimizer};
 use tessera::autograd::{Var, backward};
 use tessera::dtensor::{Layout, Placement, Tensor, distribute_tensor};
 use tessera::fsdp::{FsdpConfig, MixedPrecisionPolicy};
 use tessera::mesh::{CommCounts, OpKind};
-use tessera::models::{CausalLm, Llama, LlamaConfig, Transformer, TransformerConfig};
+use tessera::models::{ActivationCheckpointing, CausalLm, Llama, LlamaConfig, Transformer, TransformerConfig};
 use tessera::plan::plan_step;
 use tessera::tensor::memory::{reset_peak, stats};
 use tessera::{DType, DeviceMesh, launch};
@@ -23,6 +23,10 @@ struct Config {
     sequence_parallel: bool,
     bf16: bool,
     reshard: bool,
+    /// `reshard_after_forward_to`: groups of this many ranks of the shard dim.
+    reshard_to: Option<usize>,
+    /// Which blocks recompute their activations in backward.
+    ac: ActivationCheckpointing,
     rows: usize,
 }
 
@@ -33,6 +37,8 @@ const BASE: Config = Config {
     sequence_parallel: false,
     bf16: false,
     reshard: true,
+    reshard_to: None,
+    ac: ActivationCheckpointing::None,
     rows: 2,
 };
 
@@ -44,6 +50,9 @@ struct Measured {
     base: usize,
     /// Collectives of the step, per kind: (calls, bytes).
     comm: Vec<(u64, u64)>,
+    /// Bytes of the largest block unit's unsharded gradients in f32 on this
+    /// rank: the input of a reduce-scatter that may be in flight at a peak.
+    unit_grad_bytes: usize,
 }
 
 fn per_kind(before: CommCounts, after: CommCounts) -> Vec<(u64, u64)> {
@@ -84,6 +93,7 @@ fn step<M: CausalLm>(
 ) -> Result<Measured, tessera::BoxError> {
     let fsdp = FsdpConfig {
         reshard_after_forward: (!cfg.reshard).then_some(false),
+        reshard_after_forward_to: cfg.reshard_to,
         mp_policy: if cfg.bf16 {
             MixedPrecisionPolicy::bf16()
         } else {
@@ -91,6 +101,7 @@ fn step<M: CausalLm>(
         },
         ..FsdpConfig::default()
     };
+    model.set_activation_checkpointing(cfg.ac)?;
     let n = cfg.mesh.len();
     let placements = if cfg.tp {
         model.parallelize(&mesh.dim("tp")?, cfg.sequence_parallel)?;
@@ -104,6 +115,24 @@ fn step<M: CausalLm>(
     };
     let mut opt = AdamW::new(model.parameters(), AdamWConfig::default())?;
     let dp: usize = cfg.mesh[..if cfg.tp { n - 1 } else { n }].iter().product();
+    let shard_ranks = cfg.mesh[if cfg.tp { n - 2 } else { n - 1 }];
+    let unit_grad_bytes = model
+        .blocks()
+        .iter()
+        .map(|b| {
+            let local: usize = b
+                .parameters()
+                .iter()
+                .map(|p| {
+                    p.layout()
+                        .local_shape(mesh.coordinate())
+                        .map_or(0, |s| s.iter().product())
+                })
+                .sum();
+            local * shard_ranks * 4
+        })
+        .max()
+        .unwrap_or(0);
     let shape = [dp * cfg.rows, seq + 1];
     if meta {
         Materializer::on_meta().materialize(model)?;
@@ -120,6 +149,7 @@ fn step<M: CausalLm>(
             phases: p.phase_peak_bytes.map(|b| b - p.held_bytes),
             base: p.held_bytes,
             comm,
+            unit_grad_bytes,
         });
     }
     model.materializer(0).materialize(model)?;
@@ -147,12 +177,27 @@ fn step<M: CausalLm>(
             phases: [fwd, bwd, opt_peak],
             base,
             comm: per_kind(comm0, mesh.stats()),
+            unit_grad_bytes,
         });
     }
     Ok(out.unwrap())
 }
 
-fn check(name: &str, cfg: Config) -> f64 {
+/// How close a layout's planned peaks must be to the real ones.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Bound {
+    /// At most 5% above.
+    Within5Percent,
+    /// Above by at most one block unit's gradients in f32: a layout whose
+    /// peak falls while a reduce-scatter is in flight, whose input the real
+    /// step frees when the collective completes, the plan when it is waited
+    /// for (the latest it can complete).
+    InFlightGradients,
+}
+
+/// Checks the layout `cfg` and returns how far above the real peak the
+/// planned one is at most (a fraction of the real one).
+fn check(name: &str, cfg: Config, bound: Bound) -> f64 {
     let (real, meta) = (run(cfg, false), run(cfg, true));
     let mut worst: f64 = 0.0;
     for (r, (a, b)) in real.iter().zip(&meta).enumerate() {
@@ -160,15 +205,21 @@ fn check(name: &str, cfg: Config) -> f64 {
         assert_eq!(a.base, b.base, "{name}, rank {r}: bytes held between steps");
         for (p, (&x, &y)) in a.phases.iter().zip(&b.phases).enumerate() {
             let (x, y) = (x + a.base, y + b.base);
+            let allowed = match bound {
+                Bound::Within5Percent => x / 20,
+                Bound::InFlightGradients => b.unit_grad_bytes,
+            };
             assert!(
-                y >= x && (y - x) as f64 <= 0.05 * x as f64,
-                "{name}, rank {r}, phase {p}: real peak {x} bytes, planned {y}"
+                y >= x && y - x <= allowed,
+                "{name}, rank {r}, phase {p}: real peak {x} bytes, planned {y} ({bound:?})"
             );
             worst = worst.max((y - x) as f64 / x as f64);
         }
     }
     worst
 }
+
+const FULL: ActivationCheckpointing = ActivationCheckpointing::Full;
 
 #[test]
 fn a_meta_step_measures_the_real_step_on_every_layout() {
@@ -347,14 +398,186 @@ fn a_meta_step_measures_the_real_step_on_every_layout() {
                 ..BASE
             },
         ),
+        (
+            "fsdp W4 reshard to 2",
+            Config {
+                mesh: &[4],
+                reshard_to: Some(2),
+                rows: 1,
+                ..BASE
+            },
+        ),
+        ("fsdp W2 checkpointed", Config { ac: FULL, ..BASE }),
+        (
+            "fsdp W2 bf16 no reshard checkpointed",
+            Config {
+                bf16: true,
+                reshard: false,
+                ac: FULL,
+                ..BASE
+            },
+        ),
+        (
+            "hsdp 2x2 checkpointed",
+            Config {
+                mesh: &[2, 2],
+                ac: FULL,
+                ..BASE
+            },
+        ),
+        (
+            "tp 2 checkpointed",
+            Config {
+                mesh: &[1, 2],
+                tp: true,
+                ac: FULL,
+                ..BASE
+            },
+        ),
+        (
+            "fsdp+tp 2x2 sequence parallel checkpointed",
+            Config {
+                mesh: &[2, 2],
+                tp: true,
+                sequence_parallel: true,
+                ac: FULL,
+                ..BASE
+            },
+        ),
+        (
+            "llama fsdp W2 checkpointed",
+            Config {
+                llama: true,
+                ac: FULL,
+                ..BASE
+            },
+        ),
+        (
+            "llama fsdp+tp 2x2 bf16 second block checkpointed",
+            Config {
+                llama: true,
+                mesh: &[2, 2],
+                tp: true,
+                bf16: true,
+                ac: ActivationCheckpointing::EveryNth(2),
+                ..BASE
+            },
+        ),
+        (
+            "llama fsdp W4 reshard to 2 checkpointed",
+            Config {
+                llama: true,
+                mesh: &[4],
+                reshard_to: Some(2),
+                rows: 1,
+                ac: FULL,
+                ..BASE
+            },
+        ),
     ];
     assert!(cases.len() >= 24, "{} layouts", cases.len());
     let mut exact = 0;
     for (name, cfg) in cases {
-        let off = check(name, *cfg);
+        let off = check(name, *cfg, Bound::Within5Percent);
         eprintln!("{name}: planned peak at most {:.2}% above the real one", 100.0 * off);
         exact += usize::from(off == 0.0);
     }
     // Most layouts peak where nothing is in flight: exactly.
     assert!(exact * 2 > cases.len(), "only {exact} of {} layouts exact", cases.len());
+}
+
+/// Layouts whose backward peak can fall while a block's reduce-scatter is
+/// in flight (mixed precision over HSDP with groups or recomputation): the
+/// real peak depends on when the collective completes, the plan takes the
+/// latest.
+#[test]
+fn a_meta_step_bounds_the_real_step_where_gradients_are_in_flight() {
+    let cases: &[(&str, Config)] = &[
+        (
+            "llama hsdp 2x4 bf16 reshard to 2",
+            Config {
+                llama: true,
+                mesh: &[2, 4],
+                bf16: true,
+                reshard_to: Some(2),
+                rows: 1,
+                ..BASE
+            },
+        ),
+        (
+            "hsdp+tp 2x2x2 bf16 checkpointed",
+            Config {
+                mesh: &[2, 2, 2],
+                tp: true,
+                bf16: true,
+                rows: 1,
+                ac: FULL,
+                ..BASE
+            },
+        ),
+    ];
+    for (name, cfg) in cases {
+        let off = check(name, *cfg, Bound::InFlightGradients);
+        eprintln!("{name}: planned peak at most {:.2}% above the real one", 100.0 * off);
+    }
+}
+
+/// The plan of one step of the tiny GPT on FSDP W2 with 8 rows per rank
+/// (activations outweigh parameters), blocks recomputed as `ac` says.
+fn planned(ac: ActivationCheckpointing) -> tessera::plan::StepPlan {
+    launch(2, move |ctx| {
+        let mesh = DeviceMesh::new(ctx.into_comm(), &[2])?;
+        let cfg = TransformerConfig::TINY;
+        let model = Transformer::new(cfg, &mesh, DType::F32)?;
+        model.set_activation_checkpointing(ac)?;
+        model.fully_shard(&mesh, &FsdpConfig::default())?;
+        Materializer::on_meta().materialize(&model)?;
+        let mut opt = AdamW::new(model.parameters(), AdamWConfig::default())?;
+        let batch = Layout::new(&[2], &[Placement::Shard(0)], &[16, cfg.seq + 1], DType::I64)?;
+        plan_step(&mesh, &mut opt, &batch, |rows| model.loss(rows))
+    })
+    .unwrap()
+    .swap_remove(0)
+}
+
+/// Recomputing blocks keeps fewer bytes through forward and spends one more
+/// forward of each recomputed block (its products, and its FSDP unit gathered
+/// again in backward); recomputing one block in two lands in between.
+#[test]
+fn checkpointed_blocks_trade_products_for_activation_memory() {
+    let (none, half, full) = (
+        planned(ActivationCheckpointing::None),
+        planned(ActivationCheckpointing::EveryNth(2)),
+        planned(FULL),
+    );
+    let kept = |p: &tessera::plan::StepPlan| p.phase_peak_bytes[0] - p.held_bytes;
+    assert!(
+        kept(&full) < kept(&half) && kept(&half) < kept(&none),
+        "forward keeps {} / {} / {} bytes (full / every 2nd / none)",
+        kept(&full),
+        kept(&half),
+        kept(&none)
+    );
+    assert!(
+        none.gemm_flops < half.gemm_flops && half.gemm_flops < full.gemm_flops,
+        "{} / {} / {} FLOPs",
+        none.gemm_flops,
+        half.gemm_flops,
+        full.gemm_flops
+    );
+    // The blocks' forward products once more: (full - none) is twice (half - none).
+    assert_eq!(
+        full.gemm_flops - none.gemm_flops,
+        2 * (half.gemm_flops - none.gemm_flops)
+    );
+    let gathers = |p: &tessera::plan::StepPlan| {
+        p.collectives
+            .iter()
+            .filter(|((_, k), _)| *k == OpKind::AllGather)
+            .map(|(_, c)| c.0)
+            .sum::<u64>()
+    };
+    // Resharded after forward, a block is gathered again for backward either
+    // way: recomputing reuses that gather (no more all-gathers).
+    assert_eq!(gathers(&full), gathers(&none));
 }

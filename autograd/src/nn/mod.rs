@@ -285,6 +285,37 @@ impl<M: Module> Module for Vec<M> {
     }
 }
 
+/// A module shared by reference counting is that module: the same
+/// parameters, children and forward. A model holds a submodule in an `Rc` so
+/// that a computation kept for backward can call it again, as
+/// [`checkpoint`](crate::checkpoint) does to recompute a block; hooks attach to
+/// the `Rc` (the module the tree lists), so every call goes through it.
+impl<M: Module> Module for std::rc::Rc<M> {
+    fn own_parameters(&self) -> Vec<(String, Param)> {
+        (**self).own_parameters()
+    }
+
+    fn init_scheme(&self, param: &str) -> Option<Init> {
+        (**self).init_scheme(param)
+    }
+
+    fn type_name(&self) -> &'static str {
+        (**self).type_name()
+    }
+
+    fn named_children(&self) -> Vec<(String, &dyn Module)> {
+        (**self).named_children()
+    }
+
+    fn forward(&self, x: &Var) -> Result<Var> {
+        (**self).forward(x)
+    }
+
+    fn forward_with(&self, inputs: &Inputs) -> Result<Var> {
+        (**self).forward_with(inputs)
+    }
+}
+
 /// Joins a module prefix and a name with a dot (`"layers.0" + "wq"`).
 pub fn join(prefix: &str, name: &str) -> String {
     if prefix.is_empty() {
