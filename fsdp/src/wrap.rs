@@ -18,7 +18,8 @@ use crate::state;
 /// `size_based_auto_wrap_policy`.
 #[derive(Clone)]
 pub enum WrapPolicy {
-    /// Every module of one of these concrete types (build with [`WrapPolicy::module`]).
+    /// Every module of one of these concrete types (build with
+    /// [`WrapPolicy::module`], which lists `Rc<M>` beside `M`).
     ModuleTypes(Vec<(TypeId, &'static str)>),
     /// Every module whose parameters not yet owned by a unit (inside it) hold at
     /// least this many elements.
@@ -26,9 +27,16 @@ pub enum WrapPolicy {
 }
 
 impl WrapPolicy {
-    /// Wrap every module of type `M`.
+    /// Wrap every module of type `M`, held directly or shared (`Rc<M>`, as
+    /// models hold blocks they may recompute: a shared module is the module).
     pub fn module<M: Module>() -> WrapPolicy {
-        WrapPolicy::ModuleTypes(vec![(TypeId::of::<M>(), std::any::type_name::<M>())])
+        WrapPolicy::ModuleTypes(Self::types_of::<M>())
+    }
+
+    /// `M` and `Rc<M>`, under `M`'s name.
+    fn types_of<M: Module>() -> Vec<(TypeId, &'static str)> {
+        let name = std::any::type_name::<M>();
+        vec![(TypeId::of::<M>(), name), (TypeId::of::<std::rc::Rc<M>>(), name)]
     }
 
     /// This policy, also wrapping modules of type `M` (a
@@ -37,7 +45,7 @@ impl WrapPolicy {
     pub fn or_module<M: Module>(self) -> WrapPolicy {
         match self {
             WrapPolicy::ModuleTypes(mut v) => {
-                v.push((TypeId::of::<M>(), std::any::type_name::<M>()));
+                v.extend(Self::types_of::<M>());
                 WrapPolicy::ModuleTypes(v)
             }
             WrapPolicy::MinParams(_) => WrapPolicy::module::<M>(),
@@ -62,7 +70,8 @@ impl fmt::Debug for WrapPolicy {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             WrapPolicy::ModuleTypes(t) => {
-                let names: Vec<&str> = t.iter().map(|(_, n)| *n).collect();
+                let mut names: Vec<&str> = t.iter().map(|(_, n)| *n).collect();
+                names.dedup();
                 write!(f, "ModuleTypes({names:?})")
             }
             WrapPolicy::MinParams(n) => write!(f, "MinParams({n})"),
