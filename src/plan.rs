@@ -51,7 +51,7 @@ use tessera_autograd::{Var, backward};
 use tessera_dtensor::{DTensor, Layout, Tensor};
 use tessera_mesh::observe::{self, CommReport};
 use tessera_mesh::{BoxError, DeviceMesh, OpKind};
-use tessera_tensor::memory::{reset_peak, stats};
+use tessera_tensor::memory::{Category, category_stats, reset_peak, stats};
 use tessera_tensor::profile;
 
 /// The phases of a training step whose peaks a [`StepPlan`] holds.
@@ -95,6 +95,11 @@ pub struct StepPlan {
     /// FSDP's gathered parameters count where they are gathered (`(block)`,
     /// `(root)`), so the activations stand apart from them.
     pub forward_bytes_by_module: BTreeMap<String, i64>,
+    /// The bytes held at the step's peak by what holds them (sharded and
+    /// gathered parameters, gradients, gradients waiting to be reduced,
+    /// optimizer state, activations and temporaries, collective buffers in
+    /// flight): they sum to [`peak_bytes`](Self::peak_bytes).
+    pub peak_by_category: BTreeMap<Category, usize>,
 }
 
 impl StepPlan {
@@ -151,6 +156,14 @@ impl StepPlan {
         let _ = writeln!(out, "  DTensor ops             {:>10}", self.ops);
         let _ = writeln!(out, "  bytes allocated         {:>10.2} MiB", mib(self.allocated_bytes));
         let _ = writeln!(out, "  peak at                 {}", self.peak_at);
+        for (category, bytes) in &self.peak_by_category {
+            let _ = writeln!(
+                out,
+                "    {:<21} {:>10.2} MiB",
+                category.name().replace('_', " "),
+                mib(*bytes)
+            );
+        }
         for (module, bytes) in &self.forward_bytes_by_module {
             let _ = writeln!(
                 out,
@@ -171,8 +184,8 @@ impl StepPlan {
     /// The plan as JSON: `{"held_bytes", "phase_peak_bytes": {phase: bytes},
     /// "peak_bytes", "peak_phase", "gemm_flops", "half_flops", "ops",
     /// "param_bytes", "allocated_bytes", "peak_at", "collectives":
-    /// [{"mesh_dims", "collective", "calls", "bytes"}],
-    /// "forward_bytes_by_module": {module: bytes}}`.
+    /// [{"mesh_dims", "collective", "calls", "bytes"}], "peak_by_category":
+    /// {category: bytes}, "forward_bytes_by_module": {module: bytes}}`.
     pub fn to_json(&self) -> String {
         let mut out = format!("{{\"held_bytes\": {}, \"phase_peak_bytes\": {{", self.held_bytes);
         for (i, (name, b)) in PHASES.iter().zip(self.phase_peak_bytes).enumerate() {
@@ -199,7 +212,11 @@ impl StepPlan {
                 kind.name()
             );
         }
-        out.push_str("], \"forward_bytes_by_module\": {");
+        out.push_str("], \"peak_by_category\": {");
+        for (i, (category, bytes)) in self.peak_by_category.iter().enumerate() {
+            let _ = write!(out, "{}\"{}\": {bytes}", if i > 0 { ", " } else { "" }, category.name());
+        }
+        out.push_str("}, \"forward_bytes_by_module\": {");
         for (i, (module, bytes)) in self.forward_bytes_by_module.iter().enumerate() {
             let _ = write!(
                 out,
@@ -473,10 +490,12 @@ pub fn plan_step(
             allocated_before = tessera_tensor::memory::allocated_bytes();
         }
         let mut peaks = [0; 3];
+        let mut categories = [[0; 7]; 3];
         reset_peak();
         // The batch is the model's to keep (what backward needs of it) or drop.
         let l = loss(&Var::constant(rows));
         peaks[0] = stats().peak_bytes;
+        categories[0] = category_stats().at_peak;
         let l = l?;
         if l.value().to_local().numel() > 0 && !l.value().to_local().is_meta() {
             return Err("plan_step: the loss has values: materialise the model with Materializer::on_meta".into());
@@ -484,11 +503,13 @@ pub fn plan_step(
         reset_peak();
         let b = backward(&l);
         peaks[1] = stats().peak_bytes;
+        categories[1] = category_stats().at_peak;
         b?;
         reset_peak();
         let o = opt.step();
         opt.zero_grad();
         peaks[2] = stats().peak_bytes;
+        categories[2] = category_stats().at_peak;
         o?;
         // The loss read after the step, as a training loop reads it (a
         // gather of one scalar where it is split or partial).
@@ -504,6 +525,8 @@ pub fn plan_step(
             plan.gemm_flops = profile::Kind::ALL.iter().map(|&k| p.flops(k)).sum();
             plan.half_flops = profile::take_half_flops();
             plan.phase_peak_bytes = peaks;
+            let at = (0..3).max_by_key(|&i| (peaks[i], 3 - i)).unwrap_or(0);
+            plan.peak_by_category = Category::ALL.into_iter().zip(categories[at]).collect();
             let events = recording.map(observe::Recording::finish).unwrap_or_default();
             plan.ops = events.iter().filter(|e| matches!(e.what, observe::What::Op(_))).count() as u64;
             plan.forward_bytes_by_module = forward_by_module(&events, plan.held_bytes);

@@ -749,6 +749,33 @@ fn driver(args: &[String]) {
             la.len()
         );
         assert!(d <= 1e-6, "train losses differ: threads {la:?} vs MPI {lb:?}");
+        // Planned under MPI (a process per rank): every rank's peak, gathered,
+        // as the same plan on threads gives them.
+        let (pa, pb) = (dir.join("plan-threads.json"), dir.join("plan-mpi.json"));
+        let mut threads = Command::new(&train);
+        threads
+            .args(flags)
+            .args(["--world-size", "4", "--tp", "2", "--plan", "--plan-out"])
+            .arg(&pa);
+        expect_ok("train --plan on 4 threads", &run(threads, &[], 5 * minute));
+        let pb_str = pb.to_str().unwrap();
+        let mut mpi_args: Vec<&str> = flags.to_vec();
+        mpi_args.extend(["--tp", "2", "--plan", "--plan-out", pb_str]);
+        let job = run_mpi(4, &train, &mpi_args, &[], 5 * minute);
+        expect_ok("train --plan under mpirun -n 4", &job);
+        let peaks = |p: &Path| -> Vec<u64> {
+            let v: serde_json::Value = serde_json::from_slice(&std::fs::read(p).unwrap()).unwrap();
+            v["peak_bytes_per_rank"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_u64().unwrap())
+                .collect()
+        };
+        let (threads_peaks, mpi_peaks) = (peaks(&pa), peaks(&pb));
+        println!("train --plan: peaks per rank {threads_peaks:?} (threads) vs {mpi_peaks:?} (MPI)");
+        assert_eq!(threads_peaks.len(), 4);
+        assert_eq!(threads_peaks, mpi_peaks, "planned peaks per rank, threads vs MPI");
         let _ = std::fs::remove_dir_all(&dir);
         ran += 1;
     }

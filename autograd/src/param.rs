@@ -15,6 +15,7 @@ use std::rc::Rc;
 
 use tessera_dtensor::{DTensor, DTensorSpec, DType, Layout, Placement, ShardOrder, Tensor};
 use tessera_mesh::DeviceMesh;
+use tessera_tensor::memory::Category;
 
 use crate::saved::SavedHandle;
 use crate::tape::{self, next_id};
@@ -326,6 +327,7 @@ impl Param {
     /// parameter). The placements may change (a parallelism layer redistributing
     /// it does that); the gradient keeps whatever placements it had.
     pub fn set_value(&self, value: DTensor) {
+        value.to_local().set_memory_category(Category::Parameters);
         *self.inner.value.borrow_mut() = Value::Ready(value);
     }
 
@@ -405,6 +407,9 @@ impl Param {
 
     /// Replaces the gradient.
     pub fn set_grad(&self, grad: Option<DTensor>) {
+        if let Some(g) = &grad {
+            g.to_local().set_memory_category(Category::Gradients);
+        }
         *self.inner.grad.borrow_mut() = grad;
     }
 

@@ -61,7 +61,7 @@
 use tessera_mesh::{DType, DeviceMesh, HeldBuf, Pieces, Planned, ReduceOp, Work};
 
 use tessera_tensor::Error as TensorError;
-use tessera_tensor::memory::Allocation;
+use tessera_tensor::memory::{Allocation, Category, allocating_as};
 
 use crate::sharding::{padded_chunk_size, shard_size_and_offset, split_chain};
 use crate::spec::{Layout, PlacementsDisplay};
@@ -417,10 +417,9 @@ fn communicate(
         };
         comm.count_planned(call)?;
         let recv_len = if kind == Kind::Gather { world * block } else { block };
-        return Ok(Flight::Planned {
-            out: Tensor::meta(&[recv_len], dtype)?,
-            _sent: flats,
-        });
+        // The receive buffer in flight, as the host path's charge below.
+        let out = allocating_as(Category::CollectiveBuffers, || Tensor::meta(&[recv_len], dtype))?;
+        return Ok(Flight::Planned { out, _sent: flats });
     }
     let on_device = flats.iter().any(Tensor::is_cuda);
     if on_device || tensor_path_forced() {
@@ -444,7 +443,7 @@ fn communicate(
     let recv_len = if kind == Kind::Gather { world * block } else { block };
     // The output only: a gather's or reduce-scatter's send is views of the
     // inputs, already counted; an all-reduce's packed send is its output.
-    let charge = Allocation::charge(recv_len * size);
+    let charge = Allocation::charge_as(recv_len * size, Category::CollectiveBuffers);
     let work = match kind {
         // Segment order: each tensor's pieces from all ranks side by side, so
         // that `wait` hands out views of the buffer instead of copying them out.
@@ -565,7 +564,12 @@ impl BucketWork {
                     })
                     .collect();
             }
-            Flight::Done(data) | Flight::Planned { out: data, .. } => data,
+            Flight::Done(data) => data,
+            Flight::Planned { out, .. } => {
+                // Received: an op's output from now on, as the host path's.
+                out.set_memory_category(Category::Activations);
+                out
+            }
             Flight::Comm { work, _charge: charge } => {
                 let buf = work.wait()?;
                 // The output's charge passes to its tensor (counted once).

@@ -3,12 +3,12 @@
 //! per rank fits the budget is the one to run.
 
 use tessera::models::ActivationCheckpointing;
-use tessera::plan::{Machine, StepPlan};
+use tessera::plan::Machine;
 use tessera::{BoxError, launch};
 
 use crate::args::{Arch, Args};
 use crate::plan_rank;
-use crate::report::{human, step_time_s};
+use crate::report::human;
 
 /// One layout to plan: FSDP, HSDP, with or without TP; resharding after
 /// forward, not, or to each group size dividing the shard dim; f32 or bf16
@@ -110,13 +110,12 @@ pub(crate) fn choose(args: &Args, machine: Option<&Machine>, lead: bool) -> Resu
     let mut ranked = Vec::new();
     for a in candidates(args) {
         let planned = launch(a.world, {
-            let a = a.clone();
-            move |ctx| plan_rank(ctx, &a)
+            let (a, machine) = (a.clone(), *machine);
+            move |ctx| plan_rank(ctx, &a, machine)
         });
         match planned {
             Ok(plans) => {
-                let peak = plans.iter().map(StepPlan::peak_bytes).max().unwrap_or(0);
-                let step_s = step_time_s(&plans, machine);
+                let (peak, step_s) = (plans[0].peak(), plans[0].step_time_s());
                 ranked.push((a, Ok((peak, step_s))));
             }
             Err(e) => ranked.push((a, Err(e.to_string()))),

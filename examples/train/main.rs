@@ -127,7 +127,7 @@ fn run(args: &Args) -> Result<(), BoxError> {
     let plans = if let Some(machine) = machine {
         let plans = launch(args.world, {
             let args = args.clone();
-            move |ctx| plan_rank(ctx, &args)
+            move |ctx| plan_rank(ctx, &args, machine)
         })?;
         if args.plan {
             if lead {
@@ -135,7 +135,7 @@ fn run(args: &Args) -> Result<(), BoxError> {
             }
             return Ok(());
         }
-        Some((plans, machine))
+        Some(plans)
     } else {
         None
     };
@@ -145,8 +145,8 @@ fn run(args: &Args) -> Result<(), BoxError> {
     })?;
     if lead {
         summarize(args, &reports[0], peak)?;
-        if let Some((plans, machine)) = &plans {
-            report::compare_plan(args, plans, machine, &reports[0]);
+        if let Some(plans) = &plans {
+            report::compare_plan(args, plans, &reports[0]);
         }
     }
     report::write_observed(args, &reports, lead)?;
@@ -370,37 +370,84 @@ fn machine(args: &Args) -> Result<Machine, BoxError> {
     let world = args.world;
     let m = launch(world, move |ctx| {
         let mesh = DeviceMesh::new(ctx.into_comm(), &[world])?;
-        Machine::calibrate(&mesh)
+        let m = Machine::calibrate(&mesh)?;
+        // Rank 0's constants on every rank (every process of an MPI job).
+        let mine = [
+            m.flops_per_s,
+            m.half_flops_per_s,
+            m.bytes_per_s,
+            m.collective_latency_s,
+            m.op_s,
+            m.copy_bytes_per_s,
+        ];
+        let all = mesh.comm().all_gather_vec(&mine)?;
+        Ok::<_, BoxError>(Machine {
+            flops_per_s: all[0],
+            half_flops_per_s: all[1],
+            bytes_per_s: all[2],
+            collective_latency_s: all[3],
+            op_s: all[4],
+            copy_bytes_per_s: all[5],
+            ranks: world,
+        })
     })?
     .swap_remove(0);
     let Some(path) = &args.machine else {
         return Ok(m);
     };
-    m.save(path)?;
     if is_lead_process() {
+        m.save(path)?;
         println!("calibrated the machine for {world} ranks; saved to {}", path.display());
     }
     // The constants as saved (rounded), so that this run plans as later ones will.
-    Machine::load(path)
+    Machine::from_json(&m.to_json())
+}
+
+/// One rank's planned step, and every rank's planned peak and step time.
+pub(crate) struct Planned {
+    /// This rank's plan.
+    pub(crate) plan: StepPlan,
+    /// Every rank's planned peak bytes and estimated step time, in rank order
+    /// (gathered, so that every process of an MPI job ranks layouts alike).
+    pub(crate) ranks: Vec<(usize, f64)>,
+}
+
+impl Planned {
+    /// The largest planned peak of any rank.
+    pub(crate) fn peak(&self) -> usize {
+        self.ranks.iter().map(|r| r.0).max().unwrap_or(0)
+    }
+
+    /// The slowest rank's estimated step time.
+    pub(crate) fn step_time_s(&self) -> f64 {
+        self.ranks.iter().map(|r| r.1).fold(0.0, f64::max)
+    }
 }
 
 /// One rank's planned step (`--plan`): the job set up as for training, on
-/// meta tensors.
-pub(crate) fn plan_rank(ctx: RankCtx, args: &Args) -> Result<StepPlan, BoxError> {
+/// meta tensors; its step time estimated on `machine`.
+pub(crate) fn plan_rank(ctx: RankCtx, args: &Args, machine: Machine) -> Result<Planned, BoxError> {
     fn plan<M: CausalLm>(
         ctx: RankCtx,
         args: &Args,
+        machine: Machine,
         build: fn(&Args, &DeviceMesh) -> tessera::autograd::Result<M>,
-    ) -> Result<StepPlan, BoxError> {
+    ) -> Result<Planned, BoxError> {
         let mut job = setup(ctx, args, build, true)?;
         let shape = [args.global_batch(), args.model.seq + 1];
         let batch = Layout::new(&args.mesh, &job.batch_placements, &shape, DType::I64)?;
         let Job { mesh, model, opt, .. } = &mut job;
-        plan_step(mesh, opt, &batch, |rows| model.loss(rows))
+        let plan = plan_step(mesh, opt, &batch, |rows| model.loss(rows))?;
+        let mine = [plan.peak_bytes() as f64, plan.step_time_s(&machine)];
+        let all = mesh.comm().all_gather_vec(&mine)?;
+        let ranks = all.chunks(2).map(|r| (r[0] as usize, r[1])).collect();
+        Ok(Planned { plan, ranks })
     }
     match args.arch {
-        Arch::Gpt => plan(ctx, args, |a, mesh| Transformer::new(a.model, mesh, DType::F32)),
-        Arch::Llama => plan(ctx, args, |a, mesh| Llama::new(a.llama(), mesh, DType::F32)),
+        Arch::Gpt => plan(ctx, args, machine, |a, mesh| {
+            Transformer::new(a.model, mesh, DType::F32)
+        }),
+        Arch::Llama => plan(ctx, args, machine, |a, mesh| Llama::new(a.llama(), mesh, DType::F32)),
     }
 }
 

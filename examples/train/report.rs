@@ -5,9 +5,10 @@ use std::io::Write as _;
 use tessera::BoxError;
 use tessera::mesh::{CommCounts, OpKind, observe};
 use tessera::models::ActivationCheckpointing;
-use tessera::plan::{Machine, StepPlan};
+use tessera::plan::Machine;
 use tessera::tensor::profile::{Kind, OpTime, Profile};
 
+use crate::Planned;
 use crate::args::Args;
 use crate::common;
 use crate::metrics;
@@ -398,15 +399,15 @@ pub(crate) fn human(bytes: usize) -> String {
 /// `--plan`: rank 0's planned step as a table, every rank's planned peak, and
 /// the step time estimated from the calibrated constants; with `--plan-out`
 /// the JSON `{"peak_bytes_per_rank", "step_time_s", "machine", "ranks"}`.
-pub(crate) fn print_plan(args: &Args, plans: &[StepPlan], m0: &Machine) -> Result<(), BoxError> {
-    let p0 = &plans[0];
+pub(crate) fn print_plan(args: &Args, plans: &[Planned], m0: &Machine) -> Result<(), BoxError> {
+    let p0 = &plans[0].plan;
     println!(
         "planned step on mesh {:?} (meta tensors: nothing computed, moved or allocated), rank 0:",
         args.mesh
     );
     print!("{}", p0.table());
-    let peaks: Vec<usize> = plans.iter().map(StepPlan::peak_bytes).collect();
-    let step_s = step_time_s(plans, m0);
+    let peaks: Vec<usize> = plans[0].ranks.iter().map(|r| r.0).collect();
+    let step_s = plans[0].step_time_s();
     println!(
         "peak per rank: {} (rank 0's in {}); estimated step time {:.4} s ({:.3} GFLOP/s per rank for products, {} per \
          second of collectives{})",
@@ -430,7 +431,7 @@ pub(crate) fn print_plan(args: &Args, plans: &[StepPlan], m0: &Machine) -> Resul
             "{{\"peak_bytes_per_rank\": [{}], \"step_time_s\": {step_s:.6e}, \"machine\": {}, \"ranks\": [{}]}}\n",
             list(peaks.iter().map(ToString::to_string).collect()),
             m0.to_json(),
-            list(plans.iter().map(StepPlan::to_json).collect())
+            list(plans.iter().map(|p| p.plan.to_json()).collect())
         );
         common::write_atomic(path, &json)?;
         println!("wrote {}", path.display());
@@ -438,15 +439,10 @@ pub(crate) fn print_plan(args: &Args, plans: &[StepPlan], m0: &Machine) -> Resul
     Ok(())
 }
 
-/// The slowest rank's estimated step time on `machine`.
-pub(crate) fn step_time_s(plans: &[StepPlan], machine: &Machine) -> f64 {
-    plans.iter().map(|p| p.step_time_s(machine)).fold(0.0, f64::max)
-}
-
 /// After a run: the planned step against the measured one (rank 0's peak,
 /// bytes sent per step, and the median step time).
-pub(crate) fn compare_plan(args: &Args, plans: &[StepPlan], machine: &Machine, r0: &RankReport) {
-    let planned_peak = plans.iter().map(StepPlan::peak_bytes).max().unwrap_or(0);
+pub(crate) fn compare_plan(args: &Args, plans: &[Planned], r0: &RankReport) {
+    let planned_peak = plans[0].peak();
     let measured_peak = r0.peak_bytes.iter().copied().max().unwrap_or(0);
     let steps = (args.steps - r0.first_step).max(1) as u64;
     let measured_bytes = r0
@@ -461,9 +457,9 @@ pub(crate) fn compare_plan(args: &Args, plans: &[StepPlan], machine: &Machine, r
         human(planned_peak),
         human(measured_peak),
         100.0 * (planned_peak as f64 / measured_peak.max(1) as f64 - 1.0),
-        plans[0].collective_bytes(),
+        plans[0].plan.collective_bytes(),
         measured_bytes,
-        step_time_s(plans, machine),
+        plans[0].step_time_s(),
         measured_s
     );
 }

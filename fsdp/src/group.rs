@@ -17,6 +17,7 @@ use tessera_autograd::{Binding, Param, is_grad_enabled};
 use tessera_dtensor::bucket::{BucketWork, all_gather_bucket, all_reduce_bucket, reduce_scatter_bucket};
 use tessera_dtensor::{DTensor, Tensor};
 use tessera_mesh::{DType, DeviceMesh};
+use tessera_tensor::memory::Category;
 
 use crate::config::MixedPrecisionPolicy;
 use crate::error::{Error, Result};
@@ -288,6 +289,7 @@ impl ParamGroup {
         };
         for (p, v) in self.params.iter().zip(full) {
             debug_assert_eq!(v.placements(), &p.unsharded.placements[..]);
+            v.to_local().set_memory_category(Category::GatheredParameters);
             p.slot.fill(v);
         }
         *self.state.borrow_mut() = State::Unsharded;
@@ -362,6 +364,9 @@ impl ParamGroup {
             .enumerate()
             .map(|(i, p)| r.piece(i, &p.slot.get()?))
             .collect::<Result<Vec<_>>>()?;
+        for piece in &pieces {
+            piece.to_local().set_memory_category(Category::GatheredParameters);
+        }
         for p in &self.params {
             p.slot.free();
         }
@@ -458,7 +463,11 @@ impl ParamGroup {
     pub(crate) fn add_grad(&self, i: usize, g: &DTensor, sync: bool) -> Result<bool> {
         let c = self.params[i].contribution(g, self.dims, self.reduce_dtype())?;
         let mut gs = self.grads.borrow_mut();
-        add_into(if sync { &mut gs.pending[i] } else { &mut gs.unsynced[i] }, c)?;
+        let slot = if sync { &mut gs.pending[i] } else { &mut gs.unsynced[i] };
+        add_into(slot, c)?;
+        if let Some(sum) = slot {
+            sum.to_local().set_memory_category(Category::UnshardedGradients);
+        }
         gs.arrived += 1;
         Ok(gs.arrived >= gs.expected)
     }

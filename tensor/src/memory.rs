@@ -42,7 +42,7 @@
 
 use std::cell::RefCell;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, LazyLock, Mutex, PoisonError};
 
 use tessera_mesh::context::{RankId, current_rank};
@@ -62,9 +62,97 @@ pub struct MemoryStats {
     pub peak_reserved_bytes: usize,
 }
 
+/// What a rank's bytes hold, as FSDP's memory tracker sorts them. A storage
+/// starts as [`Activations`](Category::Activations) (what ops allocate) and is
+/// moved to another category by what keeps it: a parameter's value
+/// ([`Parameters`](Category::Parameters)), its gradient, an optimizer's state,
+/// FSDP's gathered parameters and gradients waiting to be reduced, a
+/// collective's buffers in flight.
+///
+/// PyTorch: the reference types of `torch.distributed._tools`'
+/// `FSDPMemTracker` (sharded and unsharded parameters and gradients,
+/// activations and temporaries, all-gather and reduce-scatter buffers,
+/// optimizer state).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Category {
+    /// Activations kept for backward and the temporaries of ops (the default).
+    Activations,
+    /// Parameters as the rank holds them between steps (FSDP: its shards).
+    Parameters,
+    /// Parameters gathered for compute (FSDP's unsharded units, and the pieces
+    /// kept by resharding to smaller groups).
+    GatheredParameters,
+    /// Gradients of the parameters (FSDP: reduced shards).
+    Gradients,
+    /// Gradients of gathered parameters waiting for their reduction.
+    UnshardedGradients,
+    /// Optimizer state (moments, step counts).
+    OptimizerState,
+    /// Buffers of collectives in flight, outside any tensor.
+    CollectiveBuffers,
+}
+
+impl Category {
+    /// Every category, in order.
+    pub const ALL: [Category; 7] = [
+        Category::Activations,
+        Category::Parameters,
+        Category::GatheredParameters,
+        Category::Gradients,
+        Category::UnshardedGradients,
+        Category::OptimizerState,
+        Category::CollectiveBuffers,
+    ];
+
+    /// A short name: `activations`, `parameters`, `gathered_parameters`,
+    /// `gradients`, `unsharded_gradients`, `optimizer_state`, `collective_buffers`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Category::Activations => "activations",
+            Category::Parameters => "parameters",
+            Category::GatheredParameters => "gathered_parameters",
+            Category::Gradients => "gradients",
+            Category::UnshardedGradients => "unsharded_gradients",
+            Category::OptimizerState => "optimizer_state",
+            Category::CollectiveBuffers => "collective_buffers",
+        }
+    }
+
+    fn from_index(i: u8) -> Category {
+        Category::ALL[usize::from(i).min(Category::ALL.len() - 1)]
+    }
+}
+
+/// A rank's bytes by [`Category`]: now, and at its peak (since the last
+/// [`reset_peak`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CategoryStats {
+    /// Bytes alive now, by [`Category::ALL`] index.
+    pub current: [usize; 7],
+    /// Bytes alive at the moment of the peak, by [`Category::ALL`] index
+    /// (they sum to the peak).
+    pub at_peak: [usize; 7],
+}
+
+impl CategoryStats {
+    /// Bytes of `category` at the peak.
+    pub fn at_peak(&self, category: Category) -> usize {
+        self.at_peak[category as usize]
+    }
+
+    /// Bytes of `category` now.
+    pub fn current(&self, category: Category) -> usize {
+        self.current[category as usize]
+    }
+}
+
 /// The counters of one rank (or of "no rank").
 #[derive(Debug, Default)]
 struct Counters {
+    /// Bytes alive by category ([`Category::ALL`] index).
+    by_category: [AtomicUsize; 7],
+    /// `by_category` when `peak` was last raised or reset.
+    at_peak: [AtomicUsize; 7],
     current: AtomicUsize,
     /// Bytes ever charged (the rank's allocation traffic).
     total: AtomicUsize,
@@ -74,16 +162,35 @@ struct Counters {
 }
 
 impl Counters {
-    fn add(&self, bytes: usize) {
+    fn add(&self, bytes: usize, category: Category) {
         self.total.fetch_add(bytes, Ordering::Relaxed);
+        self.by_category[category as usize].fetch_add(bytes, Ordering::Relaxed);
         let now = self.current.fetch_add(bytes, Ordering::Relaxed) + bytes;
-        self.peak.fetch_max(now, Ordering::Relaxed);
+        if self.peak.fetch_max(now, Ordering::Relaxed) < now {
+            self.snapshot_categories();
+        }
         self.peak_reserved
             .fetch_max(now + self.cached.load(Ordering::Relaxed), Ordering::Relaxed);
     }
 
-    fn sub(&self, bytes: usize) {
+    fn sub(&self, bytes: usize, category: Category) {
+        self.by_category[category as usize].fetch_sub(bytes, Ordering::Relaxed);
         self.current.fetch_sub(bytes, Ordering::Relaxed);
+    }
+
+    /// Copies the bytes by category into `at_peak`.
+    fn snapshot_categories(&self) {
+        for (now, at) in self.by_category.iter().zip(&self.at_peak) {
+            at.store(now.load(Ordering::Relaxed), Ordering::Relaxed);
+        }
+    }
+
+    fn categories(&self) -> CategoryStats {
+        let read = |a: &[AtomicUsize; 7]| std::array::from_fn(|i| a[i].load(Ordering::Relaxed));
+        CategoryStats {
+            current: read(&self.by_category),
+            at_peak: read(&self.at_peak),
+        }
     }
 
     fn stats(&self) -> MemoryStats {
@@ -99,6 +206,7 @@ impl Counters {
     fn reset_peak(&self) {
         let now = self.current.load(Ordering::Relaxed);
         self.peak.store(now, Ordering::Relaxed);
+        self.snapshot_categories();
         self.peak_reserved
             .store(now + self.cached.load(Ordering::Relaxed), Ordering::Relaxed);
     }
@@ -144,6 +252,8 @@ static DEVICE_NO_RANK: LazyLock<Arc<Counters>> = LazyLock::new(Default::default)
 static NO_RANK: LazyLock<Arc<Counters>> = LazyLock::new(Default::default);
 
 thread_local! {
+    /// The category new storage of this thread is charged as.
+    static ALLOCATING_AS: std::cell::Cell<Category> = const { std::cell::Cell::new(Category::Activations) };
     /// The counters of the rank this thread last allocated for, to skip the lock.
     static CACHED: RefCell<Option<(RankId, Arc<Counters>)>> = const { RefCell::new(None) };
 }
@@ -220,6 +330,28 @@ pub fn stats_of(id: RankId) -> MemoryStats {
     map.get(&id).map(|c| c.stats()).unwrap_or_default()
 }
 
+/// Runs `f` with every storage it allocates on this thread charged as
+/// `category` from the start (instead of [`Category::Activations`]), so that a
+/// peak reached by that allocation counts it as such.
+pub fn allocating_as<T>(category: Category, f: impl FnOnce() -> T) -> T {
+    let before = ALLOCATING_AS.with(|c| c.replace(category));
+    // Restored however `f` leaves (a panic included).
+    struct Restore(Category);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            ALLOCATING_AS.with(|c| c.set(self.0));
+        }
+    }
+    let _restore = Restore(before);
+    f()
+}
+
+/// The bytes of the rank the current thread works for, by [`Category`]: now
+/// and at its peak.
+pub fn category_stats() -> CategoryStats {
+    current_counters().categories()
+}
+
 /// Sets the current thread's rank's peak to its current bytes, to measure the
 /// peak of one phase (PyTorch: `torch.cuda.reset_peak_memory_stats`).
 pub fn reset_peak() {
@@ -235,32 +367,66 @@ pub fn reset_peak() {
 pub struct Allocation {
     counters: Arc<Counters>,
     bytes: usize,
+    /// Its [`Category`] (index), which the holder may change.
+    category: AtomicU8,
 }
 
 impl Allocation {
-    /// Charges `bytes` to the rank the current thread works for.
+    /// Charges `bytes` to the rank the current thread works for, as
+    /// [`Category::Activations`] (or what [`allocating_as`] says).
     pub fn charge(bytes: usize) -> Allocation {
+        Allocation::charge_as(bytes, ALLOCATING_AS.with(std::cell::Cell::get))
+    }
+
+    /// Charges `bytes` to the rank the current thread works for, as `category`.
+    pub fn charge_as(bytes: usize, category: Category) -> Allocation {
         let counters = current_counters();
-        counters.add(bytes);
-        Allocation { counters, bytes }
+        counters.add(bytes, category);
+        Allocation {
+            counters,
+            bytes,
+            category: AtomicU8::new(category as u8),
+        }
     }
 
     /// Charges `bytes` of device memory to the rank the current thread works for.
     pub fn charge_device(bytes: usize) -> Allocation {
         let counters = current_device_counters();
-        counters.add(bytes);
-        Allocation { counters, bytes }
+        counters.add(bytes, Category::Activations);
+        Allocation {
+            counters,
+            bytes,
+            category: AtomicU8::new(Category::Activations as u8),
+        }
     }
 
     /// The bytes this allocation holds.
     pub fn bytes(&self) -> usize {
         self.bytes
     }
+
+    /// What the bytes hold.
+    pub fn category(&self) -> Category {
+        Category::from_index(self.category.load(Ordering::Relaxed))
+    }
+
+    /// Counts the bytes as `category` from now on. The categories at the
+    /// peak are those of the moment an allocation raised it: a peak already
+    /// reached keeps them (to count a new buffer as something else at its
+    /// peak, allocate it so, with [`charge_as`](Self::charge_as) or inside
+    /// [`allocating_as`]).
+    pub fn set_category(&self, category: Category) {
+        let old = Category::from_index(self.category.swap(category as u8, Ordering::Relaxed));
+        if old != category {
+            self.counters.by_category[category as usize].fetch_add(self.bytes, Ordering::Relaxed);
+            self.counters.by_category[old as usize].fetch_sub(self.bytes, Ordering::Relaxed);
+        }
+    }
 }
 
 impl Drop for Allocation {
     fn drop(&mut self) {
-        self.counters.sub(self.bytes);
+        self.counters.sub(self.bytes, self.category());
     }
 }
 
@@ -293,6 +459,70 @@ mod tests {
             reserved_bytes: current,
             peak_reserved_bytes: peak,
         }
+    }
+
+    /// Bytes start as activations, move with `set_memory_category` (every
+    /// view of the storage at once), leave with their storage; the snapshot
+    /// at the peak sums to the peak and keeps the categories of that moment.
+    #[test]
+    fn bytes_are_counted_by_category_and_snapshot_at_the_peak() {
+        let id = rank(0);
+        scoped(id, || {
+            let idx = |c: Category| c as usize;
+            let a = Tensor::zeros(&[100], DType::F32).unwrap();
+            let half = a.narrow(0, 0, 50).unwrap();
+            assert_eq!(a.memory_category(), Category::Activations);
+            half.set_memory_category(Category::Parameters);
+            assert_eq!(a.memory_category(), Category::Parameters, "views share the storage");
+            let c = category_stats();
+            assert_eq!(c.current(Category::Parameters), 400);
+            assert_eq!(c.current(Category::Activations), 0);
+            let g = Allocation::charge_as(64, Category::CollectiveBuffers);
+            let t = Tensor::zeros(&[8], DType::F64).unwrap();
+            // The peak (528 bytes) with its categories.
+            let c = category_stats();
+            assert_eq!(stats().peak_bytes, 528);
+            assert_eq!(c.at_peak.iter().sum::<usize>(), 528);
+            assert_eq!(c.at_peak[idx(Category::Parameters)], 400);
+            assert_eq!(c.at_peak[idx(Category::CollectiveBuffers)], 64);
+            assert_eq!(c.at_peak[idx(Category::Activations)], 64);
+            t.set_memory_category(Category::Gradients);
+            assert_eq!(
+                category_stats().at_peak(Category::Gradients),
+                0,
+                "the peak keeps its moment"
+            );
+            drop(g);
+            let u = allocating_as(Category::Gradients, || Tensor::zeros(&[200], DType::F32).unwrap());
+            assert_eq!(u.memory_category(), Category::Gradients);
+            let c = category_stats();
+            assert_eq!(stats().peak_bytes, 400 + 64 + 800);
+            assert_eq!(
+                c.at_peak(Category::Gradients),
+                64 + 800,
+                "allocated as gradients at the peak"
+            );
+            assert_eq!(
+                Tensor::zeros(&[1], DType::F32).unwrap().memory_category(),
+                Category::Activations
+            );
+            drop(u);
+            t.set_memory_category(Category::OptimizerState);
+            let c = category_stats();
+            assert_eq!(c.current(Category::OptimizerState), 64);
+            assert_eq!(c.current(Category::CollectiveBuffers), 0);
+            assert_eq!(
+                c.at_peak(Category::Gradients),
+                864,
+                "a peak passed keeps its categories"
+            );
+            assert_eq!(c.at_peak(Category::OptimizerState), 0);
+            reset_peak();
+            let c = category_stats();
+            assert_eq!(c.at_peak, c.current);
+            drop((a, half, t));
+            assert_eq!(category_stats().current, [0; 7]);
+        });
     }
 
     #[test]

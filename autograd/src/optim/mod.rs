@@ -47,7 +47,7 @@ use std::borrow::Cow;
 use tessera_dtensor::{DTensor, Layout, PlacementsDisplay, Tensor};
 use tessera_mesh::{Buffer, DType};
 use tessera_tensor::kernel::Real;
-use tessera_tensor::memory::Allocation;
+use tessera_tensor::memory::{Allocation, Category};
 
 use crate::{Error, Param, Result};
 
@@ -439,6 +439,7 @@ impl StateVec {
             let flat = t.to_local().reshape(&[t.to_local().numel()])?.to(device)?;
             // A copy the optimizer holds alone (the loaded tensor may be shared).
             let own = Tensor::assemble(flat.shape(), flat.dtype(), device, &[(&[0][..], &flat)])?;
+            own.set_memory_category(Category::OptimizerState);
             return Ok(StateVec {
                 data: Buffer::zeros(own.dtype(), 0),
                 device: Some(own),
@@ -450,7 +451,7 @@ impl StateVec {
         Ok(StateVec {
             data,
             device: None,
-            _charge: Allocation::charge(bytes),
+            _charge: Allocation::charge_as(bytes, Category::OptimizerState),
         })
     }
 
@@ -462,7 +463,7 @@ impl StateVec {
         StateVec {
             data: Buffer::zeros(dtype, len),
             device: None,
-            _charge: Allocation::charge(len * dtype.size_in_bytes()),
+            _charge: Allocation::charge_as(len * dtype.size_in_bytes(), Category::OptimizerState),
         }
     }
 
@@ -473,9 +474,11 @@ impl StateVec {
         if device == tessera_tensor::Device::Cpu {
             return Ok(StateVec::zeros(dtype, len));
         }
+        let state = Tensor::assemble(&[len], dtype, device, &[])?;
+        state.set_memory_category(Category::OptimizerState);
         Ok(StateVec {
             data: Buffer::zeros(dtype, 0),
-            device: Some(Tensor::assemble(&[len], dtype, device, &[])?),
+            device: Some(state),
             _charge: Allocation::charge(0),
         })
     }

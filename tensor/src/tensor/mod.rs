@@ -99,6 +99,19 @@ impl Tensor {
         self.device().is_cuda()
     }
 
+    /// Counts this tensor's storage (every view of it) as `category` in the
+    /// memory tracker from now on: what keeps a tensor says what it is (a
+    /// parameter's value, a gradient, optimizer state); ops allocate
+    /// [`Activations`](crate::memory::Category::Activations).
+    pub fn set_memory_category(&self, category: crate::memory::Category) {
+        self.0.storage.charge().set_category(category);
+    }
+
+    /// The memory tracker's category of this tensor's storage.
+    pub fn memory_category(&self) -> crate::memory::Category {
+        self.0.storage.charge().category()
+    }
+
     /// Whether the tensor is on the meta device (a shape and a dtype, no
     /// values; see [`Tensor::meta`]). PyTorch: `Tensor.is_meta`.
     pub fn is_meta(&self) -> bool {

@@ -60,6 +60,12 @@ impl Storage {
         }
     }
 
+    /// The memory tracker's charge of this storage (to move it to another
+    /// [`Category`](crate::memory::Category)).
+    pub(crate) fn charge(&self) -> &Allocation {
+        &self._charge
+    }
+
     /// The host buffer, or an error naming the device for device and meta storage.
     pub(crate) fn data(&self) -> Result<&Buffer> {
         match &self.data {
