@@ -88,6 +88,9 @@ pub struct StepPlan {
     /// Bytes of tensor storage the step allocates on this rank (every op's
     /// outputs, each counted once): its memory traffic beyond the products.
     pub allocated_bytes: usize,
+    /// Elements of those outputs, whatever their dtype: element-wise
+    /// kernels cost per element (a bf16 element about what an f32 one does).
+    pub allocated_elements: usize,
     /// Bytes the forward pass adds to what the rank holds, by kind of module
     /// (a block's `attention`, `feed_forward`, `attention_norm`, ...; the
     /// root's children by name, such as `output`, whose logits these are):
@@ -125,14 +128,15 @@ impl StepPlan {
     }
 
     /// The step's time on a machine: its matrix products at `machine`'s
-    /// rate, its collectives' bytes at its bandwidth plus a latency per
+    /// rate, its outputs' elements written and read at its copy rate (four
+    /// bytes each, whatever their dtype), its collectives' bytes at its bandwidth plus a latency per
     /// collective, and an overhead per op (dispatch and the element-wise
     /// kernels between products). Computation and communication are added:
     /// an upper bound where they overlap.
     pub fn step_time_s(&self, machine: &Machine) -> f64 {
         (self.gemm_flops - self.half_flops) as f64 / machine.flops_per_s
             + self.half_flops as f64 / machine.half_flops_per_s
-            + self.allocated_bytes as f64 / machine.copy_bytes_per_s
+            + (4 * self.allocated_elements) as f64 / machine.copy_bytes_per_s
             + self.collective_bytes() as f64 / machine.bytes_per_s
             + self.collective_calls() as f64 * machine.collective_latency_s
             + self.ops as f64 * machine.op_s
@@ -183,7 +187,7 @@ impl StepPlan {
 
     /// The plan as JSON: `{"held_bytes", "phase_peak_bytes": {phase: bytes},
     /// "peak_bytes", "peak_phase", "gemm_flops", "half_flops", "ops",
-    /// "param_bytes", "allocated_bytes", "peak_at", "collectives":
+    /// "param_bytes", "allocated_bytes", "allocated_elements", "peak_at", "collectives":
     /// [{"mesh_dims", "collective", "calls", "bytes"}], "peak_by_category":
     /// {category: bytes}, "forward_bytes_by_module": {module: bytes}}`.
     pub fn to_json(&self) -> String {
@@ -193,7 +197,7 @@ impl StepPlan {
         }
         let _ = write!(
             out,
-            "}}, \"peak_bytes\": {}, \"peak_phase\": \"{}\", \"gemm_flops\": {}, \"half_flops\": {}, \"ops\": {}, \"param_bytes\": {}, \"allocated_bytes\": {}, \"peak_at\": {}, \"collectives\": [",
+            "}}, \"peak_bytes\": {}, \"peak_phase\": \"{}\", \"gemm_flops\": {}, \"half_flops\": {}, \"ops\": {}, \"param_bytes\": {}, \"allocated_bytes\": {}, \"allocated_elements\": {}, \"peak_at\": {}, \"collectives\": [",
             self.peak_bytes(),
             self.peak_phase(),
             self.gemm_flops,
@@ -201,6 +205,7 @@ impl StepPlan {
             self.ops,
             self.param_bytes,
             self.allocated_bytes,
+            self.allocated_elements,
             observe::json_string(&self.peak_at)
         );
         for (i, ((dims, kind), (calls, bytes))) in self.collectives.iter().enumerate() {
@@ -288,13 +293,14 @@ pub struct Machine {
 
 impl Machine {
     /// Measures this rank's constants (a short collective run: every rank of
-    /// `mesh` calls it at once, so the ranks share the cores as in training):
+    /// `mesh` calls it at once, so the ranks share the cores as in training,
+    /// each sample timed until the last rank is done):
     /// the median rate of an f32 matrix product of 256×1024 by 1024×1024 on
     /// the rank's threads; the bytes per second each rank sends in an
     /// all-gather of 4 MiB per rank over the whole mesh (infinite on one rank,
     /// which sends nothing) and the time of an all-gather of one element; the
     /// time of an add of two replicated `[64, 64]` DTensors; and the rate of a
-    /// 32 MiB copy.
+    /// 32 MiB copy. Every rank returns rank 0's constants.
     ///
     /// # Errors
     /// A failed collective.
@@ -312,6 +318,10 @@ impl Machine {
                 for _ in 0..reps {
                     f()?;
                 }
+                // Until every rank is done: ranks that outnumber the cores
+                // take turns, and a rank timing only its own turn would
+                // measure an idle machine.
+                comm.barrier()?;
                 t.push(start.elapsed().as_secs_f64() / reps as f64);
             }
             t.sort_by(f64::total_cmp);
@@ -339,7 +349,7 @@ impl Machine {
         })?;
         let sent = ((ranks - 1) * piece.len() * 4) as f64;
         let bytes_per_s = if ranks > 1 { sent / gather } else { f64::INFINITY };
-        let latency = timed(20, &mut || {
+        let latency = timed(100, &mut || {
             std::hint::black_box(comm.all_gather_vec(&[0f32])?);
             Ok(())
         })?;
@@ -351,7 +361,7 @@ impl Machine {
             &vec![tessera_dtensor::Placement::Replicate; mesh.ndim()],
             &[64, 64],
         )?;
-        let op_s = timed(20, &mut || {
+        let op_s = timed(100, &mut || {
             std::hint::black_box(x.add(&x)?);
             Ok(())
         })?;
@@ -361,13 +371,24 @@ impl Machine {
             std::hint::black_box(&mut dst);
             Ok(())
         })?;
-        Ok(Machine {
+        // Rank 0's constants on every rank: one machine for every rank's
+        // estimate (every process's, under MPI), so that all rank alike.
+        let mine = [
             flops_per_s,
             half_flops_per_s,
             bytes_per_s,
             collective_latency_s,
             op_s,
-            copy_bytes_per_s: src.len() as f64 / copy,
+            src.len() as f64 / copy,
+        ];
+        let all = comm.all_gather_vec(&mine)?;
+        Ok(Machine {
+            flops_per_s: all[0],
+            half_flops_per_s: all[1],
+            bytes_per_s: all[2],
+            collective_latency_s: all[3],
+            op_s: all[4],
+            copy_bytes_per_s: all[5],
             ranks,
         })
     }
@@ -477,7 +498,7 @@ pub fn plan_step(
     let local_shape = batch.local_shape(mesh.coordinate())?;
     let mut plan = StepPlan::default();
     let profiling = profile::enabled();
-    let mut allocated_before = 0;
+    let (mut allocated_before, mut elements_before) = (0, 0);
     for step in 0..2 {
         let rows = DTensor::from_local_with_layout(Tensor::meta(&local_shape, batch.dtype)?, mesh, batch.clone())?;
         let last = step == 1;
@@ -488,6 +509,7 @@ pub fn plan_step(
             let _ = profile::take_half_flops();
             plan.held_bytes = stats().current_bytes;
             allocated_before = tessera_tensor::memory::allocated_bytes();
+            elements_before = tessera_tensor::memory::allocated_elements();
         }
         let mut peaks = [0; 3];
         let mut categories = [[0; 7]; 3];
@@ -517,6 +539,7 @@ pub fn plan_step(
         drop(l);
         if last {
             plan.allocated_bytes = tessera_tensor::memory::allocated_bytes() - allocated_before;
+            plan.allocated_elements = tessera_tensor::memory::allocated_elements() - elements_before;
             let p = profile::take();
             // Timing is on for every thread: turned back only once every rank
             // has counted its step.

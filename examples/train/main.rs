@@ -370,26 +370,7 @@ fn machine(args: &Args) -> Result<Machine, BoxError> {
     let world = args.world;
     let m = launch(world, move |ctx| {
         let mesh = DeviceMesh::new(ctx.into_comm(), &[world])?;
-        let m = Machine::calibrate(&mesh)?;
-        // Rank 0's constants on every rank (every process of an MPI job).
-        let mine = [
-            m.flops_per_s,
-            m.half_flops_per_s,
-            m.bytes_per_s,
-            m.collective_latency_s,
-            m.op_s,
-            m.copy_bytes_per_s,
-        ];
-        let all = mesh.comm().all_gather_vec(&mine)?;
-        Ok::<_, BoxError>(Machine {
-            flops_per_s: all[0],
-            half_flops_per_s: all[1],
-            bytes_per_s: all[2],
-            collective_latency_s: all[3],
-            op_s: all[4],
-            copy_bytes_per_s: all[5],
-            ranks: world,
-        })
+        Machine::calibrate(&mesh)
     })?
     .swap_remove(0);
     let Some(path) = &args.machine else {

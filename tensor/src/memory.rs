@@ -156,6 +156,8 @@ struct Counters {
     current: AtomicUsize,
     /// Bytes ever charged (the rank's allocation traffic).
     total: AtomicUsize,
+    /// Elements of tensor storage ever allocated (whatever their dtype).
+    total_elements: AtomicUsize,
     peak: AtomicUsize,
     cached: AtomicUsize,
     peak_reserved: AtomicUsize,
@@ -322,6 +324,19 @@ pub fn stats() -> MemoryStats {
 /// Subtract two readings to count what a step allocated.
 pub fn allocated_bytes() -> usize {
     current_counters().total.load(Ordering::Relaxed)
+}
+
+/// Elements of host tensor storage ever allocated by the rank the current
+/// thread works for, whatever their dtype: its ops' element traffic (a bf16
+/// element costs an element-wise kernel about what an f32 one does).
+/// Subtract two readings to count what a step allocated.
+pub fn allocated_elements() -> usize {
+    current_counters().total_elements.load(Ordering::Relaxed)
+}
+
+/// Counts `n` elements of new host tensor storage on the current rank.
+pub(crate) fn count_elements(n: usize) {
+    current_counters().total_elements.fetch_add(n, Ordering::Relaxed);
 }
 
 /// Memory statistics of rank `id` (all zero for a rank that never allocated).
@@ -522,6 +537,26 @@ mod tests {
             assert_eq!(c.at_peak, c.current);
             drop((a, half, t));
             assert_eq!(category_stats().current, [0; 7]);
+        });
+    }
+
+    /// Allocated elements count storage by element whatever the dtype;
+    /// views add none.
+    #[test]
+    fn allocated_elements_count_every_dtype_alike() {
+        scoped(rank(0), || {
+            let (e0, b0) = (allocated_elements(), allocated_bytes());
+            let a = Tensor::zeros(&[10, 10], DType::F32).unwrap();
+            let h = a.cast(DType::BF16).unwrap();
+            let _view = h.narrow(0, 0, 5).unwrap();
+            assert_eq!(allocated_elements() - e0, 200);
+            assert_eq!(allocated_bytes() - b0, 600);
+            let _m = Tensor::meta(&[7], DType::BF16).unwrap();
+            assert_eq!(
+                allocated_elements() - e0,
+                207,
+                "meta storage counts as the host's would"
+            );
         });
     }
 

@@ -34,6 +34,7 @@ impl Storage {
     pub(crate) fn new(data: Buffer) -> Storage {
         crate::alloc::tune_malloc_once();
         let bytes = data.len() * data.dtype().size_in_bytes();
+        crate::memory::count_elements(data.len());
         Storage {
             data: Data::Host(data),
             _charge: Allocation::charge(bytes),
@@ -54,6 +55,7 @@ impl Storage {
     /// charged to the current thread's rank as host bytes, as the host storage
     /// it stands for would be.
     pub(crate) fn new_meta(dtype: DType, len: usize) -> Storage {
+        crate::memory::count_elements(len);
         Storage {
             data: Data::Meta(dtype, len),
             _charge: Allocation::charge(len * dtype.size_in_bytes()),
