@@ -1,5 +1,6 @@
 //! How well planned steps (`train --plan`) predict real ones: for the tiny and
-//! bench models on 4 in-process ranks, eleven layouts of the kinds `train --auto`
+//! bench GPT models and the LLaMA-style model at the bench sizes, on 4
+//! in-process ranks, eleven layouts of the kinds `train --auto`
 //! considers (FSDP, HSDP, TP splits, resharding, bf16, recomputation) are planned
 //! and then run, in this one process's children, one after the other on the same
 //! machine.
@@ -10,7 +11,7 @@
 //!
 //! Per layout: the planned and measured peak bytes per rank (their relative
 //! error), and the estimated and measured step time (the median of `N` steps,
-//! default 6, after 2 more). Then, per model: the share of pairs of layouts
+//! default 6, after 2 more; five times as many for the tiny model). Then, per model: the share of pairs of layouts
 //! whose measured step times differ by more than 10% that the estimates put in
 //! the same order (target: at least 0.8), and for ten memory budgets spread
 //! over the planned peaks, whether the layout `--auto` picks (the fastest
@@ -40,6 +41,21 @@ const TINY: &[&str] = &[
     "32",
 ];
 const BENCH: &[&str] = &[
+    "--dim",
+    "256",
+    "--n-layers",
+    "4",
+    "--n-heads",
+    "8",
+    "--vocab",
+    "4096",
+    "--seq",
+    "128",
+];
+/// The LLaMA-style model at the bench sizes (4 key/value heads, SwiGLU hidden 768).
+const LLAMA: &[&str] = &[
+    "--model",
+    "llama",
     "--dim",
     "256",
     "--n-layers",
@@ -193,7 +209,7 @@ fn run(args: &common::BenchArgs) -> Result<(), String> {
         "{:<6} {:<32} {:>12} {:>12} {:>7} {:>10} {:>10}",
         "model", "layout", "planned_B", "measured_B", "err", "planned_s", "measured_s"
     );
-    for (model, sizes) in [("tiny", TINY), ("bench", BENCH)] {
+    for (model, sizes) in [("tiny", TINY), ("bench", BENCH), ("llama", LLAMA)] {
         // One machine for every layout of a model (calibrated by the first
         // run and saved, `--machine`), as `train --auto` ranks them, so that
         // calibration noise ranks nothing.
@@ -202,7 +218,10 @@ fn run(args: &common::BenchArgs) -> Result<(), String> {
             let mut base: Vec<String> = sizes.iter().chain(l.flags).map(|s| s.to_string()).collect();
             base.extend(["--machine".into(), machine.to_string_lossy().into_owned()]);
             base.extend(["--batch".into(), (GLOBAL_BATCH / l.dp).to_string()]);
-            base.extend(["--steps".into(), (args.iters + 2).to_string()]);
+            // The tiny model's steps take milliseconds, where scheduling noise
+            // is a tenth of a step: five times the steps for its median.
+            let iters = if model == "tiny" { 5 * args.iters } else { args.iters };
+            base.extend(["--steps".into(), (iters + 2).to_string()]);
             let (plan, out) = (dir.join("plan.json"), dir.join("run.json"));
             let mut planning = base.clone();
             planning.extend([
@@ -246,7 +265,7 @@ fn run(args: &common::BenchArgs) -> Result<(), String> {
     }
     let _ = std::fs::remove_dir_all(&dir);
     let mut summary = Vec::new();
-    for model in ["tiny", "bench"] {
+    for model in ["tiny", "bench", "llama"] {
         let rs: Vec<&Row> = rows.iter().filter(|r| r.model == model).collect();
         let (mut pairs, mut ordered) = (0, 0);
         for (i, a) in rs.iter().enumerate() {
