@@ -52,21 +52,6 @@ const BENCH: &[&str] = &[
     "--seq",
     "128",
 ];
-/// The LLaMA-style model at the bench sizes (4 key/value heads, SwiGLU hidden 768).
-const LLAMA: &[&str] = &[
-    "--model",
-    "llama",
-    "--dim",
-    "256",
-    "--n-layers",
-    "4",
-    "--n-heads",
-    "8",
-    "--vocab",
-    "4096",
-    "--seq",
-    "128",
-];
 /// Rows of a step over all ranks (every layout trains the same batch).
 const GLOBAL_BATCH: usize = 8;
 
@@ -209,7 +194,9 @@ fn run(args: &common::BenchArgs) -> Result<(), String> {
         "{:<6} {:<32} {:>12} {:>12} {:>7} {:>10} {:>10}",
         "model", "layout", "planned_B", "measured_B", "err", "planned_s", "measured_s"
     );
-    for (model, sizes) in [("tiny", TINY), ("bench", BENCH), ("llama", LLAMA)] {
+    // The LLaMA-style model at the bench sizes (4 key/value heads, SwiGLU hidden 768).
+    let llama = [&["--model", "llama"][..], BENCH].concat();
+    for (model, sizes) in [("tiny", TINY), ("bench", BENCH), ("llama", &llama[..])] {
         // One machine for every layout of a model (calibrated by the first
         // run and saved, `--machine`), as `train --auto` ranks them, so that
         // calibration noise ranks nothing.

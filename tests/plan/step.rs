@@ -55,6 +55,8 @@ struct Measured {
     unit_grad_bytes: usize,
     /// The bytes by memory category at each phase's peak.
     categories: [[usize; 7]; 3],
+    /// The plan itself (of a planned step).
+    plan: Option<tessera::plan::StepPlan>,
 }
 
 fn per_kind(before: CommCounts, after: CommCounts) -> Vec<(u64, u64)> {
@@ -159,6 +161,7 @@ fn step<M: CausalLm>(
             comm,
             unit_grad_bytes,
             categories,
+            plan: Some(p),
         });
     }
     model.materializer(0).materialize(model)?;
@@ -191,6 +194,7 @@ fn step<M: CausalLm>(
             comm: per_kind(comm0, mesh.stats()),
             unit_grad_bytes,
             categories,
+            plan: None,
         });
     }
     Ok(out.unwrap())
@@ -636,23 +640,11 @@ fn the_peak_is_broken_down_by_what_holds_it() {
             },
         ),
     ] {
-        let plans = launch(cfg.mesh.iter().product(), move |ctx| {
-            let names: &[&str] = match (cfg.tp, cfg.mesh.len()) {
-                (true, _) => &["dp", "tp"],
-                (false, 2) => &["dp_replicate", "dp_shard"],
-                (false, _) => &["dp"],
-            };
-            let mesh = DeviceMesh::with_names(ctx.into_comm(), cfg.mesh, names)?;
-            let n = cfg.mesh.len();
-            let plan = |model: &dyn CausalLmPlan| model.plan(cfg, &mesh, names, n);
-            if cfg.llama {
-                plan(&Llama::new(LlamaConfig::TINY, &mesh, DType::F32)?)
-            } else {
-                plan(&Transformer::new(TransformerConfig::TINY, &mesh, DType::F32)?)
-            }
-        })
-        .unwrap();
-        for (r, (p, unit_bytes)) in plans.iter().enumerate() {
+        let size = if cfg.bf16 { 2 } else { 4 };
+        for (r, m) in run(cfg, true).into_iter().enumerate() {
+            let p = m.plan.expect("a planned step");
+            // The largest block unit gathered, in the gather dtype.
+            let unit_bytes = m.unit_grad_bytes / 4 * size;
             let c = |k: Category| p.peak_by_category[&k];
             let sum: usize = p.peak_by_category.values().sum();
             eprintln!("{name} rank {r}: {:?} (peak {})", p.peak_by_category, p.peak_bytes());
@@ -668,74 +660,5 @@ fn the_peak_is_broken_down_by_what_holds_it() {
             assert!(c(Category::Gradients) <= p.param_bytes, "{name}, rank {r}");
             assert!(c(Category::Activations) > 0, "{name}, rank {r}");
         }
-    }
-}
-
-/// One model planned for [`the_peak_is_broken_down_by_what_holds_it`]: its
-/// plan, and the bytes of its largest unit gathered (in the gather dtype).
-trait CausalLmPlan {
-    fn plan(
-        &self,
-        cfg: Config,
-        mesh: &DeviceMesh,
-        names: &[&str],
-        n: usize,
-    ) -> Result<(tessera::plan::StepPlan, usize), tessera::BoxError>;
-}
-
-impl<M: CausalLm> CausalLmPlan for M {
-    fn plan(
-        &self,
-        cfg: Config,
-        mesh: &DeviceMesh,
-        names: &[&str],
-        n: usize,
-    ) -> Result<(tessera::plan::StepPlan, usize), tessera::BoxError> {
-        self.set_activation_checkpointing(cfg.ac)?;
-        let fsdp = FsdpConfig {
-            mp_policy: if cfg.bf16 {
-                MixedPrecisionPolicy::bf16()
-            } else {
-                MixedPrecisionPolicy::default()
-            },
-            ..FsdpConfig::default()
-        };
-        let (dp_mesh, placements) = if cfg.tp {
-            self.parallelize(&mesh.dim("tp")?, false)?;
-            (
-                mesh.slice(&names[..n - 1])?,
-                vec![Placement::Shard(0), Placement::Replicate],
-            )
-        } else {
-            (mesh.clone(), vec![Placement::Shard(0); n])
-        };
-        self.fully_shard(&dp_mesh, &fsdp)?;
-        Materializer::on_meta().materialize(self)?;
-        let shard_ranks = dp_mesh.shape()[dp_mesh.ndim() - 1];
-        let size = if cfg.bf16 { 2 } else { 4 };
-        let unit_bytes = self
-            .blocks()
-            .iter()
-            .map(|b| {
-                let local: usize = b
-                    .parameters()
-                    .iter()
-                    .map(|p| {
-                        p.layout()
-                            .local_shape(mesh.coordinate())
-                            .map_or(0, |s| s.iter().product())
-                    })
-                    .sum();
-                local * shard_ranks * size
-            })
-            .max()
-            .unwrap_or(0);
-        let mut opt = AdamW::new(self.parameters(), AdamWConfig::default())?;
-        let dp: usize = dp_mesh.shape().iter().product();
-        // Both tiny models take rows of 32 tokens.
-        let seq = TransformerConfig::TINY.seq;
-        let batch = Layout::new(cfg.mesh, &placements, &[dp * cfg.rows, seq + 1], DType::I64)?;
-        let plan = plan_step(mesh, &mut opt, &batch, |rows| self.loss(rows))?;
-        Ok((plan, unit_bytes))
     }
 }
