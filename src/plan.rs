@@ -69,6 +69,10 @@ pub struct StepPlan {
     /// Collectives by mesh dims (`"dp"`, `"dp_shard×tp"`, ...) and kind:
     /// calls, and bytes this rank sends.
     pub collectives: BTreeMap<(String, OpKind), (u64, u64)>,
+    /// The shape of this rank's group over each mesh dims of `collectives`:
+    /// its ranks and the world ranks between neighbours (0 where they are not
+    /// evenly spaced), for the bandwidth of that shape ([`GroupRate`]).
+    pub collective_groups: BTreeMap<String, (usize, usize)>,
     /// Floating-point operations of the step's matrix products on this rank
     /// (linear layers and attention, forward and backward).
     pub gemm_flops: u64,
@@ -137,7 +141,14 @@ impl StepPlan {
         (self.gemm_flops - self.half_flops) as f64 / machine.flops_per_s
             + self.half_flops as f64 / machine.half_flops_per_s
             + (4 * self.allocated_elements) as f64 / machine.copy_bytes_per_s
-            + self.collective_bytes() as f64 / machine.bytes_per_s
+            + self
+                .collectives
+                .iter()
+                .map(|((dims, _), &(_, bytes))| {
+                    let (size, stride) = self.collective_groups.get(dims).copied().unwrap_or((0, 0));
+                    bytes as f64 / machine.bytes_per_s_over(size, stride)
+                })
+                .sum::<f64>()
             + self.collective_calls() as f64 * machine.collective_latency_s
             + self.ops as f64 * machine.op_s
     }
@@ -188,7 +199,8 @@ impl StepPlan {
     /// The plan as JSON: `{"held_bytes", "phase_peak_bytes": {phase: bytes},
     /// "peak_bytes", "peak_phase", "gemm_flops", "half_flops", "ops",
     /// "param_bytes", "allocated_bytes", "allocated_elements", "peak_at", "collectives":
-    /// [{"mesh_dims", "collective", "calls", "bytes"}], "peak_by_category":
+    /// [{"mesh_dims", "group_size", "group_stride", "collective", "calls",
+    /// "bytes"}], "peak_by_category":
     /// {category: bytes}, "forward_bytes_by_module": {module: bytes}}`.
     pub fn to_json(&self) -> String {
         let mut out = format!("{{\"held_bytes\": {}, \"phase_peak_bytes\": {{", self.held_bytes);
@@ -209,9 +221,10 @@ impl StepPlan {
             observe::json_string(&self.peak_at)
         );
         for (i, ((dims, kind), (calls, bytes))) in self.collectives.iter().enumerate() {
+            let (size, stride) = self.collective_groups.get(dims).copied().unwrap_or((0, 0));
             let _ = write!(
                 out,
-                "{}{{\"mesh_dims\": {}, \"collective\": \"{}\", \"calls\": {calls}, \"bytes\": {bytes}}}",
+                "{}{{\"mesh_dims\": {}, \"group_size\": {size}, \"group_stride\": {stride}, \"collective\": \"{}\", \"calls\": {calls}, \"bytes\": {bytes}}}",
                 if i > 0 { ", " } else { "" },
                 observe::json_string(dims),
                 kind.name()
@@ -269,16 +282,34 @@ impl fmt::Display for StepPlan {
     }
 }
 
+/// The bandwidth of collectives within groups of `size` ranks whose world
+/// ranks are `stride` apart (a mesh dim's groups: the last dim's are
+/// contiguous, an outer dim's strided), all groups communicating at once.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct GroupRate {
+    /// Ranks in each group.
+    pub size: usize,
+    /// World ranks between neighbours of a group.
+    pub stride: usize,
+    /// Bytes per second one rank sends.
+    pub bytes_per_s: f64,
+}
+
 /// What a step's time is estimated from: the rate of one rank's matrix
 /// products and the bandwidth of its collectives, measured on the machine.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct Machine {
     /// Floating-point operations per second of one rank's matrix products.
     pub flops_per_s: f64,
     /// The same in bf16 (f32 accumulation).
     pub half_flops_per_s: f64,
-    /// Bytes per second one rank sends in collectives.
+    /// Bytes per second one rank sends in collectives over all the ranks.
     pub bytes_per_s: f64,
+    /// Bytes per second by the shape of a mesh dim's groups: every size and
+    /// stride a dim of a mesh over these ranks can have (the last dim's
+    /// groups contiguous, an outer dim's strided: across nodes when it spans
+    /// them). A collective over a group not listed goes at `bytes_per_s`.
+    pub groups: Vec<GroupRate>,
     /// Seconds of a collective of a few bytes (its synchronisation).
     pub collective_latency_s: f64,
     /// Seconds of a small DTensor op (dispatch and a small kernel).
@@ -292,13 +323,25 @@ pub struct Machine {
 }
 
 impl Machine {
+    /// Bytes per second one rank sends in a collective over groups of `size`
+    /// ranks `stride` apart: the measured rate of that shape, else over all
+    /// ranks.
+    pub fn bytes_per_s_over(&self, size: usize, stride: usize) -> f64 {
+        self.groups
+            .iter()
+            .find(|g| g.size == size && g.stride == stride)
+            .map_or(self.bytes_per_s, |g| g.bytes_per_s)
+    }
+
     /// Measures this rank's constants (a short collective run: every rank of
     /// `mesh` calls it at once, so the ranks share the cores as in training,
     /// each sample timed until the last rank is done):
     /// the median rate of an f32 matrix product of 256×1024 by 1024×1024 on
     /// the rank's threads; the bytes per second each rank sends in an
     /// all-gather of 4 MiB per rank over the whole mesh (infinite on one rank,
-    /// which sends nothing) and the time of an all-gather of one element; the
+    /// which sends nothing), the same within the groups of every shape a mesh
+    /// dim can have ([`groups`](Self::groups): one-dim meshes only), and the
+    /// time of an all-gather of one element; the
     /// time of an add of two replicated `[64, 64]` DTensors; and the rate of a
     /// 32 MiB copy. Every rank returns rank 0's constants.
     ///
@@ -349,6 +392,31 @@ impl Machine {
         })?;
         let sent = ((ranks - 1) * piece.len() * 4) as f64;
         let bytes_per_s = if ranks > 1 { sent / gather } else { f64::INFINITY };
+        // Every group shape a dim of a mesh over these ranks can have (a one-dim
+        // mesh's ranks split as [outer, size, stride]; the whole mesh aside),
+        // each shape's groups gathering at once.
+        let divisors = |n: usize| (1..=n).filter(move |d| n.is_multiple_of(*d));
+        let shapes: Vec<(usize, usize)> = if mesh.ndim() == 1 {
+            divisors(ranks)
+                .filter(|&size| size > 1)
+                .flat_map(|size| divisors(ranks / size).map(move |stride| (size, stride)))
+                .filter(|&shape| shape != (ranks, 1))
+                .collect()
+        } else {
+            Vec::new()
+        };
+        let mut group_rates = Vec::with_capacity(shapes.len());
+        for &(size, stride) in &shapes {
+            // Row-major [outer, size, stride]: the middle dim's groups are
+            // `size` ranks `stride` apart.
+            let split = mesh.unflatten(0, &[ranks / (size * stride), size, stride], &[])?;
+            let group = split.dim_comm(1)?;
+            let t = timed(1, &mut || {
+                std::hint::black_box(group.all_gather_vec(&piece)?);
+                Ok(())
+            })?;
+            group_rates.push(((size - 1) * piece.len() * 4) as f64 / t);
+        }
         let latency = timed(100, &mut || {
             std::hint::black_box(comm.all_gather_vec(&[0f32])?);
             Ok(())
@@ -373,7 +441,7 @@ impl Machine {
         })?;
         // Rank 0's constants on every rank: one machine for every rank's
         // estimate (every process's, under MPI), so that all rank alike.
-        let mine = [
+        let mut mine = vec![
             flops_per_s,
             half_flops_per_s,
             bytes_per_s,
@@ -381,11 +449,21 @@ impl Machine {
             op_s,
             src.len() as f64 / copy,
         ];
+        mine.extend(&group_rates);
         let all = comm.all_gather_vec(&mine)?;
         Ok(Machine {
             flops_per_s: all[0],
             half_flops_per_s: all[1],
             bytes_per_s: all[2],
+            groups: shapes
+                .iter()
+                .zip(&all[6..])
+                .map(|(&(size, stride), &bytes_per_s)| GroupRate {
+                    size,
+                    stride,
+                    bytes_per_s,
+                })
+                .collect(),
             collective_latency_s: all[3],
             op_s: all[4],
             copy_bytes_per_s: all[5],
@@ -441,10 +519,36 @@ impl Machine {
             .and_then(serde_json::Value::as_u64)
             .filter(|&r| r > 0)
             .ok_or("no \"ranks\" of at least 1 (write the file with Machine::save or train --machine)")?;
+        // Rates by group shape (none in a file written before they were measured).
+        let mut groups = Vec::new();
+        for g in v
+            .get("groups")
+            .and_then(serde_json::Value::as_array)
+            .into_iter()
+            .flatten()
+        {
+            let dim = |k: &str| g.get(k).and_then(serde_json::Value::as_u64).filter(|&d| d > 0);
+            let (Some(size), Some(stride)) = (dim("size"), dim("stride")) else {
+                return Err(format!("a group rate {g} lacks a \"size\" or \"stride\" of at least 1").into());
+            };
+            let bytes_per_s = match g.get("bytes_per_s") {
+                Some(serde_json::Value::Null) => f64::INFINITY,
+                x => x
+                    .and_then(serde_json::Value::as_f64)
+                    .filter(|r| *r > 0.0)
+                    .ok_or_else(|| format!("the group rate {g} has no positive \"bytes_per_s\""))?,
+            };
+            groups.push(GroupRate {
+                size: size as usize,
+                stride: stride as usize,
+                bytes_per_s,
+            });
+        }
         Ok(Machine {
             flops_per_s,
             half_flops_per_s,
             bytes_per_s,
+            groups,
             collective_latency_s,
             op_s,
             copy_bytes_per_s,
@@ -453,8 +557,8 @@ impl Machine {
     }
 
     /// The constants as JSON: `{"flops_per_s", "half_flops_per_s", "bytes_per_s",
-    /// "collective_latency_s", "op_s", "copy_bytes_per_s", "ranks"}` (an
-    /// unbounded rate as `null`).
+    /// "groups": [{"size", "stride", "bytes_per_s"}], "collective_latency_s",
+    /// "op_s", "copy_bytes_per_s", "ranks"}` (an unbounded rate as `null`).
     pub fn to_json(&self) -> String {
         let num = |v: f64| {
             if v.is_finite() {
@@ -463,17 +567,54 @@ impl Machine {
                 "null".into()
             }
         };
+        let groups: Vec<String> = self
+            .groups
+            .iter()
+            .map(|g| {
+                format!(
+                    "{{\"size\": {}, \"stride\": {}, \"bytes_per_s\": {}}}",
+                    g.size,
+                    g.stride,
+                    num(g.bytes_per_s)
+                )
+            })
+            .collect();
         format!(
-            "{{\"flops_per_s\": {}, \"half_flops_per_s\": {}, \"bytes_per_s\": {}, \"collective_latency_s\": {}, \"op_s\": {}, \"copy_bytes_per_s\": {}, \"ranks\": {}}}",
+            "{{\"flops_per_s\": {}, \"half_flops_per_s\": {}, \"bytes_per_s\": {}, \"groups\": [{}], \"collective_latency_s\": {}, \"op_s\": {}, \"copy_bytes_per_s\": {}, \"ranks\": {}}}",
             num(self.flops_per_s),
             num(self.half_flops_per_s),
             num(self.bytes_per_s),
+            groups.join(", "),
             num(self.collective_latency_s),
             num(self.op_s),
             num(self.copy_bytes_per_s),
             self.ranks
         )
     }
+}
+
+/// The shape of this rank's group over the mesh dims `label` names
+/// (`"dp_shard×tp"`): its ranks, and the world ranks between neighbours
+/// (row-major over `mesh`: the dims after the last named one), 0 where the
+/// named dims are not adjacent (ranks not evenly spaced); `(0, 0)` for a
+/// label naming a dim `mesh` lacks.
+fn group_of(mesh: &DeviceMesh, label: &str) -> (usize, usize) {
+    let (names, shape) = (mesh.names(), mesh.shape());
+    let Some(mut dims) = label
+        .split('×')
+        .map(|n| names.iter().position(|m| m == n))
+        .collect::<Option<Vec<usize>>>()
+    else {
+        return (0, 0);
+    };
+    dims.sort_unstable();
+    let size = dims.iter().map(|&d| shape[d]).product();
+    let adjacent = dims.windows(2).all(|w| w[1] == w[0] + 1);
+    let stride = match dims.last() {
+        Some(&last) if adjacent => shape[last + 1..].iter().product(),
+        _ => 0,
+    };
+    (size, stride)
 }
 
 /// Plans one training step on this rank: the model's parameters must be on the
@@ -570,6 +711,7 @@ pub fn plan_step(
                 .map(|p| p.value().map_or(0, |v| v.to_local().size_in_bytes()))
                 .sum();
             for ((_, _, dims, kind), (calls, bytes)) in CommReport::from_events(&events).rows {
+                plan.collective_groups.insert(dims.clone(), group_of(mesh, &dims));
                 let row = plan.collectives.entry((dims, kind)).or_default();
                 row.0 += calls;
                 row.1 += bytes;
@@ -577,4 +719,90 @@ pub fn plan_step(
         }
     }
     Ok(plan)
+}
+
+#[cfg(test)]
+mod tests {
+    use tessera_mesh::launch;
+
+    use super::*;
+
+    /// A mesh dim's group: its size, and the world ranks between neighbours
+    /// (row-major); flattened adjacent dims are one group, others uneven.
+    #[test]
+    fn groups_have_the_shape_of_their_mesh_dims() {
+        let shapes = launch(8, |ctx| {
+            let mesh = DeviceMesh::with_names(ctx.into_comm(), &[2, 2, 2], &["r", "s", "t"])?;
+            Ok(["r", "s", "t", "s×t", "r×s", "r×t", "r×s×t", "x"].map(|l| group_of(&mesh, l)))
+        })
+        .unwrap();
+        assert_eq!(
+            shapes[0],
+            [(2, 4), (2, 2), (2, 1), (4, 1), (4, 2), (4, 0), (8, 1), (0, 0)]
+        );
+    }
+
+    /// A step's collectives go at the rate of their groups' shape: slowing the
+    /// shape of one dim's groups slows the estimate by that dim's bytes alone.
+    #[test]
+    fn collectives_take_the_bandwidth_of_their_groups() {
+        let mut plan = StepPlan::default();
+        plan.collectives.insert(("r".into(), OpKind::AllReduce), (1, 1_000_000));
+        plan.collectives.insert(("t".into(), OpKind::AllGather), (1, 4_000_000));
+        plan.collective_groups.insert("r".into(), (2, 4));
+        plan.collective_groups.insert("t".into(), (2, 1));
+        let machine = Machine {
+            flops_per_s: 1e12,
+            half_flops_per_s: 1e12,
+            bytes_per_s: 1e9,
+            groups: Vec::new(),
+            collective_latency_s: 0.0,
+            op_s: 0.0,
+            copy_bytes_per_s: 1e12,
+            ranks: 8,
+        };
+        let flat = plan.step_time_s(&machine);
+        assert!((flat - 5e-3).abs() < 1e-12, "{flat}");
+        let across_nodes = Machine {
+            groups: vec![GroupRate {
+                size: 2,
+                stride: 4,
+                bytes_per_s: 1e8,
+            }],
+            ..machine.clone()
+        };
+        // The outer dim's megabyte at a tenth of the rate: 10 ms instead of 1.
+        let slow = plan.step_time_s(&across_nodes);
+        assert!((slow - 14e-3).abs() < 1e-12, "{slow}");
+        // Saved and read back, rates and shapes alike.
+        let back = Machine::from_json(&across_nodes.to_json()).unwrap();
+        assert_eq!(back.bytes_per_s_over(2, 4), 1e8);
+        assert_eq!(back.bytes_per_s_over(2, 1), 1e9);
+        let bad = across_nodes.to_json().replace("\"stride\": 4", "\"stride\": 0");
+        let e = Machine::from_json(&bad).unwrap_err().to_string();
+        assert!(e.contains("\"stride\""), "{e}");
+    }
+
+    /// Calibration on 4 ranks measures every group shape a mesh dim can have
+    /// (2 ranks adjacent, 2 ranks 2 apart), every rank with rank 0's rates.
+    #[test]
+    fn calibration_measures_every_group_shape() {
+        let machines = launch(4, |ctx| {
+            let mesh = DeviceMesh::new(ctx.into_comm(), &[4])?;
+            Machine::calibrate(&mesh)
+        })
+        .unwrap();
+        let shapes: Vec<(usize, usize)> = machines[0].groups.iter().map(|g| (g.size, g.stride)).collect();
+        assert_eq!(shapes, [(2, 1), (2, 2)]);
+        assert!(
+            machines[0]
+                .groups
+                .iter()
+                .all(|g| g.bytes_per_s > 0.0 && g.bytes_per_s.is_finite())
+        );
+        assert!(
+            machines.iter().all(|m| *m == machines[0]),
+            "every rank has rank 0's constants"
+        );
+    }
 }

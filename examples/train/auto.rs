@@ -110,8 +110,8 @@ pub(crate) fn choose(args: &Args, machine: Option<&Machine>, lead: bool) -> Resu
     let mut ranked = Vec::new();
     for a in candidates(args) {
         let planned = launch(a.world, {
-            let (a, machine) = (a.clone(), *machine);
-            move |ctx| plan_rank(ctx, &a, machine)
+            let (a, machine) = (a.clone(), machine.clone());
+            move |ctx| plan_rank(ctx, &a, &machine)
         });
         match planned {
             Ok(plans) => {

@@ -126,8 +126,8 @@ fn run(args: &Args) -> Result<(), BoxError> {
     // (on the CPU, from scratch) a prediction to print against the run's.
     let plans = if let Some(machine) = machine {
         let plans = launch(args.world, {
-            let args = args.clone();
-            move |ctx| plan_rank(ctx, &args, machine)
+            let (args, machine) = (args.clone(), machine.clone());
+            move |ctx| plan_rank(ctx, &args, &machine)
         })?;
         if args.plan {
             if lead {
@@ -407,11 +407,11 @@ impl Planned {
 
 /// One rank's planned step (`--plan`): the job set up as for training, on
 /// meta tensors; its step time estimated on `machine`.
-pub(crate) fn plan_rank(ctx: RankCtx, args: &Args, machine: Machine) -> Result<Planned, BoxError> {
+pub(crate) fn plan_rank(ctx: RankCtx, args: &Args, machine: &Machine) -> Result<Planned, BoxError> {
     fn plan<M: CausalLm>(
         ctx: RankCtx,
         args: &Args,
-        machine: Machine,
+        machine: &Machine,
         build: fn(&Args, &DeviceMesh) -> tessera::autograd::Result<M>,
     ) -> Result<Planned, BoxError> {
         let mut job = setup(ctx, args, build, true)?;
@@ -419,7 +419,7 @@ pub(crate) fn plan_rank(ctx: RankCtx, args: &Args, machine: Machine) -> Result<P
         let batch = Layout::new(&args.mesh, &job.batch_placements, &shape, DType::I64)?;
         let Job { mesh, model, opt, .. } = &mut job;
         let plan = plan_step(mesh, opt, &batch, |rows| model.loss(rows))?;
-        let mine = [plan.peak_bytes() as f64, plan.step_time_s(&machine)];
+        let mine = [plan.peak_bytes() as f64, plan.step_time_s(machine)];
         let all = mesh.comm().all_gather_vec(&mine)?;
         let ranks = all.chunks(2).map(|r| (r[0] as usize, r[1])).collect();
         Ok(Planned { plan, ranks })
