@@ -1,6 +1,8 @@
 //! One training step measured on real tensors and planned on meta tensors
 //! (`plan_step`), on the same mesh and configuration: every rank's tracked
-//! peak per phase and its collectives (calls and bytes per kind) agree.
+//! peak per phase and its collectives (calls and bytes per kind) agree. The
+//! tiny GPT and LLaMA models on every kind of layout, and both at the bench
+//! sizes (5M parameters) on a few.
 
 use tessera::autograd::nn::{Materializer, Module};
 use tessera::autograd::optim::{AdamW, AdamWConfig, Optimizer};
@@ -28,6 +30,9 @@ struct Config {
     /// Which blocks recompute their activations in backward.
     ac: ActivationCheckpointing,
     rows: usize,
+    /// The bench sizes (dim 256, 4 layers, 8 heads, vocab 4096, seq 128)
+    /// instead of the tiny ones.
+    bench: bool,
 }
 
 const BASE: Config = Config {
@@ -40,6 +45,28 @@ const BASE: Config = Config {
     reshard_to: None,
     ac: ActivationCheckpointing::None,
     rows: 2,
+    bench: false,
+};
+
+/// The GPT model at the bench sizes.
+const GPT_BENCH: TransformerConfig = TransformerConfig {
+    vocab: 4096,
+    dim: 256,
+    n_layers: 4,
+    n_heads: 8,
+    seq: 128,
+};
+
+/// The LLaMA-style model at the bench sizes.
+const LLAMA_BENCH: LlamaConfig = LlamaConfig {
+    vocab: 4096,
+    dim: 256,
+    n_layers: 4,
+    n_heads: 8,
+    n_kv_heads: 4,
+    ffn_hidden: 768,
+    seq: 128,
+    ..LlamaConfig::TINY
 };
 
 #[derive(Debug, PartialEq)]
@@ -77,11 +104,13 @@ fn run(cfg: Config, meta: bool) -> Vec<Measured> {
         };
         let mesh = DeviceMesh::with_names(ctx.into_comm(), cfg.mesh, names)?;
         if cfg.llama {
-            let model = Llama::new(LlamaConfig::TINY, &mesh, DType::F32)?;
-            step(cfg, meta, &mesh, names, &model, LlamaConfig::TINY.seq)
+            let sizes = if cfg.bench { LLAMA_BENCH } else { LlamaConfig::TINY };
+            let model = Llama::new(sizes, &mesh, DType::F32)?;
+            step(cfg, meta, &mesh, names, &model, sizes.seq)
         } else {
-            let model = Transformer::new(TransformerConfig::TINY, &mesh, DType::F32)?;
-            step(cfg, meta, &mesh, names, &model, TransformerConfig::TINY.seq)
+            let sizes = if cfg.bench { GPT_BENCH } else { TransformerConfig::TINY };
+            let model = Transformer::new(sizes, &mesh, DType::F32)?;
+            step(cfg, meta, &mesh, names, &model, sizes.seq)
         }
     })
     .unwrap()
@@ -482,6 +511,38 @@ fn a_meta_step_measures_the_real_step_on_every_layout() {
                 ..BASE
             },
         ),
+        ("bench fsdp W2", Config { bench: true, ..BASE }),
+        (
+            "bench hsdp 2x2 no reshard",
+            Config {
+                bench: true,
+                mesh: &[2, 2],
+                reshard: false,
+                rows: 1,
+                ..BASE
+            },
+        ),
+        (
+            "llama bench fsdp W4",
+            Config {
+                bench: true,
+                llama: true,
+                mesh: &[4],
+                rows: 1,
+                ..BASE
+            },
+        ),
+        (
+            "llama bench fsdp+tp 2x2 sequence parallel",
+            Config {
+                bench: true,
+                llama: true,
+                mesh: &[2, 2],
+                tp: true,
+                sequence_parallel: true,
+                ..BASE
+            },
+        ),
     ];
     assert!(cases.len() >= 24, "{} layouts", cases.len());
     let mut exact = 0;
@@ -502,6 +563,38 @@ fn a_meta_step_measures_the_real_step_on_every_layout() {
 #[test]
 fn a_meta_step_bounds_the_real_step_where_gradients_are_in_flight() {
     let cases: &[(&str, Config)] = &[
+        (
+            "bench fsdp+tp 2x2 checkpointed",
+            Config {
+                bench: true,
+                mesh: &[2, 2],
+                tp: true,
+                ac: FULL,
+                ..BASE
+            },
+        ),
+        (
+            "llama bench fsdp W4 bf16",
+            Config {
+                bench: true,
+                llama: true,
+                mesh: &[4],
+                bf16: true,
+                rows: 1,
+                ..BASE
+            },
+        ),
+        (
+            "bench fsdp+tp 2x2 bf16 checkpointed",
+            Config {
+                bench: true,
+                mesh: &[2, 2],
+                tp: true,
+                bf16: true,
+                ac: FULL,
+                ..BASE
+            },
+        ),
         (
             "fsdp W4 reshard to 2",
             Config {
