@@ -117,8 +117,7 @@ impl StepPlan {
 
     /// The phase ([`PHASES`]) in which the peak falls.
     pub fn peak_phase(&self) -> &'static str {
-        let i = (0..3).max_by_key(|&i| (self.phase_peak_bytes[i], 3 - i)).unwrap_or(0);
-        PHASES[i]
+        PHASES[peak_phase_index(&self.phase_peak_bytes)]
     }
 
     /// Collectives of the step.
@@ -133,8 +132,9 @@ impl StepPlan {
 
     /// The step's time on a machine: its matrix products at `machine`'s
     /// rate, its outputs' elements written and read at its copy rate (four
-    /// bytes each, whatever their dtype), its collectives' bytes at its bandwidth plus a latency per
-    /// collective, and an overhead per op (dispatch and the element-wise
+    /// bytes each, whatever their dtype), its collectives' bytes at the
+    /// bandwidth of their groups' shape plus a latency per collective, and
+    /// an overhead per op (dispatch and the element-wise
     /// kernels between products). Computation and communication are added:
     /// an upper bound where they overlap.
     pub fn step_time_s(&self, machine: &Machine) -> f64 {
@@ -246,6 +246,12 @@ impl StepPlan {
         out.push_str("}}");
         out
     }
+}
+
+/// The index in [`PHASES`] of the phase with the most bytes (the first of
+/// equal ones).
+fn peak_phase_index(peaks: &[usize; 3]) -> usize {
+    (0..3).max_by_key(|&i| (peaks[i], 3 - i)).unwrap_or(0)
 }
 
 /// [`StepPlan::forward_bytes_by_module`] from a step's events: the change of
@@ -689,8 +695,10 @@ pub fn plan_step(
             plan.gemm_flops = profile::Kind::ALL.iter().map(|&k| p.flops(k)).sum();
             plan.half_flops = profile::take_half_flops();
             plan.phase_peak_bytes = peaks;
-            let at = (0..3).max_by_key(|&i| (peaks[i], 3 - i)).unwrap_or(0);
-            plan.peak_by_category = Category::ALL.into_iter().zip(categories[at]).collect();
+            plan.peak_by_category = Category::ALL
+                .into_iter()
+                .zip(categories[peak_phase_index(&peaks)])
+                .collect();
             let events = recording.map(observe::Recording::finish).unwrap_or_default();
             plan.ops = events.iter().filter(|e| matches!(e.what, observe::What::Op(_))).count() as u64;
             plan.forward_bytes_by_module = forward_by_module(&events, plan.held_bytes);

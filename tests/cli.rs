@@ -409,10 +409,19 @@ fn killed_saves_leave_no_temporaries() {
     );
 }
 
+/// A JSON file `train` wrote.
+fn read_json(path: &std::path::Path) -> serde_json::Value {
+    serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap()
+}
+
+/// The list of integers under `key` (`peak_bytes_per_rank`, ...).
+fn u64_column(v: &serde_json::Value, key: &str) -> Vec<u64> {
+    v[key].as_array().unwrap().iter().map(|x| x.as_u64().unwrap()).collect()
+}
+
 /// `loss` of a `--losses-out` file.
 fn losses(path: &std::path::Path) -> Vec<f64> {
-    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap();
-    v["loss"]
+    read_json(path)["loss"]
         .as_array()
         .unwrap()
         .iter()
@@ -884,9 +893,11 @@ fn train_continues_a_run_pytorch_checkpointed() {
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
         let got = losses(&out_path);
         // Host memory per rank: in use, and reserved with the host cache (never less).
-        let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&out_path).unwrap()).unwrap();
-        let column = |k: &str| -> Vec<u64> { v[k].as_array().unwrap().iter().map(|x| x.as_u64().unwrap()).collect() };
-        let (used, reserved) = (column("peak_bytes_per_rank"), column("peak_reserved_bytes_per_rank"));
+        let v = read_json(&out_path);
+        let (used, reserved) = (
+            u64_column(&v, "peak_bytes_per_rank"),
+            u64_column(&v, "peak_reserved_bytes_per_rank"),
+        );
         assert!(used.len() == reserved.len() && used.iter().zip(&reserved).all(|(u, r)| *u > 0 && r >= u));
         let _ = std::fs::remove_file(&out_path);
         assert_eq!(got.len(), 4, "{mesh:?}: steps 5 to 8");
@@ -914,11 +925,6 @@ fn plan_predicts_the_peak_of_the_run() {
     let dir = std::env::temp_dir().join(format!("tessera-cli-plan-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
-    let read =
-        |p: &std::path::Path| -> serde_json::Value { serde_json::from_slice(&std::fs::read(p).unwrap()).unwrap() };
-    let column = |v: &serde_json::Value, k: &str| -> Vec<u64> {
-        v[k].as_array().unwrap().iter().map(|x| x.as_u64().unwrap()).collect()
-    };
     for (i, mesh) in [&["--world-size", "2"][..], &["--world-size", "4", "--tp", "2"]]
         .iter()
         .enumerate()
@@ -943,11 +949,11 @@ fn plan_predicts_the_peak_of_the_run() {
         let text = String::from_utf8_lossy(&o.stdout);
         assert!(text.contains("predicted against measured"), "{text}");
         let (planned, measured) = (
-            column(&read(&plan), "peak_bytes_per_rank"),
-            column(&read(&run), "peak_bytes_per_rank"),
+            u64_column(&read_json(&plan), "peak_bytes_per_rank"),
+            u64_column(&read_json(&run), "peak_bytes_per_rank"),
         );
         assert_eq!(planned, measured, "{mesh:?}: planned and measured peaks per rank");
-        let p = read(&plan);
+        let p = read_json(&plan);
         assert!(p["step_time_s"].as_f64().unwrap() > 0.0);
         let kinds: Vec<&str> = p["ranks"][0]["collectives"]
             .as_array()
@@ -1040,17 +1046,7 @@ fn recomputed_blocks_and_resharding_to_groups_train_the_same_model() {
     let dir = std::env::temp_dir().join(format!("tessera-cli-ac-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
-    let read =
-        |p: &std::path::Path| -> serde_json::Value { serde_json::from_slice(&std::fs::read(p).unwrap()).unwrap() };
-    let peak = |v: &serde_json::Value| -> u64 {
-        v["peak_bytes_per_rank"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|x| x.as_u64().unwrap())
-            .max()
-            .unwrap()
-    };
+    let peak = |v: &serde_json::Value| -> u64 { u64_column(v, "peak_bytes_per_rank").into_iter().max().unwrap() };
     let mut runs = Vec::new();
     for (i, extra) in [&[][..], &["--activation-checkpointing", "full"], &["--reshard-to", "2"]]
         .iter()
@@ -1069,7 +1065,7 @@ fn recomputed_blocks_and_resharding_to_groups_train_the_same_model() {
         let o = train(&args, &[]);
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
         let text = String::from_utf8_lossy(&o.stdout).into_owned();
-        let (p, r) = (read(&plan), read(&out));
+        let (p, r) = (read_json(&plan), read_json(&out));
         assert_eq!(peak(&p), peak(&r), "{extra:?}: planned and measured peaks");
         runs.push((losses(&out), peak(&r), text));
     }
@@ -1121,14 +1117,12 @@ fn machine_constants_are_saved_once_and_read_back() {
     let o = plan("2", &first.to_string_lossy());
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     assert!(String::from_utf8_lossy(&o.stdout).contains("calibrated the machine for 2 ranks"));
-    let saved: serde_json::Value = serde_json::from_slice(&std::fs::read(&machine).unwrap()).unwrap();
+    let saved = read_json(&machine);
     assert_eq!(saved["ranks"], 2);
     let o = plan("2", &second.to_string_lossy());
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     assert!(!String::from_utf8_lossy(&o.stdout).contains("calibrated"));
-    let read =
-        |p: &std::path::Path| -> serde_json::Value { serde_json::from_slice(&std::fs::read(p).unwrap()).unwrap() };
-    let (a, b) = (read(&first), read(&second));
+    let (a, b) = (read_json(&first), read_json(&second));
     assert_eq!(a["machine"], saved);
     assert_eq!(b["machine"], saved, "the second plan reads the saved constants");
     assert_eq!(a["step_time_s"], b["step_time_s"]);

@@ -425,11 +425,19 @@ pub(crate) fn plan_rank(ctx: RankCtx, args: &Args, machine: &Machine) -> Result<
         Ok(Planned { plan, ranks })
     }
     match args.arch {
-        Arch::Gpt => plan(ctx, args, machine, |a, mesh| {
-            Transformer::new(a.model, mesh, DType::F32)
-        }),
-        Arch::Llama => plan(ctx, args, machine, |a, mesh| Llama::new(a.llama(), mesh, DType::F32)),
+        Arch::Gpt => plan(ctx, args, machine, gpt),
+        Arch::Llama => plan(ctx, args, machine, llama),
     }
+}
+
+/// The deferred GPT model of `--model gpt` (the default) on `mesh`.
+fn gpt(args: &Args, mesh: &DeviceMesh) -> tessera::autograd::Result<Transformer> {
+    Transformer::new(args.model, mesh, DType::F32)
+}
+
+/// The deferred LLaMA-style model of `--model llama` on `mesh`.
+fn llama(args: &Args, mesh: &DeviceMesh) -> tessera::autograd::Result<Llama> {
+    Llama::new(args.llama(), mesh, DType::F32)
 }
 
 /// What every rank runs: setup, resumption, the steps with their checkpoints,
@@ -441,12 +449,8 @@ fn train_rank(
     peak_flops: Option<f64>,
 ) -> Result<RankReport, BoxError> {
     match args.arch {
-        Arch::Gpt => train_model(ctx, args, tokens, peak_flops, |a, mesh| {
-            Transformer::new(a.model, mesh, DType::F32)
-        }),
-        Arch::Llama => train_model(ctx, args, tokens, peak_flops, |a, mesh| {
-            Llama::new(a.llama(), mesh, DType::F32)
-        }),
+        Arch::Gpt => train_model(ctx, args, tokens, peak_flops, gpt),
+        Arch::Llama => train_model(ctx, args, tokens, peak_flops, llama),
     }
 }
 

@@ -334,11 +334,6 @@ pub fn allocated_elements() -> usize {
     current_counters().total_elements.load(Ordering::Relaxed)
 }
 
-/// Counts `n` elements of new host tensor storage on the current rank.
-pub(crate) fn count_elements(n: usize) {
-    current_counters().total_elements.fetch_add(n, Ordering::Relaxed);
-}
-
 /// Memory statistics of rank `id` (all zero for a rank that never allocated).
 pub fn stats_of(id: RankId) -> MemoryStats {
     let map = RANKS.lock().unwrap_or_else(PoisonError::into_inner);
@@ -395,23 +390,30 @@ impl Allocation {
 
     /// Charges `bytes` to the rank the current thread works for, as `category`.
     pub fn charge_as(bytes: usize, category: Category) -> Allocation {
+        Allocation::on(current_counters(), bytes, category)
+    }
+
+    /// Charges a new host storage of `elements` elements (`bytes` bytes) to
+    /// the rank the current thread works for, as [`charge`](Self::charge)
+    /// does, counting its elements too (see [`allocated_elements`]).
+    pub(crate) fn charge_storage(bytes: usize, elements: usize) -> Allocation {
         let counters = current_counters();
+        counters.total_elements.fetch_add(elements, Ordering::Relaxed);
+        Allocation::on(counters, bytes, ALLOCATING_AS.with(std::cell::Cell::get))
+    }
+
+    /// Charges `bytes` of device memory to the rank the current thread works for.
+    pub fn charge_device(bytes: usize) -> Allocation {
+        Allocation::on(current_device_counters(), bytes, Category::Activations)
+    }
+
+    /// `bytes` of `category` added to `counters`, given back when dropped.
+    fn on(counters: Arc<Counters>, bytes: usize, category: Category) -> Allocation {
         counters.add(bytes, category);
         Allocation {
             counters,
             bytes,
             category: AtomicU8::new(category as u8),
-        }
-    }
-
-    /// Charges `bytes` of device memory to the rank the current thread works for.
-    pub fn charge_device(bytes: usize) -> Allocation {
-        let counters = current_device_counters();
-        counters.add(bytes, Category::Activations);
-        Allocation {
-            counters,
-            bytes,
-            category: AtomicU8::new(Category::Activations as u8),
         }
     }
 

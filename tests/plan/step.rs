@@ -11,7 +11,7 @@ use tessera::dtensor::{Layout, Placement, Tensor, distribute_tensor};
 use tessera::fsdp::{FsdpConfig, MixedPrecisionPolicy};
 use tessera::mesh::{CommCounts, OpKind};
 use tessera::models::{ActivationCheckpointing, CausalLm, Llama, LlamaConfig, Transformer, TransformerConfig};
-use tessera::plan::plan_step;
+use tessera::plan::{PHASES, plan_step};
 use tessera::tensor::memory::{Category, category_stats, reset_peak, stats};
 use tessera::{DType, DeviceMesh, launch};
 
@@ -180,7 +180,7 @@ fn step<M: CausalLm>(
             .collect();
         // The plan keeps the categories of its peak phase only.
         let mut categories = [[0; 7]; 3];
-        let at = p.phase_peak_bytes.iter().position(|&b| b == p.peak_bytes()).unwrap();
+        let at = PHASES.iter().position(|&ph| ph == p.peak_phase()).unwrap();
         for (i, c) in Category::ALL.iter().enumerate() {
             categories[at][i] = p.peak_by_category[c];
         }

@@ -33,11 +33,10 @@ impl Storage {
     /// Wraps `data`, charging its bytes to the current thread's rank.
     pub(crate) fn new(data: Buffer) -> Storage {
         crate::alloc::tune_malloc_once();
-        let bytes = data.len() * data.dtype().size_in_bytes();
-        crate::memory::count_elements(data.len());
+        let (bytes, len) = (data.len() * data.dtype().size_in_bytes(), data.len());
         Storage {
             data: Data::Host(data),
-            _charge: Allocation::charge(bytes),
+            _charge: Allocation::charge_storage(bytes, len),
         }
     }
 
@@ -55,10 +54,9 @@ impl Storage {
     /// charged to the current thread's rank as host bytes, as the host storage
     /// it stands for would be.
     pub(crate) fn new_meta(dtype: DType, len: usize) -> Storage {
-        crate::memory::count_elements(len);
         Storage {
             data: Data::Meta(dtype, len),
-            _charge: Allocation::charge(len * dtype.size_in_bytes()),
+            _charge: Allocation::charge_storage(len * dtype.size_in_bytes(), len),
         }
     }
 
