@@ -405,6 +405,7 @@ fn communicate(
         .map(|t| t.contiguous().reshape(&[t.numel()]))
         .collect::<tessera_tensor::Result<Vec<_>>>()?;
     let comm = mesh.dim_comm(mesh_dim)?;
+    let recv_len = if kind == Kind::Gather { world * block } else { block };
     if flats.iter().any(Tensor::is_meta) {
         // A planning run: the collective the host path below issues, counted,
         // and its output, the one buffer that path allocates (its send reads
@@ -416,7 +417,6 @@ fn communicate(
             Kind::AllReduce => Planned::AllReduce { dtype, len: block },
         };
         comm.count_planned(call)?;
-        let recv_len = if kind == Kind::Gather { world * block } else { block };
         // The receive buffer in flight, as the host path's charge below.
         let out = allocating_as(Category::CollectiveBuffers, || Tensor::meta(&[recv_len], dtype))?;
         return Ok(Flight::Planned { out, _sent: flats });
@@ -440,7 +440,6 @@ fn communicate(
         }
     }
     let size = dtype.size_in_bytes();
-    let recv_len = if kind == Kind::Gather { world * block } else { block };
     // The output only: a gather's or reduce-scatter's send is views of the
     // inputs, already counted; an all-reduce's packed send is its output.
     let charge = Allocation::charge_as(recv_len * size, Category::CollectiveBuffers);
