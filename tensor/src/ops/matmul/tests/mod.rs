@@ -605,12 +605,14 @@ fn bf16_dot_scratch_is_kept_only_up_to_its_cap() {
 /// here with ragged sizes, a row stride past its width, and a batch of rows
 /// folded into one product) is turned over first: the result is the f64
 /// product within f32 tolerance, and the product by a contiguous copy of the
-/// same operand bit for bit; too few rows keep the strided operand. The second
-/// weight is large enough for the copy to be split over the rank's threads.
+/// same operand bit for bit; too few rows keep the strided operand, and so
+/// does a weight as wide as deep or wider. The second weight is large enough
+/// for the copy to be split over the rank's threads.
 #[test]
 fn products_by_transposed_weights_turn_them_over() {
-    // (x's shape, w's rows, w's width before narrowing to x's last dim)
-    let cases: [(&[usize], usize, usize); 2] = [(&[3, 25, 13], 21, 17), (&[2, 40, 256], 300, 260)];
+    // (x's shape, w's rows, w's width before narrowing to x's last dim): w
+    // narrows (fewer rows than x's last dim).
+    let cases: [(&[usize], usize, usize); 2] = [(&[3, 25, 23], 13, 27), (&[2, 40, 512], 300, 520)];
     for (case, (xs, rows, width)) in cases.into_iter().enumerate() {
         let k = xs[2];
         let x = sample(xs, DType::F32, 1);
@@ -634,6 +636,21 @@ fn products_by_transposed_weights_turn_them_over() {
                 .unwrap()
                 .is_none()
         );
+        // A weight as wide as deep (its first k rows) or wider keeps the view.
+        let wide = sample(&[k + 5, width], DType::F32, 3).narrow(1, 2, k).unwrap();
+        let wide_t = wide.transpose(0, 1).unwrap();
+        let wide_view = wide_t.view::<f32>().unwrap();
+        let wide_mat = Mat {
+            ptr: wide_view.as_ptr(),
+            rs: 1,
+            cs: width as isize,
+        };
+        for n in [k, k + 5] {
+            assert!(
+                turned_rhs(GemmKernel::Gemm, m, [k, n], wide_mat).unwrap().is_none(),
+                "k {k}, n {n}"
+            );
+        }
         assert!(
             turned_rhs(GemmKernel::MatrixMultiply, m, [k, rows], mat(&wt))
                 .unwrap()
