@@ -50,9 +50,13 @@
 //! against one core's `f32` FMA peak measured in the same run (x86-64), and the
 //! step's time if every GEMM ran at that peak: the floor a faster GEMM could
 //! reach, and the model FLOPs utilisation: the step's GEMM FLOPs at that
-//! peak (on the rank's threads) over the measured step. `--json` records then
-//! gain `gemm_gflop_per_step`, `gemm_gflops_per_thread`, `fma_peak_gflops` and
-//! `mfu`.
+//! peak (on the rank's threads) over the measured step. The GEMM FLOPs are
+//! the `matmul` ops' and the attention kernel's products (`q·kᵀ`, the
+//! weights times `v`, and their gradients), the latter counted for the
+//! causal half they compute (the pairs of a query and an earlier or equal
+//! key), not the full square some conventions count. `--json` records then
+//! gain `gemm_gflop_per_step` (the `matmul` ops'), `attention_gflop_per_step`,
+//! `gemm_gflops_per_thread`, `fma_peak_gflops` and `mfu`.
 //!
 //! `--threads N` gives each rank N threads for its kernels (default: the cores
 //! divided among the ranks, or `TESSERA_THREADS_PER_RANK`); the table's
@@ -472,10 +476,14 @@ fn print_top_ops(s: &[Summary], top: usize) {
 }
 
 /// Rank 0's GEMMs (the products of `matmul` ops) in forward and backward,
-/// from the profile: floating-point operations and time per timed step.
+/// from the profile: floating-point operations and time per timed step; and
+/// the products inside the attention kernels (the only NN kernels that count
+/// FLOPs), which the model FLOPs count too.
 struct GemmRate {
-    /// GFLOP per step.
+    /// GFLOP per step of the `matmul` ops.
     gflop: f64,
+    /// GFLOP per step of the attention kernels' products.
+    attention_gflop: f64,
     /// Milliseconds per step.
     ms: f64,
     /// GFLOP/s on each of the rank's threads (the products' time is the rank's
@@ -484,22 +492,25 @@ struct GemmRate {
 }
 
 impl GemmRate {
-    /// Model FLOPs utilisation: the step's GEMM FLOPs at `peak` GFLOP/s per
-    /// thread, over the measured step.
+    /// Model FLOPs utilisation: the step's GEMM FLOPs (the `matmul` ops' and
+    /// the attention products') at `peak` GFLOP/s per thread, over the
+    /// measured step.
     fn mfu(&self, peak: f64, x: &Summary) -> f64 {
-        self.gflop / (peak * x.threads.max(1) as f64) / x.median_s
+        (self.gflop + self.attention_gflop) / (peak * x.threads.max(1) as f64) / x.median_s
     }
 
     /// `None` without profiles (no `--profile`) or GEMM time.
     fn of(x: &Summary) -> Option<GemmRate> {
         let steps = x.profiles.len();
-        let (mut flops, mut secs) = (0.0, 0.0);
+        let (mut flops, mut attention, mut secs) = (0.0, 0.0, 0.0);
         for p in x.profiles.iter().flat_map(|phases| &phases[..2]) {
             flops += p.flops(Kind::Gemm) as f64;
+            attention += p.flops(Kind::Nn) as f64;
             secs += p.time(Kind::Gemm).as_secs_f64();
         }
         (steps > 0 && secs > 0.0).then(|| GemmRate {
             gflop: flops / steps as f64 / 1e9,
+            attention_gflop: attention / steps as f64 / 1e9,
             ms: secs / steps as f64 * 1e3,
             per_thread: flops / secs / x.threads.max(1) as f64 / 1e9,
         })
@@ -636,6 +647,7 @@ fn report(args: &Args, s: &[Summary], peak: Option<f64>) -> Result<(), BoxError>
         ]));
         if let (Some(r), Some(Json::Obj(fields))) = (GemmRate::of(x), records.last_mut()) {
             fields.push(("gemm_gflop_per_step".into(), Json::Num(r.gflop)));
+            fields.push(("attention_gflop_per_step".into(), Json::Num(r.attention_gflop)));
             fields.push(("gemm_gflops_per_thread".into(), Json::Num(r.per_thread)));
             if let Some(peak) = peak {
                 fields.push(("fma_peak_gflops".into(), Json::Num(peak)));
@@ -676,9 +688,12 @@ fn report(args: &Args, s: &[Summary], peak: Option<f64>) -> Result<(), BoxError>
             if let Some(r) = GemmRate::of(x) {
                 let mfu = r.mfu(p, x);
                 println!(
-                    "target {} model FLOPs utilisation >= 70%: {:.1}%, {}",
+                    "target {} model FLOPs utilisation >= 70%: {:.1}% ({:.2} GFLOP of matmuls and {:.2} of attention \
+                     products per step), {}",
                     x.mode.name(),
                     100.0 * mfu,
+                    r.gflop,
+                    r.attention_gflop,
                     verdict(mfu >= 0.7)
                 );
             }
