@@ -38,6 +38,7 @@
 
 mod attention;
 mod elementwise;
+mod lookup;
 mod matmul;
 #[cfg(test)]
 mod meta_tests;

@@ -3,6 +3,7 @@
 use std::mem::MaybeUninit;
 
 use super::elementwise::Binary;
+use super::lookup::{self, Half, TABLE_MIN};
 use super::{elements, output, same_dtype};
 use crate::kernel::{Float, Real, float_dispatch};
 use crate::kernel::{erfc, exp, zip_map, zip3_map};
@@ -14,6 +15,11 @@ pub(crate) trait Unary {
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     const KERNEL: &'static str;
 
+    /// Whether a large `bf16` or `f16` tensor reads the op from a table of its
+    /// 65,536 inputs ([`lookup`](super::lookup)) rather than computing it:
+    /// for ops costlier than the load.
+    const TABLED: bool;
+
     fn apply<R: Real>(x: R) -> R;
 }
 
@@ -23,10 +29,11 @@ const FRAC_1_SQRT_2: f64 = std::f64::consts::FRAC_1_SQRT_2;
 const FRAC_1_SQRT_2PI: f64 = 0.398_942_280_401_432_7;
 
 macro_rules! unary_op {
-    ($name:ident, $kernel:literal, |$x:ident| $body:expr) => {
+    ($name:ident, $kernel:literal, $tabled:literal, |$x:ident| $body:expr) => {
         pub(crate) struct $name;
         impl Unary for $name {
             const KERNEL: &'static str = $kernel;
+            const TABLED: bool = $tabled;
 
             #[inline(always)]
             fn apply<R: Real>($x: R) -> R {
@@ -35,34 +42,44 @@ macro_rules! unary_op {
         }
     };
 }
-unary_op!(NegOp, "neg", |x| -x);
-unary_op!(ExpOp, "exp", |x| exp(x));
-unary_op!(LogOp, "log", |x| x.ln());
-unary_op!(SqrtOp, "sqrt", |x| x.sqrt());
-unary_op!(RsqrtOp, "rsqrt", |x| R::ONE / x.sqrt());
-unary_op!(TanhOp, "tanh", |x| x.tanh());
-unary_op!(ErfOp, "erf", |x| x.erf());
+unary_op!(NegOp, "neg", false, |x| -x);
+unary_op!(ExpOp, "exp", true, |x| exp(x));
+unary_op!(LogOp, "log", true, |x| x.ln());
+unary_op!(SqrtOp, "sqrt", false, |x| x.sqrt());
+unary_op!(RsqrtOp, "rsqrt", true, |x| R::ONE / x.sqrt());
+unary_op!(TanhOp, "tanh", true, |x| x.tanh());
+unary_op!(ErfOp, "erf", true, |x| x.erf());
 // 0.5 x (1 + erf(x / sqrt 2)) = 0.5 x erfc(-x / sqrt 2), without the cancellation
 // of 1 + erf for negative x.
 // `erfc` and `exp` are the branch-free `f32` kernels of `fastmath` (libm for `f64`).
-unary_op!(GeluOp, "gelu", |x| R::real(0.5) * x * erfc(-x * R::real(FRAC_1_SQRT_2)));
+unary_op!(GeluOp, "gelu", true, |x| R::real(0.5)
+    * x
+    * erfc(-x * R::real(FRAC_1_SQRT_2)));
 // `x <= 0` is false for NaN, so NaN propagates as in PyTorch.
-unary_op!(ReluOp, "relu", |x| if x <= R::ZERO { R::ZERO } else { x });
-unary_op!(SigmoidOp, "sigmoid", |x| R::ONE / (R::ONE + exp(-x)));
-unary_op!(SiluOp, "silu", |x| x / (R::ONE + exp(-x)));
-unary_op!(AbsOp, "abs", |x| x.abs());
-unary_op!(SquareOp, "square", |x| x * x);
+unary_op!(ReluOp, "relu", false, |x| if x <= R::ZERO { R::ZERO } else { x });
+unary_op!(SigmoidOp, "sigmoid", true, |x| R::ONE / (R::ONE + exp(-x)));
+unary_op!(SiluOp, "silu", true, |x| x / (R::ONE + exp(-x)));
+unary_op!(AbsOp, "abs", false, |x| x.abs());
+unary_op!(SquareOp, "square", false, |x| x * x);
 
 /// `grad * gelu'(x)` with `gelu'(x) = Φ(x) + x φ(x)`.
 pub(crate) struct GeluBackwardOp;
+impl GeluBackwardOp {
+    /// `gelu'(x) = Φ(x) + x φ(x)`.
+    #[inline(always)]
+    fn derivative<R: Real>(x: R) -> R {
+        let cdf = R::real(0.5) * erfc(-x * R::real(FRAC_1_SQRT_2));
+        let pdf = R::real(FRAC_1_SQRT_2PI) * exp(R::real(-0.5) * x * x);
+        cdf + x * pdf
+    }
+}
+
 impl Binary for GeluBackwardOp {
     const KERNEL: &'static str = "gelu_backward";
 
     #[inline(always)]
     fn apply<R: Real>(g: R, x: R) -> R {
-        let cdf = R::real(0.5) * erfc(-x * R::real(FRAC_1_SQRT_2));
-        let pdf = R::real(FRAC_1_SQRT_2PI) * exp(R::real(-0.5) * x * x);
-        g * (cdf + x * pdf)
+        g * Self::derivative(x)
     }
 }
 
@@ -101,13 +118,27 @@ pub fn gelu_backward_shapes(g: &[usize], x: &[usize], y: &[usize]) -> Result<()>
     })
 }
 
-fn unary<Op: Unary>(op: &'static str, t: &Tensor) -> Result<Tensor> {
+fn unary<Op: Unary + 'static>(op: &'static str, t: &Tensor) -> Result<Tensor> {
     if let Some(out) = super::meta_float(op, &[t], t.shape(), t.dtype()) {
         return out;
     }
     #[cfg(feature = "cuda")]
     if t.is_cuda() {
         return crate::cuda::ops::unary(Op::KERNEL, op, t);
+    }
+    if Op::TABLED && t.numel() >= TABLE_MIN {
+        fn tabled<Op: Unary + 'static, T: Half>(op: &'static str, t: &Tensor) -> Result<Tensor> {
+            let x = elements::<T>(t)?;
+            let fill =
+                |out: &mut [MaybeUninit<T>]| lookup::map::<Op, T>(&x, out, |x| T::from_acc(Op::apply(x.to_acc())));
+            // SAFETY: `map` writes every element of the output (`x` is as long).
+            output(unsafe { crate::alloc::written(op, t.shape(), fill)? }, t.shape())
+        }
+        match t.dtype() {
+            DType::BF16 => return tabled::<Op, half::bf16>(op, t),
+            DType::F16 => return tabled::<Op, half::f16>(op, t),
+            _ => {}
+        }
     }
     float_dispatch!(op, t.dtype(), T => {
         let x = elements::<T>(t)?;
@@ -195,6 +226,25 @@ impl Tensor {
         #[cfg(feature = "cuda")]
         if self.is_cuda() || x.is_cuda() {
             return crate::cuda::ops::binary(GeluBackwardOp::KERNEL, OP, self, x, self.shape());
+        }
+        if self.numel() >= TABLE_MIN {
+            fn tabled<T: Half>(g: &Tensor, x: &Tensor) -> Result<Tensor>
+            where
+                T::Acc: Send + Sync + 'static,
+            {
+                let (g, x, shape) = (elements::<T>(g)?, elements::<T>(x)?, g.shape());
+                let fill = |out: &mut [MaybeUninit<T>]| {
+                    lookup::scale::<GeluBackwardOp, T>(&g, &x, out, GeluBackwardOp::derivative)
+                };
+                // SAFETY: `scale` writes every element of the output (`g` and
+                // `x` are as long: their shapes are equal).
+                output(unsafe { crate::alloc::written(OP, shape, fill)? }, shape)
+            }
+            match self.dtype() {
+                DType::BF16 => return tabled::<half::bf16>(self, x),
+                DType::F16 => return tabled::<half::f16>(self, x),
+                _ => {}
+            }
         }
         float_dispatch!(OP, self.dtype(), T => {
             let (g, x) = (elements::<T>(self)?, elements::<T>(x)?);

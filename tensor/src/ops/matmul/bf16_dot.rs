@@ -147,7 +147,7 @@ struct Out {
 /// `dst` must be writable for `lanes` elements; the CPU must have AVX-512F, BW and VL.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-unsafe fn round_store(s: __m512, dst: *mut u16, lanes: usize) {
+pub(in crate::ops) unsafe fn round_store(s: __m512, dst: *mut u16, lanes: usize) {
     let x = _mm512_castps_si512(s);
     let high = _mm512_srli_epi32::<16>(x);
     // Just under half a unit of the last kept bit, plus that bit: carries

@@ -9,7 +9,7 @@ use crate::kernel::{Float, not_float, unravel};
 use crate::{Error, Result, Tensor};
 
 #[cfg(target_arch = "x86_64")]
-mod bf16_dot;
+pub(super) mod bf16_dot;
 mod half_gemm;
 #[cfg(target_arch = "x86_64")]
 mod small;
