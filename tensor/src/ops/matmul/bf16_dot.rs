@@ -25,8 +25,8 @@ use std::arch::x86_64::{
 
 use half::bf16;
 
-use super::Mat;
 use super::transpose::turn8;
+use super::{Causal, Mat};
 
 /// Rows of a tile (a left-operand panel).
 pub(super) const MR: usize = 12;
@@ -64,7 +64,32 @@ pub(super) fn detected() -> bool {
 ///
 /// # Safety
 /// As [`Gemm::gemm`](super::Gemm::gemm), and [`detected`] must be true.
-pub(super) unsafe fn gemm([m, k, n]: [usize; 3], a: Mat<bf16>, b: Mat<bf16>, c: *mut bf16, rsc: isize) {
+pub(super) unsafe fn gemm(mkn: [usize; 3], a: Mat<bf16>, b: Mat<bf16>, c: *mut bf16, rsc: isize) {
+    // SAFETY: the caller's guarantees.
+    unsafe { gemm_part(mkn, a, b, c, rsc, Causal::Dense) }
+}
+
+/// [`gemm`], or its causal `part` (the product as a whole, not a block of a
+/// split one: row `i` and column `j` of `c` are the query and key positions):
+/// [`Causal::Scores`] skips the tiles wholly above the diagonal (left
+/// unwritten: the caller zeroes them); [`Causal::Weights`] sums each tile
+/// only up to its last row's position along `k` (the left operand is zero
+/// past it), and [`Causal::WeightsTransposed`] only from its first row's (zero
+/// before), to within a pair: about half the work of the dense product, and
+/// its sums (the pairs skipped add zero products).
+///
+/// # Safety
+/// As [`gemm`]; for the weights' parts the left operand may hold anything
+/// where the part says it is zero, at most one tile height away from the
+/// diagonal along `k` (further elements are not read).
+pub(super) unsafe fn gemm_part(
+    [m, k, n]: [usize; 3],
+    a: Mat<bf16>,
+    b: Mat<bf16>,
+    c: *mut bf16,
+    rsc: isize,
+    part: Causal,
+) {
     let bits = |x: Mat<bf16>| Mat {
         ptr: x.ptr.cast::<u16>(),
         rs: x.rs,
@@ -103,19 +128,23 @@ pub(super) unsafe fn gemm([m, k, n]: [usize; 3], a: Mat<bf16>, b: Mat<bf16>, c: 
                     let cols = NR.min(n - jp * NR);
                     let panel_b = sb.as_ptr().add(jp * pairs * NR);
                     for ip in 0..rows.div_ceil(MR) {
-                        let first = c.wrapping_offset((r0 + ip * MR) as isize * rsc + (jp * NR) as isize);
+                        let (row, tile_rows) = (r0 + ip * MR, MR.min(rows - ip * MR));
+                        let Some(span) = pair_span(part, row, tile_rows, jp * NR, k) else {
+                            continue;
+                        };
+                        let first = c.wrapping_offset(row as isize * rsc + (jp * NR) as isize);
                         let out = Out {
                             ptr: first,
                             rs: rsc,
-                            rows: MR.min(rows - ip * MR),
+                            rows: tile_rows,
                             cols,
                         };
                         if direct {
-                            let left = a.ptr.wrapping_offset((r0 + ip * MR) as isize * a.rs);
-                            tile::<true>(pairs, left, a.rs, panel_b, out);
+                            let left = a.ptr.wrapping_offset(row as isize * a.rs);
+                            tile::<true>(span, left, a.rs, panel_b, out);
                         } else {
                             let left = sa.as_ptr().add(ip * pairs * MR).cast::<u16>();
-                            tile::<false>(pairs, left, 0, panel_b, out);
+                            tile::<false>(span, left, 0, panel_b, out);
                         }
                     }
                 }
@@ -127,6 +156,23 @@ pub(super) unsafe fn gemm([m, k, n]: [usize; 3], a: Mat<bf16>, b: Mat<bf16>, c: 
             }
         }
     });
+}
+
+/// The pairs along `k` that the tile of `rows` rows from `row`, columns from
+/// `col`, sums for the causal `part`: all of them for a dense product and the
+/// scores, except that a scores tile wholly above the diagonal sums nothing
+/// (`None`: it is not computed); up to the pair holding the last row's
+/// position for weights, from the pair holding the first row's for
+/// transposed weights.
+fn pair_span(part: Causal, row: usize, rows: usize, col: usize, k: usize) -> Option<std::ops::Range<usize>> {
+    let pairs = k.div_ceil(2);
+    let last = row + rows - 1;
+    match part {
+        Causal::Dense => Some(0..pairs),
+        Causal::Scores => (col <= last).then_some(0..pairs),
+        Causal::Weights => Some(0..k.min(last + 1).div_ceil(2)),
+        Causal::WeightsTransposed => Some((row / 2).min(pairs)..pairs),
+    }
 }
 
 /// Where a tile's outputs go: the first `rows × cols` of its `MR × NR`, row
@@ -305,19 +351,20 @@ unsafe fn pack<const W: usize>(m: Mat<u16>, first: usize, lines: usize, k: usize
     }
 }
 
-/// The `MR × NR` sums of one tile over `pairs` pairs, rounded to `bf16` into
-/// `out`; `b` is a packed right panel. The left rows are a packed panel at `a`
+/// The `MR × NR` sums of one tile over the pairs `span` (all of a dense
+/// product's: `0..pairs`), rounded to `bf16` into `out`; `b` is a packed
+/// right panel (of every pair). The left rows are a packed panel at `a`
 /// (`DIRECT` false; `rs` unused), or, with `DIRECT`, `out.rows` rows of a
 /// row-major matrix at `a` with row stride `rs` (the missing rows of a last
 /// panel repeat its last row; their sums are not stored).
 ///
 /// # Safety
-/// `a` must be readable for `pairs` pairs of each of its rows (packed: `pairs ·
-/// MR` `u32`s) and `b` for `pairs · NR` elements; `out` writable for its
+/// `a` must be readable for the pairs `span` of each of its rows (packed: `MR`
+/// `u32`s per pair) and `b` for `NR` elements per pair of it; `out` writable for its
 /// `rows × cols` (at least one of each, at most `MR × NR`); the CPU must have
 /// AVX-512F, BW, VL and AVX512_BF16.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
-unsafe fn tile<const DIRECT: bool>(pairs: usize, a: *const u16, rs: isize, b: *const u32, out: Out) {
+unsafe fn tile<const DIRECT: bool>(span: std::ops::Range<usize>, a: *const u16, rs: isize, b: *const u32, out: Out) {
     let row: [isize; MR] = std::array::from_fn(|i| {
         if DIRECT {
             i.min(out.rows - 1) as isize * rs
@@ -327,7 +374,7 @@ unsafe fn tile<const DIRECT: bool>(pairs: usize, a: *const u16, rs: isize, b: *c
     });
     let step = if DIRECT { 2 } else { 2 * MR };
     let mut sums: [[__m512; 2]; MR] = [[_mm512_setzero_ps(); 2]; MR];
-    for q in 0..pairs {
+    for q in span {
         // SAFETY: pair q of both panels, and of each left row, is inside them
         // (caller); an `__m512i` of 16 packed pairs is an `__m512bh` of 32
         // `bf16` (same size, any bits valid).

@@ -411,9 +411,10 @@ fn turned_rhs<T: Gemm>(
 }
 
 /// One `m×k · k×n` product of a batch (or its [`Causal`] `part`): the small
-/// `f32` kernel where it fits (`small`), the `kernel` otherwise (dense, split
-/// over the rank's threads when large, with the zeros of [`Causal::Scores`]
-/// written after).
+/// `f32` kernel where it fits (`small`), the `bf16` dot-product kernel's part
+/// for `bf16` ones on one thread, the `kernel` otherwise (dense, split over
+/// the rank's threads when large); the zeros of [`Causal::Scores`] written
+/// after.
 ///
 /// # Safety
 /// As [`gemm_split`].
@@ -438,6 +439,30 @@ pub(super) unsafe fn entry<T: Gemm>(
             unsafe { small::product([m, k, n], cast(a), cast(b), c.0.cast(), rsc, part) };
             return;
         }
+    }
+    // A causal part of a bf16 product on the dot-product kernel skips what
+    // the part leaves out, when the product is not split over threads (an
+    // attention head's are not: the heads are).
+    #[cfg(target_arch = "x86_64")]
+    if T::DTYPE == DType::BF16
+        && kernel == GemmKernel::Bf16Dot
+        && part != Causal::Dense
+        && split(tessera_mesh::intra_op_threads(), [m, k, n]).parts == 1
+    {
+        let cast = |x: Mat<T>| Mat {
+            ptr: x.ptr.cast::<half::bf16>(),
+            rs: x.rs,
+            cs: x.cs,
+        };
+        // SAFETY: `T` is `bf16` (checked) and the kernel was checked present
+        // (`GemmKernel::check`); the caller's guarantees, and those of the
+        // part (the left operand zero where it says).
+        unsafe { bf16_dot::gemm_part([m, k, n], cast(a), cast(b), c.0.cast(), rsc, part) };
+        if part == Causal::Scores {
+            // SAFETY: rows 0..m of the m×n output (caller).
+            unsafe { zero_above_diagonal(c.0, 0..m, n, rsc) };
+        }
+        return;
     }
     // SAFETY: the caller's guarantees.
     unsafe { gemm_split(kernel, [m, k, n], a, b, c, rsc) };

@@ -248,3 +248,62 @@ fn part_flops_count_the_kept_pairs() {
         part_flops(1, Causal::Scores, [128, 32, 128]) as f64 / part_flops(1, Causal::Dense, [128, 32, 128]) as f64;
     assert!((half - 0.5).abs() < 0.01, "{half}");
 }
+
+/// The `bf16` dot-product kernel's causal parts skip the masked half as the
+/// small `f32` kernel's do: weights a tile and a pair past the diagonal (NaN
+/// here) are not read, so the parts equal the dense products of the weights
+/// with zeros there, bit for bit; scores above the diagonal are zero where
+/// the dense product is NaN.
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn bf16_causal_parts_do_not_read_the_masked_half() {
+    let t = 50;
+    let values = sample(&[3, t, t], DType::F32, 1).to_vec::<f32>().unwrap();
+    // NaN at j >= i + 14 (a 12-row tile and a pair), zero between.
+    let weights = |far: f32| {
+        let w = values.iter().enumerate().map(|(x, &v)| {
+            let (i, j) = ((x / t) % t, x % t);
+            half::bf16::from_f32(if j <= i {
+                v
+            } else if j >= i + 14 {
+                far
+            } else {
+                0.0
+            })
+        });
+        Tensor::from_vec(w.collect(), &[3, t, t]).unwrap()
+    };
+    let (p, zeroed) = (weights(f32::NAN), weights(0.0));
+    let v = sample(&[3, t, 8], DType::BF16, 2);
+    let g = sample(&[3, t, 8], DType::BF16, 3);
+    let pt = p.transpose(1, 2).unwrap();
+    let (weights, transposed) = (
+        p.matmul_causal(&v, Causal::Weights).unwrap(),
+        pt.matmul_causal(&g, Causal::WeightsTransposed).unwrap(),
+    );
+    let bits = |t: &Tensor| t.to_f64_vec().iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    if GemmKernel::auto_for(DType::BF16) == GemmKernel::Bf16Dot {
+        assert_eq!(bits(&weights), bits(&zeroed.matmul(&v).unwrap()));
+        let zt = zeroed.transpose(1, 2).unwrap();
+        assert_eq!(bits(&transposed), bits(&zt.matmul(&g).unwrap()));
+    } else {
+        // Without the instruction the parts are the widened dense products,
+        // which read the NaN.
+        assert_eq!(bits(&weights), bits(&p.matmul(&v).unwrap()));
+        assert_eq!(bits(&transposed), bits(&pt.matmul(&g).unwrap()));
+    }
+    let mut k = sample(&[1, t, 8], DType::BF16, 4).to_vec::<half::bf16>().unwrap();
+    k[20 * 8..].iter_mut().for_each(|x| *x = half::bf16::NAN);
+    let k = Tensor::from_vec(k, &[1, t, 8]).unwrap();
+    let q = sample(&[1, t, 8], DType::BF16, 5);
+    let scores = q
+        .matmul_causal(&k.transpose(1, 2).unwrap(), Causal::Scores)
+        .unwrap()
+        .to_f64_vec();
+    for i in 0..20 {
+        assert!(scores[i * t..(i + 1) * t].iter().all(|x| x.is_finite()), "row {i}");
+    }
+    for i in 0..t {
+        assert!(scores[i * t + i + 1..(i + 1) * t].iter().all(|&x| x == 0.0), "row {i}");
+    }
+}
