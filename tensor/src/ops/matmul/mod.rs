@@ -181,20 +181,28 @@ struct Split {
 fn split(threads: usize, [m, k, n]: [usize; 3]) -> Split {
     let by_rows = m >= n;
     let len = if by_rows { m } else { n };
-    if threads <= 1 || flops(1, [m, k, n]) < PARALLEL_MIN_FLOPS as u128 || len < 2 * SPLIT_ALIGN {
-        return Split {
-            by_rows,
-            block: len,
-            parts: 1,
-        };
+    let mut block = if threads <= 1 || flops(1, [m, k, n]) < PARALLEL_MIN_FLOPS as u128 || len < 2 * SPLIT_ALIGN {
+        len
+    } else {
+        len.div_ceil(threads).next_multiple_of(SPLIT_ALIGN)
+    };
+    if !by_rows && block > MAX_BLOCK_COLUMNS {
+        block = MAX_BLOCK_COLUMNS;
     }
-    let block = len.div_ceil(threads).next_multiple_of(SPLIT_ALIGN);
     Split {
         by_rows,
         block,
         parts: len.div_ceil(block),
     }
 }
+
+/// The widest block of columns one call of the kernel computes: a wider
+/// product (an output head over a vocabulary) runs in blocks of this many
+/// columns, on one thread as on several. The `gemm` crate allocates its
+/// packed operands per call, sized by the block; past a few MiB the system
+/// allocator maps them fresh each time, and a 32,000-column head faulted
+/// about 2,400 pages a step on 2 ranks. A multiple of [`SPLIT_ALIGN`].
+const MAX_BLOCK_COLUMNS: usize = 4096;
 
 /// One strided matrix operand: base pointer and (row, column) strides.
 #[derive(Clone, Copy)]

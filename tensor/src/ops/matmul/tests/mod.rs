@@ -27,6 +27,16 @@ fn large_products_split_over_the_ranks_threads() {
         "wide: by columns"
     );
     assert_eq!(split(1, [1024, 256, 256]).parts, 1, "one thread");
+    assert_eq!(
+        split(1, [256, 768, 32000]),
+        Split {
+            by_rows: false,
+            block: MAX_BLOCK_COLUMNS,
+            parts: 8
+        },
+        "a vocabulary-wide head, in blocks of columns on one thread too"
+    );
+    assert_eq!(split(2, [256, 768, 32000]).block, MAX_BLOCK_COLUMNS, "and on two");
     assert_eq!(split(2, [16, 16, 16]).parts, 1, "too small");
     assert_eq!(split(8, [40, 100_000, 8]), rows(16, 3), "no block under a tile");
 }
@@ -86,6 +96,39 @@ fn a_split_product_equals_the_single_threaded_one() {
             assert_close(&three[0], &want, 4.0 * sa[1] as f64 * tol(DType::F32), "split product");
         }
     }
+}
+
+/// A product wider than [`MAX_BLOCK_COLUMNS`] runs in blocks of columns (an
+/// uneven last one here), with the bits of one call of the kernel over all of
+/// it: each output element sums in the same order.
+#[test]
+fn a_wide_product_in_blocks_of_columns_equals_one_call() {
+    let (m, k, n) = (64, 40, MAX_BLOCK_COLUMNS + 904);
+    let (a, b) = (sample(&[m, k], DType::F32, 21), sample(&[k, n], DType::F32, 22));
+    assert_eq!(split(1, [m, k, n]).parts, 2, "the case must run in two blocks");
+    let opts = tessera_mesh::LaunchOptions::default().threads_per_rank(1);
+    let (a2, b2) = (a.clone(), b.clone());
+    let blocked = tessera_mesh::launch_with(&opts, 1, move |_| Ok(a2.matmul_with(&b2, GemmKernel::Gemm)?)).unwrap();
+    let mat = |t: &Tensor| Mat {
+        ptr: t.view::<f32>().unwrap().as_ptr(),
+        rs: t.strides()[0] as isize,
+        cs: t.strides()[1] as isize,
+    };
+    let mut whole = vec![f32::NAN; m * n];
+    // SAFETY: `a` and `b` are m×k and k×n views of live tensors; `whole`
+    // holds m rows of n.
+    unsafe {
+        <f32 as Gemm>::gemm(
+            GemmKernel::Gemm,
+            [m, k, n],
+            mat(&a),
+            mat(&b),
+            whole.as_mut_ptr(),
+            n as isize,
+        )
+    };
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&blocked[0].to_vec::<f32>().unwrap()), bits(&whole));
 }
 
 /// The half-precision product as the f32 GEMM of the widened operands,
@@ -584,10 +627,11 @@ fn bf16_dot_scratch_is_kept_only_up_to_its_cap() {
             kept.iter().all(|&c| c > 0),
             "a small product's scratch is kept: {kept:?}"
         );
-        // The right operand packed: 4096 x 4608 bf16, 36 MiB, over the cap.
+        // The right operand packed: 6144 x 4096 bf16 (one block of columns),
+        // 48 MiB, over the cap.
         let (a, b) = (
-            sample(&[8, 4096], DType::BF16, 3),
-            sample(&[4096, 4608], DType::BF16, 4),
+            sample(&[8, 6144], DType::BF16, 3),
+            sample(&[6144, MAX_BLOCK_COLUMNS], DType::BF16, 4),
         );
         a.matmul_with(&b, GemmKernel::Bf16Dot).unwrap();
         let kept = scratch();
