@@ -241,7 +241,7 @@ fn fully_shard_frees_the_replicated_parameters() {
 /// takes the prefetched gathers' outputs while the rank computes, so the order
 /// of requests and returns varies a little from step to step: a few buffers
 /// may join the pool in later steps, each one a miss once; without the pool,
-/// each of a step's 48 requests would be fresh memory.)
+/// each of a step's 37 requests would be fresh memory.)
 #[test]
 fn steady_state_steps_take_every_large_buffer_from_the_pool() {
     use tessera::mesh::pool;
@@ -288,7 +288,7 @@ fn steady_state_steps_take_every_large_buffer_from_the_pool() {
         );
         for &(hits, _) in &per_step[2..] {
             assert!(
-                hits >= 40,
+                hits >= 32,
                 "rank {rank}: the step's large buffers come from the pool: {per_step:?}"
             );
         }
