@@ -90,12 +90,7 @@ pub(super) unsafe fn gemm_part(
     rsc: isize,
     part: Causal,
 ) {
-    let bits = |x: Mat<bf16>| Mat {
-        ptr: x.ptr.cast::<u16>(),
-        rs: x.rs,
-        cs: x.cs,
-    };
-    let (a, b, c) = (bits(a), bits(b), c.cast::<u16>());
+    let (a, b, c) = (a.cast::<u16>(), b.cast::<u16>(), c.cast::<u16>());
     SCRATCH.with(|scratch| {
         let mut scratch = scratch.borrow_mut();
         let [sa, sb] = &mut *scratch;

@@ -181,14 +181,12 @@ struct Split {
 fn split(threads: usize, [m, k, n]: [usize; 3]) -> Split {
     let by_rows = m >= n;
     let len = if by_rows { m } else { n };
-    let mut block = if threads <= 1 || flops(1, [m, k, n]) < PARALLEL_MIN_FLOPS as u128 || len < 2 * SPLIT_ALIGN {
+    let block = if threads <= 1 || flops(1, [m, k, n]) < PARALLEL_MIN_FLOPS as u128 || len < 2 * SPLIT_ALIGN {
         len
     } else {
         len.div_ceil(threads).next_multiple_of(SPLIT_ALIGN)
     };
-    if !by_rows && block > MAX_BLOCK_COLUMNS {
-        block = MAX_BLOCK_COLUMNS;
-    }
+    let block = if by_rows { block } else { block.min(MAX_BLOCK_COLUMNS) };
     Split {
         by_rows,
         block,
@@ -200,8 +198,9 @@ fn split(threads: usize, [m, k, n]: [usize; 3]) -> Split {
 /// product (an output head over a vocabulary) runs in blocks of this many
 /// columns, on one thread as on several. The `gemm` crate allocates its
 /// packed operands per call, sized by the block; past a few MiB the system
-/// allocator maps them fresh each time, and a 32,000-column head faulted
-/// about 2,400 pages a step on 2 ranks. A multiple of [`SPLIT_ALIGN`].
+/// allocator maps them fresh each time: on the large config (FSDP on 2
+/// ranks, a 32,000-column head) blocks took a steady-state step from 4,755
+/// minor page faults to about 500. A multiple of [`SPLIT_ALIGN`].
 const MAX_BLOCK_COLUMNS: usize = 4096;
 
 /// One strided matrix operand: base pointer and (row, column) strides.
@@ -210,6 +209,18 @@ pub(super) struct Mat<T> {
     pub(super) ptr: *const T,
     pub(super) rs: isize,
     pub(super) cs: isize,
+}
+
+impl<T> Mat<T> {
+    /// The same operand read as elements of `U` (a concrete type behind a
+    /// generic one, or a float's bits), strides unchanged.
+    pub(super) fn cast<U>(self) -> Mat<U> {
+        Mat {
+            ptr: self.ptr.cast(),
+            rs: self.rs,
+            cs: self.cs,
+        }
+    }
 }
 
 /// Element types with a native GEMM: `c = a · b` (c overwritten, never read).
@@ -436,44 +447,33 @@ pub(super) unsafe fn entry<T: Gemm>(
     part: Causal,
 ) {
     #[cfg(target_arch = "x86_64")]
-    if T::DTYPE == DType::F32 && kernel == GemmKernel::Gemm {
-        let cast = |x: Mat<T>| Mat {
-            ptr: x.ptr.cast::<f32>(),
-            rs: x.rs,
-            cs: x.cs,
-        };
-        if small::fits([m, k, n], cast(b)) {
-            // SAFETY: `T` is `f32` (checked); the caller's guarantees.
-            unsafe { small::product([m, k, n], cast(a), cast(b), c.0.cast(), rsc, part) };
-            return;
-        }
+    if T::DTYPE == DType::F32 && kernel == GemmKernel::Gemm && small::fits([m, k, n], b.cast()) {
+        // SAFETY: `T` is `f32` (checked); the caller's guarantees.
+        unsafe { small::product([m, k, n], a.cast(), b.cast(), c.0.cast(), rsc, part) };
+        return;
     }
     // A causal part of a bf16 product on the dot-product kernel skips what
     // the part leaves out, when the product is not split over threads (an
     // attention head's are not: the heads are).
     #[cfg(target_arch = "x86_64")]
-    if T::DTYPE == DType::BF16
+    let bf16_part = T::DTYPE == DType::BF16
         && kernel == GemmKernel::Bf16Dot
         && part != Causal::Dense
-        && split(tessera_mesh::intra_op_threads(), [m, k, n]).parts == 1
-    {
-        let cast = |x: Mat<T>| Mat {
-            ptr: x.ptr.cast::<half::bf16>(),
-            rs: x.rs,
-            cs: x.cs,
-        };
+        && split(tessera_mesh::intra_op_threads(), [m, k, n]).parts == 1;
+    #[cfg(not(target_arch = "x86_64"))]
+    let bf16_part = false;
+    if bf16_part {
         // SAFETY: `T` is `bf16` (checked) and the kernel was checked present
         // (`GemmKernel::check`); the caller's guarantees, and those of the
         // part (the left operand zero where it says).
-        unsafe { bf16_dot::gemm_part([m, k, n], cast(a), cast(b), c.0.cast(), rsc, part) };
-        if part == Causal::Scores {
-            // SAFETY: rows 0..m of the m×n output (caller).
-            unsafe { zero_above_diagonal(c.0, 0..m, n, rsc) };
-        }
-        return;
+        #[cfg(target_arch = "x86_64")]
+        unsafe {
+            bf16_dot::gemm_part([m, k, n], a.cast(), b.cast(), c.0.cast(), rsc, part)
+        };
+    } else {
+        // SAFETY: the caller's guarantees.
+        unsafe { gemm_split(kernel, [m, k, n], a, b, c, rsc) };
     }
-    // SAFETY: the caller's guarantees.
-    unsafe { gemm_split(kernel, [m, k, n], a, b, c, rsc) };
     if part == Causal::Scores {
         // SAFETY: rows 0..m of the m×n output (caller).
         unsafe { zero_above_diagonal(c.0, 0..m, n, rsc) };
