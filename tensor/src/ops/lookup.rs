@@ -132,8 +132,8 @@ where
 #[cfg(target_arch = "x86_64")]
 mod simd {
     use std::arch::x86_64::{
-        __mmask16, _mm256_maskz_loadu_epi16, _mm512_castsi512_ps, _mm512_cvtepu16_epi32, _mm512_mask_i32gather_ps,
-        _mm512_mul_ps, _mm512_setzero_ps, _mm512_slli_epi32,
+        _MM_HINT_T0, __mmask16, _mm_prefetch, _mm256_maskz_loadu_epi16, _mm512_castsi512_ps, _mm512_cvtepu16_epi32,
+        _mm512_mask_i32gather_ps, _mm512_mul_ps, _mm512_setzero_ps, _mm512_slli_epi32,
     };
 
     use crate::ops::matmul::bf16_dot::round_store;
@@ -147,6 +147,9 @@ mod simd {
                 && std::arch::is_x86_feature_detected!("avx512vl")
         })
     }
+
+    /// Elements ahead of the current ones whose lines are prefetched.
+    const AHEAD: usize = 256;
 
     /// `out[i] = bf16(f32(g[i]) · table[x[i]])` for `i < len`, on bits.
     ///
@@ -162,6 +165,8 @@ mod simd {
             // `g` and `x`; every index is a u16, inside the table; the store
             // writes `lanes` elements at `out + at` (caller).
             unsafe {
+                _mm_prefetch::<_MM_HINT_T0>(g.wrapping_add(at + AHEAD).cast());
+                _mm_prefetch::<_MM_HINT_T0>(x.wrapping_add(at + AHEAD).cast());
                 let g = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(
                     _mm256_maskz_loadu_epi16(mask, g.add(at).cast()),
                 )));
