@@ -132,7 +132,7 @@ where
 #[cfg(target_arch = "x86_64")]
 mod simd {
     use std::arch::x86_64::{
-        _MM_HINT_T0, __mmask16, _mm_prefetch, _mm256_maskz_loadu_epi16, _mm512_castsi512_ps, _mm512_cvtepu16_epi32,
+        __mmask16, _MM_HINT_T0, _mm_prefetch, _mm256_maskz_loadu_epi16, _mm512_castsi512_ps, _mm512_cvtepu16_epi32,
         _mm512_mask_i32gather_ps, _mm512_mul_ps, _mm512_setzero_ps, _mm512_slli_epi32,
     };
 
