@@ -11,7 +11,9 @@
 //!   is reduced, a reduction to `Shard(1)` is one reduce_scatter, and the gradients
 //!   of `x`, `W` and the bias are the full-tensor ones;
 //! - the gradient of a row- or column-sharded embedding table: sharded like the
-//!   table, no communication in backward, no full table built.
+//!   table, no communication in backward, no full table built;
+//! - 16-bit logits: the loss of their `f32` upcast and its gradient rounded
+//!   back, bit for bit, with no cast op where the class dim is whole.
 
 use std::cell::RefCell;
 use std::rc::Rc;
@@ -20,6 +22,7 @@ use tessera::autograd::{Var, backward};
 use tessera::dtensor::Placement::{self, Partial, Replicate, Shard};
 use tessera::dtensor::sharding::shard_size_and_offset;
 use tessera::dtensor::{DType, ReduceOp, Tensor, distribute_tensor};
+use tessera::mesh::observe::{self, OpLog};
 use tessera::mesh::{CommCounts, OpKind};
 use tessera::tensor::memory;
 use tessera::tensor::ops::Reduction;
@@ -451,6 +454,90 @@ fn row_sharded_embedding_gradient_builds_no_full_table() {
                 "{at}: backward peaked at {} bytes, the full table is {full_bytes}",
                 o.peak
             );
+        }
+    }
+}
+
+/// `bf16` and `f16` logits: the loss is that of the logits cast to `f32` and
+/// the logits' gradient that loss's gradient cast back, bit for bit, on one
+/// rank and batch-sharded (the loss of two partial sums within 1e-6); where
+/// the class dim is whole no `cast` op runs in forward or backward (the upcast
+/// happens as the loss reads the logits, the rounding as it writes the
+/// gradient); class-sharded logits are cast and take the loss-parallel path.
+#[test]
+fn half_logits_lose_in_f32_without_a_cast() {
+    let (b, t, vocab) = (4, 3, 10);
+    for dtype in [DType::BF16, DType::F16] {
+        let logits = uniform(&[b, t, vocab], 31)
+            .mul_scalar(4.0)
+            .unwrap()
+            .cast(dtype)
+            .unwrap();
+        let targets = indices(&[b, t], vocab, 32);
+        let n = b * t;
+        let up = logits.cast(DType::F32).unwrap().reshape(&[n, vocab]).unwrap();
+        let flat_t = targets.reshape(&[n]).unwrap();
+        let want_loss = up.cross_entropy(&flat_t, Reduction::Mean).unwrap().to_f64_vec()[0];
+        let want_grad = up
+            .cross_entropy_backward(&flat_t, 1.0 / n as f64)
+            .unwrap()
+            .cast(dtype)
+            .unwrap()
+            .reshape(&[b, t, vocab])
+            .unwrap();
+        let bits = |t: &Tensor| -> Vec<u64> { t.to_f64_vec().into_iter().map(f64::to_bits).collect() };
+        for (mesh, lp, tp) in [
+            (&[1][..], [Replicate], [Replicate]),
+            (&[2][..], [Shard(0)], [Shard(0)]),
+            (&[2][..], [Shard(2)], [Replicate]),
+        ] {
+            let (l, tg) = (logits.clone(), targets.clone());
+            let outs = on_mesh(mesh, move |mesh| {
+                let x = distribute_tensor(&l, mesh, &lp)?;
+                let tv = constant(&tg, mesh, &tp)?;
+                let caught = Rc::new(RefCell::new(None));
+                let sink = Rc::clone(&caught);
+                let x = Var::with_grad_hook("logits", x, move |g| {
+                    *sink.borrow_mut() = Some(g.clone());
+                    Ok(())
+                });
+                let rec = observe::record_ops(OpLog::Ops);
+                let loss = x.cross_entropy(&tv, Reduction::Mean)?;
+                backward(&loss)?;
+                let events = rec.finish();
+                let ops: Vec<&'static str> = observe::op_log_entries(&events).iter().map(|(_, r)| r.op).collect();
+                let g = caught.borrow_mut().take().ok_or("no gradient reached the logits")?;
+                Ok((loss.value().dtype(), scalar(&loss)?, g.full_tensor()?, ops))
+            });
+            for (loss_dtype, loss, grad, ops) in outs {
+                let what = format!("{dtype} logits placed {lp:?} on {mesh:?}");
+                assert_eq!(loss_dtype, DType::F32, "{what}: loss dtype");
+                assert_eq!(grad.dtype(), dtype, "{what}: gradient dtype");
+                if lp[0] == Shard(2) {
+                    assert!(
+                        ops.contains(&"cast"),
+                        "{what}: class-sharded logits are cast first: {ops:?}"
+                    );
+                    assert!(
+                        (loss - want_loss).abs() <= 1e-6 * want_loss.abs(),
+                        "{what}: loss {loss} want {want_loss}"
+                    );
+                    let err = max_rel_err(&grad, &want_grad).unwrap();
+                    assert!(err <= 1e-2, "{what}: gradient off by {err:e}");
+                    continue;
+                }
+                assert!(!ops.contains(&"cast"), "{what}: a cast ran: {ops:?}");
+                assert!(ops.contains(&"cross_entropy"), "{what}: {ops:?}");
+                if mesh == [1] {
+                    assert_eq!(loss.to_bits(), want_loss.to_bits(), "{what}: loss");
+                } else {
+                    assert!(
+                        (loss - want_loss).abs() <= 1e-6 * want_loss.abs(),
+                        "{what}: loss {loss} want {want_loss}"
+                    );
+                }
+                assert_eq!(bits(&grad), bits(&want_grad), "{what}: gradient");
+            }
         }
     }
 }

@@ -273,9 +273,11 @@ impl Var {
     /// backward without communication whose gradient has the logits' placements.
     ///
     /// The loss is computed in `f32` when the logits are `bf16` or `f16`: they
-    /// are upcast first (exactly), the loss is `f32`, and the logits' gradient
-    /// is rounded back to their dtype, as torchtitan's `logits.float()` before
-    /// the loss does; no model upcasts by hand.
+    /// are upcast (exactly) as the loss reads them, the loss is `f32`, and the
+    /// logits' gradient is rounded back to their dtype as it is written, the
+    /// bits of torchtitan's `logits.float()` before the loss without a cast's
+    /// pass each way (class-sharded logits are cast first); no model upcasts
+    /// by hand.
     ///
     /// PyTorch: `F.cross_entropy(logits.float(), ..)`, under `loss_parallel()`
     /// for class-sharded logits.
@@ -283,18 +285,20 @@ impl Var {
     /// # Errors
     /// As [`DTensor::cross_entropy`].
     pub fn cross_entropy(&self, targets: &Var, reduction: Reduction) -> Result<Var> {
-        if matches!(self.value().dtype(), DType::BF16 | DType::F16) {
+        let (logits, t) = (self.value().clone(), targets.value().clone());
+        let class_dim = logits.shape().len().saturating_sub(1);
+        let class_sharded = logits.placements().iter().any(|p| p.is_shard_on(class_dim));
+        let dtype = logits.dtype();
+        if matches!(dtype, DType::BF16 | DType::F16) && class_sharded {
             return self.cast(DType::F32)?.cross_entropy(targets, reduction);
         }
-        let (logits, t) = (self.value().clone(), targets.value().clone());
         let n: usize = t.shape().iter().product();
         let scale = if reduction == Reduction::Mean {
             1.0 / n.max(1) as f64
         } else {
             1.0
         };
-        let class_dim = logits.shape().len().saturating_sub(1);
-        if logits.placements().iter().any(|p| p.is_shard_on(class_dim)) {
+        if class_sharded {
             // Brought to the loss's layouts here, so that backward reuses them.
             let (x, t) = logits.class_parallel_inputs(&t)?;
             let (loss, lse) = x.cross_entropy_class_parallel(&t, reduction)?;
@@ -305,11 +309,18 @@ impl Var {
                 ])
             }));
         }
-        // The probabilities, not the logits, are kept for backward (the same bytes).
-        let (value, probs) = logits.cross_entropy_with_grad(&t, reduction)?;
+        // The probabilities, not the logits, are kept for backward (the same
+        // bytes; `f32` for 16-bit logits, upcast as they are read, and the
+        // gradient rounded back as it is written).
+        let upcast = if matches!(dtype, DType::BF16 | DType::F16) {
+            DType::F32
+        } else {
+            dtype
+        };
+        let (value, probs) = logits.cross_entropy_with_grad_as(&t, reduction, upcast)?;
         Ok(Var::from_op("cross_entropy", value, &[self, targets], move |g| {
             Ok(smallvec![
-                Some(probs.cross_entropy_backward_from_probs(&t, g, scale)?),
+                Some(probs.cross_entropy_backward_from_probs_as(&t, g, scale, dtype)?),
                 None
             ])
         }))

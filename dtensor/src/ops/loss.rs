@@ -27,7 +27,7 @@ impl DTensor {
         if self.placements().iter().any(|p| p.is_shard_on(self.shape().len() - 1)) {
             return Ok(self.cross_entropy_class_parallel(targets, reduction)?.0);
         }
-        Ok(self.cross_entropy_class_whole(targets, reduction, false)?.0)
+        Ok(self.cross_entropy_class_whole(targets, reduction, None)?.0)
     }
 
     /// [`cross_entropy`](Self::cross_entropy) with the class dim replicated, also
@@ -42,6 +42,27 @@ impl DTensor {
     /// As [`cross_entropy`](Self::cross_entropy), and logits sharded on their
     /// class dim (use [`cross_entropy_class_parallel`](Self::cross_entropy_class_parallel)).
     pub fn cross_entropy_with_grad(&self, targets: &DTensor, reduction: Reduction) -> Result<(DTensor, DTensor)> {
+        self.cross_entropy_with_grad_as(targets, reduction, self.dtype())
+    }
+
+    /// [`cross_entropy_with_grad`](Self::cross_entropy_with_grad) of these
+    /// logits cast to `dtype` (`f32` for `bf16` or `f16` logits), bit for bit,
+    /// without the cast's pass ([`Tensor::cross_entropy_with_grad_as`]): the
+    /// loss and the probabilities are `dtype`.
+    ///
+    /// PyTorch: `F.cross_entropy(logits.float(), targets)`.
+    ///
+    /// # Errors
+    /// As [`cross_entropy_with_grad`](Self::cross_entropy_with_grad), and a
+    /// `dtype` other than the logits' own or, for 16-bit logits, `f32`.
+    pub fn cross_entropy_with_grad_as(
+        &self,
+        targets: &DTensor,
+        reduction: Reduction,
+        dtype: DType,
+    ) -> Result<(DTensor, DTensor)> {
+        // Checked before any rank dispatches: a rank without rows never reaches the kernel's check.
+        tessera_tensor::ops::upcast_target("cross_entropy", self.dtype(), dtype)?;
         if self.placements().iter().any(|p| p.is_shard_on(self.shape().len() - 1)) {
             return Err(Error::Placement {
                 op: "cross_entropy",
@@ -52,7 +73,7 @@ impl DTensor {
                 ),
             });
         }
-        let (loss, probs) = self.cross_entropy_class_whole(targets, reduction, true)?;
+        let (loss, probs) = self.cross_entropy_class_whole(targets, reduction, Some(dtype))?;
         // INVARIANT: asked for them, `cross_entropy_class_whole` returns the probabilities.
         Ok((loss, probs.expect("probabilities kept")))
     }
@@ -60,12 +81,13 @@ impl DTensor {
     /// Cross entropy of logits whose class dim no mesh dim shards: batch-sharded
     /// logits and targets give `Partial(sum)` (scaled by the global count for a
     /// mean); with `keep_probs`, also the probabilities, placed as the logits were
-    /// for the loss.
+    /// for the loss, the loss and the probabilities computed in that dtype
+    /// ([`Tensor::cross_entropy_with_grad_as`]).
     fn cross_entropy_class_whole(
         &self,
         targets: &DTensor,
         reduction: Reduction,
-        keep_probs: bool,
+        keep_probs: Option<DType>,
     ) -> Result<(DTensor, Option<DTensor>)> {
         let scale = ce_scale(self, targets, reduction)?;
         let (ls, ts) = (self.shape(), targets.shape());
@@ -76,16 +98,19 @@ impl DTensor {
             &[self, targets],
             &ce_candidates(ts.len(), self.mesh().ndim()),
             &[],
-            self.dtype(),
+            keep_probs.unwrap_or(self.dtype()),
             |l, ctx| {
                 let n = l[1].numel();
                 let (logits, t) = (l[0].reshape(&[n, c])?, l[1].reshape(&[n])?);
                 // No rows here: the sum is a zero partial sum (NaN for a mean over no rows at all).
-                if !keep_probs {
+                let Some(dtype) = keep_probs else {
                     return Ok(logits.cross_entropy(&t, Reduction::Sum)?.mul_scalar(scale)?);
-                }
-                let (loss, p) = logits.cross_entropy_with_grad(&t, Reduction::Sum)?;
-                probs = Some((p.reshape(l[0].shape())?, ctx.inputs[0].clone()));
+                };
+                let (loss, p) = logits.cross_entropy_with_grad_as(&t, Reduction::Sum, dtype)?;
+                // Placed as the logits were, in the loss's dtype.
+                let mut layout = ctx.inputs[0].clone();
+                layout.dtype = dtype;
+                probs = Some((p.reshape(l[0].shape())?, layout));
                 Ok(loss.mul_scalar(scale)?)
             },
         )?;
@@ -263,6 +288,29 @@ impl DTensor {
     /// # Errors
     /// Shapes that do not fit, a failed redistribution.
     pub fn cross_entropy_backward_from_probs(&self, targets: &DTensor, g: &DTensor, scale: f64) -> Result<DTensor> {
+        self.cross_entropy_backward_from_probs_as(targets, g, scale, self.dtype())
+    }
+
+    /// [`cross_entropy_backward_from_probs`](Self::cross_entropy_backward_from_probs)
+    /// cast to `dtype`, bit for bit, in one pass
+    /// ([`Tensor::cross_entropy_backward_from_probs_as`]): the `bf16` or
+    /// `f16` gradient of logits whose loss
+    /// [`cross_entropy_with_grad_as`](Self::cross_entropy_with_grad_as) computed in `f32`.
+    ///
+    /// # Errors
+    /// As [`cross_entropy_backward_from_probs`](Self::cross_entropy_backward_from_probs),
+    /// and a `dtype` that no logits' upcast pairs with the probabilities'.
+    pub fn cross_entropy_backward_from_probs_as(
+        &self,
+        targets: &DTensor,
+        g: &DTensor,
+        scale: f64,
+        dtype: DType,
+    ) -> Result<DTensor> {
+        // Checked before any rank dispatches: a rank without rows never reaches the kernel's check.
+        if self.dtype().is_float() {
+            tessera_tensor::ops::upcast_target("cross_entropy_backward", dtype, self.dtype())?;
+        }
         let probs = self;
         let tr = targets.shape().len();
         let (r, s) = (Placement::Replicate, Placement::Shard);
@@ -275,16 +323,18 @@ impl DTensor {
             &[probs, targets, g],
             &cands,
             probs.shape(),
-            probs.dtype(),
+            dtype,
             |l, _| {
                 let n = l[1].numel();
                 if n == 0 {
-                    return Ok(Tensor::zeros(l[0].shape(), l[0].dtype())?.to(l[0].device())?);
+                    return Ok(Tensor::zeros(l[0].shape(), dtype)?.to(l[0].device())?);
                 }
                 let flat = l[0].reshape(&[n, c])?;
                 let t = l[1].contiguous().reshape(&[n])?;
                 let gs = l[2].to_f64_vec()[0] * scale;
-                Ok(flat.cross_entropy_backward_from_probs(&t, gs)?.reshape(l[0].shape())?)
+                Ok(flat
+                    .cross_entropy_backward_from_probs_as(&t, gs, dtype)?
+                    .reshape(l[0].shape())?)
             },
         )
     }

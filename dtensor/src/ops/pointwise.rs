@@ -163,7 +163,18 @@ impl DTensor {
             let _t = tessera_tensor::profile::op_scope("cast");
             self.to_local().cast(dtype)?
         };
-        DTensor::from_local_with_layout(local, self.mesh(), layout)
+        let out = DTensor::from_local_with_layout(local, self.mesh(), layout)?;
+        if let Some(values) = tessera_mesh::observe::logging_ops() {
+            tessera_mesh::observe::op_log(crate::debug::op_record(
+                "cast",
+                &[self],
+                Vec::new(),
+                &out,
+                false,
+                values,
+            ));
+        }
+        Ok(out)
     }
 
     /// Zeros with this tensor's layout (no communication; a partial layout holds

@@ -61,7 +61,7 @@ use tessera_mesh::{DType, Element};
 
 pub use attention::Attention;
 pub use matmul::{Causal, GemmKernel};
-pub use nn::Reduction;
+pub use nn::{Reduction, upcast_target};
 pub use rotary::rotary_tables;
 pub use select::check_gather;
 pub use split::{chunk_sizes, split_ranges, split_sizes, stack_pieces};

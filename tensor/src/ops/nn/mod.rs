@@ -349,7 +349,7 @@ impl Tensor {
     /// # Errors
     /// As [`cross_entropy_with_grad`](Self::cross_entropy_with_grad).
     pub fn cross_entropy(&self, targets: &Tensor, reduction: Reduction) -> Result<Tensor> {
-        Ok(self.cross_entropy_impl(targets, reduction, false)?.0)
+        Ok(self.cross_entropy_impl(targets, reduction, false, self.dtype())?.0)
     }
 
     /// [`cross_entropy`](Self::cross_entropy), also returning the softmax
@@ -363,7 +363,28 @@ impl Tensor {
     /// [`Error::ShapeMismatch`] when `targets` is not `[N]`;
     /// [`Error::DTypeMismatch`] when `targets` is not `i64`.
     pub fn cross_entropy_with_grad(&self, targets: &Tensor, reduction: Reduction) -> Result<(Tensor, Tensor)> {
-        match self.cross_entropy_impl(targets, reduction, true)? {
+        self.cross_entropy_with_grad_as(targets, reduction, self.dtype())
+    }
+
+    /// [`cross_entropy_with_grad`](Self::cross_entropy_with_grad) of these
+    /// logits cast to `dtype` (`f32` for `bf16` or `f16` logits, the upcast
+    /// that mixed-precision losses take), bit for bit, without the cast's
+    /// pass: each element is widened as it is read, and the loss and the
+    /// probabilities are `dtype`. `dtype` must be the logits' own or, for
+    /// 16-bit logits, `f32` (whose compute type is theirs).
+    ///
+    /// PyTorch: `F.cross_entropy(logits.float(), targets)`.
+    ///
+    /// # Errors
+    /// As [`cross_entropy_with_grad`](Self::cross_entropy_with_grad);
+    /// [`Error::InvalidArgument`] for another `dtype`.
+    pub fn cross_entropy_with_grad_as(
+        &self,
+        targets: &Tensor,
+        reduction: Reduction,
+        dtype: DType,
+    ) -> Result<(Tensor, Tensor)> {
+        match self.cross_entropy_impl(targets, reduction, true, dtype)? {
             (loss, Some(probs)) => Ok((loss, probs)),
             // Unreachable: asked for probabilities, `cross_entropy_impl` returns them.
             (_, None) => Err(Error::InvalidArgument {
@@ -378,21 +399,23 @@ impl Tensor {
         targets: &Tensor,
         reduction: Reduction,
         probs: bool,
+        dtype: DType,
     ) -> Result<(Tensor, Option<Tensor>)> {
         const OP: &str = "cross_entropy";
+        let d = self.dtype();
+        if !d.is_float() {
+            return Err(crate::kernel::not_float(OP, d));
+        }
+        upcast_target(OP, d, dtype)?;
         if self.is_meta() || targets.is_meta() {
             // The targets (which have no values) are not checked against C.
             super::rows::ce_shapes(self, targets)?;
-            let d = self.dtype();
-            if !d.is_float() {
-                return Err(crate::kernel::not_float(OP, d));
-            }
             let rows = [self.shape()[0]];
-            let loss = Tensor::meta(if reduction == Reduction::None { &rows } else { &[] }, d)?;
+            let loss = Tensor::meta(if reduction == Reduction::None { &rows } else { &[] }, dtype)?;
             return Ok((
                 loss,
                 if probs {
-                    Some(Tensor::meta(self.shape(), d)?)
+                    Some(Tensor::meta(self.shape(), dtype)?)
                 } else {
                     None
                 },
@@ -401,66 +424,19 @@ impl Tensor {
         #[cfg(feature = "cuda")]
         if self.is_cuda() || targets.is_cuda() {
             super::rows::ce_shapes(self, targets)?;
+            if dtype != d {
+                return self.cast(dtype)?.cross_entropy_impl(targets, reduction, probs, dtype);
+            }
             return crate::cuda::ops::cross_entropy(self, targets, reduction, probs);
         }
         let (n, c, t) = ce_targets(self, targets)?;
-        float_dispatch!(OP, self.dtype(), T => {
+        float_dispatch!(OP, d, T => {
             let x = elements::<T>(self)?;
-            // `ce_row` (inline) runs inside `Simd::run` below, so that the row's
-            // exponentials are computed with the CPU's widest vectors.
-            let row = |i: usize| &x[i * c..(i + 1) * c];
-            let mut losses = vec![0f64; n];
-            let simd = Simd::best();
-            let p = if probs {
-                // Blocks of rows over the rank's threads: each writes its rows'
-                // probabilities and, through `row_losses`, their losses.
-                let row_losses: Vec<AtomicU64> = (0..n).map(|_| AtomicU64::new(0)).collect();
-                let write = |p: &mut [MaybeUninit<T>]| {
-                    crate::kernel::par_rows(p, c.max(1), |start, block| {
-                        simd.run(#[inline(always)] || {
-                            let mut e = Vec::with_capacity(c);
-                            let first = start / c.max(1);
-                            for (j, out) in block.chunks_exact_mut(c.max(1)).enumerate() {
-                                let i = first + j;
-                                let (loss, sum) = ce_row::<T>(row(i), t[i] as usize, &mut e);
-                                row_losses[i].store(loss.to_bits(), Ordering::Relaxed);
-                                // The softmax from the exponentials already at hand, as `softmax` does.
-                                let inv = 1.0 / sum;
-                                zip_map_inline(&e, &e, out, #[inline(always)] |v, _| {
-                                    MaybeUninit::new(<T as Float>::from_wide(v.widen() * inv))
-                                });
-                            }
-                        })
-                    })
-                };
-                // SAFETY: the blocks of `par_rows` tile the `n · c` elements, and each
-                // row's `c` elements are written (targets are in range, so `n > 0`
-                // means `c > 0`, and `e` holds one exponential per element).
-                let p = unsafe { crate::alloc::written(OP, &[n, c], write)? };
-                // `par_rows` returned: every row's loss is stored.
-                for (l, r) in losses.iter_mut().zip(&row_losses) {
-                    *l = f64::from_bits(r.load(Ordering::Relaxed));
-                }
-                Some(output(p, &[n, c])?)
+            if dtype == d {
+                cross_entropy_rows::<T, T>(&x, &t, n, c, reduction, probs)
             } else {
-                // Blocks of rows over the rank's threads; every row's loss is the
-                // same at any split, and they are summed in row order below.
-                crate::kernel::par_blocks(&mut losses, 1, crate::kernel::par_parts(n * c), |start, block| {
-                    simd.run(#[inline(always)] || {
-                        let mut e = Vec::with_capacity(c);
-                        for (j, l) in block.iter_mut().enumerate() {
-                            *l = ce_row::<T>(row(start + j), t[start + j] as usize, &mut e).0;
-                        }
-                    })
-                });
-                None
-            };
-            let loss = match reduction {
-                Reduction::Mean => output(vec![<T as Float>::from_wide(losses.iter().sum::<f64>() / n as f64)], &[])?,
-                Reduction::Sum => output(vec![<T as Float>::from_wide(losses.iter().sum::<f64>())], &[])?,
-                Reduction::None => output(losses.into_iter().map(<T as Float>::from_wide).collect(), &[n])?,
-            };
-            Ok((loss, p))
+                cross_entropy_rows::<T, f32>(&x, &t, n, c, reduction, probs)
+            }
         })
     }
 
@@ -511,6 +487,105 @@ pub(super) fn row_stats_shape(shape: &[usize]) -> Vec<usize> {
         *last = 1;
     }
     s
+}
+
+/// Errors unless `to` is `from` or, for 16-bit `from`, `f32`: the dtypes a
+/// loss of `from` logits can be computed in without changing its compute type
+/// ([`Tensor::cross_entropy_with_grad_as`]; its backward pairs the other way).
+///
+/// # Errors
+/// [`Error::InvalidArgument`] naming both dtypes.
+pub fn upcast_target(op: &'static str, from: DType, to: DType) -> Result<()> {
+    if to == from || (to == DType::F32 && matches!(from, DType::BF16 | DType::F16)) {
+        return Ok(());
+    }
+    Err(Error::InvalidArgument {
+        op,
+        detail: format!("{from:?} logits compute in {from:?} or, when 16-bit, in F32; {to:?} was asked for"),
+    })
+}
+
+/// The CPU cross entropy of `[n, c]` logits `x` against in-range targets `t`:
+/// the loss reduced by `reduction` and, with `probs`, the probabilities,
+/// both of `O` (`T`, or `f32` for 16-bit `T`: the same arithmetic in `T`'s
+/// compute type, rounded to `O`).
+fn cross_entropy_rows<T: Float, O: Float>(
+    x: &[T],
+    t: &[i64],
+    n: usize,
+    c: usize,
+    reduction: Reduction,
+    probs: bool,
+) -> Result<(Tensor, Option<Tensor>)> {
+    const OP: &str = "cross_entropy";
+    // `ce_row` (inline) runs inside `Simd::run` below, so that the row's
+    // exponentials are computed with the CPU's widest vectors.
+    let row = |i: usize| &x[i * c..(i + 1) * c];
+    let mut losses = vec![0f64; n];
+    let simd = Simd::best();
+    let p = if probs {
+        // Blocks of rows over the rank's threads: each writes its rows'
+        // probabilities and, through `row_losses`, their losses.
+        let row_losses: Vec<AtomicU64> = (0..n).map(|_| AtomicU64::new(0)).collect();
+        let write = |p: &mut [MaybeUninit<O>]| {
+            crate::kernel::par_rows(p, c.max(1), |start, block| {
+                simd.run(
+                    #[inline(always)]
+                    || {
+                        let mut e = Vec::with_capacity(c);
+                        let first = start / c.max(1);
+                        for (j, out) in block.chunks_exact_mut(c.max(1)).enumerate() {
+                            let i = first + j;
+                            let (loss, sum) = ce_row::<T>(row(i), t[i] as usize, &mut e);
+                            row_losses[i].store(loss.to_bits(), Ordering::Relaxed);
+                            // The softmax from the exponentials already at hand, as `softmax` does.
+                            let inv = 1.0 / sum;
+                            zip_map_inline(
+                                &e,
+                                &e,
+                                out,
+                                #[inline(always)]
+                                |v, _| MaybeUninit::new(<O as Float>::from_wide(v.widen() * inv)),
+                            );
+                        }
+                    },
+                )
+            })
+        };
+        // SAFETY: the blocks of `par_rows` tile the `n · c` elements, and each
+        // row's `c` elements are written (targets are in range, so `n > 0`
+        // means `c > 0`, and `e` holds one exponential per element).
+        let p = unsafe { crate::alloc::written(OP, &[n, c], write)? };
+        // `par_rows` returned: every row's loss is stored.
+        for (l, r) in losses.iter_mut().zip(&row_losses) {
+            *l = f64::from_bits(r.load(Ordering::Relaxed));
+        }
+        Some(output(p, &[n, c])?)
+    } else {
+        // Blocks of rows over the rank's threads; every row's loss is the
+        // same at any split, and they are summed in row order below.
+        crate::kernel::par_blocks(&mut losses, 1, crate::kernel::par_parts(n * c), |start, block| {
+            simd.run(
+                #[inline(always)]
+                || {
+                    let mut e = Vec::with_capacity(c);
+                    for (j, l) in block.iter_mut().enumerate() {
+                        *l = ce_row::<T>(row(start + j), t[start + j] as usize, &mut e).0;
+                    }
+                },
+            )
+        });
+        None
+    };
+    let loss = match reduction {
+        Reduction::Mean => output(
+            vec![<O as Float>::from_wide(losses.iter().sum::<f64>() / n as f64)],
+            &[],
+        )?,
+        Reduction::Sum => output(vec![<O as Float>::from_wide(losses.iter().sum::<f64>())], &[])?,
+        Reduction::None => output(losses.into_iter().map(<O as Float>::from_wide).collect(), &[n])?,
+    };
+    Ok((loss, p))
 }
 
 /// Cross entropy of one row of logits against class `k`, and the row's

@@ -8,7 +8,7 @@ use super::rows::{causal_keep, ce_targets, check_scores, index_vector, map_rows,
 use super::{check_dim, elements, output, same_dtype};
 use crate::kernel::{Float, Real, float_dispatch};
 use crate::kernel::{Simd, zip_map_inline};
-use crate::{Error, Result, Tensor};
+use crate::{DType, Error, Result, Tensor};
 
 mod layer_norm;
 
@@ -213,42 +213,84 @@ impl Tensor {
     /// As [`cross_entropy_with_grad`](Self::cross_entropy_with_grad), for the
     /// probabilities in place of the logits.
     pub fn cross_entropy_backward_from_probs(&self, targets: &Tensor, scale: f64) -> Result<Tensor> {
+        self.cross_entropy_backward_from_probs_as(targets, scale, self.dtype())
+    }
+
+    /// [`cross_entropy_backward_from_probs`](Self::cross_entropy_backward_from_probs)
+    /// cast to `dtype`, bit for bit, in one pass: the gradient of logits that
+    /// [`cross_entropy_with_grad_as`](Self::cross_entropy_with_grad_as) upcast,
+    /// from its `f32` probabilities back to the logits' `bf16` or `f16`.
+    /// `dtype` must be the probabilities' own or, for `f32` ones, `bf16` or
+    /// `f16`.
+    ///
+    /// # Errors
+    /// As [`cross_entropy_backward_from_probs`](Self::cross_entropy_backward_from_probs);
+    /// [`Error::InvalidArgument`] for another `dtype`.
+    pub fn cross_entropy_backward_from_probs_as(&self, targets: &Tensor, scale: f64, dtype: DType) -> Result<Tensor> {
+        const OP: &str = "cross_entropy_backward";
+        if self.dtype().is_float() {
+            super::nn::upcast_target(OP, dtype, self.dtype())?;
+        }
         if self.is_meta() || targets.is_meta() {
             super::rows::ce_shapes(self, targets)?;
-            if let Some(out) = super::meta_float("cross_entropy_backward", &[self, targets], self.shape(), self.dtype())
-            {
+            if let Some(out) = super::meta_float(OP, &[self, targets], self.shape(), dtype) {
                 return out;
             }
         }
         #[cfg(feature = "cuda")]
         if self.is_cuda() || targets.is_cuda() {
             super::rows::ce_shapes(self, targets)?;
-            return crate::cuda::ops::cross_entropy_backward_from_probs(self, targets, scale);
+            return crate::cuda::ops::cross_entropy_backward_from_probs(self, targets, scale)?.cast(dtype);
         }
         let (n, c, t) = ce_targets(self, targets)?;
         float_dispatch!("cross_entropy", self.dtype(), T => {
             let p = elements::<T>(self)?;
-            let (simd, p, c) = (Simd::best(), &p[..], c.max(1));
-            let write = |out: &mut [MaybeUninit<T>]| {
-                crate::kernel::par_rows(out, c, |start, block| {
-                    simd.run(#[inline(always)] || {
-                        zip_map_inline(&p[start..], &p[start..], block, #[inline(always)] |v, _| {
-                            MaybeUninit::new(T::from_wide(v.wide() * scale))
-                        });
-                        let rows = block.chunks_exact_mut(c).zip(t[start / c..].iter().zip(p[start..].chunks_exact(c)));
-                        for (o, (&k, row)) in rows {
-                            let k = k as usize;
-                            o[k] = MaybeUninit::new(T::from_wide((row[k].wide() - 1.0) * scale));
-                        }
-                    })
-                })
-            };
-            // SAFETY: the blocks of `par_rows` tile the output, and the first loop
-            // writes each block's every element (`p` holds as many from `start`).
-            let out = unsafe { crate::alloc::written("cross_entropy", &[n, c], write)? };
-            output(out, &[n, c])
+            match dtype {
+                DType::BF16 if dtype != self.dtype() => ce_grad_rows::<T, half::bf16>(&p, &t, n, c, scale),
+                DType::F16 if dtype != self.dtype() => ce_grad_rows::<T, half::f16>(&p, &t, n, c, scale),
+                _ => ce_grad_rows::<T, T>(&p, &t, n, c, scale),
+            }
         })
     }
+}
+
+/// `(p − onehot(t)) · scale` for `[n, c]` probabilities `p` and in-range
+/// targets `t`, each element rounded to `T` and then to `O` (as a cast to
+/// `O` would round it).
+fn ce_grad_rows<T: Float, O: Float>(p: &[T], t: &[i64], n: usize, c: usize, scale: f64) -> Result<Tensor> {
+    let (simd, c) = (Simd::best(), c.max(1));
+    // Rounded to `T`, then (exactly widened) to `O`: a cast's rounding.
+    #[inline(always)]
+    fn round<T: Float, O: Float>(v: f64) -> O {
+        O::from_wide(T::from_wide(v).wide())
+    }
+    let write = |out: &mut [MaybeUninit<O>]| {
+        crate::kernel::par_rows(out, c, |start, block| {
+            simd.run(
+                #[inline(always)]
+                || {
+                    zip_map_inline(
+                        &p[start..],
+                        &p[start..],
+                        block,
+                        #[inline(always)]
+                        |v, _| MaybeUninit::new(round::<T, O>(v.wide() * scale)),
+                    );
+                    let rows = block
+                        .chunks_exact_mut(c)
+                        .zip(t[start / c..].iter().zip(p[start..].chunks_exact(c)));
+                    for (o, (&k, row)) in rows {
+                        let k = k as usize;
+                        o[k] = MaybeUninit::new(round::<T, O>((row[k].wide() - 1.0) * scale));
+                    }
+                },
+            )
+        })
+    };
+    // SAFETY: the blocks of `par_rows` tile the output, and the first loop
+    // writes each block's every element (`p` holds as many from `start`).
+    let out = unsafe { crate::alloc::written("cross_entropy", &[n, c], write)? };
+    output(out, &[n, c])
 }
 
 /// One row of [`Tensor::attention_probs_backward`]: the scores' gradient

@@ -381,3 +381,86 @@ fn layer_norm_backward_with_stats_errors() {
         "layer_norm_backward: shape mismatch: weight has shape [3] but the input's last dim is 4; pass a [4] weight"
     );
 }
+
+/// 16-bit logits' loss computed as `f32` (`cross_entropy_with_grad_as`) and
+/// its gradient rounded back (`cross_entropy_backward_from_probs_as`) have the
+/// bits of casting first and last, for every reduction, strided logits, wide
+/// rows (several threads), large magnitudes and ties; other dtypes are refused.
+#[test]
+fn upcast_cross_entropy_has_the_bits_of_casting() {
+    for dtype in [DType::BF16, DType::F16] {
+        for (n, c, strided) in [(5, 7, false), (7, 5, true), (64, 1031, false), (1, 1, false)] {
+            let logits = if strided {
+                sample(&[c, n], DType::F32, 9)
+                    .mul_scalar(9.0)
+                    .unwrap()
+                    .transpose(0, 1)
+                    .unwrap()
+            } else {
+                sample(&[n, c], DType::F32, 9).mul_scalar(9.0).unwrap()
+            }
+            .cast(dtype)
+            .unwrap();
+            let t: Vec<i64> = (0..n).map(|i| ((i * 5 + 2) % c) as i64).collect();
+            let targets = Tensor::from_vec(t, &[n]).unwrap();
+            let up = logits.cast(DType::F32).unwrap();
+            let bits = |t: &Tensor| -> Vec<u32> { t.to_vec::<f32>().unwrap().into_iter().map(f32::to_bits).collect() };
+            for red in [Reduction::Mean, Reduction::Sum, Reduction::None] {
+                let (loss, probs) = logits.cross_entropy_with_grad_as(&targets, red, DType::F32).unwrap();
+                let (want_loss, want_probs) = up.cross_entropy_with_grad(&targets, red).unwrap();
+                let what = format!("{n}x{c} {dtype} {red:?}");
+                assert_eq!((loss.dtype(), probs.dtype()), (DType::F32, DType::F32), "{what}");
+                assert_eq!(bits(&loss), bits(&want_loss), "{what} loss");
+                assert_eq!(bits(&probs), bits(&want_probs), "{what} probs");
+                let g = probs
+                    .cross_entropy_backward_from_probs_as(&targets, 0.37, dtype)
+                    .unwrap();
+                let want = want_probs
+                    .cross_entropy_backward_from_probs(&targets, 0.37)
+                    .unwrap()
+                    .cast(dtype)
+                    .unwrap();
+                assert_eq!(g.dtype(), dtype, "{what}");
+                assert_eq!(
+                    g.to_f64_vec().iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                    want.to_f64_vec().iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                    "{what} gradient"
+                );
+            }
+            // The logits' own dtype is the plain op.
+            let (own, _) = logits
+                .cross_entropy_with_grad_as(&targets, Reduction::Sum, dtype)
+                .unwrap();
+            assert_eq!(
+                own.to_f64_vec(),
+                logits.cross_entropy(&targets, Reduction::Sum).unwrap().to_f64_vec()
+            );
+        }
+    }
+    let t = Tensor::from_vec(vec![1i64, 0], &[2]).unwrap();
+    for (from, to) in [
+        (DType::F32, DType::BF16),
+        (DType::F64, DType::F32),
+        (DType::BF16, DType::F16),
+    ] {
+        let x = sample(&[2, 3], DType::F32, 1).cast(from).unwrap();
+        let err = x
+            .cross_entropy_with_grad_as(&t, Reduction::Sum, to)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("logits compute in"), "{from:?} -> {to:?}: {err}");
+    }
+    // Probabilities and a gradient dtype that no upcast pairs.
+    for (probs, grad) in [
+        (DType::F32, DType::F64),
+        (DType::F64, DType::F32),
+        (DType::BF16, DType::F16),
+    ] {
+        let p = sample(&[2, 3], DType::F32, 1).softmax(1).unwrap().cast(probs).unwrap();
+        let err = p
+            .cross_entropy_backward_from_probs_as(&t, 1.0, grad)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("logits compute in"), "{probs:?} probs -> {grad:?}: {err}");
+    }
+}
