@@ -1135,3 +1135,53 @@ fn machine_constants_are_saved_once_and_read_back() {
     assert!(!o.status.success() && err.contains("half_flops_per_s"), "{err}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `--losses-out` counts the process's minor page faults per step, and with
+/// the host cache a steady-state step faults almost none: its buffers (over
+/// 256 KiB here: logits, gathered units, gradient buckets) come back from the
+/// cache instead of fresh pages (the first step faults them all).
+#[test]
+fn steady_steps_fault_no_fresh_pages() {
+    let out_path = std::env::temp_dir().join(format!("tessera-cli-faults-{}.json", std::process::id()));
+    let out = out_path.to_string_lossy().into_owned();
+    let o = train(
+        &[
+            "--world-size",
+            "2",
+            "--steps",
+            "8",
+            "--dim",
+            "128",
+            "--n-layers",
+            "2",
+            "--n-heads",
+            "4",
+            "--vocab",
+            "2048",
+            "--seq",
+            "64",
+            "--batch",
+            "4",
+            "--losses-out",
+            &out,
+        ],
+        &[],
+    );
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let log = String::from_utf8_lossy(&o.stdout);
+    assert!(log.contains("minor page faults per step after the first two"), "{log}");
+    let faults = u64_column(&read_json(&out_path), "minor_faults_per_step");
+    let _ = std::fs::remove_file(&out_path);
+    assert_eq!(faults.len(), 8, "{faults:?}");
+    assert!(faults[0] > 1000, "the first step maps its buffers: {faults:?}");
+    let mut steady = faults[2..].to_vec();
+    steady.sort_unstable();
+    assert!(
+        steady[steady.len() / 2] * 100 <= faults[0],
+        "steady steps fault fresh pages: {faults:?}"
+    );
+    assert!(
+        steady.iter().all(|&f| f * 4 <= faults[0]),
+        "a steady step faults fresh pages: {faults:?}"
+    );
+}

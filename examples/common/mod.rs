@@ -297,3 +297,14 @@ pub(crate) fn peak_rss_bytes() -> Option<usize> {
     let kib: usize = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kib * 1024)
 }
+
+/// Minor page faults of this process so far (`minflt`, field 10 of
+/// `/proc/self/stat`), if the system reports them: every rank's thread
+/// together, so a step's difference counts the fresh pages all ranks touched.
+pub(crate) fn minor_faults() -> Option<u64> {
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    // The command name (field 2) is in parentheses and may hold spaces; the
+    // fields after it start with the state (field 3).
+    let rest = &stat[stat.rfind(')')? + 1..];
+    rest.split_whitespace().nth(7)?.parse().ok()
+}

@@ -51,7 +51,8 @@ training:
                         stable, linear decay to 0 over the last tenth) (default constant)
   --warmup-steps N      linear warmup steps of cosine and wsd (default 0)
 output and checkpoints:
-  --losses-out PATH     JSON: losses, step times, peak memory per rank, init peak, peak RSS
+  --losses-out PATH     JSON: losses, step times, peak memory per rank, init peak, peak RSS,
+                        minor page faults per step
   --metrics-out PATH    one JSON line per step: loss, lr, grad norm, step time, tokens/s,
                         model FLOPs utilisation, bytes in use and peak per rank (default: none)
   --checkpoint-dir DIR --checkpoint-every N

@@ -503,7 +503,11 @@ fn train_model<M: CausalLm>(
         }
         let t = Instant::now();
         let waits_before = device_waits(args)?;
+        let faults_before = (rank == 0).then(common::minor_faults).flatten();
         let out = train_step(args, &mut job, tokens, step)?;
+        if let (Some(before), Some(after)) = (faults_before, common::minor_faults()) {
+            report.minor_faults.push(after.saturating_sub(before));
+        }
         if let Some(before) = waits_before {
             report
                 .device_host_waits

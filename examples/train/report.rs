@@ -19,6 +19,9 @@ pub(crate) struct RankReport {
     pub(crate) first_step: usize,
     pub(crate) losses: Vec<f64>,
     pub(crate) step_time_s: Vec<f64>,
+    /// The process's minor page faults during each step (rank 0 counts them
+    /// for every rank's thread together; empty where the system does not say).
+    pub(crate) minor_faults: Vec<u64>,
     /// Every rank's peak tensor memory (gathered, so MPI's rank 0 knows them all).
     pub(crate) peak_bytes: Vec<usize>,
     /// Every rank's peak of reserved host bytes: in use plus its cache's.
@@ -307,6 +310,11 @@ pub(crate) fn summarize(args: &Args, r0: &RankReport, peak_flops: Option<(f64, u
         human(r0.init_local_bytes.iter().copied().max().unwrap_or(0)),
         rss.map_or_else(|| "unknown".to_string(), human)
     );
+    if let Some(faults) = steady_faults(&r0.minor_faults) {
+        println!(
+            "host memory: {faults:.0} minor page faults per step after the first two (median; the process, all ranks)"
+        );
+    }
     if let Some(path) = &args.resume {
         println!(
             "resumed from {} after step {} in {:.3} s: {} read by rank 0",
@@ -353,6 +361,7 @@ pub(crate) fn summarize(args: &Args, r0: &RankReport, peak_flops: Option<(f64, u
             "device_host_waits_per_step": r0.device_host_waits,
             "queued_s_per_step": r0.queued_s,
             "peak_rss_bytes": rss,
+            "minor_faults_per_step": r0.minor_faults,
             "tokens_per_s": tokens_seen / total,
             "model_flops_per_s": achieved,
             "mfu": peak_flops.map(|(p, _)| achieved / p),
@@ -361,6 +370,13 @@ pub(crate) fn summarize(args: &Args, r0: &RankReport, peak_flops: Option<(f64, u
         println!("wrote {}", path.display());
     }
     Ok(())
+}
+
+/// The median minor page faults of the steps after the first two (the
+/// first steps fill the caches), or `None` without such steps.
+fn steady_faults(per_step: &[u64]) -> Option<f64> {
+    let steady: Vec<f64> = per_step.iter().skip(2).map(|&f| f as f64).collect();
+    (!steady.is_empty()).then(|| common::median(&steady))
 }
 
 /// A bar redrawn in place on a terminal; in a redirected log, one line at the
