@@ -46,6 +46,9 @@ struct CeOut {
     grad_placements: Vec<Placement>,
     forward: CommCounts,
     backward: CommCounts,
+    /// The DTensor ops of forward and backward, as the op log names them.
+    ops: Vec<&'static str>,
+    loss_dtype: DType,
 }
 
 /// Cross entropy of `[..., V]` logits on one device, and the gradient of the
@@ -85,20 +88,24 @@ fn run_ce(
             *sink.borrow_mut() = Some(g.clone());
             Ok(())
         });
+        let rec = observe::record_ops(OpLog::Ops);
         let s0 = mesh.stats();
         let loss = x.cross_entropy(&t, reduction)?;
         let s1 = mesh.stats();
         backward(&loss)?;
         let s2 = mesh.stats();
+        let events = rec.finish();
         let g = caught.borrow_mut().take().ok_or("no gradient reached the logits")?;
         Ok(CeOut {
             coord: mesh.coordinate().to_vec(),
             loss_placements: loss.value().placements().to_vec(),
             loss: scalar(&loss)?,
+            loss_dtype: loss.value().dtype(),
             grad_placements: g.placements().to_vec(),
             grad: g.full_tensor()?,
             forward: s1 - s0,
             backward: s2 - s1,
+            ops: observe::op_log_entries(&events).iter().map(|(_, r)| r.op).collect(),
         })
     })
 }
@@ -491,25 +498,15 @@ fn half_logits_lose_in_f32_without_a_cast() {
             (&[2][..], [Shard(0)], [Shard(0)]),
             (&[2][..], [Shard(2)], [Replicate]),
         ] {
-            let (l, tg) = (logits.clone(), targets.clone());
-            let outs = on_mesh(mesh, move |mesh| {
-                let x = distribute_tensor(&l, mesh, &lp)?;
-                let tv = constant(&tg, mesh, &tp)?;
-                let caught = Rc::new(RefCell::new(None));
-                let sink = Rc::clone(&caught);
-                let x = Var::with_grad_hook("logits", x, move |g| {
-                    *sink.borrow_mut() = Some(g.clone());
-                    Ok(())
-                });
-                let rec = observe::record_ops(OpLog::Ops);
-                let loss = x.cross_entropy(&tv, Reduction::Mean)?;
-                backward(&loss)?;
-                let events = rec.finish();
-                let ops: Vec<&'static str> = observe::op_log_entries(&events).iter().map(|(_, r)| r.op).collect();
-                let g = caught.borrow_mut().take().ok_or("no gradient reached the logits")?;
-                Ok((loss.value().dtype(), scalar(&loss)?, g.full_tensor()?, ops))
-            });
-            for (loss_dtype, loss, grad, ops) in outs {
+            let outs = run_ce(mesh, &logits, &targets, &lp, &tp, Reduction::Mean);
+            for CeOut {
+                loss_dtype,
+                loss,
+                grad,
+                ops,
+                ..
+            } in outs
+            {
                 let what = format!("{dtype} logits placed {lp:?} on {mesh:?}");
                 assert_eq!(loss_dtype, DType::F32, "{what}: loss dtype");
                 assert_eq!(grad.dtype(), dtype, "{what}: gradient dtype");
