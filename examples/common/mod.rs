@@ -298,13 +298,22 @@ pub(crate) fn peak_rss_bytes() -> Option<usize> {
     Some(kib * 1024)
 }
 
-/// Minor page faults of this process so far (`minflt`, field 10 of
-/// `/proc/self/stat`), if the system reports them: every rank's thread
-/// together, so a step's difference counts the fresh pages all ranks touched.
+/// Minor page faults of this process so far (`getrusage`'s `ru_minflt`), if
+/// the system reports them: every rank's thread together, so a step's
+/// difference counts the fresh pages all ranks touched. One system call, no
+/// file to read.
 pub(crate) fn minor_faults() -> Option<u64> {
-    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
-    // The command name (field 2) is in parentheses and may hold spaces; the
-    // fields after it start with the state (field 3).
-    let rest = &stat[stat.rfind(')')? + 1..];
-    rest.split_whitespace().nth(7)?.parse().ok()
+    #[cfg(unix)]
+    {
+        // SAFETY: `getrusage` only writes the `rusage` it is given, which is
+        // valid zeroed (plain integers) and lives across the call.
+        let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+        // SAFETY: as above; `RUSAGE_SELF` is a valid `who`.
+        let ok = unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut usage) } == 0;
+        ok.then(|| u64::try_from(usage.ru_minflt).unwrap_or(0))
+    }
+    #[cfg(not(unix))]
+    {
+        None
+    }
 }
