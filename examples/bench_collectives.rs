@@ -64,18 +64,7 @@ fn main() -> ExitCode {
 
 /// Median seconds of a single-thread copy of `bytes` bytes.
 fn memcpy_median(bytes: usize, iters: usize) -> f64 {
-    let src: Vec<u8> = (0..bytes).map(|i| i as u8).collect();
-    let mut dst = vec![0u8; bytes];
-    let mut times = Vec::with_capacity(iters);
-    for i in 0..iters + 2 {
-        let t = Instant::now();
-        dst.copy_from_slice(std::hint::black_box(&src));
-        std::hint::black_box(&mut dst);
-        if i >= 2 {
-            times.push(t.elapsed().as_secs_f64());
-        }
-    }
-    median(&times)
+    concurrent_memcpy_median(1, bytes, iters)
 }
 
 /// Median seconds (slowest thread per iteration) of `world` threads each

@@ -30,8 +30,23 @@ pub fn mesh_string(mesh: &DeviceMesh) -> String {
     format!("mesh({})", dims.join(", "))
 }
 
+/// Adds the op-log entry of `op` on `inputs` giving `out` when this thread
+/// records an op log (`moved`, the inputs redistributed first, is computed
+/// only then).
+pub(crate) fn log_op(
+    op: &'static str,
+    inputs: &[&DTensor],
+    out: &DTensor,
+    explicit: bool,
+    moved: impl FnOnce() -> Vec<(usize, String)>,
+) {
+    if let Some(values) = observe::logging_ops() {
+        observe::op_log(op_record(op, inputs, moved(), out, explicit, values));
+    }
+}
+
 /// The op-log entry of `op` on `inputs` giving `out`.
-pub(crate) fn op_record(
+fn op_record(
     op: &'static str,
     inputs: &[&DTensor],
     moved: Vec<(usize, String)>,

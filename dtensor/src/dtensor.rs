@@ -441,12 +441,10 @@ impl DTensor {
             spec: DTensorSpec::new(self.mesh(), plan.dst().clone())?,
             origin,
         };
-        if let Some(values) = tessera_mesh::observe::logging_ops()
-            && !plan.steps.is_empty()
-        {
-            let to = crate::PlacementsDisplay(&plan.dst().placements).to_string();
-            let record = crate::debug::op_record("redistribute", &[self], vec![(0, to)], &out, true, values);
-            tessera_mesh::observe::op_log(record);
+        if !plan.steps.is_empty() {
+            crate::debug::log_op("redistribute", &[self], &out, true, || {
+                vec![(0, crate::PlacementsDisplay(&plan.dst().placements).to_string())]
+            });
         }
         Ok(out)
     }

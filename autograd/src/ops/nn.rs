@@ -289,7 +289,13 @@ impl Var {
         let class_dim = logits.shape().len().saturating_sub(1);
         let class_sharded = logits.placements().iter().any(|p| p.is_shard_on(class_dim));
         let dtype = logits.dtype();
-        if matches!(dtype, DType::BF16 | DType::F16) && class_sharded {
+        // 16-bit logits' loss is computed in f32.
+        let upcast = if matches!(dtype, DType::BF16 | DType::F16) {
+            DType::F32
+        } else {
+            dtype
+        };
+        if upcast != dtype && class_sharded {
             return self.cast(DType::F32)?.cross_entropy(targets, reduction);
         }
         let n: usize = t.shape().iter().product();
@@ -312,11 +318,6 @@ impl Var {
         // The probabilities, not the logits, are kept for backward (the same
         // bytes; `f32` for 16-bit logits, upcast as they are read, and the
         // gradient rounded back as it is written).
-        let upcast = if matches!(dtype, DType::BF16 | DType::F16) {
-            DType::F32
-        } else {
-            dtype
-        };
         let (value, probs) = logits.cross_entropy_with_grad_as(&t, reduction, upcast)?;
         Ok(Var::from_op("cross_entropy", value, &[self, targets], move |g| {
             Ok(smallvec![

@@ -147,16 +147,15 @@ pub(crate) fn dispatch(
         inputs[0].origin()
     };
     let out = DTensor::from_parts(local, spec).with_origin(origin);
-    if let Some(values) = tessera_mesh::observe::logging_ops() {
-        let moved = choice
+    crate::debug::log_op(op, inputs, &out, false, || {
+        choice
             .plans
             .iter()
             .enumerate()
             .filter(|(_, p)| !p.steps.is_empty())
             .map(|(i, p)| (i, crate::PlacementsDisplay(&p.dst().placements).to_string()))
-            .collect();
-        tessera_mesh::observe::op_log(crate::debug::op_record(op, inputs, moved, &out, false, values));
-    }
+            .collect()
+    });
     Ok(out)
 }
 

@@ -164,16 +164,7 @@ impl DTensor {
             self.to_local().cast(dtype)?
         };
         let out = DTensor::from_local_with_layout(local, self.mesh(), layout)?;
-        if let Some(values) = tessera_mesh::observe::logging_ops() {
-            tessera_mesh::observe::op_log(crate::debug::op_record(
-                "cast",
-                &[self],
-                Vec::new(),
-                &out,
-                false,
-                values,
-            ));
-        }
+        crate::debug::log_op("cast", &[self], &out, false, Vec::new);
         Ok(out)
     }
 

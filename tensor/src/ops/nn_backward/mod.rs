@@ -245,25 +245,32 @@ impl Tensor {
         let (n, c, t) = ce_targets(self, targets)?;
         float_dispatch!("cross_entropy", self.dtype(), T => {
             let p = elements::<T>(self)?;
+            // Narrowed: rounded to `T`, then (exactly widened) to the 16-bit
+            // type, a cast's rounding.
             match dtype {
-                DType::BF16 if dtype != self.dtype() => ce_grad_rows::<T, half::bf16>(&p, &t, n, c, scale),
-                DType::F16 if dtype != self.dtype() => ce_grad_rows::<T, half::f16>(&p, &t, n, c, scale),
-                _ => ce_grad_rows::<T, T>(&p, &t, n, c, scale),
+                DType::BF16 if dtype != self.dtype() => ce_grad_rows(&p, &t, n, c, scale, |v| {
+                    <half::bf16 as Float>::from_wide(T::from_wide(v).wide())
+                }),
+                DType::F16 if dtype != self.dtype() => ce_grad_rows(&p, &t, n, c, scale, |v| {
+                    <half::f16 as Float>::from_wide(T::from_wide(v).wide())
+                }),
+                _ => ce_grad_rows(&p, &t, n, c, scale, <T as Float>::from_wide),
             }
         })
     }
 }
 
 /// `(p − onehot(t)) · scale` for `[n, c]` probabilities `p` and in-range
-/// targets `t`, each element rounded to `T` and then to `O` (as a cast to
-/// `O` would round it).
-fn ce_grad_rows<T: Float, O: Float>(p: &[T], t: &[i64], n: usize, c: usize, scale: f64) -> Result<Tensor> {
+/// targets `t`, each element rounded to `O` by `round`.
+fn ce_grad_rows<T: Float, O: Float>(
+    p: &[T],
+    t: &[i64],
+    n: usize,
+    c: usize,
+    scale: f64,
+    round: impl Fn(f64) -> O + Copy + Sync,
+) -> Result<Tensor> {
     let (simd, c) = (Simd::best(), c.max(1));
-    // Rounded to `T`, then (exactly widened) to `O`: a cast's rounding.
-    #[inline(always)]
-    fn round<T: Float, O: Float>(v: f64) -> O {
-        O::from_wide(T::from_wide(v).wide())
-    }
     let write = |out: &mut [MaybeUninit<O>]| {
         crate::kernel::par_rows(out, c, |start, block| {
             simd.run(
@@ -274,14 +281,14 @@ fn ce_grad_rows<T: Float, O: Float>(p: &[T], t: &[i64], n: usize, c: usize, scal
                         &p[start..],
                         block,
                         #[inline(always)]
-                        |v, _| MaybeUninit::new(round::<T, O>(v.wide() * scale)),
+                        |v, _| MaybeUninit::new(round(v.wide() * scale)),
                     );
                     let rows = block
                         .chunks_exact_mut(c)
                         .zip(t[start / c..].iter().zip(p[start..].chunks_exact(c)));
                     for (o, (&k, row)) in rows {
                         let k = k as usize;
-                        o[k] = MaybeUninit::new(round::<T, O>((row[k].wide() - 1.0) * scale));
+                        o[k] = MaybeUninit::new(round((row[k].wide() - 1.0) * scale));
                     }
                 },
             )
