@@ -457,15 +457,6 @@ fn a_meta_step_measures_the_real_step_on_every_layout() {
         ),
         ("fsdp W2 checkpointed", Config { ac: FULL, ..BASE }),
         (
-            "fsdp W2 bf16 no reshard checkpointed",
-            Config {
-                bf16: true,
-                reshard: false,
-                ac: FULL,
-                ..BASE
-            },
-        ),
-        (
             "hsdp 2x2 checkpointed",
             Config {
                 mesh: &[2, 2],
@@ -563,6 +554,15 @@ fn a_meta_step_measures_the_real_step_on_every_layout() {
 #[test]
 fn a_meta_step_bounds_the_real_step_where_gradients_are_in_flight() {
     let cases: &[(&str, Config)] = &[
+        (
+            "fsdp W2 bf16 no reshard checkpointed",
+            Config {
+                bf16: true,
+                reshard: false,
+                ac: FULL,
+                ..BASE
+            },
+        ),
         (
             "bench fsdp+tp 2x2 checkpointed",
             Config {
