@@ -382,20 +382,12 @@ pub(crate) fn for_each_run(a: &Region, b: &Region, part: &Region, mut f: impl Fn
     }
     let (sa, sb) = (strides(&a.shape), strides(&b.shape));
     let (ra, rb) = (part.relative_to(a), part.relative_to(b));
-    // Runs span dims `k..`: every dim after `k` is whole in all three.
-    let mut k = nd - 1;
-    while k > 0 && part.shape[k] == a.shape[k] && part.shape[k] == b.shape[k] {
-        k -= 1;
-    }
-    let run = part.shape[k..].iter().product();
+    let (k, run) = run_dims(a, b, part);
+    // The offsets of the run at `idx` (over dims `..k`), kept as `idx` steps.
     let mut idx = vec![0usize; k];
+    let mut oa: usize = (0..nd).map(|d| ra[d] * sa[d]).sum();
+    let mut ob: usize = (0..nd).map(|d| rb[d] * sb[d]).sum();
     loop {
-        let oa: usize = (0..nd)
-            .map(|d| (ra[d] + idx.get(d).copied().unwrap_or(0)) * sa[d])
-            .sum();
-        let ob: usize = (0..nd)
-            .map(|d| (rb[d] + idx.get(d).copied().unwrap_or(0)) * sb[d])
-            .sum();
         f(oa, ob, run);
         let mut d = k;
         loop {
@@ -404,19 +396,36 @@ pub(crate) fn for_each_run(a: &Region, b: &Region, part: &Region, mut f: impl Fn
             }
             d -= 1;
             idx[d] += 1;
+            (oa, ob) = (oa + sa[d], ob + sb[d]);
             if idx[d] < part.shape[d] {
                 break;
             }
             idx[d] = 0;
+            (oa, ob) = (oa - sa[d] * part.shape[d], ob - sb[d] * part.shape[d]);
         }
     }
+}
+
+/// The first dim `k` a run of `part` spans (every dim after it is whole in
+/// `a`, `b` and `part`) and the run's length.
+fn run_dims(a: &Region, b: &Region, part: &Region) -> (usize, usize) {
+    let nd = part.shape.len();
+    let mut k = nd.saturating_sub(1);
+    while k > 0 && part.shape[k] == a.shape[k] && part.shape[k] == b.shape[k] {
+        k -= 1;
+    }
+    (k, part.shape[k..].iter().product())
 }
 
 /// The runs of `part` from a buffer laid out as `a` to one laid out as `b`
 /// ([`for_each_run`]): what a runs collective moves of it. Sender and
 /// receiver derive the same list from the same regions.
 fn runs(a: &Region, b: &Region, part: &Region) -> Vec<Run> {
-    let mut out = Vec::new();
+    let count = match run_dims(a, b, part).1 {
+        0 => 0,
+        run => part.numel() / run,
+    };
+    let mut out = Vec::with_capacity(count);
     for_each_run(a, b, part, |src, dst, len| out.push(Run { src, dst, len }));
     out
 }

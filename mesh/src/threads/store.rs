@@ -39,6 +39,13 @@ pub(crate) enum Store {
 #[cfg(test)]
 pub(crate) static STREAMED_BYTES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
+#[cfg(test)]
+thread_local! {
+    /// Lines a [`Writer`] on this thread wrote in part through the cache
+    /// (tests check that chained pieces stream the lines they meet in).
+    pub(crate) static PARTIAL_LINES: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
 /// Last-level cache size assumed when the system does not say.
 const DEFAULT_LLC_BYTES: usize = 32 << 20;
 
@@ -80,6 +87,176 @@ impl Store {
                 unsafe { stream_bytes(dst.cast(), src.as_ptr().cast(), n) }
             }
         }
+    }
+}
+
+/// Writes one collective's output piece by piece (element offsets into the
+/// output, any order) with a [`Store`]. Streaming, a piece that continues
+/// where the last one ended (a chain) shares the cache line they meet in: the
+/// writer assembles such a line from both and streams it whole, so a gather
+/// of 512-byte runs into an output 16 bytes off a line boundary (the `malloc`
+/// default) streams every line but the chain's first and last, which go
+/// through the cache, instead of two lines per run written by halves at two
+/// different times (each read for ownership, the second often after the first
+/// was evicted). Dropping the writer writes the line a chain ended in.
+pub(crate) struct Writer {
+    store: Store,
+    out: *mut u8,
+    /// Streaming: the address where the current chain continues (0: none).
+    next: usize,
+    /// The line `next` falls in, assembled up to `next`, from byte `from`
+    /// (where the chain entered it; 0 when it entered at the line's start).
+    line: Line,
+    from: usize,
+}
+
+/// One cache line's bytes.
+#[repr(align(64))]
+struct Line([u8; 64]);
+
+impl Writer {
+    /// A writer of the output at `out` with `store`.
+    ///
+    /// # Safety
+    /// `out` is this rank's output pointer; every [`put`](Self::put) names a
+    /// region of it that is in bounds and not read or written by anyone else
+    /// until the writer is dropped and the collective's next barrier point
+    /// is passed.
+    pub(crate) unsafe fn new(store: Store, out: *mut u8) -> Writer {
+        Writer {
+            store,
+            out,
+            next: 0,
+            line: Line([0; 64]),
+            from: 0,
+        }
+    }
+
+    /// Writes `src` at element offset `at` of the output.
+    ///
+    /// # Safety
+    /// `out` holds `T` elements and `at + src.len()` of them are in bounds
+    /// (the contract of [`new`](Self::new)); `src` does not overlap it.
+    pub(crate) unsafe fn put<T: Copy>(&mut self, at: usize, src: &[T]) {
+        let size = std::mem::size_of::<T>();
+        // SAFETY: the caller's contract, in bytes.
+        unsafe { self.put_bytes(at * size, src.as_ptr().cast(), std::mem::size_of_val(src)) }
+    }
+
+    /// Writes `n` zero elements of `T` at element offset `at`.
+    ///
+    /// # Safety
+    /// As [`put`](Self::put) for `n` elements.
+    pub(crate) unsafe fn zeros<T: Copy>(&mut self, at: usize, n: usize) {
+        static ZEROS: [u8; 4096] = [0; 4096];
+        let size = std::mem::size_of::<T>();
+        let (mut at, mut left) = (at * size, n * size);
+        while left > 0 {
+            let k = left.min(ZEROS.len());
+            // SAFETY: the caller's contract; `ZEROS` holds `k` bytes.
+            unsafe { self.put_bytes(at, ZEROS.as_ptr(), k) };
+            (at, left) = (at + k, left - k);
+        }
+    }
+
+    /// # Safety
+    /// Bytes `at..at + n` of the output are ours (see [`new`](Self::new)) and
+    /// `src` holds `n` bytes outside it.
+    unsafe fn put_bytes(&mut self, at: usize, src: *const u8, n: usize) {
+        if n == 0 {
+            return;
+        }
+        // SAFETY: in bounds, the caller's contract.
+        let dst = unsafe { self.out.add(at) };
+        match self.store {
+            // SAFETY: the caller's contract.
+            Store::Cached => unsafe { std::ptr::copy_nonoverlapping(src, dst, n) },
+            // SAFETY: the caller's contract.
+            Store::Streaming => unsafe { self.chain(dst, src, n) },
+        }
+    }
+
+    /// The streaming form of [`put_bytes`](Self::put_bytes).
+    ///
+    /// # Safety
+    /// As [`put_bytes`](Self::put_bytes), with `dst` the absolute address.
+    unsafe fn chain(&mut self, mut dst: *mut u8, mut src: *const u8, mut n: usize) {
+        const LINE: usize = 64;
+        #[cfg(test)]
+        STREAMED_BYTES.fetch_add(n, std::sync::atomic::Ordering::Relaxed);
+        if dst as usize != self.next {
+            self.end_chain();
+            self.from = dst as usize % LINE;
+        }
+        // SAFETY: the caller's contract bounds every write to `dst..dst + n`
+        // and every read to `src..src + n`; the line buffer is written at
+        // `off..off + k <= 64`.
+        unsafe {
+            let off = dst as usize % LINE;
+            if off != 0 || n < LINE {
+                // Into the line in progress; stream it once whole.
+                let k = (LINE - off).min(n);
+                std::ptr::copy_nonoverlapping(src, self.line.0.as_mut_ptr().add(off), k);
+                (dst, src, n) = (dst.add(k), src.add(k), n - k);
+                if (dst as usize).is_multiple_of(LINE) {
+                    self.emit(dst.sub(LINE));
+                }
+            }
+            let lines = n / LINE;
+            if lines > 0 {
+                stream_lines(dst, src, lines);
+                (dst, src, n) = (dst.add(lines * LINE), src.add(lines * LINE), n - lines * LINE);
+            }
+            // What is left starts a line (`dst` is aligned here when `n > 0`).
+            std::ptr::copy_nonoverlapping(src, self.line.0.as_mut_ptr(), n);
+            self.next = dst.add(n) as usize;
+        }
+    }
+
+    /// Writes the completed line at `line`: streamed when the chain covered
+    /// all of it, else its covered bytes through the cache.
+    ///
+    /// # Safety
+    /// The chain covered bytes `from..64` of the line at `line`.
+    unsafe fn emit(&mut self, line: *mut u8) {
+        // SAFETY: the caller's contract; `line` is 64-byte aligned.
+        unsafe {
+            if self.from == 0 {
+                stream_lines(line, self.line.0.as_ptr(), 1);
+            } else {
+                let from = self.from;
+                std::ptr::copy_nonoverlapping(self.line.0.as_ptr().add(from), line.add(from), 64 - from);
+                #[cfg(test)]
+                PARTIAL_LINES.with(|c| c.set(c.get() + 1));
+            }
+        }
+        self.from = 0;
+    }
+
+    /// Writes the partial line the chain ended in (through the cache).
+    fn end_chain(&mut self) {
+        let end = self.next % 64;
+        if self.next != 0 && end > self.from {
+            let line = (self.next - end) as *mut u8;
+            // SAFETY: the chain covered bytes `from..end` of that line of our
+            // output (the contract of `new`).
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    self.line.0.as_ptr().add(self.from),
+                    line.add(self.from),
+                    end - self.from,
+                )
+            };
+            #[cfg(test)]
+            PARTIAL_LINES.with(|c| c.set(c.get() + 1));
+        }
+        self.next = 0;
+    }
+}
+
+impl Drop for Writer {
+    fn drop(&mut self) {
+        self.end_chain();
     }
 }
 
@@ -215,14 +392,38 @@ unsafe fn stream_bytes(dst: *mut u8, src: *const u8, n: usize) {
     // body's stores are 64-byte aligned (`head` aligns `dst`).
     unsafe {
         std::ptr::copy_nonoverlapping(src, dst, head);
-        if avx512() {
-            stream_lines_avx512(dst.add(head), src.add(head), lines);
-        } else {
-            stream_lines_sse2(dst.add(head), src.add(head), lines);
-        }
+        stream_lines(dst.add(head), src.add(head), lines);
         let done = head + lines * LINE;
         std::ptr::copy_nonoverlapping(src.add(done), dst.add(done), n - done);
     }
+}
+
+/// Streams `lines` 64-byte lines from `src` to the line-aligned `dst`, with
+/// the widest kernel the CPU has.
+///
+/// # Safety
+/// `dst` is 64-byte aligned and valid for `64 · lines` writes, `src` for as
+/// many reads, and they do not overlap.
+#[cfg(target_arch = "x86_64")]
+unsafe fn stream_lines(dst: *mut u8, src: *const u8, lines: usize) {
+    // SAFETY: the caller's contract (and the CPU's AVX-512F, checked).
+    unsafe {
+        if avx512() {
+            stream_lines_avx512(dst, src, lines);
+        } else {
+            stream_lines_sse2(dst, src, lines);
+        }
+    }
+}
+
+/// Elsewhere nothing streams: an ordinary copy of the lines.
+///
+/// # Safety
+/// As the x86-64 form.
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn stream_lines(dst: *mut u8, src: *const u8, lines: usize) {
+    // SAFETY: the caller's contract.
+    unsafe { std::ptr::copy_nonoverlapping(src, dst, lines * 64) }
 }
 
 /// Whether the CPU has AVX-512F (detected once).
@@ -373,6 +574,105 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// Writes `pieces` (`(at, len)` in bytes, in the order given) of `src`
+    /// to the same offsets of a buffer `offset` bytes past a line boundary
+    /// with a [`Writer`], and returns the buffer (0xAA where nothing was
+    /// written) and the lines written in part through the cache.
+    fn write_pieces(store: Store, offset: usize, pieces: &[(usize, usize)], src: &[u8]) -> (Vec<u8>, usize) {
+        #[repr(align(64))]
+        struct Buf([u8; 4096]);
+        let mut buf = Box::new(Buf([0xAA; 4096]));
+        let partial = PARTIAL_LINES.with(|c| c.get());
+        {
+            // SAFETY: every piece lies inside `src` and, `offset` bytes in,
+            // inside `buf` (the callers keep `offset + at + len <= 4096`);
+            // nothing else touches `buf` while the writer lives.
+            let mut w = unsafe { Writer::new(store, buf.0.as_mut_ptr().add(offset)) };
+            for &(at, len) in pieces {
+                if at == usize::MAX {
+                    // SAFETY: as above.
+                    unsafe { w.zeros::<u8>(len, 70) };
+                } else {
+                    // SAFETY: as above.
+                    unsafe { w.put(at, &src[at..at + len]) };
+                }
+            }
+        }
+        order_streamed_stores();
+        let partial = PARTIAL_LINES.with(|c| c.get()) - partial;
+        (buf.0[offset..].to_vec(), partial)
+    }
+
+    /// Pieces in output order at every misalignment, with gaps, zeros and
+    /// pieces shorter than a line, and the same pieces in any order: every
+    /// byte lands where an ordinary copy puts it, nothing else is written.
+    #[test]
+    fn writers_put_every_piece_where_a_copy_would() {
+        let src: Vec<u8> = (0..3000u32).map(|i| (i * 31 + 7) as u8).collect();
+        let mut rng = 0x9E37_79B9_7F4A_7C15u64;
+        let mut next = |n: usize| {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            (rng % n as u64) as usize
+        };
+        for trial in 0..300 {
+            // Pieces of 1..=200 bytes, some with a gap before, up to 3000 bytes.
+            let mut pieces = Vec::new();
+            let mut at = next(70);
+            while at < 2800 {
+                let len = 1 + next(200);
+                pieces.push((at, len.min(3000 - at)));
+                at += len + if next(4) == 0 { next(90) } else { 0 };
+            }
+            let mut want = vec![0xAAu8; 4096];
+            for &(at, len) in &pieces {
+                want[at..at + len].copy_from_slice(&src[at..at + len]);
+            }
+            // Zeros over a piece of its own (written last: a placed run of zeros).
+            pieces.push((usize::MAX, 3000 + next(10)));
+            let z = pieces.last().unwrap().1;
+            want[z..z + 70].fill(0);
+            let shuffled = {
+                let mut p = pieces.clone();
+                for i in (1..p.len()).rev() {
+                    p.swap(i, next(i + 1));
+                }
+                p
+            };
+            for store in [Store::Cached, Store::Streaming] {
+                for (order, list) in [("in order", &pieces), ("shuffled", &shuffled)] {
+                    let offset = trial % 64;
+                    let (got, _) = write_pieces(store, offset, list, &src);
+                    assert_eq!(
+                        got,
+                        want[..4096 - offset],
+                        "{store:?}, {order}, offset {offset}: {list:?}"
+                    );
+                }
+            }
+        }
+    }
+
+    /// Pieces that continue each other share the line they meet in: a chain
+    /// of 512-byte pieces 16 bytes off a line boundary writes two lines
+    /// through the cache (its first and last), the same pieces out of order
+    /// two for every piece.
+    #[test]
+    fn chained_pieces_stream_the_lines_they_meet_in() {
+        let src: Vec<u8> = (0..4096u32).map(|i| (i * 13 + 1) as u8).collect();
+        let pieces: Vec<(usize, usize)> = (0..7).map(|i| (i * 512, 512)).collect();
+        let (got, partial) = write_pieces(Store::Streaming, 16, &pieces, &src);
+        assert_eq!(&got[..7 * 512], &src[..7 * 512]);
+        assert_eq!(partial, 2, "in output order");
+        let apart: Vec<(usize, usize)> = pieces.iter().rev().copied().collect();
+        let (got, partial) = write_pieces(Store::Streaming, 16, &apart, &src);
+        assert_eq!(&got[..7 * 512], &src[..7 * 512]);
+        assert_eq!(partial, 14, "each piece on its own");
+        // On a line boundary, chained or not, every line is whole.
+        assert_eq!(write_pieces(Store::Streaming, 0, &apart, &src).1, 0);
     }
 
     /// Both whole-line kernels (AVX-512 where the CPU has it, SSE2 always)

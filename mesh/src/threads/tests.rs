@@ -135,3 +135,45 @@ fn collectives_larger_than_the_cache_stream_exact_results() {
     // both reduce-scatters' outputs.
     assert!(streamed >= 2 * (2 * c + c + 2 * c) * 4, "streamed {streamed} bytes");
 }
+
+/// A gather of runs past the cache's size whose two peers' runs alternate in
+/// the output (odd lengths, so their meetings fall inside lines), one list in
+/// reverse order: every element lands where its run says, streamed.
+#[test]
+#[cfg_attr(not(target_arch = "x86_64"), ignore = "streaming stores are used on x86-64 only")]
+fn gathered_runs_that_alternate_stream_exact_results() {
+    use crate::comm::Run;
+    use crate::threads::store::{STREAMED_BYTES, last_level_cache_bytes};
+    // Two ranks each sending `c` f32 and receiving `2c`: past the cache.
+    let run = 37;
+    let rows = last_level_cache_bytes() / (24 * run) + 1;
+    let c = rows * run;
+    let before = STREAMED_BYTES.load(Ordering::Relaxed);
+    let results = crate::launch(2, move |ctx| {
+        let comm = ctx.comm();
+        let value = |q: usize, i: usize| (q * 1_000_003 + i) as f32;
+        let send: Vec<f32> = (0..c).map(|i| value(ctx.rank(), i)).collect();
+        // Output row k: run k of peer 0, then run k of peer 1 (its runs in
+        // reverse order in its list).
+        let lists: Vec<Vec<Run>> = (0..2)
+            .map(|q| {
+                let list = (0..rows).map(|k| Run {
+                    src: k * run,
+                    dst: 2 * k * run + q * run,
+                    len: run,
+                });
+                if q == 1 { list.rev().collect() } else { list.collect() }
+            })
+            .collect();
+        let mut out = vec![-1f32; 2 * c];
+        comm.all_gather_v_runs((&send[..]).into(), (&mut out[..]).into(), &lists)?;
+        Ok((0..2 * rows).all(|j| {
+            let (k, q) = (j / 2, j % 2);
+            (0..run).all(|i| out[j * run + i] == value(q, k * run + i))
+        }))
+    })
+    .unwrap();
+    assert_eq!(results, vec![true; 2]);
+    let streamed = STREAMED_BYTES.load(Ordering::Relaxed) - before;
+    assert!(streamed >= 2 * 2 * c * 4, "streamed {streamed} bytes");
+}

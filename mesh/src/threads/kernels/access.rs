@@ -3,7 +3,7 @@
 
 use crate::Element;
 use crate::threads::desc::Desc;
-use crate::threads::store::Store;
+use crate::threads::store::{Store, Writer};
 
 /// Peer `q`'s buffer at `ptr` as a slice.
 ///
@@ -57,12 +57,12 @@ pub(super) unsafe fn run_at(dq: &Desc, size: usize, pos: usize) -> (usize, usize
 }
 
 /// Copies elements `[from, from + len)` of peer `dq`'s send buffer (flat or
-/// runs) to `out[at..at + len]` with `store`.
+/// runs) to element `at` of the output `w` writes.
 ///
 /// # Safety
-/// As [`write`](fn@write) for the destination; `dq` as in [`run_at`], with `from + len <=
-/// send_len`.
-pub(super) unsafe fn copy_runs<T: Element>(store: Store, dq: &Desc, from: usize, len: usize, out: *mut T, at: usize) {
+/// As [`Writer::put`] for `len` elements at `at`; `dq` as in [`run_at`], with
+/// `from + len <= send_len`.
+pub(super) unsafe fn copy_runs<T: Element>(w: &mut Writer, dq: &Desc, from: usize, len: usize, at: usize) {
     let size = size_of::<T>();
     let mut done = 0;
     while done < len {
@@ -71,10 +71,10 @@ pub(super) unsafe fn copy_runs<T: Element>(store: Store, dq: &Desc, from: usize,
         let n = left.min(len - done);
         if addr == 0 {
             // SAFETY: in bounds and ours (the contract); all-zero bits are T's zero.
-            unsafe { std::ptr::write_bytes(out.add(at + done), 0, n) };
+            unsafe { w.zeros::<T>(at + done, n) };
         } else {
             // SAFETY: the run holds `left >= n` elements from `addr`.
-            unsafe { write(store, out, at + done, peer::<T>(addr, n)) };
+            unsafe { w.put(at + done, peer::<T>(addr, n)) };
         }
         done += n;
     }
