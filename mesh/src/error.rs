@@ -109,6 +109,20 @@ pub enum Error {
         detail: String,
     },
 
+    /// A run of a local runs copy ([`copy_runs`](crate::copy_runs)) that
+    /// reaches past the buffer it names.
+    #[error("{op}: a run ends at element {end}, past the {what} of {len} elements")]
+    RunOutside {
+        /// The call.
+        op: &'static str,
+        /// Which buffer.
+        what: &'static str,
+        /// Where the run ends (elements).
+        end: usize,
+        /// The buffer's elements.
+        len: usize,
+    },
+
     /// A mesh that cannot be built or sliced as asked.
     #[error("invalid mesh: {0}")]
     Mesh(String),

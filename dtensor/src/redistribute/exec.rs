@@ -437,10 +437,17 @@ fn pack<'a, T: Element>(src: &'a [T], outer: &Region, parts: &[Region]) -> Resul
         return Ok(Cow::Borrowed(src));
     }
     let mut out = reused::<T>(OP, &[parts.iter().map(Region::numel).sum()])?;
-    out.clear();
+    let (mut moves, mut at) = (Vec::new(), 0);
     for p in parts {
-        for_each_run(outer, p, p, |o, _, len| out.extend_from_slice(&src[o..o + len]));
+        for_each_run(outer, p, p, |src, _, len| {
+            moves.push(Run { src, dst: at, len });
+            at += len;
+        });
     }
+    // Streamed past the cache when large, as a collective writes: a slice of
+    // a replicated [4096, 4096] f32 into 32 MiB took 3.3-4.4 ms written
+    // through the cache against 1.9-2.1 ms for a memcpy of the same bytes.
+    tessera_mesh::copy_runs(src, &mut out, &moves)?;
     Ok(Cow::Owned(out))
 }
 

@@ -13,7 +13,7 @@ mod worker;
 
 pub use planned::Planned;
 pub use reduce_op::ReduceOp;
-pub use runs::Run;
+pub use runs::{Run, copy_runs};
 pub use work::Work;
 
 pub(crate) use check::{Call, check_call};

@@ -24,6 +24,53 @@ pub struct Run {
     pub len: usize,
 }
 
+/// Copies each run of `runs` from offset `src` of `src` to offset `dst` of
+/// `dst` on this thread, writing as the threads backend's collectives do:
+/// when the two buffers together outgrow the last-level cache, with
+/// streaming stores of whole lines (the lines two runs meet in assembled
+/// first), else through the cache. For the local steps of a redistribution
+/// (each rank's slice of a replicated tensor), which move as many bytes as a
+/// collective and should cost what a `memcpy` of them costs.
+///
+/// ```
+/// use tessera_mesh::{copy_runs, Run};
+///
+/// // Column 1 of a 3 × 2 row-major matrix.
+/// let m = [1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0];
+/// let mut col = [0.0f32; 3];
+/// let runs: Vec<Run> = (0..3).map(|i| Run { src: 2 * i + 1, dst: i, len: 1 }).collect();
+/// copy_runs(&m, &mut col, &runs)?;
+/// assert_eq!(col, [2.0, 4.0, 6.0]);
+/// # Ok::<(), tessera_mesh::Error>(())
+/// ```
+///
+/// # Errors
+/// [`Error::RunOutside`] for a run past the end of either buffer (nothing
+/// is copied then).
+pub fn copy_runs<T: Element>(src: &[T], dst: &mut [T], runs: &[Run]) -> Result<()> {
+    const OP: &str = "copy_runs";
+    for r in runs {
+        for (what, at, len) in [("source", r.src, src.len()), ("destination", r.dst, dst.len())] {
+            let end = at.saturating_add(r.len);
+            if end > len {
+                return Err(Error::RunOutside { op: OP, what, end, len });
+            }
+        }
+    }
+    let bytes = std::mem::size_of_val(src) + std::mem::size_of_val(dst);
+    let store = crate::threads::Store::for_bytes(bytes, crate::threads::last_level_cache_bytes());
+    // SAFETY: every run lies inside both buffers (checked above), `dst` is
+    // ours alone while the writer lives, and `src` is a different borrow.
+    let mut w = unsafe { crate::threads::Writer::new(store, dst.as_mut_ptr().cast()) };
+    for r in runs {
+        // SAFETY: as above.
+        unsafe { w.put(r.dst, &src[r.src..r.src + r.len]) };
+    }
+    drop(w);
+    crate::threads::order_streamed_stores();
+    Ok(())
+}
+
 /// Elements in `runs`.
 pub(crate) fn run_elements(runs: &[Run]) -> usize {
     runs.iter().fold(0usize, |a, r| a.saturating_add(r.len))

@@ -34,6 +34,7 @@ mod group;
 mod kernels;
 mod split;
 mod store;
+pub(crate) use store::{Store, Writer, last_level_cache_bytes, order_streamed_stores};
 mod sync;
 #[cfg(test)]
 mod tests;

@@ -177,3 +177,46 @@ fn gathered_runs_that_alternate_stream_exact_results() {
     let streamed = STREAMED_BYTES.load(Ordering::Relaxed) - before;
     assert!(streamed >= 2 * 2 * c * 4, "streamed {streamed} bytes");
 }
+
+/// A local runs copy past the cache's size (runs of odd lengths, out of
+/// order) streams and puts every element where its run says; one run past
+/// either buffer is an error that copies nothing.
+#[test]
+fn local_runs_copies_stream_and_check_their_runs() {
+    use crate::comm::Run;
+    use crate::threads::store::{STREAMED_BYTES, last_level_cache_bytes};
+    let (run, rows) = (37, last_level_cache_bytes() / (8 * 37) + 1);
+    let src: Vec<f32> = (0..2 * run * rows).map(|i| i as f32).collect();
+    // Every other run of the source, the later half first.
+    let mut runs: Vec<Run> = (0..rows)
+        .map(|k| Run {
+            src: 2 * k * run,
+            dst: k * run,
+            len: run,
+        })
+        .collect();
+    runs.rotate_left(rows / 2);
+    let mut dst = vec![-1f32; run * rows];
+    let before = STREAMED_BYTES.load(Ordering::Relaxed);
+    crate::copy_runs(&src, &mut dst, &runs).unwrap();
+    if cfg!(target_arch = "x86_64") {
+        assert!(STREAMED_BYTES.load(Ordering::Relaxed) - before >= dst.len() * 4);
+    }
+    assert!(
+        dst.iter()
+            .enumerate()
+            .all(|(i, &v)| v == ((i / run) * 2 * run + i % run) as f32)
+    );
+    let mut small = [0f32; 4];
+    for (bad, what) in [
+        (Run { src: 5, dst: 0, len: 2 }, "source"),
+        (Run { src: 0, dst: 3, len: 2 }, "destination"),
+    ] {
+        let err = crate::copy_runs(&src[..6], &mut small, &[Run { src: 0, dst: 0, len: 1 }, bad]).unwrap_err();
+        assert!(
+            matches!(err, Error::RunOutside { what: w, end: 7 | 5, .. } if w == what),
+            "{err}"
+        );
+        assert_eq!(small, [0.0; 4], "nothing copied");
+    }
+}
