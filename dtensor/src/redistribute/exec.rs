@@ -421,11 +421,7 @@ fn run_dims(a: &Region, b: &Region, part: &Region) -> (usize, usize) {
 /// ([`for_each_run`]): what a runs collective moves of it. Sender and
 /// receiver derive the same list from the same regions.
 fn runs(a: &Region, b: &Region, part: &Region) -> Vec<Run> {
-    let count = match run_dims(a, b, part).1 {
-        0 => 0,
-        run => part.numel() / run,
-    };
-    let mut out = Vec::with_capacity(count);
+    let mut out = Vec::with_capacity(part.numel() / run_dims(a, b, part).1.max(1));
     for_each_run(a, b, part, |src, dst, len| out.push(Run { src, dst, len }));
     out
 }

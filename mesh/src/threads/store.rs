@@ -76,17 +76,10 @@ impl Store {
     /// # Safety
     /// `dst` is valid for `src.len()` writes of `T` and does not overlap `src`.
     pub(crate) unsafe fn copy<T: Copy>(self, dst: *mut T, src: &[T]) {
-        let n = std::mem::size_of_val(src);
-        match self {
-            // SAFETY: the caller's contract.
-            Store::Cached => unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst, src.len()) },
-            Store::Streaming => {
-                #[cfg(test)]
-                STREAMED_BYTES.fetch_add(n, std::sync::atomic::Ordering::Relaxed);
-                // SAFETY: the caller's contract, in bytes.
-                unsafe { stream_bytes(dst.cast(), src.as_ptr().cast(), n) }
-            }
-        }
+        // A chain of one piece: its whole lines streamed, the partial ones
+        // at either end through the cache (when the writer drops).
+        // SAFETY: the caller's contract; the writer ends here.
+        unsafe { Writer::new(self, dst.cast()).put(0, src) }
     }
 }
 
@@ -372,34 +365,10 @@ unsafe fn stream_sum_sse(parts: &[&[f32]], out: *mut f32, range: std::ops::Range
     }
 }
 
-/// Copies `n` bytes with streaming stores of whole cache lines (64-byte
-/// stores with AVX-512, else four 16-byte ones a line), the partial lines at
-/// either end with ordinary ones.
-///
-/// # Safety
-/// As [`std::ptr::copy_nonoverlapping`] for `n` bytes.
-#[cfg(target_arch = "x86_64")]
-unsafe fn stream_bytes(dst: *mut u8, src: *const u8, n: usize) {
-    // Only whole cache lines stream: a partly written line leaves the
-    // write-combining buffer as a partial write, several times the cost of a
-    // full one (a gather of 512-byte runs into buffers 16 bytes off a line
-    // boundary, the malloc default, ran at half the speed of whole runs). The
-    // partial lines at either end go through the cache.
-    const LINE: usize = 64;
-    let head = dst.align_offset(LINE).min(n);
-    let lines = (n - head) / LINE;
-    // SAFETY: the caller's contract; every offset below stays under `n`, and the
-    // body's stores are 64-byte aligned (`head` aligns `dst`).
-    unsafe {
-        std::ptr::copy_nonoverlapping(src, dst, head);
-        stream_lines(dst.add(head), src.add(head), lines);
-        let done = head + lines * LINE;
-        std::ptr::copy_nonoverlapping(src.add(done), dst.add(done), n - done);
-    }
-}
-
 /// Streams `lines` 64-byte lines from `src` to the line-aligned `dst`, with
-/// the widest kernel the CPU has.
+/// the widest kernel the CPU has. Only whole lines stream: a partly written
+/// line leaves the write-combining buffer as a partial write, several times
+/// the cost of a full one.
 ///
 /// # Safety
 /// `dst` is 64-byte aligned and valid for `64 · lines` writes, `src` for as
@@ -472,16 +441,6 @@ unsafe fn stream_lines_sse2(dst: *mut u8, src: *const u8, lines: usize) {
             _mm_stream_si128(dst.add(at).cast::<__m128i>(), v);
         }
     }
-}
-
-/// Elsewhere [`Store::for_bytes`] never streams; an ordinary copy.
-///
-/// # Safety
-/// As [`std::ptr::copy_nonoverlapping`] for `n` bytes.
-#[cfg(not(target_arch = "x86_64"))]
-unsafe fn stream_bytes(dst: *mut u8, src: *const u8, n: usize) {
-    // SAFETY: the caller's contract.
-    unsafe { std::ptr::copy_nonoverlapping(src, dst, n) }
 }
 
 /// The size of the largest cache the system reports (Linux sysfs), else 32 MiB.

@@ -62,7 +62,7 @@ pub(super) unsafe fn run_at(dq: &Desc, size: usize, pos: usize) -> (usize, usize
 /// # Safety
 /// As [`Writer::put`] for `len` elements at `at`; `dq` as in [`run_at`], with
 /// `from + len <= send_len`.
-pub(super) unsafe fn copy_runs<T: Element>(w: &mut Writer, dq: &Desc, from: usize, len: usize, at: usize) {
+pub(super) unsafe fn copy_from_peer<T: Element>(w: &mut Writer, dq: &Desc, from: usize, len: usize, at: usize) {
     let size = size_of::<T>();
     let mut done = 0;
     while done < len {

@@ -18,7 +18,7 @@
 mod access;
 mod reduce;
 
-use access::{copy_runs, peer, write};
+use access::{copy_from_peer, peer, write};
 use reduce::{reduce_blocks, reduce_runs};
 
 use super::desc::Desc;
@@ -144,7 +144,7 @@ pub(crate) fn all_gather_segmented(g: &Group, r: usize, send: Source<'_>, recv: 
             // `send_len` elements and that our output holds `n · send_len`); the
             // segments tile `send_len`, so `piece` is within every peer's buffer and
             // the writes, `n · send_len` in all, stay in our output.
-            unsafe { copy_runs::<T>(&mut w, &descs[q], piece.start, piece.len(), at) };
+            unsafe { copy_from_peer::<T>(&mut w, &descs[q], piece.start, piece.len(), at) };
         }
     });
     // The run table (if any) stays alive until every peer is past the barrier.
@@ -292,7 +292,8 @@ pub(crate) fn runs(
     crate::dispatch_buf!(Buf, send, _s, T => {
         // SAFETY: our output, written only by us until the barrier below.
         let mut w = unsafe { Writer::new(store, d.recv_ptr as *mut u8) };
-        let mut order = DstOrder::new(recv_runs, store == Store::Streaming);
+        let streaming = store == Store::Streaming;
+        let mut order = DstOrder::new(recv_runs, streaming);
         let mut next = order.next();
         while let Some((q, run)) = next {
             next = order.next();
@@ -301,8 +302,9 @@ pub(crate) fn runs(
                 outside.get_or_insert((q, *run, dq.send_len));
                 continue;
             }
-            if let Some((p, ahead)) = next {
-                // The next run's first page while this one copies: runs
+            if let Some((p, ahead)) = next.filter(|_| streaming) {
+                // The next run's first page while this one copies (past the
+                // cache's size, where the copies stream): runs
                 // strided through a peer's buffer each start on a page the
                 // hardware prefetcher has not reached. (A transpose's 4 KiB
                 // runs: 2.6-2.8 ms with the first 512 bytes prefetched,
