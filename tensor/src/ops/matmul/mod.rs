@@ -10,6 +10,8 @@ use crate::{Error, Result, Tensor};
 
 #[cfg(target_arch = "x86_64")]
 pub(super) mod bf16_dot;
+#[cfg(target_arch = "x86_64")]
+mod depth_major;
 mod half_gemm;
 #[cfg(target_arch = "x86_64")]
 mod small;
@@ -344,6 +346,12 @@ unsafe fn gemm_split<T: Gemm>(
             b.ptr = b.ptr.wrapping_offset(start as isize * b.cs);
             start
         };
+        #[cfg(target_arch = "x86_64")]
+        if T::DTYPE == DType::F32 && kernel == GemmKernel::Gemm && depth_major::fits(mkn, a.cast(), b.cast()) {
+            // SAFETY: `T` is `f32` (checked); as for the kernel below.
+            unsafe { depth_major::product(mkn, a.cast(), b.cast(), c.block(offset).cast(), rsc) };
+            return;
+        }
         // SAFETY: the block's rows (columns) are a sub-range of the product's,
         // so each operand's block lies inside what the caller guarantees readable
         // and the output block inside what it guarantees writable; blocks of

@@ -1,0 +1,257 @@
+//! An AVX-512 `f32` kernel for products whose operands both run along the
+//! depth in their slow dim: `c = aᵀ·b` for `a` `[k, m]` and `b` `[k, n]`
+//! row-major, a linear layer's weight gradient `dyᵀ·x` summed over tokens.
+//!
+//! The `gemm` crate turns a row-major output into the column-major product
+//! `cᵀ = bᵀ·aᵀ` and packs `aᵀ`, whose columns here are `a`'s strided
+//! columns, for every block of the depth: a gather over rows a whole
+//! activation wide, which ran the weight gradients of the bench Transformer
+//! at 166-213 GFLOP/s per thread where its other products reach 236
+//! (`examples/bench_fsdp --profile`). This kernel computes the sum of outer
+//! products directly, in the order of the depth: per depth step, one row of
+//! `b` (four 16-lane vectors, from a packed panel that stays in L1) times
+//! six elements of one row of `a` (broadcast, read in place), into 6×64
+//! accumulators. Only `b` is packed, a contiguous copy of row pieces.
+//!
+//! Each output element is one chain of fused multiply-adds over the depth, in
+//! order, from zero (a block of the depth continues the chain of the one
+//! before from the output it left): its bits do not depend on how the output
+//! is split into blocks or over threads.
+
+use std::arch::x86_64::*;
+use std::cell::RefCell;
+
+use super::Mat;
+
+/// Rows of the output per tile (elements of `a` broadcast per depth step).
+const MR: usize = 6;
+/// Columns of the output per tile: four 16-lane vectors, so a tile is 24
+/// accumulators, with the four `b` vectors and a broadcast 29 of the 32
+/// vector registers.
+const NR: usize = 64;
+/// Depth per packed panel: a panel of `b` (`KC × NR` floats, 32 KiB) stays
+/// in L1 while every tile of a block of rows runs over it.
+const KC: usize = 128;
+/// Columns of `b` packed at once (`KC × NC` floats, 512 KiB, in L2).
+const NC: usize = 1024;
+/// Rows of the output per block: the block's `KC × MC` elements of `a`
+/// (96 KiB, read in place) stay in L2 while every panel runs over them.
+const MC: usize = 192;
+
+/// Depth steps ahead whose rows of `a` [`pack_a`] prefetches: a weight
+/// gradient over a 4096-wide vocabulary packed 5% faster with 4 to 8 than
+/// with none, slower again with 16.
+const PREFETCH_ROWS: isize = 8;
+
+/// The smallest output side and depth the kernel takes; smaller products
+/// stay on the `gemm` crate, whose packing costs little there.
+const MIN_SIDE: usize = 16;
+
+/// One cache line of packed `b`: panels are loaded with aligned loads.
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+struct Line([f32; 16]);
+
+thread_local! {
+    /// Per thread: the packed panels of the current block of `b` and tiles
+    /// of the current block of `a`.
+    static PACKED: RefCell<(Vec<Line>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
+}
+
+/// Whether an `m×k · k×n` product of `a` and `b` fits this kernel: AVX-512F,
+/// `a` with unit row stride (the transposed view of a row-major `[k, m]`),
+/// `b` with unit column stride, and no side smaller than [`MIN_SIDE`].
+pub(super) fn fits([m, k, n]: [usize; 3], a: Mat<f32>, b: Mat<f32>) -> bool {
+    super::small::detected() && a.rs == 1 && a.cs >= 1 && b.cs == 1 && b.rs >= 1 && m.min(k).min(n) >= MIN_SIDE
+}
+
+/// `c = a · b` for one `m×k · k×n` product that [`fits`], `c` row-major with
+/// row stride `rsc`.
+///
+/// # Safety
+/// As [`Gemm::gemm`](super::Gemm::gemm), and the product must [`fit`](fits).
+pub(super) unsafe fn product([m, k, n]: [usize; 3], a: Mat<f32>, b: Mat<f32>, c: *mut f32, rsc: isize) {
+    debug_assert!(fits([m, k, n], a, b));
+    let (lda, ldb) = (a.cs, b.rs);
+    PACKED.with_borrow_mut(|(packed, packed_a)| {
+        packed.resize(KC * NC / 16, Line([0.0; 16]));
+        packed_a.resize(KC * MC, 0.0);
+        for t0 in (0..k).step_by(KC) {
+            let kc = KC.min(k - t0);
+            for j0 in (0..n).step_by(NC) {
+                let nc = NC.min(n - j0);
+                // SAFETY: rows t0..t0 + kc and columns j0..j0 + nc of `b` are
+                // inside it (caller); `packed` holds KC·NC floats.
+                unsafe { pack_b(b.ptr.offset(t0 as isize * ldb + j0 as isize), ldb, kc, nc, packed) };
+                for i0 in (0..m).step_by(MC) {
+                    let mc = MC.min(m - i0);
+                    // SAFETY: depth t0..t0 + kc of rows i0..i0 + mc of `a`
+                    // (caller); `packed_a` holds KC·MC floats.
+                    unsafe { pack_a(a.ptr.offset(i0 as isize + t0 as isize * lda), lda, kc, mc, packed_a) };
+                    for (q, j) in (j0..j0 + nc).step_by(NR).enumerate() {
+                        let nr = NR.min(n - j);
+                        let panel = packed[q * KC * NR / 16..].as_ptr().cast::<f32>();
+                        for (s, i) in (i0..i0 + mc).step_by(MR).enumerate() {
+                            let rows = MR.min(i0 + mc - i);
+                            // SAFETY: rows i..i + rows, columns j..j + nr of the
+                            // output (caller); the packed tiles hold kc rows of
+                            // MR (of `a`) and NR (of `b`) floats.
+                            unsafe {
+                                let at = packed_a.as_ptr().add(s * KC * MR);
+                                let ct = c.offset(i as isize * rsc + j as isize);
+                                tile(rows, [kc, nr], at, panel, ct, rsc, t0 == 0);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    });
+}
+
+/// Copies depth steps `0..kc` of `mc` rows of `a` (the output's rows: `a`'s
+/// element `[i, t]` at `i + t·lda`) into tiles of [`MR`] rows: tile `s`,
+/// step `t` at `packed[(s·KC + t)·MR ..]`. The tiles' rows are contiguous
+/// whatever `lda` is: read in place, rows a power of two apart (a vocabulary
+/// of 4096) fell on the same few cache sets and missed in L1 and L2.
+///
+/// # Safety
+/// `a` must be readable at `i + t·lda` for `i < mc`, `t < kc`; `kc <= KC`,
+/// `mc <= MC`, `packed` at least `KC·MC` floats.
+#[target_feature(enable = "avx512f,avx512vl")]
+unsafe fn pack_a(a: *const f32, lda: isize, kc: usize, mc: usize, packed: &mut [f32]) {
+    let whole = mc / MR;
+    let tail = (1u8 << (mc % MR)) - 1;
+    let dst = packed.as_mut_ptr();
+    for t in 0..kc {
+        // SAFETY: step t's mc elements (caller), read and written MR at a
+        // time under a mask of MR (or the tail's) lanes; tile s's step t is
+        // inside `packed` (KC·MC floats).
+        unsafe {
+            let src = a.offset(t as isize * lda);
+            // Rows of `a` lie a row of the activation apart, each on pages of
+            // its own, where the hardware prefetcher does not follow.
+            let ahead = src.wrapping_offset(PREFETCH_ROWS * lda).cast::<i8>();
+            for line in (0..mc * 4).step_by(64) {
+                _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line));
+            }
+            for s in 0..whole {
+                let v = _mm256_maskz_loadu_ps(0x3f, src.add(s * MR));
+                _mm256_mask_storeu_ps(dst.add((s * KC + t) * MR), 0x3f, v);
+            }
+            if tail != 0 {
+                let v = _mm256_maskz_loadu_ps(tail, src.add(whole * MR));
+                _mm256_mask_storeu_ps(dst.add((whole * KC + t) * MR), tail, v);
+            }
+        }
+    }
+}
+
+/// Copies `kc` rows of `nc` columns of `b` (row stride `ldb`) into panels of
+/// [`NR`] columns: panel `q`, row `t` at `packed[(q·KC + t)·NR ..]`, the
+/// columns past `nc` of the last panel zero.
+///
+/// # Safety
+/// `b` must be readable at `t·ldb + j` for `t < kc`, `j < nc`; `kc <= KC`,
+/// `nc <= NC`, `packed` at least `KC·NC` floats.
+unsafe fn pack_b(b: *const f32, ldb: isize, kc: usize, nc: usize, packed: &mut [Line]) {
+    for (q, j) in (0..nc).step_by(NR).enumerate() {
+        let nr = NR.min(nc - j);
+        for t in 0..kc {
+            let dst = &mut packed[(q * KC + t) * NR / 16..][..NR / 16];
+            let dst = dst.as_mut_ptr().cast::<f32>();
+            // SAFETY: row t, columns j..j + nr of `b` (caller); the panel row
+            // is NR floats, zero-filled past nr.
+            unsafe {
+                std::ptr::copy_nonoverlapping(b.offset(t as isize * ldb + j as isize), dst, nr);
+                std::ptr::write_bytes(dst.add(nr), 0, NR - nr);
+            }
+        }
+    }
+}
+
+/// One tile of `rows <= MR` rows and `nr <= NR` columns over `kc` depth
+/// steps, dispatched to the kernel for its row count.
+///
+/// # Safety
+/// As [`tile_rows`].
+#[allow(clippy::too_many_arguments)]
+unsafe fn tile(rows: usize, kcnr: [usize; 2], a: *const f32, panel: *const f32, c: *mut f32, rsc: isize, first: bool) {
+    // SAFETY: the caller's guarantees; AVX-512F was detected (`fits`).
+    unsafe {
+        match rows {
+            6 => tile_rows::<6>(kcnr, a, panel, c, rsc, first),
+            5 => tile_rows::<5>(kcnr, a, panel, c, rsc, first),
+            4 => tile_rows::<4>(kcnr, a, panel, c, rsc, first),
+            3 => tile_rows::<3>(kcnr, a, panel, c, rsc, first),
+            2 => tile_rows::<2>(kcnr, a, panel, c, rsc, first),
+            _ => tile_rows::<1>(kcnr, a, panel, c, rsc, first),
+        }
+    }
+}
+
+/// `R` rows and `nr` columns of the output: `c[r, j] (+)= Σ_t a[t·MR + r] ·
+/// panel[t·NR + j]`, continuing the chain from `c` unless `first`.
+///
+/// # Safety
+/// AVX-512F; `a` (a packed tile) readable at `t·MR + r` for `t < kc`, `r < R`; `panel` at
+/// `kc·NR` floats, 64-byte aligned; `c` readable and writable at `r·rsc + j`
+/// for `r < R`, `j < nr` (read only when not `first`).
+#[target_feature(enable = "avx512f")]
+unsafe fn tile_rows<const R: usize>(
+    [kc, nr]: [usize; 2],
+    a: *const f32,
+    panel: *const f32,
+    c: *mut f32,
+    rsc: isize,
+    first: bool,
+) {
+    let masks: [__mmask16; 4] = std::array::from_fn(|v| {
+        let cols = nr.saturating_sub(16 * v).min(16);
+        ((1u32 << cols) - 1) as __mmask16
+    });
+    let mut acc = [[_mm512_setzero_ps(); 4]; R];
+    if !first {
+        // The next tile's rows of the output, read when it starts: from L3
+        // at the end of the output a large weight gradient has (4 MiB).
+        for r in R..R + MR {
+            for v in 0..4 {
+                let line = c.wrapping_offset(r as isize * rsc).wrapping_add(16 * v);
+                _mm_prefetch::<_MM_HINT_T0>(line.cast());
+            }
+        }
+
+        for (r, acc) in acc.iter_mut().enumerate() {
+            for (v, acc) in acc.iter_mut().enumerate() {
+                // SAFETY: row r, the mask's columns of vector v (caller).
+                *acc = unsafe { _mm512_maskz_loadu_ps(masks[v], c.offset(r as isize * rsc).add(16 * v)) };
+            }
+        }
+    }
+    for t in 0..kc {
+        // SAFETY: panel row t (aligned, NR floats) and row t of `a`'s R
+        // elements (caller).
+        unsafe {
+            let row = panel.add(t * NR);
+            let bv = [
+                _mm512_load_ps(row),
+                _mm512_load_ps(row.add(16)),
+                _mm512_load_ps(row.add(32)),
+                _mm512_load_ps(row.add(48)),
+            ];
+            let at = a.add(t * MR);
+            for (r, acc) in acc.iter_mut().enumerate() {
+                let av = _mm512_set1_ps(*at.add(r));
+                for (acc, &bv) in acc.iter_mut().zip(&bv) {
+                    *acc = _mm512_fmadd_ps(av, bv, *acc);
+                }
+            }
+        }
+    }
+    for (r, acc) in acc.iter().enumerate() {
+        for (v, &acc) in acc.iter().enumerate() {
+            // SAFETY: row r, the mask's columns of vector v (caller).
+            unsafe { _mm512_mask_storeu_ps(c.offset(r as isize * rsc).add(16 * v), masks[v], acc) };
+        }
+    }
+}
