@@ -18,8 +18,10 @@ fn mat(t: &Tensor) -> Mat<f32> {
 /// The depth-major kernel against the `gemm` crate on the same views, and both
 /// against the f64 product: ragged tiles of rows (m not a multiple of 6) and
 /// columns (not of 64), depths past one packed panel (128) and past the
-/// `gemm` crate's own blocks, blocks of rows (past 192) and of packed columns
-/// (past 1024), operands narrowed from wider tensors. Each element is one
+/// `gemm` crate's own blocks, blocks of rows (past 192), of packed columns
+/// (past 1024) and of output rows per pass over the depth (past 1024 rows of
+/// a block of 1024 columns, the 4 MiB block), operands narrowed from wider
+/// tensors. Each element is one
 /// chain of fused multiply-adds over the depth from zero, so where the `gemm`
 /// crate sums the whole depth in one chain (every shape here) the bits agree.
 #[cfg(target_arch = "x86_64")]
@@ -41,6 +43,7 @@ fn depth_major_products_have_the_gemm_crates_bits() {
         (200, 300, 130),
         (20, 64, 1030),
         (193, 130, 64),
+        (1100, 130, 1030),
     ];
     for (case, &(m, k, n)) in shapes.iter().enumerate() {
         let seed = 10 * case as u64;
