@@ -10,9 +10,9 @@ use crate::{Error, Result, Tensor};
 
 #[cfg(target_arch = "x86_64")]
 pub(super) mod bf16_dot;
-#[cfg(target_arch = "x86_64")]
-mod depth_major;
 mod half_gemm;
+#[cfg(target_arch = "x86_64")]
+mod outer;
 #[cfg(target_arch = "x86_64")]
 mod small;
 mod transpose;
@@ -347,9 +347,9 @@ unsafe fn gemm_split<T: Gemm>(
             start
         };
         #[cfg(target_arch = "x86_64")]
-        if T::DTYPE == DType::F32 && kernel == GemmKernel::Gemm && depth_major::fits(mkn, a.cast(), b.cast()) {
+        if T::DTYPE == DType::F32 && kernel == GemmKernel::Gemm && outer::fits(mkn, a.cast(), b.cast()) {
             // SAFETY: `T` is `f32` (checked); as for the kernel below.
-            unsafe { depth_major::product(mkn, a.cast(), b.cast(), c.block(offset).cast(), rsc) };
+            unsafe { outer::product(mkn, a.cast(), b.cast(), c.block(offset).cast(), rsc) };
             return;
         }
         // SAFETY: the block's rows (columns) are a sub-range of the product's,
@@ -388,7 +388,8 @@ unsafe impl<T> Sync for OutPtr<T> {}
 /// more than the packing it saves.
 const TURN_MIN_ROWS: usize = 64;
 
-/// A row-major copy of `b` when it is the transposed view of a row-major
+/// Where the outer-product kernel does not take the product (no AVX-512F):
+/// a row-major copy of `b` when it is the transposed view of a row-major
 /// matrix (a linear layer's `Wᵀ`: unit row stride) in an `f32` product of at
 /// least [`TURN_MIN_ROWS`] rows on the `gemm` kernel, deeper than it is wide
 /// (`k > n`: a layer that narrows, as an MLP's down projection), which the
@@ -562,7 +563,18 @@ fn matmul_typed<T: Gemm>(a: &Tensor, b: &Tensor, batch: &[usize], kernel: GemmKe
     // (Not for a causal part: the mask starts over with each batch entry.)
     let b_single = b.shape()[..rb - 2].iter().all(|&d| d == 1);
     if part == Causal::Dense && b_single && rows_fold(a, ra - 2) {
-        let turned = turned_rhs(kernel, count * m, [k, n], bm)?;
+        // The outer-product kernel packs a transposed weight itself, in cache.
+        #[cfg(target_arch = "x86_64")]
+        let outer = T::DTYPE == DType::F32
+            && kernel == GemmKernel::Gemm
+            && outer::fits([count * m, k, n], am.cast(), bm.cast());
+        #[cfg(not(target_arch = "x86_64"))]
+        let outer = false;
+        let turned = if outer {
+            None
+        } else {
+            turned_rhs(kernel, count * m, [k, n], bm)?
+        };
         let bm = turned.as_ref().map_or(bm, |t| Mat {
             ptr: t.as_ptr(),
             rs: n as isize,

@@ -8,7 +8,7 @@ use crate::ops::testutil::{assert_close, sample, tol};
 
 mod bf16_dot;
 mod causal;
-mod depth_major_kernel;
+mod outer_kernel;
 
 #[test]
 fn large_products_split_over_the_ranks_threads() {

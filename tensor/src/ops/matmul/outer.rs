@@ -1,18 +1,23 @@
-//! An AVX-512 `f32` kernel for products whose operands both run along the
-//! depth in their slow dim: `c = aᵀ·b` for `a` `[k, m]` and `b` `[k, n]`
-//! row-major, a linear layer's weight gradient `dyᵀ·x` summed over tokens.
+//! An AVX-512 `f32` kernel for the products whose operands the `gemm` crate
+//! packs by gathering: a linear layer's weight gradient `dyᵀ·x` (the left
+//! operand `a` depth-major, the transposed view of `dy` `[tokens, out]`) and,
+//! from 512 to 1024 deep and from 512 wide, its forward `x·Wᵀ` (the right
+//! operand the transposed view of the row-major weight).
 //!
 //! The `gemm` crate turns a row-major output into the column-major product
-//! `cᵀ = bᵀ·aᵀ` and packs `aᵀ`, whose columns here are `a`'s strided
-//! columns, for every block of the depth: a gather over rows a whole
-//! activation wide, which ran the weight gradients of the bench Transformer
-//! at 166-213 GFLOP/s per thread where its other products reach 236
+//! `cᵀ = bᵀ·aᵀ` and packs its operands in the layout its micro-kernel reads:
+//! for these two it gathers them element by element, a whole activation or
+//! weight wide, per block of the depth. The weight gradients of the bench
+//! Transformer ran at 166-213 GFLOP/s per thread and the large config's
+//! `x·Wᵀ` at 156-198 where its products of row-major operands reach 224-236
 //! (`examples/bench_fsdp --profile`). This kernel computes the sum of outer
-//! products directly, in the order of the depth: per depth step, one row of
-//! `b` (four 16-lane vectors, from a packed panel that stays in L1) times
-//! six elements of one row of `a` (broadcast from a packed tile), into 6×64
-//! accumulators. Packing copies row pieces of `b` into panels and
-//! transposes six-element pieces of `a`'s rows into tiles.
+//! products in the order of the depth: per depth step, one row of `b` (four
+//! 16-lane vectors, from a packed panel that stays in L1) times six elements
+//! of one row of `a` (broadcast from a packed tile), into 6×64 accumulators.
+//! Packing copies row pieces of a row-major `b` or turns a transposed one
+//! over with 8×8 register transposes, and moves six-element pieces of a
+//! depth-major `a`'s steps or interleaves six rows of a row-major one with
+//! vector permutes.
 //!
 //! Each output element is one chain of fused multiply-adds over the depth, in
 //! order, from zero (a block of the depth continues the chain of the one
@@ -53,6 +58,22 @@ const OUTPUT_BLOCK_BYTES: usize = 4 << 20;
 /// with none, slower again with 16.
 const PREFETCH_ROWS: isize = 8;
 
+/// The smallest depth and width of a product of a row-major `a` by a
+/// transposed `b` that the kernel takes: it turns `b` over and interleaves
+/// `a`'s rows into tiles, which on shallow or narrow products costs more
+/// than the `gemm` crate's gathering of `b` (`examples/bench_fsdp`, GFLOP/s
+/// per product on one thread: the large config's `[256, 768]·[768, 768]ᵀ`
+/// 192 here against 170, `[256, 3072]·[3072, 768]ᵀ` 215 against 177 on a
+/// row-major copy; the bench config's `[512, 256]·[256, 256]ᵀ` 199-208
+/// against 216).
+const ROWS_MIN_SIDE: usize = 512;
+/// The deepest product of a row-major `a` by a transposed `b` that the
+/// kernel takes: deeper, its tiles read and write their output back once per
+/// [`KC`] steps of depth, where the `gemm` crate's deeper blocks on a
+/// row-major copy of `b` do better (the large config's `[512, 3072]·[3072,
+/// 768]ᵀ` on two threads: 172 GFLOP/s per thread here against 204).
+const ROWS_MAX_DEPTH: usize = 1024;
+
 /// The smallest output side and depth the kernel takes; smaller products
 /// stay on the `gemm` crate, whose packing costs little there.
 const MIN_SIDE: usize = 16;
@@ -69,10 +90,22 @@ thread_local! {
 }
 
 /// Whether an `m×k · k×n` product of `a` and `b` fits this kernel: AVX-512F,
-/// `a` with unit row stride (the transposed view of a row-major `[k, m]`),
-/// `b` with unit column stride, and no side smaller than [`MIN_SIDE`].
+/// no side smaller than [`MIN_SIDE`], and a layout the `gemm` crate packs by
+/// gathering: a depth-major `a` (unit row stride: the transposed view of a
+/// row-major `[k, m]`, a weight gradient's `dyᵀ`) times a row-major `b` or
+/// a transposed one, or a row-major `a` times a transposed row-major `b`
+/// (unit row stride, columns `k` or more apart: a linear layer's `Wᵀ`) at
+/// least [`ROWS_MIN_SIDE`] deep and wide and at most [`ROWS_MAX_DEPTH`] deep. Row-major times row-major stays on
+/// the `gemm` crate, which reads both in place at the same speed.
 pub(super) fn fits([m, k, n]: [usize; 3], a: Mat<f32>, b: Mat<f32>) -> bool {
-    super::small::detected() && a.rs == 1 && a.cs >= 1 && b.cs == 1 && b.rs >= 1 && m.min(k).min(n) >= MIN_SIDE
+    let a_depth_major = a.rs == 1 && a.cs >= 1;
+    let a_rows = a.cs == 1 && a.rs >= k as isize;
+    let b_rows = b.cs == 1 && b.rs >= 1;
+    let b_turned = b.rs == 1 && b.cs >= k as isize;
+    super::small::detected()
+        && m.min(k).min(n) >= MIN_SIDE
+        && ((a_depth_major && (b_rows || b_turned))
+            || (a_rows && b_turned && k.min(n) >= ROWS_MIN_SIDE && k <= ROWS_MAX_DEPTH))
 }
 
 /// `c = a · b` for one `m×k · k×n` product that [`fits`], `c` row-major with
@@ -82,7 +115,6 @@ pub(super) fn fits([m, k, n]: [usize; 3], a: Mat<f32>, b: Mat<f32>) -> bool {
 /// As [`Gemm::gemm`](super::Gemm::gemm), and the product must [`fit`](fits).
 pub(super) unsafe fn product([m, k, n]: [usize; 3], a: Mat<f32>, b: Mat<f32>, c: *mut f32, rsc: isize) {
     debug_assert!(fits([m, k, n], a, b));
-    let (lda, ldb) = (a.cs, b.rs);
     PACKED.with_borrow_mut(|(packed_b, packed_a)| {
         packed_b.resize(KC * NC / 16, Line([0.0; 16]));
         packed_a.resize(KC * MC, 0.0);
@@ -97,12 +129,28 @@ pub(super) unsafe fn product([m, k, n]: [usize; 3], a: Mat<f32>, b: Mat<f32>, c:
                     let kc = KC.min(k - t0);
                     // SAFETY: rows t0..t0 + kc and columns j0..j0 + nc of `b`
                     // are inside it (caller); `packed_b` holds KC·NC floats.
-                    unsafe { pack_b(b.ptr.offset(t0 as isize * ldb + j0 as isize), ldb, kc, nc, packed_b) };
+                    unsafe {
+                        pack_b(
+                            b.ptr.offset(t0 as isize * b.rs + j0 as isize * b.cs),
+                            b,
+                            kc,
+                            nc,
+                            packed_b,
+                        )
+                    };
                     for i0 in (i1..i1 + m1).step_by(MC) {
                         let mc = MC.min(i1 + m1 - i0);
                         // SAFETY: depth t0..t0 + kc of rows i0..i0 + mc of `a`
                         // (caller); `packed_a` holds KC·MC floats.
-                        unsafe { pack_a(a.ptr.offset(i0 as isize + t0 as isize * lda), lda, kc, mc, packed_a) };
+                        unsafe {
+                            pack_a(
+                                a.ptr.offset(i0 as isize * a.rs + t0 as isize * a.cs),
+                                a,
+                                kc,
+                                mc,
+                                packed_a,
+                            )
+                        };
                         for (q, j) in (j0..j0 + nc).step_by(NR).enumerate() {
                             let nr = NR.min(n - j);
                             let panel = packed_b[q * KC * NR / 16..].as_ptr().cast::<f32>();
@@ -125,9 +173,81 @@ pub(super) unsafe fn product([m, k, n]: [usize; 3], a: Mat<f32>, b: Mat<f32>, c:
     });
 }
 
-/// Copies depth steps `0..kc` of `mc` rows of `a` (the output's rows: `a`'s
-/// element `[i, t]` at `i + t·lda`) into tiles of [`MR`] rows: tile `s`,
-/// step `t` at `packed[(s·KC + t)·MR ..]`. The tiles' rows are contiguous
+/// Copies depth steps `0..kc` of `mc` rows of `a` (from its element `[i0,
+/// t0]` at `a`, strides those of `layout`) into tiles of [`MR`] rows: tile
+/// `s`, step `t` at `packed[(s·KC + t)·MR ..]`.
+///
+/// # Safety
+/// As [`pack_a_depth_major`] or [`pack_a_rows`], for `layout`'s strides.
+unsafe fn pack_a(a: *const f32, layout: Mat<f32>, kc: usize, mc: usize, packed: &mut [f32]) {
+    // SAFETY: the caller's guarantees; AVX-512F was detected (`fits`).
+    unsafe {
+        if layout.rs == 1 {
+            pack_a_depth_major(a, layout.cs, kc, mc, packed);
+        } else {
+            pack_a_rows(a, layout.rs, kc, mc, packed);
+        }
+    }
+}
+
+/// [`pack_a`] for a row-major `a` (element `[i, t]` at `i·lda + t`, an
+/// activation `x` times `Wᵀ`): sixteen depth steps of a whole tile's six
+/// rows at a time, interleaved by six masked permutes per output vector;
+/// the rest (depth past a multiple of 16, a tile of fewer rows) element by
+/// element.
+///
+/// # Safety
+/// AVX-512F; `a` must be readable at `i·lda + t` for `i < mc`, `t < kc`;
+/// `kc <= KC`, `mc <= MC`, `packed` at least `KC·MC` floats.
+#[target_feature(enable = "avx512f")]
+unsafe fn pack_a_rows(a: *const f32, lda: isize, kc: usize, mc: usize, packed: &mut [f32]) {
+    assert!(
+        kc <= KC && mc <= MC && packed.len() >= KC * MC,
+        "pack_a_rows: bad block"
+    );
+    // Output vector v of a group of 16 steps holds the packed elements
+    // 16·v + l: step (16·v + l) / 6 of row (16·v + l) % 6.
+    let idx: [__m512i; MR] = std::array::from_fn(|v| {
+        let lanes: [i32; 16] = std::array::from_fn(|l| ((16 * v + l) / MR) as i32);
+        // SAFETY: 16 i32 lanes read from an array of 16.
+        unsafe { _mm512_loadu_si512(lanes.as_ptr().cast()) }
+    });
+    let masks: [[__mmask16; MR]; MR] = std::array::from_fn(|v| {
+        std::array::from_fn(|r| (0..16).filter(|l| (16 * v + l) % MR == r).fold(0, |m, l| m | (1 << l)))
+    });
+    let dst = packed.as_mut_ptr();
+    for (s, i) in (0..mc).step_by(MR).enumerate() {
+        let rows = MR.min(mc - i);
+        // SAFETY: rows i..i + rows, steps below kc of `a` (caller); tile s's
+        // kc·MR floats inside `packed` (checked above).
+        unsafe {
+            let tile = dst.add(s * KC * MR);
+            let row = |r: usize| a.offset((i + r) as isize * lda);
+            let mut t0 = 0;
+            if rows == MR {
+                while t0 + 16 <= kc {
+                    let src: [__m512; MR] = std::array::from_fn(|r| _mm512_loadu_ps(row(r).add(t0)));
+                    for v in 0..MR {
+                        let mut out = _mm512_maskz_permutexvar_ps(masks[v][0], idx[v], src[0]);
+                        for r in 1..MR {
+                            out = _mm512_mask_permutexvar_ps(out, masks[v][r], idx[v], src[r]);
+                        }
+                        _mm512_storeu_ps(tile.add(t0 * MR + 16 * v), out);
+                    }
+                    t0 += 16;
+                }
+            }
+            for r in 0..rows {
+                for t in t0..kc {
+                    *tile.add(t * MR + r) = *row(r).add(t);
+                }
+            }
+        }
+    }
+}
+
+/// [`pack_a`] for a depth-major `a` (element `[i, t]` at `i + t·lda`, a
+/// weight gradient's `dyᵀ`): six-element pieces of each depth step. The tiles' rows are contiguous
 /// whatever `lda` is: read in place, rows a power of two apart (a vocabulary
 /// of 4096) fell on the same few cache sets and missed in L1 and L2.
 ///
@@ -135,7 +255,7 @@ pub(super) unsafe fn product([m, k, n]: [usize; 3], a: Mat<f32>, b: Mat<f32>, c:
 /// `a` must be readable at `i + t·lda` for `i < mc`, `t < kc`; `kc <= KC`,
 /// `mc <= MC`, `packed` at least `KC·MC` floats.
 #[target_feature(enable = "avx512f,avx512vl")]
-unsafe fn pack_a(a: *const f32, lda: isize, kc: usize, mc: usize, packed: &mut [f32]) {
+unsafe fn pack_a_depth_major(a: *const f32, lda: isize, kc: usize, mc: usize, packed: &mut [f32]) {
     let whole = mc / MR;
     let tail = (1u8 << (mc % MR)) - 1;
     let dst = packed.as_mut_ptr();
@@ -163,9 +283,58 @@ unsafe fn pack_a(a: *const f32, lda: isize, kc: usize, mc: usize, packed: &mut [
     }
 }
 
-/// Copies `kc` rows of `nc` columns of `b` (row stride `ldb`) into panels of
-/// [`NR`] columns: panel `q`, row `t` at `packed[(q·KC + t)·NR ..]`, the
-/// columns past `nc` of the last panel zero. A row of a panel is four
+/// Copies depth steps `0..kc` of `nc` columns of `b` (from its element
+/// `[t0, j0]` at `b`, strides those of `layout`) into panels of [`NR`]
+/// columns: panel `q`, step `t` at `packed[(q·KC + t)·NR ..]`, the columns
+/// past `nc` of the last panel zero.
+///
+/// # Safety
+/// As [`pack_b_rows`] or [`pack_b_turned`], for `layout`'s strides.
+unsafe fn pack_b(b: *const f32, layout: Mat<f32>, kc: usize, nc: usize, packed: &mut [Line]) {
+    // SAFETY: the caller's guarantees; AVX-512F was detected (`fits`).
+    unsafe {
+        if layout.cs == 1 {
+            pack_b_rows(b, layout.rs, kc, nc, packed);
+        } else {
+            pack_b_turned(b, layout.cs, kc, nc, packed);
+        }
+    }
+}
+
+/// [`pack_b`] for a transposed row-major `b` (element `[t, j]` at `t +
+/// j·ldw`, a linear layer's `Wᵀ`): each panel is `NR` rows of `W` turned
+/// over with 8×8 register transposes, in cache, where the `gemm` crate
+/// gathers them element by element.
+///
+/// # Safety
+/// `b` must be readable at `t + j·ldw` for `t < kc`, `j < nc`, `ldw >= kc`;
+/// `kc <= KC`, `nc <= NC`, `packed` at least `KC·NC` floats.
+unsafe fn pack_b_turned(b: *const f32, ldw: isize, kc: usize, nc: usize, packed: &mut [Line]) {
+    let ld = ldw as usize;
+    for (q, j) in (0..nc).step_by(NR).enumerate() {
+        let nr = NR.min(nc - j);
+        let panel = &mut packed[q * KC * NR / 16..][..KC * NR / 16];
+        // SAFETY: `Line` is 16 plain floats; the panel's first kc·NR of them.
+        let panel =
+            unsafe { std::slice::from_raw_parts_mut(panel.as_mut_ptr().cast::<std::mem::MaybeUninit<f32>>(), kc * NR) };
+        // SAFETY: rows j..j + nr of `W` (columns of `b`), kc elements each,
+        // `ld` apart (caller).
+        let src = unsafe { std::slice::from_raw_parts(b.add(j * ld), (nr - 1) * ld + kc) };
+        if nr == NR {
+            super::transpose::transpose(src, NR, kc, ld, panel);
+        } else {
+            for t in 0..kc {
+                for col in 0..NR {
+                    let v = if col < nr { src[col * ld + t] } else { 0.0 };
+                    panel[t * NR + col] = std::mem::MaybeUninit::new(v);
+                }
+            }
+        }
+    }
+}
+
+/// [`pack_b`] for a row-major `b` (row stride `ldb`, an activation `x`). A
+/// row of a panel is four
 /// vector moves (masked at the edge): calls of `memcpy` for its 256 bytes
 /// took 2.6% of a training step's samples.
 ///
@@ -173,7 +342,7 @@ unsafe fn pack_a(a: *const f32, lda: isize, kc: usize, mc: usize, packed: &mut [
 /// AVX-512F; `b` must be readable at `t·ldb + j` for `t < kc`, `j < nc`;
 /// `kc <= KC`, `nc <= NC`, `packed` at least `KC·NC` floats.
 #[target_feature(enable = "avx512f")]
-unsafe fn pack_b(b: *const f32, ldb: isize, kc: usize, nc: usize, packed: &mut [Line]) {
+unsafe fn pack_b_rows(b: *const f32, ldb: isize, kc: usize, nc: usize, packed: &mut [Line]) {
     let dst = packed.as_mut_ptr().cast::<f32>();
     for (q, j) in (0..nc).step_by(NR).enumerate() {
         let nr = NR.min(nc - j);
