@@ -129,28 +129,12 @@ pub(super) unsafe fn product([m, k, n]: [usize; 3], a: Mat<f32>, b: Mat<f32>, c:
                     let kc = KC.min(k - t0);
                     // SAFETY: rows t0..t0 + kc and columns j0..j0 + nc of `b`
                     // are inside it (caller); `packed_b` holds KC·NC floats.
-                    unsafe {
-                        pack_b(
-                            b.ptr.offset(t0 as isize * b.rs + j0 as isize * b.cs),
-                            b,
-                            kc,
-                            nc,
-                            packed_b,
-                        )
-                    };
+                    unsafe { pack_b(b, [t0, j0], [kc, nc], packed_b) };
                     for i0 in (i1..i1 + m1).step_by(MC) {
                         let mc = MC.min(i1 + m1 - i0);
                         // SAFETY: depth t0..t0 + kc of rows i0..i0 + mc of `a`
                         // (caller); `packed_a` holds KC·MC floats.
-                        unsafe {
-                            pack_a(
-                                a.ptr.offset(i0 as isize * a.rs + t0 as isize * a.cs),
-                                a,
-                                kc,
-                                mc,
-                                packed_a,
-                            )
-                        };
+                        unsafe { pack_a(a, [i0, t0], [mc, kc], packed_a) };
                         for (q, j) in (j0..j0 + nc).step_by(NR).enumerate() {
                             let nr = NR.min(n - j);
                             let panel = packed_b[q * KC * NR / 16..].as_ptr().cast::<f32>();
@@ -173,19 +157,21 @@ pub(super) unsafe fn product([m, k, n]: [usize; 3], a: Mat<f32>, b: Mat<f32>, c:
     });
 }
 
-/// Copies depth steps `0..kc` of `mc` rows of `a` (from its element `[i0,
-/// t0]` at `a`, strides those of `layout`) into tiles of [`MR`] rows: tile
-/// `s`, step `t` at `packed[(s·KC + t)·MR ..]`.
+/// Copies depth steps `t0..t0 + kc` of rows `i0..i0 + mc` of `a` into
+/// tiles of [`MR`] rows: tile `s`, step `t` at `packed[(s·KC + t)·MR ..]`.
 ///
 /// # Safety
-/// As [`pack_a_depth_major`] or [`pack_a_rows`], for `layout`'s strides.
-unsafe fn pack_a(a: *const f32, layout: Mat<f32>, kc: usize, mc: usize, packed: &mut [f32]) {
-    // SAFETY: the caller's guarantees; AVX-512F was detected (`fits`).
+/// Those elements of `a` must be readable; AVX-512F (with VL); `a` depth-major
+/// (unit row stride) or row-major (unit column stride); `kc <= KC`, `mc <= MC`,
+/// `packed` at least `KC·MC` floats.
+unsafe fn pack_a(a: Mat<f32>, [i0, t0]: [usize; 2], [mc, kc]: [usize; 2], packed: &mut [f32]) {
+    // SAFETY: the caller's guarantees.
     unsafe {
-        if layout.rs == 1 {
-            pack_a_depth_major(a, layout.cs, kc, mc, packed);
+        let from = a.ptr.offset(i0 as isize * a.rs + t0 as isize * a.cs);
+        if a.rs == 1 {
+            pack_a_depth_major(from, a.cs, kc, mc, packed);
         } else {
-            pack_a_rows(a, layout.rs, kc, mc, packed);
+            pack_a_rows(from, a.rs, kc, mc, packed);
         }
     }
 }
@@ -283,20 +269,22 @@ unsafe fn pack_a_depth_major(a: *const f32, lda: isize, kc: usize, mc: usize, pa
     }
 }
 
-/// Copies depth steps `0..kc` of `nc` columns of `b` (from its element
-/// `[t0, j0]` at `b`, strides those of `layout`) into panels of [`NR`]
-/// columns: panel `q`, step `t` at `packed[(q·KC + t)·NR ..]`, the columns
-/// past `nc` of the last panel zero.
+/// Copies depth steps `t0..t0 + kc` of columns `j0..j0 + nc` of `b` into
+/// panels of [`NR`] columns: panel `q`, step `t` at `packed[(q·KC + t)·NR
+/// ..]`, the columns past `nc` of the last panel zero.
 ///
 /// # Safety
-/// As [`pack_b_rows`] or [`pack_b_turned`], for `layout`'s strides.
-unsafe fn pack_b(b: *const f32, layout: Mat<f32>, kc: usize, nc: usize, packed: &mut [Line]) {
-    // SAFETY: the caller's guarantees; AVX-512F was detected (`fits`).
+/// Those elements of `b` must be readable; AVX-512F; `b` row-major (unit
+/// column stride) or transposed (unit row stride, columns at least `kc`
+/// apart); `kc <= KC`, `nc <= NC`, `packed` at least `KC·NC` floats.
+unsafe fn pack_b(b: Mat<f32>, [t0, j0]: [usize; 2], [kc, nc]: [usize; 2], packed: &mut [Line]) {
+    // SAFETY: the caller's guarantees.
     unsafe {
-        if layout.cs == 1 {
-            pack_b_rows(b, layout.rs, kc, nc, packed);
+        let from = b.ptr.offset(t0 as isize * b.rs + j0 as isize * b.cs);
+        if b.cs == 1 {
+            pack_b_rows(from, b.rs, kc, nc, packed);
         } else {
-            pack_b_turned(b, layout.cs, kc, nc, packed);
+            pack_b_turned(from, b.cs, kc, nc, packed);
         }
     }
 }
