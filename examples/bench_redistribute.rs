@@ -2,8 +2,12 @@
 //! 256×256×256 tensor on a 2×2×2 mesh, of in-process ranks.
 //!
 //! ```text
-//! cargo run --release --example bench_redistribute -- [--json PATH] [--iters N]
+//! cargo run --release --example bench_redistribute -- [--json PATH] [--iters N] [--case TEXT]...
 //! ```
+//!
+//! `--case TEXT` (repeatable) keeps only the cases whose name, as the table
+//! prints it, contains one of the texts: a row measured again without the
+//! others (each launch of a mesh still builds its tensor and plans).
 //!
 //! For each case the source DTensor is built once; then `redistribute` runs `N`
 //! times (default 10, after 2 warm-ups), each after a barrier, interleaved with
@@ -49,9 +53,54 @@ const WARMUP: usize = 2;
 const DEFAULT_ITERS: usize = 10;
 const SEED: u64 = 42;
 
-const USAGE: &str = "usage: bench_redistribute [--json PATH] [--iters N]
+const USAGE: &str = "usage: bench_redistribute [--json PATH] [--iters N] [--case TEXT]...
   --json PATH  also write the results as a JSON array of records (atomically)
-  --iters N    timed iterations per case (default 10; 2 warm-ups come first)";
+  --iters N    timed iterations per case (default 10; 2 warm-ups come first)
+  --case TEXT  only the cases whose name (as the table prints it) contains TEXT;
+               repeatable (default: every case)";
+
+/// The benchmark's flags: the common ones and the case filter.
+#[derive(Clone, Debug)]
+struct Args {
+    common: common::BenchArgs,
+    /// Texts a case's name must contain one of (empty: every case).
+    cases: Vec<String>,
+}
+
+/// Parses the common flags and `--case TEXT` (repeatable).
+///
+/// # Errors
+/// As [`common::parse_args`], and a `--case` that no case's name contains
+/// (the message lists the names).
+fn parse_args(args: impl IntoIterator<Item = String>) -> Result<Args, String> {
+    let mut rest = Vec::new();
+    let mut cases = Vec::new();
+    common::parse_flags(args, |flag, value| {
+        if flag == "--case" {
+            cases.push(value("a text that case names contain")?);
+        } else {
+            rest.push(flag.to_string());
+            if flag == "--json" || flag == "--iters" {
+                rest.push(value("a value")?);
+            }
+        }
+        Ok(())
+    })?;
+    let names: Vec<String> = self::cases().iter().map(Case::name).collect();
+    if let Some(none) = cases
+        .iter()
+        .find(|text| !names.iter().any(|n| n.contains(text.as_str())))
+    {
+        return Err(format!(
+            "no case's name contains --case {none:?}; the cases are: {}",
+            names.join(", ")
+        ));
+    }
+    Ok(Args {
+        common: common::parse_args(rest, DEFAULT_ITERS)?,
+        cases,
+    })
+}
 
 /// One redistribution to time, with PyTorch 2.15 (gloo, 4 ranks) where known.
 struct Case {
@@ -190,16 +239,13 @@ struct BaseOp {
 }
 
 fn main() -> ExitCode {
-    common::bench_main(
-        "bench_redistribute",
-        USAGE,
-        common::parse_args(std::env::args().skip(1), DEFAULT_ITERS),
-        run,
-    )
+    common::bench_main("bench_redistribute", USAGE, parse_args(std::env::args().skip(1)), run)
 }
 
-fn run(args: &common::BenchArgs) -> Result<(), BoxError> {
-    let cases = Arc::new(cases());
+fn run(args: &Args) -> Result<(), BoxError> {
+    let picked = |c: &Case| args.cases.is_empty() || args.cases.iter().any(|t| c.name().contains(t.as_str()));
+    let cases = Arc::new(cases().into_iter().filter(picked).collect::<Vec<_>>());
+    let args = &args.common;
     println!(
         "redistribute of f32 {SHAPE_2D:?} on a {MESH_2D:?} mesh and f32 {SHAPE_3D:?} on {MESH_3D:?} (threads backend), \
          {} iterations after {WARMUP} warm-ups",
@@ -209,6 +255,9 @@ fn run(args: &common::BenchArgs) -> Result<(), BoxError> {
     let mut per_case: Vec<Vec<RankCase>> = (0..cases.len()).map(|_| Vec::new()).collect();
     for (mesh_shape, shape) in [(MESH_2D, SHAPE_2D), (MESH_3D, SHAPE_3D)] {
         let mine: Vec<usize> = (0..cases.len()).filter(|&i| cases[i].mesh == mesh_shape).collect();
+        if mine.is_empty() {
+            continue;
+        }
         let per_rank = launch(mesh_shape.iter().product(), {
             let (cases, iters, mine) = (cases.clone(), args.iters, mine.clone());
             move |ctx| {

@@ -3,7 +3,8 @@
 //! with its default, a redirected log gets progress lines, not `\r` frames, and
 //! checkpoints kept and saves killed mid-write leave no temporaries behind;
 //! `--model llama` trains the LLaMA reference as PyTorch does; the user-model
-//! example resumes on another mesh.
+//! example resumes on another mesh; `bench_redistribute --case` times the rows
+//! asked for.
 //! (Runs the `train` example, which `cargo test` builds.)
 
 use std::path::PathBuf;
@@ -1184,4 +1185,43 @@ fn steady_steps_fault_no_fresh_pages() {
         steady.iter().all(|&f| f * 4 <= faults[0]),
         "a steady step faults fresh pages: {faults:?}"
     );
+}
+
+/// `bench_redistribute --case TEXT` times only the cases whose name contains
+/// the text (the rows a user measures again), and refuses a text that no
+/// case's name contains, listing the names.
+#[test]
+fn bench_redistribute_runs_the_cases_asked_for() {
+    let wanted = "(Shard(0), Shard(0))->(Shard(1), Shard(1))";
+    let json = std::env::temp_dir().join(format!("tessera-cli-bench-case-{}.json", std::process::id()));
+    let json_arg = json.to_str().unwrap().to_string();
+    let o = Command::new(example_exe("bench_redistribute"))
+        .args(["--case", wanted, "--iters", "1", "--json", &json_arg])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let records = read_json(&json);
+    let _ = std::fs::remove_file(&json);
+    let cases: Vec<&str> = records
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|r| r.get("case").and_then(|c| c.as_str()))
+        .collect();
+    assert_eq!(cases, [wanted], "one row, the one asked for");
+    let table = String::from_utf8_lossy(&o.stdout);
+    assert!(table.contains(wanted), "{table}");
+    assert!(
+        !table.contains("(Shard(0), Replicate)->(Replicate, Replicate)"),
+        "{table}"
+    );
+
+    let o = Command::new(example_exe("bench_redistribute"))
+        .args(["--case", "(Shard(7)"])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("no case's name contains --case \"(Shard(7)\""), "{err}");
+    assert!(err.contains(wanted), "the message lists the cases: {err}");
 }
