@@ -73,18 +73,13 @@ struct Args {
 /// As [`common::parse_args`], and a `--case` that no case's name contains
 /// (the message lists the names).
 fn parse_args(args: impl IntoIterator<Item = String>) -> Result<Args, String> {
-    let mut rest = Vec::new();
     let mut cases = Vec::new();
-    common::parse_flags(args, |flag, value| {
-        if flag == "--case" {
-            cases.push(value("a text that case names contain")?);
-        } else {
-            rest.push(flag.to_string());
-            if flag == "--json" || flag == "--iters" {
-                rest.push(value("a value")?);
-            }
+    let common = common::parse_args_with(args, DEFAULT_ITERS, |flag, value| {
+        if flag != "--case" {
+            return Ok(false);
         }
-        Ok(())
+        cases.push(value("a text that case names contain")?);
+        Ok(true)
     })?;
     let names: Vec<String> = self::cases().iter().map(Case::name).collect();
     if let Some(none) = cases
@@ -96,10 +91,7 @@ fn parse_args(args: impl IntoIterator<Item = String>) -> Result<Args, String> {
             names.join(", ")
         ));
     }
-    Ok(Args {
-        common: common::parse_args(rest, DEFAULT_ITERS)?,
-        cases,
-    })
+    Ok(Args { common, cases })
 }
 
 /// One redistribution to time, with PyTorch 2.15 (gloo, 4 ranks) where known.

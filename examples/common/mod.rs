@@ -58,6 +58,20 @@ pub(crate) fn bench_main<A, E: std::fmt::Display>(
 /// that does not exist): print it with the usage and exit nonzero. `--help` gives
 /// the message [`HELP`]: print the usage and exit zero.
 pub(crate) fn parse_args(args: impl IntoIterator<Item = String>, default_iters: usize) -> Result<BenchArgs, String> {
+    parse_args_with(args, default_iters, |_, _| Ok(false))
+}
+
+/// [`parse_args`] with a benchmark's own flags: `extra` is handed each flag
+/// that is not `--json` or `--iters` (with the function that fetches its
+/// value) and says whether it took it; a flag nobody takes is an error.
+///
+/// # Errors
+/// As [`parse_args`], and the first message `extra` gives.
+pub(crate) fn parse_args_with(
+    args: impl IntoIterator<Item = String>,
+    default_iters: usize,
+    mut extra: impl FnMut(&str, &mut dyn FnMut(&str) -> Result<String, String>) -> Result<bool, String>,
+) -> Result<BenchArgs, String> {
     let mut out = BenchArgs {
         json: None,
         iters: default_iters,
@@ -66,7 +80,11 @@ pub(crate) fn parse_args(args: impl IntoIterator<Item = String>, default_iters: 
         match flag {
             "--json" => out.json = Some(json_path(&value("a file path")?)?),
             "--iters" => out.iters = positive(flag, &value("a positive integer")?)?,
-            other => return Err(format!("unknown argument {other:?}")),
+            other => {
+                if !extra(other, value)? {
+                    return Err(format!("unknown argument {other:?}"));
+                }
+            }
         }
         Ok(())
     })?;

@@ -347,8 +347,8 @@ unsafe fn gemm_split<T: Gemm>(
             start
         };
         #[cfg(target_arch = "x86_64")]
-        if T::DTYPE == DType::F32 && kernel == GemmKernel::Gemm && outer::fits(mkn, a.cast(), b.cast()) {
-            // SAFETY: `T` is `f32` (checked); as for the kernel below.
+        if outer_takes(kernel, mkn, a, b) {
+            // SAFETY: `T` is `f32` (`outer_takes`); as for the kernel below.
             unsafe { outer::product(mkn, a.cast(), b.cast(), c.block(offset).cast(), rsc) };
             return;
         }
@@ -359,6 +359,18 @@ unsafe fn gemm_split<T: Gemm>(
         unsafe { T::gemm(kernel, mkn, a, b, c.block(offset), rsc) };
     };
     tessera_mesh::parallel_for(parts, part);
+}
+
+/// Whether the outer-product kernel (`outer.rs`) runs this product: `f32` on
+/// the `gemm` kernel, in a layout and size it [`fits`](outer::fits).
+fn outer_takes<T: Gemm>(kernel: GemmKernel, mkn: [usize; 3], a: Mat<T>, b: Mat<T>) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return T::DTYPE == DType::F32 && kernel == GemmKernel::Gemm && outer::fits(mkn, a.cast(), b.cast());
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (kernel, mkn, a, b);
+        false
+    }
 }
 
 /// The output's base pointer, shared by the threads that write its disjoint blocks.
@@ -564,13 +576,7 @@ fn matmul_typed<T: Gemm>(a: &Tensor, b: &Tensor, batch: &[usize], kernel: GemmKe
     let b_single = b.shape()[..rb - 2].iter().all(|&d| d == 1);
     if part == Causal::Dense && b_single && rows_fold(a, ra - 2) {
         // The outer-product kernel packs a transposed weight itself, in cache.
-        #[cfg(target_arch = "x86_64")]
-        let outer = T::DTYPE == DType::F32
-            && kernel == GemmKernel::Gemm
-            && outer::fits([count * m, k, n], am.cast(), bm.cast());
-        #[cfg(not(target_arch = "x86_64"))]
-        let outer = false;
-        let turned = if outer {
+        let turned = if outer_takes(kernel, [count * m, k, n], am, bm) {
             None
         } else {
             turned_rhs(kernel, count * m, [k, n], bm)?

@@ -95,8 +95,9 @@ thread_local! {
 /// row-major `[k, m]`, a weight gradient's `dyᵀ`) times a row-major `b` or
 /// a transposed one, or a row-major `a` times a transposed row-major `b`
 /// (unit row stride, columns `k` or more apart: a linear layer's `Wᵀ`) at
-/// least [`ROWS_MIN_SIDE`] deep and wide and at most [`ROWS_MAX_DEPTH`] deep. Row-major times row-major stays on
-/// the `gemm` crate, which reads both in place at the same speed.
+/// least [`ROWS_MIN_SIDE`] deep and wide and at most [`ROWS_MAX_DEPTH`]
+/// deep. Row-major times row-major stays on the `gemm` crate, which reads
+/// both in place at the same speed.
 pub(super) fn fits([m, k, n]: [usize; 3], a: Mat<f32>, b: Mat<f32>) -> bool {
     let a_depth_major = a.rs == 1 && a.cs >= 1;
     let a_rows = a.cs == 1 && a.rs >= k as isize;
@@ -161,7 +162,7 @@ pub(super) unsafe fn product([m, k, n]: [usize; 3], a: Mat<f32>, b: Mat<f32>, c:
 /// tiles of [`MR`] rows: tile `s`, step `t` at `packed[(s·KC + t)·MR ..]`.
 ///
 /// # Safety
-/// Those elements of `a` must be readable; AVX-512F (with VL); `a` depth-major
+/// Those elements of `a` must be readable; AVX-512F; `a` depth-major
 /// (unit row stride) or row-major (unit column stride); `kc <= KC`, `mc <= MC`,
 /// `packed` at least `KC·MC` floats.
 unsafe fn pack_a(a: Mat<f32>, [i0, t0]: [usize; 2], [mc, kc]: [usize; 2], packed: &mut [f32]) {
@@ -233,17 +234,18 @@ unsafe fn pack_a_rows(a: *const f32, lda: isize, kc: usize, mc: usize, packed: &
 }
 
 /// [`pack_a`] for a depth-major `a` (element `[i, t]` at `i + t·lda`, a
-/// weight gradient's `dyᵀ`): six-element pieces of each depth step. The tiles' rows are contiguous
-/// whatever `lda` is: read in place, rows a power of two apart (a vocabulary
-/// of 4096) fell on the same few cache sets and missed in L1 and L2.
+/// weight gradient's `dyᵀ`): six-element pieces of each depth step, moved
+/// under a mask of six lanes. The tiles' rows are contiguous whatever `lda`
+/// is: read in place, rows a power of two apart (a vocabulary of 4096) fell
+/// on the same few cache sets and missed in L1 and L2.
 ///
 /// # Safety
-/// `a` must be readable at `i + t·lda` for `i < mc`, `t < kc`; `kc <= KC`,
-/// `mc <= MC`, `packed` at least `KC·MC` floats.
-#[target_feature(enable = "avx512f,avx512vl")]
+/// AVX-512F; `a` must be readable at `i + t·lda` for `i < mc`, `t < kc`;
+/// `kc <= KC`, `mc <= MC`, `packed` at least `KC·MC` floats.
+#[target_feature(enable = "avx512f")]
 unsafe fn pack_a_depth_major(a: *const f32, lda: isize, kc: usize, mc: usize, packed: &mut [f32]) {
     let whole = mc / MR;
-    let tail = (1u8 << (mc % MR)) - 1;
+    let (piece, tail): (__mmask16, __mmask16) = ((1 << MR) - 1, (1 << (mc % MR)) - 1);
     let dst = packed.as_mut_ptr();
     for t in 0..kc {
         // SAFETY: step t's mc elements (caller), read and written MR at a
@@ -258,12 +260,12 @@ unsafe fn pack_a_depth_major(a: *const f32, lda: isize, kc: usize, mc: usize, pa
                 _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line));
             }
             for s in 0..whole {
-                let v = _mm256_maskz_loadu_ps(0x3f, src.add(s * MR));
-                _mm256_mask_storeu_ps(dst.add((s * KC + t) * MR), 0x3f, v);
+                let v = _mm512_maskz_loadu_ps(piece, src.add(s * MR));
+                _mm512_mask_storeu_ps(dst.add((s * KC + t) * MR), piece, v);
             }
             if tail != 0 {
-                let v = _mm256_maskz_loadu_ps(tail, src.add(whole * MR));
-                _mm256_mask_storeu_ps(dst.add((whole * KC + t) * MR), tail, v);
+                let v = _mm512_maskz_loadu_ps(tail, src.add(whole * MR));
+                _mm512_mask_storeu_ps(dst.add((whole * KC + t) * MR), tail, v);
             }
         }
     }
@@ -322,9 +324,8 @@ unsafe fn pack_b_turned(b: *const f32, ldw: isize, kc: usize, nc: usize, packed:
 }
 
 /// [`pack_b`] for a row-major `b` (row stride `ldb`, an activation `x`). A
-/// row of a panel is four
-/// vector moves (masked at the edge): calls of `memcpy` for its 256 bytes
-/// took 2.6% of a training step's samples.
+/// row of a panel is four vector moves (masked at the edge): calls of
+/// `memcpy` for its 256 bytes took 2.6% of a training step's samples.
 ///
 /// # Safety
 /// AVX-512F; `b` must be readable at `t·ldb + j` for `t < kc`, `j < nc`;
