@@ -62,8 +62,17 @@
 //! divided among the ranks, or `TESSERA_THREADS_PER_RANK`); the table's
 //! `threads` column shows what the ranks ran with.
 //!
+//! `--profile` ends with rank 0's FSDP units in the `fsdp` mode
+//! (`FsdpModule::comm_overlap`): per unit and step, its all-gathers and
+//! reduce-scatters, how long they ran on the communication thread (from its
+//! start to its finish, waiting for the peer included), how long the rank
+//! blocked for them (exposed), and the share of the run hidden behind compute.
+//!
 //! `--json PATH` writes one record per mode, `{mode, world, threads_per_rank,
-//! precision, median_step_s, peak_bytes_per_rank, ...}`, atomically. PyTorch 2.15 FSDP2 (gloo) times on
+//! precision, median_step_s, peak_bytes_per_rank, ...}`, atomically; the
+//! `fsdp` record also has rank 0's `all_gather_ms_per_step`,
+//! `all_gather_exposed_ms_per_step`, `reduce_scatter_ms_per_step` and
+//! `reduce_scatter_exposed_ms_per_step`, summed over its units. PyTorch 2.15 FSDP2 (gloo) times on
 //! this machine are shown for comparison; they are reference figures, not
 //! measured here.
 
@@ -80,7 +89,7 @@ use tessera::autograd::optim::{AdamW, AdamWConfig, Optimizer};
 use tessera::autograd::{Var, backward};
 use tessera::data::{DATA_SEED, batch};
 use tessera::dtensor::{Placement, Tensor, distribute_tensor_from};
-use tessera::fsdp::{FsdpConfig, MixedPrecisionPolicy};
+use tessera::fsdp::{CollectiveTimes, CommOverlap, FsdpConfig, FsdpModule, MixedPrecisionPolicy};
 use tessera::models::{Transformer, TransformerConfig};
 use tessera::tensor::memory;
 use tessera::tensor::profile::{self, Kind, OpTime, Profile};
@@ -177,6 +186,8 @@ struct RankReport {
     ops: [Vec<OpTime>; 3],
     /// The threads this rank's kernels ran on.
     threads: usize,
+    /// Per FSDP unit (`root`, `layers.i`): its collectives over the timed steps.
+    overlap: Vec<(String, CommOverlap)>,
 }
 
 /// One mode's summary.
@@ -196,6 +207,8 @@ struct Summary {
     ops: [Vec<OpTime>; 3],
     /// Threads per rank.
     threads: usize,
+    /// Rank 0's FSDP units and their collectives over the timed steps.
+    overlap: Vec<(String, CommOverlap)>,
 }
 
 fn main() -> ExitCode {
@@ -293,6 +306,7 @@ fn run(args: &Args) -> Result<(), BoxError> {
             profiles: reports[0].profiles.clone(),
             ops: reports[0].ops.clone(),
             threads: reports[0].threads,
+            overlap: reports[0].overlap.clone(),
         });
     }
     report(args, &summaries, peak)?;
@@ -300,6 +314,7 @@ fn run(args: &Args) -> Result<(), BoxError> {
         print_profiles(&summaries);
         print_top_ops(&summaries, 12);
         print_gemm_rates(&summaries, peak);
+        print_overlap(&summaries, args.steps);
     }
     Ok(())
 }
@@ -319,7 +334,7 @@ fn bench_rank(comm: Box<dyn tessera::Communicator>, mode: Mode, args: &Args) -> 
         ..FsdpConfig::default()
     };
     // Kept alive for the whole run: dropping the units would end FSDP.
-    let _units = match mode {
+    let units = match mode {
         Mode::Fsdp => Some(model.fully_shard(&mesh, &fsdp_config)?),
         Mode::Single if args.bf16 => Some(model.fully_shard(&mesh, &fsdp_config)?),
         Mode::Single => None,
@@ -348,6 +363,14 @@ fn bench_rank(comm: Box<dyn tessera::Communicator>, mode: Mode, args: &Args) -> 
         profiles: Vec::new(),
         ops: Default::default(),
         threads: tessera::mesh::intra_op_threads(),
+        overlap: Vec::new(),
+    };
+    // The units by name, only where FSDP communicates.
+    let named: Vec<(String, &FsdpModule)> = match &units {
+        Some(u) if world > 1 => std::iter::once(("root".to_string(), &u.root))
+            .chain(u.blocks.iter().enumerate().map(|(i, b)| (format!("layers.{i}"), b)))
+            .collect(),
+        _ => Vec::new(),
     };
     profile::enable(args.profile);
     let mut cpu_start = None;
@@ -365,6 +388,7 @@ fn bench_rank(comm: Box<dyn tessera::Communicator>, mode: Mode, args: &Args) -> 
         mesh.comm().barrier()?;
         if step == WARMUP {
             cpu_start = cpu_seconds().map(|c| (c, Instant::now()));
+            named.iter().for_each(|(_, u)| u.reset_comm_overlap());
         }
         profile::take();
         profile::take_ops();
@@ -412,6 +436,7 @@ fn bench_rank(comm: Box<dyn tessera::Communicator>, mode: Mode, args: &Args) -> 
         });
     }
     r.peak_bytes = memory::stats().peak_bytes;
+    r.overlap = named.iter().map(|(name, u)| (name.clone(), u.comm_overlap())).collect();
     Ok(r)
 }
 
@@ -442,6 +467,65 @@ fn print_profiles(s: &[Summary]) {
             }
             println!("{line} {:>8.1}", (totals[i] - covered).max(0.0) * 1e3);
         }
+    }
+}
+
+/// Prints, per FSDP unit of rank 0, how long its all-gathers and
+/// reduce-scatters ran on the communication thread per step, how long the
+/// rank waited for them (exposed), and the share of their run hidden behind
+/// compute.
+fn print_overlap(s: &[Summary], steps: usize) {
+    let steps = steps.max(1) as f64;
+    let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3 / steps;
+    let pct = |t: &CollectiveTimes| {
+        t.hidden_fraction()
+            .map_or("-".to_string(), |f| format!("{:.0}%", 100.0 * f))
+    };
+    for m in s.iter().filter(|m| !m.overlap.is_empty()) {
+        println!();
+        println!(
+            "rank 0's FSDP collectives per unit, {} (ms per step on the communication thread, ms the rank waited for \
+             them, share hidden behind compute):",
+            m.mode.name()
+        );
+        println!(
+            "{:<10} {:>8} {:>10} {:>10} {:>7} {:>8} {:>10} {:>10} {:>7}",
+            "unit", "gathers", "gather_ms", "exposed", "hidden", "scatters", "scatter_ms", "exposed", "hidden"
+        );
+        let mut total = CommOverlap::default();
+        for (name, o) in &m.overlap {
+            let (g, r) = (&o.all_gather, &o.reduce_scatter);
+            println!(
+                "{name:<10} {:>8.1} {:>10.2} {:>10.2} {:>7} {:>8.1} {:>10.2} {:>10.2} {:>7}",
+                g.count as f64 / steps,
+                ms(g.run),
+                ms(g.exposed),
+                pct(g),
+                r.count as f64 / steps,
+                ms(r.run),
+                ms(r.exposed),
+                pct(r)
+            );
+            for (t, x) in [(&mut total.all_gather, g), (&mut total.reduce_scatter, r)] {
+                t.count += x.count;
+                t.run += x.run;
+                t.exposed += x.exposed;
+                t.hidden += x.hidden;
+            }
+        }
+        let (g, r) = (&total.all_gather, &total.reduce_scatter);
+        println!(
+            "{:<10} {:>8.1} {:>10.2} {:>10.2} {:>7} {:>8.1} {:>10.2} {:>10.2} {:>7}",
+            "all",
+            g.count as f64 / steps,
+            ms(g.run),
+            ms(g.exposed),
+            pct(g),
+            r.count as f64 / steps,
+            ms(r.run),
+            ms(r.exposed),
+            pct(r)
+        );
     }
 }
 
@@ -645,6 +729,19 @@ fn report(args: &Args, s: &[Summary], peak: Option<f64>) -> Result<(), BoxError>
             ("first_loss".into(), Json::Num(x.first_loss)),
             ("last_loss".into(), Json::Num(x.last_loss)),
         ]));
+        if let (false, Some(Json::Obj(fields))) = (x.overlap.is_empty(), records.last_mut()) {
+            let steps = args.steps.max(1) as f64;
+            let ms = |f: fn(&CommOverlap) -> std::time::Duration| {
+                Json::Num(x.overlap.iter().map(|(_, o)| f(o).as_secs_f64()).sum::<f64>() * 1e3 / steps)
+            };
+            fields.push(("all_gather_ms_per_step".into(), ms(|o| o.all_gather.run)));
+            fields.push(("all_gather_exposed_ms_per_step".into(), ms(|o| o.all_gather.exposed)));
+            fields.push(("reduce_scatter_ms_per_step".into(), ms(|o| o.reduce_scatter.run)));
+            fields.push((
+                "reduce_scatter_exposed_ms_per_step".into(),
+                ms(|o| o.reduce_scatter.exposed),
+            ));
+        }
         if let (Some(r), Some(Json::Obj(fields))) = (GemmRate::of(x), records.last_mut()) {
             fields.push(("gemm_gflop_per_step".into(), Json::Num(r.gflop)));
             fields.push(("attention_gflop_per_step".into(), Json::Num(r.attention_gflop)));

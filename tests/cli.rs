@@ -1225,3 +1225,65 @@ fn bench_redistribute_runs_the_cases_asked_for() {
     assert!(err.contains("no case's name contains --case \"(Shard(7)\""), "{err}");
     assert!(err.contains(wanted), "the message lists the cases: {err}");
 }
+
+/// `bench_fsdp --profile` ends with each FSDP unit's collectives (gathers a
+/// step: 1 for the root, kept from forward to backward, 2 for each block),
+/// and the fsdp record of `--json` sums their times; the single-rank mode,
+/// which communicates nothing, has neither.
+#[test]
+fn bench_fsdp_reports_each_units_collectives() {
+    let json = std::env::temp_dir().join(format!("tessera-cli-bench-fsdp-{}.json", std::process::id()));
+    let json_arg = json.to_str().unwrap().to_string();
+    let o = Command::new(example_exe("bench_fsdp"))
+        .args(["--config", "tiny", "--steps", "2", "--profile", "--json", &json_arg])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let table = String::from_utf8_lossy(&o.stdout);
+    let section = table
+        .split("rank 0's FSDP collectives per unit, fsdp")
+        .nth(1)
+        .unwrap_or_else(|| panic!("no per-unit table: {table}"));
+    let gathers: Vec<(String, String)> = section
+        .lines()
+        .skip(2)
+        .take(4)
+        .map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            (f[0].to_string(), f[1].to_string())
+        })
+        .collect();
+    let want = [
+        ("root", "1.0"),
+        ("layers.0", "2.0"),
+        ("layers.1", "2.0"),
+        ("all", "5.0"),
+    ];
+    assert_eq!(gathers, want.map(|(a, b)| (a.to_string(), b.to_string())), "{section}");
+    let records = read_json(&json);
+    let _ = std::fs::remove_file(&json);
+    let fields = [
+        "all_gather_ms_per_step",
+        "all_gather_exposed_ms_per_step",
+        "reduce_scatter_ms_per_step",
+        "reduce_scatter_exposed_ms_per_step",
+    ];
+    for r in records.as_array().unwrap() {
+        let mode = r.get("mode").and_then(|m| m.as_str()).unwrap();
+        for f in fields {
+            match (mode, r.get(f).and_then(|v| v.as_f64())) {
+                ("fsdp", Some(v)) => assert!(v >= 0.0, "{f}: {v}"),
+                ("single", None) => {}
+                other => panic!("{f} in the {mode} record: {other:?}"),
+            }
+        }
+    }
+    assert!(
+        records.as_array().unwrap().iter().any(|r| r
+            .get("all_gather_ms_per_step")
+            .and_then(|v| v.as_f64())
+            .unwrap_or(0.0)
+            > 0.0),
+        "the gathers ran for some time: {records}"
+    );
+}

@@ -58,7 +58,7 @@
 //! .unwrap();
 //! ```
 
-use tessera_mesh::{DType, DeviceMesh, HeldBuf, Pieces, Planned, ReduceOp, Work};
+use tessera_mesh::{DType, DeviceMesh, HeldBuf, Pieces, Planned, ReduceOp, Work, WorkTiming};
 
 use tessera_tensor::Error as TensorError;
 use tessera_tensor::memory::{Allocation, Category, allocating_as};
@@ -537,6 +537,17 @@ impl BucketWork {
     /// # Errors
     /// The collective's failure (a peer that failed, a mismatch between ranks).
     pub fn wait(self) -> Result<Vec<DTensor>> {
+        Ok(self.wait_timed()?.0)
+    }
+
+    /// [`wait`](Self::wait), also telling when the collective ran on the
+    /// communication thread and how long this call blocked for it; `None`
+    /// when nothing ran asynchronously (an empty bucket, a one-rank mesh dim,
+    /// a planning run, a device tensor's collective).
+    ///
+    /// # Errors
+    /// As [`wait`](Self::wait).
+    pub fn wait_timed(self) -> Result<(Vec<DTensor>, Option<WorkTiming>)> {
         let _t = tessera_tensor::profile::scope(tessera_tensor::profile::Kind::Communication);
         let BucketWork {
             kind,
@@ -548,20 +559,22 @@ impl BucketWork {
             flight,
         } = self;
         let Some(mesh) = mesh else {
-            return Ok(Vec::new());
+            return Ok((Vec::new(), None));
         };
         let recv_len = if kind == Kind::Gather { world * block } else { block };
+        let mut timing = None;
         let data = match flight {
-            Flight::Empty => return Ok(Vec::new()),
+            Flight::Empty => return Ok((Vec::new(), None)),
             Flight::Local(locals) => {
-                return locals
+                let out = locals
                     .into_iter()
                     .zip(entries)
                     .map(|(local, e)| {
                         debug_assert_eq!(local.shape(), &e.local_shape[..], "{}", kind.op());
                         DTensor::from_local_with_layout(local, &mesh, e.layout)
                     })
-                    .collect();
+                    .collect::<Result<_>>()?;
+                return Ok((out, None));
             }
             Flight::Done(data) => data,
             Flight::Planned { out, .. } => {
@@ -570,7 +583,9 @@ impl BucketWork {
                 out
             }
             Flight::Comm { work, _charge: charge } => {
-                let buf = work.wait()?;
+                let (buf, ran) = work.wait_timed();
+                let buf = buf?;
+                timing = Some(ran);
                 // The output's charge passes to its tensor (counted once).
                 drop(charge);
                 if buf.dtype() != dtype || buf.len() != recv_len {
@@ -606,6 +621,6 @@ impl BucketWork {
                 }
             }
         }
-        Ok(out)
+        Ok((out, timing))
     }
 }

@@ -20,6 +20,7 @@ use crate::agree::{agree, geometry_hash};
 use crate::config::{FsdpConfig, MixedPrecisionPolicy};
 use crate::error::{Error, Result};
 use crate::group::{GatherState, ParamGroup};
+use crate::overlap::CommOverlap;
 use crate::param::{DpDims, FsdpParam};
 use crate::state::{self, Unit};
 
@@ -411,6 +412,20 @@ impl FsdpModule {
     /// PyTorch: the param group's `_training_state` / `is_unsharded`.
     pub fn gather_state(&self) -> GatherState {
         self.unit.group.gather_state()
+    }
+
+    /// How long this unit's collectives (not those of units inside it) ran on
+    /// the communication thread since FSDP began or since the last
+    /// [`reset_comm_overlap`](Self::reset_comm_overlap), and how long this
+    /// rank blocked waiting for them: how much of the unit's communication
+    /// prefetching hid behind compute.
+    pub fn comm_overlap(&self) -> CommOverlap {
+        self.unit.group.overlap.get()
+    }
+
+    /// Starts this unit's [`comm_overlap`](Self::comm_overlap) over from zero.
+    pub fn reset_comm_overlap(&self) {
+        self.unit.group.overlap.set(CommOverlap::default());
     }
 
     /// Gathers the unit's parameters now (one all-gather), e.g. to overlap it

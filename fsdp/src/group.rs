@@ -21,12 +21,14 @@ use tessera_tensor::memory::Category;
 
 use crate::config::MixedPrecisionPolicy;
 use crate::error::{Error, Result};
+use crate::overlap::CommOverlap;
 use crate::param::{DpDims, FsdpParam, Regroup};
 
 /// Where a group's parameters are.
 enum State {
     Sharded,
-    Gathering(Gather),
+    /// (Boxed: a gather in flight is far larger than the other states.)
+    Gathering(Box<Gather>),
     Unsharded,
     /// Resharded after forward to smaller groups: the pieces on the regrouped mesh.
     Regrouped(Vec<DTensor>),
@@ -96,6 +98,8 @@ pub(crate) struct ParamGroup {
     regroup: Option<Regroup>,
     /// The call-site tag of the unit's collectives, once computed ([`tag`](Self::tag)).
     tag: Cell<Option<u64>>,
+    /// How long the unit's collectives ran and how long the rank waited for them.
+    pub(crate) overlap: Rc<Cell<CommOverlap>>,
 }
 
 /// Whether `a` and `b` are the same elements of the same storage.
@@ -167,6 +171,7 @@ impl ParamGroup {
             unreduced: Rc::new(RefCell::new(vec![None; n])),
             regroup: None,
             tag: Cell::new(None),
+            overlap: Rc::default(),
         }
     }
 
@@ -269,12 +274,12 @@ impl ParamGroup {
     /// Waits for the gather and fills every parameter's slot with its unsharded value.
     fn finish_gather(&self, gather: Gather) -> Result<()> {
         let full = match gather {
-            Gather::Work(work) => work.wait()?,
+            Gather::Work(work) => self.wait_gather(work)?,
             Gather::Ready(values) => values,
             Gather::Regrouped(work) => {
                 // The same local tensors, back on the parameters' mesh.
                 let dt = self.gather_dtype();
-                work.wait()?
+                self.wait_gather(work)?
                     .into_iter()
                     .zip(&self.params)
                     .map(|(v, p)| {
@@ -296,6 +301,13 @@ impl ParamGroup {
         Ok(())
     }
 
+    /// Waits for an all-gather of the unit's, counting its times.
+    fn wait_gather(&self, work: BucketWork) -> Result<Vec<DTensor>> {
+        let (out, timing) = work.wait_timed()?;
+        update(&self.overlap, |o| o.all_gather.add(timing));
+        Ok(out)
+    }
+
     /// Gathers the parameters now (waiting for a prefetch in flight).
     pub(crate) fn unshard(&self) -> Result<()> {
         if self.params.is_empty() {
@@ -313,7 +325,7 @@ impl ParamGroup {
                 let work = self.issue_gather()?;
                 self.finish_gather(work)
             }
-            State::Gathering(work) => self.finish_gather(work),
+            State::Gathering(work) => self.finish_gather(*work),
             State::Regrouped(pieces) => {
                 let work = self.issue_regrouped_gather(&pieces)?;
                 self.finish_gather(work)
@@ -341,8 +353,8 @@ impl ParamGroup {
         let _observed = tessera_mesh::observe::span(tessera_mesh::observe::What::Region("fsdp.prefetch"));
         let state = std::mem::replace(&mut *self.state.borrow_mut(), State::Sharded);
         let next = match state {
-            State::Sharded => State::Gathering(self.issue_gather()?),
-            State::Regrouped(pieces) => State::Gathering(self.issue_regrouped_gather(&pieces)?),
+            State::Sharded => State::Gathering(Box::new(self.issue_gather()?)),
+            State::Regrouped(pieces) => State::Gathering(Box::new(self.issue_regrouped_gather(&pieces)?)),
             other => other,
         };
         *self.state.borrow_mut() = next;
@@ -379,8 +391,10 @@ impl ParamGroup {
     pub(crate) fn reshard(&self) -> Result<()> {
         let _observed = tessera_mesh::observe::span(tessera_mesh::observe::What::Region("fsdp.reshard"));
         let state = std::mem::replace(&mut *self.state.borrow_mut(), State::Sharded);
-        if let State::Gathering(Gather::Work(work) | Gather::Regrouped(work)) = state {
-            work.wait()?;
+        if let State::Gathering(gather) = state
+            && let Gather::Work(work) | Gather::Regrouped(work) = *gather
+        {
+            self.wait_gather(work)?;
         }
         for p in &self.params {
             p.slot.free();
@@ -562,6 +576,7 @@ impl ParamGroup {
             all_reduce,
             unreduced: self.unreduced.clone(),
             dtype: self.dtype,
+            overlap: self.overlap.clone(),
         }))
     }
 }
@@ -581,6 +596,8 @@ pub(crate) struct Reduction {
     unreduced: Rc<RefCell<Vec<Option<DTensor>>>>,
     /// The master dtype.
     dtype: DType,
+    /// The group's collective times.
+    overlap: Rc<Cell<CommOverlap>>,
 }
 
 enum Stage {
@@ -601,10 +618,12 @@ impl Reduction {
             all_reduce,
             unreduced,
             dtype,
+            overlap,
         } = self;
         let reduced = match stage {
             Stage::Scatter(work) => {
-                let mut sharded = work.wait()?;
+                let (mut sharded, timing) = work.wait_timed()?;
+                update(&overlap, |o| o.reduce_scatter.add(timing));
                 if let Some(r) = replicate {
                     let mut kept = unreduced.borrow_mut();
                     if !all_reduce {
@@ -622,11 +641,16 @@ impl Reduction {
                         all_reduce,
                         unreduced,
                         dtype,
+                        overlap,
                     }));
                 }
                 sharded
             }
-            Stage::AllReduce(work) => work.wait()?,
+            Stage::AllReduce(work) => {
+                let (reduced, timing) = work.wait_timed()?;
+                update(&overlap, |o| o.all_reduce.add(timing));
+                reduced
+            }
         };
         for ((p, g), has) in params.iter().zip(reduced).zip(has_grad) {
             if has {
@@ -635,4 +659,11 @@ impl Reduction {
         }
         Ok(None)
     }
+}
+
+/// Applies `f` to the times in `cell`.
+fn update(cell: &Cell<CommOverlap>, f: impl FnOnce(&mut CommOverlap)) {
+    let mut o = cell.get();
+    f(&mut o);
+    cell.set(o);
 }

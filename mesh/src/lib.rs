@@ -52,7 +52,7 @@ pub mod testing;
 mod threads;
 pub mod vars;
 
-pub use comm::{Communicator, CommunicatorExt, Planned, ReduceOp, Run, Work, copy_runs};
+pub use comm::{Communicator, CommunicatorExt, Planned, ReduceOp, Run, Work, WorkTiming, copy_runs};
 pub use device::Device;
 pub use device_mesh::{DeviceMesh, DimRef};
 pub use dtype::{Buf, BufMut, Buffer, DType, Element};

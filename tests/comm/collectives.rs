@@ -114,6 +114,59 @@ fn async_returns_before_peers_arrive() {
     );
 }
 
+/// `Work::wait_timed`: a wait that had to block says how long (rank 1 joins
+/// only after rank 0 started waiting, and sleeps first), one that found the
+/// collective finished blocked for nothing; either way the communication
+/// thread's run lies after the issue; a handle completed at issue ran nothing.
+#[test]
+fn async_work_tells_when_it_ran_and_how_long_it_blocked() {
+    let waiting = AtomicBool::new(false);
+    let opts = LaunchOptions::default().timeout(Duration::from_secs(20));
+    launch_with(&opts, 2, move |ctx| {
+        let comm = ctx.comm();
+        if ctx.rank() == 0 {
+            let work = comm.all_gather_async(vec![1.0f32; 1000].into());
+            waiting.store(true, Ordering::Release);
+            let (got, t) = work.wait_timed();
+            assert_eq!(got?.len(), 2000);
+            let (start, end) = t
+                .ran
+                .expect("an asynchronous collective ran on the communication thread");
+            assert!(t.issued <= start && start <= end, "{t:?}");
+            assert!(
+                t.blocked >= Duration::from_millis(10),
+                "rank 1 joined 100 ms after the wait began: {t:?}"
+            );
+            assert!(t.hidden() <= t.run(), "{t:?}");
+            // Finished before asked for: no blocking, all of the run hidden.
+            let mut work = comm.all_gather_async(vec![1.0f32; 10].into());
+            while !work.is_done() {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            let (got, t) = work.wait_timed();
+            assert_eq!(got?.len(), 20);
+            assert!(t.ran.is_some(), "{t:?}");
+            assert_eq!(t.blocked, Duration::ZERO, "{t:?}");
+            assert_eq!(t.hidden(), t.run(), "{t:?}");
+        } else {
+            while !waiting.load(Ordering::Acquire) {
+                std::thread::yield_now();
+            }
+            std::thread::sleep(Duration::from_millis(100));
+            assert_eq!(comm.all_gather_vec(&vec![2.0f32; 1000])?.len(), 2000);
+            assert_eq!(comm.all_gather_vec(&[2.0f32; 10])?.len(), 20);
+        }
+        Ok(())
+    })
+    .unwrap();
+    let (got, t) = tessera::mesh::Work::ready(Ok(vec![1.0f32].into())).wait_timed();
+    assert_eq!(got.unwrap().len(), 1);
+    assert_eq!(
+        (t.ran, t.run(), t.hidden(), t.blocked),
+        (None, Duration::ZERO, Duration::ZERO, Duration::ZERO)
+    );
+}
+
 /// Asynchronous collectives complete in issue order even when waited in reverse.
 #[test]
 fn async_issue_order() {

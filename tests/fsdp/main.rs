@@ -24,6 +24,7 @@
 //! - `errors.rs`: configurations `fully_shard` refuses, parameters changed or frozen,
 //!   and a failed forward;
 //! - `prefetch.rs`: explicit forward and backward prefetch;
+//! - `overlap.rs`: each unit's collectives counted and timed (`comm_overlap`);
 //! - `usage.rs`: beyond one call per unit: eval forwards, a unit called twice,
 //!   activation checkpointing;
 //! - `knobs.rs`: `set_reshard_after_backward`, `set_requires_all_reduce`.
@@ -49,6 +50,7 @@ mod deferred;
 mod errors;
 mod knobs;
 mod memory;
+mod overlap;
 mod parity;
 mod prefetch;
 mod resharding;

@@ -14,7 +14,7 @@ mod worker;
 pub use planned::Planned;
 pub use reduce_op::ReduceOp;
 pub use runs::{Run, copy_runs};
-pub use work::Work;
+pub use work::{Work, WorkTiming};
 
 pub(crate) use check::{Call, check_call};
 pub(crate) use runs::{check_runs, own_runs, runs_name};

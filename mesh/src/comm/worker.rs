@@ -5,6 +5,7 @@ use std::cell::RefCell;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, mpsc};
 use std::thread::JoinHandle;
 
+use super::work::Finished;
 use crate::context::{self, RankId};
 use crate::{Buffer, Error, Result, Work};
 
@@ -147,9 +148,11 @@ impl Worker {
         let job: Job = Box::new(move || {
             // Counts the job as done even if `f` panics, so `fence` never waits forever.
             let _done = Done(pending);
-            let out = f();
+            let start = std::time::Instant::now();
+            let result = f();
+            let ran = (start, std::time::Instant::now());
             // The receiver may be gone (the handle was dropped unwaited): nothing to do then.
-            let _ = tx.send(out);
+            let _ = tx.send(Finished { result, ran });
         });
         match t.tx.as_ref().map(|tx| tx.send(job)) {
             Some(Ok(())) => Work::pending(self.rank, rx),
