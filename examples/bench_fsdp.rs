@@ -492,8 +492,7 @@ fn print_overlap(s: &[Summary], steps: usize) {
             "{:<10} {:>8} {:>10} {:>10} {:>7} {:>8} {:>10} {:>10} {:>7}",
             "unit", "gathers", "gather_ms", "exposed", "hidden", "scatters", "scatter_ms", "exposed", "hidden"
         );
-        let mut total = CommOverlap::default();
-        for (name, o) in &m.overlap {
+        let row = |name: &str, o: &CommOverlap| {
             let (g, r) = (&o.all_gather, &o.reduce_scatter);
             println!(
                 "{name:<10} {:>8.1} {:>10.2} {:>10.2} {:>7} {:>8.1} {:>10.2} {:>10.2} {:>7}",
@@ -506,26 +505,13 @@ fn print_overlap(s: &[Summary], steps: usize) {
                 ms(r.exposed),
                 pct(r)
             );
-            for (t, x) in [(&mut total.all_gather, g), (&mut total.reduce_scatter, r)] {
-                t.count += x.count;
-                t.run += x.run;
-                t.exposed += x.exposed;
-                t.hidden += x.hidden;
-            }
+        };
+        let mut total = CommOverlap::default();
+        for (name, o) in &m.overlap {
+            row(name, o);
+            total += *o;
         }
-        let (g, r) = (&total.all_gather, &total.reduce_scatter);
-        println!(
-            "{:<10} {:>8.1} {:>10.2} {:>10.2} {:>7} {:>8.1} {:>10.2} {:>10.2} {:>7}",
-            "all",
-            g.count as f64 / steps,
-            ms(g.run),
-            ms(g.exposed),
-            pct(g),
-            r.count as f64 / steps,
-            ms(r.run),
-            ms(r.exposed),
-            pct(r)
-        );
+        row("all", &total);
     }
 }
 

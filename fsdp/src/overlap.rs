@@ -2,6 +2,7 @@
 //! every bucket collective a unit waits for adds when it ran on the
 //! communication thread and how long the rank blocked for it.
 
+use std::ops::AddAssign;
 use std::time::Duration;
 
 use tessera_mesh::WorkTiming;
@@ -57,4 +58,54 @@ pub struct CommOverlap {
     pub reduce_scatter: CollectiveTimes,
     /// The unit's gradient all-reduces over the replicate dim (HSDP).
     pub all_reduce: CollectiveTimes,
+}
+
+/// Sums another unit's (or step's) times into these.
+impl AddAssign for CollectiveTimes {
+    fn add_assign(&mut self, other: CollectiveTimes) {
+        self.count += other.count;
+        self.run += other.run;
+        self.exposed += other.exposed;
+        self.hidden += other.hidden;
+    }
+}
+
+/// Sums another unit's collectives into these, kind by kind.
+impl AddAssign for CommOverlap {
+    fn add_assign(&mut self, other: CommOverlap) {
+        self.all_gather += other.all_gather;
+        self.reduce_scatter += other.reduce_scatter;
+        self.all_reduce += other.all_reduce;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sums_add_kind_by_kind() {
+        let t = |n: u64, ms: u64| CollectiveTimes {
+            count: n,
+            run: Duration::from_millis(ms),
+            exposed: Duration::from_millis(ms / 4),
+            hidden: Duration::from_millis(ms - ms / 4),
+        };
+        let mut a = CommOverlap {
+            all_gather: t(1, 8),
+            reduce_scatter: t(2, 4),
+            all_reduce: CollectiveTimes::default(),
+        };
+        a += CommOverlap {
+            all_gather: t(3, 16),
+            reduce_scatter: CollectiveTimes::default(),
+            all_reduce: t(1, 40),
+        };
+        assert_eq!(a.all_gather, t(4, 24));
+        assert_eq!(a.reduce_scatter, t(2, 4));
+        assert_eq!(a.all_reduce, t(1, 40));
+        let f = a.all_gather.hidden_fraction().expect("a run");
+        assert!((f - 18.0 / 24.0).abs() < 1e-12, "{f}");
+        assert_eq!(CollectiveTimes::default().hidden_fraction(), None);
+    }
 }
