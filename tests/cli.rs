@@ -770,6 +770,24 @@ fn trace_spans_nest_inside_their_steps_on_every_rank() {
             open.push((s, e));
         }
         assert_eq!(spans.iter().filter(|s| s.2 == "step").count(), 2);
+        // The communication track: FSDP's asynchronous gathers and
+        // reduce-scatters as they ran on the rank's communication thread.
+        let track = 1_000_000 + rank;
+        assert!(
+            events.iter().any(|e| e["ph"] == "M"
+                && e["tid"] == track
+                && e["args"]["name"] == format!("rank {rank} communication")),
+            "rank {rank} has no communication track"
+        );
+        let runs: Vec<&serde_json::Value> = events.iter().filter(|e| e["ph"] == "X" && e["tid"] == track).collect();
+        assert!(runs.iter().all(|e| e["cat"] == "communication"), "{runs:?}");
+        for kind in ["all_gather dp", "reduce_scatter dp"] {
+            assert!(
+                runs.iter()
+                    .any(|e| e["name"] == kind && e["args"]["bytes"].as_u64() > Some(0)),
+                "rank {rank} has no {kind} run: {runs:?}"
+            );
+        }
     }
 }
 

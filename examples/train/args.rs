@@ -71,8 +71,10 @@ output and checkpoints:
                         written to PATH as JSON with the rank's collective counters
   --trace PATH          a timeline of the steps as Chrome trace-event JSON (Perfetto,
                         chrome://tracing): a track per rank with steps, modules, ops,
-                        collectives, FSDP's unshard/reshard/reduce_grads and memory
-                        (default: none; under mpirun each process writes PATH.rankN)
+                        collectives, FSDP's unshard/reshard/reduce_grads and memory,
+                        and a communication track per rank (asynchronous collectives
+                        as they ran) (default: none; under mpirun each process writes
+                        PATH.rankN)
   --op-log PATH         every DTensor op of the steps with its module, inputs, output and the
                         redistributions it made (implicit) or was asked for (explicit), as
                         JSON (rank 0's; under mpirun each process writes PATH.rankN)

@@ -39,7 +39,7 @@ pub use oplog::{
     OpLog, OpRecord, ShapeDisplay, TensorDesc, logging_ops, op_log, op_log_entries, op_log_json, record_ops, unrecorded,
 };
 pub use report::{CommReport, json_string};
-pub use trace::chrome_trace;
+pub use trace::{COMM_TRACK, chrome_trace};
 
 /// Recordings open in this process: event sites look no further while it is 0.
 static RECORDING: AtomicUsize = AtomicUsize::new(0);
@@ -105,6 +105,20 @@ pub enum What {
     /// A named region of a library (FSDP's `unshard`, `reshard`,
     /// `reduce_grads`).
     Region(&'static str),
+    /// An asynchronous collective's run on the communication thread, from its
+    /// start to its finish (peers' arrival included), recorded when the rank
+    /// waits for it ([`ran`]); the trace draws it on the rank's
+    /// communication track.
+    CommRun {
+        /// Its kind.
+        kind: OpKind,
+        /// The mesh dims it runs over.
+        group: Arc<str>,
+        /// Bytes this rank sends.
+        bytes: u64,
+        /// How long the rank blocked waiting for it, in ns.
+        blocked_ns: u64,
+    },
     /// Bytes of tensor storage in use at the event's start (an instant).
     Memory(u64),
     /// One entry of the op log (an instant at the op's end; recorded only
@@ -311,6 +325,29 @@ pub fn current_module() -> Option<(Arc<str>, Phase)> {
         return None;
     }
     RECORDER.with(|r| r.borrow().as_ref().and_then(innermost))
+}
+
+/// Records `what`, which ran from `start` to `end` (on another thread, such
+/// as a collective's run on the communication thread), as an event of the
+/// calling rank's recording, under the innermost module running now.
+pub fn ran(what: What, start: Instant, end: Instant) {
+    if RECORDING.load(Ordering::Relaxed) == 0 {
+        return;
+    }
+    let ns = |t: Instant| t.saturating_duration_since(epoch()).as_nanos() as u64;
+    RECORDER.with(|r| {
+        if let Some(rec) = r.borrow_mut().as_mut()
+            && rec.echo.is_none()
+        {
+            let module = innermost(rec);
+            rec.events.push(Event {
+                what,
+                start_ns: ns(start),
+                dur_ns: ns(end).saturating_sub(ns(start)),
+                module,
+            });
+        }
+    });
 }
 
 /// Records an instant sample of the tensor bytes in use.

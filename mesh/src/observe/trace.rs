@@ -2,11 +2,17 @@
 
 use super::{Event, What, json_string};
 
+/// The thread id of rank 0's communication track (rank r's is this + r).
+pub const COMM_TRACK: usize = 1_000_000;
+
 /// The events of each rank (`(rank, events)`) as Chrome trace-event JSON
 /// (opens in Perfetto or `chrome://tracing`): one track per rank, spans as
 /// complete events (`"ph": "X"`, microseconds) nesting by time, categories
 /// `step`, `module`, `op`, `collective`, `fsdp`; tensor memory as a counter
-/// track per rank.
+/// track per rank; and a second track per rank ("rank r communication", thread
+/// id [`COMM_TRACK`] + r) with its asynchronous collectives' runs on the
+/// communication thread (category `communication`), where a run drawn beside
+/// the rank's own spans shows what it overlapped.
 pub fn chrome_trace(ranks: &[(usize, Vec<Event>)]) -> String {
     let mut out = String::from("{\"displayTimeUnit\": \"ms\", \"traceEvents\": [\n");
     let mut first = true;
@@ -21,9 +27,16 @@ pub fn chrome_trace(ranks: &[(usize, Vec<Event>)]) -> String {
         push(format!(
             "{{\"ph\": \"M\", \"name\": \"thread_name\", \"pid\": 0, \"tid\": {rank}, \"args\": {{\"name\": \"rank {rank}\"}}}}"
         ));
+        if events.iter().any(|e| matches!(e.what, What::CommRun { .. })) {
+            push(format!(
+                "{{\"ph\": \"M\", \"name\": \"thread_name\", \"pid\": 0, \"tid\": {}, \"args\": {{\"name\": \"rank {rank} communication\"}}}}",
+                COMM_TRACK + rank
+            ));
+        }
         for e in events {
             let ts = e.start_ns as f64 / 1e3;
             let dur = e.dur_ns as f64 / 1e3;
+            let mut tid = *rank;
             let (name, cat, args) = match &e.what {
                 What::Step(s) => (format!("step {s}"), "step", String::new()),
                 What::Module { fqn, phase } => (
@@ -47,6 +60,23 @@ pub fn chrome_trace(ranks: &[(usize, Vec<Event>)]) -> String {
                     ),
                 ),
                 What::Region(r) => (r.to_string(), "fsdp", String::new()),
+                What::CommRun {
+                    kind,
+                    group,
+                    bytes,
+                    blocked_ns,
+                } => {
+                    tid = COMM_TRACK + rank;
+                    (
+                        format!("{} {}", kind.name(), group),
+                        "communication",
+                        format!(
+                            "\"mesh_dims\": {}, \"bytes\": {bytes}, \"blocked_us\": {:.3}",
+                            json_string(group),
+                            *blocked_ns as f64 / 1e3
+                        ),
+                    )
+                }
                 What::OpLog(_) => continue,
                 What::Memory(bytes) => {
                     push(format!(
@@ -65,7 +95,7 @@ pub fn chrome_trace(ranks: &[(usize, Vec<Event>)]) -> String {
                 .collect::<Vec<_>>()
                 .join(", ");
             push(format!(
-                "{{\"ph\": \"X\", \"name\": {}, \"cat\": \"{cat}\", \"pid\": 0, \"tid\": {rank}, \"ts\": {ts:.3}, \"dur\": {dur:.3}, \"args\": {{{args}}}}}",
+                "{{\"ph\": \"X\", \"name\": {}, \"cat\": \"{cat}\", \"pid\": 0, \"tid\": {tid}, \"ts\": {ts:.3}, \"dur\": {dur:.3}, \"args\": {{{args}}}}}",
                 json_string(&name)
             ));
         }
@@ -100,10 +130,41 @@ mod tests {
                 module: None,
             },
         ];
-        let json = chrome_trace(&[(3, events)]);
+        let json = chrome_trace(&[(3, events.clone())]);
+        assert!(
+            !json.contains("communication"),
+            "no runs, no communication track: {json}"
+        );
         assert!(json.contains("\"name\": \"rank 3\""), "{json}");
         assert!(json.contains("\"name\": \"a\\\"b (forward)\""), "{json}");
         assert!(json.contains("\"ts\": 1.000, \"dur\": 5.000"), "{json}");
         assert!(json.contains("\"ph\": \"C\", \"name\": \"memory rank 3\""), "{json}");
+    }
+
+    #[test]
+    fn collective_runs_go_on_the_ranks_communication_track() {
+        let run = Event {
+            what: What::CommRun {
+                kind: crate::OpKind::AllGather,
+                group: Arc::from("dp"),
+                bytes: 4096,
+                blocked_ns: 1500,
+            },
+            start_ns: 4000,
+            dur_ns: 2000,
+            module: None,
+        };
+        let json = chrome_trace(&[(2, vec![run])]);
+        assert!(
+            json.contains("\"tid\": 1000002, \"args\": {\"name\": \"rank 2 communication\"}"),
+            "{json}"
+        );
+        assert!(
+            json.contains(
+                "\"name\": \"all_gather dp\", \"cat\": \"communication\", \"pid\": 0, \"tid\": 1000002, \"ts\": 4.000, \"dur\": 2.000"
+            ),
+            "{json}"
+        );
+        assert!(json.contains("\"bytes\": 4096, \"blocked_us\": 1.500"), "{json}");
     }
 }
