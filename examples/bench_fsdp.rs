@@ -3,7 +3,7 @@
 //!
 //! ```text
 //! cargo run --release --example bench_fsdp -- [--json PATH] [--steps N] [--config bench|tiny|large]
-//!     [--mixed-precision bf16] [--threads N] [--profile]
+//!     [--mixed-precision bf16] [--threads N] [--profile] [--units blocks|split-ends]
 //! ```
 //!
 //! A step is forward (`model.loss` on the token rows), backward, `AdamW::step`
@@ -90,7 +90,7 @@ use tessera::autograd::{Var, backward};
 use tessera::data::{DATA_SEED, batch};
 use tessera::dtensor::{Placement, Tensor, distribute_tensor_from};
 use tessera::fsdp::{CollectiveTimes, CommOverlap, FsdpConfig, FsdpModule, MixedPrecisionPolicy};
-use tessera::models::{Transformer, TransformerConfig};
+use tessera::models::{CausalLm, Transformer, TransformerConfig, UnitLayout};
 use tessera::tensor::memory;
 use tessera::tensor::profile::{self, Kind, OpTime, Profile};
 use tessera::{BoxError, DType, DeviceMesh, LaunchOptions, launch_with};
@@ -128,7 +128,9 @@ const USAGE: &str = "usage: bench_fsdp [--json PATH] [--steps N] [--config bench
                            large: dim 768, 6 layers, 12 heads, vocab 32000, seq 128, 2 rows per rank
   --mixed-precision bf16   bf16 compute and gathers, f32 gradient reduction (both modes)
   --threads N              threads per rank for its kernels (default: cores / ranks)
-  --profile                print where each phase's time went, by kind of work";
+  --profile                print where each phase's time went, by kind of work
+  --units blocks|split-ends  FSDP units: each block and the root (default), or also the
+                           embeddings and the final norm with the output head";
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Mode {
@@ -167,6 +169,8 @@ struct Args {
     /// `--threads`: threads per rank, else the launch's default.
     threads: Option<usize>,
     profile: bool,
+    /// `--units`: how the model is grouped into FSDP units.
+    units: UnitLayout,
 }
 
 /// What one rank measured.
@@ -227,6 +231,7 @@ fn parse(args: impl IntoIterator<Item = String>) -> Result<Args, String> {
         bf16: false,
         threads: None,
         profile: false,
+        units: UnitLayout::Blocks,
     };
     let mut args: Vec<String> = args.into_iter().collect();
     if let Some(i) = args.iter().position(|a| a == "--profile") {
@@ -251,6 +256,7 @@ fn parse(args: impl IntoIterator<Item = String>) -> Result<Args, String> {
                 other => return Err(format!("--mixed-precision takes bf16, got {other:?}")),
             },
             "--threads" => out.threads = Some(common::positive(flag, &value("a positive integer")?)?),
+            "--units" => out.units = value("blocks or split-ends")?.parse()?,
             other => return Err(format!("unknown argument {other:?}")),
         }
         Ok(())
@@ -335,8 +341,8 @@ fn bench_rank(comm: Box<dyn tessera::Communicator>, mode: Mode, args: &Args) -> 
     };
     // Kept alive for the whole run: dropping the units would end FSDP.
     let units = match mode {
-        Mode::Fsdp => Some(model.fully_shard(&mesh, &fsdp_config)?),
-        Mode::Single if args.bf16 => Some(model.fully_shard(&mesh, &fsdp_config)?),
+        Mode::Fsdp => Some(model.fully_shard_with(&mesh, &fsdp_config, args.units)?),
+        Mode::Single if args.bf16 => Some(model.fully_shard_with(&mesh, &fsdp_config, args.units)?),
         Mode::Single => None,
     };
     Materializer::from_seed(INIT_SEED).materialize(&model)?;
@@ -367,9 +373,7 @@ fn bench_rank(comm: Box<dyn tessera::Communicator>, mode: Mode, args: &Args) -> 
     };
     // The units by name, only where FSDP communicates.
     let named: Vec<(String, &FsdpModule)> = match &units {
-        Some(u) if world > 1 => std::iter::once(("root".to_string(), &u.root))
-            .chain(u.blocks.iter().enumerate().map(|(i, b)| (format!("layers.{i}"), b)))
-            .collect(),
+        Some(u) if world > 1 => u.named(),
         _ => Vec::new(),
     };
     profile::enable(args.profile);

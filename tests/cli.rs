@@ -205,6 +205,7 @@ fn help_lists_every_flag_with_its_default() {
         "--sequence-parallel",
         "--mixed-precision",
         "--no-reshard",
+        "--fsdp-units",
         "--dim",
         "--n-layers",
         "--n-heads",
@@ -1058,8 +1059,9 @@ fn auto_picks_a_layout_that_fits_the_budget() {
 }
 
 /// `--activation-checkpointing` trains the same model (the same losses, bit
-/// for bit) with a smaller peak, as its plan predicts; `--reshard-to` is
-/// planned and run alike; bad values and combinations are refused by name.
+/// for bit) with a smaller peak, as its plan predicts; `--reshard-to` and
+/// `--fsdp-units split-ends` are planned and run alike; bad values and
+/// combinations are refused by name.
 #[test]
 fn recomputed_blocks_and_resharding_to_groups_train_the_same_model() {
     let dir = std::env::temp_dir().join(format!("tessera-cli-ac-{}", std::process::id()));
@@ -1067,9 +1069,14 @@ fn recomputed_blocks_and_resharding_to_groups_train_the_same_model() {
     std::fs::create_dir_all(&dir).unwrap();
     let peak = |v: &serde_json::Value| -> u64 { u64_column(v, "peak_bytes_per_rank").into_iter().max().unwrap() };
     let mut runs = Vec::new();
-    for (i, extra) in [&[][..], &["--activation-checkpointing", "full"], &["--reshard-to", "2"]]
-        .iter()
-        .enumerate()
+    for (i, extra) in [
+        &[][..],
+        &["--activation-checkpointing", "full"],
+        &["--reshard-to", "2"],
+        &["--fsdp-units", "split-ends"],
+    ]
+    .iter()
+    .enumerate()
     {
         let (plan, out) = (dir.join(format!("plan{i}.json")), dir.join(format!("run{i}.json")));
         let (plan_s, out_s) = (plan.to_string_lossy().into_owned(), out.to_string_lossy().into_owned());
@@ -1090,6 +1097,7 @@ fn recomputed_blocks_and_resharding_to_groups_train_the_same_model() {
     }
     assert_eq!(runs[1].0, runs[0].0, "recomputation changes no loss");
     assert_eq!(runs[2].0, runs[0].0, "resharding to groups changes no loss");
+    assert_eq!(runs[3].0, runs[0].0, "other FSDP units change no loss");
     assert!(
         runs[1].1 < runs[0].1,
         "recomputed blocks peak at {} bytes, kept ones at {}",
@@ -1106,6 +1114,7 @@ fn recomputed_blocks_and_resharding_to_groups_train_the_same_model() {
         (&["--activation-checkpointing", "half"][..], "use none, full, or N"),
         (&["--reshard-to", "2", "--no-reshard"], "give one"),
         (&["--reshard-to", "3"], "must divide the 4 ranks"),
+        (&["--fsdp-units", "all"], "blocks or split-ends"),
     ] {
         let mut a = vec!["--world-size", "4", "--steps", "1"];
         a.extend_from_slice(args);

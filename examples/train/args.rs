@@ -4,13 +4,13 @@ use std::path::PathBuf;
 
 use tessera::data::{DATA_SEED, batch};
 use tessera::dtensor::{Device, Tensor};
-use tessera::models::{ActivationCheckpointing, LlamaConfig, TransformerConfig};
+use tessera::models::{ActivationCheckpointing, LlamaConfig, TransformerConfig, UnitLayout};
 use tessera::{BoxError, mpi_env};
 
 use crate::schedule;
 
 pub(crate) const USAGE: &str = "usage: train [--world-size N | --mesh RxS] [--tp T [--sequence-parallel]] [--steps N] [--batch ROWS_PER_RANK] [--dim N] \
-[--n-layers N] [--n-heads N] [--vocab N] [--seq N] [--model gpt|llama [--n-kv-heads K] [--ffn-hidden H] [--rope-theta F]] [--lr F] [--lr-schedule S] [--warmup-steps N] [--mixed-precision bf16] [--no-reshard | --reshard-to N] [--activation-checkpointing none|full|N] [--init PATH | --seed N] \
+[--n-layers N] [--n-heads N] [--vocab N] [--seq N] [--model gpt|llama [--n-kv-heads K] [--ffn-hidden H] [--rope-theta F]] [--lr F] [--lr-schedule S] [--warmup-steps N] [--mixed-precision bf16] [--no-reshard | --reshard-to N] [--fsdp-units blocks|split-ends] [--activation-checkpointing none|full|N] [--init PATH | --seed N] \
 [--tokens PATH] [--data-seed N] [--losses-out PATH] [--metrics-out PATH] [--checkpoint-dir DIR --checkpoint-every N [--async-save] [--keep-checkpoints K]] [--resume DIR [--resume-step K]] \
 [--save-full PATH] [--save-hf DIR] [--device cpu|cuda|cuda:N] [--plan [--plan-out PATH]] [--machine PATH] [--auto --memory-budget SIZE] [--profile] [--comm-report PATH] [--trace PATH] [--op-log PATH [--op-log-values]]";
 
@@ -25,6 +25,10 @@ mesh and parallelism:
   --no-reshard          keep parameters gathered from forward to backward (default: reshard)
   --reshard-to N        after forward, keep parameters sharded over groups of N ranks of the
                         shard dim (N divides it), so backward gathers within a group
+  --fsdp-units U        blocks (each block a unit, the root the rest: the default) or
+                        split-ends (also the embeddings and the final norm with the output
+                        head a unit each, the head's gather prefetched and its
+                        reduce-scatter overlapped, as torchtitan does)
   --activation-checkpointing A
                         none, full (every block recomputes its activations in backward) or N
                         (every N-th block) (default none)
@@ -121,6 +125,8 @@ pub(crate) struct Args {
     pub(crate) no_reshard: bool,
     /// Reshard after forward to groups of this many ranks (`--reshard-to`).
     pub(crate) reshard_to: Option<usize>,
+    /// How the model is grouped into FSDP units (`--fsdp-units`).
+    pub(crate) units: UnitLayout,
     /// Which blocks recompute their activations (`--activation-checkpointing`).
     pub(crate) ac: ActivationCheckpointing,
     /// Tensor-parallel ranks (0: no TP).
@@ -188,6 +194,7 @@ pub(crate) fn parse() -> Result<Args, String> {
         bf16: false,
         no_reshard: false,
         reshard_to: None,
+        units: UnitLayout::Blocks,
         ac: ActivationCheckpointing::None,
         tp: 0,
         sequence_parallel: false,
@@ -327,6 +334,7 @@ pub(crate) fn parse() -> Result<Args, String> {
             "--memory-budget" => a.memory_budget = Some(parse_size(&value)?),
             "--machine" => a.machine = Some(value.into()),
             "--reshard-to" => a.reshard_to = Some(num(&value)?),
+            "--fsdp-units" => a.units = value.parse().map_err(|e| format!("--fsdp-units: {e}"))?,
             "--activation-checkpointing" => {
                 a.ac = value.parse().map_err(|e| format!("--activation-checkpointing: {e}"))?
             }

@@ -219,12 +219,12 @@ fn setup<M: CausalLm>(
             }
         }
         let dp = mesh.slice(&names[..names.len() - 1])?;
-        model.fully_shard(&dp, &fsdp)?;
+        model.fully_shard_with(&dp, &fsdp, args.units)?;
         let mut p = vec![Placement::Shard(0); args.mesh.len()];
         p[args.mesh.len() - 1] = Placement::Replicate;
         p
     } else {
-        model.fully_shard(&mesh, &fsdp)?;
+        model.fully_shard_with(&mesh, &fsdp, args.units)?;
         vec![Placement::Shard(0); args.mesh.len()]
     };
     let init = match &args.init {

@@ -595,6 +595,10 @@ impl CausalLm for Llama {
         self.layers.iter().map(|b| b as &dyn Module).collect()
     }
 
+    fn ends(&self) -> [Vec<&dyn Module>; 2] {
+        [vec![&self.tok_embeddings], vec![&self.norm, &self.output]]
+    }
+
     fn set_activation_checkpointing(&self, ac: ActivationCheckpointing) -> Result<()> {
         self.checkpointing.set(ac);
         Ok(())

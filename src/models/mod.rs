@@ -18,16 +18,78 @@ use tessera_dtensor::{DType, Placement, Tensor, distribute_tensor_from};
 use tessera_fsdp::tp::{
     Applied, ColwiseParallel, ParallelPlan, PrepareModuleInput, RowwiseParallel, SequenceParallel, TpLayout,
 };
-use tessera_fsdp::{FsdpConfig, FsdpModule, fully_shard};
+use tessera_fsdp::{FsdpConfig, FsdpModule, fully_shard, fully_shard_modules};
 use tessera_mesh::DeviceMesh;
 use tessera_tensor::ops::Reduction;
 
 /// The FSDP units of a model sharded block by block (see [`CausalLm::fully_shard`]).
 pub struct FsdpUnits {
-    /// The root unit (embeddings, final norm, output); its setters recurse into the blocks.
+    /// The root unit (with [`UnitLayout::Blocks`]: the embeddings, final norm
+    /// and output; with [`UnitLayout::SplitEnds`], whatever the model holds
+    /// outside its blocks and ends); its setters recurse into the others.
     pub root: FsdpModule,
     /// One unit per block, in order.
     pub blocks: Vec<FsdpModule>,
+    /// [`UnitLayout::SplitEnds`]: the embeddings' unit and the final norm's
+    /// and output head's (`None` with [`UnitLayout::Blocks`]).
+    pub ends: Option<[FsdpModule; 2]>,
+}
+
+impl FsdpUnits {
+    /// Every unit with a name: `root`, `embeddings`, `layers.i` in order,
+    /// `head` (the ends only when split).
+    pub fn named(&self) -> Vec<(String, &FsdpModule)> {
+        let mut out = vec![("root".to_string(), &self.root)];
+        if let Some([embeddings, _]) = &self.ends {
+            out.push(("embeddings".into(), embeddings));
+        }
+        out.extend(self.blocks.iter().enumerate().map(|(i, b)| (format!("layers.{i}"), b)));
+        if let Some([_, head]) = &self.ends {
+            out.push(("head".into(), head));
+        }
+        out
+    }
+}
+
+/// How [`CausalLm::fully_shard_with`] groups a model's parameters into FSDP
+/// units.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum UnitLayout {
+    /// Each block a unit, the root the rest (embeddings, final norm, output
+    /// head): PyTorch's FSDP2 recipe, and the default.
+    #[default]
+    Blocks,
+    /// Each block a unit, the embeddings one, the final norm with the output
+    /// head one (kept gathered from its forward to its backward, unless the
+    /// config sets `reshard_after_forward`), the root the rest: torchtitan's
+    /// recipe. The head's all-gather is then prefetched while the last block
+    /// computes and its reduce-scatter overlaps the blocks' backward, where
+    /// the root's were the step's first and last collectives with nothing to
+    /// hide behind; the embeddings are gathered again for their backward
+    /// (resharded after forward, as every non-root unit by default).
+    SplitEnds,
+}
+
+impl fmt::Display for UnitLayout {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            UnitLayout::Blocks => "blocks",
+            UnitLayout::SplitEnds => "split-ends",
+        })
+    }
+}
+
+impl FromStr for UnitLayout {
+    type Err = String;
+
+    /// `blocks` or `split-ends`.
+    fn from_str(s: &str) -> std::result::Result<UnitLayout, String> {
+        match s {
+            "blocks" => Ok(UnitLayout::Blocks),
+            "split-ends" => Ok(UnitLayout::SplitEnds),
+            other => Err(format!("FSDP units are blocks or split-ends, got {other:?}")),
+        }
+    }
 }
 
 /// Which blocks of a model recompute their activations in backward instead of
@@ -126,6 +188,13 @@ pub trait CausalLm: Module {
     /// The blocks, in order: each becomes an FSDP unit of its own.
     fn blocks(&self) -> Vec<&dyn Module>;
 
+    /// The modules before the blocks (the embeddings) and after them (the
+    /// final norm and the output head), each group a unit of its own with
+    /// [`UnitLayout::SplitEnds`]. Default: none (the model cannot split them).
+    fn ends(&self) -> [Vec<&dyn Module>; 2] {
+        [Vec::new(), Vec::new()]
+    }
+
     /// Which blocks recompute their activations in backward from now on (a
     /// new reference model: none).
     ///
@@ -162,13 +231,62 @@ pub trait CausalLm: Module {
     where
         Self: Sized,
     {
+        self.fully_shard_with(mesh, config, UnitLayout::Blocks)
+    }
+
+    /// [`fully_shard`](Self::fully_shard) with the units of `layout`, bottom-up:
+    /// the blocks, the ends when split ([`ends`](Self::ends)), then the root.
+    ///
+    /// # Errors
+    /// [`UnitLayout::SplitEnds`] for a model whose [`ends`](Self::ends) are
+    /// empty; as [`fully_shard`].
+    fn fully_shard_with(
+        &self,
+        mesh: &DeviceMesh,
+        config: &FsdpConfig,
+        layout: UnitLayout,
+    ) -> tessera_fsdp::Result<FsdpUnits>
+    where
+        Self: Sized,
+    {
+        // Checked before any unit is made: a refused layout changes nothing.
+        let ends = match layout {
+            UnitLayout::Blocks => None,
+            UnitLayout::SplitEnds => {
+                let [first, last] = self.ends();
+                if first.is_empty() || last.is_empty() {
+                    return Err(tessera_fsdp::Error::Module {
+                        module: self.type_name().to_string(),
+                        detail: "does not name its embeddings and output head (CausalLm::ends), so \
+                                 UnitLayout::SplitEnds cannot make them units; use UnitLayout::Blocks"
+                            .into(),
+                    });
+                }
+                Some([first, last])
+            }
+        };
         let blocks = self
             .blocks()
             .into_iter()
             .map(|b| fully_shard(b, mesh, config.clone()))
             .collect::<tessera_fsdp::Result<Vec<_>>>()?;
+        let ends = match ends {
+            None => None,
+            Some([first, last]) => {
+                // The head's backward follows its forward at once: kept gathered
+                // in between unless the config says otherwise.
+                let head = FsdpConfig {
+                    reshard_after_forward: Some(config.reshard_after_forward.unwrap_or(false)),
+                    ..config.clone()
+                };
+                Some([
+                    fully_shard_modules(&first, mesh, config.clone())?,
+                    fully_shard_modules(&last, mesh, head)?,
+                ])
+            }
+        };
         let root = fully_shard(self, mesh, config.clone())?;
-        Ok(FsdpUnits { root, blocks })
+        Ok(FsdpUnits { root, blocks, ends })
     }
 
     /// The mean next-token cross entropy of token rows `[B, T+1]`: inputs

@@ -347,6 +347,13 @@ impl CausalLm for Transformer {
         self.layers.iter().map(|b| b as &dyn Module).collect()
     }
 
+    fn ends(&self) -> [Vec<&dyn Module>; 2] {
+        [
+            vec![&self.tok_embeddings, &self.pos_embeddings],
+            vec![&self.norm, &self.output],
+        ]
+    }
+
     fn set_activation_checkpointing(&self, ac: ActivationCheckpointing) -> Result<()> {
         self.checkpointing.set(ac);
         Ok(())

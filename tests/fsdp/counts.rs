@@ -3,7 +3,7 @@
 
 use tessera::fsdp::FsdpConfig;
 use tessera::mesh::OpKind;
-use tessera::models::FsdpUnits;
+use tessera::models::{FsdpUnits, UnitLayout};
 
 use crate::accumulation::accumulate;
 use crate::{Job, Run, bf16, calls, reshard, train};
@@ -41,6 +41,32 @@ fn fsdp_reshard_after_forward() {
     assert_eq!(run.fwd[1].bytes(OpKind::AllGather), all);
     let root = run.sharded_bytes[2] as u64;
     assert_eq!(run.bwd[1].bytes(OpKind::AllGather), all - root);
+    assert_eq!(run.bwd[1].bytes(OpKind::ReduceScatter), all);
+}
+
+/// `UnitLayout::SplitEnds`: the embeddings and the final norm with the head
+/// are units of their own and the root holds nothing: forward gathers four
+/// units, backward the blocks and the embeddings again (the head is kept from
+/// its forward, which its backward follows at once) and reduce-scatters all
+/// four, moving the bytes the blocks-and-root layout moves plus the
+/// embeddings' second gather; the losses are those of that layout, bit for bit.
+#[test]
+fn fsdp_split_ends() {
+    let blocks = train(&Job::fsdp(&[2], 8, 5, FsdpConfig::default()));
+    let run = train(&Job {
+        units: UnitLayout::SplitEnds,
+        ..Job::fsdp(&[2], 8, 5, FsdpConfig::default())
+    });
+    check("FSDP W2 split ends", &run, (4, 0, 0, 0), (3, 4, 0, 0));
+    assert_eq!(run.losses, blocks.losses, "the same training, other units");
+    // Units: two blocks, the embeddings, the head, the (empty) root.
+    assert_eq!(run.sharded_bytes.len(), 5);
+    assert_eq!(run.sharded_bytes[4], 0, "the root keeps no parameters");
+    let all = gather_bytes(&run, 2, 4, 4);
+    assert_eq!(all, gather_bytes(&blocks, 2, 4, 4), "the same parameters, other units");
+    assert_eq!(run.fwd[1].bytes(OpKind::AllGather), all);
+    let head = run.sharded_bytes[3] as u64;
+    assert_eq!(run.bwd[1].bytes(OpKind::AllGather), all - head);
     assert_eq!(run.bwd[1].bytes(OpKind::ReduceScatter), all);
 }
 

@@ -7,7 +7,7 @@ use tessera::autograd::optim::{AdamW, Optimizer};
 use tessera::autograd::{Param, Var, backward};
 use tessera::dtensor::{DTensor, Placement, Tensor, distribute_tensor};
 use tessera::fsdp::{Error as FsdpError, FsdpConfig, fully_shard};
-use tessera::models::{Transformer, TransformerConfig};
+use tessera::models::{CausalLm, Transformer, TransformerConfig, UnitLayout};
 use tessera::{DType, DeviceMesh, launch};
 
 use crate::common::{adamw, reference_losses, tiny_model, tokens};
@@ -351,4 +351,59 @@ fn a_unit_that_differs_or_fails_on_one_rank_fails_every_rank_before_anything_cha
             assert!(one.contains("rank 1 failed"), "rank 0: {one}");
         }
     }
+}
+
+/// A model that does not name its ends (`CausalLm::ends` left to its
+/// default): the tiny Transformer, through a wrapper.
+struct NoEnds(Transformer);
+
+impl Module for NoEnds {
+    fn named_children(&self) -> Vec<(String, &dyn Module)> {
+        self.0.named_children()
+    }
+
+    fn forward(&self, x: &Var) -> tessera::autograd::Result<Var> {
+        self.0.forward(x)
+    }
+}
+
+impl CausalLm for NoEnds {
+    fn parallelize(
+        &self,
+        tp_mesh: &DeviceMesh,
+        sequence_parallel: bool,
+    ) -> tessera::fsdp::Result<Vec<tessera::fsdp::tp::Applied>> {
+        self.0.parallelize(tp_mesh, sequence_parallel)
+    }
+
+    fn blocks(&self) -> Vec<&dyn Module> {
+        CausalLm::blocks(&self.0)
+    }
+
+    fn num_params(&self) -> usize {
+        CausalLm::num_params(&self.0)
+    }
+}
+
+/// `UnitLayout::SplitEnds` on a model without ends: an error naming the
+/// model and the way out, with nothing sharded (the blocks layout still works).
+#[test]
+fn split_ends_needs_the_models_ends() {
+    launch(2, |ctx| {
+        let mesh = DeviceMesh::new(ctx.into_comm(), &[2])?;
+        let model = NoEnds(tiny_model(&mesh)?);
+        let err = match model.fully_shard_with(&mesh, &FsdpConfig::default(), UnitLayout::SplitEnds) {
+            Err(e) => e,
+            Ok(_) => panic!("split ends on a model without ends"),
+        };
+        let msg = err.to_string();
+        assert!(
+            msg.contains("CausalLm::ends") && msg.contains("UnitLayout::Blocks"),
+            "{msg}"
+        );
+        let units = model.fully_shard_with(&mesh, &FsdpConfig::default(), UnitLayout::Blocks)?;
+        assert_eq!((units.blocks.len(), units.ends.is_none()), (2, true));
+        Ok(())
+    })
+    .unwrap();
 }

@@ -37,7 +37,11 @@ fn micro(mesh: &'static [usize], shard: bool, before: fn(&FsdpUnits, usize)) -> 
                 .map(|b| replicate(b, &mesh, FsdpConfig::default()))
                 .collect::<Result<Vec<_>, _>>()?;
             let root = replicate(&model, &mesh, FsdpConfig::default())?;
-            FsdpUnits { root, blocks }
+            FsdpUnits {
+                root,
+                blocks,
+                ends: None,
+            }
         };
         let mut out = Micro {
             fwd: Vec::new(),

@@ -70,7 +70,7 @@ use tessera::autograd::{Param, Var, backward};
 use tessera::dtensor::{Placement, Tensor, distribute_tensor};
 use tessera::fsdp::{FsdpConfig, MixedPrecisionPolicy};
 use tessera::mesh::{CommCounts, OpKind};
-use tessera::models::FsdpUnits;
+use tessera::models::{CausalLm, FsdpUnits, UnitLayout};
 use tessera::{BoxError, Communicator, DeviceMesh, launch};
 
 /// What the helpers and the ranks' closures return.
@@ -160,6 +160,8 @@ pub struct Job {
     pub fsdp: Option<FsdpConfig>,
     /// Runs on the units after `fully_shard`.
     pub setup: fn(&FsdpUnits),
+    /// How the model is grouped into units.
+    pub units: UnitLayout,
 }
 
 impl Job {
@@ -172,6 +174,7 @@ impl Job {
             steps,
             fsdp: Some(cfg),
             setup: no_setup,
+            units: UnitLayout::Blocks,
         }
     }
 }
@@ -185,7 +188,7 @@ pub struct Run {
     pub fwd: Vec<CommCounts>,
     /// Collectives of each step's `backward`.
     pub bwd: Vec<CommCounts>,
-    /// Per unit (blocks, then root): `sharded_bytes()`.
+    /// Per unit (blocks, the ends when split, then root): `sharded_bytes()`.
     pub sharded_bytes: Vec<usize>,
     /// Per unit: `placements()`.
     pub placements: Vec<Vec<Placement>>,
@@ -209,9 +212,10 @@ pub fn train(job: &Job) -> Run {
             placements: Vec::new(),
         };
         if let Some(cfg) = &job.fsdp {
-            let units = model.fully_shard(&mesh, cfg)?;
+            let units = model.fully_shard_with(&mesh, cfg, job.units)?;
             (job.setup)(&units);
-            for u in units.blocks.iter().chain([&units.root]) {
+            let ends = units.ends.iter().flatten();
+            for u in units.blocks.iter().chain(ends).chain([&units.root]) {
                 run.sharded_bytes.push(u.sharded_bytes());
                 run.placements.push(u.placements().to_vec());
             }

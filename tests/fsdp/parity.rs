@@ -3,6 +3,7 @@
 
 use tessera::dtensor::Placement;
 use tessera::fsdp::FsdpConfig;
+use tessera::models::UnitLayout;
 
 use crate::common::reference_losses;
 use crate::{Job, Run, bf16, max_abs_diff, reshard, train};
@@ -24,6 +25,22 @@ fn check(label: &str, job: &Job, reference: &str, tol: f64) -> Run {
         );
     }
     run
+}
+
+/// Torchtitan's units (embeddings and head on their own) train exactly as
+/// PyTorch's FSDP2 run of blocks and root, on FSDP and HSDP.
+#[test]
+fn split_ends_units() {
+    for (label, mesh, g, reference) in [
+        ("FSDP W2 split ends", &[2][..], 8, "fsdp_W2_G8"),
+        ("HSDP 2x2 split ends", &[2, 2][..], 16, "hsdp_2x2_G16"),
+    ] {
+        let job = Job {
+            units: UnitLayout::SplitEnds,
+            ..Job::fsdp(mesh, g, 10, FsdpConfig::default())
+        };
+        check(label, &job, reference, 1e-5);
+    }
 }
 
 #[test]
