@@ -16,4 +16,4 @@ pub(crate) use fastmath::{erfc, exp, zip_map, zip_map_inline, zip3_map};
 pub use num::Real;
 pub(crate) use num::{Float, Scalar, convert, convert_extend};
 pub use par::{PAR_MIN_ELEMENTS, par_parts};
-pub(crate) use par::{par_blocks, par_rows};
+pub(crate) use par::{par_blocks, par_columns, par_rows};

@@ -36,3 +36,25 @@ pub(crate) fn par_blocks<C: Send>(out: &mut [C], row: usize, parts: usize, f: im
         f(i * per, &mut block);
     });
 }
+
+/// Sums over rows into `acc`, one element per column (a reduction over the
+/// leading dims, a norm's weight gradient): `f(c0, cols)` adds every row's
+/// columns `c0..c0 + cols.len()` into `cols`, in row order, in blocks of
+/// columns over the rank's threads when the `work` (elements read) is large
+/// enough ([`par_parts`]). Each block accumulates in a buffer of its own and
+/// is copied out once: blocks of `acc` share a cache line where they meet,
+/// and two threads updating it on every row passed it between their cores
+/// (two threads summed `[1024, 256]` over its rows 2.3x slower than one).
+/// Every column gets the bits one thread would give it.
+pub(crate) fn par_columns<A: Copy + Send>(acc: &mut [A], work: usize, f: impl Fn(usize, &mut [A]) + Sync) {
+    let parts = par_parts(work);
+    if parts <= 1 {
+        f(0, acc);
+        return;
+    }
+    par_blocks(acc, 1, parts, |c0, block| {
+        let mut own = block.to_vec();
+        f(c0, &mut own);
+        block.copy_from_slice(&own);
+    });
+}

@@ -184,7 +184,8 @@ mod par_tests {
     /// Large element-wise and row-wise kernels split over a rank's threads give
     /// the one-thread result bit for bit (each element is computed by the same
     /// code in the same order in every block; column sums such as layer norm's
-    /// weight gradient split by columns and keep their row order).
+    /// and RMSNorm's weight gradients and sums over leading dims split by
+    /// columns, each block in a buffer of its own, and keep their row order).
     #[test]
     fn split_kernels_equal_the_one_thread_ones() {
         // 256 rows of 1024: 2^18 elements, split over 3 threads.
@@ -217,6 +218,7 @@ mod par_tests {
                         ln.1,
                         ln.2,
                         g.layer_norm_weight_grad(&x, 1e-5)?,
+                        g.rms_norm_weight_grad_with_stats(&x, &x.rms_norm_with_stats(None, 1e-6)?.1)?,
                         x.cross_entropy(&targets, nn::Reduction::None)?,
                         x.cross_entropy(&targets, nn::Reduction::Mean)?,
                         x.cross_entropy_backward(&targets, 0.25)?,
@@ -232,6 +234,7 @@ mod par_tests {
                         x.max(&[0], false)?,
                         x.mean(&[1], false)?,
                         x.reshape(&[rows / 64, 64, d])?.sum(&[1], false)?,
+                        x.reshape(&[rows / 64, 64, d])?.sum(&[0, 1], false)?,
                         // Copies of views, split along their first dim: rows of
                         // contiguous elements, and elements a row apart.
                         x.reshape(&[rows / 64, 64, d])?.transpose(0, 1)?.contiguous(),

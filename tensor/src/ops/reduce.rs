@@ -235,7 +235,7 @@ fn reduce<T: Float, R: Reducer<T>>(op: &'static str, t: &Tensor, mask: &[bool], 
         // order as on one thread.
         let mut acc = vec![R::init(); kept];
         let (simd, x) = (Simd::best(), &x[..]);
-        crate::kernel::par_blocks(&mut acc, 1, crate::kernel::par_parts(x.len()), |c0, cols| {
+        crate::kernel::par_columns(&mut acc, x.len(), |c0, cols| {
             simd.run(
                 #[inline(always)]
                 || {

@@ -158,12 +158,17 @@ impl Tensor {
             let (g, xs, r) = (elements::<T>(self)?, elements::<T>(x)?, elements::<f64>(rstd)?);
             let mut acc = vec![0f64; d];
             if d > 0 {
-                for ((gr, xr), &r) in g.chunks_exact(d).zip(xs.chunks_exact(d)).zip(r.iter()) {
-                    let r = <T as Float>::Acc::real(r);
-                    for (a, (&gv, &xv)) in acc.iter_mut().zip(gr.iter().zip(xr)) {
-                        *a += gv.wide() * normalized(xv, r).wide();
+                // Blocks of columns over the rank's threads, each column
+                // summing its rows in order as on one thread.
+                let (g, xs) = (&g[..], &xs[..]);
+                crate::kernel::par_columns(&mut acc, g.len(), |c0, cols| {
+                    for ((gr, xr), &r) in g.chunks_exact(d).zip(xs.chunks_exact(d)).zip(r.iter()) {
+                        let r = <T as Float>::Acc::real(r);
+                        for (a, (&gv, &xv)) in cols.iter_mut().zip(gr[c0..].iter().zip(&xr[c0..])) {
+                            *a += gv.wide() * normalized(xv, r).wide();
+                        }
                     }
-                }
+                });
             }
             output(acc.into_iter().map(T::from_wide).collect::<Vec<T>>(), &[d])
         })

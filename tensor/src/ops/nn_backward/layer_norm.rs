@@ -5,7 +5,7 @@ use tessera_mesh::DType;
 
 use super::{dot_f64, same_shape};
 use crate::kernel::Simd;
-use crate::kernel::{Float, float_dispatch, par_blocks, par_parts};
+use crate::kernel::{Float, float_dispatch, par_columns};
 use crate::ops::reduce::sum_map_f64;
 use crate::ops::rows::{all_row_stats, filled, map_rows, row_stats};
 use crate::ops::{elements, output};
@@ -212,7 +212,7 @@ fn ln_weight_grad<T: Float>(g: &Tensor, xv: &[T], d: usize, stats: &[(f64, f64)]
         // Blocks of columns over the rank's threads: every column sums its rows
         // in order, as on one thread.
         let (simd, gv) = (Simd::best(), &gv[..]);
-        par_blocks(&mut gw, 1, par_parts(gv.len()), |c0, cols| {
+        par_columns(&mut gw, gv.len(), |c0, cols| {
             simd.run(
                 #[inline(always)]
                 || {
