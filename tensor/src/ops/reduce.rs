@@ -248,6 +248,30 @@ fn reduce<T: Float, R: Reducer<T>>(op: &'static str, t: &Tensor, mask: &[bool], 
             )
         });
         acc.into_iter().map(|s| R::finish(s, count)).collect()
+    } else if let Some(inner) = middle_block(shape, mask) {
+        // One run of reduced dims between kept ones (repeat_interleave's
+        // gradient, `[.., groups, repeats, ..]` summed over the repeats): each
+        // output row of `inner` elements sums its `count` input rows in order,
+        // in blocks of output rows over the rank's threads, in place.
+        let x = elements::<T>(t)?;
+        let mut acc = vec![R::init(); kept];
+        let (simd, x) = (Simd::best(), &x[..]);
+        crate::kernel::par_blocks(&mut acc, inner, crate::kernel::par_parts(x.len()), |start, block| {
+            simd.run(
+                #[inline(always)]
+                || {
+                    for (j, out) in block.chunks_exact_mut(inner).enumerate() {
+                        let o = start / inner + j;
+                        for row in x[o * count * inner..(o + 1) * count * inner].chunks_exact(inner) {
+                            for (s, &v) in out.iter_mut().zip(row) {
+                                R::push(s, v);
+                            }
+                        }
+                    }
+                },
+            )
+        });
+        acc.into_iter().map(|s| R::finish(s, count)).collect()
     } else {
         // Move the reduced dims last (one copy), then reduce rows.
         let order: Vec<usize> = (0..shape.len())
@@ -258,6 +282,16 @@ fn reduce<T: Float, R: Reducer<T>>(op: &'static str, t: &Tensor, mask: &[bool], 
         reduce_rows::<T, R>(moved.as_slice::<T>()?, kept, count)
     };
     output(out, &out_shape)
+}
+
+/// The elements per output row when the dims `mask` reduces are one run with
+/// kept dims on both sides (`[.., kept, reduced.., kept..]`): the product of
+/// the kept dims after the run (non-zero); `None` for any other mask.
+fn middle_block(shape: &[usize], mask: &[bool]) -> Option<usize> {
+    let a = mask.iter().position(|&m| m)?;
+    let b = a + mask[a..].iter().take_while(|&&m| m).count();
+    let inner: usize = shape[b..].iter().product();
+    (a > 0 && b < mask.len() && mask[b..].iter().all(|&m| !m) && inner > 0).then_some(inner)
 }
 
 /// `R` over each of the `kept` rows of `count` elements of `x`, in blocks of
@@ -516,6 +550,9 @@ mod tests {
         case!(s(&[2, 3, 4]), [0], [1, 3, 4], [3, 4]);
         case!(s(&[2, 3, 4]), [0, 1], [1, 1, 4], [4]);
         case!(s(&[2, 3, 4]), [1], [2, 1, 4], [2, 4]);
+        // A run of reduced dims between kept ones, and reduced dims apart.
+        case!(s(&[2, 3, 4, 5]), [2, 1], [2, 1, 1, 5], [2, 5]);
+        case!(s(&[2, 3, 4, 5]), [1, 3], [2, 1, 4, 1], [2, 4]);
         case!(s(&[2, 3, 4]), [2, 0], [1, 3, 1], [3]);
         case!(s(&[2, 3, 4]), [0, 1, 2], [1, 1, 1], [0usize; 0]);
         case!(s(&[2, 3, 4]), [0usize; 0], [2, 3, 4], [2, 3, 4]);

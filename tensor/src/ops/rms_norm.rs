@@ -6,9 +6,10 @@
 //! (`(x.float() * rsqrt(x.float().pow(2).mean(-1) + eps)).type_as(x) * w`).
 //! The mean of squares accumulates in `f64`.
 
-use super::rows::{check_norm_weight as check_weight, need_dims};
+use super::reduce::sum_map_f64;
+use super::rows::{check_norm_weight as check_weight, map_rows, need_dims};
 use super::{elements, output, same_dtype};
-use crate::kernel::{Float, Real, float_dispatch};
+use crate::kernel::{Float, Real, Simd, float_dispatch, par_blocks, par_parts};
 use crate::{DType, Error, Result, Tensor};
 
 const OP: &str = "rms_norm";
@@ -32,9 +33,10 @@ fn check_stats(op: &'static str, x: &Tensor, rstd: &Tensor) -> Result<()> {
     Ok(())
 }
 
-/// `1 / √(mean(row²) + eps)` in `f64`.
+/// `1 / √(mean(row²) + eps)` in `f64` (the squares summed in eight lanes).
+#[inline(always)]
 fn row_rstd<T: Float>(row: &[T], eps: f64) -> f64 {
-    let ms = row.iter().map(|v| v.wide() * v.wide()).sum::<f64>() / row.len() as f64;
+    let ms = sum_map_f64(row, |v| v.wide() * v.wide()) / row.len() as f64;
     1.0 / (ms + eps).sqrt()
 }
 
@@ -80,25 +82,45 @@ impl Tensor {
         float_dispatch!(OP, self.dtype(), T => {
             let x = elements::<T>(self)?;
             let w = weight.map(elements::<T>).transpose()?;
-            let mut out = Vec::with_capacity(x.len());
-            let mut rstds = Vec::with_capacity(x.len().checked_div(d).unwrap_or(0));
+            let mut rstds = vec![f64::NAN; stat_shape.iter().product()];
             if d > 0 {
-                for row in x.chunks_exact(d) {
-                    let r64 = row_rstd(row, eps);
-                    let r = <T as Float>::Acc::real(r64);
-                    rstds.push(r64);
-                    for (j, &v) in row.iter().enumerate() {
-                        let y1 = normalized(v, r);
-                        out.push(match &w {
-                            Some(w) => T::from_acc(y1.to_acc() * w[j].to_acc()),
-                            None => y1,
-                        });
-                    }
-                }
-            } else {
-                rstds.resize(stat_shape.iter().product(), f64::NAN);
+                // Each row's rstd, then the rows normalised, in blocks of rows
+                // over the rank's threads with the CPU's widest vectors.
+                let (simd, x) = (Simd::best(), &x[..]);
+                par_blocks(&mut rstds, 1, par_parts(x.len()), |start, block| {
+                    simd.run(
+                        #[inline(always)]
+                        || {
+                            for (s, row) in block.iter_mut().zip(x[start * d..].chunks_exact(d)) {
+                                *s = row_rstd(row, eps);
+                            }
+                        },
+                    )
+                });
             }
-            Ok((output(out, self.shape())?, output(rstds, &stat_shape)?))
+            let (rs, w) = (&rstds[..], w.as_deref());
+            let y = map_rows::<T, (), 1>(
+                OP,
+                [self],
+                self.rank() - 1,
+                #[inline(always)]
+                |i, [row], o, _| {
+                    let r = <T as Float>::Acc::real(rs[i]);
+                    match w {
+                        Some(w) => {
+                            for ((o, &v), &wj) in o.iter_mut().zip(row).zip(w) {
+                                *o = T::from_acc(normalized(v, r).to_acc() * wj.to_acc());
+                            }
+                        }
+                        None => {
+                            for (o, &v) in o.iter_mut().zip(row) {
+                                *o = normalized(v, r);
+                            }
+                        }
+                    }
+                },
+            )?;
+            Ok((y, output(rstds, &stat_shape)?))
         })
     }
 
@@ -122,17 +144,31 @@ impl Tensor {
         }
         let d = x.shape()[x.rank() - 1];
         float_dispatch!(OP, self.dtype(), T => {
-            let (g, xs, r) = (elements::<T>(self)?, elements::<T>(x)?, elements::<f64>(rstd)?);
+            let r = elements::<f64>(rstd)?;
             let w = weight.map(elements::<T>).transpose()?;
-            let mut out = Vec::with_capacity(xs.len());
-            if d > 0 {
-                for ((gr, xr), &r) in g.chunks_exact(d).zip(xs.chunks_exact(d)).zip(r.iter()) {
-                    let h = |j: usize| gr[j].wide() * w.as_ref().map_or(1.0, |w| w[j].wide());
-                    let dot = (0..d).map(|j| h(j) * xr[j].wide() * r).sum::<f64>() / d as f64;
-                    out.extend((0..d).map(|j| T::from_wide(r * (h(j) - xr[j].wide() * r * dot))));
-                }
-            }
-            output(out, x.shape())
+            let (rs, w) = (&r[..], w.as_deref());
+            // Per row, in blocks of rows over the rank's threads: `h = g·w`,
+            // `mean(h·x̂)` summed in eight lanes, then each element.
+            map_rows::<T, [Vec<f64>; 2], 2>(
+                OP,
+                [self, x],
+                x.rank() - 1,
+                #[inline(always)]
+                |i, [gr, xr], o, [h, hx]| {
+                    let r = rs[i];
+                    h.clear();
+                    match w {
+                        Some(w) => h.extend(gr.iter().zip(w).map(|(&g, &w)| g.wide() * w.wide())),
+                        None => h.extend(gr.iter().map(|&g| g.wide())),
+                    }
+                    hx.clear();
+                    hx.extend(h.iter().zip(xr).map(|(&h, &x)| h * x.wide() * r));
+                    let dot = sum_map_f64(hx, |v| v) / d as f64;
+                    for ((o, &h), &x) in o.iter_mut().zip(h.iter()).zip(xr) {
+                        *o = T::from_wide(r * (h - x.wide() * r * dot));
+                    }
+                },
+            )
         })
     }
 
