@@ -251,10 +251,13 @@ impl Var {
     pub fn silu(&self) -> Result<Var> {
         let x = self.value().clone();
         Ok(self.unary_op("silu", x.silu()?, move |g| {
-            // d/dx x·s(x) = s + x·s·(1 − s)
-            let s = x.sigmoid()?;
-            let ds = s.add(&x.mul(&s)?.sub(&x.mul(&s.square()?)?)?)?;
-            g.mul(&ds)
+            // d/dx x·s(x) = s·(1 + x·(1 − s)), one kernel (PyTorch's silu_backward).
+            g.binary(
+                "silu_backward",
+                &x,
+                Linearity::FirstOnly,
+                |g, x| Ok(g.silu_backward(x)?),
+            )
         }))
     }
 

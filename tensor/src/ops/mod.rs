@@ -198,6 +198,7 @@ mod par_tests {
                 let (x, g, bias, w) = (x.clone(), g.clone(), bias.clone(), w.clone());
                 let opts = tessera_mesh::LaunchOptions::default().threads_per_rank(threads);
                 let out = tessera_mesh::launch_with(&opts, 1, move |_| {
+                    let (cos, sin) = rotary_tables(&(0..64).collect::<Vec<_>>(), 256, 10_000.0)?;
                     let y = x.softmax(1)?;
                     let ln = x.layer_norm_with_stats(Some(&w), Some(&bias), 1e-5)?;
                     let targets = Tensor::from_vec((0..rows as i64).map(|i| (i * 7) % d as i64).collect(), &[rows])?;
@@ -209,6 +210,7 @@ mod par_tests {
                         x.mul_scalar(0.37)?,
                         x.gelu()?,
                         g.gelu_backward(&x)?,
+                        g.silu_backward(&x)?,
                         y.clone(),
                         x.log_softmax(1)?,
                         g.softmax_backward(&y, 1)?,
@@ -220,6 +222,8 @@ mod par_tests {
                         g.layer_norm_weight_grad(&x, 1e-5)?,
                         g.rms_norm_weight_grad_with_stats(&x, &x.rms_norm_with_stats(None, 1e-6)?.1)?,
                         x.rms_norm_with_stats(Some(&w), 1e-6)?.0,
+                        x.reshape(&[4, 64, 4, 256])?.rotary_embedding(&cos, &sin)?,
+                        g.reshape(&[4, 64, 4, 256])?.rotary_embedding_backward(&cos, &sin)?,
                         x.rms_norm_with_stats(Some(&w), 1e-6)?.1,
                         g.rms_norm_backward_with_stats(&x, &x.rms_norm_with_stats(None, 1e-6)?.1, Some(&w))?,
                         x.cross_entropy(&targets, nn::Reduction::None)?,

@@ -9,8 +9,10 @@
 //! for `f64`), `a = x·cos`, `b = ±x'·sin`, `a + b`, rounded once to the
 //! input's dtype: PyTorch's `(x.float() * cos + rotate_half(x.float()) * sin).type_as(x)`.
 
+use std::mem::MaybeUninit;
+
 use super::{elements, output};
-use crate::kernel::{Float, Real, float_dispatch};
+use crate::kernel::{Float, Real, Simd, float_dispatch, par_rows};
 use crate::{DType, Error, Result, Tensor};
 
 /// `cos` and `sin` tables `[positions.len(), head_dim]` (`f32`) for rotary
@@ -121,26 +123,42 @@ impl Tensor {
         let per_pos = self.shape()[self.rank() - 2] * d;
         float_dispatch!(op, self.dtype(), T => {
             let x = elements::<T>(self)?;
+            let (c, sn, x) = (&c[..], &sn[..], &x[..]);
             let acc = |v: f32| <T as Float>::Acc::real(f64::from(v));
-            let mut out: Vec<T> = vec![T::from_acc(acc(0.0)); x.len()];
-            if d > 0 {
-                for (i, (head, dst)) in x.chunks_exact(d).zip(out.chunks_exact_mut(d)).enumerate() {
-                    let pos = (i * d / per_pos) % s;
-                    let (cr, sr) = (&c[pos * d..pos * d + d], &sn[pos * d..pos * d + d]);
-                    for j in 0..h {
-                        let (a, b) = (head[j].to_acc(), head[j + h].to_acc());
-                        let (first, second) = if backward {
-                            // dx[j] = g[j]·cos[j] + g[j+h]·sin[j+h]; dx[j+h] = g[j+h]·cos[j+h] + (−g[j])·sin[j].
-                            (a * acc(cr[j]) + b * acc(sr[j + h]), b * acc(cr[j + h]) + (-a) * acc(sr[j]))
-                        } else {
-                            // out[j] = x[j]·cos[j] + (−x[j+h])·sin[j]; out[j+h] = x[j+h]·cos[j+h] + x[j]·sin[j+h].
-                            (a * acc(cr[j]) + (-b) * acc(sr[j]), b * acc(cr[j + h]) + a * acc(sr[j + h]))
-                        };
-                        dst[j] = T::from_acc(first);
-                        dst[j + h] = T::from_acc(second);
-                    }
-                }
-            }
+            // Blocks of heads over the rank's threads, with the CPU's widest
+            // vectors; each element the same three rounded operations.
+            let fill = |out: &mut [MaybeUninit<T>]| {
+                let simd = Simd::best();
+                par_rows(out, d, |start, block| {
+                    simd.run(
+                        #[inline(always)]
+                        || {
+                            for (k, dst) in block.chunks_exact_mut(d).enumerate() {
+                                let i = start / d + k;
+                                let head = &x[i * d..(i + 1) * d];
+                                let pos = (i * d / per_pos) % s;
+                                let (cr, sr) = (&c[pos * d..pos * d + d], &sn[pos * d..pos * d + d]);
+                                let (lo, hi) = dst.split_at_mut(h);
+                                for j in 0..h {
+                                    let (a, b) = (head[j].to_acc(), head[j + h].to_acc());
+                                    let (first, second) = if backward {
+                                        // dx[j] = g[j]·cos[j] + g[j+h]·sin[j+h]; dx[j+h] = g[j+h]·cos[j+h] + (−g[j])·sin[j].
+                                        (a * acc(cr[j]) + b * acc(sr[j + h]), b * acc(cr[j + h]) + (-a) * acc(sr[j]))
+                                    } else {
+                                        // out[j] = x[j]·cos[j] + (−x[j+h])·sin[j]; out[j+h] = x[j+h]·cos[j+h] + x[j]·sin[j+h].
+                                        (a * acc(cr[j]) + (-b) * acc(sr[j]), b * acc(cr[j + h]) + a * acc(sr[j + h]))
+                                    };
+                                    lo[j] = MaybeUninit::new(T::from_acc(first));
+                                    hi[j] = MaybeUninit::new(T::from_acc(second));
+                                }
+                            }
+                        },
+                    )
+                })
+            };
+            // SAFETY: the blocks of `par_rows` tile the output in whole heads of
+            // `d` elements, and every element of each head is written above.
+            let out = unsafe { crate::alloc::written(op, self.shape(), fill)? };
             output(out, self.shape())
         })
     }

@@ -83,6 +83,17 @@ impl Binary for GeluBackwardOp {
     }
 }
 
+/// `grad · silu'(x)` in PyTorch's arrangement: with `s = 1 / (1 + e^-x)`,
+/// `grad · s · (1 + x · (1 − s))`.
+struct SiluBackwardOp;
+impl SiluBackwardOp {
+    #[inline(always)]
+    fn apply<R: Real>(g: R, x: R) -> R {
+        let s = R::ONE / (R::ONE + exp(-x));
+        g * s * (R::ONE + x * (R::ONE - s))
+    }
+}
+
 /// `grad · gelu'(x)` as [`GeluBackwardOp`], given also the output
 /// `y = gelu(x) = x·Φ(x)`: the CDF is read off it as `Φ(x) = y / x` (one
 /// division instead of an `erfc`), and `Φ(x) = 1/2` where `|x|` is below
@@ -259,6 +270,50 @@ impl Tensor {
         })
     }
 
+    /// The gradient of [`silu`](Self::silu) with respect to its input `x`,
+    /// given the gradient `self` of its output: `self · s · (1 + x · (1 − s))`
+    /// with `s = sigmoid(x)`, in the compute type (`f32` for `bf16` and `f16`)
+    /// and rounded once, in PyTorch's order of operations. Shapes must be
+    /// equal. PyTorch: `torch.ops.aten.silu_backward(grad, x)`.
+    ///
+    /// # Errors
+    /// [`Error::ShapeMismatch`] when the shapes differ; [`Error::DTypeMismatch`]
+    /// when the dtypes differ; [`Error::InvalidArgument`] for integer tensors.
+    pub fn silu_backward(&self, x: &Tensor) -> Result<Tensor> {
+        const OP: &str = "silu_backward";
+        if self.shape() != x.shape() {
+            return Err(Error::ShapeMismatch {
+                op: OP,
+                detail: format!(
+                    "gradient has shape {:?} but input has {:?}; they must be equal",
+                    self.shape(),
+                    x.shape()
+                ),
+            });
+        }
+        same_dtype(OP, self, x)?;
+        if let Some(out) = super::meta_float(OP, &[self, x], self.shape(), self.dtype()) {
+            return out;
+        }
+        #[cfg(feature = "cuda")]
+        if self.is_cuda() || x.is_cuda() {
+            // The device composes it from its element-wise kernels.
+            let s = x.sigmoid()?;
+            return self.mul(&s.add(&x.mul(&s)?.sub(&x.mul(&s.square()?)?)?)?);
+        }
+        float_dispatch!(OP, self.dtype(), T => {
+            let (g, x) = (elements::<T>(self)?, elements::<T>(x)?);
+            let fill = |out: &mut [MaybeUninit<T>]| {
+                zip_map(&g, &x, out, #[inline(always)] |g, x| {
+                    MaybeUninit::new(T::from_acc(SiluBackwardOp::apply(g.to_acc(), x.to_acc())))
+                });
+            };
+            // SAFETY: `zip_map` writes every element of the output (`g` and `x`
+            // are as long: their shapes are equal).
+            output(unsafe { crate::alloc::written(OP, self.shape(), fill)? }, self.shape())
+        })
+    }
+
     /// [`gelu_backward`](Self::gelu_backward) given also GELU's output
     /// `y = x.gelu()`, which autograd keeps anyway: for `f32` and `f64` the
     /// normal CDF `Φ(x)` is read off it as `y / x` instead of computed again
@@ -422,6 +477,37 @@ mod tests {
             let got = g.cast(dtype).unwrap().gelu_backward(&x.cast(dtype).unwrap()).unwrap();
             assert_close(&got, &want, 2.0 * tol(dtype) + 1e-6, &format!("gelu_backward {dtype}"));
         }
+    }
+
+    /// `silu_backward` against central differences of `silu` (f64, a
+    /// transposed gradient), in f32 and bf16 within their rounding, and the
+    /// shape and dtype errors.
+    #[test]
+    fn silu_backward_matches_finite_differences() {
+        let x = sample(&[4, 5], DType::F64, 5).mul_scalar(4.0).unwrap();
+        let g = sample(&[5, 4], DType::F64, 6).transpose(0, 1).unwrap();
+        let got = g.silu_backward(&x).unwrap();
+        let h = 1e-6;
+        let (xp, xm) = (
+            x.add_scalar(h).unwrap().silu().unwrap(),
+            x.sub_scalar(h).unwrap().silu().unwrap(),
+        );
+        let want: Vec<f64> = xp
+            .to_f64_vec()
+            .iter()
+            .zip(xm.to_f64_vec())
+            .zip(g.to_f64_vec())
+            .map(|((p, m), g)| g * (p - m) / (2.0 * h))
+            .collect();
+        assert_close(&got, &want, 1e-8, "silu_backward");
+        for dtype in [DType::F32, DType::BF16] {
+            let got = g.cast(dtype).unwrap().silu_backward(&x.cast(dtype).unwrap()).unwrap();
+            assert_close(&got, &want, 2.0 * tol(dtype) + 1e-6, &format!("silu_backward {dtype}"));
+        }
+        let err = g.silu_backward(&x.transpose(0, 1).unwrap()).unwrap_err();
+        assert!(err.to_string().contains("must be equal"), "{err}");
+        let err = g.silu_backward(&x.cast(DType::F32).unwrap()).unwrap_err();
+        assert!(matches!(err, Error::DTypeMismatch { .. }), "{err}");
     }
 
     /// The exact `g·(Φ(x) + x·φ(x))` in `f64`, and the size `|g|·(Φ(x) + |x·φ(x)|)`
