@@ -83,6 +83,27 @@ impl Binary for GeluBackwardOp {
     }
 }
 
+/// The checks of an activation's input gradient (`g` the output's gradient,
+/// `x` the input): equal shapes and dtypes; then, for meta tensors, the
+/// planned output.
+///
+/// # Errors
+/// [`Error::ShapeMismatch`] and [`Error::DTypeMismatch`] naming `op`.
+fn input_grad_checks(op: &'static str, g: &Tensor, x: &Tensor) -> Result<Option<Result<Tensor>>> {
+    if g.shape() != x.shape() {
+        return Err(Error::ShapeMismatch {
+            op,
+            detail: format!(
+                "gradient has shape {:?} but input has {:?}; they must be equal",
+                g.shape(),
+                x.shape()
+            ),
+        });
+    }
+    same_dtype(op, g, x)?;
+    Ok(super::meta_float(op, &[g, x], g.shape(), g.dtype()))
+}
+
 /// `grad · silu'(x)` in PyTorch's arrangement: with `s = 1 / (1 + e^-x)`,
 /// `grad · s · (1 + x · (1 − s))`.
 struct SiluBackwardOp;
@@ -220,18 +241,7 @@ impl Tensor {
     /// when the dtypes differ; [`Error::InvalidArgument`] for integer tensors.
     pub fn gelu_backward(&self, x: &Tensor) -> Result<Tensor> {
         const OP: &str = "gelu_backward";
-        if self.shape() != x.shape() {
-            return Err(Error::ShapeMismatch {
-                op: OP,
-                detail: format!(
-                    "gradient has shape {:?} but input has {:?}; they must be equal",
-                    self.shape(),
-                    x.shape()
-                ),
-            });
-        }
-        same_dtype(OP, self, x)?;
-        if let Some(out) = super::meta_float(OP, &[self, x], self.shape(), self.dtype()) {
+        if let Some(out) = input_grad_checks(OP, self, x)? {
             return out;
         }
         #[cfg(feature = "cuda")]
@@ -281,18 +291,7 @@ impl Tensor {
     /// when the dtypes differ; [`Error::InvalidArgument`] for integer tensors.
     pub fn silu_backward(&self, x: &Tensor) -> Result<Tensor> {
         const OP: &str = "silu_backward";
-        if self.shape() != x.shape() {
-            return Err(Error::ShapeMismatch {
-                op: OP,
-                detail: format!(
-                    "gradient has shape {:?} but input has {:?}; they must be equal",
-                    self.shape(),
-                    x.shape()
-                ),
-            });
-        }
-        same_dtype(OP, self, x)?;
-        if let Some(out) = super::meta_float(OP, &[self, x], self.shape(), self.dtype()) {
+        if let Some(out) = input_grad_checks(OP, self, x)? {
             return out;
         }
         #[cfg(feature = "cuda")]
