@@ -251,27 +251,36 @@ fn reduce<T: Float, R: Reducer<T>>(op: &'static str, t: &Tensor, mask: &[bool], 
     } else if let Some(inner) = middle_block(shape, mask) {
         // One run of reduced dims between kept ones (repeat_interleave's
         // gradient, `[.., groups, repeats, ..]` summed over the repeats): each
-        // output row of `inner` elements sums its `count` input rows in order,
-        // in blocks of output rows over the rank's threads, in place.
+        // output row of `inner` elements sums its `count` input rows in order
+        // into a scratch row and is written finished, in blocks of output rows
+        // over the rank's threads.
         let x = elements::<T>(t)?;
-        let mut acc = vec![R::init(); kept];
         let (simd, x) = (Simd::best(), &x[..]);
-        crate::kernel::par_blocks(&mut acc, inner, crate::kernel::par_parts(x.len()), |start, block| {
-            simd.run(
-                #[inline(always)]
-                || {
-                    for (j, out) in block.chunks_exact_mut(inner).enumerate() {
-                        let o = start / inner + j;
-                        for row in x[o * count * inner..(o + 1) * count * inner].chunks_exact(inner) {
-                            for (s, &v) in out.iter_mut().zip(row) {
-                                R::push(s, v);
+        let fill = |out: &mut [std::mem::MaybeUninit<R::Out>]| {
+            crate::kernel::par_rows(out, inner, |start, block| {
+                simd.run(
+                    #[inline(always)]
+                    || {
+                        let mut acc = vec![R::init(); inner];
+                        for (j, o) in block.chunks_exact_mut(inner).enumerate() {
+                            let row = start / inner + j;
+                            acc.fill(R::init());
+                            for input in x[row * count * inner..(row + 1) * count * inner].chunks_exact(inner) {
+                                for (s, &v) in acc.iter_mut().zip(input) {
+                                    R::push(s, v);
+                                }
+                            }
+                            for (o, &s) in o.iter_mut().zip(&acc) {
+                                *o = std::mem::MaybeUninit::new(R::finish(s, count));
                             }
                         }
-                    }
-                },
-            )
-        });
-        acc.into_iter().map(|s| R::finish(s, count)).collect()
+                    },
+                )
+            })
+        };
+        // SAFETY: the blocks of `par_rows` tile the output in whole rows of
+        // `inner` elements, and every element of each row is written.
+        unsafe { crate::alloc::written(op, &out_shape, fill)? }
     } else {
         // Move the reduced dims last (one copy), then reduce rows.
         let order: Vec<usize> = (0..shape.len())
