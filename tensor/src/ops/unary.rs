@@ -454,23 +454,24 @@ mod tests {
         assert_eq!(z.gelu().unwrap().to_vec::<f32>().unwrap()[0], 0.0);
     }
 
+    /// `g · f'(x)` elementwise by central differences of `f` (`f64` tensors).
+    fn central_differences(x: &Tensor, g: &Tensor, f: impl Fn(&Tensor) -> Tensor) -> Vec<f64> {
+        let h = 1e-6;
+        let (p, m) = (f(&x.add_scalar(h).unwrap()), f(&x.sub_scalar(h).unwrap()));
+        p.to_f64_vec()
+            .iter()
+            .zip(m.to_f64_vec())
+            .zip(g.to_f64_vec())
+            .map(|((p, m), g)| g * (p - m) / (2.0 * h))
+            .collect()
+    }
+
     #[test]
     fn gelu_backward_matches_finite_differences() {
         let x = sample(&[4, 5], DType::F64, 3);
         let g = sample(&[5, 4], DType::F64, 4).transpose(0, 1).unwrap();
         let got = g.gelu_backward(&x).unwrap();
-        let h = 1e-6;
-        let (xp, xm) = (
-            x.add_scalar(h).unwrap().gelu().unwrap(),
-            x.sub_scalar(h).unwrap().gelu().unwrap(),
-        );
-        let want: Vec<f64> = xp
-            .to_f64_vec()
-            .iter()
-            .zip(xm.to_f64_vec())
-            .zip(g.to_f64_vec())
-            .map(|((p, m), g)| g * (p - m) / (2.0 * h))
-            .collect();
+        let want = central_differences(&x, &g, |x| x.gelu().unwrap());
         assert_close(&got, &want, 1e-8, "gelu_backward");
         for dtype in [DType::F32, DType::BF16] {
             let got = g.cast(dtype).unwrap().gelu_backward(&x.cast(dtype).unwrap()).unwrap();
@@ -486,18 +487,7 @@ mod tests {
         let x = sample(&[4, 5], DType::F64, 5).mul_scalar(4.0).unwrap();
         let g = sample(&[5, 4], DType::F64, 6).transpose(0, 1).unwrap();
         let got = g.silu_backward(&x).unwrap();
-        let h = 1e-6;
-        let (xp, xm) = (
-            x.add_scalar(h).unwrap().silu().unwrap(),
-            x.sub_scalar(h).unwrap().silu().unwrap(),
-        );
-        let want: Vec<f64> = xp
-            .to_f64_vec()
-            .iter()
-            .zip(xm.to_f64_vec())
-            .zip(g.to_f64_vec())
-            .map(|((p, m), g)| g * (p - m) / (2.0 * h))
-            .collect();
+        let want = central_differences(&x, &g, |x| x.silu().unwrap());
         assert_close(&got, &want, 1e-8, "silu_backward");
         for dtype in [DType::F32, DType::BF16] {
             let got = g.cast(dtype).unwrap().silu_backward(&x.cast(dtype).unwrap()).unwrap();
