@@ -223,3 +223,54 @@ fn an_error_inside_a_module_names_the_module() {
         "{direct}"
     );
 }
+
+/// Any asynchronous collective a recording rank waits for is recorded as its
+/// run on the communication thread (`What::CommRun`), under the group name,
+/// kind and bytes of its queued `Collective` event, lying after that hand-off;
+/// one issued while nothing records is not recorded when waited for later.
+#[test]
+fn an_asynchronous_collective_waited_for_records_its_run() {
+    let out = launch(2, |ctx| {
+        let mesh = DeviceMesh::with_names(ctx.into_comm(), &[2], &["dp"])?;
+        let comm = mesh.dim_comm(0)?;
+        let unrecorded = comm.all_reduce_async(vec![1.0f32; 64].into(), tessera::ReduceOp::Sum);
+        let rec = observe::record();
+        let work = comm.all_gather_async(vec![1.0f32; 256].into());
+        let (got, timing) = work.wait_timed();
+        assert_eq!(got?.len(), 512);
+        assert_eq!(unrecorded.wait_vec::<f32>()?, vec![2.0; 64]);
+        Ok((rec.finish(), timing))
+    })
+    .unwrap();
+    for (events, timing) in out {
+        let queued: Vec<&observe::Event> = events
+            .iter()
+            .filter(|e| matches!(e.what, What::Collective { queued: true, .. }))
+            .collect();
+        let runs: Vec<&observe::Event> = events
+            .iter()
+            .filter(|e| matches!(e.what, What::CommRun { .. }))
+            .collect();
+        assert_eq!((queued.len(), runs.len()), (1, 1), "{events:?}");
+        let What::Collective { kind, group, bytes, .. } = &queued[0].what else {
+            unreachable!()
+        };
+        let What::CommRun {
+            kind: run_kind,
+            group: run_group,
+            bytes: run_bytes,
+            blocked_ns,
+        } = &runs[0].what
+        else {
+            unreachable!()
+        };
+        assert_eq!((*run_kind, &**run_group, *run_bytes), (*kind, &**group, *bytes));
+        assert_eq!((*kind, &**group), (OpKind::AllGather, "dp"));
+        assert_eq!(*blocked_ns, timing.blocked.as_nanos() as u64);
+        assert_eq!(runs[0].dur_ns, timing.run().as_nanos() as u64);
+        assert!(
+            runs[0].start_ns >= queued[0].start_ns,
+            "the run starts after the hand-off"
+        );
+    }
+}

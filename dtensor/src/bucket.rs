@@ -58,8 +58,7 @@
 //! .unwrap();
 //! ```
 
-use tessera_mesh::observe::What;
-use tessera_mesh::{DType, DeviceMesh, HeldBuf, OpKind, Pieces, Planned, ReduceOp, Work, WorkTiming};
+use tessera_mesh::{DType, DeviceMesh, HeldBuf, Pieces, Planned, ReduceOp, Work, WorkTiming};
 
 use tessera_tensor::Error as TensorError;
 use tessera_tensor::memory::{Allocation, Category, allocating_as};
@@ -131,8 +130,6 @@ pub struct BucketWork {
     block: usize,
     /// Ranks along the mesh dim.
     world: usize,
-    /// The mesh dim it runs over.
-    dim: usize,
     dtype: DType,
     flight: Flight,
 }
@@ -359,7 +356,6 @@ fn start(
             entries,
             block,
             world: 1,
-            dim: mesh_dim,
             dtype,
             flight: Flight::Empty,
         });
@@ -382,7 +378,6 @@ fn start(
         entries,
         block,
         world,
-        dim: mesh_dim,
         dtype,
         flight,
     })
@@ -560,7 +555,6 @@ impl BucketWork {
             entries,
             block,
             world,
-            dim,
             dtype,
             flight,
         } = self;
@@ -591,20 +585,6 @@ impl BucketWork {
             Flight::Comm { work, _charge: charge } => {
                 let (buf, ran) = work.wait_timed();
                 let buf = buf?;
-                if let Some((start, end)) = ran.ran {
-                    let (op, sent) = match kind {
-                        Kind::Gather => (OpKind::AllGather, block),
-                        Kind::Scatter => (OpKind::ReduceScatter, world * block),
-                        Kind::AllReduce => (OpKind::AllReduce, block),
-                    };
-                    let what = What::CommRun {
-                        kind: op,
-                        group: mesh.names().get(dim).map_or("?", String::as_str).into(),
-                        bytes: (sent * dtype.size_in_bytes()) as u64,
-                        blocked_ns: ran.blocked.as_nanos() as u64,
-                    };
-                    tessera_mesh::observe::ran(what, start, end);
-                }
                 timing = Some(ran);
                 // The output's charge passes to its tensor (counted once).
                 drop(charge);

@@ -4,6 +4,7 @@ use std::fmt;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+use crate::observe::RunLabel;
 use crate::{Buffer, Element, Error, Result};
 
 /// A handle on an asynchronous collective; [`wait`](Work::wait) returns its output.
@@ -15,6 +16,8 @@ pub struct Work {
     state: WorkState,
     /// When the collective was issued.
     issued: Instant,
+    /// What its run is recorded as when waited for, while the rank records.
+    label: Option<RunLabel>,
     /// Told `-1` when a thread starts blocking in [`wait`](Work::wait) on an
     /// unfinished collective and `+1` when it stops (the threads backend's
     /// activity record: a rank whose closure only waits on its own collectives
@@ -82,6 +85,7 @@ impl Work {
         Work {
             state: WorkState::Ready(result, None),
             issued: Instant::now(),
+            label: None,
             on_block: None,
         }
     }
@@ -91,8 +95,16 @@ impl Work {
         Work {
             state: WorkState::Pending { rank, rx },
             issued: Instant::now(),
+            label: None,
             on_block: None,
         }
+    }
+
+    /// Records the collective's run under `label` when it is waited for
+    /// (see [`observe::queued`](crate::observe)).
+    pub(crate) fn labelled(mut self, label: Option<RunLabel>) -> Work {
+        self.label = label;
+        self
     }
 
     /// Calls `hook(-1)` when [`wait`](Work::wait) blocks and `hook(1)` when it
@@ -129,7 +141,8 @@ impl Work {
     }
 
     /// [`wait`](Self::wait), also telling when the collective ran and how
-    /// long this call blocked for it.
+    /// long this call blocked for it; a recording rank records the run on
+    /// its communication track ([`What::CommRun`](crate::observe::What::CommRun)).
     pub fn wait_timed(self) -> (Result<Buffer>, WorkTiming) {
         let mut blocked = Duration::ZERO;
         let (result, ran) = match self.state {
@@ -151,6 +164,9 @@ impl Work {
                 }
             },
         };
+        if let (Some(label), Some((start, end))) = (self.label, ran) {
+            label.record(start, end, blocked);
+        }
         let timing = WorkTiming {
             issued: self.issued,
             ran,

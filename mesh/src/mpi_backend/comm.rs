@@ -202,9 +202,9 @@ impl MpiComm {
             _ => kind.bytes_sent(self.size, bytes),
         };
         self.rt.stats.record_exact(kind, sent);
-        drop(crate::observe::collective(self.addr(), kind, self.size, sent, true));
+        let run = crate::observe::queued(self.addr(), kind, self.size, sent);
         let ex = self.exec_for(kind);
-        self.worker.submit(move || f(ex))
+        self.worker.submit(move || f(ex)).labelled(run)
     }
 
     /// An asynchronous collective whose arguments failed this rank's own checks:

@@ -107,8 +107,8 @@ pub enum What {
     Region(&'static str),
     /// An asynchronous collective's run on the communication thread, from its
     /// start to its finish (peers' arrival included), recorded when the rank
-    /// waits for it ([`ran`]); the trace draws it on the rank's
-    /// communication track.
+    /// waits for it ([`Work::wait_timed`](crate::Work::wait_timed)); the trace
+    /// draws it on the rank's communication track.
     CommRun {
         /// Its kind.
         kind: OpKind,
@@ -330,7 +330,7 @@ pub fn current_module() -> Option<(Arc<str>, Phase)> {
 /// Records `what`, which ran from `start` to `end` (on another thread, such
 /// as a collective's run on the communication thread), as an event of the
 /// calling rank's recording, under the innermost module running now.
-pub fn ran(what: What, start: Instant, end: Instant) {
+fn ran(what: What, start: Instant, end: Instant) {
     if RECORDING.load(Ordering::Relaxed) == 0 {
         return;
     }
@@ -387,14 +387,55 @@ pub fn name_group(comm: usize, name: &str) {
     GROUPS.with(|g| g.borrow_mut().insert(comm, Arc::from(name)));
 }
 
+/// The name of the communicator at `comm` of `ranks` ranks on this thread
+/// (see [`name_group`]), `comm(ranks)` when no mesh named it.
+fn group_name(comm: usize, ranks: usize) -> Arc<str> {
+    let group = GROUPS.with(|g| g.borrow().get(&comm).cloned());
+    group.unwrap_or_else(|| Arc::from(format!("comm({ranks})")))
+}
+
+/// What an asynchronous collective's run is recorded as when its rank waits
+/// for it ([`What::CommRun`]): made where the backend queues it, which names
+/// its group as for [`What::Collective`].
+pub(crate) struct RunLabel {
+    kind: OpKind,
+    group: Arc<str>,
+    bytes: u64,
+}
+
+impl RunLabel {
+    /// Records the run, from `start` to `end` on the communication thread,
+    /// for which the rank blocked `blocked`.
+    pub(crate) fn record(self, start: Instant, end: Instant, blocked: std::time::Duration) {
+        let what = What::CommRun {
+            kind: self.kind,
+            group: self.group,
+            bytes: self.bytes,
+            blocked_ns: blocked.as_nanos() as u64,
+        };
+        ran(what, start, end);
+    }
+}
+
+/// [`collective`] of an asynchronous collective, timed to its hand-off to
+/// the communication thread; and, while this thread records, the label its
+/// run is recorded under when the rank waits for it.
+pub(crate) fn queued(comm: usize, kind: OpKind, ranks: usize, bytes: u64) -> Option<RunLabel> {
+    drop(collective(comm, kind, ranks, bytes, true));
+    (active() && !matches!(kind, OpKind::Split)).then(|| RunLabel {
+        kind,
+        group: group_name(comm, ranks),
+        bytes,
+    })
+}
+
 /// The span of a collective that the communicator at `comm` issues (see
 /// [`What::Collective`]); backends call it where they count the collective.
 pub fn collective(comm: usize, kind: OpKind, ranks: usize, bytes: u64, queued: bool) -> Span {
     if RECORDING.load(Ordering::Relaxed) == 0 || matches!(kind, OpKind::Split) {
         return Span::none();
     }
-    let group = GROUPS.with(|g| g.borrow().get(&comm).cloned());
-    let group = group.unwrap_or_else(|| Arc::from(format!("comm({ranks})")));
+    let group = group_name(comm, ranks);
     span(What::Collective {
         kind,
         group,

@@ -11,6 +11,7 @@ use crate::comm::{
 };
 use crate::context::RankId;
 use crate::dtype::Filling;
+use crate::observe::RunLabel;
 use crate::stats::CommStats;
 use crate::{Buf, BufMut, Buffer, Communicator, OpKind, Pieces, ReduceOp, Result, Work};
 
@@ -67,15 +68,15 @@ impl ThreadComm {
     }
 
     /// [`record`](Self::record) for an asynchronous collective, timed to its
-    /// hand-off.
-    fn record_queued(&self, kind: OpKind, bytes: usize) {
-        self.record_queued_sent(kind, kind.bytes_sent(self.size(), bytes));
+    /// hand-off; the label its run is recorded under (for [`submit`](Self::submit)).
+    fn record_queued(&self, kind: OpKind, bytes: usize) -> Option<RunLabel> {
+        self.record_queued_sent(kind, kind.bytes_sent(self.size(), bytes))
     }
 
     /// [`record_sent`](Self::record_sent) for an asynchronous collective.
-    fn record_queued_sent(&self, kind: OpKind, sent: u64) {
+    fn record_queued_sent(&self, kind: OpKind, sent: u64) -> Option<RunLabel> {
         self.stats.record_exact(kind, sent);
-        drop(crate::observe::collective(self.addr(), kind, self.size(), sent, true));
+        crate::observe::queued(self.addr(), kind, self.size(), sent)
     }
 
     /// This communicator's address, by which meshes name it.
@@ -88,8 +89,13 @@ impl ThreadComm {
     /// unrun (see the cross-group mismatch check in `activity`).
     /// The call site is the caller's (the asynchronous method's caller), captured
     /// here and set on the communication thread while the collective runs.
+    /// Its run is recorded under `label` when waited for.
     #[track_caller]
-    fn submit(&self, f: impl FnOnce(&Group, usize) -> Result<Buffer> + Send + 'static) -> Work {
+    fn submit(
+        &self,
+        label: Option<RunLabel>,
+        f: impl FnOnce(&Group, usize) -> Result<Buffer> + Send + 'static,
+    ) -> Work {
         let (group, rank) = (self.group.clone(), self.rank);
         let site = crate::callsite::here();
         let agent = Agent::start(&group, rank);
@@ -103,6 +109,7 @@ impl ThreadComm {
             // A closure thread blocked on the result is not an active agent (as
             // in `fence`).
             .on_block(Box::new(move |delta| world.activity.add(me, delta)))
+            .labelled(label)
     }
 }
 
@@ -321,9 +328,9 @@ impl Communicator for ThreadComm {
     }
 
     fn all_gather_async(&self, send: Buffer) -> Work {
-        self.record_queued(OpKind::AllGather, bytes(&send.as_buf()) * self.size());
+        let run = self.record_queued(OpKind::AllGather, bytes(&send.as_buf()) * self.size());
         let n = self.size();
-        self.submit(move |g, r| {
+        self.submit(run, move |g, r| {
             filled(send.dtype(), send.len() * n, |out| {
                 kernels::all_gather(g, r, send.as_buf(), out)
             })
@@ -336,8 +343,8 @@ impl Communicator for ThreadComm {
         if let Err(e) = crate::comm::check_segments(self, (send.dtype(), send.len()), recv, &segments) {
             return Work::ready(Err(e));
         }
-        self.record_queued(OpKind::AllGather, bytes(&send.as_buf()) * n);
-        self.submit(move |g, r| {
+        let run = self.record_queued(OpKind::AllGather, bytes(&send.as_buf()) * n);
+        self.submit(run, move |g, r| {
             filled(send.dtype(), send.len() * n, |out| {
                 kernels::all_gather_segmented(g, r, Source::Flat(send.as_buf()), out, &segments)
             })
@@ -345,9 +352,9 @@ impl Communicator for ThreadComm {
     }
 
     fn reduce_scatter_async(&self, send: Buffer, op: ReduceOp) -> Work {
-        self.record_queued(OpKind::ReduceScatter, bytes(&send.as_buf()));
+        let run = self.record_queued(OpKind::ReduceScatter, bytes(&send.as_buf()));
         let n = self.size();
-        self.submit(move |g, r| {
+        self.submit(run, move |g, r| {
             filled(send.dtype(), send.len() / n, |out| {
                 kernels::reduce_scatter(g, r, Source::Flat(send.as_buf()), out, op)
             })
@@ -360,8 +367,8 @@ impl Communicator for ThreadComm {
         if let Err(e) = crate::comm::check_segments(self, (dtype, len), (dtype, len.saturating_mul(n)), &segments) {
             return Work::ready(Err(e));
         }
-        self.record_queued(OpKind::AllGather, len * dtype.size_in_bytes() * n);
-        self.submit(move |g, r| {
+        let run = self.record_queued(OpKind::AllGather, len * dtype.size_in_bytes() * n);
+        self.submit(run, move |g, r| {
             filled(dtype, len * n, |out| {
                 kernels::all_gather_segmented(g, r, Source::Pieces(&send), out, &segments)
             })
@@ -370,9 +377,9 @@ impl Communicator for ThreadComm {
 
     fn reduce_scatter_pieces_async(&self, send: Pieces, op: ReduceOp) -> Work {
         let (dtype, len) = (send.dtype(), send.len());
-        self.record_queued(OpKind::ReduceScatter, len * dtype.size_in_bytes());
+        let run = self.record_queued(OpKind::ReduceScatter, len * dtype.size_in_bytes());
         let n = self.size();
-        self.submit(move |g, r| {
+        self.submit(run, move |g, r| {
             filled(dtype, len / n, |out| {
                 kernels::reduce_scatter(g, r, Source::Pieces(&send), out, op)
             })
@@ -381,13 +388,15 @@ impl Communicator for ThreadComm {
 
     fn all_reduce_async(&self, mut buf: Buffer, op: ReduceOp) -> Work {
         let sent = self.all_reduce_sent(&buf.as_buf());
-        self.record_queued_sent(OpKind::AllReduce, sent);
-        self.submit(move |g, r| kernels::all_reduce(g, r, None, buf.as_buf_mut(), op).map(|_| buf))
+        let run = self.record_queued_sent(OpKind::AllReduce, sent);
+        self.submit(run, move |g, r| {
+            kernels::all_reduce(g, r, None, buf.as_buf_mut(), op).map(|_| buf)
+        })
     }
 
     fn all_to_all_async(&self, send: Buffer) -> Work {
-        self.record_queued(OpKind::AllToAll, bytes(&send.as_buf()));
-        self.submit(move |g, r| {
+        let run = self.record_queued(OpKind::AllToAll, bytes(&send.as_buf()));
+        self.submit(run, move |g, r| {
             filled(send.dtype(), send.len(), |out| {
                 kernels::all_to_all(g, r, send.as_buf(), out)
             })
@@ -395,8 +404,10 @@ impl Communicator for ThreadComm {
     }
 
     fn broadcast_async(&self, mut buf: Buffer, root: usize) -> Work {
-        self.record_queued(OpKind::Broadcast, bytes(&buf.as_buf()));
-        self.submit(move |g, r| kernels::broadcast(g, r, buf.as_buf_mut(), root).map(|_| buf))
+        let run = self.record_queued(OpKind::Broadcast, bytes(&buf.as_buf()));
+        self.submit(run, move |g, r| {
+            kernels::broadcast(g, r, buf.as_buf_mut(), root).map(|_| buf)
+        })
     }
 }
 
