@@ -276,6 +276,66 @@ pub(crate) fn exp_f32(x: f32) -> f32 {
     exp_hi_lo(x, 0.0)
 }
 
+/// Whether this CPU has AVX-512F (detected once), for kernels written with
+/// its intrinsics.
+#[cfg(target_arch = "x86_64")]
+pub(crate) fn avx512f() -> bool {
+    static DETECTED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *DETECTED.get_or_init(|| std::arch::is_x86_feature_detected!("avx512f"))
+}
+
+/// [`exp_f32`] of sixteen lanes with explicit AVX-512 instructions: the same
+/// operations in the same order (the clamp, the range reduction, the
+/// polynomial by fused multiply-adds, the two-factor scaling, the selects),
+/// so the same bits lane by lane. For kernels whose loop around the `exp` the
+/// compiler does not vectorise (a running `f64` sum in the same pass).
+///
+/// # Safety
+/// AVX-512F.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+pub(crate) unsafe fn exp_f32x16(x: std::arch::x86_64::__m512) -> std::arch::x86_64::__m512 {
+    use std::arch::x86_64::*;
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    const LN2_HI: f32 = 0.693_359_4;
+    const LN2_LO: f32 = -2.121_944_4e-4;
+    const ROUND: f32 = 12_582_912.0;
+    const P: [f32; 6] = [
+        1.987_569_2e-4,
+        1.398_2e-3,
+        8.333_452e-3,
+        4.166_579_6e-2,
+        1.666_666_5e-1,
+        0.5,
+    ];
+    let f = _mm512_set1_ps;
+    // `hi + lo` with `lo = 0` (as `exp_f32` calls `exp_hi_lo`: −0 becomes +0).
+    let lo = _mm512_setzero_ps();
+    let x = _mm512_add_ps(x, lo);
+    // `f32::clamp`, NaN kept: `max_ps` and `min_ps` return their second
+    // operand when either is NaN.
+    let xc = _mm512_min_ps(f(EXP_HI), _mm512_max_ps(f(EXP_LO), x));
+    let t = _mm512_add_ps(_mm512_mul_ps(xc, f(LOG2E)), f(ROUND));
+    let n = _mm512_sub_ps(t, f(ROUND));
+    let ni = _mm512_sub_epi32(_mm512_castps_si512(t), _mm512_set1_epi32(ROUND.to_bits() as i32));
+    let r = _mm512_sub_ps(
+        _mm512_sub_ps(x, _mm512_mul_ps(n, f(LN2_HI))),
+        _mm512_mul_ps(n, f(LN2_LO)),
+    );
+    let r = _mm512_add_ps(r, lo);
+    let r2 = _mm512_mul_ps(r, r);
+    let p = P[1..].iter().fold(f(P[0]), |acc, &k| _mm512_fmadd_ps(acc, r, f(k)));
+    let y = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(p, r2), r), f(1.0));
+    let pow2i = |n: __m512i| _mm512_castsi512_ps(_mm512_slli_epi32::<23>(_mm512_add_epi32(n, _mm512_set1_epi32(127))));
+    let n1 = _mm512_srai_epi32::<1>(ni);
+    let y = _mm512_mul_ps(_mm512_mul_ps(y, pow2i(n1)), pow2i(_mm512_sub_epi32(ni, n1)));
+    let over = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(x, f(EXP_HI));
+    let under = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(x, f(EXP_LO));
+    let y = _mm512_mask_blend_ps(over, y, f(f32::INFINITY));
+    _mm512_mask_blend_ps(under, y, _mm512_setzero_ps())
+}
+
 /// `erfc(x)` in `f32`, branch-free, from two approximations computed for
 /// every element and selected per element:
 ///
@@ -379,6 +439,63 @@ mod tests {
                 (ulps(f(x), want(x as f64)), x)
             })
             .fold((0.0, lo), |a, b| if b.0 > a.0 { b } else { a })
+    }
+
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn exp_f32x16_is_exp_f32_lane_by_lane() {
+        if !avx512f() {
+            // Nothing to compare with: no kernel calls it on this CPU.
+            assert!(
+                !Simd::supported().contains(&Simd::Avx512),
+                "AVX-512F detected one way, not the other"
+            );
+            return;
+        }
+        // A dense sweep over every range (overflow, underflow to subnormals and
+        // zero, both signs), the boundaries and the special values.
+        let mut xs: Vec<f32> = (0..400_000).map(|i| -120.0 + i as f32 * 0.000_52).collect();
+        xs.extend([
+            0.0,
+            -0.0,
+            EXP_HI,
+            EXP_LO,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::NAN,
+            f32::MAX,
+            f32::MIN,
+            f32::MIN_POSITIVE,
+            -f32::MIN_POSITIVE,
+            1e-30,
+            -1e-30,
+            88.72,
+            88.73,
+            -103.97,
+            -103.98,
+            -87.33,
+        ]);
+        xs.extend(
+            [EXP_HI, EXP_LO]
+                .iter()
+                .flat_map(|&b| (-40..40).map(move |d| f32::from_bits((b.to_bits() as i32 + d) as u32))),
+        );
+        let pad = xs.len().next_multiple_of(16);
+        xs.resize(pad, 1.0);
+        for c in xs.chunks_exact(16) {
+            // SAFETY: AVX-512F detected above; 16 lanes read from and written to arrays of 16.
+            let got: [f32; 16] = unsafe {
+                let v = std::arch::x86_64::_mm512_loadu_ps(c.as_ptr());
+                std::mem::transmute(exp_f32x16(v))
+            };
+            for (&x, &g) in c.iter().zip(&got) {
+                let want = exp_f32(x);
+                assert!(
+                    g.to_bits() == want.to_bits() || (g.is_nan() && want.is_nan()),
+                    "exp({x:e}): {g:e} lane, {want:e} scalar"
+                );
+            }
+        }
     }
 
     #[test]

@@ -12,6 +12,8 @@ mod par;
 
 pub(crate) use dispatch::{any_dispatch, float_dispatch, not_float, unravel};
 pub use fastmath::Simd;
+#[cfg(target_arch = "x86_64")]
+pub(crate) use fastmath::{avx512f, exp_f32x16};
 pub(crate) use fastmath::{erfc, exp, zip_map, zip_map_inline, zip3_map};
 pub use num::Real;
 pub(crate) use num::{Float, Scalar, convert, convert_extend};

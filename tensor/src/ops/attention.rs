@@ -19,7 +19,7 @@ use half::{bf16, f16};
 use tessera_mesh::DType;
 
 use super::matmul::{Causal, Gemm, GemmKernel, Mat, OutPtr, entry, part_flops};
-use super::nn::{ProbsScratch, attention_probs_row};
+use super::nn::{ProbsScratch, attention_probs_rows};
 use super::nn_backward::attention_probs_grad_row;
 use super::rows::causal_keep;
 use super::{output, same_dtype};
@@ -605,11 +605,7 @@ fn forward<T: Gemm>(q: &Tensor, k: &Tensor, v: &Tensor, attn: Attention) -> Resu
                 let (sc, w) = (scratch.slice(p), weights.slice(i));
                 simd.run(
                     #[inline(always)]
-                    || {
-                        for (row, (x, y)) in sc.chunks_exact(s).zip(w.chunks_exact_mut(s)).enumerate() {
-                            attention_probs_row(causal_keep(attn.is_causal, row, s), scale, x, y, &mut rows);
-                        }
-                    },
+                    || attention_probs_rows(attn.is_causal, scale, sc, w, s, &mut rows),
                 );
                 let (wi, vi) = (weights.mat(i, false), vo.mat(i, false));
                 out.product(i, kernel, [l, s, ev], wi, vi, attn.part(Causal::Weights));

@@ -40,8 +40,7 @@ const NR: usize = 32;
 
 /// Whether this CPU runs the kernel (AVX-512F, detected once).
 pub(super) fn detected() -> bool {
-    static DETECTED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *DETECTED.get_or_init(|| std::arch::is_x86_feature_detected!("avx512f"))
+    crate::kernel::avx512f()
 }
 
 /// Whether an `m×k · k×n` product with right operand `b` fits this kernel:

@@ -391,6 +391,68 @@ fn attention_probs_equal_the_chain_they_fuse() {
     }
 }
 
+/// The `f32` rows of whole groups of eight keys (the AVX-512 kernel, one row
+/// at a time and four at a time) give the bits of the generic row kernel:
+/// every count of kept keys from none to all, rows of one to sixteen groups,
+/// large, tiny, −∞ and NaN scores, a negative scale, and blocks of rows that
+/// are not a multiple of four.
+#[test]
+fn attention_probs_rows_have_the_generic_rows_bits() {
+    assert_eq!(
+        probs_row_vector(24),
+        Simd::best() == Simd::Avx512,
+        "the vector rows run where AVX-512F is"
+    );
+    assert!(!probs_row_vector(20), "rows of a partial group stay generic");
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    for s in [8, 16, 24, 40, 128] {
+        let mut x: Vec<f32> = sample(&[s + 3, s], DType::F32, s as u64)
+            .mul_scalar(30.0)
+            .unwrap()
+            .to_f64_vec()
+            .iter()
+            .map(|&v| v as f32)
+            .collect();
+        // Special rows: a huge score, a NaN, a −∞ among finite scores, tiny
+        // scores (subnormal weights), all −∞.
+        x[s + 1] = 3.0e38;
+        x[2 * s + s / 2] = f32::NAN;
+        x[3 * s] = f32::NEG_INFINITY;
+        x[4 * s..5 * s].iter_mut().for_each(|v| *v = -100.0 * v.abs() - 80.0);
+        x[5 * s..6 * s].fill(f32::NEG_INFINITY);
+        for scale in [0.35f32, -1.5] {
+            let generic = |keep: usize, row: &[f32]| {
+                let mut out = vec![7.0f32; s];
+                probs_row_generic(keep, scale, row, &mut out, &mut Default::default());
+                out
+            };
+            for (r, row) in x.chunks_exact(s).enumerate() {
+                for keep in 0..=s {
+                    let mut got = vec![7.0f32; s];
+                    attention_probs_row(keep, scale, row, &mut got, &mut Default::default());
+                    assert_eq!(
+                        bits(&got),
+                        bits(&generic(keep, row)),
+                        "s {s} row {r} keep {keep} scale {scale}"
+                    );
+                }
+            }
+            for causal in [true, false] {
+                let mut got = vec![7.0f32; x.len()];
+                attention_probs_rows(causal, scale, &x, &mut got, s, &mut Default::default());
+                for (q, (row, got)) in x.chunks_exact(s).zip(got.chunks_exact(s)).enumerate() {
+                    let keep = crate::ops::rows::causal_keep(causal, q, s);
+                    assert_eq!(
+                        bits(got),
+                        bits(&generic(keep, row)),
+                        "s {s} query {q} causal {causal} scale {scale}"
+                    );
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn attention_probs_errors() {
     let x = sample(&[2, 4], DType::F32, 1);
