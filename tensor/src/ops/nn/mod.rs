@@ -41,12 +41,12 @@ pub(super) fn attention_probs_row<T: Float>(
     scratch: &mut ProbsScratch<T>,
 ) {
     #[cfg(target_arch = "x86_64")]
-    if T::DTYPE == DType::F32 && probs_row_vector(row.len()) {
+    if T::DTYPE == DType::F32 && vector_rows(row.len()) {
         assert_eq!(row.len(), out.len(), "attention_probs_row: row and output lengths");
         // SAFETY: `T` is `f32` (checked), AVX-512F and whole groups of eight
         // keys (checked), one row of `row.len()` keys in and out.
         unsafe {
-            probs_rows_f32::<1>(
+            softmax_avx512::rows::<1>(
                 [keep],
                 scale.widen() as f32,
                 row.as_ptr().cast(),
@@ -75,7 +75,7 @@ pub(super) fn attention_probs_rows<T: Float>(
 ) {
     assert_eq!(rows.len(), out.len(), "attention_probs_rows: rows and output lengths");
     #[cfg(target_arch = "x86_64")]
-    if T::DTYPE == DType::F32 && s > 0 && probs_row_vector(s) {
+    if T::DTYPE == DType::F32 && s > 0 && vector_rows(s) {
         let n = rows.len() / s;
         let (src, dst) = (rows.as_ptr().cast::<f32>(), out.as_mut_ptr().cast::<f32>());
         let scale = scale.widen() as f32;
@@ -86,11 +86,11 @@ pub(super) fn attention_probs_rows<T: Float>(
         unsafe {
             while q + 4 <= n {
                 let keep = std::array::from_fn(|r| causal_keep(is_causal, q + r, s));
-                probs_rows_f32::<4>(keep, scale, src.add(q * s), dst.add(q * s), s);
+                softmax_avx512::rows::<4>(keep, scale, src.add(q * s), dst.add(q * s), s);
                 q += 4;
             }
             for q in q..n {
-                probs_rows_f32::<1>([causal_keep(is_causal, q, s)], scale, src.add(q * s), dst.add(q * s), s);
+                softmax_avx512::rows::<1>([causal_keep(is_causal, q, s)], scale, src.add(q * s), dst.add(q * s), s);
             }
         }
         return;
@@ -100,107 +100,15 @@ pub(super) fn attention_probs_rows<T: Float>(
     }
 }
 
-/// Whether [`attention_probs_row`] of an `f32` row of `len` keys runs
-/// [`probs_rows_f32`]: AVX-512F, and whole groups of eight keys (the sum's
-/// lanes then need no tail).
-pub(super) fn probs_row_vector(len: usize) -> bool {
+/// Whether an `f32` softmax row of `len` keys runs the AVX-512 kernel
+/// ([`softmax_avx512::rows`]): AVX-512F and whole groups of eight keys.
+pub(super) fn vector_rows(len: usize) -> bool {
     #[cfg(target_arch = "x86_64")]
-    return len.is_multiple_of(8) && crate::kernel::avx512f();
+    return softmax_avx512::fits(len);
     #[cfg(not(target_arch = "x86_64"))]
     {
         let _ = len;
         false
-    }
-}
-
-/// [`attention_probs_row`] of `R` consecutive `f32` rows (row `r` at `src +
-/// r·s`, its weights at `dst + r·s`, keeping `keep[r]` keys) with explicit
-/// AVX-512 code: the same bits as [`probs_row_generic`], in three passes
-/// over each row instead of five (its exponentials and their `f64` sum in
-/// one, which the compiler does not vectorise written as a loop): the
-/// largest scaled score, then each exponential written out and added to the
-/// same eight `f64` lanes in the same order, then the weights scaled in
-/// place. Sixteen keys at a time, the last group of a row under a mask of
-/// its kept keys (zero past them, as the generic sum sees them).
-///
-/// # Safety
-/// AVX-512F; `s` a multiple of 8, `keep[r] <= s`; `R` rows of `s` floats
-/// readable at `src` and writable at `dst`.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn probs_rows_f32<const R: usize>(keep: [usize; R], scale: f32, src: *const f32, dst: *mut f32, s: usize) {
-    use std::arch::x86_64::*;
-    let mask = |r: usize, i: usize| -> __mmask16 {
-        match keep[r].saturating_sub(i) {
-            k if k >= 16 => !0,
-            k => (1u16 << k) - 1,
-        }
-    };
-    let longest = keep.iter().copied().max().unwrap_or(0);
-    let sc = _mm512_set1_ps(scale);
-    // Every access below is to keys i..i + 16 of row r under a mask of those
-    // below its `keep` (masked-off lanes are neither read nor written).
-    let scaled = |r: usize, i: usize, m: __mmask16| {
-        // SAFETY: the kept keys of row r are inside its `s` keys at `src` (the caller).
-        _mm512_mul_ps(unsafe { _mm512_maskz_loadu_ps(m, src.add(r * s + i)) }, sc)
-    };
-    let mut max = [_mm512_set1_ps(f32::NEG_INFINITY); R];
-    let mut nan = [0; R];
-    for i in (0..longest).step_by(16) {
-        for r in 0..R {
-            let (m, x) = (mask(r, i), scaled(r, i, mask(r, i)));
-            nan[r] |= _mm512_mask_cmp_ps_mask::<_CMP_UNORD_Q>(m, x, x);
-            max[r] = _mm512_mask_max_ps(max[r], m, max[r], x);
-        }
-    }
-    // Which of two equal zeros is the largest does not change `x − max`'s
-    // exponential, so the order of the maximum does not matter.
-    let max: [__m512; R] = std::array::from_fn(|r| {
-        _mm512_set1_ps(if nan[r] != 0 {
-            f32::NAN
-        } else {
-            _mm512_reduce_max_ps(max[r])
-        })
-    });
-    let high = |v: __m512| _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v)));
-    let mut acc = [_mm512_setzero_pd(); R];
-    for i in (0..longest).step_by(16) {
-        for r in 0..R {
-            let m = mask(r, i);
-            // SAFETY: AVX-512F (the caller).
-            let e = unsafe { crate::kernel::exp_f32x16(_mm512_sub_ps(scaled(r, i, m), max[r])) };
-            let e = _mm512_maskz_mov_ps(m, e);
-            // SAFETY: row r's kept keys at `dst` are writable (the caller).
-            unsafe { _mm512_mask_storeu_ps(dst.add(r * s + i), m, e) };
-            acc[r] = _mm512_add_pd(acc[r], _mm512_cvtps_pd(_mm512_castps512_ps256(e)));
-            acc[r] = _mm512_add_pd(acc[r], _mm512_cvtps_pd(high(e)));
-        }
-    }
-    let inv: [f64; R] = std::array::from_fn(|r| {
-        let mut a = [0f64; 8];
-        // SAFETY: eight lanes stored to an array of eight.
-        unsafe { _mm512_storeu_pd(a.as_mut_ptr(), acc[r]) };
-        1.0 / (((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7])))
-    });
-    for i in (0..longest).step_by(16) {
-        for r in 0..R {
-            let (m, inv) = (mask(r, i), _mm512_set1_pd(inv[r]));
-            // SAFETY: key i of row r is inside the rows at `dst` (i < keep[r] <= s).
-            let p = unsafe { dst.add(r * s + i) };
-            // SAFETY: row r's kept keys at `dst`, written in the pass above.
-            let e = unsafe { _mm512_maskz_loadu_ps(m, p) };
-            let lo = _mm512_cvtpd_ps(_mm512_mul_pd(_mm512_cvtps_pd(_mm512_castps512_ps256(e)), inv));
-            let hi = _mm512_cvtpd_ps(_mm512_mul_pd(_mm512_cvtps_pd(high(e)), inv));
-            let both = _mm512_insertf64x4::<1>(_mm512_castpd256_pd512(_mm256_castps_pd(lo)), _mm256_castps_pd(hi));
-            // SAFETY: as the load above.
-            unsafe { _mm512_mask_storeu_ps(p, m, _mm512_castpd_ps(both)) };
-        }
-    }
-    for r in 0..R {
-        // A masked key's weight, `0 · inv` as for the full row (NaN when `inv` is).
-        // SAFETY: keys keep[r]..s of row r, inside the rows at `dst` (the caller).
-        let tail = unsafe { std::slice::from_raw_parts_mut(dst.add(r * s + keep[r]), s - keep[r]) };
-        tail.fill((0.0 * inv[r]) as f32);
     }
 }
 
@@ -782,5 +690,7 @@ fn gather_rows<T: Element>(table: &Tensor, idx: &[i64], d: usize, shape: &[usize
     output(out, shape)
 }
 
+#[cfg(target_arch = "x86_64")]
+mod softmax_avx512;
 #[cfg(test)]
 mod tests;

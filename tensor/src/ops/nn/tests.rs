@@ -399,11 +399,11 @@ fn attention_probs_equal_the_chain_they_fuse() {
 #[test]
 fn attention_probs_rows_have_the_generic_rows_bits() {
     assert_eq!(
-        probs_row_vector(24),
+        vector_rows(24),
         Simd::best() == Simd::Avx512,
         "the vector rows run where AVX-512F is"
     );
-    assert!(!probs_row_vector(20), "rows of a partial group stay generic");
+    assert!(!vector_rows(20), "rows of a partial group stay generic");
     let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
     for s in [8, 16, 24, 40, 128] {
         let mut x: Vec<f32> = sample(&[s + 3, s], DType::F32, s as u64)
