@@ -224,18 +224,32 @@ fn pow2i(n: i32) -> f32 {
     f32::from_bits(((n + 127) as u32) << 23)
 }
 
+/// `log2(e)`, for [`exp_hi_lo`]'s range reduction.
+const LOG2E: f32 = std::f32::consts::LOG2_E;
+/// `ln 2` split so that `n · LN2_HI` is exact for the exponents in range.
+const LN2_HI: f32 = 0.693_359_4;
+/// The rest of `ln 2` after [`LN2_HI`].
+const LN2_LO: f32 = -2.121_944_4e-4;
+/// `1.5 · 2^23`: adding it rounds to an integer (to nearest, ties to even),
+/// which sits in the low mantissa bits.
+const ROUND: f32 = 12_582_912.0;
+/// Cephes' polynomial for `(e^r − 1 − r) / r²` on `|r| <= ln2 / 2`,
+/// highest degree first.
+const EXP_POLY: [f32; 6] = [
+    1.987_569_2e-4,
+    1.398_2e-3,
+    8.333_452e-3,
+    4.166_579_6e-2,
+    1.666_666_5e-1,
+    0.5,
+];
+
 /// `e^(hi + lo)`, where `lo` is a small correction to `hi` that is added after
 /// the range reduction (so that it keeps its low bits when `hi` is large).
 #[inline(always)]
 fn exp_hi_lo(hi: f32, lo: f32) -> f32 {
     // Cephes `expf`: x = n ln2 + r with |r| <= ln2 / 2, ln2 split so that
     // n * LN2_HI is exact, and a degree-7 polynomial for e^r.
-    const LOG2E: f32 = std::f32::consts::LOG2_E;
-    const LN2_HI: f32 = 0.693_359_4;
-    const LN2_LO: f32 = -2.121_944_4e-4;
-    // 1.5 * 2^23: adding it rounds to an integer (to nearest, ties to even),
-    // which sits in the low mantissa bits.
-    const ROUND: f32 = 12_582_912.0;
     let x = hi + lo;
     // NaN stays NaN through the clamp.
     let xc = x.clamp(EXP_LO, EXP_HI);
@@ -244,17 +258,7 @@ fn exp_hi_lo(hi: f32, lo: f32) -> f32 {
     let ni = (t.to_bits() as i32) - (ROUND.to_bits() as i32);
     let r = (hi - n * LN2_HI) - n * LN2_LO + lo;
     let r2 = r * r;
-    let p = horner(
-        r,
-        &[
-            1.987_569_2e-4,
-            1.398_2e-3,
-            8.333_452e-3,
-            4.166_579_6e-2,
-            1.666_666_5e-1,
-            0.5,
-        ],
-    );
+    let p = horner(r, &EXP_POLY);
     let y = p * r2 + r + 1.0;
     // 2^n in two factors so that neither overflows nor goes subnormal; the
     // second product rounds once, to a subnormal where the result is one.
@@ -276,14 +280,6 @@ pub(crate) fn exp_f32(x: f32) -> f32 {
     exp_hi_lo(x, 0.0)
 }
 
-/// Whether this CPU has AVX-512F (detected once), for kernels written with
-/// its intrinsics.
-#[cfg(target_arch = "x86_64")]
-pub(crate) fn avx512f() -> bool {
-    static DETECTED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *DETECTED.get_or_init(|| std::arch::is_x86_feature_detected!("avx512f"))
-}
-
 /// [`exp_f32`] of sixteen lanes with explicit AVX-512 instructions: the same
 /// operations in the same order (the clamp, the range reduction, the
 /// polynomial by fused multiply-adds, the two-factor scaling, the selects),
@@ -297,18 +293,6 @@ pub(crate) fn avx512f() -> bool {
 #[inline]
 pub(crate) unsafe fn exp_f32x16(x: std::arch::x86_64::__m512) -> std::arch::x86_64::__m512 {
     use std::arch::x86_64::*;
-    const LOG2E: f32 = std::f32::consts::LOG2_E;
-    const LN2_HI: f32 = 0.693_359_4;
-    const LN2_LO: f32 = -2.121_944_4e-4;
-    const ROUND: f32 = 12_582_912.0;
-    const P: [f32; 6] = [
-        1.987_569_2e-4,
-        1.398_2e-3,
-        8.333_452e-3,
-        4.166_579_6e-2,
-        1.666_666_5e-1,
-        0.5,
-    ];
     let f = _mm512_set1_ps;
     // `hi + lo` with `lo = 0` (as `exp_f32` calls `exp_hi_lo`: −0 becomes +0).
     let lo = _mm512_setzero_ps();
@@ -325,7 +309,9 @@ pub(crate) unsafe fn exp_f32x16(x: std::arch::x86_64::__m512) -> std::arch::x86_
     );
     let r = _mm512_add_ps(r, lo);
     let r2 = _mm512_mul_ps(r, r);
-    let p = P[1..].iter().fold(f(P[0]), |acc, &k| _mm512_fmadd_ps(acc, r, f(k)));
+    let p = EXP_POLY[1..]
+        .iter()
+        .fold(f(EXP_POLY[0]), |acc, &k| _mm512_fmadd_ps(acc, r, f(k)));
     let y = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(p, r2), r), f(1.0));
     let pow2i = |n: __m512i| _mm512_castsi512_ps(_mm512_slli_epi32::<23>(_mm512_add_epi32(n, _mm512_set1_epi32(127))));
     let n1 = _mm512_srai_epi32::<1>(ni);
@@ -444,7 +430,7 @@ mod tests {
     #[test]
     #[cfg(target_arch = "x86_64")]
     fn exp_f32x16_is_exp_f32_lane_by_lane() {
-        if !avx512f() {
+        if !crate::kernel::avx512::avx512f() {
             // Nothing to compare with: no kernel calls it on this CPU.
             assert!(
                 !Simd::supported().contains(&Simd::Avx512),

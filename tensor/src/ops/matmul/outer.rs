@@ -28,6 +28,7 @@ use std::arch::x86_64::*;
 use std::cell::RefCell;
 
 use super::Mat;
+use crate::kernel::avx512::{load, store};
 
 /// Rows of the output per tile (elements of `a` broadcast per depth step).
 const MR: usize = 6;
@@ -347,44 +348,6 @@ unsafe fn pack_b_rows(b: *const f32, ldb: isize, kc: usize, nc: usize, packed: &
                     _mm512_store_ps(row.add(16 * v), load(mask, src.add(16 * v)));
                 }
             }
-        }
-    }
-}
-
-/// The lanes in `mask` of the sixteen floats at `p`, zero elsewhere: a plain
-/// load when all sixteen are in it. Masked loads of whole vectors run at
-/// about half the speed of plain ones where the lines come from memory (a
-/// weight gradient's activation `x`, its output read back per block of the
-/// depth).
-///
-/// # Safety
-/// AVX-512F; the lanes in `mask` readable.
-#[target_feature(enable = "avx512f")]
-#[inline]
-unsafe fn load(mask: __mmask16, p: *const f32) -> __m512 {
-    // SAFETY: the caller's.
-    unsafe {
-        if mask == !0 {
-            _mm512_loadu_ps(p)
-        } else {
-            _mm512_maskz_loadu_ps(mask, p)
-        }
-    }
-}
-
-/// Stores the lanes in `mask` of `v` to `p`, plainly when all sixteen are.
-///
-/// # Safety
-/// AVX-512F; the lanes in `mask` writable.
-#[target_feature(enable = "avx512f")]
-#[inline]
-unsafe fn store(p: *mut f32, mask: __mmask16, v: __m512) {
-    // SAFETY: the caller's.
-    unsafe {
-        if mask == !0 {
-            _mm512_storeu_ps(p, v)
-        } else {
-            _mm512_mask_storeu_ps(p, mask, v)
         }
     }
 }

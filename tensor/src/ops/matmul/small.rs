@@ -22,6 +22,7 @@
 use std::arch::x86_64::*;
 
 use super::{Causal, Mat, zero_above_diagonal};
+use crate::kernel::avx512::{load, store};
 
 /// The deepest product this kernel takes: the `gemm` crate sums a depth of up
 /// to 512 in one chain per element for products of this size; beyond, its
@@ -40,7 +41,7 @@ const NR: usize = 32;
 
 /// Whether this CPU runs the kernel (AVX-512F, detected once).
 pub(super) fn detected() -> bool {
-    crate::kernel::avx512f()
+    crate::kernel::avx512::avx512f()
 }
 
 /// Whether an `m×k · k×n` product with right operand `b` fits this kernel:
@@ -192,13 +193,7 @@ impl Tile {
             // lanes are not read.
             unsafe {
                 let bk = self.b.offset(kk as isize * self.rsb);
-                let bv: [__m512; V] = std::array::from_fn(|v| {
-                    if masks[v] == !0 {
-                        _mm512_loadu_ps(bk.add(16 * v))
-                    } else {
-                        _mm512_maskz_loadu_ps(masks[v], bk.add(16 * v))
-                    }
-                });
+                let bv: [__m512; V] = std::array::from_fn(|v| load(masks[v], bk.add(16 * v)));
                 for (r, acc) in acc.iter_mut().enumerate() {
                     let x = _mm512_set1_ps(*self.a.offset(r as isize * self.ars + kk as isize * self.acs));
                     for v in 0..V {
@@ -211,16 +206,8 @@ impl Tile {
             for v in 0..V {
                 // SAFETY: the tile's row r, columns 16v.. (masked to `width`),
                 // are inside the output.
-                // (A masked store is several times slower than a plain one on
-                // some CPUs: only the ragged right edge takes it.)
-                unsafe {
-                    let dst = self.c.offset(r as isize * self.rsc).add(16 * v);
-                    if masks[v] == !0 {
-                        _mm512_storeu_ps(dst, acc[v]);
-                    } else {
-                        _mm512_mask_storeu_ps(dst, masks[v], acc[v]);
-                    }
-                }
+                // (Only the ragged right edge takes a masked store.)
+                unsafe { store(self.c.offset(r as isize * self.rsc).add(16 * v), masks[v], acc[v]) };
             }
         }
     }

@@ -5,10 +5,12 @@
 
 use std::arch::x86_64::*;
 
+use crate::kernel::avx512::{load, store};
+
 /// Whether an `f32` row of `len` keys runs [`rows`]: AVX-512F, and whole
 /// groups of eight keys (the sum's lanes then need no tail).
 pub(super) fn fits(len: usize) -> bool {
-    len.is_multiple_of(8) && crate::kernel::avx512f()
+    len.is_multiple_of(8) && crate::kernel::avx512::avx512f()
 }
 
 /// The softmax of `scale ·` each of `R` consecutive `f32` rows over its first
@@ -96,40 +98,5 @@ pub(super) unsafe fn rows<const R: usize>(keep: [usize; R], scale: f32, src: *co
         // SAFETY: keys keep[r]..s of row r, inside the rows at `dst` (the caller).
         let tail = unsafe { std::slice::from_raw_parts_mut(dst.add(r * s + keep[r]), s - keep[r]) };
         tail.fill((0.0 * inv[r]) as f32);
-    }
-}
-
-/// Sixteen floats at `p` under mask `m`: a plain load for a whole group (a
-/// masked load of every lane streamed logits from memory at half the speed).
-///
-/// # Safety
-/// AVX-512F; the lanes in `m` readable.
-#[target_feature(enable = "avx512f")]
-#[inline]
-unsafe fn load(m: __mmask16, p: *const f32) -> __m512 {
-    // SAFETY: the caller's.
-    unsafe {
-        if m == !0 {
-            _mm512_loadu_ps(p)
-        } else {
-            _mm512_maskz_loadu_ps(m, p)
-        }
-    }
-}
-
-/// Stores the lanes of `v` in mask `m` to `p`, plainly for a whole group.
-///
-/// # Safety
-/// AVX-512F; the lanes in `m` writable.
-#[target_feature(enable = "avx512f")]
-#[inline]
-unsafe fn store(p: *mut f32, m: __mmask16, v: __m512) {
-    // SAFETY: the caller's.
-    unsafe {
-        if m == !0 {
-            _mm512_storeu_ps(p, v)
-        } else {
-            _mm512_mask_storeu_ps(p, m, v)
-        }
     }
 }
