@@ -16,6 +16,13 @@ pub(crate) fn avx512f() -> bool {
     *DETECTED.get_or_init(|| std::arch::is_x86_feature_detected!("avx512f"))
 }
 
+/// The lanes of a vector of sixteen elements from element `start` that lie
+/// below `len`: all sixteen, the first few at a ragged edge, or none past it.
+pub(crate) fn lanes_below(len: usize, start: usize) -> __mmask16 {
+    let n = len.saturating_sub(start).min(16);
+    ((1u32 << n) - 1) as __mmask16
+}
+
 /// The lanes in `mask` of the sixteen floats at `p`, zero elsewhere.
 ///
 /// # Safety

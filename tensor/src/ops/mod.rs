@@ -107,6 +107,23 @@ pub(crate) fn same_dtype(op: &'static str, a: &Tensor, b: &Tensor) -> Result<()>
     }
 }
 
+/// Errors unless the gradient `a` and the tensor `b` (named `what` in the
+/// error) have the same shape and dtype: the check of a backward kernel that
+/// takes a gradient beside its forward's input or output.
+pub(crate) fn same_shape(op: &'static str, a: &Tensor, b: &Tensor, what: &str) -> Result<()> {
+    if a.shape() != b.shape() {
+        return Err(Error::ShapeMismatch {
+            op,
+            detail: format!(
+                "gradient has shape {:?} but {what} has {:?}; they must be equal",
+                a.shape(),
+                b.shape()
+            ),
+        });
+    }
+    same_dtype(op, a, b)
+}
+
 /// Errors unless `dim < rank`.
 pub(crate) fn check_dim(op: &'static str, dim: usize, rank: usize) -> Result<()> {
     if dim < rank {

@@ -8,7 +8,7 @@
 
 use super::reduce::sum_map_f64;
 use super::rows::{check_norm_weight as check_weight, map_rows, need_dims};
-use super::{elements, output, same_dtype};
+use super::{elements, output, same_shape};
 use crate::kernel::{Float, Real, Simd, float_dispatch, par_blocks, par_parts};
 use crate::{DType, Error, Result, Tensor};
 
@@ -212,17 +212,7 @@ impl Tensor {
 
     fn check_rms_backward(&self, op: &'static str, x: &Tensor, rstd: &Tensor) -> Result<()> {
         need_dims(op, x, "dim to normalize")?;
-        if self.shape() != x.shape() {
-            return Err(Error::ShapeMismatch {
-                op,
-                detail: format!(
-                    "gradient has shape {:?} but the input has {:?}; they must be equal",
-                    self.shape(),
-                    x.shape()
-                ),
-            });
-        }
-        same_dtype(op, self, x)?;
+        same_shape(op, self, x, "the input")?;
         check_stats(op, x, rstd)?;
         if rstd.dtype() != DType::F64 {
             return Err(Error::DTypeMismatch {

@@ -4,7 +4,7 @@ use std::mem::MaybeUninit;
 
 use super::elementwise::Binary;
 use super::lookup::{self, Half, TABLE_MIN};
-use super::{elements, output, same_dtype};
+use super::{elements, output, same_dtype, same_shape};
 use crate::kernel::{Float, Real, float_dispatch};
 use crate::kernel::{erfc, exp, zip_map, zip3_map};
 use crate::{DType, Error, Result, Tensor};
@@ -83,6 +83,35 @@ impl Binary for GeluBackwardOp {
     }
 }
 
+/// An activation's input gradient from its output's gradient `g` and its
+/// input `x`, element by element in the compute type.
+trait InputGrad {
+    fn grad<R: Real>(g: R, x: R) -> R;
+}
+
+impl InputGrad for GeluBackwardOp {
+    #[inline(always)]
+    fn grad<R: Real>(g: R, x: R) -> R {
+        <Self as Binary>::apply(g, x)
+    }
+}
+
+/// `Op::grad(g, x)` per element of the host tensors `g` and `x` (shapes and
+/// float dtypes equal: [`input_grad_checks`]), rounded once to their dtype.
+fn input_grad<Op: InputGrad>(op: &'static str, g: &Tensor, x: &Tensor) -> Result<Tensor> {
+    float_dispatch!(op, g.dtype(), T => {
+        let (gv, xv) = (elements::<T>(g)?, elements::<T>(x)?);
+        let fill = |out: &mut [MaybeUninit<T>]| {
+            zip_map(&gv, &xv, out, #[inline(always)] |g, x| {
+                MaybeUninit::new(T::from_acc(Op::grad(g.to_acc(), x.to_acc())))
+            });
+        };
+        // SAFETY: `zip_map` writes every element of the output (`g` and `x`
+        // are as long: their shapes are equal).
+        output(unsafe { crate::alloc::written(op, g.shape(), fill)? }, g.shape())
+    })
+}
+
 /// The checks of an activation's input gradient (`g` the output's gradient,
 /// `x` the input): equal shapes and dtypes; then, for meta tensors, the
 /// planned output.
@@ -90,26 +119,16 @@ impl Binary for GeluBackwardOp {
 /// # Errors
 /// [`Error::ShapeMismatch`] and [`Error::DTypeMismatch`] naming `op`.
 fn input_grad_checks(op: &'static str, g: &Tensor, x: &Tensor) -> Result<Option<Result<Tensor>>> {
-    if g.shape() != x.shape() {
-        return Err(Error::ShapeMismatch {
-            op,
-            detail: format!(
-                "gradient has shape {:?} but input has {:?}; they must be equal",
-                g.shape(),
-                x.shape()
-            ),
-        });
-    }
-    same_dtype(op, g, x)?;
+    same_shape(op, g, x, "input")?;
     Ok(super::meta_float(op, &[g, x], g.shape(), g.dtype()))
 }
 
 /// `grad · silu'(x)` in PyTorch's arrangement: with `s = 1 / (1 + e^-x)`,
 /// `grad · s · (1 + x · (1 − s))`.
 struct SiluBackwardOp;
-impl SiluBackwardOp {
+impl InputGrad for SiluBackwardOp {
     #[inline(always)]
-    fn apply<R: Real>(g: R, x: R) -> R {
+    fn grad<R: Real>(g: R, x: R) -> R {
         let s = R::ONE / (R::ONE + exp(-x));
         g * s * (R::ONE + x * (R::ONE - s))
     }
@@ -267,17 +286,7 @@ impl Tensor {
                 _ => {}
             }
         }
-        float_dispatch!(OP, self.dtype(), T => {
-            let (g, x) = (elements::<T>(self)?, elements::<T>(x)?);
-            let fill = |out: &mut [MaybeUninit<T>]| {
-                zip_map(&g, &x, out, #[inline(always)] |g, x| {
-                    MaybeUninit::new(T::from_acc(GeluBackwardOp::apply(g.to_acc(), x.to_acc())))
-                });
-            };
-            // SAFETY: `zip_map` writes every element of the output (`g` and `x`
-            // are as long: their shapes are equal).
-            output(unsafe { crate::alloc::written(OP, self.shape(), fill)? }, self.shape())
-        })
+        input_grad::<GeluBackwardOp>(OP, self, x)
     }
 
     /// The gradient of [`silu`](Self::silu) with respect to its input `x`,
@@ -300,17 +309,7 @@ impl Tensor {
             let s = x.sigmoid()?;
             return self.mul(&s.add(&x.mul(&s)?.sub(&x.mul(&s.square()?)?)?)?);
         }
-        float_dispatch!(OP, self.dtype(), T => {
-            let (g, x) = (elements::<T>(self)?, elements::<T>(x)?);
-            let fill = |out: &mut [MaybeUninit<T>]| {
-                zip_map(&g, &x, out, #[inline(always)] |g, x| {
-                    MaybeUninit::new(T::from_acc(SiluBackwardOp::apply(g.to_acc(), x.to_acc())))
-                });
-            };
-            // SAFETY: `zip_map` writes every element of the output (`g` and `x`
-            // are as long: their shapes are equal).
-            output(unsafe { crate::alloc::written(OP, self.shape(), fill)? }, self.shape())
-        })
+        input_grad::<SiluBackwardOp>(OP, self, x)
     }
 
     /// [`gelu_backward`](Self::gelu_backward) given also GELU's output

@@ -28,7 +28,7 @@ use std::arch::x86_64::*;
 use std::cell::RefCell;
 
 use super::Mat;
-use crate::kernel::avx512::{load, store};
+use crate::kernel::avx512::{lanes_below, load, store};
 
 /// Rows of the output per tile (elements of `a` broadcast per depth step).
 const MR: usize = 6;
@@ -336,7 +336,7 @@ unsafe fn pack_b_rows(b: *const f32, ldb: isize, kc: usize, nc: usize, packed: &
     let dst = packed.as_mut_ptr().cast::<f32>();
     for (q, j) in (0..nc).step_by(NR).enumerate() {
         let nr = NR.min(nc - j);
-        let masks: [__mmask16; 4] = std::array::from_fn(|v| lanes(nr, v));
+        let masks: [__mmask16; 4] = std::array::from_fn(|v| lanes_below(nr, 16 * v));
         for t in 0..kc {
             // SAFETY: row t, the masks' columns j.. of `b` (caller); the panel
             // row is NR floats inside `packed`, 64-byte aligned (`Line`),
@@ -350,13 +350,6 @@ unsafe fn pack_b_rows(b: *const f32, ldb: isize, kc: usize, nc: usize, packed: &
             }
         }
     }
-}
-
-/// The lanes of vector `v` (columns `16·v ..`) that a tile or panel row of
-/// `nr` columns holds.
-fn lanes(nr: usize, v: usize) -> __mmask16 {
-    let cols = nr.saturating_sub(16 * v).min(16);
-    ((1u32 << cols) - 1) as __mmask16
 }
 
 /// One tile of `rows <= MR` rows and `nr <= NR` columns over `kc` depth
@@ -395,7 +388,7 @@ unsafe fn tile_rows<const R: usize>(
     rsc: isize,
     first: bool,
 ) {
-    let masks: [__mmask16; 4] = std::array::from_fn(|v| lanes(nr, v));
+    let masks: [__mmask16; 4] = std::array::from_fn(|v| lanes_below(nr, 16 * v));
     let mut acc = [[_mm512_setzero_ps(); 4]; R];
     if !first {
         // The next tile's rows of the output, read when it starts: from L3

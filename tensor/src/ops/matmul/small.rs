@@ -22,7 +22,7 @@
 use std::arch::x86_64::*;
 
 use super::{Causal, Mat, zero_above_diagonal};
-use crate::kernel::avx512::{load, store};
+use crate::kernel::avx512::{lanes_below, load, store};
 
 /// The deepest product this kernel takes: the `gemm` crate sums a depth of up
 /// to 512 in one chain per element for products of this size; beyond, its
@@ -182,10 +182,7 @@ impl Tile {
     #[inline]
     unsafe fn rows<const R: usize, const V: usize>(&self, depth: std::ops::Range<usize>) {
         // Lanes past `width` are loaded as zeros and never stored.
-        let masks: [__mmask16; V] = std::array::from_fn(|v| {
-            let lanes = self.width.saturating_sub(16 * v).min(16);
-            ((1u32 << lanes) - 1) as __mmask16
-        });
+        let masks: [__mmask16; V] = std::array::from_fn(|v| lanes_below(self.width, 16 * v));
         let mut acc = [[_mm512_setzero_ps(); V]; R];
         for kk in depth {
             // SAFETY: row kk of the tile's columns of `b`, and element kk of

@@ -27,6 +27,10 @@ pub(super) fn fits(len: usize) -> bool {
 /// readable at `src` and writable at `dst`.
 #[target_feature(enable = "avx512f")]
 pub(super) unsafe fn rows<const R: usize>(keep: [usize; R], scale: f32, src: *const f32, dst: *mut f32, s: usize) {
+    // The kept lanes of the group from key i (as `avx512::lanes_below`, which,
+    // inlined here, let the optimiser fold a row without kept keys to `0 · ∞`
+    // of the other NaN sign than the generic row's: Rust leaves that sign
+    // unspecified, and the tests compare bits).
     let mask = |r: usize, i: usize| -> __mmask16 {
         match keep[r].saturating_sub(i) {
             k if k >= 16 => !0,

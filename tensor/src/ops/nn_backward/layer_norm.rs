@@ -3,12 +3,12 @@
 
 use tessera_mesh::DType;
 
-use super::{dot_f64, same_shape};
+use super::dot_f64;
 use crate::kernel::Simd;
 use crate::kernel::{Float, float_dispatch, par_columns};
 use crate::ops::reduce::sum_map_f64;
 use crate::ops::rows::{all_row_stats, filled, map_rows, row_stats};
-use crate::ops::{elements, output};
+use crate::ops::{elements, output, same_shape};
 use crate::{Error, Result, Tensor};
 
 impl Tensor {

@@ -5,27 +5,12 @@
 use std::mem::MaybeUninit;
 
 use super::rows::{causal_keep, ce_targets, check_scores, index_vector, map_rows, row_exp_sum};
-use super::{check_dim, elements, output, same_dtype};
+use super::{check_dim, elements, output, same_shape};
 use crate::kernel::{Float, Real, float_dispatch};
 use crate::kernel::{Simd, zip_map_inline};
 use crate::{DType, Error, Result, Tensor};
 
 mod layer_norm;
-
-/// Errors unless `a` and `b` have the same shape and dtype.
-fn same_shape(op: &'static str, a: &Tensor, b: &Tensor, what: &str) -> Result<()> {
-    if a.shape() != b.shape() {
-        return Err(Error::ShapeMismatch {
-            op,
-            detail: format!(
-                "gradient has shape {:?} but {what} has {:?}; they must be equal",
-                a.shape(),
-                b.shape()
-            ),
-        });
-    }
-    same_dtype(op, a, b)
-}
 
 impl Tensor {
     /// The gradient of [`softmax`](Self::softmax) along `dim` with respect to its
