@@ -196,25 +196,18 @@ struct RankReport {
     overlap: Vec<(String, CommOverlap)>,
 }
 
-/// One mode's summary.
+/// One mode's summary: its medians and peak over the ranks, and what rank 0
+/// measured (its profiles, op kernels, units' collectives, losses, threads).
 struct Summary {
     mode: Mode,
+    /// The median over the timed steps of the slowest rank's step.
     median_s: f64,
     forward_s: f64,
     backward_s: f64,
     optim_s: f64,
-    cpu: Option<CpuUse>,
+    /// The largest peak over the ranks.
     peak_bytes: usize,
-    first_loss: f64,
-    last_loss: f64,
-    /// Rank 0's profiles per timed step and phase (`--profile`).
-    profiles: Vec<[Profile; 3]>,
-    /// Rank 0's op kernels per phase, summed over the timed steps.
-    ops: [Vec<OpTime>; 3],
-    /// Threads per rank.
-    threads: usize,
-    /// Rank 0's FSDP units and their collectives over the timed steps.
-    overlap: Vec<(String, CommOverlap)>,
+    rank0: RankReport,
 }
 
 fn main() -> ExitCode {
@@ -299,22 +292,19 @@ fn run(args: &Args) -> Result<(), BoxError> {
             move |ctx| bench_rank(ctx.into_comm(), mode, &args)
         })?;
         let med = |f: fn(&RankReport) -> &Vec<f64>| median(f(&reports[0]));
+        let median_s = median(&max_over_ranks(
+            &reports.iter().map(|r| r.step_s.clone()).collect::<Vec<_>>(),
+        ));
+        let (forward_s, backward_s, optim_s) = (med(|r| &r.forward_s), med(|r| &r.backward_s), med(|r| &r.optim_s));
+        let peak_bytes = reports.iter().map(|r| r.peak_bytes).max().unwrap_or(0);
         summaries.push(Summary {
             mode,
-            median_s: median(&max_over_ranks(
-                &reports.iter().map(|r| r.step_s.clone()).collect::<Vec<_>>(),
-            )),
-            forward_s: med(|r| &r.forward_s),
-            backward_s: med(|r| &r.backward_s),
-            optim_s: med(|r| &r.optim_s),
-            cpu: reports[0].cpu,
-            peak_bytes: reports.iter().map(|r| r.peak_bytes).max().unwrap_or(0),
-            first_loss: reports[0].first_loss,
-            last_loss: reports[0].last_loss,
-            profiles: reports[0].profiles.clone(),
-            ops: reports[0].ops.clone(),
-            threads: reports[0].threads,
-            overlap: reports[0].overlap.clone(),
+            median_s,
+            forward_s,
+            backward_s,
+            optim_s,
+            peak_bytes,
+            rank0: reports.into_iter().next().ok_or("no rank reported")?,
         });
     }
     report(args, &summaries, peak)?;
@@ -509,22 +499,22 @@ fn report(args: &Args, s: &[Summary], peak: Option<f64>) -> Result<(), BoxError>
             "{:<7} {:>5} {:>7} {:>10.1} {:>8.1} {:>8.1} {:>9.1} {:>11} {:>13} {:>14.1} {:>11.5} {:>11} {:>11}",
             x.mode.name(),
             x.mode.world(),
-            x.threads,
+            x.rank0.threads,
             ms,
             x.forward_s * 1e3,
             x.backward_s * 1e3,
             x.optim_s * 1e3,
-            x.cpu.map_or("-".into(), |c| format!("{:.2}", c.ours)),
-            x.cpu.map_or("-".into(), |c| format!("{:.2}", c.others)),
+            x.rank0.cpu.map_or("-".into(), |c| format!("{:.2}", c.ours)),
+            x.rank0.cpu.map_or("-".into(), |c| format!("{:.2}", c.others)),
             mib(x.peak_bytes),
-            x.first_loss,
+            x.rank0.first_loss,
             pt.map_or("-".into(), |pt| format!("{pt:.1}")),
             pt.map_or("-".into(), |pt| format!("{:.2}x", ms / pt)),
         );
         records.push(Json::Obj(vec![
             ("mode".into(), Json::Str(x.mode.name().into())),
             ("world".into(), Json::Int(x.mode.world() as u64)),
-            ("threads_per_rank".into(), Json::Int(x.threads as u64)),
+            ("threads_per_rank".into(), Json::Int(x.rank0.threads as u64)),
             ("median_step_s".into(), Json::Num(x.median_s)),
             ("peak_bytes_per_rank".into(), Json::Int(x.peak_bytes as u64)),
             ("config".into(), Json::Str(args.config_name.into())),
@@ -537,13 +527,13 @@ fn report(args: &Args, s: &[Summary], peak: Option<f64>) -> Result<(), BoxError>
                 Json::Int((FSDP_WORLD * args.rows_per_rank) as u64),
             ),
             ("steps".into(), Json::Int(args.steps as u64)),
-            ("first_loss".into(), Json::Num(x.first_loss)),
-            ("last_loss".into(), Json::Num(x.last_loss)),
+            ("first_loss".into(), Json::Num(x.rank0.first_loss)),
+            ("last_loss".into(), Json::Num(x.rank0.last_loss)),
         ]));
-        if let (false, Some(Json::Obj(fields))) = (x.overlap.is_empty(), records.last_mut()) {
+        if let (false, Some(Json::Obj(fields))) = (x.rank0.overlap.is_empty(), records.last_mut()) {
             let steps = args.steps.max(1) as f64;
             let ms = |f: fn(&CommOverlap) -> std::time::Duration| {
-                Json::Num(x.overlap.iter().map(|(_, o)| f(o).as_secs_f64()).sum::<f64>() * 1e3 / steps)
+                Json::Num(x.rank0.overlap.iter().map(|(_, o)| f(o).as_secs_f64()).sum::<f64>() * 1e3 / steps)
             };
             fields.push(("all_gather_ms_per_step".into(), ms(|o| o.all_gather.run)));
             fields.push(("all_gather_exposed_ms_per_step".into(), ms(|o| o.all_gather.exposed)));
@@ -607,15 +597,15 @@ fn report(args: &Args, s: &[Summary], peak: Option<f64>) -> Result<(), BoxError>
             }
         }
     }
-    let drift = (fsdp.first_loss - single.first_loss).abs();
-    if drift > 1e-3 * single.first_loss.abs().max(1.0) {
+    let drift = (fsdp.rank0.first_loss - single.rank0.first_loss).abs();
+    if drift > 1e-3 * single.rank0.first_loss.abs().max(1.0) {
         println!(
             "WARNING: the first-step losses differ ({} single, {} fsdp): the two modes do not compute the same step",
-            single.first_loss, fsdp.first_loss
+            single.rank0.first_loss, fsdp.rank0.first_loss
         );
     }
     for x in s {
-        if let Some(c) = x.cpu.filter(|c| c.others > OTHERS_NOISE) {
+        if let Some(c) = x.rank0.cpu.filter(|c| c.others > OTHERS_NOISE) {
             println!(
                 "WARNING: other work kept {:.2} cores busy during the {} steps (this run used {:.2}): its times \
                  are not clean; rerun on an idle machine",

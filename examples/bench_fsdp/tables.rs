@@ -25,7 +25,8 @@ pub(crate) fn print_profiles(s: &[Summary]) {
             let mut covered = 0.0;
             for k in Kind::ALL {
                 let t = median(
-                    &m.profiles
+                    &m.rank0
+                        .profiles
                         .iter()
                         .map(|p| p[i].time(k).as_secs_f64())
                         .collect::<Vec<_>>(),
@@ -49,7 +50,7 @@ pub(crate) fn print_overlap(s: &[Summary], steps: usize) {
         t.hidden_fraction()
             .map_or("-".to_string(), |f| format!("{:.0}%", 100.0 * f))
     };
-    for m in s.iter().filter(|m| !m.overlap.is_empty()) {
+    for m in s.iter().filter(|m| !m.rank0.overlap.is_empty()) {
         println!();
         println!(
             "rank 0's FSDP collectives per unit, {} (ms per step on the communication thread, ms the rank waited for \
@@ -75,7 +76,7 @@ pub(crate) fn print_overlap(s: &[Summary], steps: usize) {
             );
         };
         let mut total = CommOverlap::default();
-        for (name, o) in &m.overlap {
+        for (name, o) in &m.rank0.overlap {
             row(name, o);
             total += *o;
         }
@@ -89,9 +90,9 @@ pub(crate) fn print_top_ops(s: &[Summary], top: usize) {
     println!();
     println!("rank 0's costliest op kernels (ms per step, exclusive; calls per step):");
     for m in s {
-        let steps = m.profiles.len().max(1) as f64;
+        let steps = m.rank0.profiles.len().max(1) as f64;
         for (i, phase) in ["forward", "backward", "optimizer"].into_iter().enumerate() {
-            let mut ops = m.ops[i].clone();
+            let mut ops = m.rank0.ops[i].clone();
             if ops.is_empty() {
                 continue;
             }
@@ -134,14 +135,14 @@ impl GemmRate {
     /// the attention products') at `peak` GFLOP/s per thread, over the
     /// measured step.
     pub(crate) fn mfu(&self, peak: f64, x: &Summary) -> f64 {
-        (self.gflop + self.attention_gflop) / (peak * x.threads.max(1) as f64) / x.median_s
+        (self.gflop + self.attention_gflop) / (peak * x.rank0.threads.max(1) as f64) / x.median_s
     }
 
     /// `None` without profiles (no `--profile`) or GEMM time.
     pub(crate) fn of(x: &Summary) -> Option<GemmRate> {
-        let steps = x.profiles.len();
+        let steps = x.rank0.profiles.len();
         let (mut flops, mut attention, mut secs) = (0.0, 0.0, 0.0);
-        for p in x.profiles.iter().flat_map(|phases| &phases[..2]) {
+        for p in x.rank0.profiles.iter().flat_map(|phases| &phases[..2]) {
             flops += p.flops(Kind::Gemm) as f64;
             attention += p.flops(Kind::Nn) as f64;
             secs += p.time(Kind::Gemm).as_secs_f64();
@@ -150,7 +151,7 @@ impl GemmRate {
             gflop: flops / steps as f64 / 1e9,
             attention_gflop: attention / steps as f64 / 1e9,
             ms: secs / steps as f64 * 1e3,
-            per_thread: flops / secs / x.threads.max(1) as f64 / 1e9,
+            per_thread: flops / secs / x.rank0.threads.max(1) as f64 / 1e9,
         })
     }
 }
@@ -173,11 +174,11 @@ pub(crate) fn print_gemm_rates(s: &[Summary], peak: Option<f64>) {
             x.mode.name(),
             r.gflop,
             r.ms,
-            x.threads,
+            x.rank0.threads,
             r.per_thread
         );
         if let Some(p) = peak {
-            let at_peak = r.gflop / (p * x.threads.max(1) as f64) * 1e3;
+            let at_peak = r.gflop / (p * x.rank0.threads.max(1) as f64) * 1e3;
             let step = x.median_s * 1e3;
             line += &format!(
                 " ({:.0}% of peak); at the peak: GEMMs {at_peak:.1} ms, the step {:.1} ms (median {step:.1})",
