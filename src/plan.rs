@@ -4,7 +4,7 @@
 //!
 //! The model is built deferred, parallelised and sharded exactly as for
 //! training, then materialised on the meta device
-//! ([`Materializer::on_meta`]): every op checks its arguments and yields a
+//! ([`Materializer::on_meta`](crate::autograd::nn::Materializer::on_meta)): every op checks its arguments and yields a
 //! meta output of the right shape, whose bytes the memory tracker charges as
 //! it would the real tensor's; every collective is counted on its
 //! communicator as issuing it would count it

@@ -11,7 +11,7 @@
 //!   this crate, so that the collectives' outputs come from it too): allocated
 //!   with the capacity of their size class (`tessera_mesh::pool::size_class`:
 //!   512-byte steps to 1 MiB, then quarter powers of two, at most 25% slack),
-//!   and when a tensor's storage (or an op's [`Scratch`] buffer) is dropped,
+//!   and when a tensor's storage (or an op's scratch buffer) is dropped,
 //!   its buffer goes to its rank's pool instead of back to the system. Every
 //!   large output here ([`reused`], `zeroed`, `with_capacity`, `written`) and
 //!   every `Buffer::zeros` takes a kept buffer of its dtype and size class

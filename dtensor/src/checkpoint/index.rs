@@ -180,7 +180,7 @@ impl Index {
 
     /// Checks everything the index says about itself: format and version, a
     /// checkpoint id of 32 hex digits, a block size that is a power of two,
-    /// known dtypes, chunks inside their tensor, keys as [`key_of`](Self::key_of) gives them, byte ranges
+    /// known dtypes, chunks inside their tensor, keys as the format version names them, byte ranges
     /// of the right length, one checksum per block, plain file names, and
     /// chunks that tile each tensor exactly. `path` names the index in errors.
     ///
