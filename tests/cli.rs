@@ -967,7 +967,12 @@ fn plan_predicts_the_peak_of_the_run() {
         let o = train(&args, &[]);
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
         let text = String::from_utf8_lossy(&o.stdout);
-        assert!(text.contains("predicted against measured"), "{text}");
+        assert!(
+            text.contains("predicted against measured")
+                && text.contains("(median after two warm-up steps)")
+                && !text.contains("NaN"),
+            "{text}"
+        );
         let (planned, measured) = (
             u64_column(&read_json(&plan), "peak_bytes_per_rank"),
             u64_column(&read_json(&run), "peak_bytes_per_rank"),
@@ -992,6 +997,14 @@ fn plan_predicts_the_peak_of_the_run() {
             );
         }
     }
+    // A run of only warm-up steps still compares a measured time.
+    let o = train(&["--world-size", "2", "--steps", "2"], &[]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let text = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        text.contains("(median, warm-up steps included)") && !text.contains("NaN"),
+        "{text}"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -464,12 +464,20 @@ pub(crate) fn compare_plan(args: &Args, plans: &[Planned], r0: &RankReport) {
     let measured_bytes = r0
         .comm
         .map_or(0, |c| OpKind::ALL.iter().map(|&k| c.bytes(k)).sum::<u64>() / steps);
-    let mut times = r0.step_time_s.iter().skip(2).copied().collect::<Vec<_>>();
+    // The first two steps warm caches and the allocator; a run of two steps or
+    // fewer has only those, and says so rather than printing no time.
+    let warm_up = if r0.step_time_s.len() > 2 { 2 } else { 0 };
+    let mut times = r0.step_time_s[warm_up..].to_vec();
     times.sort_by(f64::total_cmp);
     let measured_s = times.get(times.len() / 2).copied().unwrap_or(f64::NAN);
+    let which = if warm_up > 0 {
+        "median after two warm-up steps"
+    } else {
+        "median, warm-up steps included"
+    };
     println!(
         "predicted against measured: peak per rank {} vs {} ({:+.2}%); rank 0's collectives {} vs {} bytes per step; \
-         step time {:.4} vs {:.4} s (median)",
+         step time {:.4} vs {:.4} s ({which})",
         human(planned_peak),
         human(measured_peak),
         100.0 * (planned_peak as f64 / measured_peak.max(1) as f64 - 1.0),
