@@ -81,14 +81,6 @@ impl Error {
             other => other,
         }
     }
-
-    /// [`innermost`](Self::innermost), owned.
-    pub fn into_innermost(self) -> Error {
-        match self {
-            Error::InModule(m) => m.error,
-            other => other,
-        }
-    }
 }
 
 /// Where an error was raised: the module whose forward raised it (by the

@@ -458,11 +458,6 @@ impl Param {
         *self.inner.bound.borrow_mut() = binding.map(Binding::into_var);
     }
 
-    /// Whether the parameter is bound now ([`bind`](Self::bind)).
-    pub fn is_bound(&self) -> bool {
-        self.inner.bound.borrow().is_some()
-    }
-
     /// Adds `g` (any placements) to the gradient, converted to the parameter's
     /// placements and shard order (a partial gradient of a replicated parameter is
     /// all-reduced, that of a sharded one reduce-scattered; nothing moves when `g`

@@ -45,6 +45,48 @@ pub(crate) struct FsdpParam {
     pub(crate) slot: Rc<Slot>,
 }
 
+/// Checks that a parameter placed `p` on `param_mesh` can be sharded over the
+/// data-parallel `dims`: replicated on them, and partial on no dim.
+///
+/// # Errors
+/// The placement that is not, with what to do instead.
+fn check_placements(name: &str, p: &[Placement], param_mesh: &DeviceMesh, dims: DpDims) -> Result<()> {
+    if let Some(d) = (0..p.len()).find(|&d| dims.contains(d) && !p[d].is_replicate()) {
+        let hint = if p[d].is_shard() {
+            let named = param_mesh
+                .names()
+                .get(d)
+                .map_or(String::new(), |n| format!(" (\"{n}\")"));
+            format!(
+                "mesh dim {d}{named} shards it already, as tensor parallelism does on its dim: fully_shard \
+                 over the data-parallel dims only (mesh.slice(&[\"dp\"]) or FsdpConfig::shard_dim), or \
+                 distribute the parameter replicated on them"
+            )
+        } else {
+            "reduce it first".to_string()
+        };
+        return Err(Error::param(
+            name,
+            format!(
+                "is placed {} on mesh {}; fully_shard needs it replicated on the data-parallel mesh dim {d} \
+                 ({hint})",
+                PlacementsDisplay(p),
+                param_mesh
+            ),
+        ));
+    }
+    if let Some(d) = p.iter().position(|pl| pl.is_partial()) {
+        return Err(Error::param(
+            name,
+            format!(
+                "is placed {}: Partial on mesh dim {d}; a parameter must hold its value (Shard or Replicate)",
+                PlacementsDisplay(p)
+            ),
+        ));
+    }
+    Ok(())
+}
+
 impl FsdpParam {
     /// Checks `param` and works out its layouts (the parameter is not changed).
     ///
@@ -65,39 +107,7 @@ impl FsdpParam {
             ));
         }
         let p = &layout.placements.clone()[..];
-        if let Some(d) = (0..p.len()).find(|&d| dims.contains(d) && !p[d].is_replicate()) {
-            let hint = if p[d].is_shard() {
-                let named = param_mesh
-                    .names()
-                    .get(d)
-                    .map_or(String::new(), |n| format!(" (\"{n}\")"));
-                format!(
-                    "mesh dim {d}{named} shards it already, as tensor parallelism does on its dim: fully_shard \
-                     over the data-parallel dims only (mesh.slice(&[\"dp\"]) or FsdpConfig::shard_dim), or \
-                     distribute the parameter replicated on them"
-                )
-            } else {
-                "reduce it first".to_string()
-            };
-            return Err(Error::param(
-                name,
-                format!(
-                    "is placed {} on mesh {}; fully_shard needs it replicated on the data-parallel mesh dim {d} \
-                     ({hint})",
-                    PlacementsDisplay(p),
-                    param_mesh
-                ),
-            ));
-        }
-        if let Some(d) = p.iter().position(|pl| pl.is_partial()) {
-            return Err(Error::param(
-                name,
-                format!(
-                    "is placed {}: Partial on mesh dim {d}; a parameter must hold its value (Shard or Replicate)",
-                    PlacementsDisplay(p)
-                ),
-            ));
-        }
+        check_placements(name, p, &param_mesh, dims)?;
         if layout.shape.is_empty() {
             return Err(Error::param(name, "is a scalar; FSDP shards dim 0 (reshape it to [1])"));
         }

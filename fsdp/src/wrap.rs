@@ -39,19 +39,6 @@ impl WrapPolicy {
         vec![(TypeId::of::<M>(), name), (TypeId::of::<std::rc::Rc<M>>(), name)]
     }
 
-    /// This policy, also wrapping modules of type `M` (a
-    /// [`WrapPolicy::MinParams`] policy becomes the type policy for `M`).
-    #[must_use]
-    pub fn or_module<M: Module>(self) -> WrapPolicy {
-        match self {
-            WrapPolicy::ModuleTypes(mut v) => {
-                v.extend(Self::types_of::<M>());
-                WrapPolicy::ModuleTypes(v)
-            }
-            WrapPolicy::MinParams(_) => WrapPolicy::module::<M>(),
-        }
-    }
-
     fn picks(&self, m: &dyn Module, unowned: usize) -> bool {
         if unowned == 0 {
             return false;

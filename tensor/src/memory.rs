@@ -302,12 +302,6 @@ pub fn device_stats() -> MemoryStats {
     current_device_counters().stats()
 }
 
-/// Device memory of rank `id` (all zero for a rank that never allocated on a GPU).
-pub fn device_stats_of(id: RankId) -> MemoryStats {
-    let map = DEVICE_RANKS.lock().unwrap_or_else(PoisonError::into_inner);
-    map.get(&id).map(|c| c.stats()).unwrap_or_default()
-}
-
 /// Sets the current rank's device peak to its current device bytes.
 pub fn reset_device_peak() {
     current_device_counters().reset_peak();

@@ -512,3 +512,39 @@ fn partial_plus_replicated_bias_defers_the_reduction() {
         assert_eq!(c.op.total_bytes(), 192, "coord {:?}: {}", c.coord, c.op);
     }
 }
+
+/// `zeros_like` keeps its input's layout (a partial input's zeros are a partial
+/// zero) and communicates nothing.
+#[test]
+fn zeros_like_keeps_the_layout_without_communication() {
+    let x = randn(&[5, 6], 31);
+    let zeros = Tensor::zeros(&[5, 6], DType::F64).unwrap();
+    for p in [&[S(0), R][..], &[P, S(1)], &[R, P]] {
+        expect("zeros_like", &[2, 2], &[(&x, p)], NONE, p, &zeros, |x| {
+            x[0].zeros_like()
+        });
+    }
+}
+
+/// `replicated_op`, the fallback an op without a sharding rule takes: the
+/// kernel runs on the full inputs (gathered from shards, a partial input
+/// reduced) and the output is replicated.
+#[test]
+fn replicated_op_runs_the_kernel_on_full_inputs() {
+    let (x, y) = (randn(&[4, 6], 32), randn(&[4, 6], 33));
+    // A kernel the strategies know nothing of: x·yᵀ row sums, kept [4, 1].
+    let kernel = |l: &[Tensor]| -> Result<Tensor> { Ok(l[0].mul(&l[1])?.sum(&[1], true)?) };
+    let want = kernel(&[x.clone(), y.clone()]).unwrap();
+    let outs = expect(
+        "replicated_op",
+        &[2, 2],
+        &[(&x, &[S(0), S(1)]), (&y, &[P, R])],
+        // x's four blocks in one all-gather over both dims, y's partial sum
+        // in one all-reduce over dim 0.
+        &[(OpKind::AllGather, 1), (OpKind::AllReduce, 1)],
+        &[R, R],
+        &want,
+        move |x| DTensor::replicated_op("row_dots", &[&x[0], &x[1]], &[4, 1], DType::F64, kernel),
+    );
+    assert_eq!(outs.len(), 4);
+}

@@ -248,62 +248,8 @@ impl Index {
             let numel =
                 checked_numel(&t.shape).ok_or_else(|| bad(format!("tensor {name}: shape {:?} overflows", t.shape)))?;
             let mut covered = 0usize;
-            for (k, c) in t.chunks.iter().enumerate() {
-                let inside = c.offsets.len() == t.shape.len()
-                    && c.shape.len() == t.shape.len()
-                    && (0..t.shape.len())
-                        .all(|d| c.offsets[d].checked_add(c.shape[d]).is_some_and(|e| e <= t.shape[d]));
-                if !inside {
-                    return Err(bad(format!(
-                        "tensor {name}: chunk {k} at {:?} of shape {:?} lies outside the tensor's shape {:?}",
-                        c.offsets, c.shape, t.shape
-                    )));
-                }
-                let n = checked_numel(&c.shape).unwrap_or(usize::MAX);
-                let bytes = (n as u128) * dtype.size_in_bytes() as u128;
-                if c.end < c.begin || u128::from(c.end - c.begin) != bytes {
-                    return Err(bad(format!(
-                        "tensor {name}: chunk {k} spans bytes {}..{} of {}, but {:?} {} elements need {bytes}",
-                        c.begin, c.end, c.file, c.shape, t.dtype
-                    )));
-                }
-                let key = self.key_of(name, &c.offsets);
-                if c.key != key {
-                    return Err(bad(format!(
-                        "tensor {name}: chunk {k} is keyed {:?}, but a chunk at {:?} is keyed {key:?}",
-                        c.key, c.offsets
-                    )));
-                }
-                let blocks = if stamped { c.blocks(self.block_size) as usize } else { 0 };
-                if c.checksums.len() != blocks * CHECKSUM_DIGITS || !is_hex(&c.checksums) {
-                    return Err(bad(format!(
-                        "tensor {name}: chunk {k} needs {blocks} block checksums of {CHECKSUM_DIGITS} hex digits \
-                         ({} digits), got {} characters",
-                        blocks * CHECKSUM_DIGITS,
-                        c.checksums.len()
-                    )));
-                }
-                if c.file.is_empty() || c.file.contains(['/', '\\']) || c.file.starts_with('.') {
-                    return Err(bad(format!(
-                        "tensor {name}: chunk {k} names the file {:?}; chunk files are plain names inside the \
-                         checkpoint directory",
-                        c.file
-                    )));
-                }
-                for (j, o) in t.chunks[..k].iter().enumerate() {
-                    if o.file == c.file && o.key == c.key {
-                        return Err(bad(format!(
-                            "tensor {name}: chunks {j} and {k} are both {:?} in {}",
-                            c.key, c.file
-                        )));
-                    }
-                    let overlap = (0..t.shape.len())
-                        .all(|d| c.offsets[d] < o.offsets[d] + o.shape[d] && o.offsets[d] < c.offsets[d] + c.shape[d]);
-                    if overlap && n > 0 && checked_numel(&o.shape).unwrap_or(0) > 0 {
-                        return Err(bad(format!("tensor {name}: chunks {j} and {k} overlap")));
-                    }
-                }
-                covered = covered.saturating_add(n);
+            for k in 0..t.chunks.len() {
+                covered = covered.saturating_add(self.check_chunk(name, t, k, dtype, stamped).map_err(&bad)?);
             }
             if covered != numel {
                 return Err(bad(format!(
@@ -312,6 +258,76 @@ impl Index {
             }
         }
         Ok(())
+    }
+
+    /// Checks chunk `k` of tensor `name` (entry `t` of dtype `dtype`): inside
+    /// the tensor, a byte range of its size, keyed as
+    /// [`key_of`](Self::key_of) says, its block checksums when `stamped`, a
+    /// plain file name, and no overlap with an earlier chunk. Returns its
+    /// element count, or what is wrong.
+    fn check_chunk(
+        &self,
+        name: &str,
+        t: &TensorEntry,
+        k: usize,
+        dtype: DType,
+        stamped: bool,
+    ) -> std::result::Result<usize, String> {
+        let c = &t.chunks[k];
+        let inside = c.offsets.len() == t.shape.len()
+            && c.shape.len() == t.shape.len()
+            && (0..t.shape.len()).all(|d| c.offsets[d].checked_add(c.shape[d]).is_some_and(|e| e <= t.shape[d]));
+        if !inside {
+            return Err(format!(
+                "tensor {name}: chunk {k} at {:?} of shape {:?} lies outside the tensor's shape {:?}",
+                c.offsets, c.shape, t.shape
+            ));
+        }
+        let n = checked_numel(&c.shape).unwrap_or(usize::MAX);
+        let bytes = (n as u128) * dtype.size_in_bytes() as u128;
+        if c.end < c.begin || u128::from(c.end - c.begin) != bytes {
+            return Err(format!(
+                "tensor {name}: chunk {k} spans bytes {}..{} of {}, but {:?} {} elements need {bytes}",
+                c.begin, c.end, c.file, c.shape, t.dtype
+            ));
+        }
+        let key = self.key_of(name, &c.offsets);
+        if c.key != key {
+            return Err(format!(
+                "tensor {name}: chunk {k} is keyed {:?}, but a chunk at {:?} is keyed {key:?}",
+                c.key, c.offsets
+            ));
+        }
+        let blocks = if stamped { c.blocks(self.block_size) as usize } else { 0 };
+        if c.checksums.len() != blocks * CHECKSUM_DIGITS || !is_hex(&c.checksums) {
+            return Err(format!(
+                "tensor {name}: chunk {k} needs {blocks} block checksums of {CHECKSUM_DIGITS} hex digits \
+                 ({} digits), got {} characters",
+                blocks * CHECKSUM_DIGITS,
+                c.checksums.len()
+            ));
+        }
+        if c.file.is_empty() || c.file.contains(['/', '\\']) || c.file.starts_with('.') {
+            return Err(format!(
+                "tensor {name}: chunk {k} names the file {:?}; chunk files are plain names inside the \
+                 checkpoint directory",
+                c.file
+            ));
+        }
+        for (j, o) in t.chunks[..k].iter().enumerate() {
+            if o.file == c.file && o.key == c.key {
+                return Err(format!(
+                    "tensor {name}: chunks {j} and {k} are both {:?} in {}",
+                    c.key, c.file
+                ));
+            }
+            let overlap = (0..t.shape.len())
+                .all(|d| c.offsets[d] < o.offsets[d] + o.shape[d] && o.offsets[d] < c.offsets[d] + c.shape[d]);
+            if overlap && n > 0 && checked_numel(&o.shape).unwrap_or(0) > 0 {
+                return Err(format!("tensor {name}: chunks {j} and {k} overlap"));
+            }
+        }
+        Ok(n)
     }
 }
 

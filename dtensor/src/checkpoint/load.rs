@@ -210,14 +210,6 @@ impl Checkpoint {
         DTensor::from_local_with_layout(local, mesh, layout)
     }
 
-    /// [`load`](Self::load) into `like`'s mesh and layout.
-    ///
-    /// # Errors
-    /// As `load`.
-    pub fn load_like(&self, name: &str, like: &DTensor) -> Result<DTensor> {
-        self.load(name, like.mesh(), like.layout().clone())
-    }
-
     /// Opens chunk file `c.file` and checks its header against the index, once
     /// per handle (a file that fails is checked again on the next load).
     fn checked_file(&self, name: &str, c: &Chunk) -> Result<std::cell::RefMut<'_, File>> {

@@ -33,79 +33,9 @@ impl Index {
     /// offsets, a tensor whose pieces disagree on dtype or rank, overlap or
     /// leave part of it uncovered.
     pub fn from_sharded_safetensors(dir: &Path) -> Result<Index> {
-        let mut names: Vec<String> = std::fs::read_dir(dir)
-            .map_err(|e| files::io_error(dir, "cannot list the checkpoint directory", e))?
-            .filter_map(|e| e.ok().and_then(|e| e.file_name().into_string().ok()))
-            .filter(|n| n.ends_with(".safetensors") && !n.starts_with('.'))
-            .collect();
-        names.sort();
-        if names.is_empty() {
-            return Err(ckpt_error(
-                dir,
-                "no checkpoint here: neither an index.json (a Tessera checkpoint) nor .safetensors files (a \
-                 sharded safetensors checkpoint)"
-                    .into(),
-            ));
-        }
         let mut tensors: BTreeMap<String, TensorEntry> = BTreeMap::new();
-        for file in &names {
-            let path = dir.join(file);
-            let f = files::open_read(&path)?;
-            let (header, start) = files::read_header(&path, &f)?;
-            if files::stamped_by_tessera(&header) {
-                return Err(ckpt_error(
-                    &dir.join(super::INDEX_FILE),
-                    format!(
-                        "missing: {file} was written by a Tessera save, whose index.json holds the checksums and \
-                         metadata its files lack; restore the index (or save again) rather than reading the files \
-                         unchecked"
-                    ),
-                ));
-            }
-            let info = files::sharding_info(&path, &header)?;
-            for (key, v) in &header {
-                if key == "__metadata__" {
-                    continue;
-                }
-                let bad = |what: &str| ckpt_error(&path, format!("tensor {key}: {what} (its entry is {v})"));
-                let dtype = v
-                    .get("dtype")
-                    .and_then(Value::as_str)
-                    .filter(|d| index::dtype_of(d).is_some())
-                    .ok_or_else(|| bad("no dtype Tessera holds (F32, F64, BF16, F16, I64, U8)"))?;
-                let shape: Vec<usize> = files::whole_numbers(v.get("shape")).ok_or_else(|| bad("no shape"))?;
-                let range = files::whole_numbers(v.get("data_offsets"))
-                    .filter(|r| r.len() == 2 && r[0] <= r[1])
-                    .ok_or_else(|| bad("no byte range"))?;
-                let offsets = files::saved_offsets(&path, info.as_ref(), key, shape.len())?;
-                let entry = tensors.entry(key.clone()).or_insert_with(|| TensorEntry {
-                    shape: vec![0; shape.len()],
-                    dtype: dtype.to_string(),
-                    chunks: Vec::new(),
-                });
-                if entry.dtype != dtype || entry.shape.len() != shape.len() {
-                    return Err(bad(&format!(
-                        "another file holds a piece of it as {} of rank {}",
-                        entry.dtype,
-                        entry.shape.len()
-                    )));
-                }
-                for (d, extent) in entry.shape.iter_mut().enumerate() {
-                    let end = offsets[d]
-                        .checked_add(shape[d])
-                        .ok_or_else(|| bad("offsets overflow"))?;
-                    *extent = (*extent).max(end);
-                }
-                entry.chunks.push(Chunk {
-                    offsets,
-                    shape,
-                    file: file.clone(),
-                    key: key.clone(),
-                    begin: start + range[0] as u64,
-                    end: start + range[1] as u64,
-                    checksums: String::new(),
-                });
-            }
+        for file in &safetensors_files(dir)? {
+            add_pieces(dir, file, &mut tensors)?;
         }
         let index = Index {
             format: SHARDED_SAFETENSORS.into(),
@@ -119,6 +49,94 @@ impl Index {
         index.validate(&dir.display().to_string())?;
         Ok(index)
     }
+}
+
+/// The visible `*.safetensors` files of `dir`, sorted by name.
+///
+/// # Errors
+/// A directory that cannot be listed or holds no such file.
+fn safetensors_files(dir: &Path) -> Result<Vec<String>> {
+    let mut names: Vec<String> = std::fs::read_dir(dir)
+        .map_err(|e| files::io_error(dir, "cannot list the checkpoint directory", e))?
+        .filter_map(|e| e.ok().and_then(|e| e.file_name().into_string().ok()))
+        .filter(|n| n.ends_with(".safetensors") && !n.starts_with('.'))
+        .collect();
+    names.sort();
+    if names.is_empty() {
+        return Err(ckpt_error(
+            dir,
+            "no checkpoint here: neither an index.json (a Tessera checkpoint) nor .safetensors files (a \
+             sharded safetensors checkpoint)"
+                .into(),
+        ));
+    }
+    Ok(names)
+}
+
+/// Adds the pieces file `file` of `dir` holds to `tensors` (each tensor's
+/// global shape grown to cover them).
+///
+/// # Errors
+/// As [`Index::from_sharded_safetensors`], for this file.
+fn add_pieces(dir: &Path, file: &str, tensors: &mut BTreeMap<String, TensorEntry>) -> Result<()> {
+    let path = dir.join(file);
+    let f = files::open_read(&path)?;
+    let (header, start) = files::read_header(&path, &f)?;
+    if files::stamped_by_tessera(&header) {
+        return Err(ckpt_error(
+            &dir.join(super::INDEX_FILE),
+            format!(
+                "missing: {file} was written by a Tessera save, whose index.json holds the checksums and \
+                 metadata its files lack; restore the index (or save again) rather than reading the files \
+                 unchecked"
+            ),
+        ));
+    }
+    let info = files::sharding_info(&path, &header)?;
+    for (key, v) in &header {
+        if key == "__metadata__" {
+            continue;
+        }
+        let bad = |what: &str| ckpt_error(&path, format!("tensor {key}: {what} (its entry is {v})"));
+        let dtype = v
+            .get("dtype")
+            .and_then(Value::as_str)
+            .filter(|d| index::dtype_of(d).is_some())
+            .ok_or_else(|| bad("no dtype Tessera holds (F32, F64, BF16, F16, I64, U8)"))?;
+        let shape: Vec<usize> = files::whole_numbers(v.get("shape")).ok_or_else(|| bad("no shape"))?;
+        let range = files::whole_numbers(v.get("data_offsets"))
+            .filter(|r| r.len() == 2 && r[0] <= r[1])
+            .ok_or_else(|| bad("no byte range"))?;
+        let offsets = files::saved_offsets(&path, info.as_ref(), key, shape.len())?;
+        let entry = tensors.entry(key.clone()).or_insert_with(|| TensorEntry {
+            shape: vec![0; shape.len()],
+            dtype: dtype.to_string(),
+            chunks: Vec::new(),
+        });
+        if entry.dtype != dtype || entry.shape.len() != shape.len() {
+            return Err(bad(&format!(
+                "another file holds a piece of it as {} of rank {}",
+                entry.dtype,
+                entry.shape.len()
+            )));
+        }
+        for (d, extent) in entry.shape.iter_mut().enumerate() {
+            let end = offsets[d]
+                .checked_add(shape[d])
+                .ok_or_else(|| bad("offsets overflow"))?;
+            *extent = (*extent).max(end);
+        }
+        entry.chunks.push(Chunk {
+            offsets,
+            shape,
+            file: file.to_string(),
+            key: key.clone(),
+            begin: start + range[0] as u64,
+            end: start + range[1] as u64,
+            checksums: String::new(),
+        });
+    }
+    Ok(())
 }
 
 #[cfg(test)]

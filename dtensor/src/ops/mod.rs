@@ -28,7 +28,7 @@ use tessera_tensor::Error as TensorError;
 use crate::redistribute::execute;
 use crate::spec::{DTensorSpec, Layout};
 use crate::strategy::{Candidate, Candidates, choose};
-use crate::{DTensor, Error, Result, ShardOrder, Tensor};
+use crate::{DTensor, Error, Placement, Result, ShardOrder, Tensor};
 
 /// What a local kernel may need to know about where its pieces sit.
 pub(crate) struct LocalCtx<'a> {
@@ -68,18 +68,7 @@ pub(crate) fn dispatch(
     out_dtype: DType,
     kernel: impl FnOnce(&[Tensor], &LocalCtx<'_>) -> Result<Tensor>,
 ) -> Result<DTensor> {
-    let mesh = inputs[0].mesh();
-    if let Some(i) = inputs.iter().position(|x| !x.mesh().same_as(mesh)) {
-        let other = inputs[i].mesh();
-        return Err(Error::Placement {
-            op,
-            detail: format!(
-                "inputs live on different meshes: input 0 is on {mesh} and input {i} on {other}, which {}; \
-                 distribute both inputs on one mesh (clones of one DeviceMesh)",
-                mesh_difference(mesh, other)
-            ),
-        });
-    }
+    let mesh = common_mesh(op, inputs)?;
     // The op, its redistributions and its kernel, for a recording rank.
     let _observed = tessera_mesh::observe::span(tessera_mesh::observe::What::Op(op));
     let layouts: SmallVec<[&Layout; 3]> = inputs.iter().map(|x| x.layout()).collect();
@@ -120,32 +109,8 @@ pub(crate) fn dispatch(
     let out = &choice.candidate.output;
     let layout = Layout::with_order(mesh.shape(), out, ShardOrder::default_for(out), out_shape, out_dtype)?;
     let spec = DTensorSpec::new(mesh, layout)?;
-    let want = spec.local_shape();
-    if local.shape() != &want[..] || local.dtype() != out_dtype {
-        return Err(Error::from(TensorError::ShapeMismatch {
-            op,
-            detail: format!(
-                "the local kernel returned {:?} {} on coordinate {:?} but strategy {} needs {:?} {out_dtype} \
-                 (a bug in the op's strategy)",
-                local.shape(),
-                local.dtype(),
-                mesh.coordinate(),
-                choice.candidate,
-                want
-            ),
-        }));
-    }
-    // The op that last changed the placements: this one if it did, else
-    // the first input's (for layout errors to name).
-    let origin = if out[..] != inputs[0].placements()[..] {
-        Some(std::sync::Arc::new(crate::LayoutOrigin {
-            op,
-            module: tessera_mesh::observe::current_module().map(|(m, _)| m),
-            from: crate::PlacementsDisplay(inputs[0].placements()).to_string(),
-        }))
-    } else {
-        inputs[0].origin()
-    };
+    check_local_output(op, &local, &spec, &choice.candidate)?;
+    let origin = layout_origin(op, inputs[0], out);
     let out = DTensor::from_parts(local, spec).with_origin(origin);
     crate::debug::log_op(op, inputs, &out, false, || {
         choice
@@ -157,6 +122,65 @@ pub(crate) fn dispatch(
             .collect()
     });
     Ok(out)
+}
+
+/// The mesh every input lives on.
+///
+/// # Errors
+/// Inputs on different meshes, naming what tells them apart.
+fn common_mesh<'a>(op: &'static str, inputs: &[&'a DTensor]) -> Result<&'a DeviceMesh> {
+    let mesh = inputs[0].mesh();
+    if let Some(i) = inputs.iter().position(|x| !x.mesh().same_as(mesh)) {
+        let other = inputs[i].mesh();
+        return Err(Error::Placement {
+            op,
+            detail: format!(
+                "inputs live on different meshes: input 0 is on {mesh} and input {i} on {other}, which {}; \
+                 distribute both inputs on one mesh (clones of one DeviceMesh)",
+                mesh_difference(mesh, other)
+            ),
+        });
+    }
+    Ok(mesh)
+}
+
+/// Checks that a kernel returned this rank's piece of the output `spec`
+/// describes (a wrong shape or dtype is a bug in the op's strategy).
+///
+/// # Errors
+/// A local output of another shape or dtype than `spec`'s.
+fn check_local_output(op: &'static str, local: &Tensor, spec: &DTensorSpec, candidate: &Candidate) -> Result<()> {
+    let want = spec.local_shape();
+    let out_dtype = spec.layout().dtype;
+    if local.shape() == &want[..] && local.dtype() == out_dtype {
+        return Ok(());
+    }
+    Err(Error::from(TensorError::ShapeMismatch {
+        op,
+        detail: format!(
+            "the local kernel returned {:?} {} on coordinate {:?} but strategy {candidate} needs {:?} {out_dtype} \
+             (a bug in the op's strategy)",
+            local.shape(),
+            local.dtype(),
+            spec.mesh().coordinate(),
+            want
+        ),
+    }))
+}
+
+/// The op that last changed the placements, for layout errors to name: `op`
+/// if its output placements `out` differ from its first input's, else that
+/// input's own origin.
+fn layout_origin(op: &'static str, first: &DTensor, out: &[Placement]) -> Option<std::sync::Arc<crate::LayoutOrigin>> {
+    if out[..] != first.placements()[..] {
+        Some(std::sync::Arc::new(crate::LayoutOrigin {
+            op,
+            module: tessera_mesh::observe::current_module().map(|(m, _)| m),
+            from: crate::PlacementsDisplay(first.placements()).to_string(),
+        }))
+    } else {
+        first.origin()
+    }
 }
 
 /// What tells two meshes apart (their `Display` may be identical): the shapes,

@@ -291,24 +291,8 @@ fn abort_for(world_rank: usize, world_size: usize, timeout_ms: u64, e: &Expired,
         if !serve(exits, Some(&mut replies)) {
             return;
         }
-        // Follow the waits of the ranks that answered since: ask the members of
-        // the groups they wait in that nobody has asked yet.
-        let mut more = Vec::new();
-        let mut i = 0;
-        while i < reached.len() {
-            let w = reached[i].0;
-            i += 1;
-            let Some(p) = replies.get(&w) else { continue };
-            if !followed.insert(w) {
-                continue;
-            }
-            for &m in p.waits_on() {
-                if m < world_size && seen.insert(m) {
-                    reached.push((m, Some(w)));
-                    more.push(m);
-                }
-            }
-        }
+        // Follow the waits of the ranks that answered since.
+        let more = follow_waits(&mut reached, &replies, &mut followed, &mut seen, world_size);
         if !more.is_empty() {
             ask(&more, exits);
         }
@@ -322,6 +306,18 @@ fn abort_for(world_rank: usize, world_size: usize, timeout_ms: u64, e: &Expired,
     };
     let statuses: Vec<(usize, Peer)> = peers.iter().map(|&r| (r, status(r))).collect();
     let reached: Vec<Reached> = reached.iter().map(|&(r, via)| (r, via, status(r))).collect();
+    let (why, details) = explain(e, live, &statuses, &reached);
+    // Held while aborting: MPI must not be finalised under MPI_Abort.
+    let c = control();
+    if matches!(c.state, State::Stopped) {
+        return;
+    }
+    abort_with(world_rank, &why, &details);
+}
+
+/// What the abort says: the wait that expired (`why`), and, if the peers could
+/// be asked (`live`), who is not progressing and what each peer reported.
+fn explain(e: &Expired, live: bool, statuses: &[(usize, Peer)], reached: &[Reached]) -> (String, Vec<String>) {
     let a = e.activity;
     let why = format!(
         "waited {:.1} s in {} (collective #{} of its group of {} ranks, where it is rank {}) for peers that never \
@@ -335,22 +331,46 @@ fn abort_for(world_rank: usize, world_size: usize, timeout_ms: u64, e: &Expired,
     let mut details = Vec::new();
     if !statuses.is_empty() {
         if live {
-            details.extend(blame_lines(&not_progressing(&reached).unwrap_or_default(), &reached));
+            details.extend(blame_lines(&not_progressing(reached).unwrap_or_default(), reached));
             details.push(match statuses.len() {
                 1 => "what the other rank of that group reports:".to_string(),
                 n => format!("what the other {n} ranks of that group report:"),
             });
-            details.extend(report(&statuses).into_iter().map(|l| format!("  {l}")));
+            details.extend(report(statuses).into_iter().map(|l| format!("  {l}")));
         } else {
             details.push("(the other ranks could not be asked: no control communicator)".to_string());
         }
     }
-    // Held while aborting: MPI must not be finalised under MPI_Abort.
-    let c = control();
-    if matches!(c.state, State::Stopped) {
-        return;
+    (why, details)
+}
+
+/// The ranks to ask next: the members, not yet seen, of the groups that the
+/// ranks reached and answered since the last call wait in (each added to
+/// `reached` with the rank whose wait led to it).
+fn follow_waits(
+    reached: &mut Vec<(usize, Option<usize>)>,
+    replies: &BTreeMap<usize, Peer>,
+    followed: &mut BTreeSet<usize>,
+    seen: &mut BTreeSet<usize>,
+    world_size: usize,
+) -> Vec<usize> {
+    let mut more = Vec::new();
+    let mut i = 0;
+    while i < reached.len() {
+        let w = reached[i].0;
+        i += 1;
+        let Some(p) = replies.get(&w) else { continue };
+        if !followed.insert(w) {
+            continue;
+        }
+        for &m in p.waits_on() {
+            if m < world_size && seen.insert(m) {
+                reached.push((m, Some(w)));
+                more.push(m);
+            }
+        }
     }
-    abort_with(world_rank, &why, &details);
+    more
 }
 
 /// Sends `QUERY` to each of `ranks` that has not announced its exit; `false` if

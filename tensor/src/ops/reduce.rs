@@ -230,57 +230,9 @@ fn reduce<T: Float, R: Reducer<T>>(op: &'static str, t: &Tensor, mask: &[bool], 
     } else if suffix {
         reduce_rows::<T, R>(&elements::<T>(t)?, kept, count)
     } else if prefix {
-        let x = elements::<T>(t)?;
-        // Blocks of columns over the rank's threads, each column fed its rows in
-        // order as on one thread.
-        let mut acc = vec![R::init(); kept];
-        let (simd, x) = (Simd::best(), &x[..]);
-        crate::kernel::par_columns(&mut acc, x.len(), |c0, cols| {
-            simd.run(
-                #[inline(always)]
-                || {
-                    for row in x.chunks_exact(kept) {
-                        for (s, &v) in cols.iter_mut().zip(&row[c0..]) {
-                            R::push(s, v);
-                        }
-                    }
-                },
-            )
-        });
-        acc.into_iter().map(|s| R::finish(s, count)).collect()
+        reduce_columns::<T, R>(&elements::<T>(t)?, kept, count)
     } else if let Some(inner) = middle_block(shape, mask) {
-        // One run of reduced dims between kept ones (repeat_interleave's
-        // gradient, `[.., groups, repeats, ..]` summed over the repeats): each
-        // output row of `inner` elements sums its `count` input rows in order
-        // into a scratch row and is written finished, in blocks of output rows
-        // over the rank's threads.
-        let x = elements::<T>(t)?;
-        let (simd, x) = (Simd::best(), &x[..]);
-        let fill = |out: &mut [std::mem::MaybeUninit<R::Out>]| {
-            crate::kernel::par_rows(out, inner, |start, block| {
-                simd.run(
-                    #[inline(always)]
-                    || {
-                        let mut acc = vec![R::init(); inner];
-                        for (j, o) in block.chunks_exact_mut(inner).enumerate() {
-                            let row = start / inner + j;
-                            acc.fill(R::init());
-                            for input in x[row * count * inner..(row + 1) * count * inner].chunks_exact(inner) {
-                                for (s, &v) in acc.iter_mut().zip(input) {
-                                    R::push(s, v);
-                                }
-                            }
-                            for (o, &s) in o.iter_mut().zip(&acc) {
-                                *o = std::mem::MaybeUninit::new(R::finish(s, count));
-                            }
-                        }
-                    },
-                )
-            })
-        };
-        // SAFETY: the blocks of `par_rows` tile the output in whole rows of
-        // `inner` elements, and every element of each row is written.
-        unsafe { crate::alloc::written(op, &out_shape, fill)? }
+        reduce_middle::<T, R>(op, &elements::<T>(t)?, &out_shape, inner, count)?
     } else {
         // Move the reduced dims last (one copy), then reduce rows.
         let order: Vec<usize> = (0..shape.len())
@@ -291,6 +243,66 @@ fn reduce<T: Float, R: Reducer<T>>(op: &'static str, t: &Tensor, mask: &[bool], 
         reduce_rows::<T, R>(moved.as_slice::<T>()?, kept, count)
     };
     output(out, &out_shape)
+}
+
+/// Reduces the leading dims of `x` (`count` rows of `kept` columns): blocks of
+/// columns over the rank's threads, each column fed its rows in order as on
+/// one thread.
+fn reduce_columns<T: Float, R: Reducer<T>>(x: &[T], kept: usize, count: usize) -> Vec<R::Out> {
+    let mut acc = vec![R::init(); kept];
+    let simd = Simd::best();
+    crate::kernel::par_columns(&mut acc, x.len(), |c0, cols| {
+        simd.run(
+            #[inline(always)]
+            || {
+                for row in x.chunks_exact(kept) {
+                    for (s, &v) in cols.iter_mut().zip(&row[c0..]) {
+                        R::push(s, v);
+                    }
+                }
+            },
+        )
+    });
+    acc.into_iter().map(|s| R::finish(s, count)).collect()
+}
+
+/// Reduces one run of dims between kept ones (repeat_interleave's gradient,
+/// `[.., groups, repeats, ..]` summed over the repeats): each output row of
+/// `inner` elements sums its `count` input rows in order into a scratch row
+/// and is written finished, in blocks of output rows over the rank's threads.
+fn reduce_middle<T: Float, R: Reducer<T>>(
+    op: &'static str,
+    x: &[T],
+    out_shape: &[usize],
+    inner: usize,
+    count: usize,
+) -> Result<Vec<R::Out>> {
+    let simd = Simd::best();
+    let fill = |out: &mut [std::mem::MaybeUninit<R::Out>]| {
+        crate::kernel::par_rows(out, inner, |start, block| {
+            simd.run(
+                #[inline(always)]
+                || {
+                    let mut acc = vec![R::init(); inner];
+                    for (j, o) in block.chunks_exact_mut(inner).enumerate() {
+                        let row = start / inner + j;
+                        acc.fill(R::init());
+                        for input in x[row * count * inner..(row + 1) * count * inner].chunks_exact(inner) {
+                            for (s, &v) in acc.iter_mut().zip(input) {
+                                R::push(s, v);
+                            }
+                        }
+                        for (o, &s) in o.iter_mut().zip(&acc) {
+                            *o = std::mem::MaybeUninit::new(R::finish(s, count));
+                        }
+                    }
+                },
+            )
+        })
+    };
+    // SAFETY: the blocks of `par_rows` tile the output in whole rows of
+    // `inner` elements, and every element of each row is written.
+    unsafe { crate::alloc::written(op, out_shape, fill) }
 }
 
 /// The elements per output row when the dims `mask` reduces are one run with
