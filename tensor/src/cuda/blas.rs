@@ -97,30 +97,7 @@ pub(crate) fn gemm(
             detail: format!("{what} {v} is beyond what one cuBLAS call takes (2^31 - 1)"),
         })
     };
-    let (data, compute) = match dtype {
-        DType::F32 => (
-            sys::cudaDataType::CUDA_R_32F,
-            sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-        ),
-        DType::BF16 => (
-            sys::cudaDataType::CUDA_R_16BF,
-            sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-        ),
-        DType::F16 => (
-            sys::cudaDataType::CUDA_R_16F,
-            sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-        ),
-        DType::F64 => (
-            sys::cudaDataType::CUDA_R_64F,
-            sys::cublasComputeType_t::CUBLAS_COMPUTE_64F,
-        ),
-        other => {
-            return Err(Error::Device {
-                op: "matmul",
-                detail: format!("dtype {other} has no matrix product on cuda; cast to f32 or bf16"),
-            });
-        }
-    };
+    let (data, compute) = data_types(dtype)?;
     let (one32, zero32, one64, zero64) = (1f32, 0f32, 1f64, 0f64);
     let (alpha, beta): (*const c_void, *const c_void) = if dtype == DType::F64 {
         ((&raw const one64).cast(), (&raw const zero64).cast())
@@ -144,64 +121,139 @@ pub(crate) fn gemm(
     let count = int(batch, "batch")?;
     let algo = sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT;
     let handle = blas.handle.lock().unwrap_or_else(PoisonError::into_inner);
+    let call = Call {
+        handle: *handle,
+        op_b: op(b.transposed),
+        op_a: op(a.transposed),
+        nn,
+        mm,
+        kk,
+        alpha,
+        beta,
+        data,
+        lda,
+        ldb,
+        ldc,
+        count,
+        compute,
+        algo,
+    };
     match batched {
-        // SAFETY: the pointers address live device blocks holding the shapes
-        // and strides described (checked by the caller), on the handle's stream.
-        Batch::Strided => unsafe {
-            blas::gemm_strided_batched_ex(
-                *handle,
-                op(b.transposed),
-                op(a.transposed),
-                nn,
-                mm,
-                kk,
-                alpha,
-                b.ptr as *const c_void,
-                data,
-                ldb,
-                b.batch_stride as i64,
-                a.ptr as *const c_void,
-                data,
-                lda,
-                a.batch_stride as i64,
-                beta,
-                c.ptr as *mut c_void,
-                data,
-                ldc,
-                c.batch_stride as i64,
-                count,
-                compute,
-                algo,
-            )
-        }
-        .map_err(|e| cuda_error("matmul", e)),
-        Batch::Pointers([pa, pb, pc]) => {
-            // SAFETY: as above, the three arrays holding `batch` such addresses each.
-            let status = unsafe {
-                sys::cublasGemmBatchedEx(
-                    *handle,
-                    op(b.transposed),
-                    op(a.transposed),
-                    nn,
-                    mm,
-                    kk,
-                    alpha,
-                    pb as *const *const c_void,
-                    data,
-                    ldb,
-                    pa as *const *const c_void,
-                    data,
-                    lda,
-                    beta,
-                    pc as *const *mut c_void,
-                    data,
-                    ldc,
-                    count,
-                    compute,
-                    algo,
-                )
-            };
-            status.result().map_err(|e| cuda_error("matmul", e))
-        }
+        Batch::Strided => gemm_strided(&call, a, b, c),
+        Batch::Pointers(arrays) => gemm_pointers(&call, arrays),
     }
+}
+
+/// cuBLAS's data and compute types for a product of `dtype` matrices.
+fn data_types(dtype: DType) -> Result<(sys::cudaDataType, sys::cublasComputeType_t)> {
+    Ok(match dtype {
+        DType::F32 => (
+            sys::cudaDataType::CUDA_R_32F,
+            sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+        ),
+        DType::BF16 => (
+            sys::cudaDataType::CUDA_R_16BF,
+            sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+        ),
+        DType::F16 => (
+            sys::cudaDataType::CUDA_R_16F,
+            sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+        ),
+        DType::F64 => (
+            sys::cudaDataType::CUDA_R_64F,
+            sys::cublasComputeType_t::CUBLAS_COMPUTE_64F,
+        ),
+        other => {
+            return Err(Error::Device {
+                op: "matmul",
+                detail: format!("dtype {other} has no matrix product on cuda; cast to f32 or bf16"),
+            });
+        }
+    })
+}
+
+/// A [`gemm`]'s cuBLAS arguments but its matrices' addresses, for `Cᵀ = Bᵀ·Aᵀ` (valid while [`gemm`] runs).
+#[derive(Clone, Copy)]
+struct Call {
+    handle: sys::cublasHandle_t,
+    op_b: sys::cublasOperation_t,
+    op_a: sys::cublasOperation_t,
+    nn: i32,
+    mm: i32,
+    kk: i32,
+    alpha: *const c_void,
+    beta: *const c_void,
+    data: sys::cudaDataType,
+    lda: i32,
+    ldb: i32,
+    ldc: i32,
+    count: i32,
+    compute: sys::cublasComputeType_t,
+    algo: sys::cublasGemmAlgo_t,
+}
+
+/// Queues `call` on matrices `batch_stride` apart in each of `a`, `b`, `c`.
+fn gemm_strided(call: &Call, a: Operand, b: Operand, c: Operand) -> Result<()> {
+    // SAFETY: the pointers address live device blocks holding the shapes
+    // and strides described (checked by the caller), on the handle's stream.
+    unsafe {
+        blas::gemm_strided_batched_ex(
+            call.handle,
+            call.op_b,
+            call.op_a,
+            call.nn,
+            call.mm,
+            call.kk,
+            call.alpha,
+            b.ptr as *const c_void,
+            call.data,
+            call.ldb,
+            b.batch_stride as i64,
+            a.ptr as *const c_void,
+            call.data,
+            call.lda,
+            a.batch_stride as i64,
+            call.beta,
+            c.ptr as *mut c_void,
+            call.data,
+            call.ldc,
+            c.batch_stride as i64,
+            call.count,
+            call.compute,
+            call.algo,
+        )
+    }
+    .map_err(|e| cuda_error("matmul", e))
+}
+
+/// Queues `call` on the matrices at the addresses held in the device arrays `[pa, pb, pc]`.
+fn gemm_pointers(call: &Call, [pa, pb, pc]: [u64; 3]) -> Result<()> {
+    // SAFETY: the three arrays hold `call.count` addresses each, of live
+    // device blocks holding the shapes described (checked by the caller), on
+    // the handle's stream.
+    let status = unsafe {
+        sys::cublasGemmBatchedEx(
+            call.handle,
+            call.op_b,
+            call.op_a,
+            call.nn,
+            call.mm,
+            call.kk,
+            call.alpha,
+            pb as *const *const c_void,
+            call.data,
+            call.ldb,
+            pa as *const *const c_void,
+            call.data,
+            call.lda,
+            call.beta,
+            pc as *const *mut c_void,
+            call.data,
+            call.ldc,
+            call.count,
+            call.compute,
+            call.algo,
+        )
+    };
+    status.result().map_err(|e| cuda_error("matmul", e))
 }

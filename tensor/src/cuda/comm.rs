@@ -13,7 +13,7 @@
 //! the reduction, as PyTorch's `all_gather_into_tensor` and
 //! `reduce_scatter_tensor`.
 
-use cudarc::driver::{result, sys};
+use cudarc::driver::{CudaStream, result, sys};
 use cudarc::nccl::{result as nccl, sys as nccl_sys};
 use tessera_mesh::{Communicator, CommunicatorExt, DType, ReduceOp};
 
@@ -133,40 +133,8 @@ impl<'a> LocalGroup<'a> {
         // Every rank sends as many words (a mismatch is the host collective's error).
         let all = self.comm.all_gather_vec::<i64>(&mine).map_err(comm_error)?;
         let records: Vec<&[i64]> = all.chunks_exact(words).collect();
-        let me = self.comm.rank();
-        for (r, p) in records.iter().enumerate() {
-            let problem = if p[0] != mine[0] {
-                Some("runs in another process: ranks that share a GPU this way must be threads of one process (use NCCL across processes)".to_string())
-            } else if p[5] != mine[5] {
-                Some(format!("uses cuda:{} but rank {me} uses cuda:{}", p[5], mine[5]))
-            } else if p[4] != mine[4] {
-                Some("passes another dtype; every rank must pass the same dtype".to_string())
-            } else if same_count && p[3] != mine[3] {
-                Some(format!(
-                    "passes {} elements but rank {me} passes {}; every rank must pass the same shape",
-                    p[3], mine[3]
-                ))
-            } else {
-                None
-            };
-            if let Some(why) = problem {
-                return Err(Error::Device {
-                    op,
-                    detail: format!("rank {r} {why}"),
-                });
-            }
-        }
-        for p in &records {
-            // SAFETY: each peer's event is alive until the closing barrier.
-            unsafe {
-                result::stream::wait_event(
-                    s.comm.cu_stream(),
-                    p[2] as sys::CUevent,
-                    sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
-                )
-            }
-            .map_err(|e| cuda_error(op, e))?;
-        }
+        check_records(op, self.comm.rank(), &mine, &records, same_count)?;
+        wait_events(op, &s.comm, records.iter().map(|p| p[2]))?;
         let peers: Vec<Peer> = records
             .iter()
             .map(|p| Peer {
@@ -181,17 +149,7 @@ impl<'a> LocalGroup<'a> {
             .comm
             .all_gather_vec::<i64>(&[done.cu_event() as i64])
             .map_err(comm_error)?;
-        for &d in &dones {
-            // SAFETY: each peer's event is alive until the closing barrier.
-            unsafe {
-                result::stream::wait_event(
-                    s.compute.cu_stream(),
-                    d as sys::CUevent,
-                    sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
-                )
-            }
-            .map_err(|e| cuda_error(op, e))?;
-        }
+        wait_events(op, &s.compute, dones)?;
         // Every peer has enqueued its waits on this rank's events: they may go.
         self.comm.barrier().map_err(comm_error)?;
         drop((ready, done));
@@ -382,6 +340,49 @@ fn peer_ptrs(peers: &[Peer]) -> Peers {
         *slot = peer.addr;
     }
     p
+}
+
+/// Checks that every rank's exchange record (`records`) agrees with this rank's (`mine`).
+fn check_records(op: &'static str, me: usize, mine: &[i64], records: &[&[i64]], same_count: bool) -> Result<()> {
+    for (r, p) in records.iter().enumerate() {
+        let problem = if p[0] != mine[0] {
+            Some("runs in another process: ranks that share a GPU this way must be threads of one process (use NCCL across processes)".to_string())
+        } else if p[5] != mine[5] {
+            Some(format!("uses cuda:{} but rank {me} uses cuda:{}", p[5], mine[5]))
+        } else if p[4] != mine[4] {
+            Some("passes another dtype; every rank must pass the same dtype".to_string())
+        } else if same_count && p[3] != mine[3] {
+            Some(format!(
+                "passes {} elements but rank {me} passes {}; every rank must pass the same shape",
+                p[3], mine[3]
+            ))
+        } else {
+            None
+        };
+        if let Some(why) = problem {
+            return Err(Error::Device {
+                op,
+                detail: format!("rank {r} {why}"),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Makes `stream` wait for each of the peers' `events` (`CUevent` handles as words).
+fn wait_events(op: &'static str, stream: &CudaStream, events: impl IntoIterator<Item = i64>) -> Result<()> {
+    for event in events {
+        // SAFETY: each peer's event is alive until the closing barrier.
+        unsafe {
+            result::stream::wait_event(
+                stream.cu_stream(),
+                event as sys::CUevent,
+                sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+            )
+        }
+        .map_err(|e| cuda_error(op, e))?;
+    }
+    Ok(())
 }
 
 fn dtype_code(d: DType) -> i64 {

@@ -112,73 +112,127 @@ fn product(a: &Tensor, b: &Tensor, batch: &[usize], part: Causal, zero_masked: b
     if k == 0 {
         return full(a.device(), &shape, 0.0, a.dtype());
     }
-    // A product of a stack of matrices by one shared matrix, `[batch.., m, k]
-    // · [k, n]`, whose left rows run on through its batch dims is one product
-    // of `count·m` rows (PyTorch folds it the same way): cuBLAS tiles one tall
-    // product far better than `count` short ones (a third faster for
-    // `8 × [512, 1024] · [1024, 1024]` in f32 on an H200).
-    if part == Causal::Dense
-        && count > 1
-        && let (Some(oa), Some(ob)) = (folded_rows(a, count), shared_matrix(b))
-    {
-        let oc = Operand {
-            ptr: ptr(&out),
-            transposed: false,
-            ld: n,
-            batch_stride: 0,
-        };
-        blas::gemm(&s.blas, a.dtype(), (1, count * m, k, n), oa, ob, oc, Batch::Strided)?;
+    if part == Causal::Dense && count > 1 && folded_product(&s, a, b, &out, count, (m, k, n))? {
         return Ok(out);
     }
-    // Each operand as `batch` matrices: broadcast to the batch (one matrix
-    // shared by every product is kept as it is).
-    let shaped = |t: &Tensor| -> Result<Tensor> {
-        let r = t.rank();
-        if t.shape()[..r - 2].iter().product::<usize>() == 1 && count > 1 {
-            Ok(t.clone())
-        } else {
-            t.broadcast_to(&[batch, &t.shape()[r - 2..]].concat())
-        }
-    };
-    let (sa, sb) = (shaped(a)?, shaped(b)?);
+    let (sa, sb) = (over_batch(a, batch, count)?, over_batch(b, batch, count)?);
     let dtype = a.dtype();
     let elem = dtype.size_in_bytes();
-    // Operands whose batch dims do not run on with one stride (heads read
-    // from `[b, t, h, e]`) but whose matrices have dense rows or columns are
-    // read in place, through arrays of the matrices' addresses; others are
-    // strided batches, copied first when their matrices are not dense.
-    let pointers = count > 1
-        && batch.len() <= MAX_DIMS
-        && (batch_stride(&sa).is_none() || batch_stride(&sb).is_none())
-        && matrix_layout(&sa).is_some()
-        && matrix_layout(&sb).is_some();
-    let (oa, ob, _keep) = if pointers {
-        let at = |t: &Tensor| {
-            // INVARIANT: `pointers` checked that both have a matrix layout.
-            let (transposed, ld) = matrix_layout(t).expect("a dense matrix layout");
-            Operand {
-                ptr: ptr(t),
-                transposed,
-                ld,
-                batch_stride: 0,
-            }
-        };
-        (at(&sa), at(&sb), None)
-    } else {
-        let (oa, ka) = strided_operand(&sa)?;
-        let (ob, kb) = strided_operand(&sb)?;
-        (oa, ob, Some((ka, kb)))
-    };
+    let pointers = reads_in_place(&sa, &sb, batch, count);
+    // The copies strided operands read are kept alive until the products are queued.
+    let (oa, _keep_a) = batch_operand(&sa, pointers)?;
+    let (ob, _keep_b) = batch_operand(&sb, pointers)?;
     let oc = Operand {
         ptr: ptr(&out),
         transposed: false,
         ld: n,
         batch_stride: m * n,
     };
-    // The products: the whole batch, or a causal part's blocks of rows.
-    type Call = ((usize, usize, usize), Operand, Operand, Operand);
     let block = causal_block_rows(m);
-    let calls: Vec<Call> = if part == Causal::Dense || block >= m {
+    let calls = block_calls(part, (m, k, n), block, [oa, ob, oc], elem);
+    if part == Causal::Scores && zero_masked && calls.len() > 1 {
+        // The blocks right of each block's diagonal tile are not computed.
+        s.gpu.bind()?;
+        // SAFETY: the block holds the output's bytes; zeroed on the rank's stream.
+        unsafe { cudarc::driver::result::memset_d8_async(ptr(&out), 0, out.size_in_bytes(), s.compute.cu_stream()) }
+            .map_err(|e| cuda_error(OP, e))?;
+    }
+    // Read in place: the addresses of every call's matrices, from one kernel.
+    let arrays = if pointers {
+        let bases: Vec<[u64; 3]> = calls.iter().map(|(_, a, b, c)| [a.ptr, b.ptr, c.ptr]).collect();
+        Some(batch_pointers(&s, batch, [&sa, &sb, &out], &bases)?)
+    } else {
+        None
+    };
+    queue_calls(&s, dtype, count, &calls, arrays.as_ref())?;
+    if part == Causal::Scores && zero_masked {
+        // The diagonal tiles (one as wide as the matrix for a single call).
+        let tile = if calls.len() > 1 { block } else { m.max(n) };
+        zero_above_diagonal(&s, &out, count, m, n, tile)?;
+    }
+    Ok(out)
+}
+
+/// Queues `a · b` into `out` as one `[count·m, k] · [k, n]` product when it folds so; says whether it did.
+fn folded_product(
+    s: &RankStreams,
+    a: &Tensor,
+    b: &Tensor,
+    out: &Tensor,
+    count: usize,
+    (m, k, n): (usize, usize, usize),
+) -> Result<bool> {
+    // A product of a stack of matrices by one shared matrix, `[batch.., m, k]
+    // · [k, n]`, whose left rows run on through its batch dims is one product
+    // of `count·m` rows (PyTorch folds it the same way): cuBLAS tiles one tall
+    // product far better than `count` short ones (a third faster for
+    // `8 × [512, 1024] · [1024, 1024]` in f32 on an H200).
+    let (Some(oa), Some(ob)) = (folded_rows(a, count), shared_matrix(b)) else {
+        return Ok(false);
+    };
+    let oc = Operand {
+        ptr: ptr(out),
+        transposed: false,
+        ld: n,
+        batch_stride: 0,
+    };
+    blas::gemm(&s.blas, a.dtype(), (1, count * m, k, n), oa, ob, oc, Batch::Strided)?;
+    Ok(true)
+}
+
+/// Operand `t` as `batch` matrices: broadcast to the batch (one matrix shared by every product kept as it is).
+fn over_batch(t: &Tensor, batch: &[usize], count: usize) -> Result<Tensor> {
+    let r = t.rank();
+    if t.shape()[..r - 2].iter().product::<usize>() == 1 && count > 1 {
+        Ok(t.clone())
+    } else {
+        t.broadcast_to(&[batch, &t.shape()[r - 2..]].concat())
+    }
+}
+
+/// Whether `sa` and `sb` are read in place, through arrays of their matrices' addresses.
+fn reads_in_place(sa: &Tensor, sb: &Tensor, batch: &[usize], count: usize) -> bool {
+    // Operands whose batch dims do not run on with one stride (heads read
+    // from `[b, t, h, e]`) but whose matrices have dense rows or columns are
+    // read in place, through arrays of the matrices' addresses; others are
+    // strided batches, copied first when their matrices are not dense.
+    count > 1
+        && batch.len() <= MAX_DIMS
+        && (batch_stride(sa).is_none() || batch_stride(sb).is_none())
+        && matrix_layout(sa).is_some()
+        && matrix_layout(sb).is_some()
+}
+
+/// `t` as a cuBLAS operand, read in place when `pointers`, with the copy a strided one reads.
+fn batch_operand(t: &Tensor, pointers: bool) -> Result<(Operand, Option<Tensor>)> {
+    Ok(if pointers {
+        // INVARIANT: `pointers` only when `reads_in_place` found a matrix layout.
+        let (transposed, ld) = matrix_layout(t).expect("a dense matrix layout");
+        let op = Operand {
+            ptr: ptr(t),
+            transposed,
+            ld,
+            batch_stride: 0,
+        };
+        (op, None)
+    } else {
+        let (op, copy) = strided_operand(t)?;
+        (op, Some(copy))
+    })
+}
+
+/// One cuBLAS call of a product: its `(m, k, n)` and its operands a, b, c.
+type Call = ((usize, usize, usize), Operand, Operand, Operand);
+
+/// The products: the whole batch, or a causal part's blocks of `block` rows.
+fn block_calls(
+    part: Causal,
+    (m, k, n): (usize, usize, usize),
+    block: usize,
+    [oa, ob, oc]: [Operand; 3],
+    elem: usize,
+) -> Vec<Call> {
+    if part == Causal::Dense || block >= m {
         vec![((m, k, n), oa, ob, oc)]
     } else {
         (0..m)
@@ -201,23 +255,13 @@ fn product(a: &Tensor, b: &Tensor, batch: &[usize], part: Causal, zero_masked: b
                 }
             })
             .collect()
-    };
-    if part == Causal::Scores && zero_masked && calls.len() > 1 {
-        // The blocks right of each block's diagonal tile are not computed.
-        s.gpu.bind()?;
-        // SAFETY: the block holds the output's bytes; zeroed on the rank's stream.
-        unsafe { cudarc::driver::result::memset_d8_async(ptr(&out), 0, out.size_in_bytes(), s.compute.cu_stream()) }
-            .map_err(|e| cuda_error(OP, e))?;
     }
-    // Read in place: the addresses of every call's matrices, from one kernel.
-    let arrays = if pointers {
-        let bases: Vec<[u64; 3]> = calls.iter().map(|(_, a, b, c)| [a.ptr, b.ptr, c.ptr]).collect();
-        Some(batch_pointers(&s, batch, [&sa, &sb, &out], &bases)?)
-    } else {
-        None
-    };
+}
+
+/// Queues `calls` (`count` products each), strided or at the addresses in `arrays` when given.
+fn queue_calls(s: &RankStreams, dtype: DType, count: usize, calls: &[Call], arrays: Option<&Tensor>) -> Result<()> {
     for (i, &((m, k, n), a, b, c)) in calls.iter().enumerate() {
-        let batched = match &arrays {
+        let batched = match arrays {
             Some(t) => {
                 let step = (count * 8) as u64;
                 let p = ptr(t) + 3 * i as u64 * step;
@@ -227,12 +271,7 @@ fn product(a: &Tensor, b: &Tensor, batch: &[usize], part: Causal, zero_masked: b
         };
         blas::gemm(&s.blas, dtype, (count, m, k, n), a, b, c, batched)?;
     }
-    if part == Causal::Scores && zero_masked {
-        // The diagonal tiles (one as wide as the matrix for a single call).
-        let tile = if calls.len() > 1 { block } else { m.max(n) };
-        zero_above_diagonal(&s, &out, count, m, n, tile)?;
-    }
-    Ok(out)
+    Ok(())
 }
 
 /// The one stride between the matrices of `t` (`[batch.., r, c]`, or one
