@@ -50,7 +50,7 @@ use tessera_autograd::optim::Optimizer;
 use tessera_autograd::{Var, backward};
 use tessera_dtensor::{DTensor, Layout, Tensor};
 use tessera_mesh::observe::{self, CommReport};
-use tessera_mesh::{BoxError, DeviceMesh, OpKind};
+use tessera_mesh::{BoxError, Communicator, DeviceMesh, OpKind};
 use tessera_tensor::memory::{Category, category_stats, reset_peak, stats};
 use tessera_tensor::profile;
 
@@ -357,90 +357,24 @@ impl Machine {
         use tessera_mesh::CommunicatorExt;
         let comm = mesh.comm();
         let ranks = comm.size();
-        // The median seconds of `reps` runs of `f` over 5 samples, each after
-        // a barrier (the ranks start together, as a step's work does).
-        let timed = |reps: usize, f: &mut dyn FnMut() -> Result<(), BoxError>| -> Result<f64, BoxError> {
-            let mut t = Vec::with_capacity(5);
-            for _ in 0..5 {
-                comm.barrier()?;
-                let start = std::time::Instant::now();
-                for _ in 0..reps {
-                    f()?;
-                }
-                // Until every rank is done: ranks that outnumber the cores
-                // take turns, and a rank timing only its own turn would
-                // measure an idle machine.
-                comm.barrier()?;
-                t.push(start.elapsed().as_secs_f64() / reps as f64);
-            }
-            t.sort_by(f64::total_cmp);
-            Ok(t[t.len() / 2])
-        };
-        let (m, k, n) = (256, 1024, 1024);
-        let flops = (2 * m * k * n) as f64;
-        let a = Tensor::ones(&[m, k], tessera_mesh::DType::F32)?;
-        let b = Tensor::ones(&[k, n], tessera_mesh::DType::F32)?;
-        let flops_per_s = flops
-            / timed(1, &mut || {
-                std::hint::black_box(a.matmul(&b)?);
-                Ok(())
-            })?;
-        let (a, b) = (a.cast(tessera_mesh::DType::BF16)?, b.cast(tessera_mesh::DType::BF16)?);
-        let half_flops_per_s = flops
-            / timed(1, &mut || {
-                std::hint::black_box(a.matmul(&b)?);
-                Ok(())
-            })?;
+        let (flops_per_s, half_flops_per_s) = matmul_rates(comm)?;
         let piece = vec![0f32; 1 << 20];
-        let gather = timed(1, &mut || {
+        let gather = median_seconds(comm, 1, &mut || {
             std::hint::black_box(comm.all_gather_vec(&piece)?);
             Ok(())
         })?;
         let sent = ((ranks - 1) * piece.len() * 4) as f64;
         let bytes_per_s = if ranks > 1 { sent / gather } else { f64::INFINITY };
-        // Every group shape a dim of a mesh over these ranks can have (a one-dim
-        // mesh's ranks split as [outer, size, stride]; the whole mesh aside),
-        // each shape's groups gathering at once.
-        let divisors = |n: usize| (1..=n).filter(move |d| n.is_multiple_of(*d));
-        let shapes: Vec<(usize, usize)> = if mesh.ndim() == 1 {
-            divisors(ranks)
-                .filter(|&size| size > 1)
-                .flat_map(|size| divisors(ranks / size).map(move |stride| (size, stride)))
-                .filter(|&shape| shape != (ranks, 1))
-                .collect()
-        } else {
-            Vec::new()
-        };
-        let mut group_rates = Vec::with_capacity(shapes.len());
-        for &(size, stride) in &shapes {
-            // Row-major [outer, size, stride]: the middle dim's groups are
-            // `size` ranks `stride` apart.
-            let split = mesh.unflatten(0, &[ranks / (size * stride), size, stride], &[])?;
-            let group = split.dim_comm(1)?;
-            let t = timed(1, &mut || {
-                std::hint::black_box(group.all_gather_vec(&piece)?);
-                Ok(())
-            })?;
-            group_rates.push(((size - 1) * piece.len() * 4) as f64 / t);
-        }
-        let latency = timed(100, &mut || {
+        let shapes = group_shapes(mesh);
+        let group_rates = group_rates(mesh, &shapes, &piece)?;
+        let latency = median_seconds(comm, 100, &mut || {
             std::hint::black_box(comm.all_gather_vec(&[0f32])?);
             Ok(())
         })?;
         let collective_latency_s = if ranks > 1 { latency } else { 0.0 };
-        // A small op on a replicated DTensor: its dispatch and a [64, 64] kernel.
-        let x = tessera_dtensor::DTensor::from_local(
-            Tensor::ones(&[64, 64], tessera_mesh::DType::F32)?,
-            mesh,
-            &vec![tessera_dtensor::Placement::Replicate; mesh.ndim()],
-            &[64, 64],
-        )?;
-        let op_s = timed(100, &mut || {
-            std::hint::black_box(x.add(&x)?);
-            Ok(())
-        })?;
+        let op_s = op_seconds(mesh)?;
         let (src, mut dst) = (vec![1u8; 32 << 20], vec![0u8; 32 << 20]);
-        let copy = timed(1, &mut || {
+        let copy = median_seconds(comm, 1, &mut || {
             dst.copy_from_slice(std::hint::black_box(&src));
             std::hint::black_box(&mut dst);
             Ok(())
@@ -599,6 +533,103 @@ impl Machine {
     }
 }
 
+/// The median seconds of `reps` runs of `f` over 5 samples, each between barriers on `comm`.
+fn median_seconds(
+    comm: &dyn Communicator,
+    reps: usize,
+    f: &mut dyn FnMut() -> Result<(), BoxError>,
+) -> Result<f64, BoxError> {
+    // Each sample starts after a barrier (the ranks start together, as a
+    // step's work does).
+    let mut t = Vec::with_capacity(5);
+    for _ in 0..5 {
+        comm.barrier()?;
+        let start = std::time::Instant::now();
+        for _ in 0..reps {
+            f()?;
+        }
+        // Until every rank is done: ranks that outnumber the cores
+        // take turns, and a rank timing only its own turn would
+        // measure an idle machine.
+        comm.barrier()?;
+        t.push(start.elapsed().as_secs_f64() / reps as f64);
+    }
+    t.sort_by(f64::total_cmp);
+    Ok(t[t.len() / 2])
+}
+
+/// The FLOP rates of an f32 and a bf16 matrix product of 256×1024 by 1024×1024.
+fn matmul_rates(comm: &dyn Communicator) -> Result<(f64, f64), BoxError> {
+    let (m, k, n) = (256, 1024, 1024);
+    let flops = (2 * m * k * n) as f64;
+    let a = Tensor::ones(&[m, k], tessera_mesh::DType::F32)?;
+    let b = Tensor::ones(&[k, n], tessera_mesh::DType::F32)?;
+    let flops_per_s = flops
+        / median_seconds(comm, 1, &mut || {
+            std::hint::black_box(a.matmul(&b)?);
+            Ok(())
+        })?;
+    let (a, b) = (a.cast(tessera_mesh::DType::BF16)?, b.cast(tessera_mesh::DType::BF16)?);
+    let half_flops_per_s = flops
+        / median_seconds(comm, 1, &mut || {
+            std::hint::black_box(a.matmul(&b)?);
+            Ok(())
+        })?;
+    Ok((flops_per_s, half_flops_per_s))
+}
+
+/// The `(size, stride)` of every group a dim of a mesh over these ranks can have (one-dim `mesh` only).
+fn group_shapes(mesh: &DeviceMesh) -> Vec<(usize, usize)> {
+    // Every group shape a dim of a mesh over these ranks can have (a one-dim
+    // mesh's ranks split as [outer, size, stride]; the whole mesh aside),
+    // each shape's groups gathering at once.
+    let ranks = mesh.comm().size();
+    let divisors = |n: usize| (1..=n).filter(move |d| n.is_multiple_of(*d));
+    if mesh.ndim() == 1 {
+        divisors(ranks)
+            .filter(|&size| size > 1)
+            .flat_map(|size| divisors(ranks / size).map(move |stride| (size, stride)))
+            .filter(|&shape| shape != (ranks, 1))
+            .collect()
+    } else {
+        Vec::new()
+    }
+}
+
+/// The bytes per second a rank sends gathering `piece` within groups of each of `shapes`.
+fn group_rates(mesh: &DeviceMesh, shapes: &[(usize, usize)], piece: &[f32]) -> Result<Vec<f64>, BoxError> {
+    use tessera_mesh::CommunicatorExt;
+    let ranks = mesh.comm().size();
+    let mut group_rates = Vec::with_capacity(shapes.len());
+    for &(size, stride) in shapes {
+        // Row-major [outer, size, stride]: the middle dim's groups are
+        // `size` ranks `stride` apart.
+        let split = mesh.unflatten(0, &[ranks / (size * stride), size, stride], &[])?;
+        let group = split.dim_comm(1)?;
+        let t = median_seconds(mesh.comm(), 1, &mut || {
+            std::hint::black_box(group.all_gather_vec(piece)?);
+            Ok(())
+        })?;
+        group_rates.push(((size - 1) * piece.len() * 4) as f64 / t);
+    }
+    Ok(group_rates)
+}
+
+/// The seconds of an add of two replicated `[64, 64]` DTensors on `mesh`.
+fn op_seconds(mesh: &DeviceMesh) -> Result<f64, BoxError> {
+    // A small op on a replicated DTensor: its dispatch and a [64, 64] kernel.
+    let x = tessera_dtensor::DTensor::from_local(
+        Tensor::ones(&[64, 64], tessera_mesh::DType::F32)?,
+        mesh,
+        &vec![tessera_dtensor::Placement::Replicate; mesh.ndim()],
+        &[64, 64],
+    )?;
+    median_seconds(mesh.comm(), 100, &mut || {
+        std::hint::black_box(x.add(&x)?);
+        Ok(())
+    })
+}
+
 /// The shape of this rank's group over the mesh dims `label` names
 /// (`"dp_shard×tp"`): its ranks, and the world ranks between neighbours
 /// (row-major over `mesh`: the dims after the last named one), 0 where the
@@ -658,32 +689,7 @@ pub fn plan_step(
             allocated_before = tessera_tensor::memory::allocated_bytes();
             elements_before = tessera_tensor::memory::allocated_elements();
         }
-        let mut peaks = [0; 3];
-        let mut categories = [[0; 7]; 3];
-        reset_peak();
-        // The batch is the model's to keep (what backward needs of it) or drop.
-        let l = loss(&Var::constant(rows));
-        peaks[0] = stats().peak_bytes;
-        categories[0] = category_stats().at_peak;
-        let l = l?;
-        if l.value().to_local().numel() > 0 && !l.value().to_local().is_meta() {
-            return Err("plan_step: the loss has values: materialise the model with Materializer::on_meta".into());
-        }
-        reset_peak();
-        let b = backward(&l);
-        peaks[1] = stats().peak_bytes;
-        categories[1] = category_stats().at_peak;
-        b?;
-        reset_peak();
-        let o = opt.step();
-        opt.zero_grad();
-        peaks[2] = stats().peak_bytes;
-        categories[2] = category_stats().at_peak;
-        o?;
-        // The loss read after the step, as a training loop reads it (a
-        // gather of one scalar where it is split or partial).
-        drop(l.value().full_tensor()?);
-        drop(l);
+        let (peaks, categories) = run_step(rows, opt, &loss)?;
         if last {
             plan.allocated_bytes = tessera_tensor::memory::allocated_bytes() - allocated_before;
             plan.allocated_elements = tessera_tensor::memory::allocated_elements() - elements_before;
@@ -700,33 +706,78 @@ pub fn plan_step(
                 .zip(categories[peak_phase_index(&peaks)])
                 .collect();
             let events = recording.map(observe::Recording::finish).unwrap_or_default();
-            plan.ops = events.iter().filter(|e| matches!(e.what, observe::What::Op(_))).count() as u64;
-            plan.forward_bytes_by_module = forward_by_module(&events, plan.held_bytes);
-            let peak = events
-                .iter()
-                .filter_map(|e| match e.what {
-                    observe::What::Memory(b) => Some((b, e)),
-                    _ => None,
-                })
-                .max_by_key(|(b, _)| *b);
-            plan.peak_at = match peak.and_then(|(_, e)| e.module.as_ref()) {
-                Some((m, phase)) => format!("{} {}", if m.is_empty() { "(root)" } else { m }, phase.name()),
-                None => "(none)".to_string(),
-            };
+            record_events(&mut plan, &events);
             plan.param_bytes = opt
                 .params()
                 .iter()
                 .map(|p| p.value().map_or(0, |v| v.to_local().size_in_bytes()))
                 .sum();
-            for ((_, _, dims, kind), (calls, bytes)) in CommReport::from_events(&events).rows {
-                plan.collective_groups.insert(dims.clone(), group_of(mesh, &dims));
-                let row = plan.collectives.entry((dims, kind)).or_default();
-                row.0 += calls;
-                row.1 += bytes;
-            }
+            record_collectives(&mut plan, mesh, &events);
         }
     }
     Ok(plan)
+}
+
+/// Runs one step on `rows`: each phase's peak bytes and its bytes by category at that peak.
+fn run_step(
+    rows: DTensor,
+    opt: &mut dyn Optimizer,
+    loss: &impl Fn(&Var) -> tessera_autograd::Result<Var>,
+) -> Result<([usize; 3], [[usize; 7]; 3]), BoxError> {
+    let mut peaks = [0; 3];
+    let mut categories = [[0; 7]; 3];
+    reset_peak();
+    // The batch is the model's to keep (what backward needs of it) or drop.
+    let l = loss(&Var::constant(rows));
+    peaks[0] = stats().peak_bytes;
+    categories[0] = category_stats().at_peak;
+    let l = l?;
+    if l.value().to_local().numel() > 0 && !l.value().to_local().is_meta() {
+        return Err("plan_step: the loss has values: materialise the model with Materializer::on_meta".into());
+    }
+    reset_peak();
+    let b = backward(&l);
+    peaks[1] = stats().peak_bytes;
+    categories[1] = category_stats().at_peak;
+    b?;
+    reset_peak();
+    let o = opt.step();
+    opt.zero_grad();
+    peaks[2] = stats().peak_bytes;
+    categories[2] = category_stats().at_peak;
+    o?;
+    // The loss read after the step, as a training loop reads it (a
+    // gather of one scalar where it is split or partial).
+    drop(l.value().full_tensor()?);
+    drop(l);
+    Ok((peaks, categories))
+}
+
+/// Sets `plan`'s op count, forward bytes by module and peak's place from the recorded `events`.
+fn record_events(plan: &mut StepPlan, events: &[observe::Event]) {
+    plan.ops = events.iter().filter(|e| matches!(e.what, observe::What::Op(_))).count() as u64;
+    plan.forward_bytes_by_module = forward_by_module(events, plan.held_bytes);
+    let peak = events
+        .iter()
+        .filter_map(|e| match e.what {
+            observe::What::Memory(b) => Some((b, e)),
+            _ => None,
+        })
+        .max_by_key(|(b, _)| *b);
+    plan.peak_at = match peak.and_then(|(_, e)| e.module.as_ref()) {
+        Some((m, phase)) => format!("{} {}", if m.is_empty() { "(root)" } else { m }, phase.name()),
+        None => "(none)".to_string(),
+    };
+}
+
+/// Adds the recorded `events`' collectives to `plan`, with their groups' shapes on `mesh`.
+fn record_collectives(plan: &mut StepPlan, mesh: &DeviceMesh, events: &[observe::Event]) {
+    for ((_, _, dims, kind), (calls, bytes)) in CommReport::from_events(events).rows {
+        plan.collective_groups.insert(dims.clone(), group_of(mesh, &dims));
+        let row = plan.collectives.entry((dims, kind)).or_default();
+        row.0 += calls;
+        row.1 += bytes;
+    }
 }
 
 #[cfg(test)]

@@ -34,74 +34,86 @@ pub fn chrome_trace(ranks: &[(usize, Vec<Event>)]) -> String {
             ));
         }
         for e in events {
-            let ts = e.start_ns as f64 / 1e3;
-            let dur = e.dur_ns as f64 / 1e3;
-            let mut tid = *rank;
-            let (name, cat, args) = match &e.what {
-                What::Step(s) => (format!("step {s}"), "step", String::new()),
-                What::Module { fqn, phase } => (
-                    format!("{} ({})", if fqn.is_empty() { "(root)" } else { fqn }, phase.name()),
-                    "module",
-                    String::new(),
-                ),
-                What::Op(op) => (op.to_string(), "op", String::new()),
-                What::Collective {
-                    kind,
-                    group,
-                    ranks,
-                    bytes,
-                    queued,
-                } => (
-                    format!("{} {}", kind.name(), group),
-                    "collective",
-                    format!(
-                        "\"mesh_dims\": {}, \"ranks\": {ranks}, \"bytes\": {bytes}, \"queued\": {queued}",
-                        json_string(group)
-                    ),
-                ),
-                What::Region(r) => (r.to_string(), "fsdp", String::new()),
-                What::CommRun {
-                    kind,
-                    group,
-                    bytes,
-                    blocked_ns,
-                } => {
-                    tid = COMM_TRACK + rank;
-                    (
-                        format!("{} {}", kind.name(), group),
-                        "communication",
-                        format!(
-                            "\"mesh_dims\": {}, \"bytes\": {bytes}, \"blocked_us\": {:.3}",
-                            json_string(group),
-                            *blocked_ns as f64 / 1e3
-                        ),
-                    )
-                }
-                What::OpLog(_) => continue,
-                What::Memory(bytes) => {
-                    push(format!(
-                        "{{\"ph\": \"C\", \"name\": \"memory rank {rank}\", \"pid\": 0, \"tid\": {rank}, \"ts\": {ts:.3}, \"args\": {{\"bytes\": {bytes}}}}}"
-                    ));
-                    continue;
-                }
-            };
-            let module = match &e.module {
-                Some((m, p)) => format!("\"module\": {}, \"phase\": \"{}\"", json_string(m), p.name()),
-                None => String::new(),
-            };
-            let args = [args, module]
-                .into_iter()
-                .filter(|s| !s.is_empty())
-                .collect::<Vec<_>>()
-                .join(", ");
-            push(format!(
-                "{{\"ph\": \"X\", \"name\": {}, \"cat\": \"{cat}\", \"pid\": 0, \"tid\": {tid}, \"ts\": {ts:.3}, \"dur\": {dur:.3}, \"args\": {{{args}}}}}",
-                json_string(&name)
-            ));
+            if let Some(json) = event_json(*rank, e) {
+                push(json);
+            }
         }
     }
     out.push_str("\n]}\n");
     out
+}
+
+/// One event of `rank` as a trace event: a span, a memory counter, or none (an op log).
+fn event_json(rank: usize, e: &Event) -> Option<String> {
+    let mut tid = rank;
+    let (name, cat, args) = match &e.what {
+        What::Step(s) => (format!("step {s}"), "step", String::new()),
+        What::Module { fqn, phase } => (
+            format!("{} ({})", if fqn.is_empty() { "(root)" } else { fqn }, phase.name()),
+            "module",
+            String::new(),
+        ),
+        What::Op(op) => (op.to_string(), "op", String::new()),
+        What::Collective {
+            kind,
+            group,
+            ranks,
+            bytes,
+            queued,
+        } => (
+            format!("{} {}", kind.name(), group),
+            "collective",
+            format!(
+                "\"mesh_dims\": {}, \"ranks\": {ranks}, \"bytes\": {bytes}, \"queued\": {queued}",
+                json_string(group)
+            ),
+        ),
+        What::Region(r) => (r.to_string(), "fsdp", String::new()),
+        What::CommRun {
+            kind,
+            group,
+            bytes,
+            blocked_ns,
+        } => {
+            tid = COMM_TRACK + rank;
+            (
+                format!("{} {}", kind.name(), group),
+                "communication",
+                format!(
+                    "\"mesh_dims\": {}, \"bytes\": {bytes}, \"blocked_us\": {:.3}",
+                    json_string(group),
+                    *blocked_ns as f64 / 1e3
+                ),
+            )
+        }
+        What::OpLog(_) => return None,
+        What::Memory(bytes) => {
+            let ts = e.start_ns as f64 / 1e3;
+            return Some(format!(
+                "{{\"ph\": \"C\", \"name\": \"memory rank {rank}\", \"pid\": 0, \"tid\": {rank}, \"ts\": {ts:.3}, \"args\": {{\"bytes\": {bytes}}}}}"
+            ));
+        }
+    };
+    Some(complete_event(e, &name, cat, tid, args))
+}
+
+/// `e` as a complete event (`"ph": "X"`) on track `tid`, its `args` then its module's.
+fn complete_event(e: &Event, name: &str, cat: &str, tid: usize, args: String) -> String {
+    let ts = e.start_ns as f64 / 1e3;
+    let dur = e.dur_ns as f64 / 1e3;
+    let module = match &e.module {
+        Some((m, p)) => format!("\"module\": {}, \"phase\": \"{}\"", json_string(m), p.name()),
+        None => String::new(),
+    };
+    let args = [args, module]
+        .into_iter()
+        .filter(|s| !s.is_empty())
+        .collect::<Vec<_>>()
+        .join(", ");
+    format!(
+        "{{\"ph\": \"X\", \"name\": {}, \"cat\": \"{cat}\", \"pid\": 0, \"tid\": {tid}, \"ts\": {ts:.3}, \"dur\": {dur:.3}, \"args\": {{{args}}}}}",
+        json_string(name)
+    )
 }
 
 #[cfg(test)]
