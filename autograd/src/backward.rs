@@ -109,7 +109,11 @@ impl Drop for NoRecord {
 /// Runs `f` on its inputs without keeping its intermediate values, and recomputes
 /// them during backward (trading compute for activation memory).
 ///
-/// PyTorch: `torch.utils.checkpoint.checkpoint(f, *inputs, use_reentrant=False)`.
+/// The recomputation replays `f`'s random draws ([`random`](crate::random)), so
+/// dropout inside drops the elements it dropped in forward.
+///
+/// PyTorch: `torch.utils.checkpoint.checkpoint(f, *inputs, use_reentrant=False)`
+/// (with `preserve_rng_state=True`).
 ///
 /// # Errors
 /// Whatever `f` returns.
@@ -119,7 +123,9 @@ pub fn checkpoint(inputs: &[Var], f: impl Fn(&[Var]) -> Result<Var> + 'static) -
     }
     // Run forward recording into a throwaway frame: it tells whether the output
     // needs a gradient (through the inputs or parameters used inside), and its saved
-    // activations are dropped right away.
+    // activations are dropped right away. The random state it starts from is
+    // kept, so that the recomputation draws the same dropout masks.
+    let rng = crate::random::state();
     let (out, frame) = tape::in_frame(|| f(inputs));
     let out = out?;
     // Values from outside that `f` captured and that need a gradient become extra
@@ -145,7 +151,10 @@ pub fn checkpoint(inputs: &[Var], f: impl Fn(&[Var]) -> Result<Var> + 'static) -
         requires_grad,
         move |g| {
             let fresh: Vec<Var> = saved.iter().map(Var::fresh_leaf).collect();
-            let (out, frame) = tape::in_frame(|| tape::with_grad_mode(true, || f(&fresh)));
+            let (out, frame) = {
+                let _replay = crate::random::Replay::from(rng);
+                tape::in_frame(|| tape::with_grad_mode(true, || f(&fresh)))
+            };
             let out = out?;
             let wanted: Vec<u64> = fresh.iter().map(Var::id).chain(captured.iter().copied()).collect();
             if !out.requires_grad() {

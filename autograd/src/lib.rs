@@ -38,6 +38,7 @@ pub mod nn;
 mod ops;
 pub mod optim;
 mod param;
+pub mod random;
 mod saved;
 pub mod state_dict;
 mod tape;

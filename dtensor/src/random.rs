@@ -6,7 +6,7 @@
 //! eight, or under FSDP over tensor parallelism gets the same weights, bit for bit.
 
 use tessera_mesh::{DType, DeviceMesh};
-use tessera_tensor::random::{Distribution, StreamKey, fill_region};
+use tessera_tensor::random::{Distribution, StreamKey, check_dropout, dropout_mask_region, fill_region};
 
 use crate::spec::{DTensorSpec, Layout, PlacementsDisplay};
 use crate::{DTensor, Error, Placement, Result};
@@ -80,6 +80,49 @@ impl DTensor {
         // Drawn on the host (the counter-based stream is the host's), then moved.
         let local = fill_region(dist, key, spec.shape(), &offset, &local_shape, spec.dtype())?.to(mesh.device())?;
         Ok(DTensor::from_parts(local, spec))
+    }
+
+    /// Dropout's scaled mask in this tensor's layout: each element `0` with
+    /// probability `p`, else `1 / (1 − p)`, drawn with `key` at its global index
+    /// ([`dropout_mask_region`]), so any placements hold the elements of the
+    /// unsharded mask. No communication.
+    ///
+    /// # Errors
+    /// `p` outside `[0, 1]`; integer inputs; a `Partial` input (its pending
+    /// sum must be reduced before elements can be dropped).
+    pub fn dropout_mask(&self, p: f64, key: StreamKey) -> Result<DTensor> {
+        let layout = self.layout();
+        if layout.has_partial() {
+            return Err(Error::Placement {
+                op: "dropout",
+                detail: format!(
+                    "the input is {}: a pending sum cannot drop elements; reduce it first \
+                     (redistribute to Replicate or Shard on that mesh dim)",
+                    self
+                ),
+            });
+        }
+        let (offset, local_shape) = layout.local_region(self.mesh().coordinate())?;
+        let mask = dropout_mask_region(p, key, &layout.shape, &offset, &local_shape, layout.dtype)?;
+        DTensor::from_local_with_layout(mask.to(self.mesh().device())?, self.mesh(), layout.clone())
+    }
+
+    /// Dropout: zeroes each element with probability `p` and scales the others
+    /// by `1 / (1 − p)`, the mask [`dropout_mask`](Self::dropout_mask): a sharded
+    /// tensor drops exactly the elements its full tensor's `Tensor::dropout`
+    /// with the same key drops. `p = 0` is the identity. No communication.
+    ///
+    /// PyTorch: `torch.nn.functional.dropout(x, p, training=True)` on a DTensor
+    /// (whose mask comes from the offset-based RNG tracker instead of a key).
+    ///
+    /// # Errors
+    /// As [`dropout_mask`](Self::dropout_mask).
+    pub fn dropout(&self, p: f64, key: StreamKey) -> Result<DTensor> {
+        check_dropout("dropout", p, self.dtype())?;
+        if p == 0.0 {
+            return Ok(self.clone());
+        }
+        self.mul(&self.dropout_mask(p, key)?)
     }
 }
 

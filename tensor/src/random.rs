@@ -436,6 +436,71 @@ pub fn fill(dist: &Distribution, key: StreamKey, shape: &[usize], dtype: DType) 
     fill_op("fill", dist, key, shape, &vec![0; shape.len()], shape, dtype)
 }
 
+/// Dropout's scaled mask for the box at `offset` of extent `local_shape` of a
+/// tensor of `global_shape`: each element `0` with probability `p`, else
+/// `1 / (1 − p)` (`0` everywhere at `p = 1`), drawn at its global index with
+/// `key` (a `Bernoulli` of `1 − p`, then scaled in `dtype`), so every box of a
+/// tensor holds the whole mask's elements whatever the split.
+///
+/// # Errors
+/// `p` outside `[0, 1]`; an integer dtype; as [`fill_region`].
+pub fn dropout_mask_region(
+    p: f64,
+    key: StreamKey,
+    global_shape: &[usize],
+    offset: &[usize],
+    local_shape: &[usize],
+    dtype: DType,
+) -> Result<Tensor> {
+    check_dropout("dropout", p, dtype)?;
+    let keep = Distribution::Bernoulli { p: 1.0 - p };
+    let mask = fill_op("dropout", &keep, key, global_shape, offset, local_shape, dtype)?;
+    mask.mul_scalar(if p < 1.0 { 1.0 / (1.0 - p) } else { 0.0 })
+}
+
+/// Checks dropout's probability and the dtype it scales.
+///
+/// # Errors
+/// [`Error::InvalidArgument`] naming `op`: `p` outside `[0, 1]`, or an integer
+/// dtype.
+pub fn check_dropout(op: &'static str, p: f64, dtype: DType) -> Result<()> {
+    if !(0.0..=1.0).contains(&p) {
+        return Err(Error::InvalidArgument {
+            op,
+            detail: format!("p = {p} is not a probability; pass p in [0, 1]"),
+        });
+    }
+    if !dtype.is_float() {
+        return Err(Error::InvalidArgument {
+            op,
+            detail: format!("the input is {dtype}; dropout scales floating-point values"),
+        });
+    }
+    Ok(())
+}
+
+impl Tensor {
+    /// Dropout: zeroes each element with probability `p` and scales the others
+    /// by `1 / (1 − p)`, the mask drawn with `key` at each element's index
+    /// ([`dropout_mask_region`]), so `DTensor::dropout` on any placements
+    /// drops exactly these elements. `p = 0` is the identity.
+    ///
+    /// PyTorch: `torch.nn.functional.dropout(x, p, training=True)` (whose mask
+    /// comes from the generator's offset instead of a key).
+    ///
+    /// # Errors
+    /// `p` outside `[0, 1]`; integer inputs.
+    pub fn dropout(&self, p: f64, key: StreamKey) -> Result<Tensor> {
+        check_dropout("dropout", p, self.dtype())?;
+        if p == 0.0 {
+            return Ok(self.clone());
+        }
+        let origin = vec![0; self.shape().len()];
+        let mask = dropout_mask_region(p, key, self.shape(), &origin, self.shape(), self.dtype())?;
+        self.mul(&mask.to(self.device())?)
+    }
+}
+
 fn fill_op(
     op: &'static str,
     dist: &Distribution,

@@ -8,6 +8,7 @@
 
 mod attention;
 mod checkpointing;
+mod dropout;
 mod gradcheck;
 mod harness;
 mod loss_parallel;

@@ -546,8 +546,10 @@ fn dropout_masks_are_mesh_invariant() {
             let x = Param::new(distribute_tensor(&full, &mesh, &placements)?);
             let key = tessera::dtensor::StreamKey::new(3, "blocks.0.dropout").with_stream(2);
             let y = x.var()?.dropout(0.25, key)?;
+            let direct = x.value()?.dropout(0.25, key)?.full_tensor()?.to_f64_vec();
             backward(&y.sum(&[0, 1], false)?)?;
             let out = y.value().full_tensor()?.to_f64_vec();
+            assert_eq!(direct, out, "DTensor::dropout against Var::dropout");
             let grad = x.grad().unwrap().full_tensor()?.to_f64_vec();
             Ok((out, grad, full.to_f64_vec()))
         })
@@ -555,6 +557,13 @@ fn dropout_masks_are_mesh_invariant() {
         .swap_remove(0)
     };
     let (out, grad, full) = run(vec![1], vec![Placement::Replicate]);
+    // The local Tensor's dropout with the same key drops the same elements.
+    let key = tessera::dtensor::StreamKey::new(3, "blocks.0.dropout").with_stream(2);
+    let local = Tensor::randn(&[6, 10], DType::F32, 4)
+        .unwrap()
+        .dropout(0.25, key)
+        .unwrap();
+    assert_eq!(local.to_f64_vec(), out, "Tensor::dropout against the DTensor's");
     let dropped = out.iter().filter(|&&v| v == 0.0).count();
     assert!((5..=25).contains(&dropped), "{dropped} of 60 dropped at p = 0.25");
     for ((o, g), x) in out.iter().zip(&grad).zip(&full) {

@@ -195,6 +195,63 @@ impl Module for RMSNorm {
     }
 }
 
+/// Dropout while training, the identity in evaluation: each element zeroed
+/// with probability `p` and the others scaled by `1 / (1 − p)`, each call with
+/// the rank's next key ([`random::next_key`](crate::random::next_key)). The
+/// mask is drawn at each element's global index, so a sharded activation (FSDP,
+/// tensor or sequence parallel) drops exactly what one rank would, and a block
+/// recomputed in backward replays its masks.
+///
+/// PyTorch: `torch.nn.Dropout` (`train()` / `eval()`).
+pub struct Dropout {
+    p: f64,
+    training: std::cell::Cell<bool>,
+}
+
+impl Dropout {
+    /// A dropout layer with probability `p`, training.
+    ///
+    /// # Errors
+    /// `p` outside `[0, 1]`.
+    pub fn new(p: f64) -> Result<Dropout> {
+        if !(0.0..=1.0).contains(&p) {
+            return Err(crate::Error::Config {
+                op: "Dropout::new",
+                detail: format!("p = {p} is not a probability; pass p in [0, 1]"),
+            });
+        }
+        Ok(Dropout {
+            p,
+            training: std::cell::Cell::new(true),
+        })
+    }
+
+    /// The probability of dropping an element.
+    pub fn p(&self) -> f64 {
+        self.p
+    }
+
+    /// Switches between training (`true`: drop) and evaluation (`false`: pass
+    /// through). PyTorch: `module.train(mode)`.
+    pub fn train(&self, training: bool) {
+        self.training.set(training);
+    }
+
+    /// Whether the layer drops ([`train`](Self::train)).
+    pub fn is_training(&self) -> bool {
+        self.training.get()
+    }
+}
+
+impl Module for Dropout {
+    fn forward(&self, x: &Var) -> Result<Var> {
+        if !self.training.get() || self.p == 0.0 {
+            return Ok(x.clone());
+        }
+        x.dropout(self.p, crate::random::next_key())
+    }
+}
+
 /// Free-standing parameters by name, with no forward of its own: the root of a
 /// tree for parameters that belong to no layer (a learned scale, the parameters
 /// of a hand-written function). Its names are its keys.

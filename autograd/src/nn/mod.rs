@@ -19,7 +19,7 @@ mod names;
 pub use hooks::{HookHandle, ModuleHooks, ModuleId, module_hooks_len, register_module_hooks};
 pub use init::{FanMode, Init, Nonlinearity};
 pub use inputs::{InputSlot, Inputs};
-pub use layers::{Embedding, LayerNorm, Linear, ParameterDict, RMSNorm};
+pub use layers::{Dropout, Embedding, LayerNorm, Linear, ParameterDict, RMSNorm};
 pub use materialize::{MaterializeReport, Materializer, verify_replicas};
 pub use names::{fqn_matches, name_parameters};
 

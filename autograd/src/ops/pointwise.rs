@@ -181,26 +181,12 @@ impl Var {
     /// # Errors
     /// `p` outside `[0, 1]`; a `Partial` input (reduce it first); integer inputs.
     pub fn dropout(&self, p: f64, key: tessera_dtensor::StreamKey) -> Result<Var> {
-        if !(0.0..=1.0).contains(&p) {
-            return Err(crate::Error::Config {
-                op: "dropout",
-                detail: format!("p = {p} is not a probability; pass p in [0, 1]"),
-            });
-        }
+        let x = self.value();
+        tessera_tensor::random::check_dropout("dropout", p, x.dtype()).map_err(tessera_dtensor::Error::from)?;
         if p == 0.0 {
             return Ok(self.clone());
         }
-        let x = self.value();
-        if !x.dtype().is_float() {
-            return Err(crate::Error::Config {
-                op: "dropout",
-                detail: format!("the input is {}; dropout scales floating-point values", x.dtype()),
-            });
-        }
-        let keep = tessera_dtensor::Distribution::Bernoulli { p: 1.0 - p };
-        let mask = tessera_dtensor::DTensor::random_with_layout(&keep, key, x.mesh(), x.layout().clone())?;
-        let scale = if p < 1.0 { 1.0 / (1.0 - p) } else { 0.0 };
-        let mask = mask.mul_scalar(scale)?;
+        let mask = x.dropout_mask(p, key)?;
         let y = x.mul(&mask)?;
         Ok(self.unary_op("dropout", y, move |g| g.mul(&mask)))
     }
