@@ -446,7 +446,7 @@ impl DTensor {
         };
         if !plan.steps.is_empty() {
             crate::debug::log_op("redistribute", &[self], &out, true, || {
-                vec![crate::debug::moved(0, &plan, self.mesh())]
+                vec![crate::debug::moved(0, plan, self.mesh())]
             });
         }
         Ok(out)
