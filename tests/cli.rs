@@ -237,6 +237,16 @@ fn help_lists_every_flag_with_its_default() {
         "--plan",
         "--plan-out",
         "--auto",
+        "--memory-budget",
+        "--reshard-to",
+        "--activation-checkpointing",
+        "--device",
+        "--lr-schedule",
+        "--warmup-steps",
+        "--save-hf",
+        "--op-log",
+        "--op-log-values",
+        "--machine",
     ] {
         let line = help
             .lines()
@@ -245,6 +255,35 @@ fn help_lists_every_flag_with_its_default() {
         assert!(!line.is_empty());
     }
     assert!(help.contains("default 50") && help.contains("default 0.001"), "{help}");
+    // Every entry (a flag's line and its continuation lines) states its default.
+    let mut entries: Vec<String> = Vec::new();
+    for line in help.lines().take_while(|l| !l.starts_with("environment:")) {
+        if line.trim_start().starts_with("--") && line.starts_with("  --") {
+            entries.push(line.to_string());
+        } else if line.starts_with("    ") {
+            if let Some(e) = entries.last_mut() {
+                e.push_str(line);
+            }
+        }
+    }
+    assert!(entries.len() >= 40, "{} entries:\n{help}", entries.len());
+    for e in &entries {
+        assert!(e.contains("default"), "no default stated: {e}");
+    }
+    let env = &help[help.find("environment:").expect("an environment section")..];
+    for var in [
+        "TESSERA_TIMEOUT_S",
+        "TESSERA_THREADS_PER_RANK",
+        "TESSERA_BACKEND",
+        "TESSERA_BF16_DOT",
+        "TESSERA_SYSTEM_MALLOC",
+        "TESSERA_MPI_CHECK",
+        "TESSERA_STRICT_COLLECTIVES",
+        "TESSERA_FINGERPRINTS",
+        "TESSERA_DEBUG",
+    ] {
+        assert!(env.contains(var), "{var} missing from:\n{env}");
+    }
 }
 
 /// `--keep-checkpoints` counts complete checkpoints only: a damaged step
@@ -814,6 +853,14 @@ fn op_log_of_the_tp_plan_has_no_implicit_redistribute() {
         assert_eq!(wo.len(), 1, "{wo:?}");
         assert_eq!(wo[0]["inputs"][0]["placements"], "(Shard(0), Partial(sum))");
         assert_eq!(wo[0]["output"]["placements"], "(Shard(0), Replicate)");
+        // Its plan: one all-reduce over tp of this rank's piece (f32 [2, 32, 64]
+        // of the global batch [4, 32, 64] sharded over dp), of which a rank of
+        // two sends 2 (b − b/2) = b bytes.
+        let plan = wo[0]["moved"][0]["plan"].as_array().unwrap();
+        assert_eq!(plan.len(), 1, "{plan:?}");
+        assert_eq!(plan[0]["kind"], "all_reduce");
+        assert_eq!(plan[0]["mesh_dims"], "tp");
+        assert_eq!(plan[0]["bytes"], 2 * 32 * 64 * 4);
     }
 }
 

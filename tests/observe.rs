@@ -46,11 +46,40 @@ fn the_op_log_marks_implicit_and_explicit_redistributes() {
         assert_eq!(records[0].values, Some([48.0, 48.0, 48.0 * 2.0]));
         assert_eq!(records[1].op, "redistribute");
         assert!(records[1].explicit);
-        assert_eq!(records[1].moved, vec![(0, "(Replicate)".to_string())]);
+        let gather = &records[1].moved;
         assert!(
-            log[1].ends_with(
-                "explicit redistribute of input 0 to (Replicate); sum 4.800000e1 |x| 4.800000e1 x² 9.600000e1"
-            ),
+            gather.len() == 1 && gather[0].input == 0 && gather[0].to == "(Replicate)",
+            "{gather:?}"
+        );
+        // Each plan is the one step that ran: its kind, mesh dim and this
+        // rank's bytes are the collective's inside the op's span.
+        let sent = |kind: OpKind| -> u64 {
+            events
+                .iter()
+                .filter_map(|e| match &e.what {
+                    What::Collective { kind: k, bytes, .. } if *k == kind => Some(*bytes),
+                    _ => None,
+                })
+                .sum()
+        };
+        for (r, kind) in [(&records[0], OpKind::AllToAll), (&records[1], OpKind::AllGather)] {
+            let plan = &r.moved[0].plan;
+            assert!(
+                plan.len() == 1
+                    && plan[0].kind == kind.to_string()
+                    && plan[0].mesh_dims == "dp"
+                    && plan[0].bytes == sent(kind)
+                    && plan[0].bytes > 0,
+                "{}: {plan:?}",
+                r.op
+            );
+        }
+        assert!(
+            log[1].ends_with(&format!(
+                "explicit redistribute of input 0 to (Replicate) by all_gather over dp ({} B); sum 4.800000e1 |x| \
+                 4.800000e1 x² 9.600000e1",
+                sent(OpKind::AllGather)
+            )),
             "{}",
             log[1]
         );

@@ -3,8 +3,9 @@
 //! `f32[8,32,64] (Shard(0), Replicate)` on `mesh(dp=2, tp=2)`.
 
 use tessera_mesh::DeviceMesh;
-use tessera_mesh::observe::{self, OpRecord, TensorDesc};
+use tessera_mesh::observe::{self, Moved, OpRecord, PlanStep, TensorDesc};
 
+use crate::redistribute::{Plan, StepKind};
 use crate::{DTensor, PlacementsDisplay};
 
 /// `x` as the op log prints it.
@@ -38,7 +39,7 @@ pub(crate) fn log_op(
     inputs: &[&DTensor],
     out: &DTensor,
     explicit: bool,
-    moved: impl FnOnce() -> Vec<(usize, String)>,
+    moved: impl FnOnce() -> Vec<Moved>,
 ) {
     if let Some(values) = observe::logging_ops() {
         observe::op_log(op_record(op, inputs, moved(), out, explicit, values));
@@ -49,7 +50,7 @@ pub(crate) fn log_op(
 fn op_record(
     op: &'static str,
     inputs: &[&DTensor],
-    moved: Vec<(usize, String)>,
+    moved: Vec<Moved>,
     out: &DTensor,
     explicit: bool,
     values: bool,
@@ -62,6 +63,32 @@ fn op_record(
         output: describe(out),
         explicit,
         values: values.then(|| global_sums(out)).flatten(),
+    }
+}
+
+/// Input `input`'s redistribution by `plan` on `mesh`, as the op log shows it:
+/// its target placements and each step's kind, mesh dims (by name where the
+/// mesh names them) and bytes this rank sends.
+pub(crate) fn moved(input: usize, plan: &Plan, mesh: &DeviceMesh) -> Moved {
+    let dim_name = |d: usize| mesh.names().get(d).map_or_else(|| d.to_string(), ToString::to_string);
+    let plan_steps = plan
+        .steps
+        .iter()
+        .map(|s| PlanStep {
+            kind: match (s.collective(), &s.kind) {
+                (Some(c), _) => c.to_string(),
+                (None, StepKind::Partition { .. }) => "partition".to_string(),
+                (None, StepKind::Slice) => "slice".to_string(),
+                (None, _) => "local copy".to_string(),
+            },
+            mesh_dims: s.mesh_dims.iter().map(|&d| dim_name(d)).collect::<Vec<_>>().join("×"),
+            bytes: s.bytes,
+        })
+        .collect();
+    Moved {
+        input,
+        to: PlacementsDisplay(&plan.dst().placements).to_string(),
+        plan: plan_steps,
     }
 }
 

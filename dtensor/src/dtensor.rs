@@ -175,7 +175,10 @@ pub fn distribute_tensor_with_order_from(
     // With a source, agree first: the checks below then see the same tensor
     // shape on every rank, so they fail on all ranks or none.
     let full = match src_data_rank {
-        Some(src) => replicas::take_from(full, mesh, &format!("{placements:?} {order:?}"), src)?,
+        Some(src) => {
+            let args = format!("{} in order {order}", crate::PlacementsDisplay(placements));
+            replicas::take_from(full, mesh, &args, src)?
+        }
         None => full.clone(),
     };
     let dst = Layout::with_order(mesh.shape(), placements, order, full.shape(), full.dtype())?;
@@ -443,7 +446,7 @@ impl DTensor {
         };
         if !plan.steps.is_empty() {
             crate::debug::log_op("redistribute", &[self], &out, true, || {
-                vec![(0, crate::PlacementsDisplay(&plan.dst().placements).to_string())]
+                vec![crate::debug::moved(0, plan, self.mesh())]
             });
         }
         Ok(out)

@@ -25,6 +25,7 @@ mesh and parallelism:
   --no-reshard          keep parameters gathered from forward to backward (default: reshard)
   --reshard-to N        after forward, keep parameters sharded over groups of N ranks of the
                         shard dim (N divides it), so backward gathers within a group
+                        (default: reshard over the whole shard dim)
   --fsdp-units U        blocks (each block a unit, the root the rest: the default) or
                         split-ends (also the embeddings and the final norm with the output
                         head a unit each, the head's gather prefetched and its
@@ -44,6 +45,7 @@ model and data:
   --ffn-hidden H        llama: SwiGLU hidden units (default 3 * dim)
   --rope-theta F        llama: base of the rotary frequencies (default 10000)
   --init PATH           materialise from a safetensors state dict, each rank reading its bytes
+                        (default: none, the model drawn from --seed)
   --seed N              model seed without --init (default 0; the same model on every mesh)
   --tokens PATH         token batches, int64 [steps, global_batch, seq+1] (default: generated)
   --data-seed N         seed of the generated batches (default 1234)
@@ -56,23 +58,26 @@ training:
   --warmup-steps N      linear warmup steps of cosine and wsd (default 0)
 output and checkpoints:
   --losses-out PATH     JSON: losses, step times, peak memory per rank, init peak, peak RSS,
-                        minor page faults per step
+                        minor page faults per step (default: none)
   --metrics-out PATH    one JSON line per step: loss, lr, grad norm, step time, tokens/s,
                         model FLOPs utilisation, bytes in use and peak per rank (default: none)
   --checkpoint-dir DIR --checkpoint-every N
                         sharded checkpoints every N steps (default: none)
-  --async-save          write checkpoints in the background
+  --async-save          write checkpoints in the background (default: off)
   --keep-checkpoints K  keep the newest K complete checkpoints (default 0: all)
-  --resume DIR          continue from a checkpoint saved on any mesh
+  --resume DIR          continue from a checkpoint saved on any mesh (default: none)
   --resume-step K       (with --resume) a checkpoint written elsewhere (PyTorch's sharded
                         safetensors) carries no training state: it stops after step K,
-                        and the schedule starts there from --lr
-  --save-full PATH      consolidated safetensors state dict at the end
+                        and the schedule starts there from --lr (default: the step the
+                        checkpoint saved)
+  --save-full PATH      consolidated safetensors state dict at the end (default: none)
   --save-hf DIR         (--model llama) the model as Hugging Face's LlamaForCausalLM loads it
                         (DIR/model.safetensors with its names, DIR/config.json) at the end
+                        (default: none)
   --comm-report PATH    collectives per module, phase (forward, backward), mesh dims and kind,
                         with calls and bytes, over the steps: printed for rank 0 and
                         written to PATH as JSON with the rank's collective counters
+                        (default: none)
   --trace PATH          a timeline of the steps as Chrome trace-event JSON (Perfetto,
                         chrome://tracing): a track per rank with steps, modules, ops,
                         collectives, FSDP's unshard/reshard/reduce_grads and memory,
@@ -82,29 +87,33 @@ output and checkpoints:
   --op-log PATH         every DTensor op of the steps with its module, inputs, output and the
                         redistributions it made (implicit) or was asked for (explicit), as
                         JSON (rank 0's; under mpirun each process writes PATH.rankN)
+                        (default: none)
   --op-log-values       with --op-log: each op's global output sums too, for
                         `op_log_diff A B` to name the first op two runs disagree on
-                        (slow: gathers every output)
+                        (slow: gathers every output) (default: off)
   --plan                plan one step on meta tensors (shapes, no values) and print, per rank,
                         its peak memory per phase, its collectives by mesh dims and kind, its
                         matrix-product FLOPs and an estimated step time from a short
                         calibration run, without training; a training run on the CPU plans
                         first and prints predicted against measured at the end
+                        (default: off)
   --plan-out PATH       the plan as JSON: peak_bytes_per_rank, step_time_s, each rank's plan
+                        (default: none)
   --auto --memory-budget SIZE
                         plan every layout of the ranks (FSDP, HSDP, TP splits, resharding,
                         integer resharding, bf16, activation checkpointing; the global batch
                         fixed), rank them by estimated step time and train the fastest whose
                         planned peak per rank fits SIZE (4GiB, 512MiB, ...); with --plan, only
-                        print the ranking
+                        print the ranking (default: off, the layout the flags above name)
   --machine PATH        the machine constants step times are estimated from: read from PATH,
                         or, where PATH does not exist, calibrated (a short run) and saved there
                         (default: calibrated each run)
   --profile             print where rank 0's step time went, per op and kind of work, over
                         the steps after the first two (on a GPU every op waits for its
-                        kernels, so steps run slower: device time per op)
+                        kernels, so steps run slower: device time per op) (default: off)
 environment: TESSERA_TIMEOUT_S, TESSERA_THREADS_PER_RANK, TESSERA_BACKEND, TESSERA_BF16_DOT,
-  TESSERA_SYSTEM_MALLOC, TESSERA_MPI_CHECK, TESSERA_STRICT_COLLECTIVES, TESSERA_FINGERPRINTS
+  TESSERA_SYSTEM_MALLOC, TESSERA_MPI_CHECK, TESSERA_STRICT_COLLECTIVES, TESSERA_FINGERPRINTS,
+  TESSERA_DEBUG (off, ops or values: every rank prints its DTensor ops as they run)
   (see tessera::mesh::vars)";
 
 /// The reference model `--model` names.

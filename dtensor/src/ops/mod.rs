@@ -118,7 +118,7 @@ pub(crate) fn dispatch(
             .iter()
             .enumerate()
             .filter(|(_, p)| !p.steps.is_empty())
-            .map(|(i, p)| (i, crate::PlacementsDisplay(&p.dst().placements).to_string()))
+            .map(|(i, p)| crate::debug::moved(i, p, mesh))
             .collect()
     });
     Ok(out)

@@ -384,10 +384,13 @@ fn other_placements_on_one_rank_error_on_every_rank() {
             .map(|_| ())
             .map_err(|e| e.to_string()))
     });
-    for msg in out {
+    for (rank, msg) in out.into_iter().enumerate() {
         let msg = msg.unwrap_err();
+        // Each rank names its own arguments in the placement notation.
+        let mine = if rank == 1 { "(Shard(1))" } else { "(Shard(0))" };
         assert!(
-            msg.starts_with("distribute_tensor: ranks [1] pass other placements or another shard order than rank 0"),
+            msg.starts_with("distribute_tensor: ranks [1] pass other placements or another shard order than rank 0")
+                && msg.contains(&format!("(this rank: {mine} in order {{}})")),
             "{msg}"
         );
     }

@@ -36,7 +36,8 @@ mod report;
 mod trace;
 
 pub use oplog::{
-    OpLog, OpRecord, ShapeDisplay, TensorDesc, logging_ops, op_log, op_log_entries, op_log_json, record_ops, unrecorded,
+    Moved, OpLog, OpRecord, PlanStep, ShapeDisplay, TensorDesc, logging_ops, op_log, op_log_entries, op_log_json,
+    record_ops, unrecorded,
 };
 pub use report::{CommReport, json_string};
 pub use trace::{COMM_TRACK, chrome_trace};
@@ -471,7 +472,15 @@ mod tests {
             op: "matmul",
             explicit: false,
             inputs: vec![desc.clone(), desc.clone()],
-            moved: vec![(1, "(Replicate, Replicate)".into())],
+            moved: vec![Moved {
+                input: 1,
+                to: "(Replicate, Replicate)".into(),
+                plan: vec![PlanStep {
+                    kind: "all_gather".into(),
+                    mesh_dims: "dp".into(),
+                    bytes: 64,
+                }],
+            }],
             output: desc,
             mesh: "mesh(dp=2, tp=2)".into(),
             values: None,
@@ -481,7 +490,7 @@ mod tests {
             echo_line(3, Some(&module), &record),
             "[rank 3] layers.0.attention backward: matmul(f32[4,8] (Shard(0), Replicate), f32[4,8] (Shard(0), \
              Replicate)) -> f32[4,8] (Shard(0), Replicate) on mesh(dp=2, tp=2); implicit redistribute of input 1 to \
-             (Replicate, Replicate)"
+             (Replicate, Replicate) by all_gather over dp (64 B)"
         );
         assert_eq!(echo_line(0, None, &record), format!("[rank 0] {record}"));
         let root: (Arc<str>, Phase) = (Arc::from(""), Phase::Forward);

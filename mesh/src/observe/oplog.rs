@@ -36,6 +36,41 @@ impl fmt::Display for ShapeDisplay<'_> {
     }
 }
 
+/// An input an op redistributed: its index, the placements it was moved to,
+/// and the plan's steps.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Moved {
+    /// The input's index among the op's inputs.
+    pub input: usize,
+    /// The placements it was moved to: `(Replicate, Shard(1))`.
+    pub to: String,
+    /// The plan's steps, in order.
+    pub plan: Vec<PlanStep>,
+}
+
+/// One step of a redistribute plan as the op log shows it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PlanStep {
+    /// What the step does: a collective (`all_gather`, `reduce_scatter`,
+    /// `all_reduce`, `all_to_all`) or a local step (`slice`, `partition`).
+    pub kind: String,
+    /// The mesh dims it works along, by name where the mesh names them
+    /// (`tp`, `dp×tp`).
+    pub mesh_dims: String,
+    /// Bytes this rank sends in it (0 for a local step).
+    pub bytes: u64,
+}
+
+impl fmt::Display for PlanStep {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} over {}", self.kind, self.mesh_dims)?;
+        if self.bytes > 0 {
+            write!(f, " ({} B)", self.bytes)?;
+        }
+        Ok(())
+    }
+}
+
 /// One DTensor op of the op log (PyTorch: an entry of `DebugMode`'s log).
 #[derive(Clone, Debug, PartialEq)]
 pub struct OpRecord {
@@ -45,10 +80,10 @@ pub struct OpRecord {
     pub mesh: String,
     /// Its inputs as given.
     pub inputs: Vec<TensorDesc>,
-    /// Inputs the op redistributed first, implicitly (by index), with the
-    /// placements they were moved to; an explicit redistribute lists its one
-    /// input here with its target.
-    pub moved: Vec<(usize, String)>,
+    /// Inputs the op redistributed first, implicitly, with the placements
+    /// they were moved to and the plan that moved them; an explicit
+    /// redistribute lists its one input here.
+    pub moved: Vec<Moved>,
     /// The output.
     pub output: TensorDesc,
     /// Whether this is a redistribute the program asked for.
@@ -69,9 +104,13 @@ impl fmt::Display for OpRecord {
             self.output,
             self.mesh
         )?;
-        for (i, to) in &self.moved {
+        for m in &self.moved {
             let how = if self.explicit { "explicit" } else { "implicit" };
-            write!(f, "; {how} redistribute of input {i} to {to}")?;
+            write!(f, "; {how} redistribute of input {} to {}", m.input, m.to)?;
+            let steps: Vec<String> = m.plan.iter().map(ToString::to_string).collect();
+            if !steps.is_empty() {
+                write!(f, " by {}", steps.join(", then "))?;
+            }
         }
         if let Some([sum, abs, sq]) = self.values {
             write!(f, "; sum {sum:.6e} |x| {abs:.6e} x² {sq:.6e}")?;
@@ -151,7 +190,8 @@ pub fn op_log_entries(events: &[Event]) -> Vec<(Option<Arc<str>>, &OpRecord)> {
 }
 
 /// The op log as JSON: `{"ops": [{"module", "op", "explicit", "inputs":
-/// [{"shape", "dtype", "placements"}], "moved": [{"input", "to"}], "output",
+/// [{"shape", "dtype", "placements"}], "moved": [{"input", "to", "plan":
+/// [{"kind", "mesh_dims", "bytes"}]}], "output",
 /// "values": [sum, abs, sq] or null}]}`.
 pub fn op_log_json(events: &[Event]) -> String {
     let desc = |t: &TensorDesc| {
@@ -173,7 +213,26 @@ pub fn op_log_json(events: &[Event]) -> String {
         let moved: Vec<String> = r
             .moved
             .iter()
-            .map(|(i, to)| format!("{{\"input\": {i}, \"to\": {}}}", json_string(to)))
+            .map(|m| {
+                let plan: Vec<String> = m
+                    .plan
+                    .iter()
+                    .map(|s| {
+                        format!(
+                            "{{\"kind\": \"{}\", \"mesh_dims\": {}, \"bytes\": {}}}",
+                            s.kind,
+                            json_string(&s.mesh_dims),
+                            s.bytes
+                        )
+                    })
+                    .collect();
+                format!(
+                    "{{\"input\": {}, \"to\": {}, \"plan\": [{}]}}",
+                    m.input,
+                    json_string(&m.to),
+                    plan.join(", ")
+                )
+            })
             .collect();
         let values = r.values.map_or("null".to_string(), |v| {
             format!("[{}, {}, {}]", num(v[0]), num(v[1]), num(v[2]))
