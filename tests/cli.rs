@@ -260,10 +260,10 @@ fn help_lists_every_flag_with_its_default() {
     for line in help.lines().take_while(|l| !l.starts_with("environment:")) {
         if line.trim_start().starts_with("--") && line.starts_with("  --") {
             entries.push(line.to_string());
-        } else if line.starts_with("    ") {
-            if let Some(e) = entries.last_mut() {
-                e.push_str(line);
-            }
+        } else if line.starts_with("    ")
+            && let Some(e) = entries.last_mut()
+        {
+            e.push_str(line);
         }
     }
     assert!(entries.len() >= 40, "{} entries:\n{help}", entries.len());
