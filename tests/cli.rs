@@ -765,8 +765,8 @@ fn comm_report_attributes_every_collective_and_sums_to_the_counters() {
 
 /// `--trace` writes Chrome trace-event JSON: a named track per rank whose
 /// spans nest (each inside the last one still open, or after it), every span
-/// of a step inside that step, with modules, ops, collectives, FSDP regions
-/// and memory samples present.
+/// of a step inside that step and together covering it, with modules, ops,
+/// collectives, FSDP regions and memory samples present.
 #[test]
 fn trace_spans_nest_inside_their_steps_on_every_rank() {
     let (_, v) = fsdp_tp_json("--trace", 2);
@@ -810,6 +810,27 @@ fn trace_spans_nest_inside_their_steps_on_every_rank() {
             open.push((s, e));
         }
         assert_eq!(spans.iter().filter(|s| s.2 == "step").count(), 2);
+        // Cover: the spans inside each step account for its time (93-98% on 2
+        // cores; at least 60%, a margin for a rank descheduled between spans
+        // on a busy machine).
+        for &(s0, s1, _) in spans.iter().filter(|s| s.2 == "step") {
+            let mut inside: Vec<(f64, f64)> = spans
+                .iter()
+                .filter(|s| s.2 != "step" && s.0 >= s0 && s.1 <= s1 + 0.002)
+                .map(|s| (s.0, s.1))
+                .collect();
+            inside.sort_by(|a, b| a.0.partial_cmp(&b.0).unwrap());
+            let (mut covered, mut reach) = (0.0, s0);
+            for (a, b) in inside {
+                covered += (b.min(s1) - a.max(reach)).max(0.0);
+                reach = reach.max(b);
+            }
+            assert!(
+                covered >= 0.6 * (s1 - s0),
+                "rank {rank}: the spans of the step at {s0} cover {covered:.1} of its {:.1} µs",
+                s1 - s0
+            );
+        }
         // The communication track: FSDP's asynchronous gathers and
         // reduce-scatters as they ran on the rank's communication thread.
         let track = 1_000_000 + rank;
