@@ -64,7 +64,8 @@ for f in "$work"/fixture/shards/*.safetensors; do
         <("$PY" -c 'import sys; from safetensors.torch import load_file; t=load_file(sys.argv[1]); print(sorted((k, v.dtype, tuple(v.shape), v.float().sum().item()) for k, v in t.items()))' "tests/data/sharded_safetensors/shards/$(basename "$f")")
 done
 # Training continues across frameworks, steps 5 to 8 after a checkpoint of
-# step 4, both ways.
+# step 4, both ways; each side's step-4 checkpoint also makes the round trip
+# through the other framework.
 echo "continued run                         steps  max |dloss| vs the other's own run"
 for model in gpt llama; do
     for mode in fsdp fsdp_tp; do
@@ -84,6 +85,16 @@ for model in gpt llama; do
             --losses-out "$d/pytorch_whole.json"
         target/release/examples/train "${flags[@]}" --steps 8 --resume "$d/pytorch" --resume-step 4 \
             --losses-out "$d/tessera_from_pytorch.json" >/dev/null
+        # Round trips of the whole state (parameters and AdamW's moments and
+        # steps), bit for bit: Tessera -> PyTorch -> Tessera (resharded onto 3
+        # ranks), and PyTorch (its FSDP ranks' checkpoint) -> Tessera (onto 3
+        # ranks) -> PyTorch.
+        "$PY" scripts/interop_roundtrip.py resave "$d/tessera/step_000004" "$d/rt_pytorch"
+        "$reshard" "$d/rt_pytorch" "$d/rt_tessera" --world-size 3 >/dev/null
+        "$PY" scripts/interop_roundtrip.py compare "$d/tessera/step_000004" "$d/rt_tessera"
+        "$reshard" "$d/pytorch" "$d/pt_tessera" --world-size 3 >/dev/null
+        "$PY" scripts/interop_roundtrip.py resave "$d/pt_tessera" "$d/pt_back"
+        "$PY" scripts/interop_roundtrip.py compare "$d/pytorch" "$d/pt_back"
         "$PY" - "$d" "$model" "$mode" <<'PYEOF'
 import json, os, sys
 d, model, mode = sys.argv[1:]

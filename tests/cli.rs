@@ -1076,6 +1076,53 @@ fn plan_predicts_the_peak_of_the_run() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// `--auto` without `--plan` trains the layout it picked, within the budget,
+/// and its search covers the sequence-parallel TP plan and recomputing one
+/// block in `n`.
+#[test]
+fn auto_trains_the_layout_it_picked() {
+    let path = std::env::temp_dir().join(format!("tessera-cli-auto-{}.json", std::process::id()));
+    let p = path.to_string_lossy().into_owned();
+    let o = train(
+        &[
+            "--world-size",
+            "4",
+            "--n-layers",
+            "4",
+            "--steps",
+            "3",
+            "--auto",
+            "--memory-budget",
+            "3MiB",
+            "--losses-out",
+            &p,
+        ],
+        &[],
+    );
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let text = String::from_utf8_lossy(&o.stdout).into_owned();
+    let picked: Vec<&str> = text.lines().filter(|l| l.starts_with('*')).collect();
+    assert_eq!(picked.len(), 1, "{text}");
+    assert!(text.contains("done on mesh"), "{text}");
+    for layout in [
+        "fsdp 2 + tp 2 (sequence parallel)",
+        "fsdp 4, recompute 1 in 2",
+        "fsdp 4, recompute 1 in 3",
+    ] {
+        assert!(
+            text.lines().any(|l| l[2..].starts_with(layout)),
+            "{layout} not planned:\n{text}"
+        );
+    }
+    let v = read_json(&path);
+    let peaks = u64_column(&v, "peak_bytes_per_rank");
+    assert!(
+        peaks.len() == 4 && peaks.iter().all(|&b| b <= 3 << 20),
+        "peaks {peaks:?} over the 3 MiB budget:\n{text}"
+    );
+    let _ = std::fs::remove_file(&path);
+}
+
 /// `--auto --memory-budget` plans every layout of the ranks and picks the
 /// fastest that fits: the pick's planned peak is within the budget, a budget
 /// below every layout's peak is an error naming the smallest peak, and a bad

@@ -10,10 +10,12 @@ use crate::args::{Arch, Args};
 use crate::plan_rank;
 use crate::report::human;
 
-/// One layout to plan: FSDP, HSDP, with or without TP; resharding after
-/// forward, not, or to each group size dividing the shard dim; f32 or bf16
-/// mixed precision; no block, or every block, recomputed in backward. The
-/// global batch fixed.
+/// One layout to plan: FSDP, HSDP, with or without TP (and with TP, the plain
+/// or the sequence-parallel plan where the sequence splits evenly); resharding
+/// after forward, not, or to each group size dividing the shard dim; f32 or
+/// bf16 mixed precision; no block recomputed in backward, every block, or one
+/// block in every `n` (each `n` from 2 below the number of blocks). The global
+/// batch fixed.
 fn candidates(args: &Args) -> Vec<Args> {
     let w = args.world;
     let global = args.global_batch();
@@ -45,13 +47,18 @@ fn candidates(args: &Args) -> Vec<Args> {
                     .filter(|&k| k > 1 && k < shard)
                     .map(|k| (Some(k), false)),
             );
+            let sp_choices: &[bool] = if t > 1 && args.model.seq.is_multiple_of(t) {
+                &[false, true]
+            } else {
+                &[false]
+            };
             for (reshard_to, no_reshard) in reshard {
-                for bf16 in [false, true] {
-                    for ac in [ActivationCheckpointing::None, ActivationCheckpointing::Full] {
+                for (&sequence_parallel, bf16) in sp_choices.iter().flat_map(|sp| [(sp, false), (sp, true)]) {
+                    for ac in recompute_choices(args.model.n_layers) {
                         let mut a = args.clone();
                         a.mesh = mesh.clone();
                         a.tp = if t > 1 { t } else { 0 };
-                        a.sequence_parallel = false;
+                        a.sequence_parallel = sequence_parallel;
                         a.batch = global / dp;
                         a.no_reshard = no_reshard;
                         a.reshard_to = reshard_to;
@@ -66,6 +73,15 @@ fn candidates(args: &Args) -> Vec<Args> {
     out
 }
 
+/// Which blocks recompute their activations in backward: none, every block,
+/// or one in every `n` for each `n` from 2 below `n_layers`.
+fn recompute_choices(n_layers: usize) -> Vec<ActivationCheckpointing> {
+    [ActivationCheckpointing::None, ActivationCheckpointing::Full]
+        .into_iter()
+        .chain((2..n_layers).map(ActivationCheckpointing::EveryNth))
+        .collect()
+}
+
 /// The layout in words: `fsdp 4`, `hsdp 2x2 + tp 2, no reshard, bf16`.
 pub(crate) fn label(a: &Args) -> String {
     let m = &a.mesh;
@@ -77,6 +93,9 @@ pub(crate) fn label(a: &Args) -> String {
     };
     if a.tp > 0 {
         s += &format!(" + tp {}", a.tp);
+        if a.sequence_parallel {
+            s += " (sequence parallel)";
+        }
     }
     if a.no_reshard {
         s += ", no reshard";

@@ -4,11 +4,14 @@
 //! tiny GPT and LLaMA models on every kind of layout, and both at the bench
 //! sizes (5M parameters) on a few.
 
+use std::collections::BTreeMap;
+
 use tessera::autograd::nn::{Materializer, Module};
 use tessera::autograd::optim::{AdamW, AdamWConfig, Optimizer};
 use tessera::autograd::{Var, backward};
 use tessera::dtensor::{Layout, Placement, Tensor, distribute_tensor};
 use tessera::fsdp::{FsdpConfig, MixedPrecisionPolicy};
+use tessera::mesh::observe::{self, CommReport};
 use tessera::mesh::{CommCounts, OpKind};
 use tessera::models::{ActivationCheckpointing, CausalLm, Llama, LlamaConfig, Transformer, TransformerConfig};
 use tessera::plan::{PHASES, plan_step};
@@ -77,6 +80,10 @@ struct Measured {
     base: usize,
     /// Collectives of the step, per kind: (calls, bytes).
     comm: Vec<(u64, u64)>,
+    /// Collectives by mesh dims (`"dp"`, `"dp_shard×tp"`) and kind: calls and
+    /// bytes this rank sent (the plan's own table; for a real step, from the
+    /// rank's recorded collectives).
+    by_dims: BTreeMap<(String, OpKind), (u64, u64)>,
     /// Bytes of the largest block unit's unsharded gradients in f32 on this
     /// rank: the input of a reduce-scatter that may be in flight at a peak.
     unit_grad_bytes: usize,
@@ -188,6 +195,7 @@ fn step<M: CausalLm>(
             phases: p.phase_peak_bytes.map(|b| b - p.held_bytes),
             base: p.held_bytes,
             comm,
+            by_dims: p.collectives.clone(),
             unit_grad_bytes,
             categories,
             plan: Some(p),
@@ -201,6 +209,7 @@ fn step<M: CausalLm>(
             .collect();
         let batch = distribute_tensor(&Tensor::from_vec(toks, &shape)?, mesh, &placements)?;
         let comm0 = mesh.stats();
+        let recording = observe::record();
         let base = stats().current_bytes;
         reset_peak();
         // As `train` does: the batch is the model's to keep or drop.
@@ -217,10 +226,17 @@ fn step<M: CausalLm>(
         let opt_peak = stats().peak_bytes - base;
         categories[2] = category_stats().at_peak;
         loss.value().full_tensor()?;
+        let mut by_dims = BTreeMap::new();
+        for ((_, _, dims, kind), (calls, bytes)) in CommReport::from_events(&recording.finish()).rows {
+            let row: &mut (u64, u64) = by_dims.entry((dims, kind)).or_default();
+            row.0 += calls;
+            row.1 += bytes;
+        }
         out = Some(Measured {
             phases: [fwd, bwd, opt_peak],
             base,
             comm: per_kind(comm0, mesh.stats()),
+            by_dims,
             unit_grad_bytes,
             categories,
             plan: None,
@@ -249,6 +265,20 @@ fn check(name: &str, cfg: Config, bound: Bound) -> f64 {
     let mut worst: f64 = 0.0;
     for (r, (a, b)) in real.iter().zip(&meta).enumerate() {
         assert_eq!(a.comm, b.comm, "{name}, rank {r}: collectives");
+        assert_eq!(
+            a.by_dims, b.by_dims,
+            "{name}, rank {r}: collectives by mesh dims and kind"
+        );
+        // The rows by mesh dims add up to the rank's counters, kind by kind.
+        for (k, &(calls, bytes)) in OpKind::ALL.iter().zip(&a.comm) {
+            let rows = a.by_dims.iter().filter(|((_, kind), _)| kind == k);
+            let sum = rows.fold((0, 0), |(c, b), (_, &(rc, rb))| (c + rc, b + rb));
+            assert_eq!(
+                sum,
+                (calls, bytes),
+                "{name}, rank {r}: {k} by mesh dims against the counters"
+            );
+        }
         assert_eq!(a.base, b.base, "{name}, rank {r}: bytes held between steps");
         for (p, (&x, &y)) in a.phases.iter().zip(&b.phases).enumerate() {
             let (x, y) = (x + a.base, y + b.base);
