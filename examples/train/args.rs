@@ -100,9 +100,10 @@ output and checkpoints:
   --plan-out PATH       the plan as JSON: peak_bytes_per_rank, step_time_s, each rank's plan
                         (default: none)
   --auto --memory-budget SIZE
-                        plan every layout of the ranks (FSDP, HSDP, TP splits, resharding,
-                        integer resharding, bf16, activation checkpointing; the global batch
-                        fixed), rank them by estimated step time and train the fastest whose
+                        plan every layout of the ranks (FSDP, HSDP, TP splits, sequence
+                        parallelism, resharding, integer resharding, bf16, recomputing no
+                        block, every block or one in n; the global batch fixed), rank them
+                        by estimated step time and train the fastest whose
                         planned peak per rank fits SIZE (4GiB, 512MiB, ...); with --plan, only
                         print the ranking (default: off, the layout the flags above name)
   --machine PATH        the machine constants step times are estimated from: read from PATH,
