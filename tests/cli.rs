@@ -95,6 +95,14 @@ fn tessera_debug_prints_every_rank_s_ops() {
         "the TP plan redistributes nothing implicitly"
     );
     assert!(!err.contains("; sum "), "values only when asked");
+    // Only the program's step is echoed: not the machine's calibration nor
+    // the planned step on meta tensors that train runs first (one forward:
+    // the token and position embeddings once each).
+    let embeddings = err
+        .lines()
+        .filter(|l| l.starts_with("[rank 0] ") && l.contains("embedding("))
+        .count();
+    assert_eq!(embeddings, 2, "{err}");
 
     let values = train(&["--world-size", "2", "--steps", "1"], &[("TESSERA_DEBUG", "values")]);
     let err = String::from_utf8_lossy(&values.stderr);

@@ -73,6 +73,13 @@ impl Machine {
     /// # Errors
     /// A failed collective.
     pub fn calibrate(mesh: &DeviceMesh) -> Result<Machine, BoxError> {
+        // Its ops and collectives are measurements, not the program's: no op
+        // log or `TESSERA_DEBUG` echo open on the rank sees them.
+        tessera_mesh::observe::unrecorded(|| Machine::measure(mesh))
+    }
+
+    /// [`calibrate`](Self::calibrate), with no recording open on the thread.
+    fn measure(mesh: &DeviceMesh) -> Result<Machine, BoxError> {
         use tessera_mesh::CommunicatorExt;
         let comm = mesh.comm();
         let ranks = comm.size();

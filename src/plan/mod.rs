@@ -334,6 +334,19 @@ pub fn plan_step(
     batch: &Layout,
     loss: impl Fn(&Var) -> tessera_autograd::Result<Var>,
 ) -> Result<StepPlan, BoxError> {
+    // The planned steps are not the program's: an op log or `TESSERA_DEBUG`
+    // echo open on the rank neither sees them nor is ended by the recording
+    // the plan makes of its own step.
+    observe::unrecorded(|| plan_unrecorded(mesh, opt, batch, loss))
+}
+
+/// [`plan_step`], with no recording of the caller's open on the thread.
+fn plan_unrecorded(
+    mesh: &DeviceMesh,
+    opt: &mut dyn Optimizer,
+    batch: &Layout,
+    loss: impl Fn(&Var) -> tessera_autograd::Result<Var>,
+) -> Result<StepPlan, BoxError> {
     let local_shape = batch.local_shape(mesh.coordinate())?;
     let mut plan = StepPlan::default();
     let profiling = profile::enabled();
