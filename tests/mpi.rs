@@ -311,6 +311,29 @@ fn mismatch(world: usize) -> Result<(), BoxError> {
             res,
             "rank 0 called all_reduce(sum, send 8 × f32) but rank 1 called broadcast(root 0, 8 × f32)",
         );
+        // Different reductions, dtypes and roots of the same collective.
+        let mut x = vec![1.0f32; 8];
+        let op = if r == 0 { ReduceOp::Sum } else { ReduceOp::Max };
+        expect(
+            "reductions",
+            comm.all_reduce_slice(&mut x, op),
+            "rank 0 called all_reduce(sum, send 8 × f32) but rank 1 called all_reduce(max, send 8 × f32)",
+        );
+        let res = if r == 0 {
+            comm.all_reduce_slice(&mut [1.0f32; 8], ReduceOp::Sum)
+        } else {
+            comm.all_reduce_slice(&mut [1.0f64; 8], ReduceOp::Sum)
+        };
+        expect(
+            "dtypes",
+            res,
+            "rank 0 called all_reduce(sum, send 8 × f32) but rank 1 called all_reduce(sum, send 8 × f64)",
+        );
+        expect(
+            "roots",
+            comm.broadcast_slice(&mut [1.0f32; 8], r.min(1)),
+            "rank 0 called broadcast(root 0, 8 × f32) but rank 1 called broadcast(root 1, 8 × f32)",
+        );
         // Rank 1's own arguments are wrong: it says why, the others that it refused.
         let mut short = vec![0.0f32; if r == 1 { 3 } else { 4 * world }];
         let res = comm.all_gather_slice(&[1.0f32; 4], &mut short);
