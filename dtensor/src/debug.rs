@@ -67,10 +67,9 @@ fn op_record(
 }
 
 /// Input `input`'s redistribution by `plan` on `mesh`, as the op log shows it:
-/// its target placements and each step's kind, mesh dims (by name where the
-/// mesh names them) and bytes this rank sends.
+/// its target placements and each step's kind, mesh dims (labelled as the
+/// collectives over them are) and bytes this rank sends.
 pub(crate) fn moved(input: usize, plan: &Plan, mesh: &DeviceMesh) -> Moved {
-    let dim_name = |d: usize| mesh.names().get(d).map_or_else(|| d.to_string(), ToString::to_string);
     let plan_steps = plan
         .steps
         .iter()
@@ -81,7 +80,7 @@ pub(crate) fn moved(input: usize, plan: &Plan, mesh: &DeviceMesh) -> Moved {
                 (None, StepKind::Slice) => "slice".to_string(),
                 (None, _) => "local copy".to_string(),
             },
-            mesh_dims: s.mesh_dims.iter().map(|&d| dim_name(d)).collect::<Vec<_>>().join("×"),
+            mesh_dims: mesh.dims_label(&s.mesh_dims),
             bytes: s.bytes,
         })
         .collect();

@@ -444,13 +444,11 @@ fn record_events(plan: &mut StepPlan, events: &[observe::Event]) {
     };
 }
 
-/// Adds the recorded `events`' collectives to `plan`, with their groups' shapes on `mesh`.
+/// Sets `plan`'s collectives to the recorded `events`' ones, with their groups' shapes on `mesh`.
 fn record_collectives(plan: &mut StepPlan, mesh: &DeviceMesh, events: &[observe::Event]) {
-    for ((_, _, dims, kind), (calls, bytes)) in CommReport::from_events(events).rows {
-        plan.collective_groups.insert(dims.clone(), group_of(mesh, &dims));
-        let row = plan.collectives.entry((dims, kind)).or_default();
-        row.0 += calls;
-        row.1 += bytes;
+    plan.collectives = CommReport::from_events(events).by_dims();
+    for (dims, _) in plan.collectives.keys() {
+        plan.collective_groups.insert(dims.clone(), group_of(mesh, dims));
     }
 }
 

@@ -464,12 +464,7 @@ pub fn dropout_mask_region(
 /// [`Error::InvalidArgument`] naming `op`: `p` outside `[0, 1]`, or an integer
 /// dtype.
 pub fn check_dropout(op: &'static str, p: f64, dtype: DType) -> Result<()> {
-    if !(0.0..=1.0).contains(&p) {
-        return Err(Error::InvalidArgument {
-            op,
-            detail: format!("p = {p} is not a probability; pass p in [0, 1]"),
-        });
-    }
+    check_dropout_p(op, p)?;
     if !dtype.is_float() {
         return Err(Error::InvalidArgument {
             op,
@@ -477,6 +472,21 @@ pub fn check_dropout(op: &'static str, p: f64, dtype: DType) -> Result<()> {
         });
     }
     Ok(())
+}
+
+/// Checks dropout's probability alone (a layer checks it when built, before
+/// it sees an input).
+///
+/// # Errors
+/// [`Error::InvalidArgument`] naming `op`: `p` outside `[0, 1]`.
+pub fn check_dropout_p(op: &'static str, p: f64) -> Result<()> {
+    if (0.0..=1.0).contains(&p) {
+        return Ok(());
+    }
+    Err(Error::InvalidArgument {
+        op,
+        detail: format!("p = {p} is not a probability; pass p in [0, 1]"),
+    })
 }
 
 impl Tensor {

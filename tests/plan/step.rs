@@ -226,12 +226,7 @@ fn step<M: CausalLm>(
         let opt_peak = stats().peak_bytes - base;
         categories[2] = category_stats().at_peak;
         loss.value().full_tensor()?;
-        let mut by_dims = BTreeMap::new();
-        for ((_, _, dims, kind), (calls, bytes)) in CommReport::from_events(&recording.finish()).rows {
-            let row: &mut (u64, u64) = by_dims.entry((dims, kind)).or_default();
-            row.0 += calls;
-            row.1 += bytes;
-        }
+        let by_dims = CommReport::from_events(&recording.finish()).by_dims();
         out = Some(Measured {
             phases: [fwd, bwd, opt_peak],
             base,

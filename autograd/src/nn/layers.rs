@@ -214,12 +214,7 @@ impl Dropout {
     /// # Errors
     /// `p` outside `[0, 1]`.
     pub fn new(p: f64) -> Result<Dropout> {
-        if !(0.0..=1.0).contains(&p) {
-            return Err(crate::Error::Config {
-                op: "Dropout::new",
-                detail: format!("p = {p} is not a probability; pass p in [0, 1]"),
-            });
-        }
+        tessera_tensor::random::check_dropout_p("Dropout::new", p).map_err(tessera_dtensor::Error::from)?;
         Ok(Dropout {
             p,
             training: std::cell::Cell::new(true),

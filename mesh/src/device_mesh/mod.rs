@@ -100,6 +100,13 @@ fn row_major_coord(mut index: usize, shape: &[usize]) -> SmallVec<[usize; 4]> {
     c
 }
 
+/// The label of the mesh dims `dims` given the mesh's `names`: see
+/// [`DeviceMesh::dims_label`].
+fn dims_label(names: &[String], dims: impl IntoIterator<Item = usize>) -> String {
+    let label = |d: usize| names.get(d).cloned().unwrap_or_else(|| format!("dim{d}"));
+    dims.into_iter().map(label).collect::<Vec<_>>().join("×")
+}
+
 /// Names `comm` for [`observe`](crate::observe): the mesh dims it runs over.
 fn name_comm(comm: &Rc<dyn Communicator>, label: &str) {
     crate::observe::name_group(Rc::as_ptr(comm).cast::<()>() as usize, label);
@@ -166,10 +173,9 @@ impl DeviceMesh {
             dim_comms.push(Rc::from(comm.split(color, coord[d] as u32)?));
         }
         // Collectives observed on these communicators name the mesh dims.
-        let label = |d: usize| names.get(d).cloned().unwrap_or_else(|| format!("dim{d}"));
-        name_comm(&comm, &(0..shape.len()).map(label).collect::<Vec<_>>().join("×"));
+        name_comm(&comm, &dims_label(&names, 0..shape.len()));
         for (d, c) in dim_comms.iter().enumerate() {
-            name_comm(c, &label(d));
+            name_comm(c, &dims_label(&names, [d]));
         }
         Ok(DeviceMesh {
             inner: Rc::new(Inner {
@@ -213,6 +219,13 @@ impl DeviceMesh {
     /// The dim names (empty when the mesh is unnamed).
     pub fn names(&self) -> &[String] {
         &self.inner.names
+    }
+
+    /// How collectives over the mesh dims `dims` are labelled (in observed
+    /// events, reports and the op log): their names joined by `×` (`dp×tp`),
+    /// `dim{d}` for an unnamed dim.
+    pub fn dims_label(&self, dims: &[usize]) -> String {
+        dims_label(&self.inner.names, dims.iter().copied())
     }
 
     /// The index of a dim given by index or name.

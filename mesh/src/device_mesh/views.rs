@@ -270,11 +270,7 @@ impl DeviceMesh {
         idx.iter().for_each(|&d| base[d] = 0);
         let color = row_major_index(&base, &inner.shape) as u32;
         let comm: Rc<dyn Communicator> = Rc::from(inner.comm.split(color, row_major_index(&coord, &shape) as u32)?);
-        let label: Vec<String> = idx
-            .iter()
-            .map(|&d| inner.names.get(d).cloned().unwrap_or_else(|| format!("dim{d}")))
-            .collect();
-        super::name_comm(&comm, &label.join("×"));
+        super::name_comm(&comm, &super::dims_label(&inner.names, idx.iter().copied()));
         let n: usize = shape.iter().product();
         let ranks = (0..n)
             .map(|k| {

@@ -46,6 +46,17 @@ impl CommReport {
             .fold((0, 0), |(c, b), (_, &(rc, rb))| (c + rc, b + rb))
     }
 
+    /// Calls and bytes by mesh dims and kind, summed over modules and phases.
+    pub fn by_dims(&self) -> BTreeMap<(String, OpKind), (u64, u64)> {
+        let mut out: BTreeMap<(String, OpKind), (u64, u64)> = BTreeMap::new();
+        for ((_, _, dims, kind), &(calls, bytes)) in &self.rows {
+            let row = out.entry((dims.clone(), *kind)).or_default();
+            row.0 += calls;
+            row.1 += bytes;
+        }
+        out
+    }
+
     /// The report as JSON: `{"rows": [{"module", "phase", "mesh_dims",
     /// "collective", "calls", "bytes"}, ...]}`.
     pub fn to_json(&self) -> String {
